@@ -1,0 +1,9 @@
+"""vramshare: share GPUs between Kubernetes inference pods by memory.
+
+The shared core lives here: the contract between the parts (``contract``), the GPU inventory model
+(``inventory``), the versioned configuration (``config``) and structured logging (``logs``).
+``deviceplugin``, ``extender`` and ``vllm_patches`` build on it and never on each other's insides.
+"""
+
+__all__ = ["__version__"]
+__version__ = "0.1.0"

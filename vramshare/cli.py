@@ -1,0 +1,131 @@
+"""The one ``vramshare`` command. Each subcommand is a thin entry point that wires adapters to the core.
+
+Parsers live here so ``vramshare --help`` is the whole map for an admin; the work is imported lazily,
+so ``vramshare extender`` never loads NVML and ``vramshare device-plugin`` never loads matplotlib.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Sequence
+
+from vramshare import __version__, contract, logs
+
+_DESCRIPTION = """\
+vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
+
+  device-plugin  the node DaemonSet: advertises GPU memory units, MIG instances and whole GPUs
+                 to the kubelet and hands each container the GPU the scheduler chose
+  extender       the kube-scheduler HTTP extender: filter, prioritize and bind by free VRAM per GPU
+  simulate       replay a production trace through the extender's placement code, compare policies
+  demo           everything on loopback with simulated GPUs: no cluster and no GPU needed
+  inspect        print per-GPU usage from a running extender's /inspect endpoint
+
+Run 'vramshare <command> --help' for the options of one command.
+"""
+
+
+def _default_trace(name: str) -> str | None:
+    """Where the Alibaba openb trace lies in a checkout (../shared/traces/openb) or $VRAMSHARE_TRACES."""
+    roots = [os.environ.get("VRAMSHARE_TRACES", ""), os.path.join(os.getcwd(), "..", "shared", "traces", "openb")]
+    for root in roots:
+        path = os.path.join(root, name)
+        if root and os.path.exists(path):
+            return os.path.normpath(path)
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vramshare", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"vramshare {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("VRAMSHARE_LOG_LEVEL", "info"),
+                        choices=["debug", "info", "warning", "error"], help="log verbosity (default info)")
+    parser.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    dp = sub.add_parser("device-plugin", help="run the node device plugin (DaemonSet)",
+                        description="Discover GPUs, serve them to the kubelet over the device plugin API "
+                                    "v1beta1, publish the node's GPU inventory, and hand each container its GPU.")
+    dp.add_argument("--backend", choices=["nvml", "simulated", "auto"], default="auto",
+                    help="where GPUs come from: NVML (real driver), a simulated inventory file, or auto "
+                         "(NVML when a driver answers, else fail; simulated only when --inventory is given)")
+    dp.add_argument("--inventory", metavar="FILE", help="simulated GPU inventory YAML (for --backend simulated)")
+    dp.add_argument("--config", metavar="FILE", default=os.environ.get("VRAMSHARE_CONFIG"),
+                    help="versioned config YAML (version: v1); reloaded on SIGHUP and when the file changes")
+    dp.add_argument("--device-plugin-dir", metavar="DIR", default=contract.DEVICE_PLUGIN_DIR,
+                    help=f"kubelet device plugin directory (default {contract.DEVICE_PLUGIN_DIR})")
+    dp.add_argument("--pod-resources-socket", metavar="PATH", default=contract.POD_RESOURCES_SOCKET,
+                    help="kubelet PodResources socket, read at start to rebuild allocations")
+    dp.add_argument("--quota-dir", metavar="DIR", help="host directory of per-container quota files "
+                    f"(default from config, {contract.HOST_QUOTA_ROOT})")
+    dp.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
+                    help="this node's name (default $NODE_NAME)")
+    dp.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
+                    help="kubeconfig; without it and outside a cluster the plugin runs standalone")
+    dp.add_argument("--metrics-port", type=int, default=9401, metavar="N",
+                    help="Prometheus /metrics port, 0 to disable (default 9401)")
+
+    ex = sub.add_parser("extender", help="run the kube-scheduler extender (HTTP)",
+                        description="Serve kube-scheduler's extender protocol: /filter, /prioritize, /bind, "
+                                    "plus /inspect, /healthz, /readyz and /metrics.")
+    ex.add_argument("--listen", default="0.0.0.0:8888", metavar="HOST:PORT", help="address (default 0.0.0.0:8888)")
+    ex.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
+                    help="kubeconfig (default: in-cluster service account)")
+    ex.add_argument("--config", metavar="FILE", default=os.environ.get("VRAMSHARE_CONFIG"),
+                    help="versioned config YAML (version: v1)")
+    ex.add_argument("--policy", choices=["fgd", "binpack", "spread"],
+                    help="placement policy (overrides the config; pods may override with an annotation)")
+
+    sim = sub.add_parser("simulate", help="replay a cluster trace through the placement policies",
+                         description="Replay the Alibaba GPU-sharing trace (openb) through the extender's "
+                                     "own filter, score and GPU-pick code and report GPU allocation and "
+                                     "fragmentation as the arrived workload grows to 130%% of capacity.")
+    sim.add_argument("--nodes", metavar="CSV", default=_default_trace("openb_node_list_gpu_node.csv"),
+                     help="node list CSV (default: ../shared/traces/openb/openb_node_list_gpu_node.csv)")
+    sim.add_argument("--pods", metavar="CSV", default=_default_trace("openb_pod_list_default.csv"),
+                     help="pod list CSV (default: ../shared/traces/openb/openb_pod_list_default.csv)")
+    sim.add_argument("--policy", action="append", metavar="P",
+                     help="policy to run; repeat for several (default: all). Ours: fgd, binpack, spread; "
+                          "baselines: random, bestfit, gpupacking, dotprod, fgd-paper")
+    sim.add_argument("--seeds", type=int, default=1, metavar="N", help="random seeds per policy (default 1)")
+    sim.add_argument("--view", choices=["share", "memory"], default="share",
+                     help="share: every GPU is 1000 units (the paper); memory: MiB per GPU model")
+    sim.add_argument("--out", metavar="DIR", default="bench/results/simulate",
+                     help="where to write summary.json, the markdown table and the plot")
+
+    demo = sub.add_parser("demo", help="run everything on loopback with simulated GPUs",
+                          description="Start an API server stand-in, a simulated GPU node with the device "
+                                      "plugin and a fake kubelet, and the extender; submit inference pods; "
+                                      "show where each landed and why. Ends by itself.")
+    demo.add_argument("--pods", type=int, default=8, metavar="N", help="pods to submit (default 8)")
+
+    insp = sub.add_parser("inspect", help="show per-GPU usage from a running extender",
+                          description="Fetch /inspect from the extender and print total, used and free "
+                                      "memory and the pods of every GPU.")
+    insp.add_argument("node", nargs="?", help="one node (default: the whole cluster)")
+    insp.add_argument("--extender", default="http://127.0.0.1:8888", metavar="URL",
+                      help="extender base URL (default http://127.0.0.1:8888)")
+    return parser
+
+
+_COMMANDS = {
+    "device-plugin": "deviceplugin.main",
+    "extender": "extender.main",
+    "simulate": "extender.simulation.main",
+    "demo": "vramshare.demo",
+    "inspect": "extender.inspection",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.setup(args.log_level, args.log_json)
+    module = importlib.import_module(_COMMANDS[args.command])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

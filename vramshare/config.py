@@ -1,0 +1,229 @@
+"""The versioned configuration file (``version: v1``), shared by the device plugin and the extender.
+
+Mounted from the ConfigMap ``vramshare-config``. Precedence: CLI flag > environment > file > default.
+Parsing is strict: an unknown key, a wrong type or a bad value raises :class:`ConfigError` naming the
+key, so a caller that reloads can keep the last good config and log what it refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+from vramshare import contract
+from vramshare.inventory import GpuMode
+
+VERSION = "v1"
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+
+
+class ConfigError(ValueError):
+    """A config that was refused; the message names the offending key."""
+
+
+class DeviceListStrategy(str, enum.Enum):
+    ENVVAR = "envvar"
+    CDI_CRI = "cdi-cri"
+    VOLUME_MOUNTS = "volume-mounts"
+
+
+class Policy(str, enum.Enum):
+    """Placement policies of the extender (node score and GPU pick)."""
+
+    FGD = "fgd"
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Xid health checking. Application Xids are ignored by default, as NVIDIA's plugin does."""
+
+    ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
+    disabled: bool = False
+    recovery_probe_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class ExtenderConfig:
+    policy: Policy = Policy.FGD
+    assume_timeout_seconds: float = 120.0  # an assumed pod that never binds frees its memory then
+    workload_window: int = 1000  # recent requests forming FGD's target workload
+
+
+@dataclass(frozen=True)
+class QuotaConfig:
+    """Bounds for the quota feedback loop; per-pod floors and ceilings as fractions of the request."""
+
+    enabled: bool = True
+    interval_seconds: float = 10.0
+    floor_fraction: float = 0.5
+    ceiling_fraction: float = 1.5
+    step_mib: int = 512
+
+
+@dataclass(frozen=True)
+class Config:
+    version: str = VERSION
+    resource_domain: str = contract.DEFAULT_DOMAIN
+    memory_unit_mib: int = 1024
+    reserved_mib_per_gpu: int = 0
+    default_gpu_mode: GpuMode = GpuMode.SHARED
+    gpu_modes: Mapping[str, GpuMode] = field(default_factory=dict)  # by GPU index ("0") or UUID
+    device_list_strategy: DeviceListStrategy = DeviceListStrategy.ENVVAR
+    mps_enforcement: bool = False
+    quota_host_dir: str = contract.HOST_QUOTA_ROOT
+    health: HealthConfig = field(default_factory=HealthConfig)
+    extender: ExtenderConfig = field(default_factory=ExtenderConfig)
+    quota: QuotaConfig = field(default_factory=QuotaConfig)
+
+    @property
+    def names(self) -> contract.Names:
+        return contract.Names(self.resource_domain)
+
+    def mode_for(self, index: int, uuid: str, mig_enabled: bool) -> GpuMode:
+        """A GPU in MIG mode is always offered as MIG; otherwise per-GPU config, then the default."""
+        if mig_enabled:
+            return GpuMode.MIG
+        mode = self.gpu_modes.get(uuid) or self.gpu_modes.get(str(index)) or self.default_gpu_mode
+        return mode
+
+    def with_overrides(self, **changes: Any) -> "Config":
+        """Apply CLI/env overrides; ``None`` means "not set" and leaves the value alone."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+# -- parsing ---------------------------------------------------------------------------------
+_TOP_KEYS = {
+    "version": "version", "resourceDomain": "resource_domain", "memoryUnitMiB": "memory_unit_mib",
+    "reservedMiBPerGPU": "reserved_mib_per_gpu", "defaultGpuMode": "default_gpu_mode",
+    "gpuModes": "gpu_modes", "deviceListStrategy": "device_list_strategy",
+    "mpsEnforcement": "mps_enforcement", "quotaHostDir": "quota_host_dir",
+    "health": "health", "extender": "extender", "quota": "quota",
+}
+_HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
+                "recoveryProbeSeconds": "recovery_probe_seconds"}
+_EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
+                  "workloadWindow": "workload_window"}
+_QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
+               "floorFraction": "floor_fraction", "ceilingFraction": "ceiling_fraction",
+               "stepMiB": "step_mib"}
+
+
+def _check_keys(obj: Any, allowed: Mapping[str, str], where: str) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(obj).__name__}")
+    for key in obj:
+        if key not in allowed:
+            raise ConfigError(f"{where}{key}: unknown key (known: {', '.join(sorted(allowed))})")
+    return obj
+
+
+def _typed(value: Any, kind: type, key: str, *, minimum: float | None = None) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key}: must be >= {minimum}, got {value!r}")
+    return value
+
+
+def _enum(value: Any, kind: type[enum.Enum], key: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in kind)  # type: ignore[attr-defined]
+        raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
+
+
+def parse_config(text: str) -> Config:
+    """Parse and validate a v1 config document; an empty document gives the defaults."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config is not valid YAML: {exc}") from exc
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: Any) -> Config:
+    top = _check_keys(raw, _TOP_KEYS, "")
+    version = top.get("version", VERSION) or VERSION
+    if version != VERSION:
+        raise ConfigError(f"version: unknown version {version!r} (this build reads {VERSION!r})")
+    d = Config()
+    domain = _typed(top.get("resourceDomain", d.resource_domain), str, "resourceDomain")
+    if "/" in domain or "." not in domain:
+        raise ConfigError(f"resourceDomain: {domain!r} is not a DNS domain like vramshare.io")
+    modes = {}
+    raw_modes = top.get("gpuModes") or {}
+    if not isinstance(raw_modes, dict):
+        raise ConfigError(f"gpuModes: expected a mapping of GPU index or UUID to mode, got {raw_modes!r}")
+    for k, v in raw_modes.items():
+        mode = _enum(v, GpuMode, f"gpuModes.{k}")
+        if mode is GpuMode.MIG:
+            raise ConfigError(f"gpuModes.{k}: 'mig' follows the GPU's MIG mode and cannot be set here")
+        modes[str(k)] = mode
+    default_mode = _enum(top.get("defaultGpuMode", d.default_gpu_mode.value), GpuMode, "defaultGpuMode")
+    if default_mode is GpuMode.MIG:
+        raise ConfigError("defaultGpuMode: must be shared or exclusive")
+    h = _check_keys(top.get("health"), _HEALTH_KEYS, "health.")
+    xids = h.get("ignoredXids", list(DEFAULT_IGNORED_XIDS))
+    if not isinstance(xids, list):
+        raise ConfigError(f"health.ignoredXids: expected a list of integers, got {xids!r}")
+    health = HealthConfig(
+        ignored_xids=tuple(_typed(x, int, f"health.ignoredXids[{i}]", minimum=0) for i, x in enumerate(xids)),
+        disabled=_typed(h.get("disabled", False), bool, "health.disabled"),
+        recovery_probe_seconds=_typed(h.get("recoveryProbeSeconds", 30.0), float,
+                                      "health.recoveryProbeSeconds", minimum=0.1),
+    )
+    e = _check_keys(top.get("extender"), _EXTENDER_KEYS, "extender.")
+    ext = ExtenderConfig(
+        policy=_enum(e.get("policy", d.extender.policy.value), Policy, "extender.policy"),
+        assume_timeout_seconds=_typed(e.get("assumeTimeoutSeconds", d.extender.assume_timeout_seconds),
+                                      float, "extender.assumeTimeoutSeconds", minimum=1),
+        workload_window=_typed(e.get("workloadWindow", d.extender.workload_window), int,
+                               "extender.workloadWindow", minimum=1),
+    )
+    q = _check_keys(top.get("quota"), _QUOTA_KEYS, "quota.")
+    quota = QuotaConfig(
+        enabled=_typed(q.get("enabled", True), bool, "quota.enabled"),
+        interval_seconds=_typed(q.get("intervalSeconds", 10.0), float, "quota.intervalSeconds", minimum=0.1),
+        floor_fraction=_typed(q.get("floorFraction", 0.5), float, "quota.floorFraction", minimum=0),
+        ceiling_fraction=_typed(q.get("ceilingFraction", 1.5), float, "quota.ceilingFraction", minimum=0),
+        step_mib=_typed(q.get("stepMiB", 512), int, "quota.stepMiB", minimum=1),
+    )
+    if quota.floor_fraction > 1 or quota.ceiling_fraction < 1:
+        raise ConfigError("quota: floorFraction must be <= 1 <= ceilingFraction")
+    return Config(
+        version=VERSION,
+        resource_domain=domain,
+        memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB", minimum=1),
+        reserved_mib_per_gpu=_typed(top.get("reservedMiBPerGPU", d.reserved_mib_per_gpu), int,
+                                    "reservedMiBPerGPU", minimum=0),
+        default_gpu_mode=default_mode,
+        gpu_modes=modes,
+        device_list_strategy=_enum(top.get("deviceListStrategy", d.device_list_strategy.value),
+                                   DeviceListStrategy, "deviceListStrategy"),
+        mps_enforcement=_typed(top.get("mpsEnforcement", False), bool, "mpsEnforcement"),
+        quota_host_dir=_typed(top.get("quotaHostDir", d.quota_host_dir), str, "quotaHostDir"),
+        health=health,
+        extender=ext,
+        quota=quota,
+    )
+
+
+def load_config(path: str | None) -> Config:
+    """Read a config file; ``None`` gives the defaults. Raises :class:`ConfigError` (never OSError)."""
+    if path is None:
+        return Config()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return parse_config(fh.read())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc

@@ -1,0 +1,121 @@
+"""The names the parts agree on: resources, annotations, environment variables and paths.
+
+The device plugin, the extender, the quota loop and the vLLM plugin are built and released apart and
+only meet through these names (DESIGN.md section 3). Everything that crosses a process boundary is
+spelled here once; a rename is a protocol change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_DOMAIN = "vramshare.io"
+INVENTORY_VERSION = "v1"
+
+
+@dataclass(frozen=True)
+class Names:
+    """Resource and annotation names under one resource domain (configurable, default vramshare.io)."""
+
+    domain: str = DEFAULT_DOMAIN
+
+    # -- extended resources advertised to the kubelet
+    @property
+    def gpu_memory(self) -> str:
+        """Memory units: one device is ``memoryUnitMiB`` of one GPU."""
+        return f"{self.domain}/gpu-memory"
+
+    @property
+    def gpu(self) -> str:
+        """Whole GPUs in ``exclusive`` mode."""
+        return f"{self.domain}/gpu"
+
+    def mig(self, profile: str) -> str:
+        """One resource per MIG profile, e.g. ``vramshare.io/mig-1g.10gb`` (``+`` becomes ``.``)."""
+        return f"{self.domain}/mig-{profile.replace('+', '.')}"
+
+    @property
+    def mig_prefix(self) -> str:
+        return f"{self.domain}/mig-"
+
+    # -- node annotation written by the device plugin
+    @property
+    def inventory(self) -> str:
+        return f"{self.domain}/gpu-inventory"
+
+    # -- pod annotations: written by users
+    @property
+    def gpu_count(self) -> str:
+        return f"{self.domain}/gpu-count"
+
+    @property
+    def gpu_models(self) -> str:
+        return f"{self.domain}/gpu-models"
+
+    @property
+    def policy(self) -> str:
+        """Per-pod override of the extender's scoring policy."""
+        return f"{self.domain}/policy"
+
+    # -- pod annotations: the bind/Allocate handshake
+    @property
+    def assignment(self) -> str:
+        return f"{self.domain}/assignment"
+
+    @property
+    def assume_time(self) -> str:
+        return f"{self.domain}/assume-time"
+
+    @property
+    def allocation_state(self) -> str:
+        return f"{self.domain}/allocation-state"
+
+    @property
+    def quota_mib(self) -> str:
+        return f"{self.domain}/quota-mib"
+
+    def is_ours(self, resource: str) -> bool:
+        return resource.startswith(f"{self.domain}/")
+
+
+# allocation-state values
+STATE_ASSUMED = "assumed"
+STATE_ALLOCATED = "allocated"
+STATE_FAILED_PREFIX = "failed: "
+
+# what a container gets (Allocate response)
+ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+ENV_GPU_UUIDS = "VRAMSHARE_GPU_UUIDS"
+ENV_MEMORY_LIMIT_MIB = "VRAMSHARE_MEMORY_LIMIT_MIB"
+ENV_MPS_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_QUOTA_FILE = "VRAMSHARE_QUOTA_FILE"
+CONTAINER_QUOTA_DIR = "/var/run/vramshare"
+QUOTA_FILE_NAME = "quota.json"
+HOST_QUOTA_ROOT = "/var/lib/vramshare/quota"
+
+# kubelet paths and protocol constants
+DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+KUBELET_SOCKET_NAME = "kubelet.sock"
+POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEVICE_PLUGIN_API_VERSION = "v1beta1"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+MAX_DEVICE_ID_LEN = 63
+
+# extender protocol constants (kube-scheduler extender/v1)
+MIN_EXTENDER_PRIORITY = 0
+MAX_EXTENDER_PRIORITY = 10
+
+METRICS_PREFIX = "vramshare_"
+
+
+def unit_device_id(gpu_uuid: str, n: int) -> str:
+    """Device ID of memory unit ``n`` of a GPU: ``<gpu-uuid>::<n>``, deterministic, names the GPU."""
+    return f"{gpu_uuid}::{n}"
+
+
+def parse_unit_device_id(device_id: str) -> tuple[str, int]:
+    """Inverse of :func:`unit_device_id`; raises ``ValueError`` on anything else."""
+    uuid, sep, n = device_id.rpartition("::")
+    if not sep or not uuid or not n.isdigit():
+        raise ValueError(f"not a memory-unit device ID: {device_id!r} (want <gpu-uuid>::<n>)")
+    return uuid, int(n)

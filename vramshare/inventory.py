@@ -1,0 +1,169 @@
+"""The GPU inventory of one node: what the device plugin discovered and the extender schedules on.
+
+Pure data, no I/O. The device plugin builds it from a backend (NVML or simulated) plus the config,
+publishes it as the node annotation ``<domain>/gpu-inventory``; the extender reads it back. The JSON
+form is the contract (DESIGN.md section 3) and is versioned.
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from vramshare import contract
+
+
+class GpuMode(str, enum.Enum):
+    """How a GPU is offered: split into memory units, whole, or as its MIG instances."""
+
+    SHARED = "shared"
+    EXCLUSIVE = "exclusive"
+    MIG = "mig"
+
+
+class InventoryError(ValueError):
+    """An inventory annotation or file that cannot be read; the message names the bad field."""
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """One MIG device (GPU instance + compute instance) of a GPU in MIG mode."""
+
+    uuid: str
+    profile: str  # e.g. "1g.10gb"
+    memory_mib: int
+    gi: int | None = None
+    ci: int | None = None
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One physical GPU as the scheduler needs to know it."""
+
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    numa_node: int | None = None
+    mode: GpuMode = GpuMode.SHARED
+    healthy: bool = True
+    mig: tuple[MigInstance, ...] = ()
+    units: int = 0  # gpu-memory devices this GPU offers (0 unless mode is shared)
+
+    def with_health(self, healthy: bool) -> "Gpu":
+        return replace(self, healthy=healthy)
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    """All GPUs of one node plus the memory unit they are sliced in."""
+
+    unit_mib: int
+    gpus: tuple[Gpu, ...] = field(default_factory=tuple)
+    version: str = contract.INVENTORY_VERSION
+
+    def gpu(self, uuid: str) -> Gpu | None:
+        return next((g for g in self.gpus if g.uuid == uuid), None)
+
+    def capacity_mib(self, gpu: Gpu) -> int:
+        """Schedulable memory of a shared GPU: whole units only (what the kubelet can hand out)."""
+        return gpu.units * self.unit_mib
+
+    # -- the annotation codec -------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(inventory_to_dict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "NodeInventory":
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise InventoryError(f"inventory is not JSON: {exc}") from exc
+        return inventory_from_dict(data)
+
+
+def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
+    return {
+        "version": inv.version,
+        "unitMiB": inv.unit_mib,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "model": g.model,
+                "memoryMiB": g.memory_mib,
+                "numaNode": g.numa_node,
+                "mode": g.mode.value,
+                "healthy": g.healthy,
+                "units": g.units,
+                "mig": [
+                    {"uuid": m.uuid, "profile": m.profile, "memoryMiB": m.memory_mib,
+                     "gi": m.gi, "ci": m.ci, "healthy": m.healthy}
+                    for m in g.mig
+                ],
+            }
+            for g in inv.gpus
+        ],
+    }
+
+
+def _need(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise InventoryError(f"{where}: missing key {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InventoryError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def inventory_from_dict(data: Any) -> NodeInventory:
+    if not isinstance(data, dict):
+        raise InventoryError("inventory: expected a JSON object")
+    version = data.get("version", contract.INVENTORY_VERSION)
+    if version != contract.INVENTORY_VERSION:
+        raise InventoryError(f"inventory.version: unknown version {version!r} (want {contract.INVENTORY_VERSION!r})")
+    unit = _need(data, "unitMiB", int, "inventory")
+    if unit <= 0:
+        raise InventoryError("inventory.unitMiB: must be positive")
+    gpus = []
+    for i, g in enumerate(_need(data, "gpus", list, "inventory")):
+        where = f"inventory.gpus[{i}]"
+        if not isinstance(g, dict):
+            raise InventoryError(f"{where}: expected an object")
+        try:
+            mode = GpuMode(g.get("mode", GpuMode.SHARED.value))
+        except ValueError as exc:
+            raise InventoryError(f"{where}.mode: {exc}") from exc
+        numa = g.get("numaNode")
+        if numa is not None and (not isinstance(numa, int) or isinstance(numa, bool)):
+            raise InventoryError(f"{where}.numaNode: expected int or null, got {numa!r}")
+        migs = []
+        for j, m in enumerate(g.get("mig") or []):
+            mw = f"{where}.mig[{j}]"
+            if not isinstance(m, dict):
+                raise InventoryError(f"{mw}: expected an object")
+            migs.append(MigInstance(
+                uuid=_need(m, "uuid", str, mw), profile=_need(m, "profile", str, mw),
+                memory_mib=_need(m, "memoryMiB", int, mw), gi=m.get("gi"), ci=m.get("ci"),
+                healthy=bool(m.get("healthy", True)),
+            ))
+        gpus.append(Gpu(
+            index=_need(g, "index", int, where), uuid=_need(g, "uuid", str, where),
+            model=_need(g, "model", str, where), memory_mib=_need(g, "memoryMiB", int, where),
+            numa_node=numa, mode=mode, healthy=bool(g.get("healthy", True)), mig=tuple(migs),
+            units=int(g.get("units", 0)),
+        ))
+    return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version)
+
+
+def units_for(memory_mib: int, reserved_mib: int, unit_mib: int) -> int:
+    """Memory units a shared GPU offers: ``floor((memoryMiB - reservedMiBPerGPU) / memoryUnitMiB)``."""
+    return max(0, (memory_mib - reserved_mib) // unit_mib)
+
+
+def model_matches(model: str, patterns: Iterable[str]) -> bool:
+    """GPU model constraint (pod annotation ``gpu-models: "A|B"``): substring match, empty = any."""
+    pats = [p.strip() for p in patterns if p.strip()]
+    return not pats or any(p.lower() in model.lower() for p in pats)

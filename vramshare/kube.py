@@ -1,0 +1,28 @@
+"""Reaching the API server through the official ``kubernetes`` client: one way to build a client.
+
+Used by the device plugin and the extender. Returns ``None`` when there is no kubeconfig and no
+in-cluster service account, so the device plugin can run standalone and say so once.
+"""
+from __future__ import annotations
+
+import os
+
+from kubernetes import client, config as kconfig
+
+
+def api_client(kubeconfig: str | None) -> client.ApiClient | None:
+    """A client from ``kubeconfig``, else the in-cluster service account, else ``None``."""
+    if kubeconfig:
+        return kconfig.new_client_from_config(config_file=kubeconfig)
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
+        cfg = client.Configuration()
+        kconfig.load_incluster_config(client_configuration=cfg)
+        return client.ApiClient(cfg)
+    return None
+
+
+def api_client_for(host: str) -> client.ApiClient:
+    """A client for a plain-HTTP API endpoint (the local API server stand-in used by tests and the demo)."""
+    cfg = client.Configuration()
+    cfg.host = host
+    return client.ApiClient(cfg)

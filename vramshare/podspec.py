@@ -1,0 +1,114 @@
+"""What a pod asks of vramshare, read from its Kubernetes JSON (a plain dict, as the API sends it).
+
+Shared by the extender (filter/bind) and the device plugin (matching a pod at Allocate), so both read a
+pod the same way. Pure: no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from vramshare import contract
+
+
+class PodSpecError(ValueError):
+    """A pod whose vramshare request cannot be served as written; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ContainerDemand:
+    """One container's ask. ``units`` of gpu-memory are split evenly over ``gpu_count`` GPUs."""
+
+    container: str
+    units: int = 0  # vramshare.io/gpu-memory devices
+    gpu_count: int = 1  # distinct GPUs the units are spread over (pod annotation gpu-count)
+    whole_gpus: int = 0  # vramshare.io/gpu
+    mig: tuple[tuple[str, int], ...] = ()  # (profile, count) for vramshare.io/mig-<profile>
+
+    @property
+    def units_per_gpu(self) -> int:
+        return self.units // self.gpu_count if self.units else 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.units or self.whole_gpus or self.mig)
+
+
+@dataclass(frozen=True)
+class PodDemand:
+    namespace: str
+    name: str
+    uid: str
+    containers: tuple[ContainerDemand, ...]
+    models: tuple[str, ...] = ()  # allowed GPU model substrings (gpu-models annotation), empty = any
+    policy: str | None = None  # per-pod policy override annotation
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def total_units(self) -> int:
+        return sum(c.units for c in self.containers)
+
+
+def _quantity(value: Any, where: str) -> int:
+    """Extended resources are integers; accept ints and integer strings only."""
+    if isinstance(value, bool):
+        raise PodSpecError(f"{where}: {value!r} is not an integer quantity")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    raise PodSpecError(f"{where}: {value!r} is not an integer quantity (extended resources take whole numbers)")
+
+
+def _resources(container: Mapping[str, Any]) -> dict[str, Any]:
+    res = container.get("resources") or {}
+    # For extended resources requests must equal limits; limits alone imply requests.
+    merged = dict(res.get("limits") or {})
+    merged.update(res.get("requests") or {})
+    return merged
+
+
+def pod_demand(pod: Mapping[str, Any], names: contract.Names) -> PodDemand:
+    """Read a pod's vramshare demand. Raises :class:`PodSpecError` for requests that cannot be met."""
+    meta = pod.get("metadata") or {}
+    ann = meta.get("annotations") or {}
+    ns, name = meta.get("namespace", "default"), meta.get("name", "")
+    count_raw = ann.get(names.gpu_count)
+    gpu_count = 1
+    if count_raw is not None:
+        gpu_count = _quantity(count_raw, f"annotation {names.gpu_count}")
+        if gpu_count < 1:
+            raise PodSpecError(f"annotation {names.gpu_count}: must be at least 1, got {count_raw!r}")
+    containers = []
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        cname = c.get("name", "")
+        units = whole = 0
+        mig: list[tuple[str, int]] = []
+        for res, qty in _resources(c).items():
+            if not names.is_ours(res):
+                continue
+            n = _quantity(qty, f"container {cname}: {res}")
+            if res == names.gpu_memory:
+                units = n
+            elif res == names.gpu:
+                whole = n
+            elif res.startswith(names.mig_prefix):
+                mig.append((res[len(names.mig_prefix):], n))
+        cd = ContainerDemand(cname, units, gpu_count if units else 1, whole, tuple(sorted(mig)))
+        if units and units % gpu_count:
+            raise PodSpecError(f"container {cname}: {units} units of {names.gpu_memory} do not split evenly "
+                               f"over {gpu_count} GPUs ({names.gpu_count}); use a multiple of {gpu_count}")
+        containers.append(cd)
+    models = tuple(p.strip() for p in str(ann.get(names.gpu_models, "")).split("|") if p.strip())
+    return PodDemand(ns, name, meta.get("uid", ""), tuple(containers), models, ann.get(names.policy))
+
+
+def wants_gpu(pod: Mapping[str, Any], names: contract.Names) -> bool:
+    """Does any container ask for one of our resources? (kube-scheduler's IsInterested, for our names.)"""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if any(names.is_ours(r) for r in _resources(c)):
+            return True
+    return False
