@@ -1,0 +1,1 @@
+"""Generated kubelet API code; regenerate with python -m protos.generate."""
