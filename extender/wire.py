@@ -1,0 +1,206 @@
+"""kube-scheduler's extender/v1 wire types, converted to and from plain Python data.
+
+The Go types in ``k8s.io/kube-scheduler/extender/v1`` carry no ``json`` tags, so every key is the
+capitalised Go field name (``Pod``, ``NodeNames``, ``FailedNodes``, ``Host``, ``Score``...) while the
+embedded ``Pod`` and ``Node`` objects keep their ordinary lowercase Kubernetes JSON. Go's decoder matches
+keys case-insensitively, so we read them the same way but always *write* the exact capitalised form that
+``extender/v1/types_test.go`` pins down. Nothing here knows about GPUs: the verbs work on the dataclasses
+below and this module only turns them into bytes, so the golden tests can assert the bytes exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import orjson
+
+__all__ = [
+    "WireError", "ExtenderArgs", "FilterResult", "BindingArgs", "PreemptionArgs",
+    "decode_extender_args", "decode_binding_args", "decode_preemption_args",
+    "encode_filter_result", "encode_host_priorities", "encode_binding_result", "encode_preemption_result",
+]
+
+Obj = dict[str, Any]
+
+
+class WireError(ValueError):
+    """A request body kube-scheduler would never send; the message says which field is wrong."""
+
+
+def _loads(body: bytes, what: str) -> Obj:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"{what}: body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise WireError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _field(obj: Mapping[str, Any], key: str) -> Any:
+    """``obj[key]`` matched as Go's encoding/json does: exact key first, then case-insensitively."""
+    if key in obj:
+        return obj[key]
+    low = key.lower()
+    for k, v in obj.items():
+        if k.lower() == low:
+            return v
+    return None
+
+
+def _string(obj: Mapping[str, Any], key: str, what: str) -> str:
+    value = _field(obj, key)
+    if not isinstance(value, str) or not value:
+        raise WireError(f"{what}.{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+# -- filter / prioritize ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExtenderArgs:
+    """One filter or prioritize request.
+
+    ``node_names`` is set when the scheduler runs with ``nodeCacheCapable: true``; otherwise ``nodes``
+    holds the full node objects, which a filter answer must echo back (only the fitting ones).
+    """
+
+    pod: Obj
+    node_names: list[str] | None = None
+    nodes: list[Obj] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        if self.node_names is not None:
+            return self.node_names
+        return [n["metadata"]["name"] for n in self.nodes or ()]
+
+    @property
+    def pod_key(self) -> str:
+        meta = self.pod.get("metadata") or {}
+        return f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
+
+
+def decode_extender_args(body: bytes) -> ExtenderArgs:
+    """Parse ``ExtenderArgs``; raises :class:`WireError` naming the bad field."""
+    data = _loads(body, "ExtenderArgs")
+    pod = _field(data, "Pod")
+    if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
+        raise WireError("ExtenderArgs.Pod: expected a Pod object with metadata")
+    names = _field(data, "NodeNames")
+    raw_nodes = _field(data, "Nodes")
+    if names is not None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise WireError("ExtenderArgs.NodeNames: expected a list of node names")
+        return ExtenderArgs(pod=pod, node_names=names)
+    if raw_nodes is None:
+        raise WireError("ExtenderArgs: carries neither NodeNames nor Nodes")
+    items = raw_nodes.get("items") if isinstance(raw_nodes, dict) else None
+    if not isinstance(items, list):
+        raise WireError("ExtenderArgs.Nodes: expected a NodeList with items")
+    for i, node in enumerate(items):
+        meta = node.get("metadata") if isinstance(node, dict) else None
+        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+            raise WireError(f"ExtenderArgs.Nodes.items[{i}]: expected a Node with metadata.name")
+    return ExtenderArgs(pod=pod, nodes=items)
+
+
+@dataclass
+class FilterResult:
+    """What filter decided: names that fit (input order), and why the others do not.
+
+    ``unresolvable`` holds nodes that no preemption can fix (the GPU is too small, the model is wrong);
+    kube-scheduler then skips them when it looks for victims.
+    """
+
+    passed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+
+
+def encode_filter_result(result: FilterResult, args: ExtenderArgs | None) -> bytes:
+    """``ExtenderFilterResult`` in the form the request used; ``NodeNames`` is always a list."""
+    nodes: Obj | None = None
+    if args is not None and args.nodes is not None:
+        keep = set(result.passed)
+        nodes = {"metadata": {}, "items": [n for n in args.nodes if n["metadata"]["name"] in keep]}
+    return orjson.dumps({
+        "Nodes": nodes,
+        "NodeNames": list(result.passed),
+        "FailedNodes": result.failed,
+        "FailedAndUnresolvableNodes": result.unresolvable,
+        "Error": result.error,
+    })
+
+
+def encode_host_priorities(scores: Sequence[tuple[str, int]]) -> bytes:
+    """``HostPriorityList``: a bare JSON array of ``{"Host", "Score"}``, scores already 0..10."""
+    return orjson.dumps([{"Host": host, "Score": int(score)} for host, score in scores])
+
+
+# -- bind -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BindingArgs:
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+    @property
+    def pod_key(self) -> str:
+        return f"{self.pod_namespace}/{self.pod_name}"
+
+
+def decode_binding_args(body: bytes) -> BindingArgs:
+    data = _loads(body, "ExtenderBindingArgs")
+    uid = _field(data, "PodUID")
+    return BindingArgs(
+        pod_name=_string(data, "PodName", "ExtenderBindingArgs"),
+        pod_namespace=_string(data, "PodNamespace", "ExtenderBindingArgs"),
+        pod_uid=uid if isinstance(uid, str) else "",
+        node=_string(data, "Node", "ExtenderBindingArgs"),
+    )
+
+
+def encode_binding_result(error: str = "") -> bytes:
+    return orjson.dumps({"Error": error})
+
+
+# -- preempt ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PreemptionArgs:
+    """``ExtenderPreemptionArgs`` reduced to what we answer with: node -> victim pod UIDs."""
+
+    pod: Obj
+    victims: dict[str, list[str]]
+    pdb_violations: dict[str, int]
+
+
+def decode_preemption_args(body: bytes) -> PreemptionArgs:
+    """Read the Meta (UID) form when present, else the full-pod form, as the scheduler sends either."""
+    data = _loads(body, "ExtenderPreemptionArgs")
+    pod = _field(data, "Pod")
+    if not isinstance(pod, dict):
+        raise WireError("ExtenderPreemptionArgs.Pod: expected a Pod object")
+    meta = _field(data, "NodeNameToMetaVictims")
+    full = _field(data, "NodeNameToVictims")
+    source, uid_of = (meta, lambda p: _field(p, "UID")) if meta is not None else (
+        full, lambda p: (p.get("metadata") or {}).get("uid"))
+    if not isinstance(source, dict):
+        raise WireError("ExtenderPreemptionArgs: carries neither NodeNameToMetaVictims nor NodeNameToVictims")
+    victims: dict[str, list[str]] = {}
+    pdb: dict[str, int] = {}
+    for node, v in source.items():
+        if not isinstance(v, dict) or not isinstance(_field(v, "Pods") or [], list):
+            raise WireError(f"ExtenderPreemptionArgs: victims of node {node!r} are not an object with Pods")
+        victims[node] = [str(uid_of(p)) for p in _field(v, "Pods") or [] if isinstance(p, dict)]
+        pdb[node] = int(_field(v, "NumPDBViolations") or 0)
+    return PreemptionArgs(pod=pod, victims=victims, pdb_violations=pdb)
+
+
+def encode_preemption_result(victims: Mapping[str, Sequence[str]], pdb_violations: Mapping[str, int]) -> bytes:
+    """``ExtenderPreemptionResult``: always the Meta (UID) form."""
+    return orjson.dumps({"NodeNameToMetaVictims": {
+        node: {"Pods": [{"UID": uid} for uid in uids], "NumPDBViolations": pdb_violations.get(node, 0)}
+        for node, uids in victims.items()
+    }})
