@@ -1,0 +1,61 @@
+"""The atomic quota.json writer: format, monotonic generation, no torn or stray files."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from deviceplugin.quota.writer import (GpuQuota, QuotaFile, QuotaFileError, container_dir, parse_quota,
+                                       read_quota, write_quota)
+
+Q = QuotaFile(gpus=(GpuQuota("GPU-a", 20480, 10240, 30720),))
+
+
+def test_writes_the_contract_format(tmp_path):
+    written = write_quota(tmp_path, QuotaFile(gpus=Q.gpus, updated=1700000000.5))
+    doc = json.loads((tmp_path / "quota.json").read_text())
+    assert doc == {"generation": 1, "updated": 1700000000.5,
+                   "gpus": [{"uuid": "GPU-a", "limitMiB": 20480, "floorMiB": 10240, "ceilingMiB": 30720}]}
+    assert written.generation == 1
+    assert stat.S_IMODE(os.stat(tmp_path / "quota.json").st_mode) == 0o644
+
+
+def test_generation_grows_with_every_write_even_when_asked_for_less(tmp_path):
+    gens = [write_quota(tmp_path, Q).generation for _ in range(3)]
+    assert gens == [1, 2, 3]
+    assert write_quota(tmp_path, QuotaFile(gpus=Q.gpus, generation=2)).generation == 4
+    assert write_quota(tmp_path, QuotaFile(gpus=Q.gpus, generation=10)).generation == 10
+    assert read_quota(tmp_path).generation == 10
+
+
+def test_no_temporary_files_are_left_behind(tmp_path):
+    for _ in range(3):
+        write_quota(tmp_path, Q)
+    assert sorted(os.listdir(tmp_path)) == ["quota.json"]
+
+
+def test_creates_the_container_directory(tmp_path):
+    d = container_dir(str(tmp_path), "uid-1", "vllm")
+    write_quota(d, Q)
+    assert read_quota(d).limits() == {"GPU-a": 20480}
+
+
+def test_a_corrupt_file_is_replaced_with_a_fresh_generation(tmp_path):
+    (tmp_path / "quota.json").write_text("{not json")
+    assert write_quota(tmp_path, Q).generation == 1
+    assert read_quota(tmp_path).gpus == Q.gpus
+
+
+def test_read_quota_missing_is_none_and_bad_fields_are_named(tmp_path):
+    assert read_quota(tmp_path) is None
+    with pytest.raises(QuotaFileError, match="limitMiB"):
+        parse_quota('{"generation": 1, "updated": 0, "gpus": [{"uuid": "x"}]}')
+
+
+def test_unwritable_directory_raises_oserror(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(OSError):
+        write_quota(blocker / "sub", Q)
