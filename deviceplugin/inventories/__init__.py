@@ -1,0 +1,1 @@
+"""Packaged simulated GPU inventories (YAML) for ``vramshare demo`` and ``--backend simulated``."""

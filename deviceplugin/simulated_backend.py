@@ -1,0 +1,141 @@
+"""A GPU backend without GPUs: an inventory file, plus faults injected on purpose.
+
+It runs the device plugin, the demo and the tests on any machine. It behaves like the NVML backend
+where the rest of the plugin can tell: the same :class:`DiscoveredGpu` values, the same Xid ignore
+list applied in ``watch_health``, transitions only, and recovery reported as "gpu answers again".
+Faults come in through methods, from any thread:
+
+* ``inject_xid(uuid, 79)`` / ``inject_xid(uuid, 94, mig_uuid=...)``: a critical-error event;
+* ``lose_gpu(uuid)``: the GPU stops answering (NVML's "GPU is lost");
+* ``recover(uuid)``: it answers again;
+* ``fail_discover(times=2)``: the next ``discover()`` calls raise :class:`BackendError`.
+"""
+from __future__ import annotations
+
+import importlib.resources
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from deviceplugin import health, inventory_file
+from deviceplugin.backend import BackendError, DiscoveredGpu, HealthCallback, HealthEvent
+from vramshare import logs
+
+log = logs.get(__name__)
+
+_POLL_SECONDS = 0.05  # how soon watch_health notices ``stop``; events themselves wake it at once
+LOST_REASON = "nvml: GPU is lost"
+
+
+def demo_inventory_path() -> str:
+    """The packaged inventory ``vramshare demo`` runs on (two H100s, an H200, an A100 in MIG mode)."""
+    return str(importlib.resources.files("deviceplugin.inventories").joinpath("demo-node.yaml"))
+
+
+@dataclass(frozen=True)
+class _Fault:
+    kind: str  # "xid" | "lost" | "recover" | "close"
+    uuid: str = ""
+    mig_uuid: str | None = None
+    xid: int | None = None
+
+
+class SimulatedBackend:
+    """Implements :class:`deviceplugin.backend.GpuBackend` over a fixed list of GPUs."""
+
+    name = "simulated"
+
+    def __init__(self, gpus: Sequence[DiscoveredGpu]) -> None:
+        self._gpus = list(gpus)
+        self._lock = threading.Lock()
+        self._faults: "queue.Queue[_Fault]" = queue.Queue()
+        self._discover_failures: list[str] = []
+        self._closed = False
+        self.discover_calls = 0
+
+    @classmethod
+    def from_file(cls, path: str) -> "SimulatedBackend":
+        return cls(inventory_file.load(path))
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "SimulatedBackend":
+        return cls(inventory_file.from_dict(raw))
+
+    @classmethod
+    def demo(cls) -> "SimulatedBackend":
+        return cls.from_file(demo_inventory_path())
+
+    # -- GpuBackend ------------------------------------------------------------------------
+    def discover(self) -> list[DiscoveredGpu]:
+        with self._lock:
+            self.discover_calls += 1
+            if self._closed:
+                raise BackendError("simulated backend is closed")
+            if self._discover_failures:
+                raise BackendError(self._discover_failures.pop(0))
+            return list(self._gpus)
+
+    def watch_health(self, stop: threading.Event, on_event: HealthCallback,
+                     ignored_xids: frozenset[int]) -> None:
+        """Deliver injected faults as transitions until ``stop`` is set or the backend is closed."""
+        ledger = health.HealthLedger()
+        while not stop.is_set():
+            try:
+                fault = self._faults.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                if self._closed:
+                    return
+                continue
+            if fault.kind == "close":
+                return
+            event = self._apply(ledger, fault, ignored_xids)
+            if event is not None:
+                log.warning("gpu health changed", gpu=event.uuid, mig=event.mig_uuid,
+                            healthy=event.healthy, reason=event.reason, backend=self.name)
+                on_event(event)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._faults.put(_Fault("close"))
+
+    # -- fault injection -------------------------------------------------------------------
+    def inject_xid(self, uuid: str, xid: int, mig_uuid: str | None = None) -> None:
+        self._check(uuid, mig_uuid)
+        self._faults.put(_Fault("xid", uuid, mig_uuid, xid))
+
+    def lose_gpu(self, uuid: str) -> None:
+        self._check(uuid, None)
+        self._faults.put(_Fault("lost", uuid))
+
+    def recover(self, uuid: str, mig_uuid: str | None = None) -> None:
+        self._check(uuid, mig_uuid)
+        self._faults.put(_Fault("recover", uuid, mig_uuid))
+
+    def fail_discover(self, times: int = 1, message: str = "NVML: Unknown Error") -> None:
+        """Make the next ``times`` calls of ``discover()`` raise ``BackendError(message)``."""
+        with self._lock:
+            self._discover_failures.extend([message] * times)
+
+    def _check(self, uuid: str, mig_uuid: str | None) -> None:
+        """Refuse faults on devices that do not exist: a typo in a test must not pass silently."""
+        with self._lock:
+            gpu = next((g for g in self._gpus if g.uuid == uuid), None)
+        if gpu is None:
+            raise KeyError(f"no simulated GPU {uuid}")
+        if mig_uuid is not None and all(m.uuid != mig_uuid for m in gpu.mig):
+            raise KeyError(f"GPU {uuid} has no MIG instance {mig_uuid}")
+
+    @staticmethod
+    def _apply(ledger: health.HealthLedger, fault: _Fault,
+               ignored_xids: frozenset[int]) -> HealthEvent | None:
+        if fault.kind == "xid":
+            assert fault.xid is not None
+            if not health.is_critical(fault.xid, ignored_xids):
+                log.info("xid ignored (application error)", gpu=fault.uuid, xid=fault.xid)
+                return None
+            return ledger.mark_unhealthy(fault.uuid, f"xid {fault.xid}", fault.xid, fault.mig_uuid)
+        if fault.kind == "lost":
+            return ledger.mark_unhealthy(fault.uuid, LOST_REASON)
+        return ledger.mark_healthy(fault.uuid, health.RECOVERED_REASON, fault.mig_uuid)
