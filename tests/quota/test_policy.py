@@ -1,0 +1,145 @@
+"""The pure quota policy: bounds, capacity, use protection, pressure first, hysteresis, reasons."""
+from __future__ import annotations
+
+import random
+
+from deviceplugin.quota.model import GpuState, PolicyParams, Signals, TenantKey, TenantState
+from deviceplugin.quota.policy import rebalance
+from vramshare.config import QuotaConfig
+
+P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024, kv_pressure=0.9)
+
+
+def key(name: str) -> TenantKey:
+    return TenantKey("ns", name, "vllm", pod_uid=f"uid-{name}")
+
+
+def tenant(name, request, current, used, **sig) -> TenantState:
+    return TenantState(key(name), request, current, used, Signals(**sig))
+
+
+def limits(decisions) -> dict[str, int]:
+    return {d.key.pod: d.limit_mib for d in decisions}
+
+
+def test_calm_tenants_keep_their_limits():
+    gpu = GpuState("GPU-0", 30000, (tenant("a", 10000, 10000, 4000), tenant("b", 20000, 20000, 9000)))
+    out = rebalance(gpu, P)
+    assert limits(out) == {"a": 10000, "b": 20000}
+    assert [d.reason for d in out] == ["hold", "hold"]
+    assert not any(d.changed for d in out)
+
+
+def test_spare_goes_to_the_pressured_tenant_and_the_lender_keeps_use_plus_margin():
+    gpu = GpuState("GPU-0", 30000, (tenant("idle", 15000, 15000, 3000),
+                                    tenant("hot", 15000, 15000, 14800, kv_usage=0.97, waiting=4)))
+    out = {d.key.pod: d for d in rebalance(gpu, P)}
+    # hot: 3 pressure points (waiting 2 + kv 1) + near limit 1 = 4 steps beyond its need
+    assert out["hot"].limit_mib == 14800 + 1024 + 4 * 512
+    assert out["idle"].limit_mib == 30000 - out["hot"].limit_mib
+    assert out["idle"].limit_mib >= 3000 + 1024
+    assert out["hot"].reason.startswith("grow +") and "4 waiting" in out["hot"].reason
+    assert "lent" in out["idle"].reason
+
+
+def test_most_pressured_tenant_is_served_first():
+    gpu = GpuState("GPU-0", 32000, (tenant("kv", 10000, 10000, 9000, kv_usage=0.95),
+                                    tenant("preempt", 10000, 10000, 9000, preemptions=3),
+                                    tenant("idle", 12000, 12000, 2000)))
+    out = limits(rebalance(gpu, P))
+    # preemptions (4) + near limit (1) = 5 steps over its need; kv (1) + near (1) = 2 steps
+    assert out["preempt"] == 10024 + 5 * 512
+    assert out["kv"] == 10024 + 2 * 512
+    assert out["idle"] == 32000 - out["preempt"] - out["kv"]
+
+
+def test_never_above_ceiling_nor_below_floor():
+    gpu = GpuState("GPU-0", 100000, (tenant("greedy", 10000, 10000, 14900, preemptions=9),
+                                     tenant("tiny", 10000, 10000, 0)))
+    out = rebalance(gpu, P)
+    d = {x.key.pod: x for x in out}
+    assert d["greedy"].limit_mib == d["greedy"].ceiling_mib == 15000
+    assert d["tiny"].floor_mib == 5000 and d["tiny"].limit_mib >= 5000
+
+
+def test_overcommitted_gpu_gives_reservations_back_first():
+    # the borrower uses far beyond its request; the owner wants its reservation back
+    gpu = GpuState("GPU-0", 40000, (tenant("borrower", 20000, 29000, 28000),
+                                    tenant("owner", 20000, 11000, 19000)))
+    out = {d.key.pod: d for d in rebalance(gpu, P)}
+    assert out["owner"].limit_mib == 20000  # its need (19000 + 1024) capped by its request
+    assert out["borrower"].limit_mib == 20000
+    assert out["borrower"].reason.startswith("cut -9000: GPU over-committed")
+
+
+def test_unknown_use_is_never_cut():
+    gpu = GpuState("GPU-0", 30000, (tenant("blind", 15000, 15000, None),
+                                    tenant("hot", 15000, 15000, 13000, preemptions=1)))
+    out = {d.key.pod: d for d in rebalance(gpu, P)}
+    assert out["blind"].limit_mib == 15000 and "no telemetry" in out["blind"].reason
+    assert out["hot"].limit_mib == 15000 and "no spare memory" in out["hot"].reason
+
+
+def test_first_quota_starts_at_the_request():
+    gpu = GpuState("GPU-0", 30000, (tenant("new", 12000, None, 1000),))
+    (d,) = rebalance(gpu, P)
+    assert d.limit_mib == 12000 and d.previous_mib == 12000 and not d.changed
+
+
+def test_changes_smaller_than_a_step_are_not_made():
+    # 376 MiB could be freed for the pressured tenant: less than a step, so nobody moves
+    gpu = GpuState("GPU-0", 20300, (tenant("a", 10000, 10000, 8000, kv_usage=0.99),
+                                    tenant("b", 10000, 10000, 8900)))
+    out = limits(rebalance(gpu, P))
+    assert out == {"a": 10000, "b": 10000}
+
+
+def test_stable_load_does_not_flap():
+    ts = (tenant("a", 20000, 20000, 12000, kv_usage=0.5), tenant("b", 20000, 20000, 17000, kv_usage=0.93))
+    gpu = GpuState("GPU-0", 41000, ts)
+    history = []
+    for _ in range(40):
+        out = rebalance(gpu, P)
+        history.append(limits(out))
+        gpu = GpuState("GPU-0", 41000, tuple(
+            TenantState(t.key, t.request_mib, d.limit_mib, t.used_mib, t.signals) for t, d in zip(ts, out)))
+    # b grows while its KV stays hot, up to its ceiling or the GPU; a never drops below use+margin
+    bs = [h["b"] for h in history]
+    assert bs == sorted(bs)
+    assert all(h["a"] >= 13024 for h in history)
+    assert history[-1] == history[-2] == history[-3]  # settled
+    assert 13024 <= history[-1]["a"] < 13024 + P.step_mib  # lent all but less than a step
+    assert history[-1]["b"] == 41000 - history[-1]["a"]
+
+
+def test_from_config_reads_the_v1_bounds():
+    p = PolicyParams.from_config(QuotaConfig(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=256))
+    assert (p.floor_fraction, p.ceiling_fraction, p.step_mib) == (0.25, 2.0, 256)
+    assert p.floor_of(1000) == 250 and p.ceiling_of(1000) == 2000
+
+
+def test_invariants_hold_on_random_gpus():
+    rng = random.Random(7)
+    for _ in range(400):
+        n = rng.randint(1, 5)
+        reqs = [rng.randint(1, 40) * 1024 for _ in range(n)]
+        cap = sum(reqs) + rng.choice([0, 0, 4096, -2048])
+        ts = tuple(tenant(f"t{i}", r, rng.choice([None, rng.randint(r // 2, r * 3 // 2)]),
+                          rng.choice([None, rng.randint(0, r * 2)]),
+                          kv_usage=rng.choice([None, rng.random()]), waiting=rng.choice([None, 0, 3]),
+                          preemptions=rng.choice([None, 0, 1]))
+                   for i, r in enumerate(reqs))
+        gpu = GpuState("GPU-x", cap, ts)
+        out = rebalance(gpu, P)
+        assert out == rebalance(gpu, P)  # deterministic
+        assert sum(d.limit_mib for d in out) <= max(cap, 0)
+        needs = []
+        for t, d in zip(sorted(ts, key=lambda t: t.key), out):
+            assert P.floor_of(t.request_mib) <= d.limit_mib <= P.ceiling_of(t.request_mib) or \
+                sum(P.floor_of(x.request_mib) for x in ts) > cap
+            assert d.reason
+            cur = t.request_mib if t.current_mib is None else t.current_mib
+            base = cur if t.used_mib is None else t.used_mib + P.margin_mib
+            needs.append((d, min(max(base, d.floor_mib), d.ceiling_mib)))
+        if sum(lo for _, lo in needs) <= cap:
+            assert all(d.limit_mib >= lo for d, lo in needs)
