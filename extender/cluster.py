@@ -1,0 +1,309 @@
+"""Per-GPU accounting of the whole cluster, kept in numpy arrays so placement is vectorised.
+
+The extender answers filter and prioritize for thousands of nodes inside kube-scheduler's serialized
+cycle, so every request must be a handful of array operations, never a Python loop over GPUs. Each node
+owns one row of ``[rows, G]`` arrays (capacity, used, kind and model codes, health); a name->row map and
+a uuid->(row, column) map translate at the edges. Pure: no I/O, no clock. The simulator drives this same
+state (``vramshare simulate``), adding the node CPU/memory that kube-scheduler checks in-tree live.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from extender.workload import Shape, TargetWorkload, WorkloadWindow
+
+SHARED = "shared"
+EXCLUSIVE = "exclusive"
+MIG_PREFIX = "mig:"
+NO_SLOT = -1  # kind code of an empty column
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One schedulable GPU-like thing on a node: a shared or exclusive GPU, or a MIG instance."""
+
+    uuid: str
+    model: str
+    kind: str = SHARED  # "shared" | "exclusive" | "mig:<profile>"
+    capacity: int = 0  # MiB live; 1000 in the simulator's share view; MIG = its memory
+    healthy: bool = True
+    index: int = 0  # GPU index on the node, for messages ("GPU 3")
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one container asks: ``per_gpu`` on each of ``count`` distinct slots of one node."""
+
+    per_gpu: int
+    count: int = 1
+    kind: str = SHARED
+    models: tuple[str, ...] = ()  # allowed model substrings, empty = any
+
+
+@dataclass(frozen=True)
+class HostDemand:
+    """Pod-level CPU and memory; only the simulator checks them (kube-scheduler's Fit does it live)."""
+
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+
+@dataclass(frozen=True)
+class SlotUsage:
+    slot: Slot
+    used: int
+    pods: dict[str, int] = field(default_factory=dict)
+
+
+class OverCommit(Exception):
+    """An allocation that does not fit what is free; nothing was changed."""
+
+
+class NoFit(Exception):
+    """The demands do not fit the node; the message says why."""
+
+
+@dataclass
+class _Pod:
+    node: str
+    allocations: tuple[tuple[str, int], ...]
+    host: HostDemand
+
+
+class ClusterState:
+    """Nodes, their slots and what each pod holds. Not thread-safe: the adapter serialises writes."""
+
+    def __init__(self, workload_window: int = 1000, gpus_per_node: int = 8) -> None:
+        self._rows: dict[str, int] = {}
+        self._names: list[str | None] = []
+        self._spare: list[int] = []
+        self._slots: list[list[Slot]] = []
+        self._uuids: dict[str, tuple[int, int]] = {}
+        self._pods: dict[str, _Pod] = {}
+        self._holders: dict[tuple[int, int], dict[str, int]] = {}
+        self._kinds: dict[str, int] = {}
+        self.model_names: list[str] = []
+        self._model_codes: dict[str, int] = {}
+        self.window = WorkloadWindow(workload_window)
+        self.pinned: TargetWorkload | None = None
+        self.version = 0  # bumped on every change; policies may cache per version
+        g = max(1, gpus_per_node)
+        self.capacity = np.zeros((0, g), np.int64)
+        self.used = np.zeros((0, g), np.int64)
+        self.kind = np.full((0, g), NO_SLOT, np.int16)
+        self.model = np.zeros((0, g), np.int32)
+        self.healthy = np.zeros((0, g), bool)
+        self.index = np.zeros((0, g), np.int32)
+        self.cpu_cap = np.zeros(0, np.int64)  # host resources; tracked only where host_tracked
+        self.cpu_used = np.zeros(0, np.int64)
+        self.mem_cap = np.zeros(0, np.int64)
+        self.mem_used = np.zeros(0, np.int64)
+        self.host_tracked = np.zeros(0, bool)
+
+    # -- codes ------------------------------------------------------------------------------
+    def kind_code(self, kind: str) -> int:
+        """Small integer for a slot kind; new kinds get the next code."""
+        if kind not in self._kinds:
+            self._kinds[kind] = len(self._kinds)
+        return self._kinds[kind]
+
+    def model_code(self, model: str) -> int:
+        if model not in self._model_codes:
+            self._model_codes[model] = len(self.model_names)
+            self.model_names.append(model)
+        return self._model_codes[model]
+
+    # -- nodes ------------------------------------------------------------------------------
+    def _grow(self, rows: int, cols: int) -> None:
+        old_r, old_c = self.capacity.shape
+        if rows <= old_r and cols <= old_c:
+            return
+        r, c = max(rows, old_r * 2 if rows > old_r else old_r), max(cols, old_c)
+
+        def widen(a: np.ndarray, fill: object) -> np.ndarray:
+            out = np.full((r, c) if a.ndim == 2 else (r,), fill, a.dtype)
+            out[tuple(slice(0, n) for n in a.shape)] = a
+            return out
+
+        self.capacity, self.used = widen(self.capacity, 0), widen(self.used, 0)
+        self.kind, self.model = widen(self.kind, NO_SLOT), widen(self.model, 0)
+        self.healthy, self.index = widen(self.healthy, False), widen(self.index, 0)
+        self.cpu_cap, self.cpu_used = widen(self.cpu_cap, 0), widen(self.cpu_used, 0)
+        self.mem_cap, self.mem_used = widen(self.mem_cap, 0), widen(self.mem_used, 0)
+        self.host_tracked = widen(self.host_tracked, False)
+
+    def set_node(self, name: str, slots: Sequence[Slot]) -> None:
+        """Add or replace a node's slots; usage on slots that remain (same uuid) is kept."""
+        uuids = [s.uuid for s in slots]
+        if len(set(uuids)) != len(uuids):
+            raise ValueError(f"node {name}: duplicate slot uuid")
+        row = self._rows.get(name)
+        if row is None:
+            row = self._spare.pop() if self._spare else len(self._names)
+            if row == len(self._names):
+                self._names.append(name)
+                self._slots.append([])
+            self._names[row] = name
+            self._rows[name] = row
+        self._grow(row + 1, len(slots))
+        old = {s.uuid: (col, int(self.used[row, col])) for col, s in enumerate(self._slots[row])}
+        old_holders = {s.uuid: self._holders.pop((row, col), {}) for col, s in enumerate(self._slots[row])}
+        for s in self._slots[row]:
+            self._uuids.pop(s.uuid, None)
+        self.kind[row], self.capacity[row], self.used[row] = NO_SLOT, 0, 0
+        self.healthy[row], self.model[row], self.index[row] = False, 0, 0
+        for col, s in enumerate(slots):
+            self.kind[row, col] = self.kind_code(s.kind)
+            self.model[row, col] = self.model_code(s.model)
+            self.capacity[row, col], self.healthy[row, col], self.index[row, col] = s.capacity, s.healthy, s.index
+            if s.uuid in old:
+                self.used[row, col] = old[s.uuid][1]
+                if old_holders[s.uuid]:
+                    self._holders[(row, col)] = old_holders[s.uuid]
+            self._uuids[s.uuid] = (row, col)
+        self._slots[row] = list(slots)
+        self.version += 1
+
+    def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
+        """Track a node's allocatable CPU and memory (simulator: kube-scheduler's in-tree Fit)."""
+        row = self._rows[name]
+        self.cpu_cap[row], self.mem_cap[row], self.host_tracked[row] = cpu_milli, memory_mib, True
+        self.version += 1
+
+    def remove_node(self, name: str) -> None:
+        row = self._rows.pop(name, None)
+        if row is None:
+            return
+        for col, s in enumerate(self._slots[row]):
+            self._uuids.pop(s.uuid, None)
+            self._holders.pop((row, col), None)
+        self._slots[row], self._names[row] = [], None
+        self.kind[row], self.capacity[row], self.used[row], self.healthy[row] = NO_SLOT, 0, 0, False
+        self.cpu_cap[row] = self.cpu_used[row] = self.mem_cap[row] = self.mem_used[row] = 0
+        self.host_tracked[row] = False
+        self._spare.append(row)
+        self.version += 1
+
+    def nodes(self) -> list[str]:
+        return list(self._rows)
+
+    def row(self, name: str) -> int | None:
+        return self._rows.get(name)
+
+    def name(self, row: int) -> str:
+        name = self._names[row]
+        assert name is not None
+        return name
+
+    def slots(self, row: int) -> list[Slot]:
+        return self._slots[row]
+
+    # -- pods -------------------------------------------------------------------------------
+    def add_pod(self, key: str, node: str, allocations: Sequence[tuple[str, int]],
+                host: HostDemand = HostDemand()) -> None:
+        """Record a pod's holdings; all or nothing. Same key and same holdings again is a no-op."""
+        allocs = tuple((u, int(a)) for u, a in allocations)
+        prev = self._pods.get(key)
+        if prev is not None:
+            if prev.node == node and sorted(prev.allocations) == sorted(allocs) and prev.host == host:
+                return
+            self.remove_pod(key)
+            try:
+                self.add_pod(key, node, allocs, host)
+            except OverCommit:
+                self.add_pod(key, prev.node, prev.allocations, prev.host)
+                raise
+            return
+        row = self._rows.get(node)
+        if row is None:
+            raise OverCommit(f"node {node} is not known")
+        per_slot: dict[tuple[int, int], int] = {}
+        for uuid, amount in allocs:
+            where = self._uuids.get(uuid)
+            if where is None or where[0] != row:
+                raise OverCommit(f"GPU {uuid} is not on node {node}")
+            if amount <= 0:
+                raise OverCommit(f"allocation of {amount} on GPU {uuid} is not positive")
+            per_slot[where] = per_slot.get(where, 0) + amount
+        for (r, c), amount in per_slot.items():
+            free = int(self.capacity[r, c] - self.used[r, c])
+            if amount > free:
+                s = self._slots[r][c]
+                raise OverCommit(f"GPU {s.index} ({s.uuid}) on {node} has {free} free, pod {key} needs {amount}")
+        if self.host_tracked[row]:
+            if host.cpu_milli > self.cpu_cap[row] - self.cpu_used[row]:
+                raise OverCommit(f"node {node} lacks CPU for pod {key}")
+            if host.memory_mib > self.mem_cap[row] - self.mem_used[row]:
+                raise OverCommit(f"node {node} lacks memory for pod {key}")
+            self.cpu_used[row] += host.cpu_milli
+            self.mem_used[row] += host.memory_mib
+        for (r, c), amount in per_slot.items():
+            self.used[r, c] += amount
+            holders = self._holders.setdefault((r, c), {})
+            holders[key] = holders.get(key, 0) + amount
+        self._pods[key] = _Pod(node, allocs, host)
+        self.version += 1
+
+    def remove_pod(self, key: str) -> None:
+        pod = self._pods.pop(key, None)
+        if pod is None:
+            return
+        row = self._rows.get(pod.node)
+        for uuid, amount in pod.allocations:
+            where = self._uuids.get(uuid)
+            if where is None or where[0] != row:
+                continue  # the slot went away with a node update
+            holders = self._holders.get(where, {})
+            if holders.pop(key, None) is not None:
+                self.used[where] = max(0, int(self.used[where]) - amount)
+            if not holders:
+                self._holders.pop(where, None)
+        if row is not None and self.host_tracked[row]:
+            self.cpu_used[row] -= pod.host.cpu_milli
+            self.mem_used[row] -= pod.host.memory_mib
+        self.version += 1
+
+    def has_pod(self, key: str) -> bool:
+        return key in self._pods
+
+    def pod_node(self, key: str) -> str | None:
+        pod = self._pods.get(key)
+        return pod.node if pod else None
+
+    def node_usage(self, name: str) -> list[SlotUsage]:
+        row = self._rows.get(name)
+        if row is None:
+            return []
+        return [SlotUsage(s, int(self.used[row, c]), dict(self._holders.get((row, c), {})))
+                for c, s in enumerate(self._slots[row])]
+
+    # -- target workload (FGD) --------------------------------------------------------------
+    def observe(self, demands: Sequence[Demand], host: HostDemand = HostDemand()) -> None:
+        """Record request sizes: the recent distribution is FGD's target workload."""
+        for d in demands:
+            self.window.add(Shape(d.per_gpu, d.count, d.kind, tuple(d.models), host.cpu_milli))
+
+    def target_workload(self) -> TargetWorkload:
+        """The pinned workload (the paper's typical pods) when set, else the recent window."""
+        return self.pinned if self.pinned is not None else self.window.workload()
+
+    # -- views for placement ----------------------------------------------------------------
+    def free(self) -> np.ndarray:
+        """Free amount per slot, 0 for unhealthy or absent slots and never negative."""
+        return np.where(self.healthy, np.maximum(self.capacity - self.used, 0), 0)
+
+    def cpu_free(self) -> np.ndarray:
+        """Free CPU per row; untracked rows are unlimited."""
+        return np.where(self.host_tracked, self.cpu_cap - self.cpu_used, np.iinfo(np.int64).max // 4)
+
+    def mem_free(self) -> np.ndarray:
+        return np.where(self.host_tracked, self.mem_cap - self.mem_used, np.iinfo(np.int64).max // 4)
+
+    def model_mask(self, patterns: Sequence[str]) -> np.ndarray:
+        """Which model codes a ``gpu-models`` constraint allows (substring match, empty = all)."""
+        from vramshare.inventory import model_matches
+
+        return np.array([model_matches(m, patterns) for m in self.model_names] or [True], bool)

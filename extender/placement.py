@@ -1,0 +1,106 @@
+"""The three questions kube-scheduler asks, answered for the live extender and the simulator alike.
+
+``filter_nodes``: which nodes can hold the pod (and why not the others, in words a person can act on);
+``score_nodes``: how good each is, 0..10; ``pick``: which GPUs to take on the chosen node. The row-level
+functions (``fit_rows``, ``rank_rows``, ``choose``) are what the simulator calls in its inner loop; the
+name-level ones wrap them. A pod is a sequence of :class:`Demand` (one per container that asks).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from vramshare.contract import MAX_EXTENDER_PRIORITY, MIN_EXTENDER_PRIORITY
+
+from extender import policies
+from extender.cluster import ClusterState, Demand, HostDemand, NoFit
+from extender.fit import Ask, allocation_amounts
+from extender.reasons import why_not
+
+UNKNOWN_NODE = "node has no vramshare GPU inventory"
+
+
+def _rows(state: ClusterState, node_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of the known names and a mask over the input marking which names are known."""
+    found = [state.row(n) for n in node_names]
+    known = np.array([r is not None for r in found], bool)
+    return np.array([r for r in found if r is not None], np.int64), known
+
+
+def fit_rows(state: ClusterState, demands: Sequence[Demand], rows: np.ndarray,
+             host: HostDemand = HostDemand()) -> np.ndarray:
+    """``[n]`` bool: does the whole pod fit each row (greedy, all demands together)."""
+    if len(rows) == 0:
+        return np.zeros(0, bool)
+    return Ask(state, tuple(demands), rows, host).best_fit.ok
+
+
+def rank_rows(state: ClusterState, demands: Sequence[Demand], rows: np.ndarray, policy: str,
+              host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> np.ndarray:
+    """Raw policy scores (float, higher is better) for rows that all fit the pod."""
+    if len(rows) == 0:
+        return np.zeros(0)
+    return policies.get(policy).scores(Ask(state, tuple(demands), rows, host, rng))
+
+
+def choose(state: ClusterState, demands: Sequence[Demand], row: int, policy: str,
+           host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> list[list[tuple[str, int]]]:
+    """Slots and amounts per demand on one row; raises :class:`NoFit` with the reason."""
+    ask = Ask(state, tuple(demands), np.array([row], np.int64), host, rng)
+    if not ask.best_fit.ok[0]:
+        raise NoFit(why_not(ask, 0))
+    return allocation_amounts(ask, 0, policies.get(policy).choose(ask, 0))
+
+
+def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str],
+                 host: HostDemand = HostDemand()) -> tuple[list[str], dict[str, str]]:
+    """Fitting names (input order) and ``{failed name: reason}``."""
+    rows, known = _rows(state, node_names)
+    failed: dict[str, str] = {}
+    fitting: list[str] = []
+    ask = Ask(state, tuple(demands), rows, host)
+    ok = ask.best_fit.ok if len(rows) else np.zeros(0, bool)
+    j = 0
+    for name, is_known in zip(node_names, known):
+        if not is_known:
+            failed[name] = UNKNOWN_NODE
+            continue
+        if ok[j]:
+            fitting.append(name)
+        else:
+            failed[name] = why_not(ask, j)
+        j += 1
+    return fitting, failed
+
+
+def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str], policy: str,
+                host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> list[tuple[str, int]]:
+    """Integer 0..10 per input name: the best fitting node gets 10, names that do not fit get 0.
+
+    Raw scores are min-max scaled over the fitting nodes, so the extender's weight decides how much
+    VRAM placement counts against kube-scheduler's own plugins, whatever the policy's raw units.
+    """
+    rows, known = _rows(state, node_names)
+    out = np.full(len(node_names), MIN_EXTENDER_PRIORITY, np.int64)
+    if len(rows):
+        ask = Ask(state, tuple(demands), rows, host, rng)
+        ok = ask.best_fit.ok
+        if ok.any():
+            raw = policies.get(policy).scores(ask.subset(ok))
+            lo, hi = float(raw.min()), float(raw.max())
+            scaled = np.full(len(raw), MAX_EXTENDER_PRIORITY, np.int64) if hi <= lo else \
+                np.rint((raw - lo) / (hi - lo) * (MAX_EXTENDER_PRIORITY - MIN_EXTENDER_PRIORITY)).astype(np.int64)
+            per_row = np.full(len(rows), MIN_EXTENDER_PRIORITY, np.int64)
+            per_row[ok] = scaled + MIN_EXTENDER_PRIORITY
+            out[known] = per_row
+    return [(n, int(s)) for n, s in zip(node_names, out)]
+
+
+def pick(state: ClusterState, demands: Sequence[Demand], node: str, policy: str,
+         host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> list[list[tuple[str, int]]]:
+    """Per demand ``[(slot uuid, amount)]`` on ``node``; raises :class:`NoFit` saying why not."""
+    row = state.row(node)
+    if row is None:
+        raise NoFit(f"{node}: {UNKNOWN_NODE}")
+    return choose(state, demands, row, policy, host, rng)

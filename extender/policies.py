@@ -1,0 +1,161 @@
+"""Placement policies: how to rank the nodes a pod fits on, and which GPUs to take on the chosen one.
+
+A policy turns an :class:`~extender.fit.Ask` (the pod against candidate rows that all fit) into raw
+float scores, higher is better, and picks slot columns on one row. Raw scores keep full resolution so
+the simulator can pick exactly what a lone scheduler would; the HTTP adapter gets them squeezed to
+kube-scheduler's 0..10 by :func:`extender.placement.score_nodes`.
+
+Ours: ``fgd`` (default), ``binpack``, ``spread``. The paper's baselines live in
+:mod:`extender.baselines` and register here too, so the extender and the simulator share one table.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+from extender.cluster import SHARED
+from extender.fit import Ask
+from extender.fragmentation import frag_after_each_slot, node_frag
+
+# Differences in fragmentation below this fraction of one GPU are noise, not preference.
+_RESOLUTION = 1e-7
+
+
+class Policy(Protocol):
+    name: str
+
+    def scores(self, ask: Ask) -> np.ndarray:
+        """``[n]`` raw scores for ``ask.rows`` (every row fits), higher is better."""
+
+    def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
+        """Slot columns per demand on row ``ask.rows[i]``."""
+
+
+def _packing(ask: Ask, free_after: np.ndarray) -> np.ndarray:
+    """In [-1, 0]: minus the node's idle shared GPU after placement, in GPUs per slot column."""
+    idle = np.where(ask.shared, free_after, 0).sum(axis=1)
+    return -idle / (ask.scale * free_after.shape[1])
+
+
+def _host_packing(ask: Ask) -> np.ndarray:
+    """In [-1, 0]: minus the share of the node's CPU left free (0 where the host is not tracked)."""
+    st = ask.state
+    cap = st.cpu_cap[ask.rows].astype(np.float64)
+    left = (ask.cpu_free - ask.host.cpu_milli) / np.where(cap > 0, cap, 1.0)
+    return np.where(st.host_tracked[ask.rows], -left, 0.0)
+
+
+def _best_fit_columns(ask: Ask, i: int) -> list[np.ndarray]:
+    place = ask.best_fit
+    return [c[i] for c in place.columns]
+
+
+class BinPack:
+    """Best fit: the node with the least free GPU memory after placement; best-fit GPU on it."""
+
+    name = "binpack"
+
+    def scores(self, ask: Ask) -> np.ndarray:
+        return _packing(ask, ask.best_fit.free_after) + 1e-3 * _host_packing(ask)
+
+    def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
+        return _best_fit_columns(ask, i)
+
+
+class Spread:
+    """Most free after placement, on the GPU with the most free memory: fewer noisy neighbours."""
+
+    name = "spread"
+
+    def scores(self, ask: Ask) -> np.ndarray:
+        return -_packing(ask, ask.place("most").free_after)
+
+    def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
+        return [c[i] for c in ask.place("most").columns]
+
+
+class FragmentationGradient:
+    """FGD for memory: the placement that most reduces expected fragmentation, ties to best fit.
+
+    Differences from the paper's plugin (``fgd-paper``): the target workload is the recent window of
+    requests (live, no oracle); scores keep full float resolution instead of ``int(sigmoid(x)*100)``;
+    the GPU inside the node is chosen by the same fragmentation delta with ties broken toward the
+    fullest GPU; equal nodes go to the one left fullest (binpack) instead of a coin toss.
+    """
+
+    name = "fgd"
+
+    def _single_slot(self, ask: Ask) -> bool:
+        d = ask.demands
+        return len(d) == 1 and d[0].kind == SHARED and d[0].count == 1
+
+    def _eligible(self, ask: Ask) -> tuple[np.ndarray, object]:
+        wl = ask.state.target_workload()
+        elig = ask.shared[:, :, None]
+        if any(s.models for s in wl.shapes):
+            masks = np.stack([ask.state.model_mask(s.models) for s in wl.shapes], axis=1)  # [C, M]
+            elig = elig & masks[ask.state.model[ask.rows]]
+        return elig, wl
+
+    def deltas(self, ask: Ask) -> tuple[np.ndarray, np.ndarray | None]:
+        """Fragmentation reduction per node ``[n]`` and, for one-GPU shared pods, per slot ``[n, G]``."""
+        elig, wl = self._eligible(ask)
+        f0 = node_frag(ask.shared_free, elig, ask.cpu_free, wl)  # type: ignore[arg-type]
+        if self._single_slot(ask):
+            d = ask.demands[0]
+            after = frag_after_each_slot(ask.shared_free, elig, ask.cpu_free, wl,  # type: ignore[arg-type]
+                                         d.per_gpu, ask.host.cpu_milli)
+            per_slot = np.where(ask.mask(0) & (ask.free >= d.per_gpu), f0[:, None] - after, -np.inf)
+            return per_slot.max(axis=1), per_slot
+        free_after = np.where(ask.shared, ask.best_fit.free_after, 0)
+        f1 = node_frag(free_after, elig, ask.cpu_free - ask.host.cpu_milli, wl)  # type: ignore[arg-type]
+        return f0 - f1, None
+
+    def scores(self, ask: Ask) -> np.ndarray:
+        delta, per_slot = self.deltas(ask)
+        if per_slot is not None:
+            best = self._best_columns(ask, per_slot)
+            free_after = ask.free.copy()
+            rows = np.arange(len(ask.rows))
+            free_after[rows, best] -= ask.demands[0].per_gpu
+        else:
+            free_after = ask.best_fit.free_after
+        quantised = np.round(delta / ask.scale / _RESOLUTION) * _RESOLUTION
+        return quantised + _RESOLUTION * 0.1 * (_packing(ask, free_after) + 1e-3 * _host_packing(ask))
+
+    def _best_columns(self, ask: Ask, per_slot: np.ndarray) -> np.ndarray:
+        """Per row: the slot with the largest delta, ties to the least free (best fit), then index."""
+        q = np.round(per_slot / ask.scale / _RESOLUTION)
+        key = np.where(np.isfinite(q), -q + ask.free / (4 * ask.scale), np.inf)
+        return np.argmin(key, axis=1)
+
+    def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
+        if self._single_slot(ask):
+            _, per_slot = self.deltas(ask.subset(np.arange(len(ask.rows)) == i))
+            assert per_slot is not None
+            return [self._best_columns(ask.subset(np.arange(len(ask.rows)) == i), per_slot)[:1]]
+        return _best_fit_columns(ask, i)
+
+
+REGISTRY: dict[str, Callable[[], Policy]] = {
+    "fgd": FragmentationGradient,
+    "binpack": BinPack,
+    "spread": Spread,
+}
+
+
+def get(name: str) -> Policy:
+    """The policy called ``name`` (ours or a paper baseline); ValueError names the known ones."""
+    from extender import baselines  # noqa: F401  (registers the paper's policies)
+
+    try:
+        return REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(sorted(REGISTRY))})") from None
+
+
+def names() -> list[str]:
+    from extender import baselines  # noqa: F401
+
+    return list(REGISTRY)

@@ -1,0 +1,83 @@
+"""Why a pod does not fit a node, in words a person can act on.
+
+kube-scheduler shows these strings in the pod's events (``FailedNodes``), so each names the numbers
+that matter: how much was asked, the largest free amount and on which GPU, how many GPUs qualify.
+Only computed for nodes that failed. Pure, no I/O.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from extender.cluster import EXCLUSIVE, MIG_PREFIX, SHARED, Demand
+from extender.fit import Ask
+
+
+def mib(amount: int) -> str:
+    """``20480`` -> ``20 GiB``; ``1536`` -> ``1.5 GiB``; below 1 GiB in MiB."""
+    if amount >= 1024:
+        gib = amount / 1024
+        return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.1f} GiB"
+    return f"{amount} MiB"
+
+
+def _kind_words(d: Demand) -> str:
+    if d.kind == SHARED:
+        return "GPU in shared mode"
+    if d.kind == EXCLUSIVE:
+        return "whole GPU (exclusive mode)"
+    return f"MIG instance of profile {d.kind[len(MIG_PREFIX):]}"
+
+
+def _alone(ask: Ask, j: int, i: int) -> str | None:
+    """Reason demand ``i`` alone cannot fit row ``j``, or None when it can."""
+    st, d = ask.state, ask.demands[i]
+    row = int(ask.rows[j])
+    index = st.index[row]
+    of_kind = st.kind[row] == st.kind_code(d.kind)
+    if not of_kind.any():
+        return f"node has no {_kind_words(d)}"
+    allowed = of_kind
+    if d.models:
+        allowed = of_kind & st.model_mask(d.models)[st.model[row]]
+        if not allowed.any():
+            return f"no GPU matches models {'|'.join(d.models)}"
+    usable = ask.mask(i)[j]
+    if not usable.any():
+        return f"all {int(allowed.sum())} matching GPUs are unhealthy"
+    free = np.where(usable, ask.free[j], -1)
+    k = max(1, d.count)
+    if d.kind == SHARED:
+        having = int((free >= d.per_gpu).sum())
+        if having >= k:
+            return None
+        if k == 1:
+            g = int(np.argmax(free))
+            return (f"no GPU has {mib(d.per_gpu)} free; largest free is {mib(int(free[g]))} "
+                    f"on GPU {int(index[g])}")
+        return f"needs {k} GPUs with {mib(d.per_gpu)} free each; only {having} {'has' if having == 1 else 'have'}"
+    whole = int((usable & (ask.free[j] == ask.capacity[j]) & (ask.capacity[j] > 0)).sum())
+    if whole >= k:
+        return None
+    if d.kind == EXCLUSIVE:
+        return f"needs {k} free whole GPU{'s' if k > 1 else ''}; {whole} of {int(usable.sum())} free"
+    profile = d.kind[len(MIG_PREFIX):]
+    if k == 1:
+        return f"no free MIG instance of profile {profile}"
+    return f"needs {k} free MIG instances of profile {profile}; only {whole} free"
+
+
+def why_not(ask: Ask, j: int) -> str:
+    """The first reason the pod cannot go to ``ask.rows[j]``."""
+    h = ask.host
+    if ask.cpu_free[j] < h.cpu_milli:
+        return f"insufficient cpu: needs {h.cpu_milli}m, {int(ask.cpu_free[j])}m free"
+    if ask.mem_free[j] < h.memory_mib:
+        return f"insufficient memory: needs {mib(h.memory_mib)}, {mib(int(ask.mem_free[j]))} free"
+    for i in range(len(ask.demands)):
+        reason = _alone(ask, j, i)
+        if reason is not None:
+            return reason if len(ask.demands) == 1 else f"container {i + 1}: {reason}"
+    total = sum(d.per_gpu * d.count for d in ask.demands if d.kind == SHARED)
+    free = int(np.where(ask.shared[j], ask.free[j], 0).sum())
+    return (f"each container fits alone but not all {len(ask.demands)} together "
+            f"({mib(total)} shared GPU memory asked, {mib(free)} free on this node)")

@@ -1,0 +1,111 @@
+"""FGD's target workload: which request shapes are expected next, and how often.
+
+Fragmentation is only defined against a workload (a free 300 MiB sliver is a fragment for a 20 GiB
+request but not for a 256 MiB one). The paper takes the most popular shapes of the whole trace; live we
+only know the past, so the extender keeps a sliding window of recent requests. Pure, no I/O.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """One request shape: ``count`` slots with ``per_gpu`` each (+ host CPU where it is known)."""
+
+    per_gpu: int
+    count: int = 1
+    kind: str = "shared"
+    models: tuple[str, ...] = ()
+    cpu_milli: int = 0
+
+
+@dataclass(frozen=True)
+class TargetWorkload:
+    """Shapes with their popularity as parallel arrays, ready for broadcasting against slots."""
+
+    shapes: tuple[Shape, ...]
+    per_gpu: np.ndarray  # [M] int64
+    count: np.ndarray  # [M] int64
+    cpu: np.ndarray  # [M] int64
+    weight: np.ndarray  # [M] float64, sums to 1 over all shapes (GPU ones and CPU-only ones)
+    cpu_only_weight: float = 0.0  # share of CPU-only tasks: for them every idle GPU is a fragment
+
+    @property
+    def empty(self) -> bool:
+        return len(self.shapes) == 0
+
+    @classmethod
+    def from_counts(cls, counts: dict[Shape, float], cpu_only: float = 0.0) -> "TargetWorkload":
+        """Build from shape->count; CPU-only tasks (per_gpu 0) may be folded into ``cpu_only``."""
+        shared = {s: c for s, c in counts.items() if s.kind == "shared" and s.per_gpu > 0 and s.count > 0}
+        cpu_only += sum(c for s, c in counts.items() if s.per_gpu <= 0 or s.count <= 0)
+        total = float(sum(shared.values()) + cpu_only)
+        shapes = tuple(sorted(shared))
+        if total <= 0:
+            return cls((), *(np.zeros(0, np.int64) for _ in range(3)), np.zeros(0))
+        return cls(
+            shapes,
+            np.array([s.per_gpu for s in shapes], np.int64),
+            np.array([s.count for s in shapes], np.int64),
+            np.array([s.cpu_milli for s in shapes], np.int64),
+            np.array([shared[s] / total for s in shapes], np.float64),
+            cpu_only / total,
+        )
+
+
+class WorkloadWindow:
+    """The last ``size`` observed shapes, with counts kept incrementally."""
+
+    def __init__(self, size: int = 1000, top: int = 32) -> None:
+        self._recent: deque[Shape] = deque(maxlen=max(1, size))
+        self._counts: Counter[Shape] = Counter()
+        self._top = top
+        self._cached: TargetWorkload | None = None
+
+    def add(self, shape: Shape) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            self._counts[old] -= 1
+            if self._counts[old] <= 0:
+                del self._counts[old]
+        self._recent.append(shape)
+        self._counts[shape] += 1
+        self._cached = None
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def workload(self) -> TargetWorkload:
+        """The most popular ``top`` shapes (bounding per-request cost), weights over the whole window."""
+        if self._cached is None:
+            kept = dict(self._counts.most_common(self._top))
+            self._cached = TargetWorkload.from_counts(kept)
+        return self._cached
+
+
+def typical_workload(shapes: Iterable[Shape], popularity: float = 0.95) -> TargetWorkload:
+    """The paper's ``GetTypicalPods``: the most frequent shapes covering ``popularity`` of all tasks.
+
+    CPU-only tasks are counted (``isInvolvedCpuPods: true``); weights are renormalised over what is kept.
+    """
+    counts = Counter(shapes)
+    total = sum(counts.values())
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], _reverse_key(kv[0])))
+    kept: dict[Shape, float] = {}
+    covered = 0
+    for shape, n in ranked:
+        if covered >= popularity * total:
+            break
+        kept[shape] = n
+        covered += n
+    return TargetWorkload.from_counts(kept)
+
+
+def _reverse_key(s: Shape) -> tuple:
+    """Ties in popularity break like the paper's sort.Reverse(Less): larger CPU, then GPU first."""
+    return (-s.cpu_milli, -s.per_gpu, -s.count, tuple(s.models))
