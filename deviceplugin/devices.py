@@ -1,0 +1,93 @@
+"""Slicing a node's GPUs into kubelet devices: the pure core of what the plugin advertises.
+
+The backend says what GPUs exist; the config says how each is offered (memory units, whole, MIG).
+From those two this module builds the :class:`~vramshare.inventory.NodeInventory` (published as the
+node annotation) and, per extended resource, the device list handed to ListAndWatch. Device IDs
+name the physical GPU (``<gpu-uuid>::<n>``, the GPU UUID, or the MIG UUID) so an ID alone says which
+GPU it is, even after a restart. No I/O, no grpc: plain frozen values in, plain frozen values out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AbstractSet, Iterable, Mapping, Sequence
+
+from deviceplugin.backend import DiscoveredGpu
+from vramshare import contract
+from vramshare.config import Config
+from vramshare.inventory import Gpu, GpuMode, MigInstance, NodeInventory, units_for
+
+
+@dataclass(frozen=True)
+class PluginDevice:
+    """One kubelet device: its ID, the GPU it lives on, that GPU's NUMA node and its health."""
+
+    id: str
+    gpu_uuid: str
+    numa_node: int | None
+    healthy: bool
+    mib: int  # memory this device stands for (a unit, a MIG instance, or a whole GPU)
+
+
+class DeviceIdError(ValueError):
+    """A device ID longer than the kubelet accepts (63 characters)."""
+
+
+def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
+                    unhealthy: AbstractSet[str] = frozenset()) -> NodeInventory:
+    """The node inventory: mode per GPU from the config, units per shared GPU, MIG instances.
+
+    ``unhealthy`` holds GPU and MIG UUIDs the health watch reported; a MIG instance is also
+    unhealthy when its parent GPU is.
+    """
+    gpus = []
+    for d in sorted(discovered, key=lambda g: g.index):
+        mode = config.mode_for(d.index, d.uuid, d.mig_enabled)
+        gpu_ok = d.uuid not in unhealthy
+        migs = tuple(
+            MigInstance(uuid=m.uuid, profile=m.profile, memory_mib=m.memory_mib, gi=m.gi, ci=m.ci,
+                        healthy=gpu_ok and m.uuid not in unhealthy)
+            for m in d.mig
+        ) if mode is GpuMode.MIG else ()
+        units = (units_for(d.memory_mib - d.reserved_mib, config.reserved_mib_per_gpu, config.memory_unit_mib)
+                 if mode is GpuMode.SHARED else 0)
+        gpus.append(Gpu(index=d.index, uuid=d.uuid, model=d.model, memory_mib=d.memory_mib,
+                        numa_node=d.numa_node, mode=mode, healthy=gpu_ok, mig=migs, units=units))
+    return NodeInventory(unit_mib=config.memory_unit_mib, gpus=tuple(gpus))
+
+
+def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[str, tuple[PluginDevice, ...]]:
+    """Kubelet devices per extended resource; a resource appears only when it has a device."""
+    out: dict[str, list[PluginDevice]] = {}
+    for g in inventory.gpus:
+        if g.mode is GpuMode.SHARED:
+            out.setdefault(names.gpu_memory, []).extend(
+                PluginDevice(contract.unit_device_id(g.uuid, n), g.uuid, g.numa_node, g.healthy,
+                             inventory.unit_mib)
+                for n in range(g.units))
+        elif g.mode is GpuMode.EXCLUSIVE:
+            out.setdefault(names.gpu, []).append(
+                PluginDevice(g.uuid, g.uuid, g.numa_node, g.healthy, g.memory_mib))
+        else:
+            for m in g.mig:
+                out.setdefault(names.mig(m.profile), []).append(
+                    PluginDevice(m.uuid, g.uuid, g.numa_node, m.healthy, m.memory_mib))
+    for devices in out.values():
+        check_ids(d.id for d in devices)
+    return {r: tuple(ds) for r, ds in sorted(out.items())}
+
+
+def check_ids(ids: Iterable[str]) -> None:
+    """Refuse IDs the kubelet would reject; better to fail at start than at every registration."""
+    for device_id in ids:
+        if len(device_id) > contract.MAX_DEVICE_ID_LEN:
+            raise DeviceIdError(f"device ID {device_id!r} is {len(device_id)} characters, "
+                                f"the kubelet accepts at most {contract.MAX_DEVICE_ID_LEN}")
+
+
+def socket_name(resource: str) -> str:
+    """``vramshare-<suffix>.sock`` for a resource ``<domain>/<suffix>``; one socket per resource."""
+    return f"vramshare-{resource.split('/', 1)[1]}.sock"
+
+
+def by_id(devices: Sequence[PluginDevice]) -> Mapping[str, PluginDevice]:
+    return {d.id: d for d in devices}

@@ -1,0 +1,92 @@
+"""Prometheus metrics of the device plugin, on its own registry (no global state, testable).
+
+Device counts and GPU health are pulled from the node state at scrape time; allocations,
+registrations and backend (NVML) errors are counted as they happen. Names start with
+``vramshare_deviceplugin_`` (``vramshare_gpu_healthy`` is per GPU).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from vramshare import contract
+from vramshare.inventory import NodeInventory
+
+_PREFIX = contract.METRICS_PREFIX + "deviceplugin_"
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class _DeviceCollector(Collector):
+    """Devices per resource and health, and per-GPU health, read from the current snapshot."""
+
+    def __init__(self, snapshot: Callable[[], object]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        devices = GaugeMetricFamily(_PREFIX + "devices", "Devices advertised to the kubelet",
+                                    labels=["resource", "health"])
+        for resource, devs in getattr(snap, "devices").items():
+            healthy = sum(1 for d in devs if d.healthy)
+            devices.add_metric([resource, contract.HEALTHY], healthy)
+            devices.add_metric([resource, contract.UNHEALTHY], len(devs) - healthy)
+        yield devices
+        inventory: NodeInventory = getattr(snap, "inventory")
+        gpus = GaugeMetricFamily(contract.METRICS_PREFIX + "gpu_healthy", "1 when the GPU is healthy",
+                                 labels=["gpu", "model", "mode"])
+        for g in inventory.gpus:
+            gpus.add_metric([g.uuid, g.model, g.mode.value], 1.0 if g.healthy else 0.0)
+        yield gpus
+
+
+class PluginMetrics:
+    """The instruments; ``snapshot`` (optional) feeds the pull collector."""
+
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 snapshot: Callable[[], object] | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.allocations = Counter(_PREFIX + "allocations", "Allocate calls by resource and result "
+                                   "(ok, invalid, precondition, unavailable)", ["resource", "result"],
+                                   registry=self.registry)
+        self.allocate_seconds = Histogram(_PREFIX + "allocate_seconds", "Allocate latency", ["resource"],
+                                          buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registrations = Counter(_PREFIX + "registrations", "Register calls to the kubelet",
+                                     ["resource", "result"], registry=self.registry)
+        self.backend_errors = Counter(_PREFIX + "backend_errors", "GPU backend (NVML) errors",
+                                      ["backend"], registry=self.registry)
+        if snapshot is not None:
+            self.registry.register(_DeviceCollector(snapshot))
+
+    def allocation(self, resource: str, result: str, seconds: float) -> None:
+        self.allocations.labels(resource, result).inc()
+        self.allocate_seconds.labels(resource).observe(seconds)
+
+    def registration(self, resource: str, ok: bool) -> None:
+        self.registrations.labels(resource, "ok" if ok else "error").inc()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - wsgiref's signature
+        pass
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP in one named thread; ``close()`` stops it."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "0.0.0.0") -> None:
+        self._server: WSGIServer = make_server(host, port, make_wsgi_app(registry), handler_class=_QuietHandler)
+        self.port = self._server.server_port
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="metrics-http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,88 @@
+"""The node's current GPUs, health and config, and who to tell when they change.
+
+One object owns the mutable facts (discovered GPUs, the unhealthy set, the config) and turns them,
+through the pure :mod:`deviceplugin.devices`, into an immutable :class:`Snapshot`. Readers (the
+servicers, the allocator, the inventory publisher, the metrics) take the current snapshot without
+locking; writers (the health watch, the config reload) swap it and then call the listeners outside
+the lock, so a slow listener never blocks a health event.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from deviceplugin import devices
+from deviceplugin.backend import DiscoveredGpu, HealthEvent
+from vramshare import logs
+from vramshare.config import Config
+from vramshare.inventory import NodeInventory
+
+log = logs.get(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    config: Config
+    inventory: NodeInventory
+    devices: Mapping[str, tuple[devices.PluginDevice, ...]]  # per extended resource
+    resource_of: Mapping[str, str] = field(default_factory=dict)  # device ID -> resource
+
+    def device_map(self, resource: str) -> Mapping[str, devices.PluginDevice]:
+        return devices.by_id(self.devices.get(resource, ()))
+
+
+Listener = Callable[[Snapshot, Snapshot], None]  # (old, new)
+
+
+def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: frozenset[str]) -> Snapshot:
+    inventory = devices.build_inventory(discovered, config, unhealthy)
+    per_resource = devices.resource_devices(inventory, config.names)
+    owners = {d.id: r for r, ds in per_resource.items() for d in ds}
+    return Snapshot(config, inventory, per_resource, owners)
+
+
+class NodeState:
+    """Thread-safe holder of the current :class:`Snapshot`."""
+
+    def __init__(self, discovered: Sequence[DiscoveredGpu], config: Config) -> None:
+        self._discovered = tuple(discovered)
+        self._unhealthy: frozenset[str] = frozenset()
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+        self._snapshot = _snapshot(self._discovered, config, self._unhealthy)
+
+    @property
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+    def add_listener(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def on_health(self, event: HealthEvent) -> None:
+        """Backend callback: a GPU (or one MIG instance) went unhealthy or came back."""
+        target = event.mig_uuid or event.uuid
+        with self._lock:
+            unhealthy = self._unhealthy - {target} if event.healthy else self._unhealthy | {target}
+            if unhealthy == self._unhealthy:
+                return
+            self._unhealthy = unhealthy
+        log.warning("gpu health changed", gpu=event.uuid, mig=event.mig_uuid or "", healthy=event.healthy,
+                    reason=event.reason)
+        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy))
+
+    def on_config(self, config: Config) -> None:
+        """A new config (SIGHUP or file change); modes and unit size may change the device lists."""
+        self._swap(lambda s: _snapshot(self._discovered, config, self._unhealthy))
+
+    def _swap(self, build: Callable[[Snapshot], Snapshot]) -> None:
+        with self._lock:
+            old = self._snapshot
+            new = build(old)
+            self._snapshot = new
+            listeners = list(self._listeners)
+        if new == old:
+            return
+        for listener in listeners:
+            listener(old, new)
