@@ -1,0 +1,241 @@
+"""The extender's view of the cluster: node and pod events, and the binder's reservations, folded into
+one ClusterState. No I/O and an injectable clock, so every rule below is tested on literal events.
+
+Rules, each there because a peer got it wrong (extender-anchors, Implications 5):
+
+* GPU capacity comes from each node's inventory annotation (per GPU, never total/count). A node whose
+  annotation cannot be read keeps its last good slots and logs why; the other nodes are untouched.
+* A pod holds memory from the moment the binder reserves it until it is deleted or reaches Succeeded or
+  Failed: then it frees at once (HAMi#2923).
+* Usage is rebuilt from the pods' assignment annotations alone, so a restarted extender sees what the
+  old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``.
+* A reservation is newer than any event that predates it: an event with an older (or no) assignment
+  never undoes a bind in flight, and an assignment the binder gave up on is not revived by the watch.
+
+ClusterState is not thread-safe; :attr:`lock` serialises every read and write of it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from extender import cluster, translate, verbs
+from vramshare import logs, podspec
+from vramshare.config import Config, Policy
+
+__all__ = ["Accounting", "TERMINAL_PHASES"]
+
+log = logs.get("vramshare.extender.accounting")
+Obj = Mapping[str, Any]
+TERMINAL_PHASES = ("Succeeded", "Failed")
+_FORGET_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class _Hold:
+    node: str
+    assume_ns: int
+    since_ns: int  # when we started holding it (our clock): relists only drop holds older than the list
+
+
+def _key(obj: Obj) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
+
+
+class Accounting:
+    """Live per-GPU usage of every vramshare node, fed by the cache and the binder."""
+
+    def __init__(self, config: Config, clock: Callable[[], int] = time.time_ns) -> None:
+        self.config = config
+        self.names = config.names
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.state = cluster.ClusterState(workload_window=config.extender.workload_window)
+        self.slots: dict[str, list[cluster.Slot]] = {}
+        self.pods: dict[str, Obj] = {}  # latest object of every live pod that asks for our resources
+        self._annotation: dict[str, str] = {}
+        self._node_of_uuid: dict[str, str] = {}
+        self._held: dict[str, _Hold] = {}
+        self._forgotten: dict[str, int] = {}
+        self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
+
+    def view(self, policy: Policy) -> verbs.View:
+        return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy)
+
+    # -- nodes ----------------------------------------------------------------------------
+    def apply_node(self, event: str, node: Obj) -> None:
+        name = (node.get("metadata") or {}).get("name", "")
+        with self.lock:
+            if event == "DELETED":
+                self._drop_node(name)
+                return
+            text = ((node.get("metadata") or {}).get("annotations") or {}).get(self.names.inventory)
+            if text is not None and text == self._annotation.get(name):
+                return  # a heartbeat: nothing we read changed
+            try:
+                slots = translate.node_slots(node, self.names)
+            except translate.TranslateError as exc:
+                log.error("bad inventory, keeping last good", node=name, error=str(exc))
+                return
+            if slots is None:
+                self._drop_node(name)
+                return
+            for s in self.slots.get(name, ()):
+                self._node_of_uuid.pop(s.uuid, None)
+            self.state.set_node(name, slots)
+            self.slots[name] = slots
+            self._annotation[name] = text or ""
+            self._node_of_uuid.update((s.uuid, name) for s in slots)
+            log.info("node inventory", node=name, gpus=len(slots), capacity_mib=sum(s.capacity for s in slots))
+            for key in list(self.unaccounted):  # pods that named a node or GPU we did not know yet
+                if key in self.pods:
+                    self._account(key, self.pods[key])
+
+    def _drop_node(self, name: str) -> None:
+        if name not in self.slots:
+            return
+        for s in self.slots.pop(name):
+            self._node_of_uuid.pop(s.uuid, None)
+        self._annotation.pop(name, None)
+        self.state.remove_node(name)
+        for key in [k for k, h in self._held.items() if h.node == name]:
+            self._held.pop(key)
+            self.state.remove_pod(key)
+        log.info("node gone", node=name)
+
+    def replace_nodes(self, items: Iterable[Obj]) -> None:
+        """A fresh node list (start-up or resync): apply all, forget the ones no longer there."""
+        with self.lock:
+            seen = set()
+            for node in items:
+                seen.add((node.get("metadata") or {}).get("name", ""))
+                self.apply_node("ADDED", node)
+            for name in [n for n in self.slots if n not in seen]:
+                self._drop_node(name)
+
+    # -- pods -----------------------------------------------------------------------------
+    def apply_pod(self, event: str, pod: Obj) -> None:
+        key = _key(pod)
+        with self.lock:
+            phase = (pod.get("status") or {}).get("phase")
+            if event == "DELETED" or phase in TERMINAL_PHASES:
+                if self.pods.pop(key, None) is not None or key in self._held:
+                    log.info("pod freed", pod=key, reason="deleted" if event == "DELETED" else phase)
+                self._release(key)
+                self._forgotten.pop(key, None)
+                self.unaccounted.pop(key, None)
+                return
+            if not podspec.wants_gpu(pod, self.names):
+                return
+            if key not in self.pods:
+                self._observe(key, pod)
+            self.pods[key] = pod
+            self._account(key, pod)
+
+    def _observe(self, key: str, pod: Obj) -> None:
+        try:
+            asks = translate.pod_asks(pod, self.names, self.config.memory_unit_mib)
+        except podspec.PodSpecError:
+            return
+        self.state.observe(translate.demands_of(asks))
+
+    def _account(self, key: str, pod: Obj) -> None:
+        try:
+            asg = translate.decode_assignment(pod, self.names)
+        except translate.TranslateError as exc:
+            log.error("bad assignment ignored", pod=key, error=str(exc))
+            return
+        if asg is None or self._forgotten.get(key) == asg.assume_time_ns:
+            return
+        held = self._held.get(key)
+        if held is not None and held.assume_ns > asg.assume_time_ns:
+            return  # a bind in flight is newer than this event
+        node_name = (pod.get("spec") or {}).get("nodeName") or ""
+        allocations = asg.allocations()
+        if not node_name:
+            if self._expired(asg.assume_time_ns):
+                self._release(key)
+                return
+            node_name = next((self._node_of_uuid[u] for u, _ in allocations if u in self._node_of_uuid), "")
+        if held is not None and held.node == node_name and held.assume_ns == asg.assume_time_ns:
+            return
+        try:
+            self.state.add_pod(key, node_name, allocations)
+        except cluster.OverCommit as exc:
+            self.unaccounted[key] = str(exc)
+            log.error("assignment not accounted", pod=key, node=node_name or "?", error=str(exc))
+            return
+        self.unaccounted.pop(key, None)
+        self._held[key] = _Hold(node_name, asg.assume_time_ns, self.clock())
+
+    def _expired(self, assume_ns: int) -> bool:
+        return self.clock() - assume_ns > self.config.extender.assume_timeout_seconds * 1e9
+
+    def _release(self, key: str) -> None:
+        self._held.pop(key, None)
+        self.state.remove_pod(key)
+
+    def replace_pods(self, items: Iterable[Obj], started_ns: int) -> None:
+        """A fresh pod list: apply all; drop pods that vanished, except holds taken after the list began."""
+        with self.lock:
+            seen = set()
+            for pod in items:
+                seen.add(_key(pod))
+                self.apply_pod("ADDED", pod)
+            for key in [k for k in self.pods if k not in seen]:
+                self.pods.pop(key)
+            for key, hold in list(self._held.items()):
+                if key not in seen and hold.since_ns < started_ns:
+                    log.info("pod freed", pod=key, reason="gone at resync")
+                    self._release(key)
+
+    def expire(self) -> list[str]:
+        """Free assumed pods that never bound within ``assume_timeout_seconds``; returns their keys."""
+        gone = []
+        with self.lock:
+            for key, hold in list(self._held.items()):
+                pod = self.pods.get(key)
+                bound = pod is not None and (pod.get("spec") or {}).get("nodeName")
+                if not bound and self._expired(hold.assume_ns):
+                    self._release(key)
+                    self._forgotten[key] = hold.assume_ns
+                    gone.append(key)
+                    log.warning("assumed pod expired", pod=key, node=hold.node,
+                                timeout_s=self.config.extender.assume_timeout_seconds)
+        return gone
+
+    # -- the binder's reservations --------------------------------------------------------
+    def reserve(self, key: str, node: str, allocations: list[tuple[str, int]], assume_ns: int) -> None:
+        """Hold memory for a bind in flight; raises ``cluster.OverCommit`` (caller holds :attr:`lock`)."""
+        with self.lock:
+            self.state.add_pod(key, node, allocations)
+            self._held[key] = _Hold(node, assume_ns, self.clock())
+            self._forgotten.pop(key, None)
+
+    def release(self, key: str, assume_ns: int) -> None:
+        """Undo a reservation whose bind failed; a later event carrying it will not bring it back."""
+        with self.lock:
+            hold = self._held.get(key)
+            if hold is not None and hold.assume_ns == assume_ns:
+                self._release(key)
+            self._forgotten[key] = assume_ns
+            if len(self._forgotten) > _FORGET_LIMIT:
+                self._forgotten.pop(next(iter(self._forgotten)))
+
+    def release_unbound(self, key: str) -> None:
+        """Drop an earlier assumption for a pod that is being bound again (it never bound)."""
+        with self.lock:
+            hold = self._held.pop(key, None)
+            if hold is not None:
+                self.state.remove_pod(key)
+                self._forgotten[key] = hold.assume_ns
+
+    def mark_bound(self, key: str, node: str) -> None:
+        """The Binding was created: remember the node so expiry never frees it before the watch says so."""
+        with self.lock:
+            pod = self.pods.get(key)
+            if pod is not None:
+                self.pods[key] = {**pod, "spec": {**(pod.get("spec") or {}), "nodeName": node}}

@@ -1,0 +1,86 @@
+"""The extender's only door to the API server: list, watch, get, patch and bind, as plain JSON dicts.
+
+We go through the official ``kubernetes`` client (auth, TLS, in-cluster config) but ask it for the raw
+response (``_preload_content=False``) and decode with orjson: the cache needs plain dicts anyway (the
+placement core and ``podspec`` read Kubernetes JSON), and building model objects for thousands of
+nodes and pods would cost far more than the scheduling itself. Errors stay the client's
+``ApiException`` with ``.status`` (409 conflict, 410 gone, 404 not found) for callers to branch on.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import orjson
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from kubernetes.watch.watch import iter_resp_lines
+
+__all__ = ["ApiException", "Kube", "GONE", "CONFLICT", "NOT_FOUND"]
+
+Obj = dict[str, Any]
+GONE, CONFLICT, NOT_FOUND = 410, 409, 404
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def _read(resp: Any) -> Obj:
+    try:
+        return orjson.loads(resp.data)
+    finally:
+        resp.release_conn()
+
+
+class Kube:
+    """Thin, typed wrapper over ``CoreV1Api`` returning dicts; one per extender process."""
+
+    def __init__(self, api: client.ApiClient, request_timeout: float = 10.0) -> None:
+        self.core = client.CoreV1Api(api)
+        self.timeout = request_timeout
+
+    # -- list + watch (the cache) ---------------------------------------------------------
+    def list(self, plural: str) -> Obj:
+        """A full list of ``nodes`` or ``pods`` (all namespaces), with ``metadata.resourceVersion``."""
+        fn = self.core.list_node if plural == "nodes" else self.core.list_pod_for_all_namespaces
+        return _read(fn(_preload_content=False, _request_timeout=self.timeout))
+
+    def watch(self, plural: str, resource_version: str, timeout_seconds: int,
+              on_open: Any = None) -> Iterator[Obj]:
+        """Watch events (``{"type", "object"}``) from ``resource_version`` until the server ends the stream.
+
+        ``on_open(resp)`` receives the live response so another thread can shut it to stop the watch.
+        """
+        fn = self.core.list_node if plural == "nodes" else self.core.list_pod_for_all_namespaces
+        resp = fn(watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+                  timeout_seconds=timeout_seconds, _preload_content=False,
+                  _request_timeout=(self.timeout, timeout_seconds + self.timeout))
+        if on_open is not None:
+            on_open(resp)
+        try:
+            for line in iter_resp_lines(resp):
+                if line:
+                    yield orjson.loads(line)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    # -- the binder ---------------------------------------------------------------------------
+    def get_pod(self, namespace: str, name: str) -> Obj:
+        return _read(self.core.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                   _request_timeout=self.timeout))
+
+    def patch_pod_annotations(self, namespace: str, name: str, resource_version: str,
+                              annotations: dict[str, str]) -> Obj:
+        """Merge-patch annotations, guarded by ``resourceVersion`` (409 when the pod changed meanwhile)."""
+        body = {"metadata": {"resourceVersion": resource_version, "annotations": annotations}}
+        return _read(self.core.patch_namespaced_pod(name, namespace, body, _content_type=MERGE_PATCH,
+                                                    _preload_content=False, _request_timeout=self.timeout))
+
+    def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:
+        """POST ``pods/<name>/binding``: what makes the kubelet of ``node`` run the pod."""
+        meta: Obj = {"name": name, "namespace": namespace}
+        if uid:
+            meta["uid"] = uid
+        body = {"apiVersion": "v1", "kind": "Binding", "metadata": meta,
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
+        resp = self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False,
+                                                       _request_timeout=self.timeout)
+        resp.release_conn()

@@ -1,0 +1,104 @@
+"""The extender as one function: ``(method, path, body) -> Response``, transport-free.
+
+Every kube-scheduler verb answers HTTP 200, also on failure, with the reason in ``Error``: any other
+status is an opaque error to the scheduler, and a body it can read tells the operator what went wrong.
+Bad input (not JSON, a missing key) is answered the same way and changes nothing. The HTTP module only
+moves bytes; this module times each request and counts it.
+"""
+from __future__ import annotations
+
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Callable
+
+import orjson
+
+from extender import accounting, binder, cache, inspection, metrics, verbs, wire
+from vramshare import logs
+from vramshare.config import Policy
+
+__all__ = ["Extender", "Response"]
+
+log = logs.get("vramshare.extender.app")
+JSON = "application/json"
+TEXT = "text/plain; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = JSON
+
+
+class Extender:
+    """Wires the pure verbs to the live accounting, the binder, the cache's readiness and the metrics."""
+
+    def __init__(self, acct: accounting.Accounting, bind: binder.Binder, watcher: cache.Cache | None,
+                 stats: metrics.ExtenderMetrics, policy: Policy) -> None:
+        self.acct, self.binder, self.cache, self.stats, self.policy = acct, bind, watcher, stats, policy
+        self._post: dict[str, Callable[[bytes], bytes]] = {
+            "/filter": self._filter, "/prioritize": self._prioritize, "/bind": self._bind,
+        }
+
+    def handle(self, method: str, path: str, body: bytes) -> Response:
+        path = path.split("?", 1)[0].rstrip("/") or "/"
+        if method == "POST" and path in self._post:
+            return self._verb(path[1:], self._post[path], body)
+        if method == "GET":
+            if path == "/healthz":
+                return Response(200, b"ok", TEXT)
+            if path == "/readyz":
+                ready = self.cache is None or self.cache.ready.is_set()
+                return Response(200, b"ok", TEXT) if ready else Response(503, b"cache not synced yet", TEXT)
+            if path == "/metrics":
+                return Response(200, self.stats.render(), metrics.CONTENT_TYPE_LATEST)
+            if path == "/inspect" or path.startswith("/inspect/"):
+                node = urllib.parse.unquote(path[len("/inspect/"):]) if path != "/inspect" else None
+                doc = inspection.render(self.acct, node)
+                if doc is None:
+                    return Response(404, orjson.dumps({"error": f"node {node} has no vramshare GPUs"}))
+                return Response(200, orjson.dumps(doc))
+        return Response(404, orjson.dumps({"error": f"no route {method} {path}"}))
+
+    def _verb(self, verb: str, fn: Callable[[bytes], bytes], body: bytes) -> Response:
+        start = time.perf_counter()
+        outcome = "ok"
+        try:
+            out = fn(body)
+        except wire.WireError as exc:
+            outcome, out = "bad_request", self._error(verb, str(exc))
+            log.warning("bad request", verb=verb, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - the scheduler gets a reason, never a 500
+            outcome, out = "error", self._error(verb, f"{type(exc).__name__}: {exc}")
+            log.error("verb failed", verb=verb, exc_info=True)
+        self.stats.observe(verb, outcome, time.perf_counter() - start)
+        return Response(200, out)
+
+    @staticmethod
+    def _error(verb: str, message: str) -> bytes:
+        if verb == "bind":
+            return wire.encode_binding_result(message)
+        if verb == "prioritize":  # HostPriorityList has no error field; kube-scheduler ignores its errors
+            return b"[]"
+        return wire.encode_filter_result(wire.FilterResult(error=message), None)
+
+    # -- verbs -------------------------------------------------------------------------------
+    def _filter(self, body: bytes) -> bytes:
+        args = wire.decode_extender_args(body)
+        with self.acct.lock:
+            result = verbs.filter_pod(self.acct.view(self.policy), args)
+        return wire.encode_filter_result(result, args)
+
+    def _prioritize(self, body: bytes) -> bytes:
+        args = wire.decode_extender_args(body)
+        with self.acct.lock:
+            scores = verbs.prioritize_pod(self.acct.view(self.policy), args)
+        return wire.encode_host_priorities(scores)
+
+    def _bind(self, body: bytes) -> bytes:
+        args = wire.decode_binding_args(body)
+        outcome = self.binder.bind(args)
+        self.stats.binds.labels(outcome.result).inc()
+        return wire.encode_binding_result(outcome.error)

@@ -1,0 +1,97 @@
+"""What the extender holds, per node and GPU: the ``/inspect`` JSON and the ``vramshare inspect`` table.
+
+gpushare's ``/inspect`` taught operators to look here first when a pod stays Pending ("is there a GPU
+with 20 GiB free?"), so the answer names every GPU with its total, used and free MiB and the pods on it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, TextIO
+
+import orjson
+
+from extender import accounting
+
+__all__ = ["render", "format_table", "run"]
+
+Obj = dict[str, Any]
+
+
+def _node(acct: accounting.Accounting, name: str) -> Obj:
+    gpus = []
+    for use in acct.state.node_usage(name):
+        s = use.slot
+        gpus.append({
+            "index": s.index, "uuid": s.uuid, "model": s.model, "kind": s.kind, "healthy": s.healthy,
+            "totalMiB": s.capacity, "usedMiB": use.used, "freeMiB": max(0, s.capacity - use.used),
+            "pods": [{"pod": key, "mib": mib} for key, mib in sorted(use.pods.items())],
+        })
+    total = sum(g["totalMiB"] for g in gpus)
+    used = sum(g["usedMiB"] for g in gpus)
+    return {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
+
+
+def render(acct: accounting.Accounting, node: str | None = None) -> Obj | None:
+    """The whole cluster, or one node (``None`` if the extender does not know it)."""
+    with acct.lock:
+        if node is not None:
+            return _node(acct, node) if node in acct.slots else None
+        return {"nodes": [_node(acct, n) for n in sorted(acct.slots)],
+                "unaccounted": dict(sorted(acct.unaccounted.items()))}
+
+
+def _gib(mib: int) -> str:
+    return f"{mib / 1024:.1f}"
+
+
+def format_table(doc: Obj) -> str:
+    """A fixed-width table, one row per GPU, memory in GiB."""
+    nodes = doc["nodes"] if "nodes" in doc else [doc]
+    header = ("NODE", "GPU", "MODEL", "KIND", "TOTAL", "USED", "FREE", "PODS")
+    rows = [header]
+    for n in nodes:
+        for g in n["gpus"]:
+            pods = ", ".join(f"{p['pod']} ({_gib(p['mib'])})" for p in g["pods"]) or "-"
+            kind = g["kind"] + ("" if g["healthy"] else " UNHEALTHY")
+            rows.append((n["name"], str(g["index"]), g["model"], kind, _gib(g["totalMiB"]), _gib(g["usedMiB"]),
+                         _gib(g["freeMiB"]), pods))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows]
+    total = sum(n["totalMiB"] for n in nodes)
+    used = sum(n["usedMiB"] for n in nodes)
+    lines.append(f"{len(nodes)} node(s), {sum(len(n['gpus']) for n in nodes)} GPU(s): "
+                 f"{_gib(used)} of {_gib(total)} GiB used, {_gib(total - used)} GiB free (memory in GiB)")
+    for pod, why in (doc.get("unaccounted") or {}).items():
+        lines.append(f"warning: {pod} not accounted: {why}")
+    return "\n".join(lines)
+
+
+def fetch(base_url: str, node: str | None = None, timeout: float = 10.0) -> Obj:
+    url = base_url.rstrip("/") + "/inspect" + (f"/{urllib.parse.quote(node)}" if node else "")
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return orjson.loads(resp.read())
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``vramshare inspect [NODE] --extender URL``."""
+    out = out or sys.stdout
+    try:
+        doc = fetch(args.extender, args.node)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            body = exc.read()
+        try:
+            detail = orjson.loads(body).get("error", "")
+        except orjson.JSONDecodeError:
+            detail = body.decode(errors="replace")
+        print(f"vramshare inspect: {args.extender}: {exc.code} {detail}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"vramshare inspect: cannot reach the extender at {args.extender}: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(doc), file=out)
+    return 0
