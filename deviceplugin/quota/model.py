@@ -25,6 +25,16 @@ class TenantKey:
 
 
 @dataclass(frozen=True)
+class Tenant:
+    """A container holding vramshare memory on this node, as the tenant source lists it."""
+
+    key: TenantKey
+    gpus: tuple[tuple[str, int], ...]  # (gpu uuid, requested MiB) per GPU it was assigned
+    metrics_url: str | None = None  # its vLLM /metrics endpoint, when it has one
+    container_ids: frozenset[str] = frozenset()  # runtime IDs (no scheme), to match cgroups
+
+
+@dataclass(frozen=True)
 class Signals:
     """vLLM pressure signals of one tenant; ``None`` means the tenant did not report it."""
 

@@ -1,0 +1,98 @@
+"""Prometheus-text readers: dcgm-exporter's per-pod ``DCGM_FI_DEV_FB_USED`` and vLLM's ``/metrics``.
+
+Both parse with ``prometheus_client.parser`` and turn any malformed page or failed fetch into
+:class:`TelemetryError`, so one bad endpoint never costs the other tenants their quotas. The fetch is
+injected (a callable) so tests feed text fixtures and production uses :func:`http_get`.
+"""
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from typing import Callable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from deviceplugin.quota.telemetry import TelemetryError, UsageSample, VllmSample
+
+Fetch = Callable[[str], str]
+DCGM_FB_USED = "DCGM_FI_DEV_FB_USED"
+VLLM_KV = "vllm:kv_cache_usage_perc"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
+PLUGIN_PREFIX = "vramshare_vllm_"
+PLUGIN_KV = "vramshare_vllm_kv_cache_usage_perc"  # used when vLLM's own gauge is absent
+
+
+def http_get(url: str, timeout: float = 2.0) -> str:
+    """GET a metrics page; every failure becomes :class:`TelemetryError` naming the URL."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http scrape)
+            return resp.read().decode("utf-8", errors="replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise TelemetryError(f"scrape {url}: {exc}") from exc
+
+
+def _samples(text: str, where: str) -> list[tuple[str, dict[str, str], float]]:
+    try:
+        return [(s.name, s.labels, float(s.value))
+                for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except (ValueError, TypeError, IndexError) as exc:
+        raise TelemetryError(f"{where}: malformed metrics page: {exc}") from exc
+
+
+class DcgmExporterReader:
+    """Per-pod framebuffer use from dcgm-exporter (``:9400/metrics``).
+
+    Needs ``--kubernetes --kubernetes-virtual-gpus --nvidia-resource-names=<our gpu-memory resource>``:
+    only then does each pod on a shared GPU get its own ``DCGM_FI_DEV_FB_USED`` (MiB). Samples
+    without a ``pod`` label are whole-GPU figures and are skipped, since they name no tenant.
+    """
+
+    name = "dcgm-exporter"
+
+    def __init__(self, url: str = "http://localhost:9400/metrics", fetch: Fetch = http_get) -> None:
+        self._url = url
+        self._fetch = fetch
+
+    def read_usage(self) -> list[UsageSample]:
+        out = []
+        for name, labels, value in _samples(self._fetch(self._url), self.name):
+            if name != DCGM_FB_USED or not labels.get("pod") or not labels.get("UUID"):
+                continue
+            out.append(UsageSample(gpu_uuid=labels["UUID"], used_mib=int(value),
+                                   pod_uid=labels.get("pod_uid") or None,
+                                   namespace=labels.get("namespace") or None, pod=labels["pod"],
+                                   container=labels.get("container") or None))
+        return out
+
+
+class VllmMetricsReader:
+    """Pressure signals from one vLLM server's ``/metrics`` (all engines of the server combined).
+
+    KV usage is the fullest engine's (the one that will preempt first); waiting requests and
+    preemptions add up over engines. The plugin's ``vramshare_vllm_*`` gauges are passed through.
+    """
+
+    def __init__(self, fetch: Fetch = http_get) -> None:
+        self._fetch = fetch
+
+    def read_signals(self, url: str) -> VllmSample:
+        kv: float | None = None
+        plugin_kv: float | None = None
+        waiting: float | None = None
+        preempt: float | None = None
+        extra: dict[str, float] = {}
+        for name, _labels, value in _samples(self._fetch(url), url):
+            if name == VLLM_KV:
+                kv = value if kv is None else max(kv, value)
+            elif name == VLLM_WAITING:
+                waiting = (waiting or 0.0) + value
+            elif name == VLLM_PREEMPTIONS:
+                preempt = (preempt or 0.0) + value
+            elif name.startswith(PLUGIN_PREFIX):
+                extra[name] = value
+                if name == PLUGIN_KV:
+                    plugin_kv = value if plugin_kv is None else max(plugin_kv, value)
+        return VllmSample(kv_usage=kv if kv is not None else plugin_kv,
+                          waiting=None if waiting is None else int(waiting),
+                          preemptions_total=preempt, extra=extra)

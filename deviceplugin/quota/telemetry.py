@@ -1,0 +1,152 @@
+"""Where the quota loop learns what tenants use: reader Protocols and the NVML per-process reader.
+
+Every reader returns plain samples and raises :class:`TelemetryError` (one line a person can act on)
+for anything it cannot read, so the loop can log it and keep the last good quotas. NVML is the
+primary source (per process, sub-second, no extra daemon); the dcgm-exporter and vLLM scrapes live in
+``scrape.py``. PIDs are host PIDs (the DaemonSet runs with ``hostPID: true``); a PID is tied to its
+pod through ``/proc/<pid>/cgroup``, as dcgm-exporter does, for both cgroup v1 and v2 layouts.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
+
+from vramshare import logs
+
+log = logs.get("vramshare.quota.telemetry")
+MIB = 1 << 20
+
+
+class TelemetryError(RuntimeError):
+    """A telemetry source could not be read; the loop keeps its last good quotas."""
+
+
+@dataclass(frozen=True)
+class UsageSample:
+    """Memory one process or container holds on one GPU; identity fields are filled where known."""
+
+    gpu_uuid: str
+    used_mib: int
+    pod_uid: str | None = None
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
+    container_id: str | None = None
+    pid: int | None = None
+
+
+@dataclass(frozen=True)
+class VllmSample:
+    """One scrape of a vLLM /metrics page. ``preemptions_total`` is the raw counter."""
+
+    kv_usage: float | None = None
+    waiting: int | None = None
+    preemptions_total: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)  # the plugin's vramshare_vllm_* gauges
+
+
+@runtime_checkable
+class UsageReader(Protocol):
+    """Per-GPU memory use, attributed as far as the source can (NVML: pod UID; DCGM: pod names)."""
+
+    name: str
+
+    def read_usage(self) -> list[UsageSample]:
+        """All samples now; raises :class:`TelemetryError`."""
+        ...
+
+
+@runtime_checkable
+class SignalReader(Protocol):
+    """vLLM pressure signals of one tenant, scraped from its metrics endpoint."""
+
+    def read_signals(self, url: str) -> VllmSample:
+        """One scrape; raises :class:`TelemetryError`."""
+        ...
+
+
+# -- PID -> pod ---------------------------------------------------------------------------------
+_POD_RE = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+_CID_RE = re.compile(r"(?:^|[-/])([0-9a-f]{64})(?:\.scope)?$")
+
+
+def parse_cgroup(text: str) -> tuple[str | None, str | None]:
+    """``(pod uid, container id)`` from the text of ``/proc/<pid>/cgroup``; ``None`` where absent.
+
+    v1: ``12:memory:/kubepods/burstable/pod<uid>/<cid>``; v2 (systemd driver):
+    ``0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_with_underscores>.slice/
+    cri-containerd-<cid>.scope``. Not a pod (a host process) gives ``(None, None)``.
+    """
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1].strip()
+        m = _POD_RE.search(path)
+        if not m:
+            continue
+        cid = _CID_RE.search(path)
+        return m.group(1).replace("_", "-"), cid.group(1) if cid else None
+    return None, None
+
+
+def pod_of_pid(pid: int, proc_root: str = "/proc") -> tuple[str | None, str | None]:
+    """Pod UID and container ID of a host PID; ``(None, None)`` when it exited or is not in a pod."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "cgroup"), encoding="utf-8") as fh:
+            return parse_cgroup(fh.read())
+    except OSError:
+        return None, None  # the process exited between the NVML call and now
+
+
+# -- NVML ---------------------------------------------------------------------------------------
+class NvmlProcessReader:
+    """Per-process GPU memory from NVML (``nvmlDeviceGetComputeRunningProcesses``), tied to pods.
+
+    ``nvml`` is the ``pynvml`` module (``nvidia-ml-py``) or a fake with the same functions; it is
+    initialised lazily so a node without a driver logs one clear error per tick instead of crashing.
+    """
+
+    name = "nvml"
+
+    def __init__(self, nvml: ModuleType | Any | None = None, proc_root: str = "/proc") -> None:
+        self._nvml = nvml
+        self._proc_root = proc_root
+        self._ready = False
+
+    def _lib(self) -> Any:
+        if self._nvml is None:
+            self._nvml = importlib.import_module("pynvml")
+        if not self._ready:
+            self._nvml.nvmlInit()
+            self._ready = True
+        return self._nvml
+
+    def read_usage(self) -> list[UsageSample]:
+        try:
+            nv = self._lib()
+            out: list[UsageSample] = []
+            for i in range(nv.nvmlDeviceGetCount()):
+                handle = nv.nvmlDeviceGetHandleByIndex(i)
+                uuid = nv.nvmlDeviceGetUUID(handle)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+                out.extend(self._samples(uuid, nv.nvmlDeviceGetComputeRunningProcesses(handle)))
+            return out
+        except Exception as exc:  # pynvml raises NVMLError subclasses; a fake may raise anything
+            if type(exc).__name__.startswith("NVMLError") or isinstance(exc, (OSError, AttributeError)):
+                self._ready = False  # re-init next time (driver reload, GPU lost)
+                raise TelemetryError(f"nvml: {type(exc).__name__}: {exc}") from exc
+            raise
+
+    def _samples(self, uuid: str, procs: list[Any]) -> list[UsageSample]:
+        out = []
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is None:  # not reported (vGPU, no permission): cannot attribute bytes
+                log.debug("nvml process without memory figure", gpu=uuid, pid=p.pid)
+                continue
+            pod_uid, cid = pod_of_pid(p.pid, self._proc_root)
+            out.append(UsageSample(gpu_uuid=uuid, used_mib=int(used) // MIB, pod_uid=pod_uid,
+                                   container_id=cid, pid=int(p.pid)))
+        return out

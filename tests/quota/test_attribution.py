@@ -1,0 +1,38 @@
+"""Joining usage samples to tenants: most specific identity first, the rest is foreign."""
+from __future__ import annotations
+
+from deviceplugin.quota.attribution import attribute
+from deviceplugin.quota.model import Tenant, TenantKey
+from deviceplugin.quota.telemetry import UsageSample
+
+A = TenantKey("llm", "chat", "vllm", pod_uid="uid-chat")
+B = TenantKey("llm", "chat", "sidecar", pod_uid="uid-chat")
+C = TenantKey("llm", "embed", "vllm", pod_uid="uid-embed")
+TENANTS = [Tenant(A, (("GPU-0", 20480),), container_ids=frozenset({"cid-a"})),
+           Tenant(B, (("GPU-0", 4096),)),
+           Tenant(C, (("GPU-0", 10240), ("GPU-1", 10240)))]
+
+
+def test_container_id_beats_pod_uid():
+    got = attribute([UsageSample("GPU-0", 1000, pod_uid="uid-chat", container_id="cid-a")], TENANTS)
+    assert got.used == {(A, "GPU-0"): 1000}
+
+
+def test_pod_uid_alone_is_split_between_the_pods_containers_on_that_gpu():
+    got = attribute([UsageSample("GPU-0", 1001, pod_uid="uid-chat")], TENANTS)
+    assert got.used == {(B, "GPU-0"): 501, (A, "GPU-0"): 500}
+
+
+def test_dcgm_names_and_per_gpu_sums():
+    got = attribute([UsageSample("GPU-0", 300, namespace="llm", pod="embed", container="vllm"),
+                     UsageSample("GPU-1", 700, namespace="llm", pod="embed", container="vllm"),
+                     UsageSample("GPU-1", 50, pod_uid="uid-embed", pid=7)], TENANTS)
+    assert got.used == {(C, "GPU-0"): 300, (C, "GPU-1"): 750}
+    assert got.foreign == {}
+
+
+def test_unknown_pods_and_host_processes_are_foreign_per_gpu():
+    got = attribute([UsageSample("GPU-0", 800, pod_uid="uid-stranger"), UsageSample("GPU-0", 200),
+                     UsageSample("GPU-1", 64, pod_uid="uid-chat")], TENANTS)  # chat has nothing on GPU-1
+    assert got.used == {}
+    assert got.foreign == {"GPU-0": 1000, "GPU-1": 64}

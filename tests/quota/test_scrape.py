@@ -1,0 +1,58 @@
+"""dcgm-exporter and vLLM /metrics readers against text fixtures of real exposition pages."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader, http_get
+from deviceplugin.quota.telemetry import SignalReader, TelemetryError, UsageReader, UsageSample
+
+FIX = pathlib.Path(__file__).parent / "fixtures"
+GPU0 = "GPU-6f1c3a52-0b8e-4a0c-9d7e-1b2c3d4e5f60"
+
+
+def page(name: str):
+    text = (FIX / name).read_text()
+    return lambda url: text
+
+
+def test_dcgm_reader_keeps_per_pod_fb_used_only():
+    reader = DcgmExporterReader(fetch=page("dcgm_exporter.txt"))
+    assert isinstance(reader, UsageReader)
+    assert reader.read_usage() == [
+        UsageSample(GPU0, 24001, namespace="llm", pod="chat-7d9f8-abcde", container="vllm"),
+        UsageSample(GPU0, 17246, namespace="llm", pod="embed-5c6b7-xyz12", container="vllm"),
+        UsageSample("GPU-0a9b8c7d-6e5f-4a3b-2c1d-0e9f8a7b6c5d", 8000, namespace="other", pod="train-0",
+                    pod_uid="0e2c4d6f-1111-2222-3333-444455556666"),
+    ]
+
+
+def test_vllm_reader_combines_engines():
+    reader = VllmMetricsReader(fetch=page("vllm_metrics.txt"))
+    assert isinstance(reader, SignalReader)
+    s = reader.read_signals("http://10.0.0.7:8000/metrics")
+    assert s.kv_usage == pytest.approx(0.962)  # the fullest engine
+    assert s.waiting == 7
+    assert s.preemptions_total == 20
+    assert s.extra == {"vramshare_vllm_quota_limit_mib": 24576.0}
+
+
+def test_plugin_kv_gauge_stands_in_when_vllm_has_none():
+    text = "# TYPE vramshare_vllm_kv_cache_usage_perc gauge\nvramshare_vllm_kv_cache_usage_perc 0.5\n"
+    s = VllmMetricsReader(fetch=lambda url: text).read_signals("u")
+    assert (s.kv_usage, s.waiting, s.preemptions_total) == (0.5, None, None)
+
+
+@pytest.mark.parametrize("text", ["vllm:kv_cache_usage_perc{engine=\"0\" 0.5\n",
+                                  "vllm:num_requests_waiting not-a-number\n"])
+def test_malformed_pages_raise_telemetry_error(text):
+    with pytest.raises(TelemetryError, match="malformed"):
+        VllmMetricsReader(fetch=lambda url: text).read_signals("http://x/metrics")
+    with pytest.raises(TelemetryError, match="malformed"):
+        DcgmExporterReader(fetch=lambda url: text).read_usage()
+
+
+def test_http_get_failure_names_the_url():
+    with pytest.raises(TelemetryError, match="127.0.0.1:9"):
+        http_get("http://127.0.0.1:9/metrics", timeout=0.5)
