@@ -188,7 +188,7 @@ class Accounting:
             for key in [k for k in self.pods if k not in seen]:
                 self.pods.pop(key)
             for key, hold in list(self._held.items()):
-                if key not in seen and hold.since_ns < started_ns:
+                if key not in seen and hold.since_ns <= started_ns:
                     log.info("pod freed", pod=key, reason="gone at resync")
                     self._release(key)
 
