@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -45,6 +46,7 @@ class HealthConfig:
     ignored_xids: tuple[int, ...] = DEFAULT_IGNORED_XIDS
     disabled: bool = False
     recovery_probe_seconds: float = 30.0
+    probes_to_recover: int = 3  # good probes in a row before an unhealthy GPU is healthy again
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ _TOP_KEYS = {
     "health": "health", "extender": "extender", "quota": "quota",
 }
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
-                "recoveryProbeSeconds": "recovery_probe_seconds"}
+                "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
 _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
                   "workloadWindow": "workload_window"}
 _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
@@ -113,11 +115,14 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "stepMiB": "step_mib"}
 
 
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$")
+
+
 def _check_keys(obj: Any, allowed: Mapping[str, str], where: str) -> dict[str, Any]:
     if obj is None:
         return {}
     if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(obj).__name__}")
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: expected a mapping, got {type(obj).__name__}")
     for key in obj:
         if key not in allowed:
             raise ConfigError(f"{where}{key}: unknown key (known: {', '.join(sorted(allowed))})")
@@ -142,13 +147,82 @@ def _enum(value: Any, kind: type[enum.Enum], key: str) -> Any:
         raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
 
 
-def parse_config(text: str) -> Config:
-    """Parse and validate a v1 config document; an empty document gives the defaults."""
+def _absolute(path: str, key: str) -> str:
+    if not path.startswith("/"):
+        raise ConfigError(f"{key}: {path!r} must be an absolute host path")
+    return path
+
+
+def parse_config(text: str, environ: Mapping[str, str] | None = None) -> Config:
+    """Parse and validate a v1 config document; an empty document gives the defaults.
+
+    ``environ`` (pass ``os.environ`` from a main) applies the ``VRAMSHARE_*`` overrides of
+    :data:`ENV_KEYS` on top of the file; ``None`` reads the file alone.
+    """
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config is not valid YAML: {exc}") from exc
+    if environ is not None:
+        raw = merge_env(raw, environ)
     return config_from_dict(raw)
+
+
+# -- environment overrides ---------------------------------------------------------------------
+# Precedence: CLI flag > VRAMSHARE_* variable > file > default. Only these variables are read:
+# other VRAMSHARE_* names mean other things (VRAMSHARE_CONFIG is the file's path, VRAMSHARE_GPU_UUIDS
+# is what a container gets). Lists are comma-separated; booleans are true/false.
+ENV_KEYS: dict[str, tuple[str, ...]] = {
+    "VRAMSHARE_RESOURCE_DOMAIN": ("resourceDomain",),
+    "VRAMSHARE_MEMORY_UNIT_MIB": ("memoryUnitMiB",),
+    "VRAMSHARE_RESERVED_MIB_PER_GPU": ("reservedMiBPerGPU",),
+    "VRAMSHARE_DEFAULT_GPU_MODE": ("defaultGpuMode",),
+    "VRAMSHARE_DEVICE_LIST_STRATEGY": ("deviceListStrategy",),
+    "VRAMSHARE_MPS_ENFORCEMENT": ("mpsEnforcement",),
+    "VRAMSHARE_QUOTA_HOST_DIR": ("quotaHostDir",),
+    "VRAMSHARE_HEALTH_IGNORED_XIDS": ("health", "ignoredXids"),
+    "VRAMSHARE_HEALTH_DISABLED": ("health", "disabled"),
+    "VRAMSHARE_EXTENDER_POLICY": ("extender", "policy"),
+    "VRAMSHARE_QUOTA_ENABLED": ("quota", "enabled"),
+}
+
+
+def _env_value(path: tuple[str, ...], text: str) -> Any:
+    def scalar(item: str) -> Any:
+        try:
+            return yaml.safe_load(item)
+        except yaml.YAMLError:
+            return item
+    if path[-1] == "ignoredXids":
+        return [scalar(x.strip()) for x in text.split(",") if x.strip()]
+    value = scalar(text.strip())
+    return text.strip() if value is None else value
+
+
+def merge_env(raw: Any, environ: Mapping[str, str]) -> Any:
+    """The raw file document with the set ``VRAMSHARE_*`` overrides merged in.
+
+    Each variable is checked on its own first, so a bad one is named (``VRAMSHARE_MEMORY_UNIT_MIB:
+    memoryUnitMiB: expected int, got 'lots'``) rather than blamed on the file.
+    """
+    merged = dict(raw) if isinstance(raw, dict) else ({} if raw is None else raw)
+    if not isinstance(merged, dict):
+        return merged  # config_from_dict names the problem
+    for name, path in ENV_KEYS.items():
+        if name not in environ:
+            continue
+        value = _env_value(path, environ[name])
+        alone: dict[str, Any] = {path[0]: value} if len(path) == 1 else {path[0]: {path[1]: value}}
+        try:
+            config_from_dict(alone)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+        if len(path) == 1:
+            merged[path[0]] = value
+        else:
+            section = merged.get(path[0])
+            merged[path[0]] = {**(section if isinstance(section, dict) else {}), path[1]: value}
+    return merged
 
 
 def config_from_dict(raw: Any) -> Config:
@@ -158,7 +232,7 @@ def config_from_dict(raw: Any) -> Config:
         raise ConfigError(f"version: unknown version {version!r} (this build reads {VERSION!r})")
     d = Config()
     domain = _typed(top.get("resourceDomain", d.resource_domain), str, "resourceDomain")
-    if "/" in domain or "." not in domain:
+    if len(domain) > 253 or not _DNS_SUBDOMAIN.match(domain):
         raise ConfigError(f"resourceDomain: {domain!r} is not a DNS domain like vramshare.io")
     modes = {}
     raw_modes = top.get("gpuModes") or {}
@@ -181,6 +255,7 @@ def config_from_dict(raw: Any) -> Config:
         disabled=_typed(h.get("disabled", False), bool, "health.disabled"),
         recovery_probe_seconds=_typed(h.get("recoveryProbeSeconds", 30.0), float,
                                       "health.recoveryProbeSeconds", minimum=0.1),
+        probes_to_recover=_typed(h.get("probesToRecover", 3), int, "health.probesToRecover", minimum=1),
     )
     e = _check_keys(top.get("extender"), _EXTENDER_KEYS, "extender.")
     ext = ExtenderConfig(
@@ -211,19 +286,23 @@ def config_from_dict(raw: Any) -> Config:
         device_list_strategy=_enum(top.get("deviceListStrategy", d.device_list_strategy.value),
                                    DeviceListStrategy, "deviceListStrategy"),
         mps_enforcement=_typed(top.get("mpsEnforcement", False), bool, "mpsEnforcement"),
-        quota_host_dir=_typed(top.get("quotaHostDir", d.quota_host_dir), str, "quotaHostDir"),
+        quota_host_dir=_absolute(_typed(top.get("quotaHostDir", d.quota_host_dir), str, "quotaHostDir"),
+                                 "quotaHostDir"),
         health=health,
         extender=ext,
         quota=quota,
     )
 
 
-def load_config(path: str | None) -> Config:
-    """Read a config file; ``None`` gives the defaults. Raises :class:`ConfigError` (never OSError)."""
+def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> Config:
+    """Read a config file; ``None`` gives the defaults. Raises :class:`ConfigError` (never OSError).
+
+    ``environ`` applies the ``VRAMSHARE_*`` overrides (see :data:`ENV_KEYS`), with or without a file.
+    """
     if path is None:
-        return Config()
+        return parse_config("", environ)
     try:
         with open(path, encoding="utf-8") as fh:
-            return parse_config(fh.read())
+            return parse_config(fh.read(), environ)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
