@@ -5,10 +5,10 @@ Rules, in the order they bind (each one explains a line of :func:`rebalance`):
 1. Admin bounds are hard: every limit stays in [floor_fraction x request, ceiling_fraction x request].
 2. A tenant is never cut below what it uses now plus ``margin_mib`` (its "need"); a tenant we have
    no telemetry for is never cut below its current limit. Together these give each tenant ``lo``.
-3. The limits of one GPU never add up to more than its capacity. If the needs alone do not fit
-   (tenants use more than the GPU has), reservations win: floors first, then each tenant's need up
-   to its request, then the rest of the needs, shared in proportion. That is the one case where a
-   tenant can be cut below its use, and the reason says so.
+3. The limits of one GPU never add up to more than its capacity. If the needs do not fit, the
+   margins are given up first; if even the uses do not fit (tenants use more than the GPU has),
+   reservations win: floors, then use up to the request, then use beyond it, shared in proportion.
+   That is the one case where a tenant can be cut below its use, and the reason says so.
 4. Spare memory goes to tenants under pressure first (preemptions, waiting requests, high KV
    usage, use within the margin of its limit), most pressured first: first up to their own request (taking back
    what they lent), then beyond it (borrowing). Then everybody keeps what it has, then tenants
@@ -98,10 +98,16 @@ def _share(plans: list[_Plan], target: dict[int, int], free: int) -> int:
     return left
 
 
-def _overcommitted(plans: list[_Plan], cap: int) -> None:
-    """Rule 3: the needs do not fit. Floors, then needs within the request, then the rest, shared."""
+def _overcommitted(plans: list[_Plan], cap: int, margin: int) -> None:
+    """Rule 3: the needs do not fit. Margins go first, then use beyond the request, then the rest.
+
+    Filled bottom-up: floors; use within the request; use beyond it; the margins; each level shared
+    in proportion when it does not fit whole. So while the uses alone fit, nobody is cut below use.
+    """
+    use = {id(pl): max(pl.floor, pl.lo - margin) if pl.t.used_mib is not None else pl.lo for pl in plans}
     free = _share(plans, {id(pl): pl.floor for pl in plans}, cap)
-    free = _share(plans, {id(pl): min(pl.lo, pl.reserve) for pl in plans}, free)
+    free = _share(plans, {id(pl): min(use[id(pl)], pl.reserve) for pl in plans}, free)
+    free = _share(plans, use, free)
     _share(plans, {id(pl): pl.lo for pl in plans}, free)
 
 
@@ -136,7 +142,7 @@ def _reason(pl: _Plan, over: bool) -> str:
     because = ", ".join(pl.why)
     if over and pl.alloc < pl.lo:
         return (f"{'cut' if delta < 0 else 'set'} {delta:+d}: GPU over-committed, kept {pl.alloc} of "
-                f"need {pl.lo} (reservations first)")
+                f"use+margin {pl.lo} (margins go first, then use beyond the request)")
     if delta > 0:
         if pl.score:
             return f"grow {delta:+d}: {because}"
@@ -156,10 +162,10 @@ def rebalance(gpu: GpuState, params: PolicyParams) -> list[Decision]:
     cap = max(0, gpu.capacity_mib)
     over = sum(pl.lo for pl in plans) > cap
     if over:
-        _overcommitted(plans, cap)
+        _overcommitted(plans, cap, params.margin_mib)
     else:
         _spare(plans, cap)
-        _hysteresis(plans, cap, params.step_mib)
+    _hysteresis(plans, cap, params.step_mib)
     return [Decision(key=pl.t.key, gpu_uuid=gpu.uuid, limit_mib=pl.alloc,
                      previous_mib=pl.t.request_mib if pl.t.current_mib is None else pl.t.current_mib,
                      floor_mib=pl.floor, ceiling_mib=pl.ceil, reason=_reason(pl, over))

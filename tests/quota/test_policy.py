@@ -67,9 +67,16 @@ def test_overcommitted_gpu_gives_reservations_back_first():
     gpu = GpuState("GPU-0", 40000, (tenant("borrower", 20000, 29000, 28000),
                                     tenant("owner", 20000, 11000, 19000)))
     out = {d.key.pod: d for d in rebalance(gpu, P)}
-    assert out["owner"].limit_mib == 20000  # its need (19000 + 1024) capped by its request
-    assert out["borrower"].limit_mib == 20000
-    assert out["borrower"].reason.startswith("cut -9000: GPU over-committed")
+    assert out["owner"].limit_mib == 19000  # all of its use: it is within its request
+    assert out["borrower"].limit_mib == 21000  # its request + what is left, below its use
+    assert out["borrower"].reason.startswith("cut -8000: GPU over-committed")
+
+
+def test_when_only_the_margins_do_not_fit_nobody_is_cut_below_use():
+    gpu = GpuState("GPU-0", 40000, (tenant("a", 20000, 20000, 19800), tenant("b", 20000, 20000, 19700)))
+    out = limits(rebalance(gpu, P))
+    assert out["a"] >= 19800 and out["b"] >= 19700
+    assert sum(out.values()) == 40000
 
 
 def test_unknown_use_is_never_cut():
