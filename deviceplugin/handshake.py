@@ -94,17 +94,17 @@ def find_match(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: s
             continue
         uid = demand.uid
         wanted = [(i, c) for i, c in enumerate(demand.containers)
-                  if requested(c, resource, names) == size and (uid, c.name, resource) not in served]
+                  if requested(c, resource, names) == size and (uid, c.container, resource) not in served]
         if not wanted:
             continue
-        order, container = wanted[0]
+        order, chosen = wanted[0]
         rank = (assumed, meta.get("creationTimestamp") or "", order)
         if best is not None and rank >= best[0]:
             continue
-        todo = {(uid, c.name, r) for c in demand.containers for r in _resources_of(c, names)} - set(served)
+        todo = {(uid, c.container, r) for c in demand.containers for r in _resources_of(c, names)} - set(served)
         ref = PodRef(demand.namespace, demand.name, uid, str(meta.get("resourceVersion") or ""))
-        best = (rank, Match(ref, container.name, ann.get(names.assignment), assumed,
-                            completes_pod=todo == {(uid, container.name, resource)}))
+        best = (rank, Match(ref, chosen.container, ann.get(names.assignment), assumed,
+                            completes_pod=todo == {(uid, chosen.container, resource)}))
     return best[1] if best else None
 
 

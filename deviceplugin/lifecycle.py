@@ -55,8 +55,9 @@ class PluginEndpoint:
         srv.add_insecure_port(_unix(self.socket))
         srv.start()
         self._server = srv
-        with grpc.insecure_channel(_unix(self.socket)) as channel:
-            grpc.channel_ready_future(channel).result(timeout=DIAL_TIMEOUT_S)
+        with grpc.insecure_channel(_unix(self.socket)) as channel:  # a real call, not a connectivity poll
+            pb_grpc.DevicePluginStub(channel).GetDevicePluginOptions(pb.Empty(), timeout=DIAL_TIMEOUT_S,
+                                                                     wait_for_ready=True)
 
     def register(self) -> None:
         """Register with the kubelet; options are the same object GetDevicePluginOptions returns."""
@@ -93,11 +94,15 @@ class PluginLifecycle:
     """
 
     def __init__(self, plugin_dir: str, managers: Callable[[], Sequence[ResourceManager]],
-                 metrics: PluginMetrics, poll_seconds: float = 0.1) -> None:
+                 metrics: PluginMetrics, open_streams: Callable[[str], int], poll_seconds: float = 0.1,
+                 stream_grace_seconds: float = 1.0) -> None:
         self._dir = plugin_dir
         self._managers = managers
         self._metrics = metrics
         self._poll = poll_seconds
+        self._open_streams = open_streams
+        self._stream_grace = stream_grace_seconds
+        self._registered_at = 0.0
         self._kubelet_socket = os.path.join(plugin_dir, contract.KUBELET_SOCKET_NAME)
         self._endpoints: list[PluginEndpoint] = []
         self._wake = threading.Event()
@@ -132,6 +137,8 @@ class PluginLifecycle:
                     self._restart(reason)
                 elif not self._registered and time.monotonic() >= self._retry_at:
                     self._register_all()
+                elif self._registered and self._stream_lost():
+                    self._register_all()
         finally:
             self._close()
 
@@ -146,6 +153,16 @@ class PluginLifecycle:
         if missing:
             return f"socket {os.path.basename(missing[0])} removed"
         return None
+
+    def _stream_lost(self) -> bool:
+        """Registered a while ago but the kubelet holds no ListAndWatch stream: it broke, and the
+        kubelet never redials, so only a new Register brings the resource back."""
+        if time.monotonic() - self._registered_at < self._stream_grace:
+            return False
+        lost = [e.rm.resource for e in self._endpoints if self._open_streams(e.rm.resource) == 0]
+        if lost:
+            log.warning("kubelet stream lost, registering again", resource=lost[0])
+        return bool(lost)
 
     def _restart(self, reason: str) -> None:
         log.info("starting device plugin servers", reason=reason, dir=self._dir)
@@ -179,6 +196,7 @@ class PluginLifecycle:
             self._backoff = min(self._backoff * 2, MAX_RETRY_S)
             return
         self._registered = True
+        self._registered_at = time.monotonic()
         self._backoff = 1.0
 
     def _close(self) -> None:

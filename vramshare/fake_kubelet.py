@@ -119,14 +119,14 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.resource_name!r} is not an extended resource")
         endpoint = os.path.join(self.plugin_dir, request.endpoint)
         channel = grpc.insecure_channel(f"unix://{endpoint}")
+        stub = dp_grpc.DevicePluginStub(channel)
         try:
-            grpc.channel_ready_future(channel).result(timeout=10)
-            stub = dp_grpc.DevicePluginStub(channel)
-            options = stub.GetDevicePluginOptions(dp.Empty(), timeout=10)
-        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            options = stub.GetDevicePluginOptions(dp.Empty(), timeout=10, wait_for_ready=True)
+        except grpc.RpcError as exc:
             channel.close()
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot dial {endpoint}: {exc}")
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot dial {endpoint}: {exc.details()}")
         conn = PluginConnection(request.resource_name, request.endpoint, options, channel, stub)
+        conn.stream = stub.ListAndWatch(dp.Empty())
         with self._cond:
             old = self._plugins.get(request.resource_name)
             self._plugins[request.resource_name] = conn
@@ -143,10 +143,8 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
         return dp.Empty()
 
     def _watch(self, conn: PluginConnection) -> None:
-        call = conn.stub.ListAndWatch(dp.Empty())
-        conn.stream = call
         try:
-            for response in call:
+            for response in conn.stream:  # type: ignore[union-attr]
                 with self._cond:
                     conn.devices = list(response.devices)
                     conn.updates += 1

@@ -1,0 +1,194 @@
+"""``vramshare device-plugin``: the composition root. Builds every part once, starts every thread here.
+
+Threads (all named, all started by :meth:`DevicePluginDaemon.start`, all stopped by ``close``):
+``kubelet-watch`` (sockets, Register, restarts), ``gpu-health`` (the backend's health watch),
+``inventory-publisher`` (node annotation; only with an API server) and ``metrics-http``. Threads,
+not asyncio: NVML and the kubernetes client block. A thread that dies unexpectedly stops the
+daemon, so the DaemonSet restarts it rather than leaving a plugin that looks alive but is not.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from deviceplugin.allocator import Allocator
+from deviceplugin.backend import BackendError, GpuBackend
+from deviceplugin.kube_adapter import ApiPodDirectory, InventoryPublisher
+from deviceplugin.lifecycle import PluginLifecycle
+from deviceplugin.manager import DeviceFeeds, NodeResourceManager, ResourceManager
+from deviceplugin.metrics import MetricsServer, PluginMetrics
+from deviceplugin.node_state import NodeState, Snapshot
+from deviceplugin.podresources import KubeletPodResources
+from deviceplugin.quota_files import QuotaFiles
+from vramshare import kube, logs
+from vramshare.config import Config, ConfigError, load_config
+
+log = logs.get(__name__)
+
+
+class DevicePluginDaemon:
+    """The whole node agent. ``api=None`` is standalone: no annotations, no pod handshake."""
+
+    def __init__(self, backend: GpuBackend, config: Config, plugin_dir: str, *, node_name: str = "",
+                 api: Any = None, pod_resources_socket: str | None = None, metrics_port: int = 0,
+                 poll_seconds: float = 0.1, stream_grace_seconds: float = 1.0,
+                 metrics: PluginMetrics | None = None) -> None:
+        self.backend = backend
+        self.state = NodeState(backend.discover(), config)
+        names = config.names
+        self.metrics = metrics or PluginMetrics(snapshot=lambda: self.state.snapshot)
+        self.feeds = DeviceFeeds(self.state)
+        self.pod_resources = KubeletPodResources(pod_resources_socket, names) if pod_resources_socket else None
+        self.allocator = Allocator(self.state, QuotaFiles(config.quota_host_dir, config.quota), self.metrics,
+                                   node_name, ApiPodDirectory(api, node_name, names) if api else None,
+                                   self.pod_resources)
+        self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,
+                                         poll_seconds, stream_grace_seconds)
+        self.publisher = InventoryPublisher(api, node_name, names) if api else None
+        self._metrics_port = metrics_port
+        self._metrics_server: MetricsServer | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.failed: str | None = None
+        self.state.add_listener(self._changed)
+
+    def _managers(self) -> list[ResourceManager]:
+        return [NodeResourceManager(r, self.state, self.feeds, self.allocator) for r in self.state.snapshot.devices]
+
+    def _changed(self, old: Snapshot, new: Snapshot) -> None:
+        if self.publisher is not None and new.inventory != old.inventory:
+            self.publisher.publish(new.inventory.to_json())
+        if set(new.devices) != set(old.devices):
+            self.lifecycle.request_restart("resources changed")
+
+    # -- start/stop ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.pod_resources is not None and os.path.exists(self.pod_resources.socket):
+            try:
+                self.allocator.recover()
+            except Exception as exc:  # noqa: BLE001 - recovery is best effort; the kubelet stays the authority
+                log.warning("cannot recover allocations", socket=self.pod_resources.socket, error=str(exc))
+        self._spawn("kubelet-watch", lambda: self.lifecycle.run(self._stop))
+        health = self.state.snapshot.config.health
+        if not health.disabled:
+            self._spawn("gpu-health", lambda: self.backend.watch_health(
+                self._stop, self.state.on_health, frozenset(health.ignored_xids)))
+        if self.publisher is not None:
+            self.publisher.publish(self.state.snapshot.inventory.to_json())
+            self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
+        if self._metrics_port:
+            self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
+            self._metrics_server.start()
+
+    def _spawn(self, name: str, body: Callable[[], None]) -> None:
+        def guarded() -> None:
+            try:
+                body()
+            except BaseException as exc:  # noqa: BLE001 - logged, then the daemon stops
+                self.failed = f"thread {name} crashed: {exc}"
+                log.error("thread crashed", thread=name, error=str(exc), exc_info=True)
+                self._stop.set()
+                self.lifecycle.wake()
+            else:
+                if not self._stop.is_set():
+                    self.failed = f"thread {name} ended unexpectedly"
+                    log.error("thread ended unexpectedly", thread=name)
+                    self._stop.set()
+                    self.lifecycle.wake()
+        thread = threading.Thread(target=guarded, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def reload(self, config: Config) -> None:
+        """A new config (SIGHUP or the config watcher): recompute devices; restart the servers."""
+        self.state.on_config(config)
+        self.lifecycle.request_restart("config reloaded")
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stop.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.lifecycle.wake()
+        if self.publisher is not None:
+            self.publisher.stop()
+        self.backend.close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self.feeds.close_all()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+
+    def __enter__(self) -> "DevicePluginDaemon":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _backend(args: argparse.Namespace) -> GpuBackend:
+    kind = args.backend
+    if kind == "auto":
+        kind = "simulated" if args.inventory else "nvml"
+    if kind == "simulated":
+        from deviceplugin.simulated_backend import SimulatedBackend
+        return SimulatedBackend.from_file(args.inventory) if args.inventory else SimulatedBackend.demo()
+    from deviceplugin.nvml_backend import NvmlBackend
+    return NvmlBackend()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``vramshare device-plugin``; returns the exit status."""
+    try:
+        config = load_config(args.config).with_overrides(quota_host_dir=args.quota_dir)
+    except ConfigError as exc:
+        print(f"vramshare device-plugin: {exc}", file=sys.stderr)
+        return 2
+    api = kube.api_client(args.kubeconfig)
+    if api is None:
+        log.info("standalone: no kubeconfig and no in-cluster service account; no inventory annotation, "
+                 "no pod handshake (Allocate grants the GPU the device IDs name)")
+    elif not args.node_name:
+        print("vramshare device-plugin: --node-name (or $NODE_NAME) is required with an API server", file=sys.stderr)
+        return 2
+    try:
+        backend = _backend(args)
+        daemon = DevicePluginDaemon(backend, config, args.device_plugin_dir, node_name=args.node_name or "",
+                                    api=api, pod_resources_socket=args.pod_resources_socket,
+                                    metrics_port=args.metrics_port)
+    except BackendError as exc:
+        print(f"vramshare device-plugin: {exc}", file=sys.stderr)
+        return 1
+    return _serve(daemon, args.config)
+
+
+def _serve(daemon: DevicePluginDaemon, config_path: str | None) -> int:
+    stop = threading.Event()
+
+    def on_hup(*_: object) -> None:
+        try:
+            config = load_config(config_path).with_overrides(quota_host_dir=daemon.state.snapshot.config.quota_host_dir)
+        except ConfigError as exc:
+            log.warning("config reload refused, keeping the last good one", error=str(exc))
+            daemon.lifecycle.request_restart("SIGHUP")
+            return
+        daemon.reload(config)
+
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, on_hup)
+    daemon.start()
+    try:
+        while not stop.is_set() and not daemon.wait(0.5):
+            pass
+    finally:
+        daemon.close()
+    if daemon.failed:
+        print(f"vramshare device-plugin: {daemon.failed}", file=sys.stderr)
+        return 1
+    return 0
