@@ -147,11 +147,14 @@ class QuotaLoop:
             ds = [decided[(t.key, g)] for g, _ in t.gpus if (t.key, g) in decided]
             if not ds or all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds):
                 continue
-            gpus = tuple(GpuQuota(d.gpu_uuid, d.limit_mib, d.floor_mib, d.ceiling_mib) for d in ds)
+            # floors above the limit happen only when the GPU cannot hold the floors (capacity lost
+            # to foreign memory); the file must still read floor <= limit <= ceiling
+            gpus = tuple(GpuQuota(d.gpu_uuid, d.limit_mib, min(d.floor_mib, d.limit_mib), d.ceiling_mib)
+                         for d in ds)
             try:
                 written = write_quota(container_dir(self._root, t.key.pod_uid, t.key.container),
                                       QuotaFile(gpus=gpus))
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 log.error("quota write failed, will retry", pod=str(t.key), error=str(exc))
                 report.errors.append(str(exc))
                 continue

@@ -82,7 +82,8 @@ class PolicyParams:
                    kv_pressure=getattr(cfg, "kv_pressure", d.kv_pressure))
 
     def floor_of(self, request_mib: int) -> int:
-        return math.ceil(self.floor_fraction * request_mib)
+        """Rounded down, as in the first quota file the device plugin writes at Allocate."""
+        return math.floor(self.floor_fraction * request_mib)
 
     def ceiling_of(self, request_mib: int) -> int:
         return max(self.floor_of(request_mib), math.floor(self.ceiling_fraction * request_mib))

@@ -20,7 +20,8 @@ VLLM_KV = "vllm:kv_cache_usage_perc"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
 PLUGIN_PREFIX = "vramshare_vllm_"
-PLUGIN_KV = "vramshare_vllm_kv_cache_usage_perc"  # used when vLLM's own gauge is absent
+PLUGIN_BLOCKS_USED = "vramshare_vllm_kv_blocks_used"  # the plugin's KV use against its quota cap
+PLUGIN_BLOCK_CAP = "vramshare_vllm_kv_block_cap"
 
 
 def http_get(url: str, timeout: float = 2.0) -> str:
@@ -69,8 +70,11 @@ class DcgmExporterReader:
 class VllmMetricsReader:
     """Pressure signals from one vLLM server's ``/metrics`` (all engines of the server combined).
 
-    KV usage is the fullest engine's (the one that will preempt first); waiting requests and
-    preemptions add up over engines. The plugin's ``vramshare_vllm_*`` gauges are passed through.
+    KV usage is the fullest engine's (the one that will preempt first). Under a quota the plugin's
+    ``vramshare_vllm_kv_blocks_used / vramshare_vllm_kv_block_cap`` is the truer figure (vLLM's own
+    gauge is relative to every block allocated at start, not to the cap), so the higher of the two
+    counts. Waiting requests and preemptions add up over engines; ``vramshare_vllm_*`` gauges are
+    passed through in ``extra`` (summed over engines).
     """
 
     def __init__(self, fetch: Fetch = http_get) -> None:
@@ -78,11 +82,12 @@ class VllmMetricsReader:
 
     def read_signals(self, url: str) -> VllmSample:
         kv: float | None = None
-        plugin_kv: float | None = None
         waiting: float | None = None
         preempt: float | None = None
         extra: dict[str, float] = {}
-        for name, _labels, value in _samples(self._fetch(url), url):
+        used: dict[str, float] = {}
+        cap: dict[str, float] = {}
+        for name, labels, value in _samples(self._fetch(url), url):
             if name == VLLM_KV:
                 kv = value if kv is None else max(kv, value)
             elif name == VLLM_WAITING:
@@ -90,9 +95,14 @@ class VllmMetricsReader:
             elif name == VLLM_PREEMPTIONS:
                 preempt = (preempt or 0.0) + value
             elif name.startswith(PLUGIN_PREFIX):
-                extra[name] = value
-                if name == PLUGIN_KV:
-                    plugin_kv = value if plugin_kv is None else max(plugin_kv, value)
-        return VllmSample(kv_usage=kv if kv is not None else plugin_kv,
-                          waiting=None if waiting is None else int(waiting),
+                extra[name] = extra.get(name, 0.0) + value
+                engine = labels.get("engine", "")
+                if name == PLUGIN_BLOCKS_USED:
+                    used[engine] = value
+                elif name == PLUGIN_BLOCK_CAP:
+                    cap[engine] = value
+        for engine, c in cap.items():
+            if c > 0 and engine in used:
+                kv = max(kv or 0.0, used[engine] / c)
+        return VllmSample(kv_usage=kv, waiting=None if waiting is None else int(waiting),
                           preemptions_total=preempt, extra=extra)

@@ -48,11 +48,11 @@ class GpuQuota:
 
 @dataclass(frozen=True)
 class QuotaFile:
-    """The whole document. ``generation`` 0 means "the next one"; ``updated`` 0 means "now"."""
+    """The whole document. ``generation`` 0 means "the next one"; ``updated`` "" means "now"."""
 
     gpus: tuple[GpuQuota, ...] = field(default_factory=tuple)
     generation: int = 0
-    updated: float = 0.0  # unix seconds
+    updated: str = ""  # UTC, "2026-11-29T09:20:00Z", as the device plugin's first file has it
 
     def to_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "updated": self.updated,
@@ -75,7 +75,7 @@ def parse_quota(text: str) -> QuotaFile:
         gpus = tuple(GpuQuota(uuid=str(g["uuid"]), limit_mib=int(g["limitMiB"]),
                               floor_mib=int(g["floorMiB"]), ceiling_mib=int(g["ceilingMiB"]))
                      for g in doc["gpus"])
-        return QuotaFile(gpus=gpus, generation=int(doc["generation"]), updated=float(doc["updated"]))
+        return QuotaFile(gpus=gpus, generation=int(doc["generation"]), updated=str(doc["updated"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise QuotaFileError(f"bad or missing field: {exc!r}") from exc
 
@@ -112,10 +112,16 @@ def write_quota(directory: str | os.PathLike[str], quota: QuotaFile) -> QuotaFil
     """Atomically write ``quota`` as ``<directory>/quota.json`` and return what was written.
 
     The generation written is ``max(quota.generation, generation on disk + 1)``, so it grows by at
-    least one with every write whoever writes; ``updated`` 0 is replaced by the current time. The
-    directory is created (0755) when missing; the file is 0644 so a non-root container can read it.
-    Raises ``OSError`` when the directory cannot be written (the caller logs and keeps its state).
+    least one with every write whoever writes; an empty ``updated`` becomes the current UTC time.
+    The directory is created (0755) when missing; the file is 0644 so a non-root container can read
+    it. Raises ``ValueError`` for a GPU entry without floor <= limit <= ceiling (the vLLM plugin
+    refuses such a file, so it must never reach the disk) and ``OSError`` when the directory cannot
+    be written (the caller logs and keeps its state).
     """
+    for g in quota.gpus:
+        if not 0 <= g.floor_mib <= g.limit_mib <= g.ceiling_mib:
+            raise ValueError(f"quota for {g.uuid}: need 0 <= floor <= limit <= ceiling, "
+                             f"got {g.floor_mib}/{g.limit_mib}/{g.ceiling_mib}")
     d = os.fspath(directory)
     os.makedirs(d, mode=0o755, exist_ok=True)
     with _LOCAL_LOCK:
@@ -123,7 +129,8 @@ def write_quota(directory: str | os.PathLike[str], quota: QuotaFile) -> QuotaFil
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
             generation = max(quota.generation, _generation_on_disk(d) + 1)
-            final = replace(quota, generation=generation, updated=quota.updated or time.time())
+            final = replace(quota, generation=generation,
+                            updated=quota.updated or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             data = json.dumps(final.to_json(), separators=(",", ":"), sort_keys=True).encode()
             fd, tmp = tempfile.mkstemp(prefix=".quota.", suffix=".tmp", dir=d)
             try:

@@ -32,16 +32,24 @@ def test_vllm_reader_combines_engines():
     reader = VllmMetricsReader(fetch=page("vllm_metrics.txt"))
     assert isinstance(reader, SignalReader)
     s = reader.read_signals("http://10.0.0.7:8000/metrics")
-    assert s.kv_usage == pytest.approx(0.962)  # the fullest engine
+    assert s.kv_usage == pytest.approx(0.99)  # engine 1: 792 of its 800-block cap beats vLLM's 0.962
     assert s.waiting == 7
     assert s.preemptions_total == 20
-    assert s.extra == {"vramshare_vllm_quota_limit_mib": 24576.0}
+    assert s.extra == {"vramshare_vllm_quota_mib": 24576.0, "vramshare_vllm_kv_block_cap": 1800.0,
+                       "vramshare_vllm_kv_blocks_used": 1492.0}
 
 
-def test_plugin_kv_gauge_stands_in_when_vllm_has_none():
-    text = "# TYPE vramshare_vllm_kv_cache_usage_perc gauge\nvramshare_vllm_kv_cache_usage_perc 0.5\n"
+def test_vllms_own_gauge_counts_without_the_plugin():
+    text = "\n".join(line for line in (FIX / "vllm_metrics.txt").read_text().splitlines()
+                     if "vramshare_" not in line) + "\n"
     s = VllmMetricsReader(fetch=lambda url: text).read_signals("u")
-    assert (s.kv_usage, s.waiting, s.preemptions_total) == (0.5, None, None)
+    assert s.kv_usage == pytest.approx(0.962)  # the fullest engine
+    assert s.extra == {}
+
+
+def test_a_page_without_vllm_metrics_gives_no_signals():
+    s = VllmMetricsReader(fetch=lambda url: "# TYPE up gauge\nup 1\n").read_signals("u")
+    assert (s.kv_usage, s.waiting, s.preemptions_total) == (None, None, None)
 
 
 @pytest.mark.parametrize("text", ["vllm:kv_cache_usage_perc{engine=\"0\" 0.5\n",

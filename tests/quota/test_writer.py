@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 
@@ -14,9 +15,9 @@ Q = QuotaFile(gpus=(GpuQuota("GPU-a", 20480, 10240, 30720),))
 
 
 def test_writes_the_contract_format(tmp_path):
-    written = write_quota(tmp_path, QuotaFile(gpus=Q.gpus, updated=1700000000.5))
+    written = write_quota(tmp_path, QuotaFile(gpus=Q.gpus, updated="2026-11-29T09:00:00Z"))
     doc = json.loads((tmp_path / "quota.json").read_text())
-    assert doc == {"generation": 1, "updated": 1700000000.5,
+    assert doc == {"generation": 1, "updated": "2026-11-29T09:00:00Z",
                    "gpus": [{"uuid": "GPU-a", "limitMiB": 20480, "floorMiB": 10240, "ceilingMiB": 30720}]}
     assert written.generation == 1
     assert stat.S_IMODE(os.stat(tmp_path / "quota.json").st_mode) == 0o644
@@ -28,6 +29,16 @@ def test_generation_grows_with_every_write_even_when_asked_for_less(tmp_path):
     assert write_quota(tmp_path, QuotaFile(gpus=Q.gpus, generation=2)).generation == 4
     assert write_quota(tmp_path, QuotaFile(gpus=Q.gpus, generation=10)).generation == 10
     assert read_quota(tmp_path).generation == 10
+
+
+def test_updated_defaults_to_utc_now(tmp_path):
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", write_quota(tmp_path, Q).updated)
+
+
+def test_a_quota_outside_its_bounds_never_reaches_the_disk(tmp_path):
+    with pytest.raises(ValueError, match="GPU-a"):
+        write_quota(tmp_path, QuotaFile(gpus=(GpuQuota("GPU-a", 9000, 10240, 30720),)))
+    assert read_quota(tmp_path) is None
 
 
 def test_no_temporary_files_are_left_behind(tmp_path):
