@@ -1,0 +1,104 @@
+"""The quota loop's two Kubernetes adapters: who the tenants are, and the quota annotation mirror.
+
+Tenants come from the pods on this node that the device plugin marked ``allocation-state:
+allocated``: their ``<domain>/assignment`` says which GPUs and how many MiB each container was given
+(parsed by the device plugin's own ``handshake.parse_assignment``, so there is one reading of it).
+A pod's vLLM metrics endpoint is found the usual way, from ``prometheus.io/port`` (and optional
+``prometheus.io/path``, ``prometheus.io/scheme``) plus the pod IP. The mirror writes
+``<domain>/quota-mib`` = ``{container: [{"uuid", "mib"}]}`` (the assignment's shape, with the current
+limits) so ``kubectl`` shows what each container may use now; the file stays the contract.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Mapping
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from deviceplugin.handshake import AssignmentError, parse_assignment
+from deviceplugin.quota.model import Tenant, TenantKey
+from vramshare import contract, logs
+
+log = logs.get("vramshare.quota.kube")
+MERGE_PATCH = "application/merge-patch+json"
+TIMEOUT_S = 5.0
+_DONE_PHASES = {"Succeeded", "Failed"}
+
+
+def _metrics_url(pod: Mapping[str, Any]) -> str | None:
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    port, ip = ann.get("prometheus.io/port"), (pod.get("status") or {}).get("podIP")
+    if not port or not ip or ann.get("prometheus.io/scrape", "true") == "false":
+        return None
+    path = ann.get("prometheus.io/path", "/metrics")
+    return f"{ann.get('prometheus.io/scheme', 'http')}://{ip}:{port}/{path.lstrip('/')}"
+
+
+def _container_ids(pod: Mapping[str, Any]) -> dict[str, str]:
+    """Container name -> runtime ID without its scheme (``containerd://abc`` -> ``abc``)."""
+    out = {}
+    for st in (pod.get("status") or {}).get("containerStatuses") or []:
+        cid = st.get("containerID") or ""
+        if st.get("name") and cid:
+            out[st["name"]] = cid.split("://", 1)[-1]
+    return out
+
+
+def tenants_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) -> list[Tenant]:
+    """Every container holding our memory, from raw pod JSON. A pod with a bad assignment is logged
+    and skipped (its quotas stay as they are), never a reason to drop the other pods."""
+    out: list[Tenant] = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        ann = meta.get("annotations") or {}
+        if ann.get(names.allocation_state) != contract.STATE_ALLOCATED:
+            continue
+        if (pod.get("status") or {}).get("phase") in _DONE_PHASES:
+            continue
+        ns, name, uid = meta.get("namespace", ""), meta.get("name", ""), meta.get("uid", "")
+        text = ann.get(names.assignment)
+        try:
+            containers = sorted(json.loads(text or "null") or {})
+            assigned = {c: parse_assignment(text, c) for c in containers}
+        except (AssignmentError, ValueError, TypeError) as exc:
+            log.warning("pod assignment unreadable, its quotas are left alone", pod=f"{ns}/{name}", error=str(exc))
+            continue
+        url, cids = _metrics_url(pod), _container_ids(pod)
+        for c, gpus in assigned.items():
+            out.append(Tenant(key=TenantKey(ns, name, c, pod_uid=uid),
+                              gpus=tuple((g.uuid, g.mib) for g in gpus), metrics_url=url,
+                              container_ids=frozenset([cids[c]]) if c in cids else frozenset()))
+    return out
+
+
+class ApiTenantSource:
+    """:class:`loop.TenantSource` over the API server: the pods bound to one node."""
+
+    def __init__(self, v1: client.CoreV1Api, node: str, names: contract.Names) -> None:
+        self._v1, self._node, self._names = v1, node, names
+
+    def list_tenants(self) -> list[Tenant]:
+        resp = self._v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self._node}",
+                                                    _preload_content=False, _request_timeout=TIMEOUT_S)
+        return tenants_from_pods(json.loads(resp.data).get("items") or [], self._names)
+
+
+class ApiQuotaMirror:
+    """:class:`loop.QuotaMirror`: merge-patches ``<domain>/quota-mib`` on the pod."""
+
+    def __init__(self, v1: client.CoreV1Api, names: contract.Names) -> None:
+        self._v1, self._names = v1, names
+
+    def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]]) -> None:
+        value = json.dumps({c: [{"uuid": u, "mib": mib} for u, mib in sorted(gpus.items())]
+                            for c, gpus in sorted(quotas.items())}, separators=(",", ":"))
+        body = {"metadata": {"annotations": {self._names.quota_mib: value}}}
+        try:
+            self._v1.patch_namespaced_pod(key.pod, key.namespace, body, _content_type=MERGE_PATCH,
+                                          _preload_content=False, _request_timeout=TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status == 404:  # the pod went away between the listing and now: nothing to mirror
+                log.info("pod vanished, quota not mirrored", pod=f"{key.namespace}/{key.pod}")
+                return
+            raise
