@@ -67,15 +67,22 @@ class PluginEndpoint:
         with grpc.insecure_channel(_unix(self._kubelet_socket)) as channel:
             pb_grpc.RegistrationStub(channel).Register(request, timeout=DIAL_TIMEOUT_S, wait_for_ready=False)
 
-    def stop(self) -> None:
+    def stop(self) -> threading.Event:
+        """Begin stopping (streams are cancelled); returns the event set once the server is down."""
         self._stop.set()
-        if self._server is not None:
-            self._server.stop(grace=0.2).wait()
-            self._server = None
+        done = self._server.stop(grace=0.1) if self._server is not None else _done()
+        self._server = None
         try:
             os.unlink(self.socket)
         except FileNotFoundError:
             pass
+        return done
+
+
+def _done() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -200,6 +207,6 @@ class PluginLifecycle:
         self._backoff = 1.0
 
     def _close(self) -> None:
-        for endpoint in self._endpoints:
-            endpoint.stop()
+        for stopped in [endpoint.stop() for endpoint in self._endpoints]:  # all at once, then wait
+            stopped.wait()
         self._endpoints = []
