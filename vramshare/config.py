@@ -65,6 +65,8 @@ class QuotaConfig:
     floor_fraction: float = 0.5
     ceiling_fraction: float = 1.5
     step_mib: int = 512
+    margin_mib: int = 1024  # headroom over observed use that the loop never takes from a tenant
+    kv_pressure: float = 0.9  # vLLM KV-cache usage at or above this counts as memory pressure
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_se
                   "workloadWindow": "workload_window"}
 _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "floorFraction": "floor_fraction", "ceilingFraction": "ceiling_fraction",
-               "stepMiB": "step_mib"}
+               "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure"}
 
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$")
@@ -272,9 +274,13 @@ def config_from_dict(raw: Any) -> Config:
         floor_fraction=_typed(q.get("floorFraction", 0.5), float, "quota.floorFraction", minimum=0),
         ceiling_fraction=_typed(q.get("ceilingFraction", 1.5), float, "quota.ceilingFraction", minimum=0),
         step_mib=_typed(q.get("stepMiB", 512), int, "quota.stepMiB", minimum=1),
+        margin_mib=_typed(q.get("marginMiB", 1024), int, "quota.marginMiB", minimum=0),
+        kv_pressure=_typed(q.get("kvPressure", 0.9), float, "quota.kvPressure", minimum=0),
     )
     if quota.floor_fraction > 1 or quota.ceiling_fraction < 1:
         raise ConfigError("quota: floorFraction must be <= 1 <= ceilingFraction")
+    if quota.kv_pressure > 1:
+        raise ConfigError(f"quota.kvPressure: must be <= 1 (a fraction of the KV cache), got {quota.kv_pressure}")
     return Config(
         version=VERSION,
         resource_domain=domain,

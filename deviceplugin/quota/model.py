@@ -75,11 +75,9 @@ class PolicyParams:
 
     @classmethod
     def from_config(cls, cfg: QuotaConfig) -> "PolicyParams":
-        """Bounds from the v1 config; knobs the config does not carry (yet) keep their defaults."""
-        d = cls()
+        """The bounds under ``quota:`` in the v1 config."""
         return cls(floor_fraction=cfg.floor_fraction, ceiling_fraction=cfg.ceiling_fraction,
-                   step_mib=cfg.step_mib, margin_mib=getattr(cfg, "margin_mib", d.margin_mib),
-                   kv_pressure=getattr(cfg, "kv_pressure", d.kv_pressure))
+                   step_mib=cfg.step_mib, margin_mib=cfg.margin_mib, kv_pressure=cfg.kv_pressure)
 
     def floor_of(self, request_mib: int) -> int:
         """Rounded down, as in the first quota file the device plugin writes at Allocate."""
