@@ -43,6 +43,8 @@ def test_empty_document_and_no_file_give_the_defaults():
     ("quota: {floorFraction: 0.25, ceilingFraction: 2}", "quota.floor_fraction", 0.25),
     ("quota: {floorFraction: 1, ceilingFraction: 1}", "quota.ceiling_fraction", 1.0),
     ("quota: {stepMiB: 256}", "quota.step_mib", 256),
+    ("quota: {marginMiB: 0}", "quota.margin_mib", 0),
+    ("quota: {kvPressure: 0.75}", "quota.kv_pressure", 0.75),
 ])
 def test_each_key(text, attr, expected):
     value = parse_config(text)
@@ -85,6 +87,8 @@ def test_each_key(text, attr, expected):
     ("quota: {ceilingFraction: 0.9}", "quota: floorFraction must be <= 1 <= ceilingFraction"),
     ("quota: {floorFraction: -0.1}", "quota.floorFraction: must be >= 0"),
     ("quota: {stepMiB: 0}", "quota.stepMiB: must be >= 1"),
+    ("quota: {marginMiB: -1}", "quota.marginMiB: must be >= 0"),
+    ("quota: {kvPressure: 1.5}", "quota.kvPressure: must be <= 1"),
     ("- a\n- b", "config: expected a mapping, got list"),
     ("memoryUnitMiB: [", "config is not valid YAML"),
 ])

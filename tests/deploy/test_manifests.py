@@ -1,0 +1,223 @@
+"""Every YAML document under deploy/daemonset/ against the Kubernetes schemas, plus the invariants
+that a schema cannot see: the config parses, the kubelet directories are mounted as directories, the
+RBAC grants exactly what the device plugin's code calls, and the kustomization lists every resource.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+from typing import Any, Iterator
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from vramshare import cli, config, contract
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "daemonset"
+K8S_VERSIONS = ["1.31", "1.35"]  # oldest supported (CDI GA) and a recent one
+# Documents that are not API objects, hence have no schema; each gets its own checks below.
+NON_API_KINDS = {"Kustomization": "kustomize.config.k8s.io/", "KubeSchedulerConfiguration": "kubescheduler.config.k8s.io/"}
+NAMESPACE = "vramshare-system"
+
+
+def _documents() -> Iterator[tuple[str, int, dict[str, Any]]]:
+    for path in sorted(list(DEPLOY.rglob("*.yaml")) + list(DEPLOY.rglob("*.yml"))):
+        with open(path, encoding="utf-8") as fh:
+            for i, doc in enumerate(yaml.safe_load_all(fh)):
+                if doc is not None:
+                    yield str(path.relative_to(DEPLOY)), i, doc
+
+
+DOCS = list(_documents())
+
+
+def _id(doc: tuple[str, int, dict[str, Any]]) -> str:
+    name, i, body = doc
+    return f"{name}#{i}:{body.get('kind')}/{(body.get('metadata') or {}).get('name')}"
+
+
+def _one(kind: str, name: str) -> dict[str, Any]:
+    found = [d for _, _, d in DOCS if d.get("kind") == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name} under deploy/daemonset, found {len(found)}"
+    return found[0]
+
+
+def test_the_directory_has_the_device_plugin_manifests():
+    kinds = {(d["kind"], d["metadata"]["name"]) for _, _, d in DOCS if d.get("kind") != "Kustomization"}
+    assert {("Namespace", NAMESPACE), ("DaemonSet", "vramshare-device-plugin"),
+            ("ServiceAccount", "vramshare-device-plugin"), ("ClusterRole", "vramshare-device-plugin"),
+            ("ClusterRoleBinding", "vramshare-device-plugin"), ("ConfigMap", "vramshare-config")} <= kinds
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_id)
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_document_is_valid(doc, version):
+    _name, _i, body = doc
+    assert isinstance(body, dict) and body.get("apiVersion") and body.get("kind"), "apiVersion and kind"
+    prefix = NON_API_KINDS.get(body["kind"])
+    if prefix is not None:
+        assert body["apiVersion"].startswith(prefix), f"{body['kind']} wants apiVersion {prefix}..."
+        return
+    kubernetes_validate.validate(body, version, strict=True)  # raises ValidationError naming the field
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d[2].get("kind") not in NON_API_KINDS], ids=_id)
+def test_namespaced_objects_live_in_our_namespace(doc):
+    body = doc[2]
+    if body["kind"] in {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass"}:
+        assert "namespace" not in body["metadata"]
+    elif body["kind"] not in {"Role", "RoleBinding"}:  # a Role may have to live in kube-system
+        assert body["metadata"].get("namespace") == NAMESPACE
+
+
+def test_kustomization_lists_every_resource_file():
+    kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    listed = set(kust["resources"])
+    for entry in listed:
+        assert (DEPLOY / entry).is_file(), f"kustomization.yaml lists {entry}, which does not exist"
+    with_objects = {name for name, _, d in DOCS if d.get("kind") not in NON_API_KINDS}
+    missing = with_objects - listed
+    assert not missing, f"add {sorted(missing)} to deploy/daemonset/kustomization.yaml resources"
+    assert kust.get("namespace") == NAMESPACE
+
+
+# -- the config -------------------------------------------------------------------------------
+def _config_text() -> str:
+    return _one("ConfigMap", "vramshare-config")["data"]["config.yaml"]
+
+
+def test_configmap_config_parses_and_documents_the_defaults():
+    assert config.parse_config(_config_text()) == config.Config()
+
+
+def test_configmap_shows_every_key():
+    raw = yaml.safe_load(_config_text())
+    sections = {"": (raw, config._TOP_KEYS), "health.": (raw["health"], config._HEALTH_KEYS),
+                "extender.": (raw["extender"], config._EXTENDER_KEYS), "quota.": (raw["quota"], config._QUOTA_KEYS)}
+    for prefix, (given, known) in sections.items():
+        missing = sorted(set(known) - set(given))
+        assert not missing, f"document {[prefix + k for k in missing]} in configmap.yaml"
+
+
+# -- the DaemonSet ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pod() -> dict[str, Any]:
+    return _one("DaemonSet", "vramshare-device-plugin")["spec"]["template"]["spec"]
+
+
+@pytest.fixture(scope="module")
+def container(pod) -> dict[str, Any]:
+    [c] = pod["containers"]
+    return c
+
+
+def _mounts(pod, container) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Mount path -> (volume, mount)."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    return {m["mountPath"]: (volumes[m["name"]], m) for m in container["volumeMounts"]}
+
+
+def test_kubelet_directories_are_mounted_as_directories(pod, container):
+    mounts = _mounts(pod, container)
+    for path in (contract.DEVICE_PLUGIN_DIR, os.path.dirname(contract.POD_RESOURCES_SOCKET)):
+        volume, mount = mounts[path]
+        assert volume["hostPath"] == {"path": path, "type": "Directory"}
+        assert "subPath" not in mount
+    for volume, _mount in mounts.values():
+        assert not volume.get("hostPath", {}).get("path", "").endswith(".sock"), "mount directories, not sockets"
+    assert mounts[contract.HOST_QUOTA_ROOT][0]["hostPath"]["path"] == config.Config().quota_host_dir
+
+
+def test_config_is_the_configmap_directory_and_the_args_agree(pod, container):
+    argv = container["command"][1:] + container["args"]
+    args = cli.build_parser().parse_args(argv)
+    assert args.command == "device-plugin" and args.backend == "nvml"
+    volume, mount = _mounts(pod, container)[os.path.dirname(args.config)]
+    assert volume["configMap"]["name"] == "vramshare-config" and "subPath" not in mount
+    assert os.path.basename(args.config) in _one("ConfigMap", "vramshare-config")["data"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"
+    port = {p["name"]: p["containerPort"] for p in container["ports"]}[container["livenessProbe"]["httpGet"]["port"]]
+    assert port == args.metrics_port
+
+
+def test_node_name_and_gpu_runtime(pod, container):
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert pod.get("runtimeClassName") == "nvidia" or "NVIDIA_VISIBLE_DEVICES" in env
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert pod["nodeSelector"]
+
+
+def test_security_context_is_tight(pod, container):
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc.get("privileged") is False
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"]["drop"] == ["ALL"]
+    assert "add" not in sc["capabilities"]
+    assert not pod.get("hostNetwork") and not pod.get("hostIPC")
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+# -- RBAC: exactly what the code calls --------------------------------------------------------
+_VERB = {"read": "get", "list": "list", "patch": "patch", "create": "create", "delete": "delete",
+         "replace": "update"}
+_CALL = re.compile(r"\.(read|list|patch|create|delete|replace)_(?:namespaced_)?([a-z_]+?)"
+                   r"(?:_for_all_namespaces)?\(")
+
+
+def used_rights(package: pathlib.Path) -> set[tuple[str, str]]:
+    """(resource, verb) of every CoreV1Api call in the files that build a CoreV1Api client."""
+    rights: set[tuple[str, str]] = set()
+    for path in package.rglob("*.py"):
+        source = path.read_text(encoding="utf-8")
+        if "CoreV1Api" not in source:
+            continue
+        watches = "watch=True" in source or "Watch()" in source
+        for verb, resource in _CALL.findall(source):
+            sub = ""
+            if resource.endswith("_status"):
+                resource, sub = resource[: -len("_status")], "/status"
+            plural = resource.replace("_", "") + "s" + sub
+            rights.add((plural, _VERB[verb]))
+            if verb == "list" and watches:
+                rights.add((plural, "watch"))
+    return rights
+
+
+def granted_rights(role: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_device_plugin_rbac_is_exactly_what_its_code_calls():
+    used = used_rights(ROOT / "deviceplugin")
+    assert used, "no Kubernetes API call found in deviceplugin/: the scan is broken"
+    granted = granted_rights(_one("ClusterRole", "vramshare-device-plugin"))
+    assert granted - used == set(), "granted but never called: remove from rbac-device-plugin.yaml"
+    assert used - granted == set(), "called but not granted: add to rbac-device-plugin.yaml"
+    assert {g for rule in _one("ClusterRole", "vramshare-device-plugin")["rules"] for g in rule["apiGroups"]} == {""}
+
+
+def test_rbac_scan_sees_verbs_and_watches(tmp_path):
+    (tmp_path / "a.py").write_text("v1 = client.CoreV1Api(api)\nv1.read_node(n)\nv1.patch_namespaced_pod_status(p)\n"
+                                   "w.stream(v1.list_pod_for_all_namespaces(watch=True))\n")
+    assert used_rights(tmp_path) == {("nodes", "get"), ("pods/status", "patch"), ("pods", "list"),
+                                     ("pods", "watch")}
+
+
+def test_device_plugin_binding_and_service_account_agree(pod):
+    binding = _one("ClusterRoleBinding", "vramshare-device-plugin")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "vramshare-device-plugin"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
+                                    "namespace": NAMESPACE}]
+    _one("ServiceAccount", pod["serviceAccountName"])
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d[2].get("kind") in {"ClusterRole", "Role"}], ids=_id)
+def test_no_rbac_wildcards(doc):
+    for rule in doc[2]["rules"]:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule.get(key, []), f"{key}: no wildcards"
