@@ -83,4 +83,4 @@ class Kube:
                 "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
         resp = self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False,
                                                        _request_timeout=self.timeout)
-        resp.release_conn()
+        _read(resp)  # drain the Status body, or the pooled connection would start with it
