@@ -1,0 +1,221 @@
+"""``vramshare demo``: the whole stack on loopback, no cluster and no GPU, ending by itself.
+
+What runs, each the real thing except the two peers no laptop has:
+  * a local stand-in for the API server (``vramshare.apiserver_double``), reached with the official client;
+  * two simulated GPU nodes, each with the real device plugin daemon serving gRPC on unix sockets to a
+    stand-in kubelet (``vramshare.fake_kubelet``) that registers it, watches devices and calls Allocate;
+  * the real extender over HTTP, driven the way kube-scheduler drives it (``vramshare.fake_scheduler``).
+It submits inference pods of realistic sizes, says where each landed and why, shows what the kubelet
+handed each container, prints the ``/inspect`` table, deletes a pod to show the memory coming back.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.simulated_backend import SimulatedBackend
+from extender import inspection
+from extender.main import start_for_url
+from vramshare import contract, kube, podspec
+from vramshare.apiserver_double import ApiServerDouble
+from vramshare.config import Config
+from vramshare.fake_kubelet import FakeKubelet
+from vramshare.fake_scheduler import SchedulerDriver
+
+NAMES = contract.Names()
+GIB = 1024
+
+# A second node of a different GPU class, so placement has a real choice to make.
+L40S_NODE = {"gpus": [
+    {"model": "NVIDIA L40S", "memoryMiB": 46068, "numaNode": 0, "uuid": "GPU-6f708192-a3b4-45c6-97e8-f90a1b2c3d45"},
+    {"model": "NVIDIA L40S", "memoryMiB": 46068, "numaNode": 1, "uuid": "GPU-708192a3-b4c5-46d7-a8f9-0a1b2c3d4e56"},
+]}
+
+
+@dataclass(frozen=True)
+class DemoPod:
+    name: str
+    what: str
+    gib: int = 0  # vramshare.io/gpu-memory units (1 GiB each)
+    gpus: int = 1  # vramshare.io/gpu-count
+    mig: str = ""  # a MIG profile instead of memory units
+    models: str = ""  # vramshare.io/gpu-models constraint
+
+
+PODS = [
+    DemoPod("llama3-8b-chat", "Llama-3-8B bf16, 8k context", 22),
+    DemoPod("mistral-7b-rag", "Mistral-7B bf16", 18),
+    DemoPod("qwen2-72b-awq", "Qwen2-72B AWQ int4, needs the big card", 60, models="H200|H100"),
+    DemoPod("bge-embedder", "BGE-large embeddings", 4),
+    DemoPod("whisper-asr", "Whisper large-v3 on a MIG slice", mig="1g.10gb"),
+    DemoPod("mixtral-tp2", "Mixtral-8x7B, tensor-parallel over 2 GPUs", 2 * 48, gpus=2),
+    DemoPod("phi3-mini", "Phi-3-mini", 10),
+    DemoPod("llama3-70b-fp16", "Llama-3-70B fp16 on one GPU: too big anywhere", 150),
+]
+
+
+def pod_manifest(p: DemoPod) -> dict[str, Any]:
+    resources = {NAMES.mig(p.mig): "1"} if p.mig else {NAMES.gpu_memory: str(p.gib)}
+    ann = {"demo/what": p.what}
+    if p.gpus > 1:
+        ann[NAMES.gpu_count] = str(p.gpus)
+    if p.models:
+        ann[NAMES.gpu_models] = p.models
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": p.name, "namespace": "inference", "annotations": ann},
+            "spec": {"schedulerName": "vramshare-scheduler",
+                     "containers": [{"name": "server", "image": "vllm/vllm-openai",
+                                     "resources": {"limits": resources}}]}}
+
+
+class DemoNode:
+    """One simulated GPU node: a stand-in kubelet and the real device plugin daemon, wired over sockets."""
+
+    def __init__(self, name: str, backend: SimulatedBackend, api_url: str, root: str) -> None:
+        self.name = name
+        plugin_dir = os.path.join(root, name, "device-plugins")
+        os.makedirs(plugin_dir)
+        pr_socket = os.path.join(root, name, "pod-resources.sock")
+        self.kubelet = FakeKubelet(plugin_dir, pr_socket)
+        self.api = kube.api_client_for(api_url)
+        config = Config().with_overrides(quota_host_dir=os.path.join(root, name, "quota"))
+        self.daemon = DevicePluginDaemon(backend, config, plugin_dir, node_name=name, api=self.api,
+                                         pod_resources_socket=pr_socket, poll_seconds=0.05)
+        self.grants: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}  # pod -> (resource, device IDs)
+
+    def start(self) -> None:
+        self.kubelet.start()
+        self.daemon.start()
+        self.kubelet.wait_registered(self.daemon.state.snapshot.devices, timeout=10)
+
+    def admit(self, pod: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
+        """What the kubelet does for a bound pod: per container and resource, pick devices (asking the
+        plugin's preference), then Allocate. Returns each container's environment."""
+        demand = podspec.pod_demand(pod, NAMES)
+        out = []
+        for c in demand.containers:
+            asks = [(NAMES.gpu_memory, c.units)] if c.units else []
+            asks += [(NAMES.gpu, c.whole_gpus)] if c.whole_gpus else []
+            asks += [(NAMES.mig(profile), n) for profile, n in c.mig]
+            for resource, size in asks:
+                taken = {i for grants in self.grants.values() for r, ids in grants if r == resource for i in ids}
+                available = [i for i in self.kubelet.healthy_ids(resource) if i not in taken]
+                ids = self.kubelet.preferred(resource, available, size)
+                resp = self.kubelet.allocate(resource, ids, pod=(demand.namespace, demand.name, c.container))
+                self.grants.setdefault((demand.namespace, demand.name), []).append((resource, ids))
+                out.append((c.container, dict(resp.envs)))
+        return out
+
+    def release(self, pod: dict[str, Any]) -> None:
+        """The pod ended: the kubelet frees its devices."""
+        meta = pod["metadata"]
+        self.kubelet.forget_pod(meta["namespace"], meta["name"])
+        self.grants.pop((meta["namespace"], meta["name"]), None)
+
+    def close(self) -> None:
+        self.daemon.close()
+        self.kubelet.stop()
+        self.api.close()
+
+
+def _say(out: TextIO, text: str = "") -> None:
+    print(text, file=out, flush=True)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    t0 = time.monotonic()
+    pods = PODS[: max(1, min(args.pods, len(PODS)))]
+    # The directory outlives the daemons: removing sockets under a running plugin makes it re-register.
+    with tempfile.TemporaryDirectory(prefix="vramshare-demo-") as root, ExitStack() as stack:
+        _say(out, "vramshare demo: an API server stand-in, 2 simulated GPU nodes with the device plugin and a "
+                  "stand-in kubelet, and the extender, all on loopback.")
+        api = stack.enter_context(ApiServerDouble())
+        nodes = {}
+        for name, backend in (("gpu-node-a", SimulatedBackend.demo()),
+                              ("gpu-node-b", SimulatedBackend.from_dict(L40S_NODE))):
+            api.create_node({"metadata": {"name": name, "labels": {"nvidia.com/gpu.present": "true"}}})
+            node = DemoNode(name, backend, api.url, root)
+            stack.callback(node.close)
+            node.start()
+            nodes[name] = node
+            inv = node.daemon.state.snapshot.inventory
+            _say(out, f"  {name}: device plugin registered {', '.join(sorted(node.daemon.state.snapshot.devices))}")
+            for g in inv.gpus:
+                extra = f"{g.units} x 1 GiB units" if g.units else "MIG " + ", ".join(m.profile for m in g.mig)
+                _say(out, f"    GPU {g.index} {g.model} ({g.memory_mib / GIB:.0f} GiB, NUMA {g.numa_node}): {extra}")
+        ext = start_for_url(api.url)
+        stack.callback(ext.stop)
+        if not ext.wait_ready(10) or not api.wait_for(
+                lambda a: all(contract.Names().inventory in (n["metadata"].get("annotations") or {})
+                              for n in a.nodes()), 10):
+            _say(out, "demo: the extender did not see the GPU inventories in time")
+            return 1
+        _wait(lambda: set(inspection.render(ext.acct)["nodes"][i]["name"] for i in range(len(nodes)))  # type: ignore[index]
+              == set(nodes), 10)
+        _say(out, f"  extender: {ext.url} (policy {ext.app.policy.value})")
+        driver = SchedulerDriver(ext.url, sorted(nodes))
+        stack.callback(driver.close)
+        _say(out)
+        _say(out, f"Submitting {len(pods)} inference pods (schedulerName: vramshare-scheduler):")
+        placed = []
+        for p in pods:
+            manifest = api.create_pod(pod_manifest(p))
+            ask = f"MIG {p.mig}" if p.mig else (f"{p.gib} GiB" + (f" over {p.gpus} GPUs" if p.gpus > 1 else ""))
+            _say(out, f"\n* {p.name}: {p.what}; asks {ask}" + (f", models {p.models}" if p.models else ""))
+            res = driver.schedule(manifest)
+            for n, why in sorted(res.failed.items()):
+                _say(out, f"    filter: {n} rejected: {why}")
+            if not res.node:
+                _say(out, f"    => stays Pending: {res.error}")
+                continue
+            if len(res.scores) > 1:
+                _say(out, "    prioritize: " + ", ".join(f"{n}={s}" for n, s in sorted(res.scores.items())))
+            bound = api.get_pod("inference", p.name) or {}
+            ann = bound["metadata"]["annotations"]
+            _say(out, f"    bind: {res.node}, assignment {ann[NAMES.assignment]}")
+            for container, env in nodes[res.node].admit(bound):
+                _say(out, f"    kubelet Allocate ({container}): {contract.ENV_VISIBLE_DEVICES}="
+                          f"{env.get(contract.ENV_VISIBLE_DEVICES)} {contract.ENV_MEMORY_LIMIT_MIB}="
+                          f"{env.get(contract.ENV_MEMORY_LIMIT_MIB)}")
+            state = (api.get_pod("inference", p.name) or {})["metadata"]["annotations"].get(NAMES.allocation_state)
+            _say(out, f"    allocation-state: {state}")
+            api.set_pod_phase("inference", p.name, "Running")
+            placed.append((p, res.node))
+        _say(out, "\nPer-GPU view from the extender (GET /inspect, as `vramshare inspect` prints it):")
+        _say(out, inspection.format_table(inspection.fetch(ext.url)))
+        if placed:
+            gone, node = placed[0]
+            before = _used(ext, node)
+            pod = api.get_pod("inference", gone.name)
+            api.delete_pod("inference", gone.name)
+            nodes[node].release(pod or {})
+            _wait(lambda: _used(ext, node) < before, 5)
+            _say(out, f"\nDeleted {gone.name}: {node} used {before / GIB:.0f} GiB before, "
+                      f"{_used(ext, node) / GIB:.0f} GiB now.")
+        _say(out, f"\nDemo finished in {time.monotonic() - t0:.1f} s: {len(placed)} of {len(pods)} pods placed.")
+    return 0
+
+
+def _used(ext: Any, node: str) -> int:
+    doc = inspection.render(ext.acct, node)
+    return int(doc["usedMiB"]) if doc else 0
+
+
+def _wait(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return True
+        except (IndexError, KeyError, TypeError):
+            pass
+        time.sleep(0.05)
+    return False
