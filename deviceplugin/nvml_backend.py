@@ -8,6 +8,7 @@ NVML failure is counted (``errors``) for ``vramshare_nvml_errors_total`` and tur
 """
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections import Counter
@@ -15,7 +16,7 @@ from typing import Any, Callable
 
 from deviceplugin import migprofile, nvml_health, sysfs
 from deviceplugin.backend import BackendError, DiscoveredGpu, DiscoveredMig, HealthCallback
-from vramshare import logs
+from vramshare import config, logs
 
 log = logs.get(__name__)
 
@@ -53,9 +54,8 @@ class NvmlBackend:
                  probe_seconds: float = 30.0, probes_to_recover: int = 3,
                  on_nvml_error: ErrorHook | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if nvml is None:
-            import pynvml as nvml  # the one place the real module is loaded
-        self.nvml = nvml
+        # the one place the real module is loaded; it imports fine without a GPU or driver
+        self.nvml = nvml if nvml is not None else importlib.import_module("pynvml")
         self.sysfs_root = sysfs_root
         self.probe_seconds = probe_seconds
         self.probes_to_recover = probes_to_recover
@@ -64,6 +64,12 @@ class NvmlBackend:
         self._on_nvml_error = on_nvml_error
         self._lock = threading.RLock()
         self._initialized = False
+
+    @classmethod
+    def from_config(cls, health: config.HealthConfig, **kwargs: Any) -> "NvmlBackend":
+        """A backend probing at the cadence of the config's ``health`` section."""
+        return cls(probe_seconds=health.recovery_probe_seconds, probes_to_recover=health.probes_to_recover,
+                   **kwargs)
 
     # -- NVML calls, counted -----------------------------------------------------------------
     def call(self, function: str, *args: Any, **kwargs: Any) -> Any:

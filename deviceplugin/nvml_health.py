@@ -105,20 +105,21 @@ class XidWatcher:
         if uuid not in self.gpus:
             log.warning("xid on a gpu discovered after the watch began", gpu=uuid, xid=xid)
             return
-        mig_uuid = self._mig_of(uuid, int(data.gpuInstanceId), int(data.computeInstanceId))
-        if mig_uuid is False:
+        matched, mig_uuid = self._mig_of(uuid, int(data.gpuInstanceId), int(data.computeInstanceId))
+        if not matched:
             log.warning("xid on a MIG instance we do not know; ignored", gpu=uuid, xid=xid,
                         gi=int(data.gpuInstanceId), ci=int(data.computeInstanceId))
             return
         log.warning("gpu unhealthy", gpu=uuid, mig=mig_uuid, xid=xid)
-        self._emit(self.ledger.mark_unhealthy(uuid, f"xid {xid}", xid, mig_uuid or None))
+        self._emit(self.ledger.mark_unhealthy(uuid, f"xid {xid}", xid, mig_uuid))
 
-    def _mig_of(self, uuid: str, gi: int, ci: int) -> str | None | bool:
-        """The MIG UUID an event's GI/CI names; ``None`` for the whole GPU, ``False`` for no match."""
+    def _mig_of(self, uuid: str, gi: int, ci: int) -> tuple[bool, str | None]:
+        """(matched, MIG UUID) for an event's GI/CI; the MIG UUID is ``None`` for the whole GPU."""
         gpu = self.gpus[uuid][0]
         if not gpu.mig_enabled or gi == NO_INSTANCE or ci == NO_INSTANCE:
-            return None
-        return next((m.uuid for m in gpu.mig if m.gi == gi and m.ci == ci), False)
+            return True, None
+        mig = next((m.uuid for m in gpu.mig if m.gi == gi and m.ci == ci), None)
+        return mig is not None, mig
 
     def _probe(self) -> None:
         """Read every device once: lost healthy GPUs go unhealthy, answering unhealthy ones recover."""

@@ -8,6 +8,7 @@ from deviceplugin import sysfs
 from deviceplugin.backend import BackendError, DiscoveredMig, GpuBackend
 from deviceplugin.nvml_backend import NO_DRIVER, NvmlBackend
 from tests.fixtures import fake_nvml
+from vramshare.config import parse_config
 from tests.fixtures.fake_nvml import A100_80GB_MIG, H100_80GB, H200_141GB, FakeNvml
 
 A100_MIGS = (
@@ -191,3 +192,9 @@ def test_bus_id_normalisation(bus_id, expected):
 def test_bad_bus_ids_are_refused(bus_id):
     with pytest.raises(sysfs.SysfsError, match="PCI bus id"):
         sysfs.normalize_bus_id(bus_id)
+
+
+def test_probe_cadence_comes_from_the_health_config():
+    cfg = parse_config("health: {recoveryProbeSeconds: 7, probesToRecover: 5}").health
+    nvml = NvmlBackend.from_config(cfg, nvml=FakeNvml([H100_80GB]))
+    assert (nvml.probe_seconds, nvml.probes_to_recover) == (7.0, 5)
