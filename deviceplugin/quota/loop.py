@@ -61,6 +61,12 @@ class QuotaLoop:
         self._params, self._root, self._signals, self._mirror = params, host_root, signals, mirror
         self._limits: dict[tuple[TenantKey, str], int] = {}  # what is on disk, as we wrote or read it
         self._preempt: dict[TenantKey, float] = {}  # last preemption counter per tenant
+        self.last = TickReport()  # the latest tick, for the metrics collector
+        self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes
+
+    def limits(self) -> dict[tuple[TenantKey, str], int]:
+        """The limits on disk as this loop knows them: ``{(tenant, gpu uuid): MiB}``."""
+        return dict(self._limits)
 
     # -- inputs ------------------------------------------------------------------------------
     def _read_usage(self, report: TickReport) -> list[UsageSample] | None:
@@ -105,6 +111,17 @@ class QuotaLoop:
 
     # -- one tick ----------------------------------------------------------------------------
     def run_once(self) -> TickReport:
+        """One tick: read, decide, write. Never raises for bad input; see :class:`TickReport`."""
+        report = self._tick()
+        self.last = report
+        self.counts["ticks"] += 1
+        self.counts["skipped"] += report.skipped is not None
+        self.counts["errors"] += len(report.errors)
+        self.counts["writes"] += len(report.written)
+        self.counts["changes"] += sum(d.changed for d in report.decisions)
+        return report
+
+    def _tick(self) -> TickReport:
         report = TickReport()
         try:
             tenants = sorted(self._tenants.list_tenants(), key=lambda t: t.key)
