@@ -169,7 +169,8 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
 
     def wait_registered(self, resources: Iterable[str], timeout: float = 5.0) -> None:
         wanted = list(resources)
-        self.wait_for(lambda: all(r in self._plugins and self._plugins[r].updates > 0 for r in wanted),
+        self.wait_for(lambda: all(r in self._plugins and self._plugins[r].updates > 0 and self._plugins[r].connected
+                                  for r in wanted),
                       timeout, f"registration of {wanted}")
 
     def plugin(self, resource: str) -> PluginConnection:

@@ -57,9 +57,10 @@ def start_plugin(backend: SimulatedBackend, config: Config, kubelet: FakeKubelet
     """Start a plugin against the fake kubelet and wait until every resource is registered."""
     started: list[DevicePluginDaemon] = []
 
-    def start(cfg: Config | None = None, api: Any = None, node: str = "gpu-1", **kw: Any) -> DevicePluginDaemon:
+    def start(cfg: Config | None = None, api: Any = None, node: str = "gpu-1", gpus: Any = None,
+              **kw: Any) -> DevicePluginDaemon:
         kw.setdefault("metrics", None)
-        daemon = DevicePluginDaemon(backend, cfg or config, kubelet.plugin_dir, node_name=node, api=api,
+        daemon = DevicePluginDaemon(gpus or backend, cfg or config, kubelet.plugin_dir, node_name=node, api=api,
                                     pod_resources_socket=kubelet.pod_resources_socket, poll_seconds=0.02,
                                     stream_grace_seconds=kw.pop("stream_grace_seconds", 0.3), **kw)
         daemon.start()
