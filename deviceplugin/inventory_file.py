@@ -12,6 +12,7 @@ Schema (every key but ``model`` and ``memoryMiB`` optional)::
       - model: NVIDIA A100-SXM4-80GB
         memoryMiB: 81920
         mig: [3g.40gb, 2g.20gb, {profile: 1g.10gb, memoryMiB: 9856, uuid: MIG-..., gi: 13, ci: 0}]
+        migMemoryMiB: {3g.40gb: 40192}   # exact sizes by profile; else the name's GB x 1024
 
 A mistake raises :class:`InventoryFileError` naming the key (``gpus[1].memoryMiB: ...``): a demo or a
 test that runs on a typo would teach the wrong thing.
@@ -28,7 +29,7 @@ from deviceplugin.backend import BackendError, DiscoveredGpu, DiscoveredMig
 
 _NAMESPACE = uuidlib.UUID("6f1e3c1a-9d7b-4f0e-8a51-7a6d2b0c9e11")  # fixed: UUIDs stay stable across runs
 _TOP_KEYS = {"gpus", "description"}
-_GPU_KEYS = {"model", "memoryMiB", "reservedMiB", "numaNode", "pciBusId", "uuid", "mig"}
+_GPU_KEYS = {"model", "memoryMiB", "reservedMiB", "numaNode", "pciBusId", "uuid", "mig", "migMemoryMiB"}
 _MIG_KEYS = {"profile", "memoryMiB", "uuid", "gi", "ci"}
 
 
@@ -128,7 +129,8 @@ def _gpu(raw: Any, index: int) -> DiscoveredGpu:
     mig_raw = g.get("mig")
     if mig_raw is not None and not isinstance(mig_raw, list):
         raise InventoryFileError(f"{where}.mig: expected a list of MIG profiles, got {mig_raw!r}")
-    migs = tuple(_mig(m, f"{where}.mig[{j}]", uuid, j) for j, m in enumerate(mig_raw or []))
+    sizes = _sizes(g.get("migMemoryMiB"), f"{where}.migMemoryMiB")
+    migs = tuple(_mig(m, f"{where}.mig[{j}]", uuid, j, sizes) for j, m in enumerate(mig_raw or []))
     if sum(m.memory_mib for m in migs) > memory:
         raise InventoryFileError(f"{where}.mig: the instances hold more than memoryMiB {memory}")
     return DiscoveredGpu(
@@ -139,12 +141,25 @@ def _gpu(raw: Any, index: int) -> DiscoveredGpu:
     )
 
 
-def _mig(raw: Any, where: str, gpu_uuid: str, n: int) -> DiscoveredMig:
+def _sizes(raw: Any, where: str) -> dict[str, int]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise InventoryFileError(f"{where}: expected a mapping of MIG profile to MiB, got {raw!r}")
+    for profile in raw:
+        if not isinstance(profile, str) or not migprofile.is_profile(profile):
+            raise InventoryFileError(f"{where}.{profile}: not a MIG profile like 1g.10gb")
+        _int(raw, profile, where, minimum=1)
+    return dict(raw)
+
+
+def _mig(raw: Any, where: str, gpu_uuid: str, n: int, sizes: dict[str, int]) -> DiscoveredMig:
     m = {"profile": raw} if isinstance(raw, str) else _mapping(raw, _MIG_KEYS, where)
     profile = _str(m, "profile", where)
     if not migprofile.is_profile(profile):
         raise InventoryFileError(f"{where}.profile: {profile!r} is not a MIG profile like 1g.10gb")
-    memory = _int(m, "memoryMiB", where, minimum=1, default=migprofile.profile_memory_mib(profile))
+    default = sizes.get(profile) or migprofile.profile_memory_mib(profile)
+    memory = _int(m, "memoryMiB", where, minimum=1, default=default)
     uuid = _str(m, "uuid", where, default=None) or derived_mig_uuid(gpu_uuid, n, profile)
     if not uuid.startswith("MIG-"):
         raise InventoryFileError(f"{where}.uuid: {uuid!r} does not start with MIG- as NVIDIA MIG UUIDs do")

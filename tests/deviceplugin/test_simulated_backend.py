@@ -55,6 +55,12 @@ def test_derived_uuids_are_deterministic_and_explicit_ones_kept():
     assert first[0].mig[0].gi == 1 and first[0].mig[0].ci == 0
 
 
+def test_mig_memory_map_then_explicit_size_then_profile_name():
+    raw = {"gpus": [{"model": "A100", "memoryMiB": 81920, "migMemoryMiB": {"3g.40gb": 40192},
+                     "mig": ["3g.40gb", {"profile": "2g.20gb", "memoryMiB": 19968}, "1g.10gb"]}]}
+    assert [m.memory_mib for m in SimulatedBackend.from_dict(raw).discover()[0].mig] == [40192, 19968, 10240]
+
+
 def test_demo_inventory_is_packaged_and_valid():
     gpus = SimulatedBackend.demo().discover()
     assert demo_inventory_path().endswith("demo-node.yaml")
@@ -87,6 +93,9 @@ GOOD = {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559}
     ({"gpus": [{**GOOD, "mig": [{"profile": "1g.10gb", "size": 1}]}]}, "gpus[0].mig[0].size: unknown key"),
     ({"gpus": [{**GOOD, "mig": [{"profile": "1g.10gb", "uuid": "GPU-x"}]}]}, "gpus[0].mig[0].uuid: 'GPU-x' does not start with MIG-"),
     ({"gpus": [{**GOOD, "mig": ["7g.80gb", "1g.10gb"]}]}, "gpus[0].mig: the instances hold more than memoryMiB"),
+    ({"gpus": [{**GOOD, "migMemoryMiB": [1]}]}, "gpus[0].migMemoryMiB: expected a mapping"),
+    ({"gpus": [{**GOOD, "migMemoryMiB": {"big": 1}}]}, "gpus[0].migMemoryMiB.big: not a MIG profile"),
+    ({"gpus": [{**GOOD, "migMemoryMiB": {"1g.10gb": 0}}]}, "gpus[0].migMemoryMiB.1g.10gb: expected an integer >= 1"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_invalid_inventory_names_the_key(raw, message):
     with pytest.raises(BackendError) as err:
