@@ -11,6 +11,7 @@ handed each container, prints the ``/inspect`` table, deletes a pod to show the 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -132,6 +133,8 @@ def _say(out: TextIO, text: str = "") -> None:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     t0 = time.monotonic()
+    if not getattr(args, "verbose", False):  # the narration says what happened; logs on request
+        logging.getLogger().setLevel(logging.WARNING)
     pods = PODS[: max(1, min(args.pods, len(PODS)))]
     # The directory outlives the daemons: removing sockets under a running plugin makes it re-register.
     with tempfile.TemporaryDirectory(prefix="vramshare-demo-") as root, ExitStack() as stack:
