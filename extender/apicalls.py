@@ -37,10 +37,14 @@ class Kube:
         self.timeout = request_timeout
 
     # -- list + watch (the cache) ---------------------------------------------------------
+    def _list(self, plural: str, **kwargs: Any) -> Any:
+        if plural == "nodes":
+            return self.core.list_node(_preload_content=False, **kwargs)
+        return self.core.list_pod_for_all_namespaces(_preload_content=False, **kwargs)
+
     def list(self, plural: str) -> Obj:
         """A full list of ``nodes`` or ``pods`` (all namespaces), with ``metadata.resourceVersion``."""
-        fn = self.core.list_node if plural == "nodes" else self.core.list_pod_for_all_namespaces
-        return _read(fn(_preload_content=False, _request_timeout=self.timeout))
+        return _read(self._list(plural, _request_timeout=self.timeout))
 
     def watch(self, plural: str, resource_version: str, timeout_seconds: int,
               on_open: Any = None) -> Iterator[Obj]:
@@ -48,10 +52,9 @@ class Kube:
 
         ``on_open(resp)`` receives the live response so another thread can shut it to stop the watch.
         """
-        fn = self.core.list_node if plural == "nodes" else self.core.list_pod_for_all_namespaces
-        resp = fn(watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
-                  timeout_seconds=timeout_seconds, _preload_content=False,
-                  _request_timeout=(self.timeout, timeout_seconds + self.timeout))
+        resp = self._list(plural, watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
+                          timeout_seconds=timeout_seconds,
+                          _request_timeout=(self.timeout, timeout_seconds + self.timeout))
         if on_open is not None:
             on_open(resp)
         try:

@@ -1,0 +1,134 @@
+"""The extender's manifests agree with its code: scheduler config, routes, ports, probes and RBAC.
+
+tests/deploy/test_manifests.py validates every document against the Kubernetes schemas; these are the
+invariants a schema cannot see.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+import urllib.parse
+from typing import Any
+
+import pytest
+import yaml
+
+from extender import accounting, app, metrics
+from vramshare import cli, contract
+from vramshare.config import Config, Policy
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy" / "daemonset"
+NAMES = contract.Names()
+
+
+def docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+
+
+def one(name: str, kind: str, obj: str | None = None) -> dict[str, Any]:
+    [found] = [d for d in docs(name) if d["kind"] == kind and (obj is None or d["metadata"]["name"] == obj)]
+    return found
+
+
+@pytest.fixture(scope="module")
+def sched_config() -> dict[str, Any]:
+    cm = one("scheduler-config.yaml", "ConfigMap")
+    return yaml.safe_load(cm["data"]["scheduler-config.yaml"])
+
+
+@pytest.fixture(scope="module")
+def ext(sched_config: dict[str, Any]) -> dict[str, Any]:
+    [entry] = sched_config["extenders"]
+    return entry
+
+
+@pytest.fixture(scope="module")
+def service_app() -> app.Extender:
+    acct = accounting.Accounting(Config())
+    return app.Extender(acct, None, None, metrics.ExtenderMetrics(acct), Policy.FGD)  # type: ignore[arg-type]
+
+
+def test_profile_and_extender_settings(sched_config: dict[str, Any], ext: dict[str, Any]) -> None:
+    assert sched_config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert [p["schedulerName"] for p in sched_config["profiles"]] == ["vramshare-scheduler"]
+    assert sched_config["percentageOfNodesToScore"] == 100
+    assert ext["nodeCacheCapable"] is True and ext["ignorable"] is False and ext["enableHTTPS"] is False
+    assert ext["weight"] >= 3 and re.fullmatch(r"\d+s", ext["httpTimeout"])
+    assert all(m["ignoredByScheduler"] is False for m in ext["managedResources"])
+    managed = [m["name"] for m in ext["managedResources"]]
+    assert len(managed) == len(set(managed))
+    assert {NAMES.gpu_memory, NAMES.gpu, NAMES.mig("1g.10gb"), NAMES.mig("1g.10gb+me"), NAMES.mig("3g.40gb")} <= set(managed)
+    assert all(NAMES.is_ours(m) for m in managed)
+
+
+def test_every_verb_is_a_route_of_the_extender(ext: dict[str, Any], service_app: app.Extender) -> None:
+    for key in ("filterVerb", "prioritizeVerb"):
+        resp = service_app.handle("POST", f"/{ext[key]}", b"{}")
+        assert resp.status == 200 and resp.content_type == "application/json"
+    assert service_app.handle("POST", "/nope", b"{}").status == 404
+    assert "bind" in ext["bindVerb"] and "preemptVerb" not in ext  # we bind; preemption stays in-tree
+
+
+def test_url_reaches_the_service_and_the_container(ext: dict[str, Any]) -> None:
+    url = urllib.parse.urlsplit(ext["urlPrefix"])
+    service = one("extender.yaml", "Service")
+    assert url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
+    [port] = service["spec"]["ports"]
+    assert url.port == port["port"]
+    pod = one("extender.yaml", "Deployment")["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    args = cli.build_parser().parse_args(c["command"][1:] + c["args"])
+    assert args.command == "extender" and int(args.listen.rsplit(":", 1)[1]) == ports[port["targetPort"]]
+    labels = one("extender.yaml", "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
+    assert volumes[mount["name"]]["configMap"]["name"] == "vramshare-config"
+
+
+def test_probes_are_served(service_app: app.Extender) -> None:
+    c = one("extender.yaml", "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert service_app.handle("GET", c["livenessProbe"]["httpGet"]["path"], b"").status == 200
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_scheduler_runs_the_config_with_its_identity(sched_config: dict[str, Any]) -> None:
+    pod = one("scheduler.yaml", "Deployment")["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    config_path = next(a.split("=", 1)[1] for a in c["command"] if a.startswith("--config="))
+    mount = next(m for m in c["volumeMounts"] if config_path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    cm = one("scheduler-config.yaml", "ConfigMap")
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+    assert config_path.rsplit("/", 1)[1] in cm["data"]
+    sa = pod["serviceAccountName"]
+    roles = {d["roleRef"]["name"] for d in docs("rbac-extender.yaml")
+             if d["kind"] in ("ClusterRoleBinding", "RoleBinding") and d["subjects"][0]["name"] == sa}
+    assert {"system:kube-scheduler", "system:volume-scheduler", "vramshare-scheduler-leader-election"} <= roles
+    lease = one("rbac-extender.yaml", "Role", "vramshare-scheduler-leader-election")
+    le = sched_config["leaderElection"]
+    assert lease["metadata"]["namespace"] == le["resourceNamespace"]
+    assert any(le["resourceName"] in r.get("resourceNames", []) for r in lease["rules"])
+
+
+_CALL = re.compile(r"self\.core\.(read|list|patch|create)_(?:namespaced_)?([a-z_]+?)(?:_for_all_namespaces)?\(")
+_VERB = {"read": "get", "list": "list", "patch": "patch", "create": "create"}
+
+
+def test_extender_rbac_is_exactly_what_its_code_calls() -> None:
+    source = (ROOT / "extender" / "apicalls.py").read_text()
+    used = set()
+    for verb, res in _CALL.findall(source):
+        plural = "pods/binding" if res == "pod_binding" else f"{res}s"
+        used.add((plural, _VERB[verb]))
+        if verb == "list" and "watch=True" in source:
+            used.add((plural, "watch"))
+    assert ("pods/binding", "create") in used and ("nodes", "watch") in used
+    role = one("rbac-extender.yaml", "ClusterRole", "vramshare-extender")
+    granted = {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == used
+    binding = one("rbac-extender.yaml", "ClusterRoleBinding", "vramshare-extender")
+    pod = one("extender.yaml", "Deployment")["spec"]["template"]["spec"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
