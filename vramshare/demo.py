@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -20,15 +19,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from deviceplugin.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
 from extender import inspection
 from extender.main import start_for_url
-from vramshare import contract, kube, podspec
+from vramshare import contract
 from vramshare.apiserver_double import ApiServerDouble
-from vramshare.config import Config
-from vramshare.fake_kubelet import FakeKubelet
 from vramshare.fake_scheduler import SchedulerDriver
+from vramshare.simnode import SimulatedNode
 
 NAMES = contract.Names()
 GIB = 1024
@@ -76,56 +73,6 @@ def pod_manifest(p: DemoPod) -> dict[str, Any]:
                                      "resources": {"limits": resources}}]}}
 
 
-class DemoNode:
-    """One simulated GPU node: a stand-in kubelet and the real device plugin daemon, wired over sockets."""
-
-    def __init__(self, name: str, backend: SimulatedBackend, api_url: str, root: str) -> None:
-        self.name = name
-        plugin_dir = os.path.join(root, name, "device-plugins")
-        os.makedirs(plugin_dir)
-        pr_socket = os.path.join(root, name, "pod-resources.sock")
-        self.kubelet = FakeKubelet(plugin_dir, pr_socket)
-        self.api = kube.api_client_for(api_url)
-        config = Config().with_overrides(quota_host_dir=os.path.join(root, name, "quota"))
-        self.daemon = DevicePluginDaemon(backend, config, plugin_dir, node_name=name, api=self.api,
-                                         pod_resources_socket=pr_socket, poll_seconds=0.05)
-        self.grants: dict[tuple[str, str], list[tuple[str, list[str]]]] = {}  # pod -> (resource, device IDs)
-
-    def start(self) -> None:
-        self.kubelet.start()
-        self.daemon.start()
-        self.kubelet.wait_registered(self.daemon.state.snapshot.devices, timeout=10)
-
-    def admit(self, pod: dict[str, Any]) -> list[tuple[str, dict[str, str]]]:
-        """What the kubelet does for a bound pod: per container and resource, pick devices (asking the
-        plugin's preference), then Allocate. Returns each container's environment."""
-        demand = podspec.pod_demand(pod, NAMES)
-        out = []
-        for c in demand.containers:
-            asks = [(NAMES.gpu_memory, c.units)] if c.units else []
-            asks += [(NAMES.gpu, c.whole_gpus)] if c.whole_gpus else []
-            asks += [(NAMES.mig(profile), n) for profile, n in c.mig]
-            for resource, size in asks:
-                taken = {i for grants in self.grants.values() for r, ids in grants if r == resource for i in ids}
-                available = [i for i in self.kubelet.healthy_ids(resource) if i not in taken]
-                ids = self.kubelet.preferred(resource, available, size)
-                resp = self.kubelet.allocate(resource, ids, pod=(demand.namespace, demand.name, c.container))
-                self.grants.setdefault((demand.namespace, demand.name), []).append((resource, ids))
-                out.append((c.container, dict(resp.envs)))
-        return out
-
-    def release(self, pod: dict[str, Any]) -> None:
-        """The pod ended: the kubelet frees its devices."""
-        meta = pod["metadata"]
-        self.kubelet.forget_pod(meta["namespace"], meta["name"])
-        self.grants.pop((meta["namespace"], meta["name"]), None)
-
-    def close(self) -> None:
-        self.daemon.close()
-        self.kubelet.stop()
-        self.api.close()
-
-
 def _say(out: TextIO, text: str = "") -> None:
     print(text, file=out, flush=True)
 
@@ -145,7 +92,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         for name, backend in (("gpu-node-a", SimulatedBackend.demo()),
                               ("gpu-node-b", SimulatedBackend.from_dict(L40S_NODE))):
             api.create_node({"metadata": {"name": name, "labels": {"nvidia.com/gpu.present": "true"}}})
-            node = DemoNode(name, backend, api.url, root)
+            node = SimulatedNode(name, backend, api.url, root)
             stack.callback(node.close)
             node.start()
             nodes[name] = node

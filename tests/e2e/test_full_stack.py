@@ -1,0 +1,134 @@
+"""End to end through every real part: API double + simulated device plugin + stand-in kubelet + extender.
+
+One pod's life: asks 20 GiB, is filtered and scored by the extender, bound to a GPU with room, the
+kubelet's Allocate on that node returns exactly that GPU with the quota, ``/inspect`` shows it, deleting
+the pod frees the memory. And health: an Xid on a GPU reaches the extender through the device plugin's
+inventory annotation, the GPU stops taking pods, and comes back when it recovers.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Callable, Iterator
+
+import orjson
+import pytest
+
+from deviceplugin.simulated_backend import SimulatedBackend
+from extender import inspection
+from extender.main import RunningExtender, start_for_url
+from vramshare import contract
+from vramshare.apiserver_double import ApiServerDouble
+from vramshare.fake_scheduler import SchedulerDriver
+from vramshare.simnode import SimulatedNode
+
+NAMES = contract.Names()
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "inventories")
+NS = "team-a"
+
+
+def eventually(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def pod(name: str, gib: int) -> dict:
+    return {"metadata": {"name": name, "namespace": NS},
+            "spec": {"schedulerName": "vramshare-scheduler",
+                     "containers": [{"name": "vllm", "image": "vllm",
+                                     "resources": {"limits": {NAMES.gpu_memory: str(gib)}}}]}}
+
+
+class Stack:
+    def __init__(self, api: ApiServerDouble, nodes: dict[str, SimulatedNode], ext: RunningExtender) -> None:
+        self.api, self.nodes, self.ext = api, nodes, ext
+        self.driver = SchedulerDriver(ext.url, sorted(nodes))
+
+    def gpu_usage(self, node: str) -> dict[str, int]:
+        doc = inspection.fetch(self.ext.url, node)
+        return {g["uuid"]: g["usedMiB"] for g in doc["gpus"]}
+
+
+@pytest.fixture
+def stack() -> Iterator[Stack]:
+    # A short directory: unix socket paths are limited to 108 bytes, pytest's tmp_path is longer.
+    with tempfile.TemporaryDirectory(prefix="vs-e2e-") as root, ApiServerDouble() as api:
+        nodes = {}
+        for name, fixture in (("node-h200", "h200.yaml"), ("node-mixed", "mixed.yaml")):
+            api.create_node({"metadata": {"name": name}})
+            nodes[name] = SimulatedNode(name, SimulatedBackend.from_file(os.path.join(FIXTURES, fixture)),
+                                        api.url, root)
+        try:
+            for node in nodes.values():
+                node.start()
+            ext = start_for_url(api.url)
+            try:
+                assert ext.wait_ready(10)
+                eventually(lambda: all(inspection.render(ext.acct, n) for n in nodes), "inventories in the extender")
+                s = Stack(api, nodes, ext)
+                yield s
+                s.driver.close()
+            finally:
+                ext.stop()
+        finally:
+            for node in nodes.values():
+                node.close()
+
+
+def test_a_pod_lands_on_a_gpu_with_room_gets_it_from_the_kubelet_and_frees_it_when_deleted(stack: Stack) -> None:
+    # Fill most of the H200 node's first GPU through the same path, so "a GPU with room" means something.
+    filler = stack.api.create_pod(pod("filler", 70))
+    first = stack.driver.schedule(filler)
+    assert first.node, first.error
+    stack.nodes[first.node].admit(stack.api.get_pod(NS, "filler"))
+
+    created = stack.api.create_pod(pod("llama", 20))
+    outcome = stack.driver.schedule(created)
+    assert outcome.node in stack.nodes and not outcome.error
+
+    bound = stack.api.get_pod(NS, "llama")
+    assert bound["spec"]["nodeName"] == outcome.node
+    ann = bound["metadata"]["annotations"]
+    assignment = orjson.loads(ann[NAMES.assignment])
+    [(uuid, mib)] = [(e["uuid"], e["mib"]) for e in assignment["vllm"]]
+    assert mib == 20 * 1024
+    before = stack.gpu_usage(outcome.node)
+    assert before[uuid] >= mib
+    gpu = next(g for g in inspection.fetch(stack.ext.url, outcome.node)["gpus"] if g["uuid"] == uuid)
+    assert gpu["usedMiB"] - 0 <= gpu["totalMiB"]  # never over capacity
+    assert {"pod": f"{NS}/llama", "mib": mib} in gpu["pods"]
+
+    [(container, env)] = stack.nodes[outcome.node].admit(bound)
+    assert container == "vllm"
+    assert env[contract.ENV_VISIBLE_DEVICES] == uuid
+    assert env[contract.ENV_MEMORY_LIMIT_MIB] == str(mib)
+    eventually(lambda: stack.api.get_pod(NS, "llama")["metadata"]["annotations"][NAMES.allocation_state]
+               == contract.STATE_ALLOCATED, "allocation-state: allocated")
+
+    stack.api.delete_pod(NS, "llama")
+    stack.nodes[outcome.node].release(bound)
+    eventually(lambda: stack.gpu_usage(outcome.node)[uuid] == before[uuid] - mib, "memory freed in /inspect")
+
+
+def test_an_xid_takes_a_gpu_out_of_scheduling_until_it_recovers(stack: Stack) -> None:
+    node = stack.nodes["node-h200"]
+    [gpu] = node.daemon.state.snapshot.inventory.gpus
+    node.backend.inject_xid(gpu.uuid, 79)  # "GPU has fallen off the bus": critical, not ignored
+
+    def healthy_in_extender() -> bool:
+        return next(g for g in inspection.fetch(stack.ext.url, "node-h200")["gpus"])["healthy"]
+
+    eventually(lambda: not healthy_in_extender(), "the extender to see the GPU unhealthy")
+    only_h200 = pod("h200-only", 10)
+    only_h200["metadata"]["annotations"] = {NAMES.gpu_models: "H200"}
+    outcome = stack.driver.schedule(stack.api.create_pod(only_h200))
+    assert outcome.node == "" and "node-h200" in outcome.failed and "node-mixed" in outcome.failed
+
+    node.backend.recover(gpu.uuid)
+    eventually(healthy_in_extender, "the extender to see the GPU healthy again")
+    outcome = stack.driver.schedule(stack.api.get_pod(NS, "h200-only"))
+    assert outcome.node == "node-h200", outcome.error
