@@ -5,9 +5,11 @@ layout, so "per token and head" is "one scale per vector along the last dimensio
 other dimensions are (blocks, K/V, heads, tokens). That makes the codecs layout-agnostic: they take
 any ``[..., head_size]`` tensor.
 
-Scales are stored as float16: 2 bytes per (token, head) keeps int8 at 1.94x and int4 at 3.76x of
-bf16 for head size 64 (fp32 scales would cost int8 its 1.9x). Quantization divides by the *rounded*
-fp16 scale, so the stored scale is the one the values were quantized with.
+Scales are stored as bfloat16: 2 bytes per (token, head) keeps int8 at 1.94x and int4 at 3.76x of
+bf16 for head size 64 (fp32 scales would cost int8 its 1.9x), and unlike float16 it keeps full range
+(K/V rows of 1e-3 would need fp16 subnormal scales). The scale is rounded *up* to bf16 and values are
+quantized with the rounded scale, so the stored scale is exactly the one used and no clamp is needed;
+the price is a step at most 2^-7 coarser than ideal.
 
 Symmetric absmax scaling: ``scale = max|x| / qmax``. int4 uses levels -7..7 stored as 1..15 (0 unused),
 so unpacking needs no sign extension.
@@ -21,8 +23,7 @@ import torch
 CODECS = ("none", "int8", "fp8", "int4")
 _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 _BITS = {"none": 16, "int8": 8, "fp8": 8, "int4": 4}
-_TINY = 1e-8  # floor for all-zero vectors; fp16 keeps it as a subnormal
-_SCALE_UP = 1.0 + 2.0 ** -10  # > one fp16 ulp, so the rounded scale still covers max|x|
+_TINY = 1e-30  # floor for all-zero vectors (a normal bf16 number)
 
 
 def codec_bits(name: str) -> int:
@@ -81,7 +82,7 @@ def compress(x: torch.Tensor, codec: str) -> Compressed:
     width = dim // 2 if codec == "int4" else dim
     dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[codec]
     data = torch.empty(rows, width, dtype=dtype, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float16, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.bfloat16, device=x.device)
     step = _chunk_rows(x)
     buf = torch.empty(min(rows, step), dim, dtype=torch.float32, device=x.device)
     amax = torch.empty(min(rows, step), 1, dtype=torch.float32, device=x.device)
@@ -92,8 +93,13 @@ def compress(x: torch.Tensor, codec: str) -> Compressed:
         b, a, sc = buf[:n], amax[:n], scale[s:s + n]
         b.copy_(flat[s:s + n])
         torch.amax(torch.abs(b, out=tmp[:n]), dim=-1, keepdim=True, out=a)
-        # Round the fp16 scale up, never down, so |x / scale| <= qmax and no clamp pass is needed.
-        sc.copy_(a.mul_(_SCALE_UP / qmax).clamp_min_(_TINY))
+        # Round the bf16 scale up, never down, so |x / scale| <= qmax and no clamp pass is needed.
+        a.div_(qmax).clamp_min_(_TINY)
+        sc.copy_(a)
+        # Round the bf16 scale up, never down, so |x / scale| <= qmax and no clamp pass is needed.
+        low = sc.float() < a
+        if bool(low.any()):
+            sc.copy_(torch.where(low, torch.nextafter(sc, torch.full_like(sc, float("inf"))), sc))
         a.copy_(sc).reciprocal_()
         b.mul_(a)
         if codec == "fp8":

@@ -1,0 +1,39 @@
+"""The engine-state bridge behind the vramshare_vllm_* gauges (pure, no vLLM)."""
+from __future__ import annotations
+
+import json
+import os
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vllm_patches import metrics
+
+
+def test_published_state_becomes_gauges(tmp_path) -> None:
+    state_dir = str(tmp_path)
+    metrics.publish(state_dir, "0", {"quota_mib": 512, "cap_blocks": 40, "used_blocks": 7,
+                                     "usable_blocks": 63, "block_bytes": 131072,
+                                     "compression_bits": 8})
+    # A dead writer's file (pid 0x7fffffff cannot exist) and a garbage file are skipped.
+    with open(os.path.join(state_dir, "engine-1.json"), "w") as fh:
+        json.dump({"pid": 2**31 - 1, "quota_mib": 1}, fh)
+    with open(os.path.join(state_dir, "engine-2.json"), "w") as fh:
+        fh.write("{")
+    registry = CollectorRegistry()
+    metrics.register_collector(state_dir, registry)
+    metrics.register_collector(state_dir, registry)  # idempotent: no duplicate-timeseries error
+    text = generate_latest(registry).decode()
+    assert 'vramshare_vllm_quota_mib{engine="0"} 512.0' in text
+    assert 'vramshare_vllm_kv_block_cap{engine="0"} 40.0' in text
+    assert 'vramshare_vllm_kv_blocks_used{engine="0"} 7.0' in text
+    assert 'vramshare_vllm_kv_compression_bits{engine="0"} 8.0' in text
+    assert 'engine="1"' not in text and 'engine="2"' not in text
+
+
+def test_state_dir_is_exported_for_child_processes(tmp_path) -> None:
+    env: dict[str, str] = {}
+    path = metrics.ensure_state_dir(env)
+    assert env[metrics.ENV_STATE_DIR] == path and os.path.isdir(path)
+    os.rmdir(path)
+    env = {metrics.ENV_STATE_DIR: str(tmp_path / "x")}
+    assert metrics.ensure_state_dir(env) == str(tmp_path / "x")
