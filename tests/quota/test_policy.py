@@ -53,6 +53,29 @@ def test_most_pressured_tenant_is_served_first():
     assert out["idle"] == 32000 - out["preempt"] - out["kv"]
 
 
+def test_when_spare_is_short_the_higher_pressure_wins():
+    gpu = GpuState("GPU-0", 22000, (tenant("a-kv", 10000, 10000, 9500, kv_usage=0.95),
+                                    tenant("b-preempt", 10000, 10000, 9500, preemptions=2)))
+    out = limits(rebalance(gpu, P))
+    # both need 10524; 954 spare: all of it to the preempting tenant (it asks for 5 more steps)
+    assert out == {"a-kv": 10524, "b-preempt": 22000 - 10524}
+
+
+def test_a_pressured_owner_takes_back_its_reservation_before_anyone_borrows_more():
+    gpu = GpuState("GPU-0", 40000, (tenant("a-owner", 20000, 12000, 11500),  # lent 8000, now near its limit
+                                    tenant("b-borrower", 20000, 26000, 25500, preemptions=5)))
+    out = limits(rebalance(gpu, P))
+    assert out["a-owner"] == 12524 + 512  # use + margin + one step: within its request, served first
+    assert out["b-borrower"] == 40000 - out["a-owner"]
+
+
+def test_calm_tenants_keep_what_they_hold_before_lenders_are_restored():
+    # nobody is pressured: the borrower keeps its borrowed memory, the lender is not topped up
+    gpu = GpuState("GPU-0", 40000, (tenant("a-lender", 20000, 14000, 5000),
+                                    tenant("b-borrower", 20000, 25000, 12000)))
+    assert limits(rebalance(gpu, P)) == {"a-lender": 15000, "b-borrower": 25000}
+
+
 def test_never_above_ceiling_nor_below_floor():
     gpu = GpuState("GPU-0", 100000, (tenant("greedy", 10000, 10000, 14900, preemptions=9),
                                      tenant("tiny", 10000, 10000, 0)))
