@@ -1,0 +1,23 @@
+"""Fixtures: a started double and a real ``kubernetes`` CoreV1Api pointed at it, both closed after."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+from kubernetes import client
+
+from vramshare.apiserver_double import ApiServerDouble
+from vramshare.kube import api_client_for
+
+
+@pytest.fixture
+def double() -> Iterator[ApiServerDouble]:
+    with ApiServerDouble() as api:
+        yield api
+
+
+@pytest.fixture
+def v1(double: ApiServerDouble) -> Iterator[client.CoreV1Api]:
+    with api_client_for(double.url) as http:
+        yield client.CoreV1Api(http)
+

@@ -1,0 +1,132 @@
+"""Watch behaviour of the double, read through ``kubernetes.watch.Watch`` as production code does."""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from apiserver_double_bodies import pod_body
+from vramshare.apiserver_double import ApiServerDouble
+from vramshare.kube import api_client_for
+
+
+def _collect(v1: client.CoreV1Api, count: int, **kwargs: Any) -> list[tuple[str, str]]:
+    """(type, name) of the first ``count`` events of a pod watch in ``default``."""
+    w = watch.Watch()
+    seen: list[tuple[str, str]] = []
+    for event in w.stream(v1.list_namespaced_pod, "default", **kwargs):
+        seen.append((event["type"], event["raw_object"]["metadata"].get("name", "")))
+        if len(seen) == count:
+            w.stop()
+    return seen
+
+
+def test_replay_from_resource_version_in_order(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    v1.create_namespaced_pod("default", pod_body("p"))
+    double.set_pod_phase("default", "p", "Running")
+    v1.delete_namespaced_pod("p", "default")
+
+    seen = _collect(v1, 3, resource_version=start, timeout_seconds=2)
+
+    assert seen == [("ADDED", "p"), ("MODIFIED", "p"), ("DELETED", "p")]
+
+
+def test_live_events_reach_an_open_watch(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    seen: list[tuple[str, str]] = []
+    watcher = threading.Thread(target=lambda: seen.extend(_collect(v1, 2, resource_version=start,
+                                                                   timeout_seconds=2)))
+    watcher.start()
+    assert double.wait_for_watches(1)
+    v1.create_namespaced_pod("default", pod_body("live"))
+    v1.patch_namespaced_pod("live", "default", {"metadata": {"labels": {"a": "b"}}})
+    watcher.join()
+    assert seen == [("ADDED", "live"), ("MODIFIED", "live")]
+
+
+def test_watch_without_version_starts_with_current_state(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    double.create_pod(pod_body("existing"))
+    assert _collect(v1, 1, timeout_seconds=2) == [("ADDED", "existing")]
+
+
+def test_filtered_watch_sees_binding_as_deleted(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    double.create_pod(pod_body("p"))
+    double.bind_pod("default", "p", "gpu-1")
+
+    seen = _collect(v1, 2, resource_version=start, field_selector="spec.nodeName=", timeout_seconds=2)
+
+    assert seen == [("ADDED", "p"), ("DELETED", "p")]
+
+
+def test_watch_from_compacted_version_raises_410(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    double.create_pod(pod_body("p"))
+    double.compact()
+
+    with pytest.raises(ApiException) as expired:
+        _collect(v1, 1, resource_version=start, timeout_seconds=2)
+
+    assert expired.value.status == 410
+
+
+def test_history_limit_expires_old_versions() -> None:
+    with ApiServerDouble(history_limit=1) as double, api_client_for(double.url) as http:
+        v1 = client.CoreV1Api(http)
+        versions = [double.create_pod(pod_body(name))["metadata"]["resourceVersion"] for name in ("a", "b", "c")]
+        with pytest.raises(ApiException) as expired:  # only the change to c is still remembered
+            _collect(v1, 1, resource_version=versions[0], timeout_seconds=2)
+        assert expired.value.status == 410
+        assert _collect(v1, 1, resource_version=versions[1], timeout_seconds=2) == [("ADDED", "c")]
+
+
+def test_timeout_ends_the_stream_with_a_bookmark(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    w = watch.Watch()
+    rv = str(double.resource_version)
+    events = list(w.stream(v1.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1,
+                           allow_watch_bookmarks=True))
+    assert [e["type"] for e in events] == ["BOOKMARK"]
+
+
+def test_drop_watches_ends_open_streams(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    ended = threading.Event()
+
+    def watch_until_dropped() -> None:
+        for _ in watch.Watch().stream(v1.list_namespaced_pod, "default", resource_version="0",
+                                      timeout_seconds=30):
+            pass
+        ended.set()
+
+    watcher = threading.Thread(target=watch_until_dropped)
+    watcher.start()
+    assert double.wait_for_watches(1)
+    double.drop_watches()
+    watcher.join(timeout=5)
+    assert ended.is_set()
+    assert double.wait_for(lambda d: d.open_watches == 0)
+
+
+def test_stop_ends_open_watches() -> None:
+    double = ApiServerDouble().start()
+    outcome: list[str] = []
+    with api_client_for(double.url) as http:
+        v1 = client.CoreV1Api(http)
+
+        def watch_until_stopped() -> None:
+            try:
+                for _ in watch.Watch().stream(v1.list_namespaced_pod, "default", timeout_seconds=30):
+                    pass
+                outcome.append("ended")
+            except Exception as error:  # noqa: BLE001 - any clean client-side end is fine here
+                outcome.append(type(error).__name__)
+
+        watcher = threading.Thread(target=watch_until_stopped)
+        watcher.start()
+        assert double.wait_for_watches(1)
+        double.stop()
+        watcher.join(timeout=5)
+    assert outcome == ["ended"]

@@ -1,0 +1,179 @@
+"""``ApiServerDouble``: start/stop the HTTP server and reach its state from Python.
+
+Tests and ``vramshare demo`` talk to the double through the real ``kubernetes`` client; the Python
+helpers here are for set-up and for playing the parts no one else plays (the kubelet setting a pod
+phase, etcd compaction, a network cut), never a back door around behaviour under test.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+from types import TracebackType
+from typing import Callable
+
+from vramshare import logs
+
+from .resources import EVENTS, NODES, PODS, ResourceType
+from .server import ApiHttpServer
+from .store import Obj, Store
+from .traffic import Fault, FaultPlan, RequestLog, RequestRecord
+from .watch import WatchHub
+
+log = logs.get("vramshare.apiserver_double")
+
+
+class ApiServerDouble:
+    """A local stand-in for the Kubernetes API server on 127.0.0.1 and an ephemeral port."""
+
+    def __init__(self, *, history_limit: int = 10_000, graceful_pod_deletion: bool = False,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        self._store = Store(history_limit)
+        self._hub = WatchHub(self._store)
+        self._log = RequestLog()
+        self._faults = FaultPlan()
+        self._graceful = graceful_pod_deletion
+        self._address = (host, port)
+        self._server: ApiHttpServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> "ApiServerDouble":
+        if self._server is not None:
+            return self
+        self._server = ApiHttpServer(self._store, self._hub, self._log, self._faults, self._graceful,
+                                     *self._address)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="apiserver-double", daemon=True)
+        self._thread.start()
+        log.info("apiserver_double_started", url=self.url)
+        return self
+
+    def stop(self) -> None:
+        """End every watch and connection, then wait for the handler threads: nothing is left running."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        self._hub.stop()
+        server.shutdown()
+        server.cut_connections()
+        server.server_close()  # joins the handler threads
+        if self._thread is not None:
+            self._thread.join()
+        log.info("apiserver_double_stopped")
+
+    def __enter__(self) -> "ApiServerDouble":
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:<port>``, for ``vramshare.kube.api_client_for``."""
+        if self._server is None:
+            raise RuntimeError("the API server double is not started")
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    # -- objects -----------------------------------------------------------------------------------
+    def create_node(self, node: Obj) -> Obj:
+        return copy.deepcopy(self._store.create(NODES, None, node, keep_status=True))
+
+    def create_pod(self, pod: Obj) -> Obj:
+        """Create a pod; unlike a POST, a given ``status`` is kept (set-up may start pods Running)."""
+        namespace = (pod.get("metadata") or {}).get("namespace") or "default"
+        return copy.deepcopy(self._store.create(PODS, namespace, pod, keep_status=True))
+
+    def get_node(self, name: str) -> Obj | None:
+        return _copy_or_none(self._store.find(NODES, None, name))
+
+    def get_pod(self, namespace: str, name: str) -> Obj | None:
+        return _copy_or_none(self._store.find(PODS, namespace, name))
+
+    def nodes(self) -> list[Obj]:
+        return copy.deepcopy(self._store.list(NODES, None)[0])
+
+    def pods(self, namespace: str | None = None) -> list[Obj]:
+        return copy.deepcopy(self._store.list(PODS, namespace)[0])
+
+    def events(self, namespace: str | None = None) -> list[Obj]:
+        """Core v1 Events clients posted (e.g. the extender's FailedScheduling reasons)."""
+        return copy.deepcopy(self._store.list(EVENTS, namespace)[0])
+
+    def delete_pod(self, namespace: str, name: str) -> Obj:
+        """Remove a pod now (also what a kubelet does to finish a graceful deletion)."""
+        return copy.deepcopy(self._store.delete(PODS, namespace, name))
+
+    def delete_node(self, name: str) -> Obj:
+        return copy.deepcopy(self._store.delete(NODES, None, name))
+
+    def set_pod_phase(self, namespace: str, name: str, phase: str) -> Obj:
+        """Play the kubelet: move a pod to Running, Succeeded, Failed..."""
+        def set_phase(pod: Obj) -> None:
+            pod.setdefault("status", {})["phase"] = phase
+        return copy.deepcopy(self._store.mutate(PODS, namespace, name, set_phase))
+
+    def bind_pod(self, namespace: str, name: str, node: str) -> Obj:
+        """Play a scheduler without an extender: the same Binding semantics as the HTTP endpoint."""
+        self._store.bind(namespace, name, {"target": {"kind": "Node", "name": node}})
+        return copy.deepcopy(self._store.get(PODS, namespace, name))
+
+    def update(self, rtype: ResourceType, namespace: str | None, name: str, change: Callable[[Obj], None]) -> Obj:
+        """Any Python-side edit: ``change`` edits a copy which is then committed (one MODIFIED event)."""
+        return copy.deepcopy(self._store.mutate(rtype, namespace, name, change))
+
+    @property
+    def resource_version(self) -> int:
+        return self._store.resource_version
+
+    # -- watches -----------------------------------------------------------------------------------
+    def compact(self) -> None:
+        """Forget the change history: a watch from any older resourceVersion now gets 410 Expired."""
+        self._store.compact()
+
+    def drop_watches(self, abrupt: bool = False) -> None:
+        """End every open watch stream: cleanly by default, or ``abrupt`` (socket cut mid-stream)."""
+        self._hub.drop_all(abrupt)
+
+    def send_bookmarks(self) -> None:
+        """Send a BOOKMARK now on every watch that allowed bookmarks."""
+        self._hub.bookmark_all()
+
+    @property
+    def open_watches(self) -> int:
+        return self._hub.open
+
+    def wait_for(self, predicate: Callable[["ApiServerDouble"], bool], timeout: float = 5.0) -> bool:
+        """Block until ``predicate(self)`` holds, re-checked on every write and watch start/end."""
+        with self._store.changed:
+            return self._store.changed.wait_for(lambda: predicate(self), timeout)
+
+    def wait_for_watches(self, count: int = 1, timeout: float = 5.0) -> bool:
+        """Block until at least ``count`` watches are open: write only after a watcher is listening."""
+        return self.wait_for(lambda d: d.open_watches >= count, timeout)
+
+    # -- traffic -----------------------------------------------------------------------------------
+    def requests(self, verb: str | None = None, path: str | None = None) -> list[RequestRecord]:
+        """Requests seen so far, filtered by verb and a regex searched in the path."""
+        return self._log.records(verb, path)
+
+    def count(self, verb: str | None = None, path: str | None = None) -> int:
+        """How many requests matched, e.g. ``count("POST", r"/binding$")``."""
+        return self._log.count(verb, path)
+
+    def clear_requests(self) -> None:
+        self._log.clear()
+
+    def fail_next(self, verb: str, path: str, code: int = 500, times: int = 1, reason: str | None = None,
+                  message: str | None = None) -> Fault:
+        """Answer the next ``times`` requests matching ``verb`` ("*" for any) and regex ``path`` with ``code``."""
+        return self._faults.add(verb, path, code, times, reason, message)
+
+    def clear_faults(self) -> None:
+        self._faults.clear()
+
+
+def _copy_or_none(obj: Obj | None) -> Obj | None:
+    return None if obj is None else copy.deepcopy(obj)
+

@@ -1,0 +1,264 @@
+"""The HTTP face of the double: Kubernetes REST and watch over HTTP/1.1 keep-alive on a threaded server.
+
+This module only translates requests into store calls and answers into JSON; the API semantics live
+in ``store``, ``watch``, ``patches`` and ``selectors``. Every open connection is tracked so ``close()``
+can end idle keep-alive connections and watches instead of waiting for clients to hang up.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from vramshare import logs
+
+from . import errors
+from .errors import ApiError
+from .resources import PODS, Route, route
+from .selectors import parse_selector
+from .store import Store
+from .traffic import FaultPlan, RequestLog, RequestRecord
+from .watch import DISCONNECT, WatchHub, WatchRequest
+
+log = logs.get("vramshare.apiserver_double")
+
+
+class ApiHttpServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer that knows its store and can cut every open connection on close."""
+
+    daemon_threads = True
+    request_queue_size = 512  # a storm of concurrent clients must not hit a tiny listen backlog
+
+    def __init__(self, store: Store, hub: WatchHub, request_log: RequestLog, faults: FaultPlan,
+                 graceful_pod_deletion: bool, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__((host, port), _Handler)
+        self.store, self.hub, self.request_log, self.faults = store, hub, request_log, faults
+        self.graceful_pod_deletion = graceful_pod_deletion
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        self._closing = False
+
+    def track(self, conn: socket.socket) -> None:
+        with self._connections_lock:
+            self._connections.add(conn)
+            closing = self._closing
+        if closing:
+            _cut(conn)
+
+    def untrack(self, conn: socket.socket) -> None:
+        with self._connections_lock:
+            self._connections.discard(conn)
+
+    def cut_connections(self) -> None:
+        """Shut down every open connection so handler threads blocked on reads return."""
+        with self._connections_lock:
+            self._closing = True
+            open_now = list(self._connections)
+        for conn in open_now:
+            _cut(conn)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("connection_error", client=str(client_address), exc_info=True)
+
+
+def _cut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by the peer
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stalls
+    server: ApiHttpServer
+
+    # -- connection lifecycle ----------------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.untrack(self.connection)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
+        pass  # every request is logged once, structured, in _serve
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        # logged before the answer leaves, so a client that got its answer always finds its request counted
+        url = urlsplit(self.path)
+        self.server.request_log.add(RequestRecord(self.command, url.path, url.query, code))
+        log.debug("request", verb=self.command, path=url.path, query=url.query, status=code)
+        super().send_response(code, message)
+
+    # -- verbs -------------------------------------------------------------------------------------
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def _serve(self, verb: str) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        body_bytes = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        try:
+            fault = self.server.faults.take(verb, url.path)
+            if fault is not None:
+                raise fault
+            self._dispatch(verb, route(url.path), query, body_bytes)
+        except ApiError as error:
+            self._send_json(error.code, error.status_body())
+        except (ConnectionError, OSError):
+            self.close_connection = True
+
+    def _dispatch(self, verb: str, where: Route, query: dict[str, str], body_bytes: bytes) -> None:
+        store, rtype = self.server.store, where.rtype
+        dry_run = query.get("dryRun") == "All"
+        if rtype.namespaced and where.name is not None and where.namespace is None:
+            raise ApiError(404, "NotFound", f"{rtype.plural} need a namespace in the path")
+        if verb == "GET" and where.name is None:
+            if where.legacy_watch or query.get("watch") in ("true", "1"):
+                return self._watch(where, query)
+            return self._list(where, query)
+        if verb == "GET" and where.subresource in (None, "status"):
+            return self._send_json(200, store.get(rtype, where.namespace, where.name))
+        if verb == "POST" and where.name is None:
+            if rtype.namespaced and where.namespace is None:
+                raise errors.method_not_allowed(verb, self.path)
+            created = store.create(rtype, where.namespace, _json(body_bytes), dry_run=dry_run)
+            return self._send_json(201, created)
+        if verb == "POST" and where.subresource == "binding" and rtype is PODS:
+            assert where.namespace is not None and where.name is not None
+            store.bind(where.namespace, where.name, _json(body_bytes))
+            return self._send_json(201, {"kind": "Status", "apiVersion": "v1", "metadata": {},
+                                         "status": "Success", "code": 201})
+        if where.name is None or where.subresource == "binding":
+            raise errors.method_not_allowed(verb, self.path)
+        if verb == "PUT":
+            updated = store.update(rtype, where.namespace, where.name, _json(body_bytes), where.subresource,
+                                   dry_run=dry_run)
+            return self._send_json(200, updated)
+        if verb == "PATCH":
+            content_type = self.headers.get("Content-Type", "")
+            patched = store.patch(rtype, where.namespace, where.name, content_type, _json(body_bytes),
+                                  where.subresource, dry_run=dry_run)
+            return self._send_json(200, patched)
+        if verb == "DELETE" and where.subresource is None:
+            return self._delete(where, query, body_bytes, dry_run)
+        raise errors.method_not_allowed(verb, self.path)
+
+    # -- collection reads --------------------------------------------------------------------------
+    def _list(self, where: Route, query: dict[str, str]) -> None:
+        selector = parse_selector(where.rtype.plural, query.get("fieldSelector"), query.get("labelSelector"))
+        items, rv = self.server.store.list(where.rtype, where.namespace, selector)
+        meta: dict[str, Any] = {"resourceVersion": str(rv)}
+        if query.get("continue"):
+            after = _decode_continue(query["continue"])
+            items = [o for o in items if _sort_key(o) > after]
+        limit = _int(query, "limit") or 0
+        if 0 < limit < len(items):
+            meta["continue"] = _encode_continue(_sort_key(items[limit - 1]))
+            meta["remainingItemCount"] = len(items) - limit
+            items = items[:limit]
+        self._send_json(200, {"kind": where.rtype.list_kind, "apiVersion": where.rtype.api_version,
+                              "metadata": meta, "items": items})
+
+    def _watch(self, where: Route, query: dict[str, str]) -> None:
+        selector = parse_selector(where.rtype.plural, query.get("fieldSelector"), query.get("labelSelector"))
+        rv_text = query.get("resourceVersion") or "0"
+        if not rv_text.isdigit():
+            raise errors.bad_request(f"invalid resourceVersion {rv_text!r}")
+        timeout = _int(query, "timeoutSeconds")
+        request = WatchRequest(where.rtype, where.namespace, selector, int(rv_text) or None,
+                               None if timeout is None else float(timeout),
+                               query.get("allowWatchBookmarks") in ("true", "1"))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.close_connection = True  # one watch per connection keeps stream teardown simple
+        for event in self.server.hub.events(request):
+            if event is DISCONNECT:
+                _cut(self.connection)  # an abrupt disconnect: no terminating chunk
+                return
+            line = json.dumps(event, separators=(",", ":")).encode() + b"\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    # -- writes ------------------------------------------------------------------------------------
+    def _delete(self, where: Route, query: dict[str, str], body_bytes: bytes, dry_run: bool) -> None:
+        options = _json(body_bytes) if body_bytes.strip() else {}
+        grace = _int(query, "gracePeriodSeconds")
+        if grace is None and isinstance(options.get("gracePeriodSeconds"), int):
+            grace = options["gracePeriodSeconds"]
+        pre = options.get("preconditions") or {}
+        assert where.name is not None
+        gone = self.server.store.delete(where.rtype, where.namespace, where.name, grace_seconds=grace,
+                                        precondition_uid=pre.get("uid"), precondition_rv=pre.get("resourceVersion"),
+                                        graceful=self.server.graceful_pod_deletion, dry_run=dry_run)
+        if where.rtype is PODS:
+            return self._send_json(200, gone)  # pods answer with the object, like the real server
+        self._send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                              "details": {"name": where.name, "kind": where.rtype.plural,
+                                          "uid": gone["metadata"]["uid"]}})
+
+    def _send_json(self, code: int, body: Any) -> None:
+        data = json.dumps(body, separators=(",", ":")).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data or b"null")
+    except ValueError as error:
+        raise errors.bad_request(f"the request body is not JSON: {error}") from None
+
+
+def _int(query: dict[str, str], name: str) -> int | None:
+    text = query.get(name)
+    if text in (None, ""):
+        return None
+    try:
+        return int(text)  # type: ignore[arg-type]
+    except ValueError:
+        raise errors.bad_request(f"{name} must be an integer, not {text!r}") from None
+
+
+def _sort_key(obj: dict[str, Any]) -> tuple[str, str]:
+    meta = obj["metadata"]
+    return (meta.get("namespace") or "", meta["name"])
+
+
+def _encode_continue(after: tuple[str, str]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(list(after)).encode()).decode()
+
+
+def _decode_continue(token: str) -> tuple[str, str]:
+    try:
+        ns, name = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return (str(ns), str(name))
+    except (ValueError, TypeError):
+        raise errors.bad_request("invalid continue token") from None

@@ -1,0 +1,304 @@
+"""The object store: every object, the global resourceVersion counter and a bounded change history.
+
+One re-entrant lock guards it all and one condition wakes watches, so concurrent clients see the
+linearizable behaviour of etcd-backed storage. Stored objects are never mutated in place: every write
+stores a fresh deep copy, so the history can hand old versions to slow watches without copying.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import errors
+from .errors import ApiError
+from .patches import apply_patch
+from .resources import PODS, ResourceType
+from .selectors import Selector
+
+Obj = dict[str, Any]
+Key = tuple[ResourceType, str, str]  # (type, namespace or "", name)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One committed write, as a watch sees it; ``old`` lets a filtered watch see objects leave."""
+
+    rv: int
+    type: str  # ADDED, MODIFIED, DELETED
+    rtype: ResourceType
+    obj: Obj
+    old: Obj | None
+
+
+def now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class Store:
+    """Objects keyed by (type, namespace, name), with the write semantics of the real API server."""
+
+    def __init__(self, history_limit: int = 10_000) -> None:
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self._objects: dict[Key, Obj] = {}
+        self._rv = 1  # never "0": to a watch, resourceVersion "0" means "any", not "from the start"
+        self._history: deque[Change] = deque()
+        self._history_limit = history_limit
+        self._compacted_rv = self._rv  # every change with rv > this is still in the history
+
+    # -- reads -------------------------------------------------------------------------------------
+    @property
+    def resource_version(self) -> int:
+        with self.lock:
+            return self._rv
+
+    def get(self, rtype: ResourceType, namespace: str | None, name: str) -> Obj:
+        with self.lock:
+            obj = self._objects.get(_key(rtype, namespace, name))
+            if obj is None:
+                raise errors.not_found(rtype.plural, name)
+            return obj
+
+    def find(self, rtype: ResourceType, namespace: str | None, name: str) -> Obj | None:
+        with self.lock:
+            return self._objects.get(_key(rtype, namespace, name))
+
+    def list(self, rtype: ResourceType, namespace: str | None, selector: Selector | None = None) -> tuple[list[Obj], int]:
+        """Matching objects sorted by (namespace, name), and the resourceVersion they are current at."""
+        with self.lock:
+            items = [obj for (t, ns, _), obj in sorted(self._objects.items(), key=lambda kv: kv[0][1:])
+                     if t == rtype and (namespace is None or ns == namespace)
+                     and (selector is None or selector.matches(obj))]
+            return items, self._rv
+
+    def changes_after(self, rv: int) -> list[Change]:
+        """Every change after ``rv``; 410 Expired when the history no longer reaches back that far."""
+        with self.lock:
+            if rv < self._compacted_rv:
+                raise errors.expired(f"too old resource version: {rv} ({self._compacted_rv})")
+            return [c for c in self._history if c.rv > rv]
+
+    def compact(self) -> None:
+        """Forget the history, as etcd compaction does: watches from older versions get 410."""
+        with self.lock:
+            self._history.clear()
+            self._compacted_rv = self._rv
+
+    # -- writes ------------------------------------------------------------------------------------
+    def create(self, rtype: ResourceType, namespace: str | None, obj: Obj, *, keep_status: bool = False,
+               dry_run: bool = False) -> Obj:
+        """POST: fill in server-owned metadata; 409 AlreadyExists when the name is taken."""
+        if not isinstance(obj, dict):
+            raise errors.bad_request(f"a {rtype.kind} must be a JSON object")
+        new = copy.deepcopy(obj)
+        meta = new.setdefault("metadata", {})
+        if not isinstance(meta, dict):
+            raise errors.bad_request("metadata must be an object")
+        if rtype.namespaced:
+            ns = meta.get("namespace") or namespace
+            if namespace is not None and meta.get("namespace") not in (None, "", namespace):
+                raise errors.bad_request("the namespace of the provided object does not match the namespace "
+                                         "sent on the request")
+            if not ns:
+                raise errors.bad_request(f"{rtype.plural} must be created in a namespace")
+            meta["namespace"] = ns
+        with self.lock:
+            if not meta.get("name"):
+                if not meta.get("generateName"):
+                    raise errors.invalid(rtype.plural, "", "metadata.name: Required value: name or generateName "
+                                                           "is required")
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            name = meta["name"]
+            key = _key(rtype, meta.get("namespace"), name)
+            if key in self._objects:
+                raise errors.already_exists(rtype.plural, name)
+            new["kind"], new["apiVersion"] = rtype.kind, rtype.api_version
+            meta["uid"] = str(uuid.uuid4())
+            meta["creationTimestamp"] = now_rfc3339()
+            for server_owned in ("deletionTimestamp", "deletionGracePeriodSeconds"):
+                meta.pop(server_owned, None)
+            if rtype is PODS:
+                _default_pod(new, keep_status)
+            if dry_run:
+                meta["resourceVersion"] = str(self._rv)
+                return new
+            return self._commit(rtype, key, new, None, "ADDED")
+
+    def update(self, rtype: ResourceType, namespace: str | None, name: str, obj: Obj,
+               subresource: str | None = None, *, dry_run: bool = False) -> Obj:
+        """PUT: a stale ``metadata.resourceVersion`` is a 409 Conflict."""
+        if not isinstance(obj, dict):
+            raise errors.bad_request(f"a {rtype.kind} must be a JSON object")
+        with self.lock:
+            old = self.get(rtype, namespace, name)
+            return self._replace(rtype, old, copy.deepcopy(obj), subresource, dry_run)
+
+    def patch(self, rtype: ResourceType, namespace: str | None, name: str, content_type: str, body: Any,
+              subresource: str | None = None, *, dry_run: bool = False) -> Obj:
+        """PATCH: a patch that names a resourceVersion other than the current one is a 409 Conflict."""
+        with self.lock:
+            old = self.get(rtype, namespace, name)
+            candidate = apply_patch(content_type, old, body)
+            if not isinstance(candidate, dict):
+                raise errors.bad_request("the patch did not produce an object")
+            return self._replace(rtype, old, copy.deepcopy(candidate), subresource, dry_run)
+
+    def mutate(self, rtype: ResourceType, namespace: str | None, name: str, change: Callable[[Obj], None]) -> Obj:
+        """Python-side write (test set-up, the demo's kubelet role): ``change`` edits a private copy."""
+        with self.lock:
+            old = self.get(rtype, namespace, name)
+            new = copy.deepcopy(old)
+            change(new)
+            return self._commit(rtype, _key(rtype, namespace, name), new, old, "MODIFIED")
+
+    def delete(self, rtype: ResourceType, namespace: str | None, name: str, *, grace_seconds: int | None = None,
+               precondition_uid: str | None = None, precondition_rv: str | None = None,
+               graceful: bool = False, dry_run: bool = False) -> Obj:
+        """DELETE; with ``graceful`` a bound pod only gets a deletionTimestamp (a kubelet finishes it)."""
+        with self.lock:
+            old = self.get(rtype, namespace, name)
+            meta = old["metadata"]
+            if precondition_uid and precondition_uid != meta["uid"]:
+                raise errors.conflict(rtype.plural, name, f"Precondition failed: UID in precondition: "
+                                                          f"{precondition_uid}, UID in object meta: {meta['uid']}")
+            if precondition_rv and precondition_rv != meta["resourceVersion"]:
+                raise errors.stale(rtype.plural, name)
+            if dry_run:
+                return old
+            key = _key(rtype, namespace, name)
+            bound = rtype is PODS and bool((old.get("spec") or {}).get("nodeName"))
+            if graceful and bound and grace_seconds != 0 and not meta.get("deletionTimestamp"):
+                def mark(obj: Obj) -> None:
+                    obj["metadata"]["deletionTimestamp"] = now_rfc3339()
+                    grace = grace_seconds if grace_seconds is not None else obj["spec"].get(
+                        "terminationGracePeriodSeconds", 30)
+                    obj["metadata"]["deletionGracePeriodSeconds"] = grace
+                return self.mutate(rtype, namespace, name, mark)
+            del self._objects[key]
+            gone = copy.deepcopy(old)
+            return self._commit(rtype, key, gone, old, "DELETED", store=False)
+
+    def bind(self, namespace: str, name: str, binding: Obj) -> None:
+        """POST pods/{name}/binding: set spec.nodeName once; a second binding is a 409 Conflict."""
+        if not isinstance(binding, dict):
+            raise errors.bad_request("a Binding must be a JSON object")
+        target = (binding.get("target") or {}).get("name")
+        with self.lock:
+            pod = self.find(PODS, namespace, name)
+            if pod is None:
+                raise errors.not_found("pods", name)
+            if not target:
+                raise errors.invalid("bindings", name, "target.name: Required value")
+            bmeta = binding.get("metadata") or {}
+            node = (pod.get("spec") or {}).get("nodeName")
+            if bmeta.get("uid") and bmeta["uid"] != pod["metadata"]["uid"]:
+                raise errors.conflict("pods/binding", name, "Precondition failed: UID in precondition: "
+                                                            f"{bmeta['uid']}, UID in object meta: {pod['metadata']['uid']}")
+            if node:
+                raise errors.conflict("pods/binding", name, f'pod {name} is already assigned to node "{node}"')
+            if pod["metadata"].get("deletionTimestamp"):
+                raise errors.conflict("pods/binding", name, f"pod {name} is being deleted, cannot be assigned "
+                                                            "to a host")
+
+            def assign(obj: Obj) -> None:
+                obj.setdefault("spec", {})["nodeName"] = target
+                annotations = bmeta.get("annotations") or {}
+                if annotations:
+                    obj["metadata"].setdefault("annotations", {}).update(annotations)
+                conditions = [c for c in obj.setdefault("status", {}).get("conditions") or []
+                              if c.get("type") != "PodScheduled"]
+                conditions.append({"type": "PodScheduled", "status": "True",
+                                   "lastTransitionTime": now_rfc3339()})
+                obj["status"]["conditions"] = conditions
+            self.mutate(PODS, namespace, name, assign)
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _replace(self, rtype: ResourceType, old: Obj, new: Obj, subresource: str | None, dry_run: bool) -> Obj:
+        ometa, name = old["metadata"], old["metadata"]["name"]
+        nmeta = new.get("metadata")
+        if not isinstance(nmeta, dict):
+            nmeta = new["metadata"] = {}
+        if nmeta.get("resourceVersion") not in (None, "", ometa["resourceVersion"]):
+            raise errors.stale(rtype.plural, name)
+        if nmeta.get("name", name) != name:
+            raise errors.bad_request(f"the name of the object ({nmeta.get('name')}) does not match the name on "
+                                     f"the URL ({name})")
+        if rtype.namespaced and nmeta.get("namespace", ometa["namespace"]) != ometa["namespace"]:
+            raise errors.bad_request("the namespace of the provided object does not match the namespace sent "
+                                     "on the request")
+        for server_owned in ("name", "namespace", "uid", "creationTimestamp", "deletionTimestamp",
+                             "deletionGracePeriodSeconds", "generateName"):
+            if server_owned in ometa:
+                nmeta[server_owned] = ometa[server_owned]
+            else:
+                nmeta.pop(server_owned, None)
+        new["kind"], new["apiVersion"] = rtype.kind, rtype.api_version
+        if subresource == "status":
+            # as ResetObjectMetaForStatus: a status write changes status only
+            new = {**copy.deepcopy(old), "status": new.get("status") or {}}
+        elif "status" in rtype.subresources:
+            new["status"] = copy.deepcopy(old.get("status") or {})
+            if rtype is PODS:
+                _check_pod_spec_change(old, new)
+        nmeta = new["metadata"]
+        nmeta["resourceVersion"] = ometa["resourceVersion"]
+        if new == old or dry_run:
+            return old if new == old else new  # a no-op write bumps nothing and wakes no watch
+        return self._commit(rtype, _key(rtype, ometa.get("namespace"), name), new, old, "MODIFIED")
+
+    def _commit(self, rtype: ResourceType, key: Key, new: Obj, old: Obj | None, kind: str,
+                store: bool = True) -> Obj:
+        self._rv += 1
+        new["metadata"]["resourceVersion"] = str(self._rv)
+        if store:
+            self._objects[key] = new
+        self._history.append(Change(self._rv, kind, rtype, new, old))
+        while len(self._history) > self._history_limit:
+            self._compacted_rv = self._history.popleft().rv
+        self.changed.notify_all()
+        return new
+
+
+def _key(rtype: ResourceType, namespace: str | None, name: str) -> Key:
+    return (rtype, (namespace or "") if rtype.namespaced else "", name)
+
+
+def _default_pod(pod: Obj, keep_status: bool) -> None:
+    spec = pod.get("spec")
+    containers = spec.get("containers") if isinstance(spec, dict) else None
+    name = pod["metadata"]["name"]
+    if not isinstance(containers, list) or not containers:
+        raise errors.invalid("pods", name, "spec.containers: Required value")
+    if any(not isinstance(c, dict) or not c.get("name") for c in containers):
+        raise errors.invalid("pods", name, "spec.containers[].name: Required value")
+    for field, default in (("schedulerName", "default-scheduler"), ("restartPolicy", "Always"),
+                           ("terminationGracePeriodSeconds", 30), ("dnsPolicy", "ClusterFirst")):
+        spec.setdefault(field, default)
+    status = pod.get("status") if keep_status and isinstance(pod.get("status"), dict) else {}
+    status.setdefault("phase", "Pending")
+    pod["status"] = status
+
+
+_MUTABLE_POD_SPEC = ("activeDeadlineSeconds", "tolerations")
+
+
+def _check_pod_spec_change(old: Obj, new: Obj) -> None:
+    """Pods are nearly immutable (a real server allows images, deadline, tolerations); nodeName only via Binding."""
+    def comparable(spec: Any) -> Any:
+        spec = copy.deepcopy(spec or {})
+        for field in _MUTABLE_POD_SPEC:
+            spec.pop(field, None)
+        for group in ("containers", "initContainers"):
+            for container in spec.get(group) or []:
+                if isinstance(container, dict):
+                    container.pop("image", None)
+        return spec
+    if comparable(old.get("spec")) != comparable(new.get("spec")):
+        raise errors.invalid("pods", old["metadata"]["name"], "spec: Forbidden: pod updates may not change "
+                                                              "fields other than `spec.containers[*].image`, "
+                                                              "`spec.activeDeadlineSeconds` or `spec.tolerations`")
