@@ -164,10 +164,7 @@ class QuotaLoop:
             ds = [decided[(t.key, g)] for g, _ in t.gpus if (t.key, g) in decided]
             if not ds or all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds):
                 continue
-            # floors above the limit happen only when the GPU cannot hold the floors (capacity lost
-            # to foreign memory); the file must still read floor <= limit <= ceiling
-            gpus = tuple(GpuQuota(d.gpu_uuid, d.limit_mib, min(d.floor_mib, d.limit_mib), d.ceiling_mib)
-                         for d in ds)
+            gpus = tuple(self._entry(t.key, g, req, decided.get((t.key, g))) for g, req in t.gpus)
             try:
                 written = write_quota(container_dir(self._root, t.key.pod_uid, t.key.container),
                                       QuotaFile(gpus=gpus))
@@ -185,6 +182,16 @@ class QuotaLoop:
             changed_pods.add(t.key.pod_uid)
         if self._mirror is not None:
             self._mirror_pods(tenants, changed_pods, report)
+
+    def _entry(self, key: TenantKey, gpu: str, request: int, d: Decision | None) -> GpuQuota:
+        """One GPU's line of the file. A GPU skipped this tick keeps its limit (a multi-GPU file is
+        rewritten whole). Floors above the limit happen only when a GPU cannot hold the floors
+        (capacity lost to foreign memory); the file must still read floor <= limit <= ceiling."""
+        if d is not None:
+            return GpuQuota(gpu, d.limit_mib, min(d.floor_mib, d.limit_mib), d.ceiling_mib)
+        limit = self._limits.get((key, gpu), request)
+        return GpuQuota(gpu, limit, min(self._params.floor_of(request), limit),
+                        max(self._params.ceiling_of(request), limit))
 
     def _mirror_pods(self, tenants: list[Tenant], pods: set[str], report: TickReport) -> None:
         for uid in sorted(pods):

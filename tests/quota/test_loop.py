@@ -149,3 +149,16 @@ def test_vanished_tenants_are_forgotten_and_write_errors_retried(tmp_path):
     assert doc["gpus"][0]["limitMiB"] == 19500 + 1024 + 512  # use + margin + one step of pressure
     tenants.tenants = []
     assert loop.run_once().decisions == []
+
+
+def test_a_gpu_missing_from_the_inventory_keeps_its_line_in_a_multi_gpu_file(tmp_path):
+    wide = TenantKey("llm", "wide", "vllm", pod_uid="uid-wide")
+    d = container_dir(str(tmp_path), wide.pod_uid, wide.container)
+    write_quota(d, QuotaFile(gpus=(GpuQuota("GPU-0", 20000, 10000, 30000), GpuQuota("GPU-9", 7000, 5000, 15000))))
+    tenants = Tenants([Tenant(wide, (("GPU-0", 20000), ("GPU-9", 10000)))])
+    usage = Usage([UsageSample("GPU-0", 19800, pod_uid="uid-wide"), UsageSample("GPU-9", 9000, pod_uid="uid-wide")])
+    loop = QuotaLoop(tenants, lambda: {"GPU-0": 40000}, [usage], P, str(tmp_path))  # GPU-9 unknown
+    loop.run_once()
+    doc = read_quota(d)
+    assert doc.generation == 2 and doc.limits()["GPU-0"] > 20000
+    assert doc.gpus[1] == GpuQuota("GPU-9", 7000, 5000, 15000)
