@@ -37,41 +37,43 @@ class InventoryFileError(BackendError):
     """A simulated inventory that cannot be used; the message names the bad key."""
 
 
-def derived_gpu_uuid(model: str, index: int) -> str:
-    """A deterministic GPU UUID in NVIDIA's ``GPU-8-4-4-4-12`` form."""
-    return f"GPU-{uuidlib.uuid5(_NAMESPACE, f'{model}/{index}')}"
+def derived_gpu_uuid(model: str, index: int, host: str = "") -> str:
+    """A deterministic GPU UUID in NVIDIA's ``GPU-8-4-4-4-12`` form. ``host`` (the node name) keeps
+    several simulated nodes built from one file from announcing the same UUIDs, as real GPUs never do."""
+    key = f"{host}/{model}/{index}" if host else f"{model}/{index}"
+    return f"GPU-{uuidlib.uuid5(_NAMESPACE, key)}"
 
 
 def derived_mig_uuid(gpu_uuid: str, n: int, profile: str) -> str:
     return f"MIG-{uuidlib.uuid5(_NAMESPACE, f'{gpu_uuid}/{n}/{profile}')}"
 
 
-def load(path: str) -> list[DiscoveredGpu]:
+def load(path: str, host: str = "") -> list[DiscoveredGpu]:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as exc:
         raise InventoryFileError(f"cannot read inventory {path}: {exc.strerror}") from exc
     try:
-        return parse(text)
+        return parse(text, host)
     except InventoryFileError as exc:
         raise InventoryFileError(f"{path}: {exc}") from exc
 
 
-def parse(text: str) -> list[DiscoveredGpu]:
+def parse(text: str, host: str = "") -> list[DiscoveredGpu]:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise InventoryFileError(f"inventory is not valid YAML: {exc}") from exc
-    return from_dict(raw)
+    return from_dict(raw, host)
 
 
-def from_dict(raw: Any) -> list[DiscoveredGpu]:
+def from_dict(raw: Any, host: str = "") -> list[DiscoveredGpu]:
     top = _mapping(raw, _TOP_KEYS, "inventory")
     gpus_raw = top.get("gpus")
     if not isinstance(gpus_raw, list) or not gpus_raw:
         raise InventoryFileError(f"gpus: expected a non-empty list of GPUs, got {gpus_raw!r}")
-    gpus = [_gpu(g, i) for i, g in enumerate(gpus_raw)]
+    gpus = [_gpu(g, i, host) for i, g in enumerate(gpus_raw)]
     seen: dict[str, str] = {}
     for i, gpu in enumerate(gpus):
         for where, uuid in [(f"gpus[{i}].uuid", gpu.uuid)] + [
@@ -115,7 +117,7 @@ def _str(obj: dict[str, Any], key: str, where: str, default: Any = ...) -> Any:
     return value.strip()
 
 
-def _gpu(raw: Any, index: int) -> DiscoveredGpu:
+def _gpu(raw: Any, index: int, host: str = "") -> DiscoveredGpu:
     where = f"gpus[{index}]"
     g = _mapping(raw, _GPU_KEYS, where)
     model = _str(g, "model", where)
@@ -123,7 +125,7 @@ def _gpu(raw: Any, index: int) -> DiscoveredGpu:
     reserved = _int(g, "reservedMiB", where, minimum=0, default=0)
     if reserved >= memory:
         raise InventoryFileError(f"{where}.reservedMiB: {reserved} is not below memoryMiB {memory}")
-    uuid = _str(g, "uuid", where, default=None) or derived_gpu_uuid(model, index)
+    uuid = _str(g, "uuid", where, default=None) or derived_gpu_uuid(model, index, host)
     if not uuid.startswith("GPU-"):
         raise InventoryFileError(f"{where}.uuid: {uuid!r} does not start with GPU- as NVIDIA UUIDs do")
     mig_raw = g.get("mig")

@@ -137,7 +137,8 @@ def _backend(args: argparse.Namespace) -> GpuBackend:
         kind = "simulated" if args.inventory else "nvml"
     if kind == "simulated":
         from deviceplugin.simulated_backend import SimulatedBackend
-        return SimulatedBackend.from_file(args.inventory) if args.inventory else SimulatedBackend.demo()
+        return (SimulatedBackend.from_file(args.inventory, host=args.node_name or "") if args.inventory
+                else SimulatedBackend.demo())
     from deviceplugin.nvml_backend import NvmlBackend
     return NvmlBackend()
 

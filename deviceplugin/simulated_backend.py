@@ -55,12 +55,13 @@ class SimulatedBackend:
         self.discover_calls = 0
 
     @classmethod
-    def from_file(cls, path: str) -> "SimulatedBackend":
-        return cls(inventory_file.load(path))
+    def from_file(cls, path: str, host: str = "") -> "SimulatedBackend":
+        """``host`` (the node name) salts derived UUIDs, so nodes sharing one file stay distinct."""
+        return cls(inventory_file.load(path, host))
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "SimulatedBackend":
-        return cls(inventory_file.from_dict(raw))
+    def from_dict(cls, raw: Any, host: str = "") -> "SimulatedBackend":
+        return cls(inventory_file.from_dict(raw, host))
 
     @classmethod
     def demo(cls) -> "SimulatedBackend":

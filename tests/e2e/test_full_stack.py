@@ -58,9 +58,11 @@ def stack() -> Iterator[Stack]:
     # A short directory: unix socket paths are limited to 108 bytes, pytest's tmp_path is longer.
     with tempfile.TemporaryDirectory(prefix="vs-e2e-") as root, ApiServerDouble() as api:
         nodes = {}
-        for name, fixture in (("node-h200", "h200.yaml"), ("node-mixed", "mixed.yaml")):
+        # Two nodes from one inventory file: their GPU UUIDs must still differ (salted by node name).
+        for name, fixture in (("node-h200", "h200.yaml"), ("node-mixed", "mixed.yaml"),
+                              ("node-mixed-2", "mixed.yaml")):
             api.create_node({"metadata": {"name": name}})
-            nodes[name] = SimulatedNode(name, SimulatedBackend.from_file(os.path.join(FIXTURES, fixture)),
+            nodes[name] = SimulatedNode(name, SimulatedBackend.from_file(os.path.join(FIXTURES, fixture), host=name),
                                         api.url, root)
         try:
             for node in nodes.values():
