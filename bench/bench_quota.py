@@ -171,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         "over_limit_minutes_feedback_p95": fp["over_limit_tenant_minutes"],
         "over_limit_gib_min_static_equal": round(se["over_limit_mib_min"] / 1024, 1),
         "over_limit_gib_min_feedback_equal": round(fe["over_limit_mib_min"] / 1024, 1),
+        "over_limit_gib_min_static_p95": round(sp["over_limit_mib_min"] / 1024, 1),
+        "over_limit_gib_min_feedback_p95": round(fp["over_limit_mib_min"] / 1024, 1),
         "mean_unused_reserved_gib_static_equal": round(se["mean_unused_reserved_mib"] / 1024, 2),
         "mean_unused_reserved_gib_feedback_equal": round(fe["mean_unused_reserved_mib"] / 1024, 2),
+        "mean_unused_reserved_gib_static_p95": round(sp["mean_unused_reserved_mib"] / 1024, 2),
+        "mean_unused_reserved_gib_feedback_p95": round(fp["mean_unused_reserved_mib"] / 1024, 2),
+        "limit_changes_per_tenant_hour_feedback_equal": round(fe["limit_changes_per_tenant_hour"], 2),
         "unavoidable_gpu_minutes_demand_over_capacity": unavoidable,  # lower bound on over-limit minutes
         "unavoidable_over_limit_gib_min": round(floor_mib_min / 1024, 1),
         "loop_tick_ms_3_tenants_with_file_writes": round(tick_ms, 2),
