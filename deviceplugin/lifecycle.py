@@ -118,7 +118,9 @@ class PluginLifecycle:
         self._registered = False
         self._retry_at = 0.0
         self._backoff = 1.0
-        self.generation = 0  # completed (re)starts, for tests and the bench
+        self.generation = 0  # completed (re)starts
+        self._rounds = threading.Condition()
+        self.registered_rounds = 0  # times every endpoint registered successfully
 
     @property
     def sockets(self) -> list[str]:
@@ -205,6 +207,14 @@ class PluginLifecycle:
         self._registered = True
         self._registered_at = time.monotonic()
         self._backoff = 1.0
+        with self._rounds:
+            self.registered_rounds += 1
+            self._rounds.notify_all()
+
+    def wait_registered(self, rounds: int, timeout: float) -> bool:
+        """Block until every endpoint has registered ``rounds`` times (tests, the bench, the demo)."""
+        with self._rounds:
+            return self._rounds.wait_for(lambda: self.registered_rounds >= rounds, timeout)
 
     def _close(self) -> None:
         for stopped in [endpoint.stop() for endpoint in self._endpoints]:  # all at once, then wait

@@ -66,6 +66,7 @@ def start_plugin(backend: SimulatedBackend, config: Config, kubelet: FakeKubelet
         daemon.start()
         started.append(daemon)
         kubelet.wait_registered(list(daemon.state.snapshot.devices))
+        assert daemon.lifecycle.wait_registered(1, timeout=5)  # the plugin saw every Register answered
         return daemon
 
     yield start

@@ -1,0 +1,98 @@
+"""The daemon as an admin runs it: ``vramshare device-plugin`` in a subprocess (standalone, and with a
+kubeconfig pointing at the API server double), a clean exit on SIGTERM, one clear line and a non-zero
+exit without a GPU driver, and a config reload that changes which resources are served."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from vramshare import contract
+from vramshare.apiserver_double import ApiServerDouble
+from vramshare.config import Config
+from vramshare.inventory import GpuMode, NodeInventory
+
+from .conftest import GPU, MEM, MIG_RESOURCES, MIXED
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def plugin_process(kubelet, *extra: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "NODE_NAME")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "vramshare.cli", "device-plugin", "--backend", "simulated", "--inventory", MIXED,
+         "--device-plugin-dir", kubelet.plugin_dir, "--pod-resources-socket", kubelet.pod_resources_socket,
+         "--metrics-port", "0", *extra],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stop(proc: subprocess.Popen) -> tuple[int, str]:
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=15)
+    return proc.returncode, err
+
+
+def test_standalone_subprocess_serves_the_kubelet_and_exits_cleanly(kubelet, short_dir):
+    proc = plugin_process(kubelet, "--quota-dir", os.path.join(short_dir, "quota"))
+    try:
+        kubelet.wait_registered([MEM] + MIG_RESOURCES, timeout=20)
+        resp = kubelet.allocate(MEM, kubelet.preferred(MEM, kubelet.healthy_ids(MEM), 2))
+        assert resp.envs["VRAMSHARE_MEMORY_LIMIT_MIB"] == "2048"
+    finally:
+        rc, err = stop(proc)
+    assert rc == 0, err
+    assert "standalone" in err
+    assert not [p for p in os.listdir(kubelet.plugin_dir) if p.startswith("vramshare-")]  # sockets removed
+
+
+def test_with_a_kubeconfig_it_publishes_the_node_inventory(kubelet, short_dir):
+    with ApiServerDouble() as api:
+        api.create_node({"metadata": {"name": "gpu-1"}})
+        kubeconfig = os.path.join(short_dir, "kubeconfig")
+        with open(kubeconfig, "w", encoding="utf-8") as fh:
+            fh.write(f"apiVersion: v1\nkind: Config\ncurrent-context: double\n"
+                     f"clusters: [{{name: double, cluster: {{server: '{api.url}'}}}}]\n"
+                     f"users: [{{name: nobody, user: {{}}}}]\n"
+                     f"contexts: [{{name: double, context: {{cluster: double, user: nobody}}}}]\n")
+        proc = plugin_process(kubelet, "--kubeconfig", kubeconfig, "--node-name", "gpu-1",
+                              "--quota-dir", os.path.join(short_dir, "quota"))
+        try:
+            key = contract.Names().inventory
+            assert api.wait_for(lambda d: key in (d.get_node("gpu-1")["metadata"].get("annotations") or {}),
+                                timeout=20)
+            inventory = NodeInventory.from_json(api.get_node("gpu-1")["metadata"]["annotations"][key])
+            assert [g.units for g in inventory.gpus] == [79, 0]
+        finally:
+            rc, err = stop(proc)
+        assert rc == 0, err
+
+
+def test_without_a_driver_the_nvml_backend_fails_with_one_line(short_dir):
+    pytest.importorskip("pynvml")
+    from deviceplugin.nvml_backend import NvmlBackend
+    from deviceplugin.backend import BackendError
+    try:
+        NvmlBackend().discover()
+        pytest.skip("an NVIDIA driver answers on this machine")
+    except BackendError:
+        pass
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    proc = subprocess.run([sys.executable, "-m", "vramshare.cli", "device-plugin", "--backend", "nvml",
+                           "--device-plugin-dir", short_dir, "--metrics-port", "0"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("vramshare device-plugin:")]
+    assert len(lines) == 1 and ("NVML" in lines[0] or "driver" in lines[0])
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_config_reload_can_change_the_served_resources(kubelet, start_plugin, config):
+    daemon = start_plugin()
+    h100 = daemon.state.snapshot.inventory.gpus[0].uuid
+    daemon.reload(Config(quota_host_dir=config.quota_host_dir, gpu_modes={h100: GpuMode.EXCLUSIVE}))
+    kubelet.wait_registered([GPU])
+    assert [d.ID for d in kubelet.devices(GPU)] == [h100]
+    assert daemon.lifecycle.sockets and not os.path.exists(os.path.join(kubelet.plugin_dir, "vramshare-gpu-memory.sock"))
