@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-from kubernetes import client
+from kubernetes.client import ApiClient, CoreV1Api  # imported here: its lazy first import takes seconds
 
 from vramshare.apiserver_double import ApiServerDouble
 from vramshare.kube import api_client_for
@@ -17,7 +17,8 @@ def double() -> Iterator[ApiServerDouble]:
 
 
 @pytest.fixture
-def v1(double: ApiServerDouble) -> Iterator[client.CoreV1Api]:
+def v1(double: ApiServerDouble) -> Iterator[CoreV1Api]:
+    http: ApiClient
     with api_client_for(double.url) as http:
-        yield client.CoreV1Api(http)
+        yield CoreV1Api(http)
 

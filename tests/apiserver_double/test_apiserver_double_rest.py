@@ -10,6 +10,7 @@ from kubernetes.client.exceptions import ApiException
 
 from apiserver_double_bodies import bind, binding, node_body, pod_body
 from vramshare.apiserver_double import ApiServerDouble
+from vramshare.kube import api_client_for
 
 
 def _status(exc: pytest.ExceptionInfo[ApiException]) -> dict:
@@ -244,3 +245,113 @@ def test_concurrent_patches_and_bindings_all_land(double: ApiServerDouble, v1: c
     assert sorted(p["metadata"]["annotations"]["vramshare.io/assignment"] for p in pods) == sorted(names)
     assert double.count("PATCH") == 40 and double.count("POST", r"/binding$") == 40
     assert len({p["metadata"]["resourceVersion"] for p in pods}) == 40
+
+
+def test_label_selectors(v1: client.CoreV1Api) -> None:
+    v1.create_namespaced_pod("default", pod_body("a", labels={"app": "vllm", "tier": "gpu"}))
+    v1.create_namespaced_pod("default", pod_body("b", labels={"app": "web"}))
+    v1.create_namespaced_pod("default", pod_body("c"))
+
+    def names(selector: str) -> list[str]:
+        return [p.metadata.name for p in v1.list_namespaced_pod("default", label_selector=selector).items]
+
+    assert names("app=vllm") == ["a"]
+    assert names("app!=vllm") == ["b", "c"]
+    assert names("tier") == ["a"]
+    assert names("!tier,app") == ["b"]
+
+
+def test_generate_name_and_dry_run(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    made = v1.create_namespaced_pod("default", {"metadata": {"generateName": "vllm-"},
+                                                "spec": {"containers": [{"name": "c"}]}})
+    assert made.metadata.name.startswith("vllm-") and len(made.metadata.name) > len("vllm-")
+
+    version = double.resource_version
+    v1.create_namespaced_pod("default", pod_body("dry"), dry_run="All")
+    v1.patch_namespaced_pod(made.metadata.name, "default", {"metadata": {"labels": {"x": "1"}}}, dry_run="All")
+    assert double.get_pod("default", "dry") is None
+    assert double.get_pod("default", made.metadata.name)["metadata"].get("labels") is None
+    assert double.resource_version == version
+
+
+def test_namespace_in_body_must_match_the_path(v1: client.CoreV1Api) -> None:
+    with pytest.raises(ApiException) as bad:
+        v1.create_namespaced_pod("default", pod_body("p", namespace="other"))
+    assert bad.value.status == 400
+
+
+def test_node_put_keeps_status_and_checks_version(v1: client.CoreV1Api) -> None:
+    v1.create_node({"metadata": {"name": "n"}, "status": {"capacity": {"vramshare.io/gpu-memory": "80"}}})
+    node = v1.read_node("n")
+    node.metadata.annotations = {"vramshare.io/gpu-inventory": "{}"}
+    node.status.capacity = {}
+    replaced = v1.replace_node("n", node)
+
+    assert replaced.metadata.annotations == {"vramshare.io/gpu-inventory": "{}"}
+    assert replaced.status.capacity == {"vramshare.io/gpu-memory": "80"}
+    with pytest.raises(ApiException) as stale:
+        v1.replace_node("n", node)  # still carries the version from before the first replace
+    assert stale.value.status == 409
+
+
+def test_pod_spec_is_immutable_but_node_name_comes_from_binding(v1: client.CoreV1Api) -> None:
+    v1.create_namespaced_pod("default", pod_body("p"))
+    with pytest.raises(ApiException) as forbidden:
+        v1.patch_namespaced_pod("p", "default", {"spec": {"nodeName": "gpu-1"}})
+    assert forbidden.value.status == 422
+
+
+def test_namespaced_bindings_collection_binds_too(v1: client.CoreV1Api) -> None:
+    v1.create_namespaced_pod("default", pod_body("p"))
+    response = v1.create_namespaced_binding("default", binding("p", "gpu-1"), _preload_content=False)
+    try:
+        assert response.status == 201
+    finally:
+        response.data  # noqa: B018 - drain it so the connection can go back to the pool
+        response.release_conn()
+    assert v1.read_namespaced_pod("p", "default").spec.node_name == "gpu-1"
+
+
+def test_binding_copies_its_annotations_to_the_pod(v1: client.CoreV1Api) -> None:
+    v1.create_namespaced_pod("default", pod_body("p", annotations={"keep": "1"}))
+    body = binding("p", "gpu-1")
+    body.metadata.annotations = {"vramshare.io/allocation-state": "assumed"}
+    response = v1.create_namespaced_pod_binding("p", "default", body, _preload_content=False)
+    response.data  # noqa: B018 - drain it so the connection can go back to the pool
+    response.release_conn()
+    assert v1.read_namespaced_pod("p", "default").metadata.annotations == {
+        "keep": "1", "vramshare.io/allocation-state": "assumed"}
+
+
+def test_delete_preconditions(v1: client.CoreV1Api) -> None:
+    pod = v1.create_namespaced_pod("default", pod_body("p"))
+    stale = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid="not-the-uid"))
+    with pytest.raises(ApiException) as conflict:
+        v1.delete_namespaced_pod("p", "default", body=stale)
+    assert conflict.value.status == 409
+    fresh = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=pod.metadata.uid))
+    assert v1.delete_namespaced_pod("p", "default", body=fresh).metadata.name == "p"
+
+
+def test_graceful_deletion_keeps_bound_pods_until_the_kubelet_finishes() -> None:
+    with ApiServerDouble(graceful_pod_deletion=True) as double, api_client_for(double.url) as http:
+        v1 = client.CoreV1Api(http)
+        for name in ("bound", "unbound"):
+            v1.create_namespaced_pod("default", pod_body(name))
+        double.bind_pod("default", "bound", "gpu-1")
+
+        terminating = v1.delete_namespaced_pod("bound", "default", grace_period_seconds=5)
+        v1.delete_namespaced_pod("unbound", "default")
+
+        assert terminating.metadata.deletion_timestamp is not None
+        assert terminating.metadata.deletion_grace_period_seconds == 5
+        assert [p["metadata"]["name"] for p in double.pods()] == ["bound"]
+        double.delete_pod("default", "bound")
+        assert double.pods() == []
+
+
+def test_unknown_resource_is_not_found(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    with pytest.raises(ApiException) as missing:
+        v1.list_namespaced_service("default")
+    assert missing.value.status == 404
+    assert double.count("GET", r"/services$") == 1

@@ -130,3 +130,62 @@ def test_stop_ends_open_watches() -> None:
         double.stop()
         watcher.join(timeout=5)
     assert outcome == ["ended"]
+
+
+def test_filtered_watch_sees_an_object_enter_as_added(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    double.create_pod(pod_body("p"))
+    double.bind_pod("default", "p", "gpu-1")
+    double.set_pod_phase("default", "p", "Running")
+
+    seen = _collect(v1, 2, resource_version=start, field_selector="spec.nodeName=gpu-1", timeout_seconds=2)
+
+    assert seen == [("ADDED", "p"), ("MODIFIED", "p")]
+
+
+def test_watch_one_pod_by_name(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    for name in ("other", "mine"):
+        double.create_pod(pod_body(name))
+    double.set_pod_phase("default", "other", "Running")
+    double.set_pod_phase("default", "mine", "Running")
+
+    seen = _collect(v1, 2, resource_version=start, field_selector="metadata.name=mine", timeout_seconds=2)
+
+    assert seen == [("ADDED", "mine"), ("MODIFIED", "mine")]
+
+
+def test_send_bookmarks_reaches_watches_that_allow_them(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    w = watch.Watch()
+    got: list[str] = []
+
+    def watch_for_a_bookmark() -> None:
+        for event in w.stream(v1.list_namespaced_pod, "default", resource_version=str(double.resource_version),
+                              allow_watch_bookmarks=True, timeout_seconds=5):
+            got.append(event["type"])
+            w.stop()
+
+    watcher = threading.Thread(target=watch_for_a_bookmark)
+    watcher.start()
+    assert double.wait_for_watches(1)
+    double.send_bookmarks()
+    watcher.join()
+    assert got == ["BOOKMARK"] and w.resource_version == str(double.resource_version)
+
+
+def test_abrupt_drop_looks_like_a_network_failure(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    failures: list[BaseException] = []
+
+    def watch_until_cut() -> None:
+        try:
+            for _ in watch.Watch().stream(v1.list_namespaced_pod, "default", timeout_seconds=30):
+                pass
+        except Exception as error:  # noqa: BLE001 - the test asserts which one below
+            failures.append(error)
+
+    watcher = threading.Thread(target=watch_until_cut)
+    watcher.start()
+    assert double.wait_for_watches(1)
+    double.drop_watches(abrupt=True)
+    watcher.join(timeout=5)
+    assert len(failures) == 1 and "ProtocolError" in type(failures[0]).__name__

@@ -35,7 +35,8 @@ PODS = ResourceType("/api/v1", "pods", "Pod", namespaced=True, subresources=("st
 EVENTS = ResourceType("/api/v1", "events", "Event", namespaced=True)
 EVENTS_V1 = ResourceType("/apis/events.k8s.io/v1", "events", "Event", namespaced=True)
 CONFIGMAPS = ResourceType("/api/v1", "configmaps", "ConfigMap", namespaced=True)
-RESOURCE_TYPES: tuple[ResourceType, ...] = (NODES, PODS, EVENTS, EVENTS_V1, CONFIGMAPS)
+BINDINGS = ResourceType("/api/v1", "bindings", "Binding", namespaced=True)  # POST-only twin of pods/binding
+RESOURCE_TYPES: tuple[ResourceType, ...] = (NODES, PODS, EVENTS, EVENTS_V1, CONFIGMAPS, BINDINGS)
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,10 @@ class Route:
     namespace: str | None  # None: all namespaces (or a cluster-scoped resource)
     name: str | None = None
     subresource: str | None = None
-    legacy_watch: bool = False  # the old /api/v1/watch/... form
 
 
 _SEGMENT = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_PATH = re.compile(rf"^(?P<prefix>/api/v1|/apis/[a-z0-9.-]+/v[0-9a-z]+)(?P<watch>/watch)?"
+_PATH = re.compile(rf"^(?P<prefix>/api/v1|/apis/[a-z0-9.-]+/v[0-9a-z]+)"
                    rf"(?:/namespaces/(?P<ns>{_SEGMENT}))?/(?P<plural>[a-z]+)"
                    rf"(?:/(?P<name>{_SEGMENT})(?:/(?P<sub>[a-z]+))?)?/?$")
 
@@ -71,4 +71,4 @@ def _checked(rtype: ResourceType, m: re.Match[str]) -> Route:
         raise ApiError(404, "NotFound", f"{rtype.plural} is not namespaced")
     if sub is not None and sub not in rtype.subresources:
         raise ApiError(404, "NotFound", f"{rtype.plural} has no subresource {sub!r}")
-    return Route(rtype, ns if rtype.namespaced else None, name, sub, legacy_watch=bool(m["watch"]))
+    return Route(rtype, ns if rtype.namespaced else None, name, sub)

@@ -18,7 +18,7 @@ from vramshare import logs
 
 from . import errors
 from .errors import ApiError
-from .resources import PODS, Route, route
+from .resources import BINDINGS, PODS, Route, route
 from .selectors import parse_selector
 from .store import Store
 from .traffic import FaultPlan, RequestLog, RequestRecord
@@ -133,8 +133,12 @@ class _Handler(BaseHTTPRequestHandler):
         dry_run = query.get("dryRun") == "All"
         if rtype.namespaced and where.name is not None and where.namespace is None:
             raise ApiError(404, "NotFound", f"{rtype.plural} need a namespace in the path")
+        if rtype is BINDINGS:
+            if verb != "POST" or where.name is not None or where.namespace is None:
+                raise errors.method_not_allowed(verb, self.path)
+            return self._bind(where.namespace, None, _json(body_bytes))
         if verb == "GET" and where.name is None:
-            if where.legacy_watch or query.get("watch") in ("true", "1"):
+            if query.get("watch") in ("true", "1"):
                 return self._watch(where, query)
             return self._list(where, query)
         if verb == "GET" and where.subresource in (None, "status"):
@@ -145,10 +149,8 @@ class _Handler(BaseHTTPRequestHandler):
             created = store.create(rtype, where.namespace, _json(body_bytes), dry_run=dry_run)
             return self._send_json(201, created)
         if verb == "POST" and where.subresource == "binding" and rtype is PODS:
-            assert where.namespace is not None and where.name is not None
-            store.bind(where.namespace, where.name, _json(body_bytes))
-            return self._send_json(201, {"kind": "Status", "apiVersion": "v1", "metadata": {},
-                                         "status": "Success", "code": 201})
+            assert where.namespace is not None
+            return self._bind(where.namespace, where.name, _json(body_bytes))
         if where.name is None or where.subresource == "binding":
             raise errors.method_not_allowed(verb, self.path)
         if verb == "PUT":
@@ -205,6 +207,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     # -- writes ------------------------------------------------------------------------------------
+    def _bind(self, namespace: str, pod: str | None, body: Any) -> None:
+        """Both Binding endpoints; the answer is a Status, not the Binding (so clients must not preload)."""
+        name = pod or ((body.get("metadata") or {}).get("name") if isinstance(body, dict) else None)
+        if not name:
+            raise errors.invalid("bindings", "", "metadata.name: Required value")
+        if pod and isinstance(body, dict) and (body.get("metadata") or {}).get("name") not in (None, "", pod):
+            raise errors.bad_request(f"the name of the binding does not match the pod {pod!r} on the URL")
+        self.server.store.bind(namespace, name, body)
+        self._send_json(201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
+
     def _delete(self, where: Route, query: dict[str, str], body_bytes: bytes, dry_run: bool) -> None:
         options = _json(body_bytes) if body_bytes.strip() else {}
         grace = _int(query, "gracePeriodSeconds")
