@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from extender import cluster, placement, translate, wire
-from vramshare import contract, inventory, logs, podspec
+from vramshare import contract, logs, podspec
 from vramshare.config import Policy
 
 __all__ = ["View", "filter_pod", "prioritize_pod", "policy_for", "NOT_A_GPU_NODE"]
@@ -44,18 +46,19 @@ def policy_for(pod_policy: str | None, default: Policy) -> Policy:
     return default
 
 
-def never_fits(slots: Sequence[cluster.Slot], demands: Sequence[cluster.Demand]) -> str | None:
-    """Why this node could not host the pod even if it were empty, or ``None`` if it could."""
+def never_fit(state: cluster.ClusterState, demands: Sequence[cluster.Demand], rows: np.ndarray) -> np.ndarray:
+    """``[n]`` bool: even empty, the node at each row lacks enough healthy GPUs of the right kind, model
+    and size for some demand, so no preemption can help. Vectorised: it runs on every failed node."""
+    out = np.zeros(len(rows), bool)
+    if not len(rows):
+        return out
+    cap, kind, healthy = state.capacity[rows], state.kind[rows], state.healthy[rows]
     for d in demands:
-        usable = [s for s in slots if s.healthy and s.kind == d.kind and inventory.model_matches(s.model, d.models)]
-        big = [s for s in usable if s.capacity >= d.per_gpu]
-        if len(big) < d.count:
-            what = f"{d.count} {d.kind} GPU(s)" + (f" of {d.per_gpu} MiB" if d.per_gpu else "")
-            models = f" matching {'|'.join(d.models)}" if d.models else ""
-            largest = max((s.capacity for s in usable), default=0)
-            return (f"needs {what}{models}; node has {len(big)} healthy such GPU(s) "
-                    f"(largest {largest} MiB)")
-    return None
+        usable = (kind == state.kind_code(d.kind)) & healthy & (cap >= max(1, d.per_gpu))
+        if d.models:
+            usable &= state.model_mask(d.models)[state.model[rows]]
+        out |= usable.sum(axis=1) < max(1, d.count)
+    return out
 
 
 def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
@@ -69,21 +72,17 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
         return wire.FilterResult(unresolvable={n: str(exc) for n in names})
     if not demands:  # asked for zero of our resources: nothing to place
         return wire.FilterResult(passed=list(names))
-    known = [n for n in names if n in view.slots]
-    result = wire.FilterResult()
-    fitting, failed = placement.filter_nodes(view.state, demands, known)
-    fit = set(fitting)
-    for name in names:
-        if name in fit:
-            result.passed.append(name)
-        elif name not in view.slots:
-            result.unresolvable[name] = NOT_A_GPU_NODE
-        else:
-            reason = never_fits(view.slots[name], demands)
-            if reason is not None:
-                result.unresolvable[name] = reason
+    fitting, failed = placement.filter_nodes(view.state, demands, names)
+    result = wire.FilterResult(passed=fitting)
+    if failed:
+        known = [n for n in failed if n in view.slots]
+        rows = np.array([view.state.row(n) for n in known], np.int64)
+        hopeless = dict(zip(known, never_fit(view.state, demands, rows).tolist()))
+        for name, reason in failed.items():  # input order
+            if name not in hopeless:
+                result.unresolvable[name] = NOT_A_GPU_NODE
             else:
-                result.failed[name] = failed.get(name) or "not enough free GPU memory"
+                (result.unresolvable if hopeless[name] else result.failed)[name] = reason
     log.debug("filter", pod=args.pod_key, candidates=len(names), passed=len(result.passed))
     return result
 
@@ -98,8 +97,6 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
         demands = translate.demands_of(translate.pod_asks(args.pod, view.names, view.unit_mib))
     except podspec.PodSpecError:
         return [(n, 0) for n in names]
-    known = [n for n in names if n in view.slots]
-    scores = dict(placement.score_nodes(view.state, demands, known,
-                                           policy_for(want.policy, view.policy).value))
-    lo, hi = contract.MIN_EXTENDER_PRIORITY, contract.MAX_EXTENDER_PRIORITY
-    return [(n, min(hi, max(lo, int(scores.get(n, 0))))) for n in names]
+    # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
+    # (0 where the pod does not fit or the node is unknown): already the wire's HostPriorityList.
+    return placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value)

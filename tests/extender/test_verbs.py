@@ -39,16 +39,17 @@ def test_fitting_nodes_in_input_order_and_reasons_for_the_rest() -> None:
     assert set(result.failed) == {"busy"}
     assert set(result.unresolvable) == {"small", "plain"}
     assert result.unresolvable["plain"] == verbs.NOT_A_GPU_NODE
-    assert "24576 MiB" in result.unresolvable["small"]
+    assert result.unresolvable["small"] == "no GPU has 24 GiB free; largest free is 22 GiB on GPU 0"
+    assert result.failed["busy"] == "no GPU has 24 GiB free; largest free is 10 GiB on GPU 0"
     assert result.error == ""
 
 
 @pytest.mark.parametrize("node, pod, why", [
-    (b.gpu_node("n", b.a100(healthy=False)), b.pod("p", 8), "0 healthy"),
-    (b.gpu_node("n", b.l4(), b.l4()), b.pod("p", 8, models="A100"), "matching A100"),
-    (b.gpu_node("n", b.a100()), b.pod("p", 16, count=2), "2 shared GPU"),
-    (b.gpu_node("n", b.a100()), b.pod("p", whole=1), "exclusive"),
-    (b.gpu_node("n", b.a100(mig=(("3g.40gb", 40192),))), b.pod("p", mig={"1g.10gb": 1}), "mig:1g.10gb"),
+    (b.gpu_node("n", b.a100(healthy=False)), b.pod("p", 8), "unhealthy"),
+    (b.gpu_node("n", b.l4(), b.l4()), b.pod("p", 8, models="A100"), "no GPU matches models A100"),
+    (b.gpu_node("n", b.a100()), b.pod("p", 16, count=2), "needs 2 GPUs with 8 GiB free each"),
+    (b.gpu_node("n", b.a100()), b.pod("p", whole=1), "no whole GPU (exclusive mode)"),
+    (b.gpu_node("n", b.a100(mig=(("3g.40gb", 40192),))), b.pod("p", mig={"1g.10gb": 1}), "no MIG instance of profile 1g.10gb"),
 ], ids=["unhealthy", "wrong-model", "too-few-gpus", "no-exclusive-gpu", "no-such-mig"])
 def test_unschedulable_for_good_is_unresolvable(node: dict, pod: dict, why: str) -> None:
     result = run_filter(cluster(node), pod, ["n"])
