@@ -79,8 +79,9 @@ class ApiTenantSource:
         self._v1, self._node, self._names = v1, node, names
 
     def list_tenants(self) -> list[Tenant]:
-        resp = self._v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self._node}",
-                                                    _preload_content=False, _request_timeout=TIMEOUT_S)
+        # raw JSON (no model objects): the pod dicts are what the device plugin's parsers read
+        resp: Any = self._v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self._node}",
+                                                         _preload_content=False, _request_timeout=TIMEOUT_S)
         return tenants_from_pods(json.loads(resp.data).get("items") or [], self._names)
 
 
