@@ -28,7 +28,8 @@ def http_get(url: str, timeout: float = 2.0) -> str:
     """GET a metrics page; every failure becomes :class:`TelemetryError` naming the URL."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http scrape)
-            return resp.read().decode("utf-8", errors="replace")
+            body: bytes = resp.read()
+            return body.decode("utf-8", errors="replace")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise TelemetryError(f"scrape {url}: {exc}") from exc
 
