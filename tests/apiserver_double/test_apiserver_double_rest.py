@@ -8,7 +8,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from apiserver_double_bodies import bind, binding, node_body, pod_body
+from tests.apiserver_double.bodies import bind, binding, node_body, pod_body
 from vramshare.apiserver_double import ApiServerDouble
 from vramshare.kube import api_client_for
 

@@ -1,0 +1,1 @@
+"""Tests of the Kubernetes API server double, through the real kubernetes client."""
