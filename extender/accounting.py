@@ -83,9 +83,13 @@ class Accounting:
             if slots is None:
                 self._drop_node(name)
                 return
+            try:
+                self.state.set_node(name, slots)
+            except ValueError as exc:  # e.g. the same GPU uuid twice
+                log.error("bad inventory, keeping last good", node=name, error=str(exc))
+                return
             for s in self.slots.get(name, ()):
                 self._node_of_uuid.pop(s.uuid, None)
-            self.state.set_node(name, slots)
             self.slots[name] = slots
             self._annotation[name] = text or ""
             self._node_of_uuid.update((s.uuid, name) for s in slots)
@@ -112,7 +116,7 @@ class Accounting:
             seen = set()
             for node in items:
                 seen.add((node.get("metadata") or {}).get("name", ""))
-                self.apply_node("ADDED", node)
+                self._safely(self.apply_node, node)
             for name in [n for n in self.slots if n not in seen]:
                 self._drop_node(name)
 
@@ -184,13 +188,21 @@ class Accounting:
             seen = set()
             for pod in items:
                 seen.add(_key(pod))
-                self.apply_pod("ADDED", pod)
+                self._safely(self.apply_pod, pod)
             for key in [k for k in self.pods if k not in seen]:
                 self.pods.pop(key)
             for key, hold in list(self._held.items()):
                 if key not in seen and hold.since_ns <= started_ns:
                     log.info("pod freed", pod=key, reason="gone at resync")
                     self._release(key)
+
+    @staticmethod
+    def _safely(apply: Callable[[str, Obj], None], obj: Obj) -> None:
+        """One unreadable object in a list must not cost the others."""
+        try:
+            apply("ADDED", obj)
+        except Exception:  # noqa: BLE001
+            log.error("object not applied", name=(obj.get("metadata") or {}).get("name", "?"), exc_info=True)
 
     def expire(self) -> list[str]:
         """Free assumed pods that never bound within ``assume_timeout_seconds``; returns their keys."""

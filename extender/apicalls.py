@@ -84,6 +84,7 @@ class Kube:
             meta["uid"] = uid
         body = {"apiVersion": "v1", "kind": "Binding", "metadata": meta,
                 "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
-        resp = self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False,
+        resp = self.core.create_namespaced_pod_binding(name, namespace, body,  # type: ignore[arg-type]
+                                                       _preload_content=False,
                                                        _request_timeout=self.timeout)
         _read(resp)  # drain the Status body, or the pooled connection would start with it

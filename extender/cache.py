@@ -110,7 +110,7 @@ class Cache:
         try:
             for event in self.kube.watch(resource, rv, self.watch_timeout_s,
                                          on_open=lambda resp: self._open.__setitem__(resource, resp)):
-                kind, obj = event.get("type"), event.get("object") or {}
+                kind, obj = str(event.get("type")), event.get("object") or {}
                 if kind == "ERROR":
                     if obj.get("code") == apicalls.GONE:
                         raise Gone(obj.get("message", ""))
@@ -120,7 +120,7 @@ class Cache:
                     try:
                         apply(kind, obj)
                     except Exception:  # noqa: BLE001 - one bad object must not cost the others
-                        log.error("event not applied", resource=resource, event=kind,
+                        log.error("event not applied", resource=resource, type=kind,
                                   name=(obj.get("metadata") or {}).get("name", "?"), exc_info=True)
         finally:
             self._open.pop(resource, None)

@@ -22,16 +22,16 @@ Obj = dict[str, Any]
 
 
 def _node(acct: accounting.Accounting, name: str) -> Obj:
-    gpus = []
+    gpus: list[Obj] = []
+    total = used = 0
     for use in acct.state.node_usage(name):
         s = use.slot
+        total, used = total + s.capacity, used + use.used
         gpus.append({
             "index": s.index, "uuid": s.uuid, "model": s.model, "kind": s.kind, "healthy": s.healthy,
             "totalMiB": s.capacity, "usedMiB": use.used, "freeMiB": max(0, s.capacity - use.used),
             "pods": [{"pod": key, "mib": mib} for key, mib in sorted(use.pods.items())],
         })
-    total = sum(g["totalMiB"] for g in gpus)
-    used = sum(g["usedMiB"] for g in gpus)
     return {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
 
 

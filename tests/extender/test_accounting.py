@@ -166,3 +166,11 @@ def test_pods_seen_feed_the_target_workload(acct: accounting.Accounting) -> None
     acct.apply_pod("ADDED", b.pod("web"))
     shapes = sorted((s.per_gpu, s.count) for s in acct.state.target_workload().shapes)
     assert shapes == [(4096, 2), (20480, 1)]
+
+
+def test_inventory_with_a_duplicate_gpu_keeps_the_last_good(acct: accounting.Accounting) -> None:
+    inv = b.node_inventory("n1", b.a100(), b.a100())
+    text = inv.to_json().replace("GPU-n1-1", "GPU-n1-0")
+    acct.apply_node("MODIFIED", b.gpu_node("n1", annotation=text))
+    assert [s.uuid for s in acct.slots["n1"]] == ["GPU-n1-0", "GPU-n1-1"]
+    assert [s.model for s in acct.slots["n1"]] == ["NVIDIA A100-SXM4-80GB", "NVIDIA L4"]

@@ -103,3 +103,25 @@ def test_assumed_pod_that_never_binds_expires(double: ApiServerDouble, extender:
     assert eventually(lambda: used(extender, "n1") == [20480])
     assert eventually(lambda: used(extender, "n1") == [0])  # expired after 0.5 s
     assert scheduler.filter(pod, ["n1"])["NodeNames"] == ["n1"]
+
+
+def test_one_unreadable_object_costs_nothing_else(double: ApiServerDouble, extender: main.RunningExtender,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    double.create_node(b.gpu_node("n1", b.a100()))
+    weird = {"metadata": {"name": "weird", "namespace": "default"},
+             "spec": {"containers": [{"name": "c", "resources": {"limits": [b.NAMES.gpu_memory]}}]}}
+    double.create_pod(weird)  # a real API server would refuse it; the watch must survive it anyway
+    double.create_pod(b.assigned(b.pod("p", 8), "n1", [("GPU-n1-0", 8192)], time.time_ns()))
+    assert eventually(lambda: used(extender, "n1") == [8192])
+    assert resyncs(extender, "pods") == 0
+    assert any(r.getMessage() == "event not applied" for r in caplog.records)
+
+
+def test_a_relist_skips_an_unreadable_pod(double: ApiServerDouble) -> None:
+    double.create_node(b.gpu_node("n1", b.a100()))
+    double.create_pod({"metadata": {"name": "weird", "namespace": "default"},
+                       "spec": {"containers": [{"name": "c", "resources": {"limits": [b.NAMES.gpu_memory]}}]}})
+    double.create_pod(b.assigned(b.pod("p", 8), "n1", [("GPU-n1-0", 8192)], time.time_ns()))
+    with main.start_for_url(double.url, Config()) as ext:
+        assert ext.wait_ready(10)
+        assert used(ext, "n1") == [8192]
