@@ -74,7 +74,7 @@ class ApiServerDouble:
         if self._server is None:
             raise RuntimeError("the API server double is not started")
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     # -- objects -----------------------------------------------------------------------------------
     def create_node(self, node: Obj) -> Obj:
@@ -92,14 +92,14 @@ class ApiServerDouble:
         return _copy_or_none(self._store.find(PODS, namespace, name))
 
     def nodes(self) -> list[Obj]:
-        return copy.deepcopy(self._store.list(NODES, None)[0])
+        return copy.deepcopy(self._store.list_objects(NODES, None)[0])
 
     def pods(self, namespace: str | None = None) -> list[Obj]:
-        return copy.deepcopy(self._store.list(PODS, namespace)[0])
+        return copy.deepcopy(self._store.list_objects(PODS, namespace)[0])
 
     def events(self, namespace: str | None = None) -> list[Obj]:
         """Core v1 Events clients posted (e.g. the extender's FailedScheduling reasons)."""
-        return copy.deepcopy(self._store.list(EVENTS, namespace)[0])
+        return copy.deepcopy(self._store.list_objects(EVENTS, namespace)[0])
 
     def delete_pod(self, namespace: str, name: str) -> Obj:
         """Remove a pod now (also what a kubelet does to finish a graceful deletion)."""

@@ -141,7 +141,7 @@ class _Handler(BaseHTTPRequestHandler):
             if query.get("watch") in ("true", "1"):
                 return self._watch(where, query)
             return self._list(where, query)
-        if verb == "GET" and where.subresource in (None, "status"):
+        if verb == "GET" and where.name is not None and where.subresource in (None, "status"):
             return self._send_json(200, store.get(rtype, where.namespace, where.name))
         if verb == "POST" and where.name is None:
             if rtype.namespaced and where.namespace is None:
@@ -169,7 +169,7 @@ class _Handler(BaseHTTPRequestHandler):
     # -- collection reads --------------------------------------------------------------------------
     def _list(self, where: Route, query: dict[str, str]) -> None:
         selector = parse_selector(where.rtype.plural, query.get("fieldSelector"), query.get("labelSelector"))
-        items, rv = self.server.store.list(where.rtype, where.namespace, selector)
+        items, rv = self.server.store.list_objects(where.rtype, where.namespace, selector)
         meta: dict[str, Any] = {"resourceVersion": str(rv)}
         if query.get("continue"):
             after = _decode_continue(query["continue"])

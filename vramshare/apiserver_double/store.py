@@ -68,7 +68,8 @@ class Store:
         with self.lock:
             return self._objects.get(_key(rtype, namespace, name))
 
-    def list(self, rtype: ResourceType, namespace: str | None, selector: Selector | None = None) -> tuple[list[Obj], int]:
+    def list_objects(self, rtype: ResourceType, namespace: str | None,
+                     selector: Selector | None = None) -> tuple[list[Obj], int]:
         """Matching objects sorted by (namespace, name), and the resourceVersion they are current at."""
         with self.lock:
             items = [obj for (t, ns, _), obj in sorted(self._objects.items(), key=lambda kv: kv[0][1:])
@@ -196,9 +197,10 @@ class Store:
                 raise errors.invalid("bindings", name, "target.name: Required value")
             bmeta = binding.get("metadata") or {}
             node = (pod.get("spec") or {}).get("nodeName")
-            if bmeta.get("uid") and bmeta["uid"] != pod["metadata"]["uid"]:
-                raise errors.conflict("pods/binding", name, "Precondition failed: UID in precondition: "
-                                                            f"{bmeta['uid']}, UID in object meta: {pod['metadata']['uid']}")
+            uid = pod["metadata"]["uid"]
+            if bmeta.get("uid") and bmeta["uid"] != uid:
+                raise errors.conflict("pods/binding", name, f"Precondition failed: UID in precondition: "
+                                                            f"{bmeta['uid']}, UID in object meta: {uid}")
             if node:
                 raise errors.conflict("pods/binding", name, f'pod {name} is already assigned to node "{node}"')
             if pod["metadata"].get("deletionTimestamp"):
@@ -269,9 +271,12 @@ def _key(rtype: ResourceType, namespace: str | None, name: str) -> Key:
 
 
 def _default_pod(pod: Obj, keep_status: bool) -> None:
+    """Validate the one thing every pod needs and fill in the defaults a real server would."""
     spec = pod.get("spec")
-    containers = spec.get("containers") if isinstance(spec, dict) else None
     name = pod["metadata"]["name"]
+    if not isinstance(spec, dict):
+        raise errors.invalid("pods", name, "spec: Required value")
+    containers = spec.get("containers")
     if not isinstance(containers, list) or not containers:
         raise errors.invalid("pods", name, "spec.containers: Required value")
     if any(not isinstance(c, dict) or not c.get("name") for c in containers):
@@ -279,7 +284,8 @@ def _default_pod(pod: Obj, keep_status: bool) -> None:
     for field, default in (("schedulerName", "default-scheduler"), ("restartPolicy", "Always"),
                            ("terminationGracePeriodSeconds", 30), ("dnsPolicy", "ClusterFirst")):
         spec.setdefault(field, default)
-    status = pod.get("status") if keep_status and isinstance(pod.get("status"), dict) else {}
+    given = pod.get("status")
+    status: Obj = given if keep_status and isinstance(given, dict) else {}
     status.setdefault("phase", "Pending")
     pod["status"] = status
 

@@ -76,7 +76,7 @@ class WatchHub:
         with cond:
             epoch, bookmark_epoch = self._epoch, self._bookmark_epoch
             if req.resource_version is None:  # no version: the current state first, as ADDED events
-                items, cursor = store.list(req.rtype, req.namespace, req.selector)
+                items, cursor = store.list_objects(req.rtype, req.namespace, req.selector)
                 initial = [{"type": "ADDED", "object": obj} for obj in items]
             else:
                 cursor, initial = req.resource_version, []
