@@ -1,5 +1,6 @@
 """The extender as one function: ``(method, path, body) -> Response``, transport-free.
 
+Routes: POST /filter, /prioritize, /bind, /preempt; GET /healthz, /readyz, /metrics, /inspect[/<node>].
 Every kube-scheduler verb answers HTTP 200, also on failure, with the reason in ``Error``: any other
 status is an opaque error to the scheduler, and a body it can read tells the operator what went wrong.
 Bad input (not JSON, a missing key) is answered the same way and changes nothing. The HTTP module only
@@ -14,7 +15,7 @@ from typing import Callable
 
 import orjson
 
-from extender import accounting, binder, cache, inspection, metrics, verbs, wire
+from extender import accounting, binder, cache, inspection, metrics, preemption, verbs, wire
 from vramshare import logs
 from vramshare.config import Policy
 
@@ -40,6 +41,7 @@ class Extender:
         self.acct, self.binder, self.cache, self.stats, self.policy = acct, bind, watcher, stats, policy
         self._post: dict[str, Callable[[bytes], bytes]] = {
             "/filter": self._filter, "/prioritize": self._prioritize, "/bind": self._bind,
+            "/preempt": self._preempt,
         }
 
     def handle(self, method: str, path: str, body: bytes) -> Response:
@@ -82,6 +84,8 @@ class Extender:
             return wire.encode_binding_result(message)
         if verb == "prioritize":  # HostPriorityList has no error field; kube-scheduler ignores its errors
             return b"[]"
+        if verb == "preempt":  # no error field either: no candidate node, so nothing is evicted
+            return wire.encode_preemption_result({}, {})
         return wire.encode_filter_result(wire.FilterResult(error=message), None)
 
     # -- verbs -------------------------------------------------------------------------------
@@ -96,6 +100,10 @@ class Extender:
         with self.acct.lock:
             scores = verbs.prioritize_pod(self.acct.view(self.policy), args)
         return wire.encode_host_priorities(scores)
+
+    def _preempt(self, body: bytes) -> bytes:
+        args = wire.decode_preemption_args(body)
+        return wire.encode_preemption_result(preemption.preempt_pod(self.acct, args), args.pdb_violations)
 
     def _bind(self, body: bytes) -> bytes:
         args = wire.decode_binding_args(body)

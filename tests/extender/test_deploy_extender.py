@@ -63,11 +63,11 @@ def test_profile_and_extender_settings(sched_config: dict[str, Any], ext: dict[s
 
 
 def test_every_verb_is_a_route_of_the_extender(ext: dict[str, Any], service_app: app.Extender) -> None:
-    for key in ("filterVerb", "prioritizeVerb"):
+    for key in ("filterVerb", "prioritizeVerb", "preemptVerb"):
         resp = service_app.handle("POST", f"/{ext[key]}", b"{}")
         assert resp.status == 200 and resp.content_type == "application/json"
     assert service_app.handle("POST", "/nope", b"{}").status == 404
-    assert "bind" in ext["bindVerb"] and "preemptVerb" not in ext  # we bind; preemption stays in-tree
+    assert ext["bindVerb"] == "bind"
 
 
 def test_url_reaches_the_service_and_the_container(ext: dict[str, Any]) -> None:
