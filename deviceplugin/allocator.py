@@ -34,9 +34,13 @@ class Conflict(DirectoryError):
 class PodDirectory(Protocol):
     """The pods bound to this node, and the one write Allocate makes: the allocation state."""
 
-    def pending_pods(self) -> list[Mapping[str, Any]]: ...
+    cached: bool  # pending_pods() may lag the API server unless asked for ``fresh``
 
-    def set_allocation_state(self, pod: handshake.PodRef, state: str) -> None: ...
+    def pending_pods(self, fresh: bool = False) -> list[Mapping[str, Any]]:
+        """Pending pods bound to this node; ``fresh`` bypasses any cache."""
+        ...
+
+    def set_allocation_state(self, pod: handshake.PodRef, state: str) -> Mapping[str, Any]: ...
 
 
 #: A device the kubelet has handed out: (namespace/name, container, resource).
@@ -70,7 +74,7 @@ class Allocator:
         held = self._kubelet.held()
         uids = {}
         if self._directory is not None:
-            for pod in self._directory.pending_pods():
+            for pod in self._directory.pending_pods(fresh=True):
                 meta = pod.get("metadata") or {}
                 uids[f"{meta.get('namespace', 'default')}/{meta.get('name', '')}"] = meta.get("uid", "")
         with self._lock:
@@ -142,19 +146,24 @@ class Allocator:
 
     def _match(self, snap: Snapshot, resource: str, size: int, prune: bool) -> handshake.Match | None:
         assert self._directory is not None
-        try:
-            pods = self._directory.pending_pods()
-        except DirectoryError as exc:
-            raise Refusal(RefusalKind.UNAVAILABLE, f"cannot read this node's pods from the API server ({exc}); "
-                                                   "the pod's GPU assignment is unknown, recreate the pod") from None
-        if prune:  # containers of pods no longer pending cannot be matched again
-            live = {(p.get("metadata") or {}).get("uid") for p in pods}
-            self._served = {s for s in self._served if s[0] in live}
-            served = frozenset(self._served)
-        else:
+        if not prune:
             with self._lock:
                 served = frozenset(self._served)
-        return handshake.find_match(pods, snap.config.names, self._node, resource, size, served)
+        for fresh in ((False, True) if self._directory.cached else (True,)):  # a cache may lag: then ask afresh
+            try:
+                pods = self._directory.pending_pods(fresh=fresh)
+            except DirectoryError as exc:
+                raise Refusal(RefusalKind.UNAVAILABLE, f"cannot read this node's pods from the API server ({exc}); "
+                                                       "the pod's GPU assignment is unknown, recreate the pod") from None
+            if prune and fresh:  # containers of pods no longer pending cannot be matched again
+                live = {(p.get("metadata") or {}).get("uid") for p in pods}
+                self._served = {s for s in self._served if s[0] in live}
+            if prune:
+                served = frozenset(self._served)
+            match = handshake.find_match(pods, snap.config.names, self._node, resource, size, served)
+            if match is not None:
+                return match
+        return None
 
     def _assigned(self, snap: Snapshot, match: handshake.Match, size: int) -> tuple[GpuShare, ...]:
         """The extender's GPUs for this container, checked against this node; a bad one fails the pod."""

@@ -34,14 +34,17 @@ def _why(exc: Exception) -> str:
 
 
 class ApiPodDirectory:
-    """:class:`deviceplugin.allocator.PodDirectory` for one node."""
+    """:class:`deviceplugin.allocator.PodDirectory` for one node: every read is a list call."""
+
+    cached = False
 
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names) -> None:
         self._v1 = client.CoreV1Api(api)
         self._node = node
         self._names = names
 
-    def pending_pods(self) -> list[Mapping[str, Any]]:
+    def pending_pods(self, fresh: bool = False) -> list[Mapping[str, Any]]:
+        """Always fresh: one list call (``fresh`` is for caching directories)."""
         try:
             resp = self._v1.list_pod_for_all_namespaces(
                 field_selector=f"spec.nodeName={self._node},status.phase=Pending",
@@ -50,24 +53,26 @@ class ApiPodDirectory:
         except (ApiException, HTTPError, ValueError) as exc:
             raise DirectoryError(f"list pods on node {self._node}: {_why(exc)}") from exc
 
-    def set_allocation_state(self, pod: PodRef, state: str) -> None:
-        """Patch ``allocation-state``; on a resourceVersion conflict re-read once and retry if still ours."""
+    def set_allocation_state(self, pod: PodRef, state: str) -> dict[str, Any]:
+        """Patch ``allocation-state``; on a resourceVersion conflict re-read once and retry if still ours.
+        Returns the patched pod."""
         rv = pod.resource_version
         for attempt in (1, 2):
             body: dict[str, Any] = {"metadata": {"annotations": {self._names.allocation_state: state}}}
             if rv:
                 body["metadata"]["resourceVersion"] = rv
             try:
-                self._v1.patch_namespaced_pod(pod.name, pod.namespace, body, _content_type=MERGE_PATCH,
-                                              _preload_content=False, _request_timeout=TIMEOUT_S)
-                return
+                resp = self._v1.patch_namespaced_pod(pod.name, pod.namespace, body, _content_type=MERGE_PATCH,
+                                                     _preload_content=False, _request_timeout=TIMEOUT_S)
+                return dict(json.loads(resp.data))
             except ApiException as exc:
                 if exc.status != 409 or attempt == 2:
                     raise (Conflict if exc.status == 409 else DirectoryError)(
                         f"patch pod {pod.key}: {_why(exc)}") from exc
-            except HTTPError as exc:
+            except (HTTPError, ValueError) as exc:
                 raise DirectoryError(f"patch pod {pod.key}: {_why(exc)}") from exc
             rv = self._current_version(pod)
+        raise AssertionError("unreachable")
 
     def _current_version(self, pod: PodRef) -> str:
         try:

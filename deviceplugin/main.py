@@ -2,7 +2,8 @@
 
 Threads (all named, all started by :meth:`DevicePluginDaemon.start`, all stopped by ``close``):
 ``kubelet-watch`` (sockets, Register, restarts), ``gpu-health`` (the backend's health watch),
-``inventory-publisher`` (node annotation; only with an API server) and ``metrics-http``. Threads,
+``inventory-publisher`` and ``pod-watch`` (node annotation and this node's pods; only with an API
+server) and ``metrics-http``. Threads,
 not asyncio: NVML and the kubernetes client block. A thread that dies unexpectedly stops the
 daemon, so the DaemonSet restarts it rather than leaving a plugin that looks alive but is not.
 """
@@ -17,11 +18,12 @@ from typing import Any, Callable
 
 from deviceplugin.allocator import Allocator
 from deviceplugin.backend import BackendError, GpuBackend
-from deviceplugin.kube_adapter import ApiPodDirectory, InventoryPublisher
+from deviceplugin.kube_adapter import InventoryPublisher
 from deviceplugin.lifecycle import PluginLifecycle
 from deviceplugin.manager import DeviceFeeds, NodeResourceManager, ResourceManager
 from deviceplugin.metrics import MetricsServer, PluginMetrics
 from deviceplugin.node_state import NodeState, Snapshot
+from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota_files import QuotaFiles
 from vramshare import kube, logs
@@ -43,9 +45,9 @@ class DevicePluginDaemon:
         self.metrics = metrics or PluginMetrics(snapshot=lambda: self.state.snapshot)
         self.feeds = DeviceFeeds(self.state)
         self.pod_resources = KubeletPodResources(pod_resources_socket, names) if pod_resources_socket else None
+        self.pods = NodePodCache(api, node_name, names) if api else None
         self.allocator = Allocator(self.state, QuotaFiles(config.quota_host_dir, config.quota), self.metrics,
-                                   node_name, ApiPodDirectory(api, node_name, names) if api else None,
-                                   self.pod_resources)
+                                   node_name, self.pods, self.pod_resources)
         self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,
                                          poll_seconds, stream_grace_seconds)
         self.publisher = InventoryPublisher(api, node_name, names) if api else None
@@ -77,6 +79,8 @@ class DevicePluginDaemon:
         if not health.disabled:
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
+        if self.pods is not None:
+            self._spawn("pod-watch", lambda: self.pods.run(self._stop))  # type: ignore[union-attr]
         if self.publisher is not None:
             self.publisher.publish(self.state.snapshot.inventory.to_json())
             self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
@@ -116,6 +120,8 @@ class DevicePluginDaemon:
         self.lifecycle.wake()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.pods is not None:
+            self.pods.stop()
         self.backend.close()
         for thread in self._threads:
             thread.join(timeout=10)

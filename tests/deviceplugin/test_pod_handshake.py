@@ -128,12 +128,22 @@ def test_a_bad_assignment_fails_the_pod_with_a_reason(api, http, kubelet, start_
 def test_an_api_outage_fails_allocate_instead_of_guessing(api, http, kubelet, start_plugin):
     assumed_pod(api, "p", {"c": [(H100.uuid, 4096)]})
     start_plugin(api=http)
+    api.fail_next("PATCH", r"/pods/p$", code=503)
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate(MEM, kubelet.healthy_ids(MEM)[:4])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot mark pod default/p 'allocated'" in err.value.details()
+    assert state_of(api, "p") == contract.STATE_ASSUMED
+
+
+def test_without_a_pod_cache_an_unreadable_pod_list_fails_allocate(api, http, kubelet, start_plugin):
+    daemon = start_plugin(api=http)
+    daemon.pods.synced.clear()  # as before the first list: every read goes to the API server
     api.fail_next("GET", r"/pods$", code=503)
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate(MEM, kubelet.healthy_ids(MEM)[:4])
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "cannot read this node's pods" in err.value.details()
-    assert state_of(api, "p") == contract.STATE_ASSUMED
 
 
 def test_no_matching_pod_falls_back_to_the_gpu_the_ids_name(api, http, kubelet, start_plugin):

@@ -1,0 +1,128 @@
+"""This node's pods, kept by list + watch, so Allocate matches its pod without a list call.
+
+The Allocate path then costs one API round trip (the ``allocation-state`` patch) instead of two. A
+cache can lag: the allocator asks again with ``fresh=True`` (one list call, through
+:class:`~deviceplugin.kube_adapter.ApiPodDirectory`) whenever the cache has no matching pod, and our
+own patches are written through, so a pod just marked ``allocated`` is not matched again. A watch that
+ends resumes from the last resourceVersion; a ``410 Gone`` or a broken stream relists.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Mapping
+
+from kubernetes import client
+from kubernetes.watch.watch import iter_resp_lines
+
+from deviceplugin.handshake import PodRef
+from deviceplugin.kube_adapter import TIMEOUT_S, ApiPodDirectory
+from vramshare import contract, logs
+
+log = logs.get(__name__)
+
+GONE = 410
+
+
+class _Gone(Exception):
+    pass
+
+
+class NodePodCache:
+    """:class:`deviceplugin.allocator.PodDirectory` over a watch of the pods bound to one node."""
+
+    cached = True
+
+    def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300) -> None:
+        self._v1 = client.CoreV1Api(api)
+        self._direct = ApiPodDirectory(api, node, names)
+        self._selector = f"spec.nodeName={node}"
+        self._watch_timeout = watch_timeout_s
+        self._lock = threading.Lock()
+        self._pods: dict[str, Mapping[str, Any]] = {}  # uid -> pod JSON
+        self._open: Any = None
+        self.synced = threading.Event()
+
+    # -- PodDirectory ------------------------------------------------------------------------------
+    def pending_pods(self, fresh: bool = False) -> list[Mapping[str, Any]]:
+        if fresh or not self.synced.is_set():
+            return self._direct.pending_pods()
+        with self._lock:
+            return [p for p in self._pods.values() if (p.get("status") or {}).get("phase", "Pending") == "Pending"]
+
+    def set_allocation_state(self, pod: PodRef, state: str) -> Mapping[str, Any]:
+        patched = self._direct.set_allocation_state(pod, state)
+        self._apply("MODIFIED", patched)
+        return patched
+
+    # -- the watch thread ----------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Body of the ``pod-watch`` thread: list, then watch, until ``stop``."""
+        rv: str | None = None
+        delay = 0.2
+        while not stop.is_set():
+            try:
+                if rv is None:
+                    rv = self._relist()
+                rv = self._watch(rv)
+                delay = 0.2
+            except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
+                if stop.is_set():
+                    return
+                log.warning("pod watch broken, relisting", error=f"{type(exc).__name__}: {exc}")
+                rv = None
+                if not isinstance(exc, _Gone):
+                    stop.wait(delay)
+                    delay = min(5.0, delay * 2)
+
+    def stop(self) -> None:
+        resp = self._open
+        if resp is not None:
+            try:
+                resp.shutdown()
+            except Exception:  # noqa: BLE001 - already closed
+                pass
+
+    def _relist(self) -> str:
+        resp = self._v1.list_pod_for_all_namespaces(field_selector=self._selector, _preload_content=False,
+                                                    _request_timeout=TIMEOUT_S)
+        data = json.loads(resp.data)
+        with self._lock:
+            self._pods = {p["metadata"]["uid"]: p for p in data.get("items") or []}
+        self.synced.set()
+        return str((data.get("metadata") or {}).get("resourceVersion", ""))
+
+    def _watch(self, rv: str) -> str:
+        resp = self._v1.list_pod_for_all_namespaces(
+            field_selector=self._selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
+            timeout_seconds=self._watch_timeout, _preload_content=False,
+            _request_timeout=(TIMEOUT_S, self._watch_timeout + TIMEOUT_S))
+        self._open = resp
+        try:
+            for line in iter_resp_lines(resp):
+                if not line:
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == GONE:
+                        raise _Gone(obj.get("message", ""))
+                    raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message', '')}")
+                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+                if kind != "BOOKMARK":
+                    self._apply(str(kind), obj)
+        finally:
+            self._open = None
+            resp.close()
+            resp.release_conn()
+        return rv
+
+    def _apply(self, kind: str, pod: Mapping[str, Any]) -> None:
+        uid = (pod.get("metadata") or {}).get("uid")
+        if not uid:
+            return
+        with self._lock:
+            if kind == "DELETED":
+                self._pods.pop(uid, None)
+            else:
+                self._pods[uid] = pod
