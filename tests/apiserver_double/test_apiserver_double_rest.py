@@ -355,3 +355,29 @@ def test_unknown_resource_is_not_found(double: ApiServerDouble, v1: client.CoreV
         v1.list_namespaced_service("default")
     assert missing.value.status == 404
     assert double.count("GET", r"/services$") == 1
+
+
+def test_after_commit_fault_loses_only_the_answer(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    v1.create_namespaced_pod("default", pod_body("p"))
+    double.fail_next("POST", r"/binding$", code=504, after_commit=True)
+
+    with pytest.raises(ApiException) as lost:
+        bind(v1, "p", "gpu-1")
+    with pytest.raises(ApiException) as retried:
+        bind(v1, "p", "gpu-1")
+
+    assert lost.value.status == 504 and retried.value.status == 409
+    assert double.get_pod("default", "p")["spec"]["nodeName"] == "gpu-1"
+
+
+def test_events_v1_and_configmaps_are_served(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    events = client.EventsV1Api(v1.api_client)
+    events.create_namespaced_event("default", client.EventsV1Event(
+        metadata=client.V1ObjectMeta(name="e1"), event_time="2026-01-01T00:00:00.000000Z", reason="Allocated",
+        action="Allocate", reporting_controller="vramshare.io/device-plugin", reporting_instance="gpu-1"))
+    v1.create_namespaced_config_map("kube-system", client.V1ConfigMap(
+        metadata=client.V1ObjectMeta(name="vramshare-config"), data={"config.yaml": "version: v1"}))
+
+    assert [e.reason for e in events.list_namespaced_event("default").items] == ["Allocated"]
+    assert v1.read_namespaced_config_map("vramshare-config", "kube-system").data == {"config.yaml": "version: v1"}
+    assert double.events() == []  # core/v1 Events are a separate resource from events.k8s.io

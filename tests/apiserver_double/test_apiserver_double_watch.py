@@ -189,3 +189,20 @@ def test_abrupt_drop_looks_like_a_network_failure(double: ApiServerDouble, v1: c
     double.drop_watches(abrupt=True)
     watcher.join(timeout=5)
     assert len(failures) == 1 and "ProtocolError" in type(failures[0]).__name__
+
+
+def test_watch_one_node(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    start = v1.list_node().metadata.resource_version
+    double.create_node({"metadata": {"name": "gpu-1"}})
+    double.create_node({"metadata": {"name": "gpu-2"}})
+    v1.patch_node("gpu-1", {"metadata": {"annotations": {"vramshare.io/gpu-inventory": "{}"}}})
+
+    w = watch.Watch()
+    seen = []
+    for event in w.stream(v1.list_node, field_selector="metadata.name=gpu-1", resource_version=start,
+                          timeout_seconds=2):
+        seen.append((event["type"], event["object"].metadata.annotations))
+        if len(seen) == 2:
+            w.stop()
+
+    assert seen == [("ADDED", None), ("MODIFIED", {"vramshare.io/gpu-inventory": "{}"})]

@@ -166,9 +166,12 @@ class ApiServerDouble:
         self._log.clear()
 
     def fail_next(self, verb: str, path: str, code: int = 500, times: int = 1, reason: str | None = None,
-                  message: str | None = None) -> Fault:
-        """Answer the next ``times`` requests matching ``verb`` ("*" for any) and regex ``path`` with ``code``."""
-        return self._faults.add(verb, path, code, times, reason, message)
+                  message: str | None = None, after_commit: bool = False) -> Fault:
+        """Answer the next ``times`` requests matching ``verb`` ("*" for any) and regex ``path`` with ``code``.
+
+        With ``after_commit`` the request still takes effect and only its answer is replaced (a lost reply).
+        """
+        return self._faults.add(verb, path, code, times, reason, message, after_commit)
 
     def clear_faults(self) -> None:
         self._faults.clear()

@@ -76,6 +76,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stalls
     server: ApiHttpServer
+    _lost_answer: ApiError | None = None
 
     # -- connection lifecycle ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -120,8 +121,9 @@ class _Handler(BaseHTTPRequestHandler):
         body_bytes = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         try:
             fault = self.server.faults.take(verb, url.path)
-            if fault is not None:
-                raise fault
+            if fault is not None and not fault.after_commit:
+                raise fault.error()
+            self._lost_answer = fault.error() if fault is not None else None
             self._dispatch(verb, route(url.path), query, body_bytes)
         except ApiError as error:
             self._send_json(error.code, error.status_body())
@@ -234,6 +236,8 @@ class _Handler(BaseHTTPRequestHandler):
                                           "uid": gone["metadata"]["uid"]}})
 
     def _send_json(self, code: int, body: Any) -> None:
+        if self._lost_answer is not None and code < 400:  # an after-commit fault: the work is done, the answer lost
+            code, body, self._lost_answer = self._lost_answer.code, self._lost_answer.status_body(), None
         data = json.dumps(body, separators=(",", ":")).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")

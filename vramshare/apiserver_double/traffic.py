@@ -50,7 +50,11 @@ class RequestLog:
 
 @dataclass
 class Fault:
-    """Fail the next ``times`` requests whose verb and path match with ``code``."""
+    """Fail the next ``times`` requests whose verb and path match with ``code``.
+
+    ``after_commit``: the request takes effect and only the answer is lost, as when a response times
+    out; the caller's retry then meets the state its first attempt created.
+    """
 
     verb: str
     path: re.Pattern[str]
@@ -58,7 +62,11 @@ class Fault:
     reason: str
     message: str
     times: int
+    after_commit: bool = False
     hits: int = field(default=0)
+
+    def error(self) -> ApiError:
+        return ApiError(self.code, self.reason, self.message)
 
 
 _REASONS = {400: "BadRequest", 403: "Forbidden", 404: "NotFound", 409: "Conflict", 410: "Gone",
@@ -74,20 +82,20 @@ class FaultPlan:
         self._faults: list[Fault] = []
 
     def add(self, verb: str, path: str, code: int = 500, times: int = 1, reason: str | None = None,
-            message: str | None = None) -> Fault:
+            message: str | None = None, after_commit: bool = False) -> Fault:
         fault = Fault(verb.upper(), re.compile(path), code, reason or _REASONS.get(code, "InternalError"),
-                      message or f"injected fault ({code})", times)
+                      message or f"injected fault ({code})", times, after_commit)
         with self._lock:
             self._faults.append(fault)
         return fault
 
-    def take(self, verb: str, path: str) -> ApiError | None:
-        """The error to answer this request with, if a pending fault matches it (and use that fault up)."""
+    def take(self, verb: str, path: str) -> Fault | None:
+        """The pending fault that matches this request, if any (and use it up once)."""
         with self._lock:
             for fault in self._faults:
                 if fault.hits < fault.times and fault.verb in (verb, "*") and fault.path.search(path):
                     fault.hits += 1
-                    return ApiError(fault.code, fault.reason, fault.message)
+                    return fault
             return None
 
     def clear(self) -> None:
