@@ -43,6 +43,14 @@ class _BindFailed(Exception):
         self.result = result
 
 
+class _AlreadyBound(Exception):
+    """An earlier attempt (whose answer kube-scheduler never got) bound the pod to this very node."""
+
+    def __init__(self, pod: Obj) -> None:
+        super().__init__("already bound")
+        self.pod = pod
+
+
 class Binder:
     def __init__(self, acct: accounting.Accounting, kube: apicalls.Kube, policy: Policy,
                  clock: Callable[[], int] = time.time_ns) -> None:
@@ -115,6 +123,11 @@ class Binder:
         except _BindFailed:
             self.acct.release(key, assume_ns)
             raise
+        except _AlreadyBound as done:  # keep the assignment it carries: the device plugin may have used it
+            self.acct.release(key, assume_ns)
+            self.acct.apply_pod("MODIFIED", done.pod)
+            log.info("already bound", pod=key, node=args.node)
+            return BindOutcome(result="already_bound")
         self.acct.mark_bound(key, args.node)
         log.info("bound", pod=key, node=args.node, policy=policy.value,
                  gpus=",".join(f"{u}:{m}MiB" for u, m in allocations))
@@ -131,8 +144,11 @@ class Binder:
                     raise _BindFailed(f"cannot annotate pod {args.pod_key}: {exc.status} {exc.reason}",
                                       "api_error") from None
             fresh = self._read(args)  # someone else wrote the pod: re-read, check, retry
-            if (fresh.get("spec") or {}).get("nodeName"):
-                raise _BindFailed(f"pod {args.pod_key} was bound by someone else meanwhile", "conflict")
+            bound_to = (fresh.get("spec") or {}).get("nodeName")
+            if bound_to == args.node:
+                raise _AlreadyBound(fresh)
+            if bound_to:
+                raise _BindFailed(f"pod {args.pod_key} was bound to {bound_to} meanwhile", "conflict")
             rv = (fresh.get("metadata") or {}).get("resourceVersion", "")
         raise _BindFailed(f"pod {args.pod_key} kept changing: {PATCH_ATTEMPTS} patch conflicts", "conflict")
 

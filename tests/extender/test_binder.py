@@ -1,0 +1,81 @@
+"""The binder against the API double when the extender's cache is behind the API (deterministic races)."""
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import orjson
+import pytest
+
+from extender import accounting, apicalls, binder, wire
+from vramshare.apiserver_double import PODS, ApiServerDouble
+from vramshare.config import Config, Policy
+from vramshare.kube import api_client_for
+from tests.extender import builders as b
+
+N = b.NAMES
+
+
+@pytest.fixture
+def parts(double: ApiServerDouble) -> Iterator[tuple[accounting.Accounting, binder.Binder]]:
+    acct = accounting.Accounting(Config())
+    node = double.create_node(b.gpu_node("n1", b.a100(), b.a100()))
+    acct.apply_node("ADDED", node)  # fed by hand: the cache is whatever the test says it is
+    with api_client_for(double.url) as api:
+        yield acct, binder.Binder(acct, apicalls.Kube(api), Policy.BINPACK)
+
+
+def args_for(pod: dict, node: str) -> wire.BindingArgs:
+    return wire.BindingArgs(pod["metadata"]["name"], "default", pod["metadata"]["uid"], node)
+
+
+def used(acct: accounting.Accounting) -> list[int]:
+    return [u.used for u in acct.state.node_usage("n1")]
+
+
+def test_retry_of_a_bind_that_already_happened_keeps_the_first_assignment(
+        double: ApiServerDouble, parts: tuple[accounting.Accounting, binder.Binder]) -> None:
+    acct, bind = parts
+    stale = double.create_pod(b.pod("p", 20))
+    acct.apply_pod("ADDED", stale)  # the cache has not seen the first attempt's patch and binding
+    first = b.assigned(stale, "", [("GPU-n1-1", 20480)], time.time_ns())["metadata"]["annotations"]
+    double.update(PODS, "default", "p", lambda p: p["metadata"]["annotations"].update(first))
+    double.bind_pod("default", "p", "n1")
+    double.clear_requests()
+    outcome = bind.bind(args_for(stale, "n1"))
+    assert outcome == binder.BindOutcome(result="already_bound")
+    assert orjson.loads(double.get_pod("default", "p")["metadata"]["annotations"][N.assignment]) == \
+        {"c0": [{"uuid": "GPU-n1-1", "mib": 20480}]}  # untouched
+    assert double.count("POST", r"/binding$") == 0
+    assert used(acct) == [0, 20480]  # the real assignment, not the pick of this attempt
+
+
+def test_bound_elsewhere_meanwhile_is_an_error_and_holds_nothing(
+        double: ApiServerDouble, parts: tuple[accounting.Accounting, binder.Binder]) -> None:
+    acct, bind = parts
+    double.create_node(b.gpu_node("n2", b.l4()))
+    stale = double.create_pod(b.pod("p", 8))
+    acct.apply_pod("ADDED", stale)
+    double.bind_pod("default", "p", "n2")
+    outcome = bind.bind(args_for(stale, "n1"))
+    assert outcome.result == "conflict" and "bound to n2 meanwhile" in outcome.error
+    assert used(acct) == [0, 0]
+
+
+def test_replaced_pod_is_refused(double: ApiServerDouble, parts: tuple[accounting.Accounting, binder.Binder]) -> None:
+    _acct, bind = parts
+    pod = double.create_pod(b.pod("p", 8))
+    outcome = bind.bind(wire.BindingArgs("p", "default", "some-older-uid", "n1"))
+    assert outcome.result == "conflict" and "replaced" in outcome.error
+    assert not double.get_pod("default", "p")["spec"].get("nodeName")
+    assert pod["metadata"]["uid"] != "some-older-uid"
+
+
+def test_deleted_pod_is_an_api_error(double: ApiServerDouble, parts: tuple[accounting.Accounting, binder.Binder]) -> None:
+    acct, bind = parts
+    pod = double.create_pod(b.pod("p", 8))
+    acct.apply_pod("ADDED", pod)
+    double.delete_pod("default", "p")
+    outcome = bind.bind(args_for(pod, "n1"))
+    assert outcome.result == "api_error" and "404" in outcome.error
+    assert used(acct) == [0, 0]
