@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from deviceplugin.allocator import Allocator
 from deviceplugin.backend import BackendError, GpuBackend
+from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.kube_adapter import InventoryPublisher
 from deviceplugin.lifecycle import PluginLifecycle
 from deviceplugin.manager import DeviceFeeds, NodeResourceManager, ResourceManager
@@ -42,7 +43,8 @@ class DevicePluginDaemon:
         self.backend = backend
         self.state = NodeState(backend.discover(), config)
         names = config.names
-        self.metrics = metrics or PluginMetrics(snapshot=lambda: self.state.snapshot)
+        self.metrics = metrics or PluginMetrics()
+        self.metrics.attach(lambda: self.state.snapshot)
         self.feeds = DeviceFeeds(self.state)
         self.pod_resources = KubeletPodResources(pod_resources_socket, names) if pod_resources_socket else None
         self.pods = NodePodCache(api, node_name, names) if api else None
@@ -108,9 +110,9 @@ class DevicePluginDaemon:
         thread.start()
 
     def reload(self, config: Config) -> None:
-        """A new config (SIGHUP or the config watcher): recompute devices; restart the servers."""
+        """A new config from the config watcher: device lists follow at once (ListAndWatch resends);
+        servers restart only when the set of resources changes. ``quotaHostDir`` needs a restart."""
         self.state.on_config(config)
-        self.lifecycle.request_restart("config reloaded")
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
@@ -137,22 +139,22 @@ class DevicePluginDaemon:
         self.close()
 
 
-def _backend(args: argparse.Namespace) -> GpuBackend:
+def _backend(args: argparse.Namespace, metrics: PluginMetrics) -> GpuBackend:
     kind = args.backend
     if kind == "auto":
         kind = "simulated" if args.inventory else "nvml"
     if kind == "simulated":
         from deviceplugin.simulated_backend import SimulatedBackend
-        return (SimulatedBackend.from_file(args.inventory, host=args.node_name or "") if args.inventory
-                else SimulatedBackend.demo())
+        return SimulatedBackend.from_file(args.inventory) if args.inventory else SimulatedBackend.demo()
     from deviceplugin.nvml_backend import NvmlBackend
-    return NvmlBackend()
+    return NvmlBackend(on_nvml_error=lambda function, kind: metrics.backend_error("nvml"))
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``vramshare device-plugin``; returns the exit status."""
+    overrides = {"quota_host_dir": args.quota_dir}
     try:
-        config = load_config(args.config).with_overrides(quota_host_dir=args.quota_dir)
+        config = load_config(args.config, os.environ).with_overrides(**overrides)
     except ConfigError as exc:
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 2
@@ -163,37 +165,41 @@ def run(args: argparse.Namespace) -> int:
     elif not args.node_name:
         print("vramshare device-plugin: --node-name (or $NODE_NAME) is required with an API server", file=sys.stderr)
         return 2
+    metrics = PluginMetrics()
     try:
-        backend = _backend(args)
-        daemon = DevicePluginDaemon(backend, config, args.device_plugin_dir, node_name=args.node_name or "",
-                                    api=api, pod_resources_socket=args.pod_resources_socket,
-                                    metrics_port=args.metrics_port)
+        daemon = DevicePluginDaemon(_backend(args, metrics), config, args.device_plugin_dir,
+                                    node_name=args.node_name or "", api=api,
+                                    pod_resources_socket=args.pod_resources_socket,
+                                    metrics_port=args.metrics_port, metrics=metrics)
     except BackendError as exc:
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 1
-    return _serve(daemon, args.config)
+    watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides)
+               if args.config else None)
+    return _serve(daemon, watcher)
 
 
-def _serve(daemon: DevicePluginDaemon, config_path: str | None) -> int:
+def _serve(daemon: DevicePluginDaemon, watcher: ConfigWatcher | None) -> int:
+    """Signals: SIGTERM/SIGINT stop; SIGHUP re-reads the config and restarts every server (as NVIDIA's)."""
     stop = threading.Event()
 
     def on_hup(*_: object) -> None:
-        try:
-            config = load_config(config_path).with_overrides(quota_host_dir=daemon.state.snapshot.config.quota_host_dir)
-        except ConfigError as exc:
-            log.warning("config reload refused, keeping the last good one", error=str(exc))
-            daemon.lifecycle.request_restart("SIGHUP")
-            return
-        daemon.reload(config)
+        if watcher is not None:
+            watcher.reload("SIGHUP")
+        daemon.lifecycle.request_restart("SIGHUP")
 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, on_hup)
     daemon.start()
+    if watcher is not None:
+        watcher.start()  # thread "config-watch": file changes (ConfigMap ..data swaps) and SIGHUP
     try:
         while not stop.is_set() and not daemon.wait(0.5):
             pass
     finally:
+        if watcher is not None:
+            watcher.stop()
         daemon.close()
     if daemon.failed:
         print(f"vramshare device-plugin: {daemon.failed}", file=sys.stderr)

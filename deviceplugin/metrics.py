@@ -59,8 +59,18 @@ class PluginMetrics:
                                      ["resource", "result"], registry=self.registry)
         self.backend_errors = Counter(_PREFIX + "backend_errors", "GPU backend (NVML) errors",
                                       ["backend"], registry=self.registry)
+        self._attached = False
         if snapshot is not None:
+            self.attach(snapshot)
+
+    def attach(self, snapshot: Callable[[], object]) -> None:
+        """Pull device and GPU health gauges from ``snapshot()`` at every scrape (once per registry)."""
+        if not self._attached:
             self.registry.register(_DeviceCollector(snapshot))
+            self._attached = True
+
+    def backend_error(self, backend: str) -> None:
+        self.backend_errors.labels(backend).inc()
 
     def allocation(self, resource: str, result: str, seconds: float) -> None:
         self.allocations.labels(resource, result).inc()

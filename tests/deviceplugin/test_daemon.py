@@ -35,16 +35,24 @@ def stop(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def test_standalone_subprocess_serves_the_kubelet_and_exits_cleanly(kubelet, short_dir):
-    proc = plugin_process(kubelet, "--quota-dir", os.path.join(short_dir, "quota"))
+def test_standalone_subprocess_serves_reloads_on_sighup_and_exits_cleanly(kubelet, short_dir):
+    config = os.path.join(short_dir, "config.yaml")
+    with open(config, "w", encoding="utf-8") as fh:
+        fh.write("version: v1\n")
+    proc = plugin_process(kubelet, "--quota-dir", os.path.join(short_dir, "quota"), "--config", config)
     try:
         kubelet.wait_registered([MEM] + MIG_RESOURCES, timeout=20)
         resp = kubelet.allocate(MEM, kubelet.preferred(MEM, kubelet.healthy_ids(MEM), 2))
         assert resp.envs["VRAMSHARE_MEMORY_LIMIT_MIB"] == "2048"
+        with open(config, "w", encoding="utf-8") as fh:
+            fh.write("version: v1\ndefaultGpuMode: exclusive\n")
+        proc.send_signal(signal.SIGHUP)
+        kubelet.wait_registered([GPU], timeout=10)
+        assert len(kubelet.devices(GPU)) == 1
     finally:
         rc, err = stop(proc)
     assert rc == 0, err
-    assert "standalone" in err
+    assert "standalone" in err and "config changed" in err
     assert not [p for p in os.listdir(kubelet.plugin_dir) if p.startswith("vramshare-")]  # sockets removed
 
 

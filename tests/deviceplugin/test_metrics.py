@@ -22,10 +22,14 @@ def sample(metrics: PluginMetrics, name: str, **labels: str) -> float | None:
 
 @pytest.fixture
 def plugin(start_plugin):
-    holder: dict = {}
-    daemon = start_plugin(metrics=PluginMetrics(snapshot=lambda: holder["d"].state.snapshot))
-    holder["d"] = daemon
-    return daemon
+    return start_plugin(metrics=PluginMetrics())  # a fresh registry; the daemon attaches its devices
+
+
+def test_backend_errors_are_counted():
+    m = PluginMetrics()
+    m.backend_error("nvml")
+    m.backend_error("nvml")
+    assert sample(m, "vramshare_deviceplugin_backend_errors_total", backend="nvml") == 2
 
 
 def test_devices_per_resource_and_health_are_read_at_scrape_time(plugin, backend, kubelet):
