@@ -10,6 +10,7 @@ import pytest
 
 from deviceplugin.allocation import Refusal, RefusalKind
 from deviceplugin.allocator import Allocator
+from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.inventory_file import load
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
@@ -107,3 +108,25 @@ def test_recovery_reads_what_the_kubelet_holds(make):
     # container c of p was served before the restart: it is not matched a second time
     spec = allocator.allocate(MEM, ids(2, start=2))
     assert directory.states == [] and "_unmatched" in spec.mounts[-1][1]
+
+
+def test_a_gpu_count_pod_gets_every_assigned_gpu(short_dir):
+    gpus = [DiscoveredGpu(0, "GPU-a", "H100", 81559, numa_node=0), DiscoveredGpu(1, "GPU-b", "H100", 81559, numa_node=1)]
+    config = Config(quota_host_dir=os.path.join(short_dir, "q"))
+    split = {"metadata": {"name": "tp2", "namespace": "default", "uid": "uid-tp2", "annotations": {
+                 NAMES.assignment: json.dumps({"c": [{"uuid": "GPU-a", "mib": 2048}, {"uuid": "GPU-b", "mib": 2048}]}),
+                 NAMES.assume_time: "5", NAMES.allocation_state: contract.STATE_ASSUMED, NAMES.gpu_count: "2"}},
+             "spec": {"nodeName": "gpu-1", "containers": [{"name": "c", "resources": {"limits": {MEM: "4"}}}]},
+             "status": {"phase": "Pending"}}
+    directory = LaggingDirectory([split])
+    allocator = Allocator(NodeState(gpus, config), QuotaFiles(config.quota_host_dir, config.quota), PluginMetrics(),
+                          "gpu-1", directory)
+    preferred = allocator.preferred(MEM, [contract.unit_device_id(g, i) for g in ("GPU-a", "GPU-b") for i in range(8)],
+                                    [], 4)
+    assert sorted(preferred) == ["GPU-a::0", "GPU-a::1", "GPU-b::0", "GPU-b::1"]
+    spec = allocator.allocate(MEM, preferred)
+    assert spec.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+    assert spec.envs["VRAMSHARE_MEMORY_LIMIT_MIB"] == "2048"
+    with open(os.path.join(short_dir, "q", "uid-tp2", "c", "quota.json"), encoding="utf-8") as fh:
+        assert [g["uuid"] for g in json.load(fh)["gpus"]] == ["GPU-a", "GPU-b"]
+    assert directory.states == [("default/tp2", contract.STATE_ALLOCATED)]
