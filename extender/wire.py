@@ -89,7 +89,7 @@ def decode_extender_args(body: bytes) -> ExtenderArgs:
     names = _field(data, "NodeNames")
     raw_nodes = _field(data, "Nodes")
     if names is not None:
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        if not isinstance(names, list) or not set(map(type, names)) <= {str}:  # C speed for 5,000 names
             raise WireError("ExtenderArgs.NodeNames: expected a list of node names")
         return ExtenderArgs(pod=pod, node_names=names)
     if raw_nodes is None:
