@@ -27,6 +27,11 @@ MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT_S = 5.0
 
 
+def read_json(resp: Any) -> dict[str, Any]:
+    """The body of a ``_preload_content=False`` call (the raw JSON, not the client's models)."""
+    return read_json(resp)
+
+
 def _why(exc: Exception) -> str:
     if isinstance(exc, ApiException):
         return f"HTTP {exc.status} {exc.reason}"
@@ -46,10 +51,10 @@ class ApiPodDirectory:
     def pending_pods(self, fresh: bool = False) -> list[Mapping[str, Any]]:
         """Always fresh: one list call (``fresh`` is for caching directories)."""
         try:
-            resp = self._v1.list_pod_for_all_namespaces(
+            resp: Any = self._v1.list_pod_for_all_namespaces(
                 field_selector=f"spec.nodeName={self._node},status.phase=Pending",
                 _preload_content=False, _request_timeout=TIMEOUT_S)
-            return list(json.loads(resp.data).get("items") or [])
+            return list(read_json(resp).get("items") or [])
         except (ApiException, HTTPError, ValueError) as exc:
             raise DirectoryError(f"list pods on node {self._node}: {_why(exc)}") from exc
 
@@ -62,9 +67,9 @@ class ApiPodDirectory:
             if rv:
                 body["metadata"]["resourceVersion"] = rv
             try:
-                resp = self._v1.patch_namespaced_pod(pod.name, pod.namespace, body, _content_type=MERGE_PATCH,
+                resp: Any = self._v1.patch_namespaced_pod(pod.name, pod.namespace, body, _content_type=MERGE_PATCH,
                                                      _preload_content=False, _request_timeout=TIMEOUT_S)
-                return dict(json.loads(resp.data))
+                return read_json(resp)
             except ApiException as exc:
                 if exc.status != 409 or attempt == 2:
                     raise (Conflict if exc.status == 409 else DirectoryError)(
@@ -76,9 +81,9 @@ class ApiPodDirectory:
 
     def _current_version(self, pod: PodRef) -> str:
         try:
-            resp = self._v1.read_namespaced_pod(pod.name, pod.namespace, _preload_content=False,
+            resp: Any = self._v1.read_namespaced_pod(pod.name, pod.namespace, _preload_content=False,
                                                 _request_timeout=TIMEOUT_S)
-            meta = json.loads(resp.data).get("metadata") or {}
+            meta = read_json(resp).get("metadata") or {}
         except (ApiException, HTTPError, ValueError) as exc:
             raise DirectoryError(f"read pod {pod.key}: {_why(exc)}") from exc
         if meta.get("uid") != pod.uid or (meta.get("annotations") or {}).get(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from deviceplugin import devices
+from deviceplugin.devices import PluginDevice
 from deviceplugin.backend import DiscoveredGpu, HealthEvent
 from vramshare import logs
 from vramshare.config import Config
@@ -25,10 +26,10 @@ log = logs.get(__name__)
 class Snapshot:
     config: Config
     inventory: NodeInventory
-    devices: Mapping[str, tuple[devices.PluginDevice, ...]]  # per extended resource
+    devices: Mapping[str, tuple[PluginDevice, ...]]  # per extended resource
     resource_of: Mapping[str, str] = field(default_factory=dict)  # device ID -> resource
 
-    def device_map(self, resource: str) -> Mapping[str, devices.PluginDevice]:
+    def device_map(self, resource: str) -> Mapping[str, PluginDevice]:
         return devices.by_id(self.devices.get(resource, ()))
 
 

@@ -16,7 +16,7 @@ from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
 from deviceplugin.handshake import PodRef
-from deviceplugin.kube_adapter import TIMEOUT_S, ApiPodDirectory
+from deviceplugin.kube_adapter import TIMEOUT_S, ApiPodDirectory, read_json
 from vramshare import contract, logs
 
 log = logs.get(__name__)
@@ -84,16 +84,16 @@ class NodePodCache:
                 pass
 
     def _relist(self) -> str:
-        resp = self._v1.list_pod_for_all_namespaces(field_selector=self._selector, _preload_content=False,
-                                                    _request_timeout=TIMEOUT_S)
-        data = json.loads(resp.data)
+        resp: Any = self._v1.list_pod_for_all_namespaces(field_selector=self._selector, _preload_content=False,
+                                                         _request_timeout=TIMEOUT_S)
+        data = read_json(resp)
         with self._lock:
             self._pods = {p["metadata"]["uid"]: p for p in data.get("items") or []}
         self.synced.set()
         return str((data.get("metadata") or {}).get("resourceVersion", ""))
 
     def _watch(self, rv: str) -> str:
-        resp = self._v1.list_pod_for_all_namespaces(
+        resp: Any = self._v1.list_pod_for_all_namespaces(
             field_selector=self._selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
             timeout_seconds=self._watch_timeout, _preload_content=False,
             _request_timeout=(TIMEOUT_S, self._watch_timeout + TIMEOUT_S))

@@ -236,7 +236,8 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
         return pr.AllocatableResourcesResponse(devices=devs)
 
     def Get(self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext) -> pr.GetPodResourcesResponse:
-        for pod in self.List(pr.ListPodResourcesRequest(), context).pod_resources:
-            if pod.name == request.pod_name and pod.namespace == request.pod_namespace:
-                return pr.GetPodResourcesResponse(pod_resources=pod)
-        context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found")
+        found = [p for p in self.List(pr.ListPodResourcesRequest(), context).pod_resources
+                 if p.name == request.pod_name and p.namespace == request.pod_namespace]
+        if not found:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found")
+        return pr.GetPodResourcesResponse(pod_resources=found[0])
