@@ -29,7 +29,7 @@ TIMEOUT_S = 5.0
 
 def read_json(resp: Any) -> dict[str, Any]:
     """The body of a ``_preload_content=False`` call (the raw JSON, not the client's models)."""
-    return read_json(resp)
+    return dict(json.loads(resp.data))
 
 
 def _why(exc: Exception) -> str:
