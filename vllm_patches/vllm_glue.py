@@ -8,7 +8,8 @@ version outside :data:`TESTED_VERSIONS` it also logs a warning. The hooks:
    the quota with weights estimated from the model config, and refuse a model that cannot fit
    before any process is spawned.
 2. ``Worker.determine_available_memory`` / ``CPUWorker.determine_available_memory`` (worker): redo
-   the plan with the weights actually loaded, so quantized or unusual models are sized right.
+   the plan with the quota as it is now and, on CUDA, the weight bytes the allocator measured while
+   loading, so quantized or unusual models are sized right (CPU keeps the config estimate).
 3. ``gpu_worker.request_memory`` (CUDA worker): judge the start-up free-memory check against the
    slice (quota) rather than ``gpu_memory_utilization x total``, so the 2nd and 3rd tenant start.
 4. ``Scheduler.__init__`` (engine core): put a :class:`~vllm_patches.cap.KvCap` on the block pool
@@ -29,6 +30,7 @@ log = logs.get(__name__)
 
 TESTED_VERSIONS = ("0.32",)
 _ATTR = "_vramshare_wrapped"
+_USER_KEY = "vramshare_user_kv_cache_memory_bytes"
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
@@ -88,13 +90,22 @@ def plan_for(vllm_config: Any, quota_mib: int, weights: int) -> budget.KvPlan:
 
 
 def loaded_model_bytes(worker: Any) -> int | None:
-    """Bytes of the loaded parameters and buffers (the weights as they sit in memory)."""
+    """Weight bytes the worker's allocator measured while loading, when it measured them.
+
+    The CUDA model runner records ``model_memory_usage`` (allocator delta over ``load_model``), which
+    is right for quantized and unusual models. Summing ``parameters()`` is not an option: the CPU
+    backend repacks linear weights into oneDNN handles and leaves empty parameters behind. Without
+    a measurement (CPU) the caller keeps the config estimate.
+    """
     runner = getattr(worker, "model_runner", None)
-    model = getattr(runner, "model", None) if runner is not None else None
-    if model is None:
-        return None
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    measured = getattr(runner, "model_memory_usage", None)
+    return int(measured) if isinstance(measured, (int, float)) and measured > 0 else None
+
+
+def _user_kv_bytes(vllm_config: Any) -> int | None:
+    extra = vllm_config.additional_config
+    value = extra.get(_USER_KEY) if isinstance(extra, dict) else None
+    return int(value) if isinstance(value, int) else None
 
 
 def _hook_engine_args(settings: QuotaSettings) -> bool:
@@ -108,6 +119,9 @@ def _hook_engine_args(settings: QuotaSettings) -> bool:
             user = config.cache_config.kv_cache_memory_bytes
             kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
             config.cache_config.kv_cache_memory_bytes = kv
+            # Remember the operator's own value for the worker, which redoes the plan.
+            if user is not None and isinstance(config.additional_config, dict):
+                config.additional_config[_USER_KEY] = user
             log.info("kv budget set", where="engine-args", limit_mib=limit,
                      weights_mib=round(plan.weights_bytes / budget.MIB, 1),
                      headroom_mib=round(plan.headroom.total / budget.MIB, 1), kv_bytes=kv,
@@ -120,15 +134,16 @@ def _hook_engine_args(settings: QuotaSettings) -> bool:
 def _hook_worker_memory(settings: QuotaSettings) -> bool:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def determine_available_memory(self: Any) -> int:
-            weights = loaded_model_bytes(self)
-            if weights is not None:
-                limit = settings.current_limit_mib(getattr(self, "local_rank", 0))
-                plan = plan_for(self.vllm_config, limit, weights)
-                self.cache_config.kv_cache_memory_bytes = plan.kv_bytes
-                log.info("kv budget set", where="worker", limit_mib=limit,
-                         weights_mib=round(weights / budget.MIB, 1),
-                         headroom_mib=round(plan.headroom.total / budget.MIB, 1),
-                         kv_bytes=plan.kv_bytes)
+            measured = loaded_model_bytes(self)
+            weights = measured if measured is not None else estimated_weights(self.vllm_config)
+            limit = settings.current_limit_mib(getattr(self, "local_rank", 0))
+            plan = plan_for(self.vllm_config, limit, weights)
+            user = _user_kv_bytes(self.vllm_config)
+            kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
+            self.cache_config.kv_cache_memory_bytes = kv
+            log.info("kv budget set", where="worker", limit_mib=limit,
+                     weights_mib=round(weights / budget.MIB, 1), weights_measured=measured is not None,
+                     headroom_mib=round(plan.headroom.total / budget.MIB, 1), kv_bytes=kv)
             return original(self)
         return determine_available_memory
 

