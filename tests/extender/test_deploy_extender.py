@@ -106,7 +106,8 @@ def test_scheduler_runs_the_config_with_its_identity(sched_config: dict[str, Any
     sa = pod["serviceAccountName"]
     roles = {d["roleRef"]["name"] for d in docs("rbac-extender.yaml")
              if d["kind"] in ("ClusterRoleBinding", "RoleBinding") and d["subjects"][0]["name"] == sa}
-    assert {"system:kube-scheduler", "system:volume-scheduler", "vramshare-scheduler-leader-election"} <= roles
+    assert {"system:kube-scheduler", "system:volume-scheduler", "vramshare-scheduler-leader-election",
+            "extension-apiserver-authentication-reader"} <= roles
     lease = one("rbac-extender.yaml", "Role", "vramshare-scheduler-leader-election")
     le = sched_config["leaderElection"]
     assert lease["metadata"]["namespace"] == le["resourceNamespace"]
