@@ -11,7 +11,6 @@ import numpy as np
 
 from extender.cluster import SHARED
 from extender.fit import Ask
-from extender.fragmentation import frag_after_each_slot, node_frag
 from extender.policies import REGISTRY, FragmentationGradient, _best_fit_columns
 
 MAX_SCORE = 100
@@ -49,9 +48,9 @@ class BestFit:
         left = (0.5 * (cpu_free - ask.host.cpu_milli) / MAX_SPEC_CPU
                 + 0.5 * (gpu_free - gpu_req) / (MAX_GPUS * ask.scale))
         raw = np.trunc((1.0 - left) * MAX_SCORE).astype(np.int64)
-        lo, hi = raw.min(initial=0), raw.max(initial=0)
-        if hi == lo:
+        if len(raw) == 0 or raw.max() == raw.min():
             return np.zeros(len(raw))
+        lo, hi = raw.min(), raw.max()
         return ((raw - lo) * MAX_SCORE // (hi - lo)).astype(np.float64)
 
     def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
@@ -109,18 +108,11 @@ class PaperFGD(FragmentationGradient):
     name = "fgd-paper"
 
     def _ints(self, ask: Ask) -> tuple[np.ndarray, np.ndarray | None]:
-        elig, wl = self._eligible(ask)
-        f0 = node_frag(ask.shared_free, elig, ask.cpu_free, wl)  # type: ignore[arg-type]
-        if self._single_slot(ask):
-            d = ask.demands[0]
-            after = frag_after_each_slot(ask.shared_free, elig, ask.cpu_free, wl,  # type: ignore[arg-type]
-                                         d.per_gpu, ask.host.cpu_milli)
-            per_slot = _sigmoid_score((f0[:, None] - after) / ask.scale)
-            per_slot = np.where(ask.mask(0) & (ask.free >= d.per_gpu), per_slot, -1)
-            return per_slot.max(axis=1), per_slot
-        free_after = np.where(ask.shared, ask.best_fit.free_after, 0)
-        f1 = node_frag(free_after, elig, ask.cpu_free - ask.host.cpu_milli, wl)  # type: ignore[arg-type]
-        return _sigmoid_score((f0 - f1) / ask.scale), None
+        delta, per_slot = self.deltas(ask)
+        if per_slot is None:
+            return _sigmoid_score(delta / ask.scale), None
+        ints = np.where(np.isfinite(per_slot), _sigmoid_score(np.where(np.isfinite(per_slot), per_slot, 0) / ask.scale), -1)
+        return ints.max(axis=1), ints
 
     def scores(self, ask: Ask) -> np.ndarray:
         return self._ints(ask)[0].astype(np.float64)

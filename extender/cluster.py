@@ -9,16 +9,20 @@ state (``vramshare simulate``), adding the node CPU/memory that kube-scheduler c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from vramshare.inventory import model_matches
+
+from extender.memo import RowMemo
 from extender.workload import Shape, TargetWorkload, WorkloadWindow
 
 SHARED = "shared"
 EXCLUSIVE = "exclusive"
 MIG_PREFIX = "mig:"
 NO_SLOT = -1  # kind code of an empty column
+_UNLIMITED = np.iinfo(np.int64).max // 4
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,15 @@ class ClusterState:
         self.mem_cap = np.zeros(0, np.int64)
         self.mem_used = np.zeros(0, np.int64)
         self.host_tracked = np.zeros(0, bool)
+        self.row_version = np.zeros(0, np.int64)  # bumped whenever a row's slots, usage or host change
+        self.memo = RowMemo()
+        self._views: dict[str, np.ndarray] = {}
+        self._views_version = -1
+        self._model_masks: dict[tuple[tuple[str, ...], int], np.ndarray] = {}
+
+    def _touch(self, row: int) -> None:
+        self.version += 1
+        self.row_version[row] = self.version
 
     # -- codes ------------------------------------------------------------------------------
     def kind_code(self, kind: str) -> int:
@@ -134,6 +147,7 @@ class ClusterState:
         self.cpu_cap, self.cpu_used = widen(self.cpu_cap, 0), widen(self.cpu_used, 0)
         self.mem_cap, self.mem_used = widen(self.mem_cap, 0), widen(self.mem_used, 0)
         self.host_tracked = widen(self.host_tracked, False)
+        self.row_version = widen(self.row_version, 0)
 
     def set_node(self, name: str, slots: Sequence[Slot]) -> None:
         """Add or replace a node's slots; usage on slots that remain (same uuid) is kept."""
@@ -165,13 +179,13 @@ class ClusterState:
                     self._holders[(row, col)] = old_holders[s.uuid]
             self._uuids[s.uuid] = (row, col)
         self._slots[row] = list(slots)
-        self.version += 1
+        self._touch(row)
 
     def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """Track a node's allocatable CPU and memory (simulator: kube-scheduler's in-tree Fit)."""
         row = self._rows[name]
         self.cpu_cap[row], self.mem_cap[row], self.host_tracked[row] = cpu_milli, memory_mib, True
-        self.version += 1
+        self._touch(row)
 
     def remove_node(self, name: str) -> None:
         row = self._rows.pop(name, None)
@@ -185,7 +199,7 @@ class ClusterState:
         self.cpu_cap[row] = self.cpu_used[row] = self.mem_cap[row] = self.mem_used[row] = 0
         self.host_tracked[row] = False
         self._spare.append(row)
-        self.version += 1
+        self._touch(row)
 
     def nodes(self) -> list[str]:
         return list(self._rows)
@@ -245,7 +259,7 @@ class ClusterState:
             holders = self._holders.setdefault((r, c), {})
             holders[key] = holders.get(key, 0) + amount
         self._pods[key] = _Pod(node, allocs, host)
-        self.version += 1
+        self._touch(row)
 
     def remove_pod(self, key: str) -> None:
         pod = self._pods.pop(key, None)
@@ -264,7 +278,8 @@ class ClusterState:
         if row is not None and self.host_tracked[row]:
             self.cpu_used[row] -= pod.host.cpu_milli
             self.mem_used[row] -= pod.host.memory_mib
-        self.version += 1
+        if row is not None:
+            self._touch(row)
 
     def has_pod(self, key: str) -> bool:
         return key in self._pods
@@ -290,20 +305,42 @@ class ClusterState:
         """The pinned workload (the paper's typical pods) when set, else the recent window."""
         return self.pinned if self.pinned is not None else self.window.workload()
 
-    # -- views for placement ----------------------------------------------------------------
+    # -- views for placement (computed once per state version) ------------------------------
+    def _view(self, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        if self._views_version != self.version:
+            self._views.clear()
+            self._views_version = self.version
+        if name not in self._views:
+            self._views[name] = compute()
+        return self._views[name]
+
     def free(self) -> np.ndarray:
-        """Free amount per slot, 0 for unhealthy or absent slots and never negative."""
-        return np.where(self.healthy, np.maximum(self.capacity - self.used, 0), 0)
+        """Free amount per slot, 0 for unhealthy or absent slots and never negative. Read-only."""
+        return self._view("free", lambda: np.where(self.healthy, np.maximum(self.capacity - self.used, 0), 0))
+
+    def shared_mask(self) -> np.ndarray:
+        """Healthy slots in shared mode: the only ones that fragment."""
+        return self._view("shared", lambda: (self.kind == self.kind_code(SHARED)) & self.healthy)
 
     def cpu_free(self) -> np.ndarray:
         """Free CPU per row; untracked rows are unlimited."""
-        return np.where(self.host_tracked, self.cpu_cap - self.cpu_used, np.iinfo(np.int64).max // 4)
+        return self._view("cpu", lambda: np.where(self.host_tracked, self.cpu_cap - self.cpu_used, _UNLIMITED))
 
     def mem_free(self) -> np.ndarray:
-        return np.where(self.host_tracked, self.mem_cap - self.mem_used, np.iinfo(np.int64).max // 4)
+        return self._view("mem", lambda: np.where(self.host_tracked, self.mem_cap - self.mem_used, _UNLIMITED))
+
+    def gpu_scale(self) -> float:
+        """Capacity of the largest shared GPU (1000 in the share view): the unit scores compare in."""
+        def compute() -> np.ndarray:
+            caps = self.capacity[self.shared_mask()]
+            return np.array(float(caps.max()) if caps.size and caps.max() > 0 else 1.0)
+        return float(self._view("scale", compute))
 
     def model_mask(self, patterns: Sequence[str]) -> np.ndarray:
         """Which model codes a ``gpu-models`` constraint allows (substring match, empty = all)."""
-        from vramshare.inventory import model_matches
-
-        return np.array([model_matches(m, patterns) for m in self.model_names] or [True], bool)
+        key = (tuple(patterns), len(self.model_names))
+        mask = self._model_masks.get(key)
+        if mask is None:
+            mask = np.array([model_matches(m, patterns) for m in self.model_names] or [True], bool)
+            self._model_masks[key] = mask
+        return mask

@@ -41,8 +41,7 @@ class Ask:
     @cached_property
     def free(self) -> np.ndarray:
         """``[n, G]`` free amount per slot (0 when unhealthy or absent)."""
-        st = self.state
-        return np.where(st.healthy[self.rows], np.maximum(st.capacity[self.rows] - st.used[self.rows], 0), 0)
+        return self.state.free()[self.rows]
 
     @cached_property
     def capacity(self) -> np.ndarray:
@@ -51,8 +50,7 @@ class Ask:
     @cached_property
     def shared(self) -> np.ndarray:
         """``[n, G]`` healthy shared-mode GPUs: the only ones that fragment."""
-        st = self.state
-        return (st.kind[self.rows] == st.kind_code(SHARED)) & st.healthy[self.rows]
+        return self.state.shared_mask()[self.rows]
 
     @cached_property
     def shared_free(self) -> np.ndarray:
@@ -70,11 +68,10 @@ class Ask:
     def host_ok(self) -> np.ndarray:
         return (self.cpu_free >= self.host.cpu_milli) & (self.mem_free >= self.host.memory_mib)
 
-    @cached_property
+    @property
     def scale(self) -> float:
-        """Size of one GPU here (1000 in the share view): the unit in which scores are compared."""
-        caps = self.capacity[self.shared] if self.shared.any() else self.capacity
-        return float(caps.max()) if caps.size and caps.max() > 0 else 1.0
+        """Size of one GPU (1000 in the share view): the unit in which scores are compared."""
+        return self.state.gpu_scale()
 
     def mask(self, i: int) -> np.ndarray:
         """``[n, G]`` slots demand i may use at all: its kind, an allowed model, healthy."""
@@ -104,6 +101,9 @@ def order(demands: Sequence[Demand]) -> list[int]:
 
 
 def greedy(ask: Ask, prefer: str = "least") -> Placement:
+    d = ask.demands
+    if len(d) == 1 and d[0].kind == SHARED and d[0].count == 1 and prefer != "random":
+        return _one_gpu(ask, prefer)
     n = len(ask.rows)
     free = ask.free.copy()
     ok = ask.host_ok.copy()
@@ -135,6 +135,19 @@ def greedy(ask: Ask, prefer: str = "least") -> Placement:
         free[arange, cols] = np.where(ok[:, None], take - amount, take)
         columns[i] = cols
     return Placement(ok, tuple(c for c in columns if c is not None), free)
+
+
+def _one_gpu(ask: Ask, prefer: str) -> Placement:
+    """The common case, one shared GPU: argmin instead of a sort."""
+    r = ask.demands[0].per_gpu
+    cand = ask.mask(0) & (ask.free >= r)
+    ok = ask.host_ok & cand.any(axis=1)
+    key = np.where(cand, ask.free if prefer == "least" else -ask.free, _BIG)
+    col = np.argmin(key, axis=1)
+    free = ask.free.copy()
+    rows = np.flatnonzero(ok)
+    free[rows, col[rows]] -= r
+    return Placement(ok, (col[:, None],), free)
 
 
 def allocation_amounts(ask: Ask, row_index: int, cols_per_demand: Sequence[np.ndarray]) -> list[list[tuple[str, int]]]:

@@ -2,8 +2,8 @@
 
 ``filter_nodes``: which nodes can hold the pod (and why not the others, in words a person can act on);
 ``score_nodes``: how good each is, 0..10; ``pick``: which GPUs to take on the chosen node. The row-level
-functions (``fit_rows``, ``rank_rows``, ``choose``) are what the simulator calls in its inner loop; the
-name-level ones wrap them. A pod is a sequence of :class:`Demand` (one per container that asks).
+functions (``fit_rows``, ``rank_rows``, ``choose`` on one :class:`Ask` built by ``ask_for``) are what the
+simulator calls in its inner loop; the name-level ones wrap them. A pod is a sequence of :class:`Demand` (one per container that asks).
 """
 from __future__ import annotations
 
@@ -28,29 +28,31 @@ def _rows(state: ClusterState, node_names: Sequence[str]) -> tuple[np.ndarray, n
     return np.array([r for r in found if r is not None], np.int64), known
 
 
-def fit_rows(state: ClusterState, demands: Sequence[Demand], rows: np.ndarray,
-             host: HostDemand = HostDemand()) -> np.ndarray:
+def ask_for(state: ClusterState, demands: Sequence[Demand], rows: np.ndarray,
+            host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> Ask:
+    """One pod against candidate rows; build it once and pass it to the three row-level calls."""
+    return Ask(state, tuple(demands), np.asarray(rows, np.int64), host, rng)
+
+
+def fit_rows(ask: Ask) -> np.ndarray:
     """``[n]`` bool: does the whole pod fit each row (greedy, all demands together)."""
-    if len(rows) == 0:
+    if len(ask.rows) == 0:
         return np.zeros(0, bool)
-    return Ask(state, tuple(demands), rows, host).best_fit.ok
+    return ask.best_fit.ok
 
 
-def rank_rows(state: ClusterState, demands: Sequence[Demand], rows: np.ndarray, policy: str,
-              host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> np.ndarray:
+def rank_rows(ask: Ask, policy: str) -> np.ndarray:
     """Raw policy scores (float, higher is better) for rows that all fit the pod."""
-    if len(rows) == 0:
+    if len(ask.rows) == 0:
         return np.zeros(0)
-    return policies.get(policy).scores(Ask(state, tuple(demands), rows, host, rng))
+    return policies.get(policy).scores(ask)
 
 
-def choose(state: ClusterState, demands: Sequence[Demand], row: int, policy: str,
-           host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> list[list[tuple[str, int]]]:
-    """Slots and amounts per demand on one row; raises :class:`NoFit` with the reason."""
-    ask = Ask(state, tuple(demands), np.array([row], np.int64), host, rng)
-    if not ask.best_fit.ok[0]:
-        raise NoFit(why_not(ask, 0))
-    return allocation_amounts(ask, 0, policies.get(policy).choose(ask, 0))
+def choose(ask: Ask, i: int, policy: str) -> list[list[tuple[str, int]]]:
+    """Slots and amounts per demand on row ``ask.rows[i]``; raises :class:`NoFit` with the reason."""
+    if not ask.best_fit.ok[i]:
+        raise NoFit(why_not(ask, i))
+    return allocation_amounts(ask, i, policies.get(policy).choose(ask, i))
 
 
 def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str],
@@ -103,4 +105,4 @@ def pick(state: ClusterState, demands: Sequence[Demand], node: str, policy: str,
     row = state.row(node)
     if row is None:
         raise NoFit(f"{node}: {UNKNOWN_NODE}")
-    return choose(state, demands, row, policy, host, rng)
+    return choose(ask_for(state, demands, np.array([row]), host, rng), 0, policy)

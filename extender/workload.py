@@ -59,13 +59,19 @@ class TargetWorkload:
 
 
 class WorkloadWindow:
-    """The last ``size`` observed shapes, with counts kept incrementally."""
+    """The last ``size`` observed shapes, with counts kept incrementally.
 
-    def __init__(self, size: int = 1000, top: int = 32) -> None:
+    The published workload only moves when the distribution has drifted by more than ``drift``
+    (L1 distance of the weights): per-node fragmentation is memoised against the published object,
+    so republishing on every request would throw that memo away for no change in the decision.
+    """
+
+    def __init__(self, size: int = 1000, top: int = 32, drift: float = 0.1) -> None:
         self._recent: deque[Shape] = deque(maxlen=max(1, size))
         self._counts: Counter[Shape] = Counter()
-        self._top = top
-        self._cached: TargetWorkload | None = None
+        self._top, self._drift = top, drift
+        self._published: TargetWorkload | None = None
+        self._dirty = True
 
     def add(self, shape: Shape) -> None:
         if len(self._recent) == self._recent.maxlen:
@@ -75,17 +81,26 @@ class WorkloadWindow:
                 del self._counts[old]
         self._recent.append(shape)
         self._counts[shape] += 1
-        self._cached = None
+        self._dirty = True
 
     def __len__(self) -> int:
         return len(self._recent)
 
     def workload(self) -> TargetWorkload:
-        """The most popular ``top`` shapes (bounding per-request cost), weights over the whole window."""
-        if self._cached is None:
-            kept = dict(self._counts.most_common(self._top))
-            self._cached = TargetWorkload.from_counts(kept)
-        return self._cached
+        """The most popular ``top`` shapes (bounding per-request cost), weights over what is kept."""
+        if self._dirty:
+            self._dirty = False
+            fresh = TargetWorkload.from_counts(dict(self._counts.most_common(self._top)))
+            if self._published is None or _distance(self._published, fresh) > self._drift:
+                self._published = fresh
+        assert self._published is not None
+        return self._published
+
+
+def _distance(a: TargetWorkload, b: TargetWorkload) -> float:
+    wa = dict(zip(a.shapes, a.weight))
+    wb = dict(zip(b.shapes, b.weight))
+    return sum(abs(wa.get(s, 0.0) - wb.get(s, 0.0)) for s in set(wa) | set(wb)) + abs(a.cpu_only_weight - b.cpu_only_weight)
 
 
 def typical_workload(shapes: Iterable[Shape], popularity: float = 0.95) -> TargetWorkload:

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seeds", type=int, default=1, metavar="N", help="random seeds per policy (default 1)")
     sim.add_argument("--view", choices=["share", "memory"], default="share",
                      help="share: every GPU is 1000 units (the paper); memory: MiB per GPU model")
+    sim.add_argument("--order", choices=["shuffle", "trace"], default="shuffle",
+                     help="arrival order: shuffle per seed as the paper's runs do (default), or trace file order")
     sim.add_argument("--out", metavar="DIR", default="bench/results/simulate",
                      help="where to write summary.json, the markdown table and the plot")
 

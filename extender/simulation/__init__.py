@@ -1,0 +1,1 @@
+"""``vramshare simulate``: replay the Alibaba openb trace through the extender's placement code."""
