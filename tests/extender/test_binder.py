@@ -79,3 +79,37 @@ def test_deleted_pod_is_an_api_error(double: ApiServerDouble, parts: tuple[accou
     outcome = bind.bind(args_for(pod, "n1"))
     assert outcome.result == "api_error" and "404" in outcome.error
     assert used(acct) == [0, 0]
+
+
+def assignment(double: ApiServerDouble, name: str) -> dict:
+    return orjson.loads(double.get_pod("default", name)["metadata"]["annotations"][N.assignment])
+
+
+@pytest.mark.parametrize("policy, gpu", [(None, "GPU-n1-1"), ("spread", "GPU-n1-0")], ids=["binpack", "spread"])
+def test_the_pods_policy_picks_the_gpu(double: ApiServerDouble, parts: tuple[accounting.Accounting, binder.Binder],
+                                      policy: str | None, gpu: str) -> None:
+    acct, bind = parts
+    acct.apply_pod("ADDED", b.assigned(b.pod("old", 40), "n1", [("GPU-n1-1", 40960)], time.time_ns()))
+    pod = double.create_pod(b.pod("p", 8, policy=policy))
+    assert bind.bind(args_for(pod, "n1")) == binder.BindOutcome()
+    assert assignment(double, "p") == {"c0": [{"uuid": gpu, "mib": 8192}]}
+
+
+def test_every_container_and_every_kind_is_assigned(double: ApiServerDouble,
+                                                    parts: tuple[accounting.Accounting, binder.Binder]) -> None:
+    acct, bind = parts
+    node = double.create_node(b.gpu_node("mixed", b.l4(), b.l4(), b.a100(mode="exclusive"),
+                                         b.a100(mig=(("3g.40gb", 40192), ("3g.40gb", 40192)))))
+    acct.apply_node("ADDED", node)
+    two = double.create_pod(b.pod("two", 8, count=2, containers=2))
+    assert bind.bind(args_for(two, "mixed")) == binder.BindOutcome()
+    got = assignment(double, "two")
+    assert sorted(got) == ["c0", "c1"]
+    assert all(sorted(e["uuid"] for e in es) == ["GPU-mixed-0", "GPU-mixed-1"] for es in got.values())
+    assert all(e["mib"] == 4096 for es in got.values() for e in es)
+    whole = double.create_pod(b.pod("whole", whole=1, mig={"3g.40gb": 1}))
+    assert bind.bind(args_for(whole, "mixed")) == binder.BindOutcome()
+    entries = sorted((e["uuid"], e["mib"]) for e in assignment(double, "whole")["c0"])
+    assert entries[0] == ("GPU-mixed-2", 81920) and entries[1][0].startswith("MIG-mixed-3-")
+    assert entries[1][1] == 40192
+    assert [u.used for u in acct.state.node_usage("mixed")] == [8192, 8192, 81920, 40192, 0]
