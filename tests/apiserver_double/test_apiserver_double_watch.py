@@ -206,3 +206,30 @@ def test_watch_one_node(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
             w.stop()
 
     assert seen == [("ADDED", None), ("MODIFIED", {"vramshare.io/gpu-inventory": "{}"})]
+
+
+def test_restart_keeps_url_and_objects_and_watches_resume(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    url = double.url
+    double.create_pod(pod_body("before"))
+    seen: list[tuple[str, str]] = []
+    first_seen = threading.Event()
+    w = watch.Watch()
+
+    def watch_across_restart() -> None:  # no timeout: the client reconnects from its last resourceVersion
+        for event in w.stream(v1.list_namespaced_pod, "default"):
+            seen.append((event["type"], event["raw_object"]["metadata"]["name"]))
+            first_seen.set()
+            if len(seen) == 2:
+                w.stop()
+
+    watcher = threading.Thread(target=watch_across_restart)
+    watcher.start()
+    assert first_seen.wait(timeout=5)
+    double.restart()
+    assert double.wait_for_watches(1)  # the client came back on its own
+    double.create_pod(pod_body("after"))
+    watcher.join(timeout=5)
+
+    assert double.url == url
+    assert seen == [("ADDED", "before"), ("ADDED", "after")]
+    assert [p.metadata.name for p in v1.list_namespaced_pod("default").items] == ["after", "before"]

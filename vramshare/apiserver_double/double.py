@@ -23,7 +23,11 @@ log = logs.get("vramshare.apiserver_double")
 
 
 class ApiServerDouble:
-    """A local stand-in for the Kubernetes API server on 127.0.0.1 and an ephemeral port."""
+    """A local stand-in for the Kubernetes API server on 127.0.0.1 and an ephemeral port.
+
+    ``stop()`` keeps the objects; a later ``start()`` serves them again on the same port; ``restart()``
+    does both without ever refusing a connection.
+    """
 
     def __init__(self, *, history_limit: int = 10_000, graceful_pod_deletion: bool = False,
                  host: str = "127.0.0.1", port: int = 0) -> None:
@@ -40,26 +44,50 @@ class ApiServerDouble:
     def start(self) -> "ApiServerDouble":
         if self._server is not None:
             return self
+        self._hub.resume()
         self._server = ApiHttpServer(self._store, self._hub, self._log, self._faults, self._graceful,
                                      *self._address)
+        self._address = (self._address[0], self._server.server_address[1])  # a later start keeps the URL
+        self._serve()
+        log.info("apiserver_double_started", url=self.url)
+        return self
+
+    def _serve(self) -> None:
+        assert self._server is not None
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="apiserver-double", daemon=True)
         self._thread.start()
-        log.info("apiserver_double_started", url=self.url)
-        return self
+
+    def _pause(self, server: ApiHttpServer) -> None:
+        """Stop accepting, end every watch and cut every connection; the listening socket stays open."""
+        self._hub.stop()
+        server.shutdown()
+        server.cut_connections(wait_s=5.0)
+        if self._thread is not None:
+            self._thread.join()
 
     def stop(self) -> None:
         """End every watch and connection, then wait for the handler threads: nothing is left running."""
         server, self._server = self._server, None
         if server is None:
             return
-        self._hub.stop()
-        server.shutdown()
-        server.cut_connections()
+        self._pause(server)
         server.server_close()  # joins the handler threads
-        if self._thread is not None:
-            self._thread.join()
         log.info("apiserver_double_stopped")
+
+    def restart(self) -> None:
+        """What clients see of an API server restart: watches end and connections break, while the objects
+        and their resourceVersions stay. The listening socket stays open, so a client that reconnects during
+        the restart waits in the backlog instead of being refused (deterministic tests)."""
+        server = self._server
+        if server is None:
+            self.start()
+            return
+        self._pause(server)
+        server.reopen()
+        self._hub.resume()
+        self._serve()
+        log.info("apiserver_double_restarted", url=self.url)
 
     def __enter__(self) -> "ApiServerDouble":
         return self.start()

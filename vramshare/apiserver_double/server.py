@@ -39,27 +39,36 @@ class ApiHttpServer(ThreadingHTTPServer):
         self.store, self.hub, self.request_log, self.faults = store, hub, request_log, faults
         self.graceful_pod_deletion = graceful_pod_deletion
         self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
+        self._connections_changed = threading.Condition()
         self._closing = False
 
     def track(self, conn: socket.socket) -> None:
-        with self._connections_lock:
+        with self._connections_changed:
             self._connections.add(conn)
             closing = self._closing
         if closing:
             _cut(conn)
 
     def untrack(self, conn: socket.socket) -> None:
-        with self._connections_lock:
+        with self._connections_changed:
             self._connections.discard(conn)
+            self._connections_changed.notify_all()
 
-    def cut_connections(self) -> None:
-        """Shut down every open connection so handler threads blocked on reads return."""
-        with self._connections_lock:
+    def cut_connections(self, wait_s: float = 0.0) -> bool:
+        """Shut down every open connection so handler threads blocked on reads return; with ``wait_s``,
+        wait that long for their handlers to finish (True when they all did)."""
+        with self._connections_changed:
             self._closing = True
             open_now = list(self._connections)
         for conn in open_now:
             _cut(conn)
+        with self._connections_changed:
+            return self._connections_changed.wait_for(lambda: not self._connections, timeout=wait_s)
+
+    def reopen(self) -> None:
+        """Accept connections again after ``cut_connections`` (the listening socket never closed)."""
+        with self._connections_changed:
+            self._closing = False
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("connection_error", client=str(client_address), exc_info=True)

@@ -57,6 +57,11 @@ class WatchHub:
             self.stopping = True
             self._store.changed.notify_all()
 
+    def resume(self) -> None:
+        """Accept watches again (the server was restarted)."""
+        with self._store.changed:
+            self.stopping = False
+
     def events(self, req: WatchRequest) -> Iterator[Event]:
         """Yield watch events until the timeout, a drop, or the server stopping; 410 as an ERROR event."""
         cond = self._store.changed
