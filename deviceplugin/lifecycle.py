@@ -76,6 +76,8 @@ class PluginEndpoint:
             os.unlink(self.socket)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # not ours to fix here; the next serve() reports it
+            log.warning("cannot remove socket", socket=self.socket, error=exc.strerror)
         return done
 
 
@@ -116,11 +118,13 @@ class PluginLifecycle:
         self._restart_reason: str | None = None
         self._kubelet_seen: tuple[int, int] | None = None
         self._registered = False
-        self._retry_at = 0.0
+        self._retry_at = 0.0  # next Register attempt after a failed one
+        self._restart_at = 0.0  # next restart attempt after a failed one
         self._backoff = 1.0
         self.generation = 0  # completed (re)starts
         self._rounds = threading.Condition()
         self.registered_rounds = 0  # times every endpoint registered successfully
+        self.failed_starts = 0  # restarts that failed and were retried
 
     @property
     def sockets(self) -> list[str]:
@@ -133,23 +137,38 @@ class PluginLifecycle:
 
     def run(self, stop: threading.Event) -> None:
         """Start, then watch the kubelet directory until ``stop`` is set; then close every endpoint."""
-        self._restart("start")
+        self._restart_reason = "start"
         try:
             while not stop.is_set():
-                self._wake.wait(self._poll)
-                self._wake.clear()
-                if stop.is_set():
-                    break
                 reason = self._restart_reason or self._watch_reason()
-                if reason:
+                if reason and time.monotonic() >= self._restart_at:
                     self._restart_reason = None
-                    self._restart(reason)
+                    self._try_restart(reason)
                 elif not self._registered and time.monotonic() >= self._retry_at:
                     self._register_all()
                 elif self._registered and self._stream_lost():
                     self._register_all()
+                self._wake.wait(self._poll)
+                self._wake.clear()
         finally:
             self._close()
+
+    def _try_restart(self, reason: str) -> None:
+        """A restart that fails (the directory vanished mid-way, a socket that will not bind) is retried
+        with backoff instead of ending the plugin."""
+        try:
+            self._restart(reason)
+        except Exception as exc:  # noqa: BLE001 - logged; the next attempt starts from scratch
+            self._close()
+            self._registered = False
+            self._restart_reason = reason
+            self._restart_at = time.monotonic() + self._backoff
+            log.error("starting servers failed", reason=reason, error=f"{type(exc).__name__}: {exc}",
+                      retry_in_s=self._backoff)
+            self._backoff = min(self._backoff * 2, MAX_RETRY_S)
+            with self._rounds:
+                self.failed_starts += 1
+                self._rounds.notify_all()
 
     def wake(self) -> None:
         self._wake.set()
@@ -176,6 +195,7 @@ class PluginLifecycle:
     def _restart(self, reason: str) -> None:
         log.info("starting device plugin servers", reason=reason, dir=self._dir)
         self._close()
+        os.makedirs(self._dir, exist_ok=True)
         self._endpoints = [PluginEndpoint(rm, self._dir) for rm in self._managers()]
         for endpoint in self._endpoints:
             endpoint.serve()
@@ -213,8 +233,12 @@ class PluginLifecycle:
 
     def wait_registered(self, rounds: int, timeout: float) -> bool:
         """Block until every endpoint has registered ``rounds`` times (tests, the bench, the demo)."""
+        return self.wait_for(lambda: self.registered_rounds >= rounds, timeout)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until ``predicate`` holds, re-checked after every registration round or failed start."""
         with self._rounds:
-            return self._rounds.wait_for(lambda: self.registered_rounds >= rounds, timeout)
+            return self._rounds.wait_for(predicate, timeout)
 
     def _close(self) -> None:
         for stopped in [endpoint.stop() for endpoint in self._endpoints]:  # all at once, then wait

@@ -137,3 +137,19 @@ def test_allocate_on_an_unhealthy_gpu_fails_the_precondition(kubelet, backend, s
         kubelet.allocate(MEM, [f"{H100.uuid}::0"])
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "unhealthy" in err.value.details()
+
+
+def test_servers_that_cannot_start_are_retried_not_fatal(kubelet, start_plugin):
+    daemon = start_plugin()
+    rounds = daemon.lifecycle.registered_rounds
+    kubelet.stop()
+    for name in os.listdir(kubelet.plugin_dir):
+        os.unlink(os.path.join(kubelet.plugin_dir, name))
+    blocker = os.path.join(kubelet.plugin_dir, "vramshare-gpu-memory.sock")
+    os.mkdir(blocker)  # a directory where the socket must go: serving fails until it is gone
+    kubelet.start()
+    assert daemon.lifecycle.wait_for(lambda: daemon.lifecycle.failed_starts >= 1, timeout=5)
+    os.rmdir(blocker)
+    assert daemon.lifecycle.wait_registered(rounds + 1, timeout=5)  # after a 1 s backoff
+    kubelet.wait_registered([MEM])
+    assert daemon.failed is None
