@@ -381,3 +381,10 @@ def test_events_v1_and_configmaps_are_served(double: ApiServerDouble, v1: client
     assert [e.reason for e in events.list_namespaced_event("default").items] == ["Allocated"]
     assert v1.read_namespaced_config_map("vramshare-config", "kube-system").data == {"config.yaml": "version: v1"}
     assert double.events() == []  # core/v1 Events are a separate resource from events.k8s.io
+
+
+def test_a_malformed_json_patch_is_an_api_error_not_a_hang_up(v1: client.CoreV1Api) -> None:
+    v1.create_node(node_body("n"))
+    with pytest.raises(ApiException) as bad:
+        v1.patch_node("n", [{"op": "add", "path": 7, "value": 1}])
+    assert bad.value.status == 400 and _status(bad)["reason"] == "BadRequest"

@@ -12,16 +12,25 @@ Never on a production code path. The real ``kubernetes`` client runs against it 
         api.create_pod({"metadata": {"name": "p", "namespace": "default"},
                         "spec": {"containers": [{"name": "c", "image": "x"}]}})
         v1.list_namespaced_pod("default", field_selector="spec.nodeName=")
-        v1.create_namespaced_pod_binding("p", "default", client.V1Binding(
+        # A Binding is answered with a Status (as a real server does), which the client cannot
+        # deserialize as V1Binding: post it unpreloaded, read it, release the connection.
+        resp = v1.create_namespaced_pod_binding("p", "default", client.V1Binding(
             metadata=client.V1ObjectMeta(name="p"), target=client.V1ObjectReference(kind="Node", name="gpu-1")),
-            _preload_content=False)  # a real server answers a Binding with a Status, as the double does
+            _preload_content=False)
+        resp.data; resp.release_conn()
         assert api.count("POST", r"/binding$") == 1
 
-Serves nodes, pods (+ status, binding), core and events.k8s.io Events, ConfigMaps: list/get/create/
-update/patch (merge, strategic merge, JSON patch)/delete, watches with replay, 410 after ``compact()``,
-bookmarks and timeouts; field selectors on name, namespace, nodeName, phase; simple label selectors.
-Helpers: ``create_node/create_pod/get_pod/pods/nodes/set_pod_phase/bind_pod/delete_pod``,
-``compact/drop_watches/wait_for/wait_for_watches``, ``requests/count`` and ``fail_next`` faults.
+Serves nodes (+status), pods (+status, +binding), namespaced ``bindings``, core and events.k8s.io
+Events, ConfigMaps: list (limit/continue), get, create (generateName, dryRun), update, patch (merge,
+strategic merge, JSON patch), delete (preconditions; optional graceful deletion of bound pods), with
+409 Conflict on stale resourceVersions and Status bodies for every error. Watches replay from a
+resourceVersion, answer 410 Expired after ``compact()`` (or past ``history_limit``), send bookmarks,
+honour timeoutSeconds, and show objects entering/leaving a field selector as ADDED/DELETED.
+
+Python side (``ApiServerDouble``): ``start/stop/restart/url``; ``create_node/create_pod/get_node/get_pod/
+nodes/pods/events/delete_pod/delete_node/set_pod_phase/bind_pod/update/resource_version``;
+``compact/drop_watches(abrupt)/send_bookmarks/open_watches/wait_for/wait_for_watches``;
+``requests/count/clear_requests``; ``fail_next(verb, path_regex, code, times, after_commit)/clear_faults``.
 """
 from .double import ApiServerDouble
 from .errors import ApiError

@@ -105,7 +105,7 @@ def json_patch(target: dict[str, Any], ops: list[Any]) -> dict[str, Any]:
     """RFC 6902 (add, remove, replace, move, copy, test); a failed op is a 422 like on a real server."""
     doc: Any = copy.deepcopy(target)
     for op in ops:
-        if not isinstance(op, dict) or "op" not in op or "path" not in op:
+        if not isinstance(op, dict) or not isinstance(op.get("op"), str) or not isinstance(op.get("path"), str):
             raise bad_request(f"invalid JSON patch operation: {op!r}")
         kind, path = op["op"], op["path"]
         if kind == "add":

@@ -86,6 +86,7 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stalls
     server: ApiHttpServer
     _lost_answer: ApiError | None = None
+    _answered = False  # the status line went out: a late failure can only hang up
 
     # -- connection lifecycle ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -103,6 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def send_response(self, code: int, message: str | None = None) -> None:
         # logged before the answer leaves, so a client that got its answer always finds its request counted
+        self._answered = True
         url = urlsplit(self.path)
         self.server.request_log.add(RequestRecord(self.command, url.path, url.query, code))
         log.debug("request", verb=self.command, path=url.path, query=url.query, status=code)
@@ -128,6 +130,7 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         body_bytes = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._answered = False
         try:
             fault = self.server.faults.take(verb, url.path)
             if fault is not None and not fault.after_commit:
@@ -137,6 +140,11 @@ class _Handler(BaseHTTPRequestHandler):
         except ApiError as error:
             self._send_json(error.code, error.status_body())
         except (ConnectionError, OSError):
+            self.close_connection = True  # the client went away mid-answer (a stopped watch, usually)
+        except Exception as error:  # noqa: BLE001 - a double's bug must reach the client as a 500, not a hang-up
+            log.error("request_failed", verb=verb, path=url.path, exc_info=True)
+            if not self._answered:
+                self._send_json(500, ApiError(500, "InternalError", f"apiserver double: {error!r}").status_body())
             self.close_connection = True
 
     def _dispatch(self, verb: str, where: Route, query: dict[str, str], body_bytes: bytes) -> None:
