@@ -3,7 +3,8 @@
 For 500 and 5,000 nodes of 8 GPUs, populated with a realistic mix of used memory, one keep-alive
 connection runs scheduling cycles back to back: POST /filter with every node name, then POST
 /prioritize with the nodes that fit (kube-scheduler serialises cycles, so this is its throughput
-bound). Reported: p50/p99 per verb and cycles per second. A baseline server in the same process,
+bound). Reported: p50/p99 per verb and cycles per second, from the fastest of ``--repeat`` runs (on a
+shared machine other work only ever adds time), plus the CPU milliseconds one cycle costs. A baseline server in the same process,
 on the same HTTP stack, only parses the request and echoes every name back: the difference is the
 placement work, the baseline itself the protocol overhead.
 
@@ -143,7 +144,15 @@ def run_cycles(url: str, names: list[str], pods: list[dict[str, Any]]) -> dict[s
     return out
 
 
-def bench_size(nodes: int, cycles: int, policy: Policy, profile: bool) -> dict[str, Any]:
+def best_of(repeat: int, url: str, names: list[str], pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """The fastest of ``repeat`` runs (a shared machine only ever adds time), with every run's figures."""
+    runs = [run_cycles(url, names, pods) for _ in range(repeat)]
+    best = max(runs, key=lambda r: r["cycles_per_s"])
+    return {**best, "repeats": [{"cycles_per_s": r["cycles_per_s"], "filter_p99_ms": r["filter"]["p99_ms"],
+                                 "prioritize_p99_ms": r.get("prioritize", {}).get("p99_ms")} for r in runs]}
+
+
+def bench_size(nodes: int, cycles: int, policy: Policy, profile: bool, repeat: int) -> dict[str, Any]:
     rng = random.Random(nodes)
     t0 = time.perf_counter()
     acct = populate(nodes, rng, policy)
@@ -157,13 +166,13 @@ def bench_size(nodes: int, cycles: int, policy: Policy, profile: bool) -> dict[s
         prof = cProfile.Profile() if profile else None
         if prof:
             prof.enable()
-        measured = run_cycles(real.url, names, pods)
+        measured = best_of(repeat, real.url, names, pods)
         if prof:
             prof.disable()
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
             print(buf.getvalue())
-        baseline = run_cycles(echo.url, names, pods[: max(20, cycles // 2)])
+        baseline = best_of(repeat, echo.url, names, pods[: max(20, cycles // 2)])
     finally:
         real.close()
         echo.close()
@@ -179,11 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer cycles")
     ap.add_argument("--profile", action="store_true", help="cProfile the 5,000-node run (client and server)")
     ap.add_argument("--policy", default="fgd", choices=[p.value for p in Policy])
+    ap.add_argument("--repeat", type=int, default=3, help="runs per size; the fastest is reported (default 3)")
     args = ap.parse_args(argv)
     policy = Policy(args.policy)
     runs = []
     for nodes, cycles in ((500, 100 if args.quick else 400), (5000, 30 if args.quick else 100)):
-        r = bench_size(nodes, cycles, policy, args.profile and nodes == 5000)
+        r = bench_size(nodes, cycles, policy, args.profile and nodes == 5000, 1 if args.quick else args.repeat)
         runs.append(r)
         e, b = r["extender"], r["baseline_echo"]
         print(f"{nodes:>5} nodes: filter p50 {e['filter']['p50_ms']} ms p99 {e['filter']['p99_ms']} ms | "
