@@ -126,7 +126,8 @@ class Allocator:
             shares = allocation.shares_of(devs, units)
             owner: Holder = ("", "", resource)
             quota_dir = self._quota.unmatched_dir(ids)
-            who = {"pod": "(unknown: no assumed pod matches)", "gpu": ",".join(s.uuid for s in shares)}
+            unknown = "(standalone)" if self._directory is None else "(none: no assumed pod of this size)"
+            who = {"pod": unknown, "gpu": ",".join(s.uuid for s in shares)}
         else:
             shares = self._assigned(snap, match, len(ids)) if units else allocation.shares_of(devs, units)
             owner = (match.pod.key, match.container, resource)
