@@ -23,11 +23,10 @@ from .cap import KvCap
 from .codecs import codec_bits
 from .release import KeepMapped, Releaser
 from .settings import QuotaSettings
+from .snapshot import DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC
 from .watcher import QuotaWatcher
 
 log = logs.get(__name__)
-
-ENV_SNAPSHOT_CODEC = "VRAMSHARE_KV_SNAPSHOT_CODEC"
 
 
 class EngineCap:
@@ -107,7 +106,9 @@ def attach(scheduler: Any, vllm_config: Any, kv_cache_config: Any,
                 min_blocks=min_blocks_for(scheduler.max_model_len, scheduler.block_size))
     state_dir = metrics.ensure_state_dir(os.environ)
     engine = str(vllm_config.parallel_config.data_parallel_rank or 0)
-    bits = codec_bits(os.environ.get(ENV_SNAPSHOT_CODEC, "none"))
+    transfer = vllm_config.kv_transfer_config
+    snapshots = transfer is not None and transfer.kv_connector == "SnapshotConnector"
+    bits = codec_bits(os.environ.get(ENV_SNAPSHOT_CODEC, DEFAULT_SNAPSHOT_CODEC)) if snapshots else 16
     holder: dict[str, EngineCap] = {}
     watcher = QuotaWatcher(settings.path, tracker, lambda mib: holder["ec"].on_change(mib),
                            interval_s=settings.poll_s, on_tick=lambda: holder["ec"].publish())

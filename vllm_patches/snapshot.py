@@ -19,6 +19,9 @@ import torch
 
 from .codecs import Compressed, compress, decompress
 
+ENV_SNAPSHOT_CODEC = "VRAMSHARE_KV_SNAPSHOT_CODEC"
+DEFAULT_SNAPSHOT_CODEC = "int8"
+
 
 @dataclass
 class KvSnapshot:
@@ -77,5 +80,22 @@ def restore(snapshot: KvSnapshot, kv_caches: Sequence[torch.Tensor], block_ids: 
         on_device = packed.to(cache.device, non_blocking=True)
         blocks = decompress(on_device).to(cache.dtype)
         blocks = blocks.reshape(*blocks.shape[:-2], -1)
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.device)
+        cache.index_copy_(block_dim, ids, blocks)
+
+
+def restore_from(snapshot: KvSnapshot, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                 *, first_block: int, block_dim: int = 0) -> None:
+    """Restore snapshot blocks ``first_block ..`` into ``block_ids`` (the rest came from elsewhere,
+    e.g. vLLM's own prefix cache, and must not be overwritten with lossy copies)."""
+    count = len(block_ids)
+    if first_block < 0 or first_block + count > snapshot.num_blocks:
+        raise ValueError(f"blocks {first_block}..{first_block + count} outside the snapshot's "
+                         f"{snapshot.num_blocks}")
+    if count == 0:
+        return
+    for cache, packed in zip(kv_caches, snapshot.layers):
+        blocks = decompress(packed.to(cache.device, non_blocking=True)).to(cache.dtype)
+        blocks = blocks.reshape(*blocks.shape[:-2], -1).narrow(block_dim, first_block, count)
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.device)
         cache.index_copy_(block_dim, ids, blocks)

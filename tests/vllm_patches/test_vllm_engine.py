@@ -193,6 +193,75 @@ def test_metrics_are_in_the_default_registry(engine: Any, quota_env: dict[str, s
     ec.watcher.poll_once()
 
 
+def run_batch(llm_engine: Any, tag: str, on_step: Any = None) -> dict[str, list[int]]:
+    """Eight greedy requests of 6 prompt + 58 generated tokens (2 blocks each); outputs by index."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=58, ignore_eos=True, detokenize=False, temperature=0.0)
+    for i in range(8):
+        llm_engine.add_request(f"{tag}{i}", TokensPrompt(prompt_token_ids=[10 + i, 4, 5, 6, 7, 8]),
+                               params)
+    out: dict[str, list[int]] = {}
+    steps = 0
+    while llm_engine.has_unfinished_requests():
+        for o in llm_engine.step():
+            if o.finished:
+                out[o.request_id.removeprefix(tag)] = list(o.outputs[0].token_ids)
+        steps += 1
+        if on_step is not None:
+            on_step(steps)
+        assert steps < 2000, "generation stalled"
+    return out
+
+
+def test_snapshot_connector_restores_preempted_requests(engine: Any,
+                                                        quota_env: dict[str, str]) -> None:
+    """Under a shrink, preempted requests resume from host snapshots instead of recomputing."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    os.environ["VRAMSHARE_KV_SNAPSHOT_CODEC"] = "none"  # bit-exact: outputs must not change
+    llm = LLM(model=quota_env["model"], **{**ENGINE_KW, "enable_prefix_caching": False},
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="SnapshotConnector",
+                  kv_connector_module_path="vllm_patches.snapshot_connector", kv_role="kv_both"))
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    ec, connector = scheduler._vramshare, scheduler.connector
+    scheduled = [0]
+    original_schedule = scheduler.schedule
+
+    def counting_schedule(*args: Any, **kwargs: Any) -> Any:
+        output = original_schedule(*args, **kwargs)
+        scheduled[0] += output.total_num_scheduled_tokens
+        return output
+
+    scheduler.schedule = counting_schedule
+    try:
+        reference = run_batch(llm.llm_engine, "ref-")
+        no_preemption_tokens = scheduled[0]
+        assert no_preemption_tokens == 8 * 6 + 8 * 57  # prompts once, then one token a step
+
+        def shrink_at_step_3(step: int) -> None:
+            if step == 3:
+                write_quota(quota_env["quota"], 16, 40)
+                ec.watcher.poll_once()
+
+        scheduled[0] = 0
+        resumed = run_batch(llm.llm_engine, "cap-", shrink_at_step_3)
+        recomputed = scheduled[0] - no_preemption_tokens
+        assert connector.snapshots_taken > 0 and connector.tokens_restored > 0
+        assert resumed == reference
+        # Every preempted token either came back from a snapshot or was recomputed; the
+        # snapshots must have saved most of that prefill work.
+        assert connector.tokens_restored > recomputed
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 41)
+        ec.watcher.stop()
+        os.environ.pop("VRAMSHARE_KV_SNAPSHOT_CODEC", None)
+        llm.llm_engine.engine_core.shutdown()
+
+
 def gauge(name: str) -> float | None:
     for line in generate_latest(REGISTRY).decode().splitlines():
         if line.startswith(name + "{"):
