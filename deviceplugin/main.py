@@ -29,6 +29,7 @@ from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota_files import QuotaFiles
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, load_config
+from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
 
@@ -53,12 +54,32 @@ class DevicePluginDaemon:
         self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,
                                          poll_seconds, stream_grace_seconds)
         self.publisher = InventoryPublisher(api, node_name, names) if api else None
+        self._api, self._node_name = api, node_name
         self._metrics_port = metrics_port
         self._metrics_server: MetricsServer | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.failed: str | None = None
         self.state.add_listener(self._changed)
+
+    def _shared_capacities(self) -> dict[str, int]:
+        """Schedulable MiB of each shared GPU (units x memoryUnitMiB): what the quota loop divides."""
+        inv = self.state.snapshot.inventory
+        return {g.uuid: inv.capacity_mib(g) for g in inv.gpus if g.mode is GpuMode.SHARED}
+
+    def _start_quota_loop(self) -> None:
+        """The quota feedback loop needs pods (the API) and per-process memory (NVML): a real node."""
+        config = self.state.snapshot.config
+        if self._api is None or not config.quota.enabled:
+            return
+        if self.backend.name != "nvml":
+            log.info("quota loop off: it reads per-process GPU memory from NVML", backend=self.backend.name)
+            return
+        from deviceplugin.quota import service as quota_service
+        loop = quota_service.build_loop(config, self._api, self._node_name, self._shared_capacities,
+                                      nvml=getattr(self.backend, "nvml", None))
+        quota_service.register_metrics(loop, self.metrics.registry)
+        self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
 
     def _managers(self) -> list[ResourceManager]:
         return [NodeResourceManager(r, self.state, self.feeds, self.allocator) for r in self.state.snapshot.devices]
@@ -86,6 +107,7 @@ class DevicePluginDaemon:
         if self.publisher is not None:
             self.publisher.publish(self.state.snapshot.inventory.to_json())
             self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
+        self._start_quota_loop()
         if self._metrics_port:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
             self._metrics_server.start()

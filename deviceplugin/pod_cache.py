@@ -38,6 +38,7 @@ class NodePodCache:
         self._direct = ApiPodDirectory(api, node, names)
         self._selector = f"spec.nodeName={node}"
         self._watch_timeout = watch_timeout_s
+        self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._pods: dict[str, Mapping[str, Any]] = {}  # uid -> pod JSON
         self._open: Any = None
@@ -76,6 +77,7 @@ class NodePodCache:
                     delay = min(5.0, delay * 2)
 
     def stop(self) -> None:
+        self._stopping.set()  # a watch opened after this line sees it and ends at once
         resp = self._open
         if resp is not None:
             try:
@@ -99,6 +101,8 @@ class NodePodCache:
             _request_timeout=(TIMEOUT_S, self._watch_timeout + TIMEOUT_S))
         self._open = resp
         try:
+            if self._stopping.is_set():  # stop() ran while the request was on its way
+                return rv
             for line in iter_resp_lines(resp):
                 if not line:
                     continue
