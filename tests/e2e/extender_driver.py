@@ -1,73 +1,18 @@
-"""A scheduler-like driver for end-to-end tests: filter -> prioritize -> bind, as kube-scheduler calls them.
+"""Ground truth for end-to-end tests: per-GPU usage and capacity recomputed from the API objects alone.
 
-kube-scheduler runs the extender after its in-tree filters, skips prioritize when one node is left,
-adds ``score x weight`` to its own scores, and binds asynchronously through the extender's bind verb;
-a bind error makes it forget the pod and retry. This driver does the same over real HTTP (one keep-alive
-pool), so a test sees exactly the traffic a real scheduler would cause. Also: per-GPU usage recomputed
-from the pods' assignment annotations, the ground truth every e2e test checks against.
+The scheduler-like driver is :class:`vramshare.fake_scheduler.SchedulerDriver`, shared with the demo.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import orjson
-import urllib3
 
 from vramshare import contract, inventory
 
+__all__ = ["usage_from_annotations", "capacity_from_inventories"]
+
 Obj = dict[str, Any]
-
-
-@dataclass
-class Outcome:
-    pod: str
-    node: str = ""  # empty: unschedulable
-    attempts: int = 0
-    error: str = ""
-
-
-class SchedulerDriver:
-    def __init__(self, extender_url: str, node_names: list[str], pool_size: int = 16) -> None:
-        self.url = extender_url
-        self.node_names = node_names
-        self.http = urllib3.PoolManager(maxsize=pool_size, retries=False)
-
-    def _post(self, verb: str, body: Obj) -> Any:
-        resp = self.http.request("POST", f"{self.url}/{verb}", body=orjson.dumps(body),
-                                 headers={"Content-Type": "application/json"})
-        if resp.status != 200:
-            raise RuntimeError(f"/{verb}: HTTP {resp.status}: {resp.data[:200]!r}")
-        return orjson.loads(resp.data)
-
-    def schedule(self, pod: Obj, max_attempts: int = 20) -> Outcome:
-        """One pod until bound or no node fits; bind errors (lost races) are retried like the scheduler does."""
-        meta = pod["metadata"]
-        out = Outcome(f"{meta.get('namespace', 'default')}/{meta['name']}")
-        while out.attempts < max_attempts:
-            out.attempts += 1
-            result = self._post("filter", {"Pod": pod, "Nodes": None, "NodeNames": self.node_names})
-            if result["Error"]:
-                raise RuntimeError(f"filter {out.pod}: {result['Error']}")
-            fitting = result["NodeNames"]
-            assert fitting is not None and set(fitting) <= set(self.node_names)
-            if not fitting:
-                return out
-            node = fitting[0]
-            if len(fitting) > 1:  # kube-scheduler skips prioritize when one node is feasible
-                scores = self._post("prioritize", {"Pod": pod, "Nodes": None, "NodeNames": fitting})
-                best = max(s["Score"] for s in scores)
-                node = next(s["Host"] for s in scores if s["Score"] == best)
-            bound = self._post("bind", {"PodName": meta["name"], "PodNamespace": meta.get("namespace", "default"),
-                                        "PodUID": meta.get("uid", ""), "Node": node})
-            if not bound["Error"]:
-                out.node = node
-                return out
-            out.error = bound["Error"]
-        return out
-
-    def close(self) -> None:
-        self.http.clear()
 
 
 def usage_from_annotations(pods: Iterable[Obj], names: contract.Names = contract.Names()) -> dict[str, int]:
