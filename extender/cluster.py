@@ -299,7 +299,7 @@ class ClusterState:
     def observe(self, demands: Sequence[Demand], host: HostDemand = HostDemand()) -> None:
         """Record request sizes: the recent distribution is FGD's target workload."""
         for d in demands:
-            self.window.add(Shape(d.per_gpu, d.count, d.kind, tuple(d.models), host.cpu_milli))
+            self.window.add(Shape(d.per_gpu, d.count, d.kind, tuple(d.models), host.cpu_milli, host.memory_mib))
 
     def target_workload(self) -> TargetWorkload:
         """The pinned workload (the paper's typical pods) when set, else the recent window."""

@@ -8,6 +8,8 @@ too small for m are. A node's fragmentation is the popularity-weighted sum over 
 
 which is the paper's ``NodeGpuShareFragAmount`` rewritten so every term is an array over
 ``[nodes, GPUs, shapes]``. CPU-only tasks (weight ``cpu_only_weight``) see every idle GPU as a fragment.
+Where shapes carry host memory (ours; the paper's do not) a node short of memory cannot serve them
+either: kube-scheduler's Fit would refuse it, so its idle GPUs are stranded just the same.
 Pure numpy, no I/O.
 """
 from __future__ import annotations
@@ -24,7 +26,16 @@ def serving(free: np.ndarray, elig: np.ndarray, wl: TargetWorkload) -> np.ndarra
     return (free[:, :, None] >= wl.per_gpu[None, None, :]) & elig
 
 
-def node_frag(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: TargetWorkload) -> np.ndarray:
+def host_fit(cpu_free: np.ndarray, mem_free: np.ndarray | None, wl: TargetWorkload) -> np.ndarray:
+    """``[n, M]``: the node has the CPU (and, where shapes carry it, the memory) each shape needs."""
+    ok = cpu_free[:, None] >= wl.cpu[None, :]
+    if wl.mem is not None and mem_free is not None:
+        ok &= mem_free[:, None] >= wl.mem[None, :]
+    return ok
+
+
+def node_frag(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: TargetWorkload,
+              mem_free: np.ndarray | None = None) -> np.ndarray:
     """``[n]`` expected fragmentation of each node (``free``: shared idle per slot, ``[n, G]``)."""
     total = free.sum(axis=1)
     if wl.empty:
@@ -32,12 +43,12 @@ def node_frag(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: Targ
     ge = serving(free, elig, wl)
     count = ge.sum(axis=1)  # [n, M]
     usable = (free[:, :, None] * ge).sum(axis=1)  # [n, M]
-    fit = (count >= wl.count[None, :]) & (cpu_free[:, None] >= wl.cpu[None, :])
+    fit = (count >= wl.count[None, :]) & host_fit(cpu_free, mem_free, wl)
     return total - (fit * usable) @ wl.weight
 
 
 def frag_after_each_slot(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: TargetWorkload,
-                         amount: int, cpu: int) -> np.ndarray:
+                         amount: int, cpu: int, mem_free: np.ndarray | None = None, mem: int = 0) -> np.ndarray:
     """``[n, G]`` fragmentation after placing ``amount`` on slot g (meaningful where it fits).
 
     Only slot g changes, so counts and usable sums are updated by differences instead of recomputing
@@ -53,7 +64,7 @@ def frag_after_each_slot(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarra
     ge2 = (f2 >= rm) & elig
     count2 = ge.sum(axis=1)[:, None, :] - ge + ge2  # [n, G, M]
     usable2 = (f * ge).sum(axis=1)[:, None, :] - f * ge + f2 * ge2
-    cpu_ok = (cpu_free - cpu)[:, None] >= wl.cpu[None, :]  # [n, M]
+    cpu_ok = host_fit(cpu_free - cpu, None if mem_free is None else mem_free - mem, wl)  # [n, M]
     fit2 = (count2 >= wl.count[None, None, :]) & cpu_ok[:, None, :]
     return total_after[:, None] - (fit2 * usable2) @ wl.weight
 

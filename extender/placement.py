@@ -16,7 +16,7 @@ from vramshare.contract import MAX_EXTENDER_PRIORITY, MIN_EXTENDER_PRIORITY
 from extender import policies
 from extender.cluster import ClusterState, Demand, HostDemand, NoFit
 from extender.fit import Ask, allocation_amounts
-from extender.reasons import why_not
+from extender.reasons import why_not, why_not_many
 
 UNKNOWN_NODE = "node has no vramshare GPU inventory"
 
@@ -59,20 +59,19 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
                  host: HostDemand = HostDemand()) -> tuple[list[str], dict[str, str]]:
     """Fitting names (input order) and ``{failed name: reason}``."""
     rows, known = _rows(state, node_names)
-    failed: dict[str, str] = {}
-    fitting: list[str] = []
     ask = Ask(state, tuple(demands), rows, host)
     ok = ask.best_fit.ok if len(rows) else np.zeros(0, bool)
-    j = 0
-    for name, is_known in zip(node_names, known):
+    reasons = iter(why_not_many(ask, np.flatnonzero(~ok)))
+    fitting: list[str] = []
+    failed: dict[str, str] = {}
+    fits = iter(ok.tolist())
+    for name, is_known in zip(node_names, known.tolist()):
         if not is_known:
             failed[name] = UNKNOWN_NODE
-            continue
-        if ok[j]:
+        elif next(fits):
             fitting.append(name)
         else:
-            failed[name] = why_not(ask, j)
-        j += 1
+            failed[name] = next(reasons)
     return fitting, failed
 
 

@@ -21,11 +21,11 @@ from extender.workload import TargetWorkload
 
 # Differences in fragmentation below this fraction of one GPU are noise, not preference.
 _RESOLUTION = 1e-7
-# Node scores move in steps of 1/25 GPU of fragmentation removed (the slope of the paper's
-# int(100*sigmoid(x)) at 0). Measured on the openb trace: exact float deltas lose 3 points of
-# allocation, because near-equal nodes then scatter pods instead of leaving the tie to the
-# scheduler's stable node order, which packs (bench/results/placement.json).
-NODE_STEP = 1 / 25
+# Node scores move in steps of 0.16 GPU of fragmentation removed. Exact float deltas lose three
+# points of allocation on the openb trace: near-equal nodes then scatter pods, where a tie left to
+# the scheduler's stable node order packs them. Steps of 1/25 GPU (the paper's int(100*sigmoid) slope)
+# gave 94.9% allocated at 100% arrived, 0.16 gave 95.3%, 0.32 no better (3 seeds, bench/README notes).
+NODE_STEP = 0.16
 
 
 class Policy(Protocol):
@@ -85,10 +85,11 @@ class FragmentationGradient:
     """FGD for memory: the placement that most reduces expected fragmentation.
 
     Differences from the paper's plugin (``fgd-paper``): the target workload is the recent window of
-    requests (live, no oracle), weighted by count as the paper does; node scores are the delta in
-    linear steps of :data:`NODE_STEP` GPUs (no sigmoid saturation far from 0); the GPU inside the node
-    is chosen by the exact delta, ties to the fullest GPU (best fit), instead of the first GPU with the
-    best rounded score. Equal nodes are left equal: the scheduler's node order breaks the tie.
+    requests (live, no oracle), weighted by count as the paper does, and a shape carries the host
+    memory it asked besides CPU, so GPUs stranded behind exhausted RAM count as fragments; node scores
+    are the delta in linear steps of :data:`NODE_STEP` GPUs instead of ``int(100*sigmoid)``; the GPU
+    inside the node is chosen by the exact delta, ties to the fullest GPU (best fit), instead of the
+    first GPU with the best rounded score. Equal nodes stay equal: the scheduler's node order decides.
     """
 
     name = "fgd"
@@ -116,15 +117,17 @@ class FragmentationGradient:
         def memo(key: tuple, compute: Callable[[Ask], np.ndarray]) -> np.ndarray:
             return st.memo.get(key, wl, ask.rows, st.row_version, lambda stale: compute(ask.subset(stale)))
 
-        f0 = memo(("f0",), lambda a: node_frag(a.shared_free, self._eligible(a, wl), a.cpu_free, wl))
+        f0 = memo(("f0",), lambda a: node_frag(a.shared_free, self._eligible(a, wl), a.cpu_free, wl, a.mem_free))
         if self._single_slot(ask):
             d = ask.demands[0]
-            after = memo(("slot", d.per_gpu, host.cpu_milli), lambda a: frag_after_each_slot(
-                a.shared_free, self._eligible(a, wl), a.cpu_free, wl, d.per_gpu, host.cpu_milli))
+            after = memo(("slot", d.per_gpu, host.cpu_milli, host.memory_mib), lambda a: frag_after_each_slot(
+                a.shared_free, self._eligible(a, wl), a.cpu_free, wl, d.per_gpu, host.cpu_milli,
+                a.mem_free, host.memory_mib))
             per_slot = np.where(ask.mask(0) & (ask.free >= d.per_gpu), f0[:, None] - after, -np.inf)
             return per_slot.max(axis=1), per_slot
-        f1 = memo(("after", ask.demands, host.cpu_milli), lambda a: node_frag(
-            np.where(a.shared, a.best_fit.free_after, 0), self._eligible(a, wl), a.cpu_free - host.cpu_milli, wl))
+        f1 = memo(("after", ask.demands, host.cpu_milli, host.memory_mib), lambda a: node_frag(
+            np.where(a.shared, a.best_fit.free_after, 0), self._eligible(a, wl), a.cpu_free - host.cpu_milli, wl,
+            a.mem_free - host.memory_mib))
         return f0 - f1, None
 
     def scores(self, ask: Ask) -> np.ndarray:

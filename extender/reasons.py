@@ -6,12 +6,15 @@ Only computed for nodes that failed. Pure, no I/O.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from extender.cluster import EXCLUSIVE, MIG_PREFIX, SHARED, Demand
 from extender.fit import Ask
 
 
+@lru_cache(maxsize=4096)
 def mib(amount: int) -> str:
     """``20480`` -> ``20 GiB``; ``1536`` -> ``1.5 GiB``; below 1 GiB in MiB."""
     if amount >= 1024:
@@ -81,3 +84,32 @@ def why_not(ask: Ask, j: int) -> str:
     free = int(np.where(ask.shared[j], ask.free[j], 0).sum())
     return (f"each container fits alone but not all {len(ask.demands)} together "
             f"({mib(total)} shared GPU memory asked, {mib(free)} free on this node)")
+
+
+def why_not_many(ask: Ask, failing: np.ndarray) -> list[str]:
+    """Reasons for many rows at once; the common one-shared-demand case is vectorised.
+
+    A 5,000-node cluster where most nodes are full must not spend milliseconds formatting messages.
+    """
+    d = ask.demands
+    if len(d) != 1 or d[0].kind != SHARED or len(failing) == 0:
+        return [why_not(ask, int(j)) for j in failing]
+    r, k = d[0].per_gpu, max(1, d[0].count)
+    usable = ask.mask(0)[failing]
+    free = np.where(usable, ask.free[failing], -1)
+    having = (free >= r).sum(axis=1)
+    best = np.argmax(free, axis=1)
+    largest = free[np.arange(len(failing)), best]
+    gpu = ask.state.index[ask.rows[failing], best]
+    host_short = (ask.cpu_free[failing] < ask.host.cpu_milli) | (ask.mem_free[failing] < ask.host.memory_mib)
+    simple = usable.any(axis=1) & ~host_short
+    asked = mib(r)
+    out = []
+    for j, ok, h, big, g in zip(failing.tolist(), simple.tolist(), having.tolist(), largest.tolist(), gpu.tolist()):
+        if not ok:
+            out.append(why_not(ask, j))
+        elif k == 1:
+            out.append(f"no GPU has {asked} free; largest free is {mib(big)} on GPU {g}")
+        else:
+            out.append(f"needs {k} GPUs with {asked} free each; only {h} {'has' if h == 1 else 'have'}")
+    return out

@@ -22,6 +22,7 @@ class Shape:
     kind: str = "shared"
     models: tuple[str, ...] = ()
     cpu_milli: int = 0
+    memory_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class TargetWorkload:
     cpu: np.ndarray  # [M] int64
     weight: np.ndarray  # [M] float64, sums to 1 over all shapes (GPU ones and CPU-only ones)
     cpu_only_weight: float = 0.0  # share of CPU-only tasks: for them every idle GPU is a fragment
+    mem: np.ndarray | None = None  # [M] int64 host memory, None when no shape carries any
 
     @property
     def empty(self) -> bool:
@@ -48,6 +50,7 @@ class TargetWorkload:
         shapes = tuple(sorted(shared))
         if total <= 0:
             return cls((), *(np.zeros(0, np.int64) for _ in range(3)), np.zeros(0))
+        mem = np.array([s.memory_mib for s in shapes], np.int64)
         return cls(
             shapes,
             np.array([s.per_gpu for s in shapes], np.int64),
@@ -55,6 +58,7 @@ class TargetWorkload:
             np.array([s.cpu_milli for s in shapes], np.int64),
             np.array([shared[s] / total for s in shapes], np.float64),
             cpu_only / total,
+            mem if mem.any() else None,
         )
 
 

@@ -113,3 +113,25 @@ def test_different_gpu_sizes_on_one_node_best_fit_takes_the_smallest_that_fits()
     node(st, "n", [80, 24, 16])
     assert pick(st, [Demand(20 * GIB)], "n", "binpack") == [[("n-1", 20 * GIB)]]
     assert pick(st, [Demand(12 * GIB)], "n", "binpack") == [[("n-2", 12 * GIB)]]
+
+
+def test_vectorised_reasons_say_the_same_as_the_one_node_explanation() -> None:
+    import numpy as np
+
+    from extender.cluster import HostDemand
+    from extender.fit import Ask
+    from extender.reasons import why_not, why_not_many
+
+    st = ClusterState()
+    node(st, "full", [16, 16])
+    node(st, "h100", [80], "H100")
+    node(st, "sick", [80], unhealthy=(0,))
+    st.set_node("mig", [Slot("m", "A100", "mig:1g.10gb", 9984)])
+    node(st, "small-cpu", [80])
+    st.set_host("small-cpu", 1000, 10**6)
+    st.add_pod("ns/a", "full", [("full-0", 10 * GIB), ("full-1", 15 * GIB)])
+    rows = np.array([st.row(n) for n in ["full", "h100", "sick", "mig", "small-cpu"]])
+    for demand in (Demand(20 * GIB, models=("A100",)), Demand(20 * GIB, count=2), Demand(100 * GIB)):
+        ask = Ask(st, (demand,), rows, HostDemand(cpu_milli=2000))
+        failing = np.flatnonzero(~ask.best_fit.ok)
+        assert why_not_many(ask, failing) == [why_not(ask, int(j)) for j in failing]

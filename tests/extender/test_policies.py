@@ -159,3 +159,16 @@ def test_random_policy_needs_and_uses_the_rng() -> None:
 def test_unknown_policy_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="fgd-paper"):
         policies.get("nope")
+
+
+def test_fgd_counts_host_memory_a_pod_would_strand_gpus_behind() -> None:
+    st = share_cluster({"low-ram": [1000], "big-ram": [1000]}, cpu={"low-ram": 64000, "big-ram": 64000})
+    st.set_host("low-ram", 64000, 40000)
+    st.observe([Demand(1000)], HostDemand(4000, 32768))  # GPU tasks here ask 32 GiB of RAM
+    scores = dict(score_nodes(st, [], ["low-ram", "big-ram"], "fgd", HostDemand(1000, 16384)))
+    assert scores == {"low-ram": 0, "big-ram": 10}
+
+
+def test_paper_fgd_ignores_host_memory_as_the_paper_does() -> None:
+    shapes = [Shape(1000, 1, cpu_milli=4000)] * 3
+    assert typical_workload(shapes).mem is None
