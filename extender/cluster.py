@@ -207,6 +207,11 @@ class ClusterState:
     def row(self, name: str) -> int | None:
         return self._rows.get(name)
 
+    def rows_of(self, names: Sequence[str]) -> np.ndarray:
+        """Row per name, -1 where the name is unknown (one pass, no per-name method calls)."""
+        get = self._rows.get
+        return np.fromiter((get(n, -1) for n in names), np.int64, len(names))
+
     def name(self, row: int) -> str:
         name = self._names[row]
         assert name is not None

@@ -23,9 +23,9 @@ UNKNOWN_NODE = "node has no vramshare GPU inventory"
 
 def _rows(state: ClusterState, node_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """Rows of the known names and a mask over the input marking which names are known."""
-    found = [state.row(n) for n in node_names]
-    known = np.array([r is not None for r in found], bool)
-    return np.array([r for r in found if r is not None], np.int64), known
+    found = state.rows_of(node_names)
+    known = found >= 0
+    return found[known], known
 
 
 def ask_for(state: ClusterState, demands: Sequence[Demand], rows: np.ndarray,
@@ -61,17 +61,22 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
     rows, known = _rows(state, node_names)
     ask = Ask(state, tuple(demands), rows, host)
     ok = ask.best_fit.ok if len(rows) else np.zeros(0, bool)
-    reasons = iter(why_not_many(ask, np.flatnonzero(~ok)))
+    failing = np.flatnonzero(~ok)
+    reasons = why_not_many(ask, failing)
+    if known.all():
+        names = list(node_names)
+        fitting = [n for n, fits in zip(names, ok.tolist()) if fits]
+        return fitting, dict(zip([names[j] for j in failing.tolist()], reasons))
     fitting: list[str] = []
     failed: dict[str, str] = {}
-    fits = iter(ok.tolist())
+    fits, why = iter(ok.tolist()), iter(reasons)
     for name, is_known in zip(node_names, known.tolist()):
         if not is_known:
             failed[name] = UNKNOWN_NODE
         elif next(fits):
             fitting.append(name)
         else:
-            failed[name] = next(reasons)
+            failed[name] = next(why)
     return fitting, failed
 
 
@@ -95,7 +100,7 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
             per_row = np.full(len(rows), MIN_EXTENDER_PRIORITY, np.int64)
             per_row[ok] = scaled + MIN_EXTENDER_PRIORITY
             out[known] = per_row
-    return [(n, int(s)) for n, s in zip(node_names, out)]
+    return list(zip(node_names, out.tolist()))
 
 
 def pick(state: ClusterState, demands: Sequence[Demand], node: str, policy: str,
