@@ -162,7 +162,8 @@ def _hook_request_memory(settings: QuotaSettings) -> bool:
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
-            limit = settings.current_limit_mib(0)
+            # The visible-device index is the position in VRAMSHARE_GPU_UUIDS (same order).
+            limit = settings.current_limit_mib(getattr(init_snapshot.device_, "index", None) or 0)
             return budget.slice_request(init_snapshot.free_memory, init_snapshot.total_memory,
                                         limit * budget.MIB, str(init_snapshot.device_))
         return request_memory

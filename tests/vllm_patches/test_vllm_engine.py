@@ -116,6 +116,22 @@ def test_plugin_hooks_installed_once(engine: Any) -> None:
     assert not getattr(EngineArgs.create_engine_config.__wrapped__, "_vramshare_wrapped", False)
 
 
+def test_cuda_startup_check_judges_the_slice(engine: Any) -> None:
+    """The CUDA worker's free-memory check, called as gpu_worker.init_device calls it."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.worker import gpu_worker
+
+    total = 80 * 1024 * MIB  # an 80 GiB GPU of which two other tenants hold 79.95 GiB
+    snap = SimpleNamespace(free_memory=50 * MIB, total_memory=total, device_=torch.device("cuda", 0))
+    cache_config = engine.llm_engine.vllm_config.cache_config  # gpu_memory_utilization 0.92
+    assert gpu_worker.request_memory(snap, cache_config) == START_MIB * MIB
+    snap.free_memory = 30 * MIB
+    with pytest.raises(ValueError, match="less than this container's GPU memory quota"):
+        gpu_worker.request_memory(snap, cache_config)
+
+
 def test_kv_cache_has_the_size_computed_from_the_quota(engine: Any) -> None:
     core = engine.llm_engine.engine_core.engine_core
     kv_bytes = START_MIB * MIB - WEIGHTS - ACTIVATION_MIB * MIB
