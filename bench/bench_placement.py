@@ -1,10 +1,10 @@
 """Placement benchmark: the FGD paper's comparison on the openb traces, plus the core's own latency.
 
-    python bench/bench_placement.py [--seeds 10] [--traces default gpushare40 ...] [--skip-latency]
+    python bench/bench_placement.py [--seeds 10] [--traces default gpushare40 ...] [--skip-latency] [--name N]
 
 Runs ``vramshare simulate`` (the extender's placement code) on the default trace with every policy and
-on the other traces with fgd, fgd-paper and bestfit; writes bench/results/placement.json (summaries,
-per seed), bench/results/placement/<trace>/{table.md,allocation.png,summary.json} and
+on the other traces with fgd, fgd-paper and bestfit; writes bench/results/<name>.json (summaries,
+per seed; name defaults to placement), bench/results/placement/<trace>/{table.md,allocation.png,summary.json} and
 bench/results/placement.md (all tables). The latency part times filter_nodes + score_nodes (fgd) in
 process over synthetic 500- and 5,000-node clusters of 8 GPUs; the HTTP path is bench_extender's job.
 """
@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--view", choices=["share", "memory"], default="share")
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--name", default="placement", help="results file stem (default placement)")
     args = ap.parse_args()
     result: dict = {"seeds": args.seeds, "view": args.view, "traces": {}}
     tables = []
@@ -92,7 +93,7 @@ def main() -> int:
             tables.append(f"### {trace}\n\n{fh.read()}")
     if not args.skip_latency:
         result["core_latency"] = [latency(500), latency(5000)]
-    name = "placement" if args.view == "share" else f"placement-{args.view}"
+    name = args.name if args.view == "share" else f"{args.name}-{args.view}"
     with open(os.path.join(args.out, f"{name}.json"), "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=2)
     with open(os.path.join(args.out, f"{name}.md"), "w", encoding="utf-8") as fh:
