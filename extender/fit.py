@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from extender.cluster import EXCLUSIVE, SHARED, ClusterState, Demand, HostDemand
+from extender.cluster import SHARED, ClusterState, Demand, HostDemand
 
 _BIG = np.iinfo(np.int64).max // 4
 
@@ -159,5 +159,3 @@ def allocation_amounts(ask: Ask, row_index: int, cols_per_demand: Sequence[np.nd
                     for c in cols])
     return out
 
-
-__all__ = ["Ask", "Placement", "greedy", "order", "allocation_amounts", "EXCLUSIVE"]

@@ -16,8 +16,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from extender.cluster import ClusterState
 from vramshare.config import ExtenderConfig
+
+from extender.cluster import ClusterState
 from extender.fragmentation import cluster_frag
 from extender.placement import ask_for, choose, fit_rows, rank_rows
 from extender.simulation.arrival import gpu_capacity
