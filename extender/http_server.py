@@ -1,76 +1,376 @@
-"""HTTP/1.1 transport for :class:`extender.app.Extender`: bytes in, bytes out, nothing else.
+"""HTTP/1.1 transport for :class:`extender.app.Extender`: one selectors loop, bytes in, bytes out.
 
-Keep-alive matters: kube-scheduler reuses connections, and a new TCP handshake per verb would add to
-every scheduling cycle. One thread per connection (ThreadingHTTPServer); :meth:`close` cuts idle
-keep-alive connections so shutdown never waits for a client.
+Why not ``http.server``: kube-scheduler serialises scheduling cycles, so every microsecond the transport
+spends on a filter or prioritize call is taken from cluster-wide scheduling throughput. The stdlib
+server parses headers with the email package, reads through buffered file objects and answers in
+several writes; on one core that cost about as much as the placement work at 500 nodes. Here one thread
+owns every socket: it parses the few headers that matter (:mod:`extender.http1`), calls
+``app.handle`` inline for the pure-CPU routes (POST /filter, /prioritize and every GET) and answers with
+one ``send``.
+
+POST /bind (and any other POST) may block on the Kubernetes API, so it runs on a small thread pool and
+its answer is handed back to the loop: a slow API server never stalls a filter on another connection.
+A connection processes one request at a time, so pipelined requests are answered in order.
+
+Malformed requests get a 4xx/5xx with a plain-text reason and the connection is closed (where a body
+ends is no longer known); oversized bodies get 413, methods other than GET/POST 405. Idle keep-alive
+connections and requests that trickle in too slowly are closed by a sweep. :meth:`close` stops
+accepting, lets requests in flight finish (bounded by ``grace_s``), then closes every socket.
 """
 from __future__ import annotations
 
+import selectors
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
-from extender.app import Extender
+from extender import http1
+from extender.app import Response
+from vramshare import logs
 
-__all__ = ["ExtenderHTTPServer"]
+__all__ = ["ExtenderHTTPServer", "Handler"]
 
+log = logs.get("vramshare.extender.http")
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
-    server: "ExtenderHTTPServer"
-
-    def _serve(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        resp = self.server.app.handle(method, self.path, self.rfile.read(length) if length > 0 else b"")
-        self.send_response(resp.status)
-        self.send_header("Content-Type", resp.content_type)
-        self.send_header("Content-Length", str(len(resp.body)))
-        self.end_headers()
-        self.wfile.write(resp.body)
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        self._serve("POST")
-
-    def do_GET(self) -> None:  # noqa: N802
-        self._serve("GET")
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - requests are counted in metrics
-        pass
+TEXT = "text/plain; charset=utf-8"
+RECV_BYTES = 256 * 1024
+INLINE_POST = frozenset({"/filter", "/prioritize"})  # pure CPU, no API call: answered on the loop thread
+_WAKE = object()  # selector key data of the wake-up socket; the listener's is None
 
 
-class ExtenderHTTPServer(ThreadingHTTPServer):
-    daemon_threads = False  # server_close() joins the handler threads
-    block_on_close = True
+class Handler(Protocol):
+    """What the server serves: :class:`extender.app.Extender`, or the benchmark's echo baseline."""
 
-    def __init__(self, app: Extender, host: str, port: int) -> None:
+    def handle(self, method: str, path: str, body: bytes) -> Response: ...
+
+
+class _Conn:
+    """One client connection's state; touched only by the loop thread."""
+
+    __slots__ = ("sock", "peer", "buf", "head", "body_at", "out", "busy", "close_after", "closed",
+                 "events", "since")
+
+    def __init__(self, sock: socket.socket, peer: object) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.buf = bytearray()
+        self.head: http1.RequestHead | None = None  # parsed head of a request whose body is incomplete
+        self.body_at = 0
+        self.out: memoryview | None = None  # unsent tail of the current response
+        self.busy = False  # a request of this connection is on the worker pool
+        self.close_after = False  # close once ``out`` is flushed
+        self.closed = False
+        self.events = 0  # what the selector watches for this socket (0: unregistered)
+        self.since = time.monotonic()  # start of the current phase, for the timeouts
+
+
+class ExtenderHTTPServer:
+    """Serve ``app`` on ``host:port`` (0 = ephemeral); run :meth:`serve_forever` on a thread of your own."""
+
+    def __init__(self, app: Handler, host: str, port: int, *, workers: int = 8,
+                 max_body_bytes: int = 64 * 1024 * 1024, idle_timeout_s: float = 120.0,
+                 request_timeout_s: float = 30.0, grace_s: float = 5.0, max_connections: int = 1024) -> None:
         self.app = app
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
-        super().__init__((host, port), _Handler)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        with self._conns_lock:
-            self._conns.add(request)
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._conns_lock:
-                self._conns.discard(request)
-
-    def close(self) -> None:
-        """Stop accepting, cut open connections, join every handler thread."""
-        self.shutdown()
-        with self._conns_lock:
-            for conn in self._conns:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        self.server_close()
+        self.max_body_bytes = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s  # Go's transport drops idle connections after 90 s
+        self.request_timeout_s = request_timeout_s  # a whole request, or a whole response, must move by then
+        self.grace_s = grace_s
+        self.max_connections = max_connections
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        self._listener.setblocking(False)
+        self.server_address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="extender-http-worker")
+        self._done: deque[tuple[_Conn, http1.RequestHead, Response]] = deque()
+        self._conns: set[_Conn] = set()
+        self._state = threading.Lock()
+        self._stopping = False
+        self._running = False
+        self._released = False
+        self._exited = threading.Event()
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host!s}:{port}"
+        host, port = self.server_address
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Run the loop until :meth:`close`; ``poll_interval`` bounds how late the timeout sweep runs."""
+        with self._state:
+            if self._stopping or self._running:
+                return
+            self._running = True
+        try:
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
+            self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+            self._loop(max(0.01, min(poll_interval, 1.0)))
+            self._drain()
+        finally:
+            self._release()
+            self._exited.set()
+
+    def close(self) -> None:
+        """Stop accepting, finish requests in flight (up to ``grace_s``), close every socket, join workers."""
+        with self._state:
+            self._stopping = True
+            running = self._running
+        self._wake()
+        if running:
+            self._exited.wait()
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        with self._state:
+            if self._released:
+                return
+            self._released = True
+        for conn in list(self._conns):
+            self._drop(conn)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._sel.close()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # buffer full (a wake-up is pending anyway) or already closed
+            pass
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _loop(self, tick: float) -> None:
+        next_sweep = time.monotonic() + tick
+        while not self._stopping:
+            for key, _ in self._sel.select(tick):
+                data = key.data
+                if data is None:
+                    self._accept()
+                elif data is _WAKE:
+                    self._collect()
+                else:
+                    self._on_event(data)
+            now = time.monotonic()
+            if now >= next_sweep:
+                self._sweep(now)
+                next_sweep = now + tick
+
+    def _drain(self) -> None:
+        """After :meth:`close`: no new connections or requests; let answers in flight go out."""
+        self._sel.unregister(self._listener)
+        self._listener.close()
+        for conn in list(self._conns):
+            if not conn.busy and conn.out is None:
+                self._drop(conn)
+            else:
+                conn.close_after = True
+        deadline = time.monotonic() + self.grace_s
+        while self._conns and time.monotonic() < deadline:
+            for key, _ in self._sel.select(0.05):
+                if key.data is _WAKE:
+                    self._collect()
+                elif key.data is not None:
+                    self._on_event(key.data)
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: try again on the next readiness
+                log.warning("accept failed", error=str(exc))
+                return
+            if len(self._conns) >= self.max_connections:
+                log.warning("connection refused: too many open", peer=str(peer), limit=self.max_connections)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, peer)
+            self._conns.add(conn)
+            self._watch(conn, selectors.EVENT_READ)
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if events == conn.events or conn.closed:
+            return
+        if conn.events == 0:
+            self._sel.register(conn.sock, events, conn)
+        elif events == 0:
+            self._sel.unregister(conn.sock)
+        else:
+            self._sel.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _drop(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        self._watch(conn, 0)
+        conn.closed = True
+        self._conns.discard(conn)
+        conn.sock.close()
+
+    def _sweep(self, now: float) -> None:
+        for conn in list(self._conns):
+            if conn.busy:
+                continue
+            age = now - conn.since
+            if conn.out is not None or conn.buf:
+                if age > self.request_timeout_s:
+                    if conn.out is None:
+                        self._fail(conn, 408, "request not received in time")
+                    else:
+                        self._drop(conn)
+            elif age > self.idle_timeout_s:
+                self._drop(conn)
+
+    # -- per connection ----------------------------------------------------------------------------
+    def _on_event(self, conn: _Conn) -> None:
+        if conn.closed:  # dropped earlier in the same batch of events
+            return
+        if conn.out is not None:
+            self._flush(conn)
+            if conn.out is None and not conn.closed:
+                self._process(conn)
+            return
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        if not data:  # the client closed (or half-closed) its side: nothing more to answer
+            self._drop(conn)
+            return
+        if not conn.buf:
+            conn.since = time.monotonic()
+        conn.buf += data
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        """Answer every complete request in the buffer, in order, until one must wait."""
+        while not conn.closed and not conn.busy and conn.out is None and conn.buf:
+            head = conn.head
+            if head is None:
+                end = conn.buf.find(b"\r\n\r\n", 0, http1.MAX_HEAD_BYTES + 4)
+                if end < 0:
+                    if len(conn.buf) >= http1.MAX_HEAD_BYTES + 4:
+                        self._fail(conn, 431, f"request head larger than {http1.MAX_HEAD_BYTES} bytes")
+                    return
+                try:
+                    head = http1.parse_head(bytes(conn.buf[:end]))
+                except http1.HttpError as exc:
+                    self._fail(conn, exc.status, exc.message)
+                    return
+                if head.content_length > self.max_body_bytes:
+                    self._fail(conn, 413, f"body of {head.content_length} bytes exceeds {self.max_body_bytes}")
+                    return
+                conn.head, conn.body_at = head, end + 4
+                if head.expect_continue and len(conn.buf) < conn.body_at + head.content_length:
+                    self._send(conn, b"HTTP/1.1 100 Continue\r\n\r\n", interim=True)
+                    if conn.out is not None:
+                        return
+            stop = conn.body_at + head.content_length
+            if len(conn.buf) < stop:
+                return
+            body = bytes(conn.buf[conn.body_at:stop])
+            del conn.buf[:stop]
+            conn.head = None
+            conn.since = time.monotonic()
+            self._dispatch(conn, head, body)
+
+    def _dispatch(self, conn: _Conn, head: http1.RequestHead, body: bytes) -> None:
+        if head.method == "GET" or (head.method == "POST" and _route(head.target) in INLINE_POST):
+            self._respond(conn, head, self._call(head, body))
+        elif head.method == "POST":
+            conn.busy = True
+            self._watch(conn, 0)  # read nothing more from it until this answer is out: keeps order
+            self._pool.submit(self._work, conn, head, body)
+        else:
+            self._respond(conn, head, Response(405, f"method {head.method} not allowed\n".encode(), TEXT),
+                          extra=b"Allow: GET, POST\r\n")
+
+    def _call(self, head: http1.RequestHead, body: bytes) -> Response:
+        try:
+            return self.app.handle(head.method, head.target, body)
+        except Exception as exc:  # noqa: BLE001 - the app answers errors itself; this is a bug, not a verb
+            log.error("handler raised", method=head.method, path=head.target, exc_info=True)
+            return Response(500, f"internal error: {type(exc).__name__}\n".encode(), TEXT)
+
+    def _work(self, conn: _Conn, head: http1.RequestHead, body: bytes) -> None:
+        """On a worker thread: run the blocking route, hand the answer back to the loop."""
+        self._done.append((conn, head, self._call(head, body)))
+        self._wake()
+
+    def _collect(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while self._done:
+            conn, head, resp = self._done.popleft()
+            conn.busy = False
+            if conn.closed:  # the client went away while its bind ran: the answer has nowhere to go
+                continue
+            conn.since = time.monotonic()
+            self._respond(conn, head, resp)
+            if conn.out is None and not conn.closed:
+                self._watch(conn, selectors.EVENT_READ)
+                self._process(conn)
+
+    def _respond(self, conn: _Conn, head: http1.RequestHead, resp: Response, extra: bytes = b"") -> None:
+        keep = head.keep_alive and not self._stopping and not conn.close_after
+        body = resp.body
+        self._send(conn, http1.response_head(resp.status, resp.content_type, len(body), keep, extra) + body,
+                   close=not keep)
+
+    def _fail(self, conn: _Conn, status: int, message: str) -> None:
+        """Answer a request we cannot frame, then close: the rest of the stream cannot be trusted."""
+        log.warning("bad http request", peer=str(conn.peer), status=status, reason=message)
+        body = (message + "\n").encode()
+        conn.buf.clear()
+        conn.head = None
+        self._send(conn, http1.response_head(status, TEXT, len(body), False) + body, close=True)
+
+    def _send(self, conn: _Conn, data: bytes, close: bool = False, interim: bool = False) -> None:
+        if close:
+            conn.close_after = True
+        conn.out = memoryview(data)
+        self._flush(conn)
+        if conn.out is not None and not interim:
+            conn.since = time.monotonic()
+
+    def _flush(self, conn: _Conn) -> None:
+        out = conn.out
+        assert out is not None
+        try:
+            sent = conn.sock.send(out)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # reset by the client
+            self._drop(conn)
+            return
+        if sent < len(out):
+            conn.out = out[sent:]
+            self._watch(conn, selectors.EVENT_WRITE)  # and read nothing until it is out: backpressure
+            return
+        conn.out = None
+        if conn.close_after:
+            self._drop(conn)
+        elif not conn.busy:
+            self._watch(conn, selectors.EVENT_READ)
+
+
+def _route(target: str) -> str:
+    """The path as :meth:`extender.app.Extender.handle` routes it (no query, no trailing slash)."""
+    return target.split("?", 1)[0].rstrip("/") or "/"
