@@ -12,7 +12,8 @@ quantized with the rounded scale, so the stored scale is exactly the one used an
 the price is a step at most 2^-7 coarser than ideal.
 
 Symmetric absmax scaling: ``scale = max|x| / qmax``. int4 uses levels -7..7 stored as 1..15 (0 unused),
-so unpacking needs no sign extension.
+so unpacking needs no sign extension; element ``j`` shares a byte with element ``j + head_size/2``
+(low and high nibble), so both packing and unpacking work on contiguous halves and vectorize.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 import torch
 
 CODECS = ("none", "int8", "fp8", "int4")
-_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
 _BITS = {"none": 16, "int8": 8, "fp8": 8, "int4": 4}
-_TINY = 1e-30  # floor for all-zero vectors (a normal bf16 number)
+TINY_SCALE = 1e-30  # floor for all-zero vectors (a normal bf16 number)
 
 
 def codec_bits(name: str) -> int:
@@ -85,7 +86,7 @@ def compress(x: torch.Tensor, codec: str) -> Compressed:
     if codec == "int4" and dim % 2:
         raise ValueError(f"int4 packs pairs; head size {dim} is odd")
     flat = x.reshape(-1, dim)
-    rows, qmax = flat.shape[0], _QMAX[codec]
+    rows, qmax = flat.shape[0], QMAX[codec]
     width = dim // 2 if codec == "int4" else dim
     dtype = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}[codec]
     data = torch.empty(rows, width, dtype=dtype, device=x.device)
@@ -100,7 +101,7 @@ def compress(x: torch.Tensor, codec: str) -> Compressed:
         b, a, sc = buf[:n], amax[:n], scale[s:s + n]
         b.copy_(flat[s:s + n])
         torch.amax(torch.abs(b, out=tmp[:n]), dim=-1, keepdim=True, out=a)
-        a.div_(qmax).clamp_min_(_TINY)
+        a.div_(qmax).clamp_min_(TINY_SCALE)
         # Round the scale *up* to a bf16 value (positive float: add 0xFFFF to the bits, drop the low
         # 16), so |x / scale| <= qmax, the bf16 copy is exact, and no clamp pass is needed.
         a.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
@@ -111,11 +112,11 @@ def compress(x: torch.Tensor, codec: str) -> Compressed:
             data[s:s + n].copy_(b)
         elif codec == "int8":
             data[s:s + n].copy_(b.round_())
-        else:  # levels -7..7 -> 1..15, two per byte, even index in the low nibble
+        else:  # levels -7..7 -> 1..15; element j in the low nibble, j + dim/2 in the high one
             assert qbuf is not None
             q = qbuf[:n]
             q.copy_(b.round_().add_(8.0))
-            torch.bitwise_or(q[:, 0::2], q[:, 1::2] << 4, out=data[s:s + n])
+            torch.bitwise_or(q[:, :width], q[:, width:] << 4, out=data[s:s + n])
     return Compressed(codec, data, scale, x.shape, x.dtype)
 
 
@@ -138,8 +139,9 @@ def decompress(c: Compressed, out: torch.Tensor | None = None) -> torch.Tensor:
         b, sc = buf[:n], sbuf[:n]
         chunk = c.data[s:s + n]
         if c.codec == "int4":
-            b[:, 0::2].copy_(chunk & 0x0F)
-            b[:, 1::2].copy_(chunk >> 4)
+            half = dim // 2
+            b[:, :half].copy_(chunk & 0x0F)
+            b[:, half:].copy_(chunk >> 4)
             b.sub_(8.0)
         elif c.codec == "fp8" and chunk.device.type == "cpu":
             # PyTorch converts fp8 element by element on CPU; a 256-entry table lookup is faster.

@@ -98,3 +98,14 @@ def test_attention_output_error_on_random_qkv() -> None:
         errs[codec] = float((attention(q, kq, vq) - ref).norm() / ref.norm())
     assert errs["int8"] < 0.012 and errs["fp8"] < 0.05 and errs["int4"] < 0.2
     assert errs["int8"] < errs["fp8"] < errs["int4"]
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "int4"])
+def test_fused_codecs_match_the_chunked_ones_bit_for_bit(codec: str) -> None:
+    from vllm_patches import codecs_fused
+
+    x = kv((2, 5000, 2, 64))  # more rows than one CPU chunk
+    chunked, fused = compress(x, codec), codecs_fused.compress(x, codec)
+    assert torch.equal(chunked.scale.view(torch.int16), fused.scale.view(torch.int16))
+    assert torch.equal(chunked.data.view(torch.uint8), fused.data.view(torch.uint8))
+    assert torch.equal(decompress(chunked), codecs_fused.decompress(fused))
