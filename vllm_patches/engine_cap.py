@@ -33,7 +33,7 @@ class EngineCap:
     """Everything the plugin keeps per scheduler; reachable as ``scheduler._vramshare``."""
 
     def __init__(self, pool: Any, cap: KvCap, watcher: QuotaWatcher, state_dir: str, engine: str,
-                 releaser: Releaser, compression_bits: int) -> None:
+                 releaser: Releaser, compression_bits: int, connector: Any = None) -> None:
         self.pool = pool
         self.cap = cap
         self.watcher = watcher
@@ -41,6 +41,7 @@ class EngineCap:
         self.engine = engine
         self.releaser = releaser
         self.compression_bits = compression_bits
+        self.connector = connector  # the SnapshotConnector, for its counters
         self.raw_free: Callable[[], int] = pool.get_num_free_blocks
 
     def on_change(self, limit_mib: int) -> None:
@@ -59,7 +60,10 @@ class EngineCap:
         metrics.publish(self.state_dir, self.engine, {
             "quota_mib": state.quota_mib, "cap_blocks": state.cap_blocks,
             "used_blocks": state.used_blocks, "usable_blocks": state.usable_blocks,
-            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits})
+            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits,
+            **({"snapshots_taken": self.connector.snapshots_taken,
+                "snapshot_tokens_restored": self.connector.tokens_restored}
+               if self.connector is not None else {})})
 
 
 def _install_on_pool(pool: Any, cap: KvCap) -> None:
@@ -112,7 +116,8 @@ def attach(scheduler: Any, vllm_config: Any, kv_cache_config: Any,
     holder: dict[str, EngineCap] = {}
     watcher = QuotaWatcher(settings.path, tracker, lambda mib: holder["ec"].on_change(mib),
                            interval_s=settings.poll_s, on_tick=lambda: holder["ec"].publish())
-    ec = EngineCap(pool, cap, watcher, state_dir, engine, KeepMapped(), bits)
+    connector = getattr(scheduler, "connector", None) if snapshots else None
+    ec = EngineCap(pool, cap, watcher, state_dir, engine, KeepMapped(), bits, connector)
     holder["ec"] = ec
     _install_on_pool(pool, cap)
     scheduler._vramshare = ec

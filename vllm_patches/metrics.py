@@ -9,7 +9,9 @@ several data-parallel engines (label ``engine``). Files of dead writers are skip
 
 Metric names (all gauges): ``vramshare_vllm_quota_mib``, ``vramshare_vllm_kv_block_cap``,
 ``vramshare_vllm_kv_blocks_used``, ``vramshare_vllm_kv_blocks_total``,
-``vramshare_vllm_kv_block_bytes``, ``vramshare_vllm_kv_compression_bits``.
+``vramshare_vllm_kv_block_bytes``, ``vramshare_vllm_kv_compression_bits``; with the snapshot
+connector also the counters ``vramshare_vllm_kv_snapshots_total`` and
+``vramshare_vllm_kv_snapshot_tokens_restored_total``.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import tempfile
 from typing import Any, Iterator, Mapping, MutableMapping
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 ENV_STATE_DIR = "VRAMSHARE_VLLM_STATE_DIR"
@@ -34,6 +36,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "block_bytes": ("vramshare_vllm_kv_block_bytes", "Bytes of one KV block over all layers"),
     "compression_bits": ("vramshare_vllm_kv_compression_bits",
                          "Bits per KV element in host snapshots (16 = uncompressed)"),
+}
+# Cumulative counts (exported as counters, ``_total``), present with the snapshot connector only.
+COUNTERS: dict[str, tuple[str, str]] = {
+    "snapshots_taken": ("vramshare_vllm_kv_snapshots", "Preempted requests kept as KV snapshots"),
+    "snapshot_tokens_restored": ("vramshare_vllm_kv_snapshot_tokens_restored",
+                                 "Prefill tokens restored from KV snapshots instead of recomputed"),
 }
 
 
@@ -98,14 +106,15 @@ class StateCollector(Collector):
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         states = read_states(self.state_dir)
-        for key, (name, help_text) in METRICS.items():
-            family = GaugeMetricFamily(name, help_text, labels=["engine"])
-            for engine, state in states.items():
-                if isinstance(state.get(key), (int, float)):
-                    family.add_metric([engine], float(state[key]))
-            yield family
+        for kind, table in ((GaugeMetricFamily, METRICS), (CounterMetricFamily, COUNTERS)):
+            for key, (name, help_text) in table.items():
+                family = kind(name, help_text, labels=["engine"])
+                for engine, state in states.items():
+                    if isinstance(state.get(key), (int, float)):
+                        family.add_metric([engine], float(state[key]))
+                yield family
 
 
 _registered: dict[int, StateCollector] = {}

@@ -34,9 +34,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vramshare import logs
 
 from .codecs import codec_bits
+from .engine_cap import block_bytes_of
 from .snapshot import DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC, KvSnapshot, restore_from, take
 
 log = logs.get(__name__)
+
+ENV_MAX_MIB = "VRAMSHARE_SNAPSHOT_MAX_MIB"
+DEFAULT_MAX_MIB = 2048
 
 
 @dataclass
@@ -64,6 +68,12 @@ class SnapshotConnector(KVConnectorBase_V1):
         self._meta = SnapshotMeta()
         self.tokens_restored = 0
         self.snapshots_taken = 0
+        self.snapshots_skipped = 0
+        # Host memory is not free either: snapshots beyond the budget are skipped (recomputed).
+        self._budget_bytes = int(float(os.environ.get(ENV_MAX_MIB, "") or DEFAULT_MAX_MIB) * (1 << 20))
+        raw_block = block_bytes_of(kv_cache_config) if kv_cache_config is not None else 0
+        self._host_block_bytes = raw_block * codec_bits(self.codec) // 16
+        self._held: dict[str, int] = {}  # request -> host bytes of its snapshot
         # worker side
         self.head_size = vllm_config.model_config.get_head_size()
         self._caches: list[torch.Tensor] = []
@@ -86,6 +96,7 @@ class SnapshotConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0])
         self._meta.loads.append((request.request_id, block_ids, local // self.block_size))
         self._snap_tokens.pop(request.request_id, None)
+        self._held.pop(request.request_id, None)
         self.tokens_restored += num_external_tokens
         log.info("kv snapshot restore scheduled", request=request.request_id,
                  tokens=num_external_tokens, local_tokens=local, total_restored=self.tokens_restored)
@@ -94,12 +105,20 @@ class SnapshotConnector(KVConnectorBase_V1):
         meta, self._meta = self._meta, SnapshotMeta()
         for req_id in scheduler_output.preempted_req_ids or ():
             last = self._last.pop(req_id, None)
-            if last is not None and last[0] and last[1] > 0:
-                meta.saves.append((req_id, last[0], last[1]))
-                self._snap_tokens[req_id] = last[1]
-                self.snapshots_taken += 1
-                log.info("kv snapshot of preempted request", request=req_id, tokens=last[1],
-                         blocks=len(last[0]), codec=self.codec)
+            if last is None or not last[0] or last[1] <= 0:
+                continue
+            size = len(last[0]) * self._host_block_bytes
+            if sum(self._held.values()) + size > self._budget_bytes:
+                self.snapshots_skipped += 1
+                log.warning("kv snapshot skipped: host budget full", request=req_id,
+                            budget_mib=self._budget_bytes >> 20)
+                continue
+            self._held[req_id] = size
+            meta.saves.append((req_id, last[0], last[1]))
+            self._snap_tokens[req_id] = last[1]
+            self.snapshots_taken += 1
+            log.info("kv snapshot of preempted request", request=req_id, tokens=last[1],
+                     blocks=len(last[0]), codec=self.codec)
         manager = self._kv_cache_manager
         if manager is not None:
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -125,6 +144,7 @@ class SnapshotConnector(KVConnectorBase_V1):
         self._requests.pop(req_id, None)
         self._last.pop(req_id, None)
         self._pending_local.pop(req_id, None)
+        self._held.pop(req_id, None)
         if self._snap_tokens.pop(req_id, None) is not None:
             self._meta.drops.append(req_id)
         return False, None

@@ -37,3 +37,14 @@ def test_state_dir_is_exported_for_child_processes(tmp_path) -> None:
     os.rmdir(path)
     env = {metrics.ENV_STATE_DIR: str(tmp_path / "x")}
     assert metrics.ensure_state_dir(env) == str(tmp_path / "x")
+
+
+def test_snapshot_counters_only_when_published(tmp_path) -> None:
+    metrics.publish(str(tmp_path), "3", {"quota_mib": 1, "snapshots_taken": 2,
+                                         "snapshot_tokens_restored": 160})
+    registry = CollectorRegistry()
+    metrics.register_collector(str(tmp_path), registry)
+    text = generate_latest(registry).decode()
+    assert 'vramshare_vllm_kv_snapshot_tokens_restored_total{engine="3"} 160.0' in text
+    assert 'vramshare_vllm_kv_snapshots_total{engine="3"} 2.0' in text
+    assert "# TYPE vramshare_vllm_kv_snapshots_total counter" in text

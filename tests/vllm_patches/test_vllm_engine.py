@@ -237,6 +237,7 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any,
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    engine.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()  # one publisher
     os.environ["VRAMSHARE_KV_SNAPSHOT_CODEC"] = "none"  # bit-exact: outputs must not change
     llm = LLM(model=quota_env["model"], **{**ENGINE_KW, "enable_prefix_caching": False},
               kv_transfer_config=KVTransferConfig(
@@ -271,6 +272,11 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any,
         # Every preempted token either came back from a snapshot or was recomputed; the
         # snapshots must have saved most of that prefill work.
         assert connector.tokens_restored > recomputed
+        ec.publish()
+        restored = connector.tokens_restored
+        assert gauge("vramshare_vllm_kv_snapshot_tokens_restored_total") == restored
+        assert gauge("vramshare_vllm_kv_snapshots_total") == connector.snapshots_taken
+        assert gauge("vramshare_vllm_kv_compression_bits") == 16
     finally:
         write_quota(quota_env["quota"], START_MIB, 41)
         ec.watcher.stop()
