@@ -57,13 +57,15 @@ class EngineCap:
 
     def publish(self) -> None:
         state = self.cap.state(self.raw_free())
-        metrics.publish(self.state_dir, self.engine, {
+        doc: dict[str, Any] = {
             "quota_mib": state.quota_mib, "cap_blocks": state.cap_blocks,
             "used_blocks": state.used_blocks, "usable_blocks": state.usable_blocks,
-            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits,
-            **({"snapshots_taken": self.connector.snapshots_taken,
-                "snapshot_tokens_restored": self.connector.tokens_restored}
-               if self.connector is not None else {})})
+            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits}
+        if self.connector is not None:
+            doc["snapshots_taken"] = self.connector.snapshots_taken
+            doc["snapshot_tokens_restored"] = self.connector.tokens_restored
+        metrics.publish(self.state_dir, self.engine, doc)
+        metrics.set_multiprocess(self.engine, doc)
 
 
 def _install_on_pool(pool: Any, cap: KvCap) -> None:

@@ -21,7 +21,7 @@ import os
 import tempfile
 from typing import Any, Iterator, Mapping, MutableMapping
 
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -115,6 +115,30 @@ class StateCollector(Collector):
                     if isinstance(state.get(key), (int, float)):
                         family.add_metric([engine], float(state[key]))
                 yield family
+
+
+_mp_gauges: dict[str, Gauge] = {}
+
+
+def set_multiprocess(engine: str, state: Mapping[str, Any]) -> bool:
+    """Also write the gauges through prometheus_client's multi-process files, when that mode is on.
+
+    With ``--api-server-count > 1`` vLLM serves ``/metrics`` from a fresh registry that only holds a
+    ``MultiProcessCollector`` over ``PROMETHEUS_MULTIPROC_DIR``, which the engine core inherits; our
+    collector is not in that registry, but gauges set here land in those files and are served. The
+    cumulative snapshot counts are left out in this mode. Returns whether the mode is on.
+    """
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return False
+    for key, (name, help_text) in METRICS.items():
+        if not isinstance(state.get(key), (int, float)):
+            continue
+        gauge = _mp_gauges.get(key)
+        if gauge is None:  # registry=None: never doubles up with the collector in REGISTRY
+            gauge = Gauge(name, help_text, ["engine"], registry=None, multiprocess_mode="mostrecent")
+            _mp_gauges[key] = gauge
+        gauge.labels(engine).set(float(state[key]))
+    return True
 
 
 _registered: dict[int, StateCollector] = {}

@@ -48,3 +48,25 @@ def test_snapshot_counters_only_when_published(tmp_path) -> None:
     assert 'vramshare_vllm_kv_snapshot_tokens_restored_total{engine="3"} 160.0' in text
     assert 'vramshare_vllm_kv_snapshots_total{engine="3"} 2.0' in text
     assert "# TYPE vramshare_vllm_kv_snapshots_total counter" in text
+
+
+def test_multiprocess_prometheus_mode(tmp_path, monkeypatch) -> None:
+    """--api-server-count > 1: the served registry reads PROMETHEUS_MULTIPROC_DIR files only."""
+    import subprocess
+    import sys
+
+    from prometheus_client import multiprocess
+
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    code = ("from vllm_patches import metrics; import sys; "
+            "sys.exit(0 if metrics.set_multiprocess('0', {'quota_mib': 640, 'cap_blocks': 12}) else 3)")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp_dir)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(mp_dir))
+    text = generate_latest(registry).decode()
+    assert 'vramshare_vllm_quota_mib{engine="0"} 640.0' in text
+    assert 'vramshare_vllm_kv_block_cap{engine="0"} 12.0' in text
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert metrics.set_multiprocess("0", {"quota_mib": 1}) is False  # mode off: nothing written
