@@ -80,7 +80,8 @@ class ExtenderHTTPServer:
         self.grace_s = grace_s
         self.max_connections = max_connections
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family, backlog=128)
+        dual = host == "::" and socket.has_dualstack_ipv6()  # "[::]:port" also serves IPv4 clients
+        self._listener = socket.create_server((host, port), family=family, backlog=128, dualstack_ipv6=dual)
         self._listener.setblocking(False)
         self.server_address: tuple[str, int] = self._listener.getsockname()[:2]
         self._wake_r, self._wake_w = socket.socketpair()
@@ -157,7 +158,11 @@ class ExtenderHTTPServer:
                 elif data is _WAKE:
                     self._collect()
                 else:
-                    self._on_event(data)
+                    try:
+                        self._on_event(data)
+                    except Exception:  # noqa: BLE001 - a bug on one connection must not end the server
+                        log.error("connection failed", peer=str(data.peer), exc_info=True)
+                        self._drop(data)
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)

@@ -281,3 +281,19 @@ def test_close_without_serving_releases_the_socket() -> None:
     server.close()
     server.serve_forever()  # returns at once: already closed
     server.close()
+
+
+@pytest.mark.skipif(not socket.has_dualstack_ipv6(), reason="no dual-stack IPv6 here")
+def test_listening_on_all_ipv6_addresses_serves_ipv4_too() -> None:
+    server = ExtenderHTTPServer(GatedApp(), "::", 0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
+    thread.start()
+    try:
+        assert server.url.startswith("http://[::]:")
+        for host in ("127.0.0.1", "::1"):
+            with socket.create_connection((host, server.server_address[1]), timeout=10) as sock:
+                sock.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+                assert read_response(sock, bytearray())[0] == 200
+    finally:
+        server.close()
+        thread.join(10)
