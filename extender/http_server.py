@@ -5,11 +5,13 @@ spends on a filter or prioritize call is taken from cluster-wide scheduling thro
 server parses headers with the email package, reads through buffered file objects and answers in
 several writes; on one core that cost about as much as the placement work at 500 nodes. Here one thread
 owns every socket: it parses the few headers that matter (:mod:`extender.http1`), calls
-``app.handle`` inline for the pure-CPU routes (POST /filter, /prioritize and every GET) and answers with
+``app.handle`` inline for the routes on the scheduling path (POST /filter, /prioritize: pure CPU, about
+a millisecond) and the probes (GET /healthz, /readyz), and answers with
 one ``send``.
 
-POST /bind (and any other POST) may block on the Kubernetes API, so it runs on a small thread pool and
-its answer is handed back to the loop: a slow API server never stalls a filter on another connection.
+Everything else runs on a small thread pool and its answer is handed back to the loop: POST /bind
+blocks on the Kubernetes API, and GET /inspect (about a second for 5,000 nodes) and /metrics (~20 ms)
+are slow enough to stall a filter, so neither a slow API server nor a scrape holds up scheduling.
 A connection processes one request at a time, so pipelined requests are answered in order.
 
 Malformed requests get a 4xx/5xx with a plain-text reason and the connection is closed (where a body
@@ -37,7 +39,8 @@ log = logs.get("vramshare.extender.http")
 
 TEXT = "text/plain; charset=utf-8"
 RECV_BYTES = 256 * 1024
-INLINE_POST = frozenset({"/filter", "/prioritize"})  # pure CPU, no API call: answered on the loop thread
+# Answered on the loop thread: fast, pure CPU, never an API call. Everything else goes to the workers.
+INLINE = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("GET", "/healthz"), ("GET", "/readyz")})
 _WAKE = object()  # selector key data of the wake-up socket; the listener's is None
 
 
@@ -294,9 +297,9 @@ class ExtenderHTTPServer:
             self._dispatch(conn, head, body)
 
     def _dispatch(self, conn: _Conn, head: http1.RequestHead, body: bytes) -> None:
-        if head.method == "GET" or (head.method == "POST" and _route(head.target) in INLINE_POST):
+        if (head.method, _route(head.target)) in INLINE:
             self._respond(conn, head, self._call(head, body))
-        elif head.method == "POST":
+        elif head.method in ("GET", "POST"):
             conn.busy = True
             self._watch(conn, 0)  # read nothing more from it until this answer is out: keeps order
             self._pool.submit(self._work, conn, head, body)
