@@ -12,6 +12,7 @@ and the client's. Baselines, in the same run on the same machine:
 
 * ``echo``: the same server only parses the request and echoes every name back: the difference is the
   placement work, the echo itself the protocol and JSON overhead;
+* ``transport_only``: a server that answers ``[]`` to a filter-sized body: the transport's own cost;
 * ``--server stdlib``: the previous transport (``http.server``, bench/stdlib_server.py).
 
     python bench/bench_extender.py                         # 500 and 5,000 nodes, lean and stdlib
@@ -105,6 +106,13 @@ class EchoApp:
         if path == "/filter":
             return app.Response(200, wire.encode_filter_result(wire.FilterResult(passed=list(args.names)), args))
         return app.Response(200, wire.encode_host_priorities([(n, 0) for n in args.names]))
+
+
+class NullApp:
+    """The transport alone: reads the body, answers ``[]``; what a request costs before any JSON."""
+
+    def handle(self, method: str, path: str, body: bytes) -> app.Response:
+        return app.Response(200, b"[]")
 
 
 SERVERS = {"lean": http_server.ExtenderHTTPServer, "stdlib": StdlibServer}
@@ -228,6 +236,21 @@ def run_cycles(server: ServerProcess, names: list[str], pods: list[dict[str, Any
     return out
 
 
+def transport_cost(server: ServerProcess, body: bytes, requests: int) -> dict[str, Any]:
+    """Server CPU microseconds and requests/s for bare requests carrying ``body`` (a filter's size)."""
+    client = RawClient(server.address)
+    try:
+        client.post(b"/filter", body)
+        cpu0, wall0 = server.cpu_s(), time.perf_counter()
+        for _ in range(requests):
+            client.post(b"/filter", body)
+        wall, cpu = time.perf_counter() - wall0, server.cpu_s() - cpu0
+    finally:
+        client.close()
+    return {"requests": requests, "body_bytes": len(body), "server_cpu_us_per_request": round(cpu / requests * 1e6, 1),
+            "requests_per_s": round(requests / wall)}
+
+
 def best_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The fastest run (a shared machine only ever adds time), with every run's figures and their median."""
     best = max(runs, key=lambda r: r["cycles_per_s"])
@@ -277,7 +300,14 @@ def bench_size(nodes: int, cycles: int, policy: Policy, profile: bool, repeat: i
             for (kind, role), srv in procs.items():
                 runs.setdefault((kind, role), []).append(
                     run_cycles(srv, names, pods if role == "extender" else echo_pods))
-    servers = {kind: {role: best_of(runs[(kind, role)]) for role in ("extender", "baseline_echo")}
+        body = orjson.dumps({"Pod": pods[0], "Nodes": None, "NodeNames": names})
+        bare = {kind: stack.enter_context(server_process(kind, NullApp())) for kind in kinds}
+        costs: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(repeat):
+            for kind, srv in bare.items():
+                costs.setdefault(kind, []).append(transport_cost(srv, body, 500))
+    servers = {kind: {**{role: best_of(runs[(kind, role)]) for role in ("extender", "baseline_echo")},
+                      "transport_only": min(costs[kind], key=lambda c: c["server_cpu_us_per_request"])}
                for kind in kinds}
     with acct.lock:
         used = int(acct.state.used.sum())
@@ -299,7 +329,8 @@ def summarise(r: dict[str, Any]) -> dict[str, Any]:
             "client_cpu_ms_per_cycle": e["client_cpu_ms_per_cycle"],
             "echo_filter_p99_ms": b["filter"]["p99_ms"], "echo_server_cpu_ms_per_cycle": b["server_cpu_ms_per_cycle"],
             "echo_min_server_cpu_ms_per_cycle": b["min_server_cpu_ms_per_cycle"],
-            "echo_cycles_per_s": b["cycles_per_s"]}
+            "echo_cycles_per_s": b["cycles_per_s"],
+            "transport_server_cpu_us_per_request": s["transport_only"]["server_cpu_us_per_request"]}
     return out
 
 
@@ -327,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(min {s['min_server_cpu_ms_per_cycle']}) "
                   f"(client {s['client_cpu_ms_per_cycle']}) | echo: filter p99 {s['echo_filter_p99_ms']} ms, "
                   f"{s['echo_cycles_per_s']} cycles/s, server CPU ms/cycle {s['echo_server_cpu_ms_per_cycle']} "
-                  f"(min {s['echo_min_server_cpu_ms_per_cycle']})",
+                  f"(min {s['echo_min_server_cpu_ms_per_cycle']}) | transport alone "
+                  f"{s['transport_server_cpu_us_per_request']} CPU us/request",
                   flush=True)
     doc = {"benchmark": "extender", "summary": {f"{r['nodes']}_nodes": summarise(r) for r in runs}, "runs": runs,
            "aims": {"500_nodes_p99_ms": 5, "5000_nodes_p99_ms": 20, "cycles_per_s": 400},
