@@ -2,27 +2,24 @@
 
 The extender answers filter and prioritize for thousands of nodes inside kube-scheduler's serialized
 cycle, so every request must be a handful of array operations, never a Python loop over GPUs. Each node
-owns one row of ``[rows, G]`` arrays (capacity, used, kind and model codes, health); a name->row map and
-a uuid->(row, column) map translate at the edges. Pure: no I/O, no clock. The simulator drives this same
+owns one row of ``[rows, G]`` arrays (capacity, used, kind and model codes, health: see
+:mod:`extender.slottable`); here a name->row map and a uuid->(row, column) map translate at the edges
+and each pod's holdings are kept so it can be released. Pure: no I/O, no clock. The simulator drives this same
 state (``vramshare simulate``), adding the node CPU/memory that kube-scheduler checks in-tree live.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from vramshare.inventory import model_matches
-
 from extender.memo import RowMemo
+from extender.slottable import EXCLUSIVE, MIG_PREFIX, NO_SLOT, SHARED, SlotTable
 from extender.workload import Shape, TargetWorkload, WorkloadWindow
 
-SHARED = "shared"
-EXCLUSIVE = "exclusive"
-MIG_PREFIX = "mig:"
-NO_SLOT = -1  # kind code of an empty column
-_UNLIMITED = np.iinfo(np.int64).max // 4
+__all__ = ["SHARED", "EXCLUSIVE", "MIG_PREFIX", "Slot", "Demand", "HostDemand", "SlotUsage", "OverCommit",
+           "NoFit", "ClusterState"]
 
 
 @dataclass(frozen=True)
@@ -77,10 +74,11 @@ class _Pod:
     host: HostDemand
 
 
-class ClusterState:
+class ClusterState(SlotTable):
     """Nodes, their slots and what each pod holds. Not thread-safe: the adapter serialises writes."""
 
     def __init__(self, workload_window: int = 1000, gpus_per_node: int = 8) -> None:
+        super().__init__(gpus_per_node)
         self._rows: dict[str, int] = {}
         self._names: list[str | None] = []
         self._spare: list[int] = []
@@ -88,67 +86,11 @@ class ClusterState:
         self._uuids: dict[str, tuple[int, int]] = {}
         self._pods: dict[str, _Pod] = {}
         self._holders: dict[tuple[int, int], dict[str, int]] = {}
-        self._kinds: dict[str, int] = {}
-        self.model_names: list[str] = []
-        self._model_codes: dict[str, int] = {}
         self.window = WorkloadWindow(workload_window)
         self.pinned: TargetWorkload | None = None
-        self.version = 0  # bumped on every change; policies may cache per version
-        g = max(1, gpus_per_node)
-        self.capacity = np.zeros((0, g), np.int64)
-        self.used = np.zeros((0, g), np.int64)
-        self.kind = np.full((0, g), NO_SLOT, np.int16)
-        self.model = np.zeros((0, g), np.int32)
-        self.healthy = np.zeros((0, g), bool)
-        self.index = np.zeros((0, g), np.int32)
-        self.cpu_cap = np.zeros(0, np.int64)  # host resources; tracked only where host_tracked
-        self.cpu_used = np.zeros(0, np.int64)
-        self.mem_cap = np.zeros(0, np.int64)
-        self.mem_used = np.zeros(0, np.int64)
-        self.host_tracked = np.zeros(0, bool)
-        self.row_version = np.zeros(0, np.int64)  # bumped whenever a row's slots, usage or host change
         self.memo = RowMemo()
-        self._views: dict[str, np.ndarray] = {}
-        self._views_version = -1
-        self._model_masks: dict[tuple[tuple[str, ...], int], np.ndarray] = {}
-
-    def _touch(self, row: int) -> None:
-        self.version += 1
-        self.row_version[row] = self.version
-
-    # -- codes ------------------------------------------------------------------------------
-    def kind_code(self, kind: str) -> int:
-        """Small integer for a slot kind; new kinds get the next code."""
-        if kind not in self._kinds:
-            self._kinds[kind] = len(self._kinds)
-        return self._kinds[kind]
-
-    def model_code(self, model: str) -> int:
-        if model not in self._model_codes:
-            self._model_codes[model] = len(self.model_names)
-            self.model_names.append(model)
-        return self._model_codes[model]
 
     # -- nodes ------------------------------------------------------------------------------
-    def _grow(self, rows: int, cols: int) -> None:
-        old_r, old_c = self.capacity.shape
-        if rows <= old_r and cols <= old_c:
-            return
-        r, c = max(rows, old_r * 2 if rows > old_r else old_r), max(cols, old_c)
-
-        def widen(a: np.ndarray, fill: object) -> np.ndarray:
-            out = np.full((r, c) if a.ndim == 2 else (r,), fill, a.dtype)
-            out[tuple(slice(0, n) for n in a.shape)] = a
-            return out
-
-        self.capacity, self.used = widen(self.capacity, 0), widen(self.used, 0)
-        self.kind, self.model = widen(self.kind, NO_SLOT), widen(self.model, 0)
-        self.healthy, self.index = widen(self.healthy, False), widen(self.index, 0)
-        self.cpu_cap, self.cpu_used = widen(self.cpu_cap, 0), widen(self.cpu_used, 0)
-        self.mem_cap, self.mem_used = widen(self.mem_cap, 0), widen(self.mem_used, 0)
-        self.host_tracked = widen(self.host_tracked, False)
-        self.row_version = widen(self.row_version, 0)
-
     def set_node(self, name: str, slots: Sequence[Slot]) -> None:
         """Add or replace a node's slots; usage on slots that remain (same uuid) is kept."""
         uuids = [s.uuid for s in slots]
@@ -309,43 +251,3 @@ class ClusterState:
     def target_workload(self) -> TargetWorkload:
         """The pinned workload (the paper's typical pods) when set, else the recent window."""
         return self.pinned if self.pinned is not None else self.window.workload()
-
-    # -- views for placement (computed once per state version) ------------------------------
-    def _view(self, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
-        if self._views_version != self.version:
-            self._views.clear()
-            self._views_version = self.version
-        if name not in self._views:
-            self._views[name] = compute()
-        return self._views[name]
-
-    def free(self) -> np.ndarray:
-        """Free amount per slot, 0 for unhealthy or absent slots and never negative. Read-only."""
-        return self._view("free", lambda: np.where(self.healthy, np.maximum(self.capacity - self.used, 0), 0))
-
-    def shared_mask(self) -> np.ndarray:
-        """Healthy slots in shared mode: the only ones that fragment."""
-        return self._view("shared", lambda: (self.kind == self.kind_code(SHARED)) & self.healthy)
-
-    def cpu_free(self) -> np.ndarray:
-        """Free CPU per row; untracked rows are unlimited."""
-        return self._view("cpu", lambda: np.where(self.host_tracked, self.cpu_cap - self.cpu_used, _UNLIMITED))
-
-    def mem_free(self) -> np.ndarray:
-        return self._view("mem", lambda: np.where(self.host_tracked, self.mem_cap - self.mem_used, _UNLIMITED))
-
-    def gpu_scale(self) -> float:
-        """Capacity of the largest shared GPU (1000 in the share view): the unit scores compare in."""
-        def compute() -> np.ndarray:
-            caps = self.capacity[self.shared_mask()]
-            return np.array(float(caps.max()) if caps.size and caps.max() > 0 else 1.0)
-        return float(self._view("scale", compute))
-
-    def model_mask(self, patterns: Sequence[str]) -> np.ndarray:
-        """Which model codes a ``gpu-models`` constraint allows (substring match, empty = all)."""
-        key = (tuple(patterns), len(self.model_names))
-        mask = self._model_masks.get(key)
-        if mask is None:
-            mask = np.array([model_matches(m, patterns) for m in self.model_names] or [True], bool)
-            self._model_masks[key] = mask
-        return mask

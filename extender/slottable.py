@@ -1,0 +1,122 @@
+"""The numpy side of the cluster: one row per node, one column per slot, and views cached per change.
+
+Split from :mod:`extender.cluster` so the bookkeeping (names, pods, uuids) and the arrays that placement
+reads stay small enough to read at once. Every array has a row per node (rows are reused after a node
+goes) and grows in both directions as nodes with more slots appear. Pure, no I/O.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from vramshare.inventory import model_matches
+
+SHARED = "shared"
+EXCLUSIVE = "exclusive"
+MIG_PREFIX = "mig:"
+NO_SLOT = -1  # kind code of an empty column
+UNLIMITED = np.iinfo(np.int64).max // 4
+
+
+class SlotTable:
+    """Capacity, usage, kind, model, health and index per slot; CPU and memory per node."""
+
+    def __init__(self, gpus_per_node: int = 8) -> None:
+        self._kinds: dict[str, int] = {}
+        self.model_names: list[str] = []
+        self._model_codes: dict[str, int] = {}
+        self.version = 0  # bumped on every change
+        g = max(1, gpus_per_node)
+        self.capacity = np.zeros((0, g), np.int64)
+        self.used = np.zeros((0, g), np.int64)
+        self.kind = np.full((0, g), NO_SLOT, np.int16)
+        self.model = np.zeros((0, g), np.int32)
+        self.healthy = np.zeros((0, g), bool)
+        self.index = np.zeros((0, g), np.int32)
+        self.cpu_cap = np.zeros(0, np.int64)  # host resources; tracked only where host_tracked
+        self.cpu_used = np.zeros(0, np.int64)
+        self.mem_cap = np.zeros(0, np.int64)
+        self.mem_used = np.zeros(0, np.int64)
+        self.host_tracked = np.zeros(0, bool)
+        self.row_version = np.zeros(0, np.int64)  # bumped whenever a row's slots, usage or host change
+        self._views: dict[str, np.ndarray] = {}
+        self._views_version = -1
+        self._model_masks: dict[tuple[tuple[str, ...], int], np.ndarray] = {}
+
+    def _touch(self, row: int) -> None:
+        self.version += 1
+        self.row_version[row] = self.version
+
+    # -- codes ------------------------------------------------------------------------------
+    def kind_code(self, kind: str) -> int:
+        """Small integer for a slot kind; new kinds get the next code."""
+        if kind not in self._kinds:
+            self._kinds[kind] = len(self._kinds)
+        return self._kinds[kind]
+
+    def model_code(self, model: str) -> int:
+        if model not in self._model_codes:
+            self._model_codes[model] = len(self.model_names)
+            self.model_names.append(model)
+        return self._model_codes[model]
+
+    # -- growth ----------------------------------------------------------------------------
+    def _grow(self, rows: int, cols: int) -> None:
+        old_r, old_c = self.capacity.shape
+        if rows <= old_r and cols <= old_c:
+            return
+        r, c = max(rows, old_r * 2 if rows > old_r else old_r), max(cols, old_c)
+
+        def widen(a: np.ndarray, fill: object) -> np.ndarray:
+            out = np.full((r, c) if a.ndim == 2 else (r,), fill, a.dtype)
+            out[tuple(slice(0, n) for n in a.shape)] = a
+            return out
+
+        self.capacity, self.used = widen(self.capacity, 0), widen(self.used, 0)
+        self.kind, self.model = widen(self.kind, NO_SLOT), widen(self.model, 0)
+        self.healthy, self.index = widen(self.healthy, False), widen(self.index, 0)
+        self.cpu_cap, self.cpu_used = widen(self.cpu_cap, 0), widen(self.cpu_used, 0)
+        self.mem_cap, self.mem_used = widen(self.mem_cap, 0), widen(self.mem_used, 0)
+        self.host_tracked = widen(self.host_tracked, False)
+        self.row_version = widen(self.row_version, 0)
+
+    # -- views for placement (computed once per state version) ------------------------------
+    def _view(self, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        if self._views_version != self.version:
+            self._views.clear()
+            self._views_version = self.version
+        if name not in self._views:
+            self._views[name] = compute()
+        return self._views[name]
+
+    def free(self) -> np.ndarray:
+        """Free amount per slot, 0 for unhealthy or absent slots and never negative. Read-only."""
+        return self._view("free", lambda: np.where(self.healthy, np.maximum(self.capacity - self.used, 0), 0))
+
+    def shared_mask(self) -> np.ndarray:
+        """Healthy slots in shared mode: the only ones that fragment."""
+        return self._view("shared", lambda: (self.kind == self.kind_code(SHARED)) & self.healthy)
+
+    def cpu_free(self) -> np.ndarray:
+        """Free CPU per row; untracked rows are unlimited."""
+        return self._view("cpu", lambda: np.where(self.host_tracked, self.cpu_cap - self.cpu_used, UNLIMITED))
+
+    def mem_free(self) -> np.ndarray:
+        return self._view("mem", lambda: np.where(self.host_tracked, self.mem_cap - self.mem_used, UNLIMITED))
+
+    def gpu_scale(self) -> float:
+        """Capacity of the largest shared GPU (1000 in the share view): the unit scores compare in."""
+        def compute() -> np.ndarray:
+            caps = self.capacity[self.shared_mask()]
+            return np.array(float(caps.max()) if caps.size and caps.max() > 0 else 1.0)
+        return float(self._view("scale", compute))
+
+    def model_mask(self, patterns: Sequence[str]) -> np.ndarray:
+        """Which model codes a ``gpu-models`` constraint allows (substring match, empty = all)."""
+        key = (tuple(patterns), len(self.model_names))
+        mask = self._model_masks.get(key)
+        if mask is None:
+            mask = np.array([model_matches(m, patterns) for m in self.model_names] or [True], bool)
+            self._model_masks[key] = mask
+        return mask
