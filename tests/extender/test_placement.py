@@ -135,3 +135,14 @@ def test_vectorised_reasons_say_the_same_as_the_one_node_explanation() -> None:
         ask = Ask(st, (demand,), rows, HostDemand(cpu_milli=2000))
         failing = np.flatnonzero(~ask.best_fit.ok)
         assert why_not_many(ask, failing) == [why_not(ask, int(j)) for j in failing]
+
+
+@pytest.mark.parametrize("policy", ["fgd", "binpack"])
+def test_equal_nodes_get_one_stable_ten_whatever_the_input_order(policy: str) -> None:
+    st = ClusterState()
+    names = [f"n{i}" for i in range(6)]
+    for n in names:
+        node(st, n, [80])
+    first = dict(score_nodes(st, [Demand(GIB)], names, policy))
+    again = dict(score_nodes(st, [Demand(GIB)], list(reversed(names)), policy))
+    assert sorted(first.values()) == [9, 9, 9, 9, 9, 10] and first == again
