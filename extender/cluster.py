@@ -9,14 +9,19 @@ state (``vramshare simulate``), adding the node CPU/memory that kube-scheduler c
 """
 from __future__ import annotations
 
+import itertools
+import zlib
+
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
 from extender.memo import RowMemo
 from extender.slottable import EXCLUSIVE, MIG_PREFIX, NO_SLOT, SHARED, SlotTable
 from extender.workload import Shape, TargetWorkload, WorkloadWindow
+
+T = TypeVar("T")
 
 __all__ = ["SHARED", "EXCLUSIVE", "MIG_PREFIX", "Slot", "Demand", "HostDemand", "SlotUsage", "OverCommit",
            "NoFit", "ClusterState"]
@@ -89,6 +94,9 @@ class ClusterState(SlotTable):
         self.window = WorkloadWindow(workload_window)
         self.pinned: TargetWorkload | None = None
         self.memo = RowMemo()
+        self._fits: dict[tuple[tuple[Demand, ...], HostDemand], object] = {}  # valid for _fits_version
+        self._fits_version = -1
+        self._recent_rows: list[tuple[list[str], np.ndarray]] = []  # cleared when rows change hands
 
     # -- nodes ------------------------------------------------------------------------------
     def set_node(self, name: str, slots: Sequence[Slot]) -> None:
@@ -97,6 +105,10 @@ class ClusterState(SlotTable):
         if len(set(uuids)) != len(uuids):
             raise ValueError(f"node {name}: duplicate slot uuid")
         row = self._rows.get(name)
+        for u in uuids:  # a UUID names one physical GPU: two nodes announcing it is a broken inventory
+            where = self._uuids.get(u)
+            if where is not None and where[0] != row:
+                raise ValueError(f"node {name}: GPU {u} is already announced by node {self._names[where[0]]}")
         if row is None:
             row = self._spare.pop() if self._spare else len(self._names)
             if row == len(self._names):
@@ -104,7 +116,9 @@ class ClusterState(SlotTable):
                 self._slots.append([])
             self._names[row] = name
             self._rows[name] = row
+            self._recent_rows.clear()
         self._grow(row + 1, len(slots))
+        self.tie_rank[row] = zlib.crc32(name.encode())
         old = {s.uuid: (col, int(self.used[row, col])) for col, s in enumerate(self._slots[row])}
         old_holders = {s.uuid: self._holders.pop((row, col), {}) for col, s in enumerate(self._slots[row])}
         for s in self._slots[row]:
@@ -133,6 +147,7 @@ class ClusterState(SlotTable):
         row = self._rows.pop(name, None)
         if row is None:
             return
+        self._recent_rows.clear()
         for col, s in enumerate(self._slots[row]):
             self._uuids.pop(s.uuid, None)
             self._holders.pop((row, col), None)
@@ -143,6 +158,23 @@ class ClusterState(SlotTable):
         self._spare.append(row)
         self._touch(row)
 
+    def all_rows(self) -> np.ndarray:
+        return np.arange(len(self._names))
+
+    def memo_fit(self, demands: tuple[Demand, ...], host: HostDemand, compute: Callable[[], T]) -> T:
+        """``compute()`` once per pod shape and state version: kube-scheduler asks filter, then
+        prioritize, for one pod against one state, and the policies read the same greedy fit."""
+        if self._fits_version != self.version:
+            self._fits.clear()
+            self._fits_version = self.version
+        key = (demands, host)
+        hit = self._fits.get(key)
+        if hit is None:
+            if len(self._fits) >= 64:
+                self._fits.clear()
+            hit = self._fits[key] = compute()
+        return hit  # type: ignore[return-value]
+
     def nodes(self) -> list[str]:
         return list(self._rows)
 
@@ -150,9 +182,19 @@ class ClusterState(SlotTable):
         return self._rows.get(name)
 
     def rows_of(self, names: Sequence[str]) -> np.ndarray:
-        """Row per name, -1 where the name is unknown (one pass, no per-name method calls)."""
-        get = self._rows.get
-        return np.fromiter((get(n, -1) for n in names), np.int64, len(names))
+        """Row per name, -1 where the name is unknown. kube-scheduler sends the same node list cycle
+        after cycle, so the last few lists are remembered: comparing a list is cheaper than hashing
+        every freshly decoded name again."""
+        names = list(names)
+        for i, (known, rows) in enumerate(self._recent_rows):
+            if known == names:
+                if i:
+                    self._recent_rows.insert(0, self._recent_rows.pop(i))
+                return rows
+        rows = np.fromiter(map(self._rows.get, names, itertools.repeat(-1)), np.int64, len(names))
+        rows.setflags(write=False)
+        self._recent_rows = [(names, rows)] + self._recent_rows[:3]
+        return rows
 
     def name(self, row: int) -> str:
         name = self._names[row]

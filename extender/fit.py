@@ -89,7 +89,13 @@ class Ask:
 
     @cached_property
     def best_fit(self) -> Placement:
-        return self.place("least")
+        """Greedy best fit on these rows: computed once over every row per pod shape and state version
+        (:meth:`ClusterState.memo_fit`), then sliced, since filter, prioritize and the policies all ask."""
+        st = self.state
+        full = st.memo_fit(self.demands, self.host,
+                           lambda: Ask(st, self.demands, st.all_rows(), self.host).place("least"))
+        return Placement(full.ok[self.rows], tuple(c[self.rows] for c in full.columns),
+                         full.free_after[self.rows])
 
     def subset(self, keep: np.ndarray) -> "Ask":
         return Ask(self.state, self.demands, self.rows[keep], self.host, self.rng)

@@ -7,7 +7,6 @@ simulator calls in its inner loop; the name-level ones wrap them. A pod is a seq
 """
 from __future__ import annotations
 
-import zlib
 from typing import Sequence
 
 import numpy as np
@@ -105,8 +104,7 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
             scaled += MIN_EXTENDER_PRIORITY
             top = np.flatnonzero(scaled == MAX_EXTENDER_PRIORITY)
             if len(top) > 1:
-                names = [node_names[j] for j in np.flatnonzero(known)[np.flatnonzero(ok)[top]].tolist()]
-                keep = top[min(range(len(top)), key=lambda t: (zlib.crc32(names[t].encode()), names[t]))]
+                keep = top[np.argmin(state.tie_rank[rows[ok][top]])]
                 scaled[top] = MAX_EXTENDER_PRIORITY - 1
                 scaled[keep] = MAX_EXTENDER_PRIORITY
             per_row = np.full(len(rows), MIN_EXTENDER_PRIORITY, np.int64)

@@ -40,6 +40,7 @@ class SlotTable:
         self.mem_used = np.zeros(0, np.int64)
         self.host_tracked = np.zeros(0, bool)
         self.row_version = np.zeros(0, np.int64)  # bumped whenever a row's slots, usage or host change
+        self.tie_rank = np.zeros(0, np.uint32)  # a stable per-node order for equal scores (CRC-32 of the name)
         self._views: dict[str, np.ndarray] = {}
         self._views_version = -1
         self._model_masks: dict[tuple[tuple[str, ...], int], np.ndarray] = {}
@@ -80,6 +81,7 @@ class SlotTable:
         self.mem_cap, self.mem_used = widen(self.mem_cap, 0), widen(self.mem_used, 0)
         self.host_tracked = widen(self.host_tracked, False)
         self.row_version = widen(self.row_version, 0)
+        self.tie_rank = widen(self.tie_rank, 0)
 
     # -- views for placement (computed once per state version) ------------------------------
     def _view(self, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:

@@ -100,3 +100,30 @@ def test_observe_builds_a_bounded_window_of_request_shapes() -> None:
     assert {(s.per_gpu, s.count) for s in wl.shapes} == {(2048, 1), (4096, 2)}
     assert wl.weight.sum() == pytest.approx(1.0)
     assert wl.weight[list(wl.shapes).index(next(s for s in wl.shapes if s.per_gpu == 2048))] == pytest.approx(2 / 3)
+
+
+def test_a_gpu_uuid_announced_by_a_second_node_is_refused_and_the_first_keeps_it() -> None:
+    st = ClusterState()
+    st.set_node("n1", gpus("g", 2))
+    with pytest.raises(ValueError, match="node n2: GPU g-0 is already announced by node n1"):
+        st.set_node("n2", gpus("g", 2))
+    st.add_pod("ns/a", "n1", [("g-1", 1024)])
+    assert used(st, "n1") == [0, 1024] and "n2" not in st.nodes()
+    st.set_node("n1", gpus("g", 2))  # the owner may re-announce its own GPUs
+    assert used(st, "n1") == [0, 1024]
+
+
+def test_the_remembered_fit_and_rows_follow_every_change_of_the_state() -> None:
+    from extender import placement
+    st = ClusterState()
+    st.set_node("n1", gpus("g", 1, mib=10240))
+    st.set_node("n2", gpus("h", 1, mib=10240))
+    ask = [Demand(per_gpu=8192)]
+    assert placement.filter_nodes(st, ask, ["n1", "n2"])[0] == ["n1", "n2"]
+    st.add_pod("ns/a", "n1", [("g-0", 4096)])  # same pod shape, new state: n1 no longer fits
+    fitting, failed = placement.filter_nodes(st, ask, ["n1", "n2"])
+    assert fitting == ["n2"] and "n1" in failed
+    st.remove_node("n2")
+    st.set_node("n3", gpus("k", 1, mib=10240))  # may reuse n2's row: the remembered rows must not
+    assert placement.filter_nodes(st, ask, ["n1", "n2"]) == ([], {"n1": failed["n1"],
+                                                                  "n2": placement.UNKNOWN_NODE})
