@@ -2,7 +2,8 @@
 
 Each ``bench/bench_*.py`` is a standalone script that writes ``bench/results/<name>.json``; this runs
 them one after the other (a fresh process each, so one's memory does not skew another's RSS figure),
-shows progress, and gathers the headline figures of each JSON into one markdown table.
+shows progress, and gathers the headline figures of every JSON under bench/results/ (also those of
+benchmarks not run this time, marked so) into one markdown file.
 
     python bench/run_all.py            # everything (the placement comparison takes the longest)
     python bench/run_all.py --quick    # smaller sizes, for a smoke run
@@ -70,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Benchmark summary", "",
              f"Produced by `python bench/run_all.py{' --quick' if args.quick else ''}` on "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs.", ""]
-    for name, _ in scripts:
+    ran = {name for name, _ in scripts}
+    for name in sorted(f[:-5] for f in os.listdir(RESULTS) if f.endswith(".json")):
         path = os.path.join(RESULTS, f"{name}.json")
-        lines += [f"## {name}", ""]
-        if not os.path.exists(path):
-            lines += ["(no results)", ""]
-            continue
+        lines += [f"## {name}" + ("" if name in ran else " (from an earlier run)"), ""]
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
         lines += ["| figure | value |", "| --- | --- |"]
