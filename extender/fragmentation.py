@@ -10,6 +10,7 @@ which is the paper's ``NodeGpuShareFragAmount`` rewritten so every term is an ar
 ``[nodes, GPUs, shapes]``. CPU-only tasks (weight ``cpu_only_weight``) see every idle GPU as a fragment.
 Where shapes carry host memory (ours; the paper's do not) a node short of memory cannot serve them
 either: kube-scheduler's Fit would refuse it, so its idle GPUs are stranded just the same.
+``host_stranded`` is ours: the same stranding measured smoothly, at the workload's CPU and memory per GPU.
 Pure numpy, no I/O.
 """
 from __future__ import annotations
@@ -69,6 +70,33 @@ def frag_after_each_slot(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarra
     cpu_ok = host_fit(cpu_free - cpu, None if mem_free is None else mem_free - mem, wl)  # [n, M]
     fit2 = (count2 >= wl.count.astype(np.int32)[None, None, :]) & cpu_ok[:, None, :]
     return total_after[:, None] - (fit2 * usable2) @ wl.weight
+
+
+def host_per_unit(wl: TargetWorkload) -> tuple[float, float]:
+    """(CPU, memory) the target workload asks per slot unit of GPU, popularity-weighted; 0 where unknown."""
+    gpu = float((wl.weight * wl.per_gpu * wl.count).sum()) if not wl.empty else 0.0
+    if gpu <= 0:
+        return 0.0, 0.0
+    mem = float((wl.weight * wl.mem).sum()) / gpu if wl.mem is not None else 0.0
+    return float((wl.weight * wl.cpu).sum()) / gpu, mem
+
+
+def host_stranded(idle: np.ndarray, cpu_free: np.ndarray, mem_free: np.ndarray, wl: TargetWorkload) -> np.ndarray:
+    """``[n]`` idle GPU (slot units) that the node's CPU or memory cannot feed at the workload's ratio.
+
+    A GPU only gets used together with the CPU and memory its pod asks. The per-shape test in
+    :func:`node_frag` sees a node's CPU run out only once a whole shape stops fitting; until then a
+    placement that eats the CPU next to idle GPUs looks free. Here the node can serve at most
+    ``cpu_free / cpu_per_unit`` (and likewise memory) of its idle GPU; the rest is stranded, and it grows
+    smoothly with every core taken. Untracked hosts (live: kube-scheduler checks CPU) strand nothing.
+    """
+    cpu_unit, mem_unit = host_per_unit(wl)
+    servable = np.full(idle.shape, np.inf)
+    if cpu_unit > 0:
+        servable = np.minimum(servable, np.maximum(cpu_free, 0) / cpu_unit)
+    if mem_unit > 0:
+        servable = np.minimum(servable, np.maximum(mem_free, 0) / mem_unit)
+    return np.maximum(idle - servable, 0.0)
 
 
 def cluster_frag(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: TargetWorkload) -> tuple[float, float]:

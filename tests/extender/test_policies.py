@@ -9,7 +9,7 @@ import pytest
 from extender import policies
 from extender.cluster import ClusterState, Demand, HostDemand, Slot
 from extender.fit import Ask
-from extender.fragmentation import frag_after_each_slot, node_frag
+from extender.fragmentation import frag_after_each_slot, host_per_unit, host_stranded, node_frag, unlimited_cpu
 from extender.placement import pick, score_nodes
 from extender.workload import Shape, TargetWorkload, WorkloadWindow, typical_workload
 
@@ -87,6 +87,30 @@ def test_fgd_counts_cpu_a_pod_would_strand_gpus_behind() -> None:
     st = share_cluster({"tight": [1000], "roomy": [1000]}, cpu={"tight": 10000, "roomy": 64000})
     st.pinned = TargetWorkload.from_counts({Shape(1000, cpu_milli=8000): 1})
     assert dict(score_nodes(st, [], ["tight", "roomy"], "fgd", HostDemand(4000))) == {"tight": 0, "roomy": 10}
+
+
+def test_host_stranded_is_idle_gpu_beyond_what_the_cpu_left_can_feed() -> None:
+    wl = TargetWorkload.from_counts({Shape(1000, cpu_milli=8000): 1, Shape(500, cpu_milli=4000): 1})
+    assert host_per_unit(wl) == (8.0, 0.0)  # 12 cores per 1.5 GPU: 8 milli-CPU per GPU unit
+    idle = np.array([2000.0, 2000.0, 0.0, 2000.0])
+    cpu = np.array([8000.0, 32000.0, 0.0, 0.0])
+    got = host_stranded(idle, cpu, np.full(4, 1e18), wl)
+    assert got.tolist() == [1000.0, 0.0, 0.0, 2000.0]
+    assert host_stranded(idle, unlimited_cpu(4).astype(np.float64), np.full(4, 1e18), wl).tolist() == [0.0] * 4
+
+
+def test_fgd_keeps_cpu_next_to_idle_gpus_before_any_shape_stops_fitting() -> None:
+    # both nodes still fit the 8-core GPU task after the CPU-only pod (per-shape FGD sees no change),
+    # but on "gpus-idle" the 12 cores left can feed only 1.5 of its 2 idle GPUs: put the pod on "gpus-full"
+    st = share_cluster({"gpus-idle": [1000, 1000], "gpus-full": [0, 0]},
+                       cpu={"gpus-idle": 28000, "gpus-full": 28000})
+    st.pinned = TargetWorkload.from_counts({Shape(1000, cpu_milli=8000): 1})
+    ask = Ask(st, (), np.array([st.row("gpus-idle"), st.row("gpus-full")]), HostDemand(16000))
+    fgd = policies.get("fgd")
+    assert fgd.deltas(ask)[0].tolist() == [0.0, 0.0]
+    assert fgd.stranding_removed(ask).tolist() == [-500.0, 0.0]
+    assert dict(score_nodes(st, [], ["gpus-idle", "gpus-full"], "fgd", HostDemand(16000))) == {
+        "gpus-idle": 0, "gpus-full": 10}
 
 
 def test_fgd_without_any_observed_workload_still_scores() -> None:
