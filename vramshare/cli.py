@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="replay a cluster trace through the placement policies",
                          description="Replay the Alibaba GPU-sharing trace (openb) through the extender's "
                                      "own filter, score and GPU-pick code and report GPU allocation and "
-                                     "fragmentation as the arrived workload grows to 130%% of capacity.")
+                                     "fragmentation as the arrived workload grows to 130% of capacity.")
     sim.add_argument("--nodes", metavar="CSV", default=_default_trace("openb_node_list_gpu_node.csv"),
                      help="node list CSV (default: ../shared/traces/openb/openb_node_list_gpu_node.csv)")
     sim.add_argument("--pods", metavar="CSV", default=_default_trace("openb_pod_list_default.csv"),
