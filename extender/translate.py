@@ -83,7 +83,11 @@ def pod_asks(pod: Obj, names: contract.Names, unit_mib: int) -> list[ContainerAs
     Memory units become MiB with the cluster's ``memoryUnitMiB``, the unit every device plugin slices
     in, so a request means the same memory on every node.
     """
-    want = podspec.pod_demand(pod, names)
+    return asks_of(podspec.pod_demand(pod, names), unit_mib)
+
+
+def asks_of(want: podspec.PodDemand, unit_mib: int) -> list[ContainerAsk]:
+    """:func:`pod_asks` for a pod already read (callers that also need its policy read it once)."""
     asks: list[ContainerAsk] = []
     for c in want.containers:
         if c.units:

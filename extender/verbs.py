@@ -94,7 +94,7 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
         return [(n, 0) for n in names]
     try:
         want = podspec.pod_demand(args.pod, view.names)
-        demands = translate.demands_of(translate.pod_asks(args.pod, view.names, view.unit_mib))
+        demands = translate.demands_of(translate.asks_of(want, view.unit_mib))
     except podspec.PodSpecError:
         return [(n, 0) for n in names]
     # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
