@@ -108,8 +108,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                               for n in a.nodes()), 10):
             _say(out, "demo: the extender did not see the GPU inventories in time")
             return 1
-        _wait(lambda: set(inspection.render(ext.acct)["nodes"][i]["name"] for i in range(len(nodes)))  # type: ignore[index]
-              == set(nodes), 10)
+        _wait(lambda: all(inspection.render(ext.acct, n) for n in nodes), 10)  # the extender knows both nodes
         _say(out, f"  extender: {ext.url} (policy {ext.app.policy.value})")
         driver = SchedulerDriver(ext.url, sorted(nodes))
         stack.callback(driver.close)
