@@ -44,7 +44,7 @@ from deviceplugin.simulated_backend import SimulatedBackend  # noqa: E402
 from protos.deviceplugin.v1beta1 import api_pb2 as pb  # noqa: E402
 from vramshare import contract, logs  # noqa: E402
 from vramshare.config import Config  # noqa: E402
-from vramshare.fake_kubelet import FakeKubelet  # noqa: E402
+from vramshare.standins.kubelet import FakeKubelet  # noqa: E402
 from vramshare.kube import api_client_for  # noqa: E402
 
 INVENTORY = os.path.join(ROOT, "tests", "fixtures", "inventories", "mixed.yaml")
@@ -165,7 +165,7 @@ def bench_in_process(n: int, n_handshake: int, restarts: int, work: str) -> dict
 @contextlib.contextmanager
 def _double_process() -> Iterator[str]:
     """The API server double in its own process, as a real API server would be (no shared GIL)."""
-    code = ("import sys; from vramshare.apiserver_double import ApiServerDouble; "
+    code = ("import sys; from vramshare.standins.apiserver import ApiServerDouble; "
             "d = ApiServerDouble().start(); print(d.url, flush=True); sys.stdin.read(); d.stop()")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)

@@ -11,14 +11,25 @@ reported healthy again (NVIDIA/k8s-device-plugin#189, HAMi#2200: devices that ne
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 from deviceplugin import health
 from deviceplugin.backend import DiscoveredGpu, HealthCallback, HealthEvent
 from vramshare import logs
 
-if TYPE_CHECKING:
-    from deviceplugin.nvml_backend import NvmlBackend
+
+class NvmlSession(Protocol):
+    """What the watcher needs of the NVML backend (``NvmlBackend`` is one); a Protocol keeps the two
+    modules from importing each other."""
+
+    nvml: Any
+    probe_seconds: float
+    probes_to_recover: int
+    clock: Callable[[], float]
+
+    def call(self, function: str, *args: Any, **kwargs: Any) -> Any: ...
+    def is_error(self, exc: BaseException, *names: str) -> bool: ...
+    def devices(self) -> list[tuple[DiscoveredGpu, Any]]: ...
 
 log = logs.get(__name__)
 
@@ -30,7 +41,7 @@ _LOST = ("NVMLError_GpuIsLost", "NVMLError_ResetRequired")
 class XidWatcher:
     """One run of ``watch_health``: owns the event set and the health ledger until ``stop``."""
 
-    def __init__(self, backend: "NvmlBackend", on_event: HealthCallback,
+    def __init__(self, backend: NvmlSession, on_event: HealthCallback,
                  ignored_xids: frozenset[int]) -> None:
         self.backend = backend
         self.nvml = backend.nvml

@@ -7,11 +7,13 @@ follows the experiment scripts: Random -> random GPU, FGD -> its own fragmentati
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from extender.cluster import SHARED
 from extender.fit import Ask
-from extender.policies import REGISTRY, FragmentationGradient, _best_fit_columns
+from extender.policies import FragmentationGradient, Policy, _best_fit_columns
 
 MAX_SCORE = 100
 MAX_SPEC_CPU = 128000  # milli-CPU the paper normalises by (gpushareutils.MaxSpecCpu)
@@ -129,5 +131,6 @@ def _sigmoid_score(x: np.ndarray) -> np.ndarray:
     return np.trunc(MAX_SCORE / (1.0 + np.exp(-x))).astype(np.int64)
 
 
-for _cls in (RandomFit, BestFit, GpuPacking, DotProduct, PaperFGD):
-    REGISTRY[_cls.name] = _cls  # type: ignore[assignment]
+BASELINES: dict[str, Callable[[], Policy]] = {
+    cls.name: cls for cls in (RandomFit, BestFit, GpuPacking, DotProduct, PaperFGD)
+}

@@ -13,7 +13,7 @@ import numpy as np
 
 from vramshare.contract import MAX_EXTENDER_PRIORITY, MIN_EXTENDER_PRIORITY
 
-from extender import policies
+from extender import policy_catalog
 from extender.cluster import ClusterState, Demand, HostDemand, NoFit
 from extender.fit import Ask, allocation_amounts
 from extender.reasons import why_not, why_not_many
@@ -45,14 +45,14 @@ def rank_rows(ask: Ask, policy: str) -> np.ndarray:
     """Raw policy scores (float, higher is better) for rows that all fit the pod."""
     if len(ask.rows) == 0:
         return np.zeros(0)
-    return policies.get(policy).scores(ask)
+    return policy_catalog.get(policy).scores(ask)
 
 
 def choose(ask: Ask, i: int, policy: str) -> list[list[tuple[str, int]]]:
     """Slots and amounts per demand on row ``ask.rows[i]``; raises :class:`NoFit` with the reason."""
     if not ask.best_fit.ok[i]:
         raise NoFit(why_not(ask, i))
-    return allocation_amounts(ask, i, policies.get(policy).choose(ask, i))
+    return allocation_amounts(ask, i, policy_catalog.get(policy).choose(ask, i))
 
 
 def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str],
@@ -97,7 +97,7 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
         ask = Ask(state, tuple(demands), rows, host, rng)
         ok = ask.best_fit.ok
         if ok.any():
-            raw = policies.get(policy).scores(ask.subset(ok))
+            raw = policy_catalog.get(policy).scores(ask.subset(ok))
             lo, hi = float(raw.min()), float(raw.max())
             scaled = np.full(len(raw), MAX_EXTENDER_PRIORITY, np.int64) if hi <= lo else \
                 np.rint((raw - lo) / (hi - lo) * (MAX_EXTENDER_PRIORITY - MIN_EXTENDER_PRIORITY)).astype(np.int64)

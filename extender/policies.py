@@ -163,24 +163,8 @@ class FragmentationGradient:
         return _best_fit_columns(ask, i)
 
 
-REGISTRY: dict[str, Callable[[], Policy]] = {
+OURS: dict[str, Callable[[], Policy]] = {
     "fgd": FragmentationGradient,
     "binpack": BinPack,
     "spread": Spread,
 }
-
-
-def get(name: str) -> Policy:
-    """The policy called ``name`` (ours or a paper baseline); ValueError names the known ones."""
-    from extender import baselines  # noqa: F401  (registers the paper's policies)
-
-    try:
-        return REGISTRY[name]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r} (known: {', '.join(sorted(REGISTRY))})") from None
-
-
-def names() -> list[str]:
-    from extender import baselines  # noqa: F401
-
-    return list(REGISTRY)

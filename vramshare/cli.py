@@ -118,7 +118,7 @@ _COMMANDS = {
     "device-plugin": "deviceplugin.main",
     "extender": "extender.main",
     "simulate": "extender.simulation.main",
-    "demo": "vramshare.demo",
+    "demo": "vramshare.standins.demo",
     "inspect": "extender.inspection",
 }
 

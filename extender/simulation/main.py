@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from extender import policies
+from extender import policy_catalog
 from extender.simulation import report
 from extender.simulation.arrival import arrivals
 from extender.simulation.replay import RunResult, replay
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
                   "or set VRAMSHARE_TRACES to the folder holding it", file=sys.stderr)
             return 2
     chosen = args.policy or OURS[:1] + BASELINES + OURS[1:]
-    known = policies.names()
+    known = policy_catalog.names()
     unknown = [p for p in chosen if p not in known]
     if unknown:
         print(f"vramshare simulate: unknown policy {', '.join(unknown)} (known: {', '.join(known)})", file=sys.stderr)

@@ -17,7 +17,7 @@ from deviceplugin.main import DevicePluginDaemon
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare.config import Config
-from vramshare.fake_kubelet import FakeKubelet
+from vramshare.standins.kubelet import FakeKubelet
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "inventories")
 MIXED = os.path.join(FIXTURES, "mixed.yaml")  # H100 81559 MiB numa 0; A100 MIG [3g.40gb, 2g.20gb, 1g.10gb] numa 1

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from vramshare import contract
-from vramshare.apiserver_double import ApiServerDouble
+from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.config import Config
 from vramshare.inventory import GpuMode, NodeInventory
 

@@ -13,7 +13,7 @@ from deviceplugin.nvml_backend import NvmlBackend
 from deviceplugin.simulated_backend import SimulatedBackend
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml
 from vramshare import kube
-from vramshare.apiserver_double import ApiServerDouble
+from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.config import Config
 
 

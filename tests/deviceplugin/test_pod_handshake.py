@@ -15,7 +15,7 @@ from deviceplugin.inventory_file import load
 from deviceplugin.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare import contract
-from vramshare.apiserver_double import PODS, ApiServerDouble
+from vramshare.standins.apiserver import PODS, ApiServerDouble
 from vramshare.config import Config
 from vramshare.inventory import NodeInventory
 from vramshare.kube import api_client_for

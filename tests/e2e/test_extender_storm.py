@@ -17,10 +17,10 @@ import urllib3
 
 from extender import main
 from vramshare import inventory
-from vramshare.apiserver_double import PODS, ApiServerDouble
+from vramshare.standins.apiserver import PODS, ApiServerDouble
 from vramshare.config import Config, ExtenderConfig, Policy
 from tests.e2e.extender_driver import capacity_from_inventories, usage_from_annotations
-from vramshare.fake_scheduler import SchedulerDriver
+from vramshare.standins.scheduler import SchedulerDriver
 from tests.extender import builders as b
 
 N = b.NAMES

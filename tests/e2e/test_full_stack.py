@@ -19,9 +19,9 @@ from deviceplugin.simulated_backend import SimulatedBackend
 from extender import inspection
 from extender.main import RunningExtender, start_for_url
 from vramshare import contract
-from vramshare.apiserver_double import ApiServerDouble
-from vramshare.fake_scheduler import SchedulerDriver
-from vramshare.simnode import SimulatedNode
+from vramshare.standins.apiserver import ApiServerDouble
+from vramshare.standins.scheduler import SchedulerDriver
+from vramshare.standins.simnode import SimulatedNode
 
 NAMES = contract.Names()
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "inventories")

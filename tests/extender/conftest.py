@@ -12,7 +12,7 @@ import pytest
 import urllib3
 
 from extender import main
-from vramshare.apiserver_double import ApiServerDouble
+from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.config import Config, ExtenderConfig, Policy
 
 

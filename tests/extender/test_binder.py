@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from extender import accounting, apicalls, binder, wire
-from vramshare.apiserver_double import PODS, ApiServerDouble
+from vramshare.standins.apiserver import PODS, ApiServerDouble
 from vramshare.config import Config, Policy
 from vramshare.kube import api_client_for
 from tests.extender import builders as b

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from extender import main
-from vramshare.apiserver_double import PODS, ApiServerDouble
+from vramshare.standins.apiserver import PODS, ApiServerDouble
 from vramshare.config import Config, ExtenderConfig, Policy
 from tests.extender import builders as b
 from tests.extender.conftest import Scheduler, eventually

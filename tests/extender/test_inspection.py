@@ -10,7 +10,7 @@ import pytest
 
 from extender import inspection, main
 from vramshare import cli
-from vramshare.apiserver_double import ApiServerDouble
+from vramshare.standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 from tests.extender.conftest import Scheduler, eventually
 

@@ -15,7 +15,7 @@ import pytest
 
 from extender import main
 from vramshare import cli
-from vramshare.apiserver_double import ApiServerDouble
+from vramshare.standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 
 

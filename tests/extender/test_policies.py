@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from extender import policies
+from extender import policy_catalog
 from extender.cluster import ClusterState, Demand, HostDemand, Slot
 from extender.fit import Ask
 from extender.fragmentation import frag_after_each_slot, host_per_unit, host_stranded, node_frag, unlimited_cpu
@@ -106,7 +106,7 @@ def test_fgd_keeps_cpu_next_to_idle_gpus_before_any_shape_stops_fitting() -> Non
                        cpu={"gpus-idle": 28000, "gpus-full": 28000})
     st.pinned = TargetWorkload.from_counts({Shape(1000, cpu_milli=8000): 1})
     ask = Ask(st, (), np.array([st.row("gpus-idle"), st.row("gpus-full")]), HostDemand(16000))
-    fgd = policies.get("fgd")
+    fgd = policy_catalog.get("fgd")
     assert fgd.deltas(ask)[0].tolist() == [0.0, 0.0]
     assert fgd.stranding_removed(ask).tolist() == [-500.0, 0.0]
     assert dict(score_nodes(st, [], ["gpus-idle", "gpus-full"], "fgd", HostDemand(16000))) == {
@@ -147,20 +147,20 @@ def ask(st: ClusterState, demand: Demand, host: HostDemand = HostDemand(), seed:
 def test_paper_bestfit_is_min_max_normalised_to_0_100() -> None:
     st = share_cluster({"empty": [1000] * 8, "half": [1000] * 4 + [0] * 4, "full": [500] + [0] * 7},
                        cpu={"empty": 96000, "half": 96000, "full": 96000})
-    got = policies.get("bestfit").scores(ask(st, Demand(500), HostDemand(8000)))
+    got = policy_catalog.get("bestfit").scores(ask(st, Demand(500), HostDemand(8000)))
     # raw int((1 - left) * 100): 18, 43, 65 -> (raw - 18) * 100 // 47
     assert list(got) == [0.0, 53.0, 100.0]
 
 
 def test_paper_gpupacking_ranks_shared_then_used_node_then_idle_node() -> None:
     st = share_cluster({"idle8": [1000] * 8, "used": [1000, 0], "shared": [600, 1000]})
-    got = policies.get("gpupacking").scores(ask(st, Demand(500)))
+    got = policy_catalog.get("gpupacking").scores(ask(st, Demand(500)))
     assert list(got) == [25.0, 49.0, 94.0]  # 100/3-8 ; 100/2-1 ; 100 - (60/10)
 
 
 def test_paper_dotprod_prefers_the_node_with_less_free() -> None:
     st = share_cluster({"a": [1000] * 8, "b": [1000, 0]}, cpu={"a": 128000, "b": 8000})
-    got = policies.get("dotprod").scores(ask(st, Demand(1000), HostDemand(8000)))
+    got = policy_catalog.get("dotprod").scores(ask(st, Demand(1000), HostDemand(8000)))
     assert got[1] > got[0] and got[0] == 100 * (1 - (1 * 8000 / 128000 + 1 * 1000 / 8000) / 2) // 1
 
 
@@ -168,21 +168,21 @@ def test_paper_fgd_scores_are_int_sigmoid_and_take_the_first_best_gpu() -> None:
     st = share_cluster({"n": [1000, 1000, 1000]})
     st.pinned = TargetWorkload.from_counts({Shape(1000): 1})
     a = ask(st, Demand(200))
-    delta, _ = policies.get("fgd").deltas(a)
-    assert policies.get("fgd-paper").scores(a)[0] == int(100 / (1 + np.exp(-delta[0] / 1000)))
+    delta, _ = policy_catalog.get("fgd").deltas(a)
+    assert policy_catalog.get("fgd-paper").scores(a)[0] == int(100 / (1 + np.exp(-delta[0] / 1000)))
     assert pick(st, [Demand(200)], "n", "fgd-paper") == [[("n/0", 200)]]
 
 
 def test_random_policy_needs_and_uses_the_rng() -> None:
     st = share_cluster({"a": [1000], "b": [1000], "c": [1000]})
-    s1 = policies.get("random").scores(ask(st, Demand(100), seed=1))
-    s2 = policies.get("random").scores(ask(st, Demand(100), seed=2))
+    s1 = policy_catalog.get("random").scores(ask(st, Demand(100), seed=1))
+    s2 = policy_catalog.get("random").scores(ask(st, Demand(100), seed=2))
     assert s1.shape == (3,) and not np.array_equal(s1, s2)
 
 
 def test_unknown_policy_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="fgd-paper"):
-        policies.get("nope")
+        policy_catalog.get("nope")
 
 
 def test_fgd_counts_host_memory_a_pod_would_strand_gpus_behind() -> None:

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from extender import main
-from vramshare.apiserver_double import ApiServerDouble
+from vramshare.standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 from tests.extender.conftest import Scheduler, eventually
 

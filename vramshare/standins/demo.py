@@ -1,10 +1,10 @@
 """``vramshare demo``: the whole stack on loopback, no cluster and no GPU, ending by itself.
 
 What runs, each the real thing except the two peers no laptop has:
-  * a local stand-in for the API server (``vramshare.apiserver_double``), reached with the official client;
+  * a local stand-in for the API server (``vramshare.standins.apiserver``), reached with the official client;
   * two simulated GPU nodes, each with the real device plugin daemon serving gRPC on unix sockets to a
-    stand-in kubelet (``vramshare.fake_kubelet``) that registers it, watches devices and calls Allocate;
-  * the real extender over HTTP, driven the way kube-scheduler drives it (``vramshare.fake_scheduler``).
+    stand-in kubelet (``vramshare.standins.kubelet``) that registers it, watches devices and calls Allocate;
+  * the real extender over HTTP, driven the way kube-scheduler drives it (``vramshare.standins.scheduler``).
 It submits inference pods of realistic sizes, says where each landed and why, shows what the kubelet
 handed each container, prints the ``/inspect`` table, deletes a pod to show the memory coming back.
 """
@@ -23,9 +23,9 @@ from deviceplugin.simulated_backend import SimulatedBackend
 from extender import inspection
 from extender.main import start_for_url
 from vramshare import contract
-from vramshare.apiserver_double import ApiServerDouble
-from vramshare.fake_scheduler import SchedulerDriver
-from vramshare.simnode import SimulatedNode
+from vramshare.standins.apiserver import ApiServerDouble
+from vramshare.standins.scheduler import SchedulerDriver
+from vramshare.standins.simnode import SimulatedNode
 
 NAMES = contract.Names()
 GIB = 1024

@@ -24,7 +24,7 @@ from .store import Store
 from .traffic import FaultPlan, RequestLog, RequestRecord
 from .watch import DISCONNECT, WatchHub, WatchRequest
 
-log = logs.get("vramshare.apiserver_double")
+log = logs.get("vramshare.standins.apiserver")
 
 
 class ApiHttpServer(ThreadingHTTPServer):

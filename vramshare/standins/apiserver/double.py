@@ -19,7 +19,7 @@ from .store import Obj, Store
 from .traffic import Fault, FaultPlan, RequestLog, RequestRecord
 from .watch import WatchHub
 
-log = logs.get("vramshare.apiserver_double")
+log = logs.get("vramshare.standins.apiserver")
 
 
 class ApiServerDouble:

@@ -1,7 +1,7 @@
 """A simulated GPU node for the demo and end-to-end tests: the real device plugin, a stand-in kubelet.
 
 Never on a production path. The device plugin daemon is the production one, fed by the simulated GPU
-backend; the kubelet side is :class:`vramshare.fake_kubelet.FakeKubelet`, plus what the kubelet's device
+backend; the kubelet side is :class:`vramshare.standins.kubelet.FakeKubelet`, plus what the kubelet's device
 manager does when a bound pod is admitted: per container and resource, take devices that are healthy and
 not yet granted, ask the plugin's preference, then Allocate.
 """
@@ -14,7 +14,7 @@ from deviceplugin.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare import contract, kube, podspec
 from vramshare.config import Config
-from vramshare.fake_kubelet import FakeKubelet
+from vramshare.standins.kubelet import FakeKubelet
 
 names = contract.Names()
 
