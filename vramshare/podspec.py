@@ -6,9 +6,15 @@ pod the same way. Pure: no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from vramshare import contract
+from vramshare import contract, quantity
+
+#: The most devices of one resource a container may ask: far beyond any node (1 PiB of 1 GiB units), low
+#: enough that no arithmetic on it overflows. Callers bound requests by the cluster's real GPUs.
+MAX_DEVICES = 1 << 20
+#: The most GPUs one container's memory may be spread over (annotation gpu-count).
+MAX_GPU_COUNT = 64
 
 
 class PodSpecError(ValueError):
@@ -52,15 +58,12 @@ class PodDemand:
         return sum(c.units for c in self.containers)
 
 
-def _quantity(value: Any, where: str) -> int:
-    """Extended resources are integers; accept ints and integer strings only."""
-    if isinstance(value, bool):
-        raise PodSpecError(f"{where}: {value!r} is not an integer quantity")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
-    raise PodSpecError(f"{where}: {value!r} is not an integer quantity (extended resources take whole numbers)")
+def _quantity(value: Any, where: str, maximum: int = MAX_DEVICES) -> int:
+    """A whole, non-negative count read by the Kubernetes quantity rules (``1k`` is 1000)."""
+    try:
+        return quantity.whole(value, where, maximum)
+    except quantity.QuantityError as exc:
+        raise PodSpecError(str(exc)) from None
 
 
 def _resources(container: Mapping[str, Any]) -> dict[str, Any]:
@@ -79,7 +82,7 @@ def pod_demand(pod: Mapping[str, Any], names: contract.Names) -> PodDemand:
     count_raw = ann.get(names.gpu_count)
     gpu_count = 1
     if count_raw is not None:
-        gpu_count = _quantity(count_raw, f"annotation {names.gpu_count}")
+        gpu_count = _quantity(count_raw, f"annotation {names.gpu_count}", MAX_GPU_COUNT)
         if gpu_count < 1:
             raise PodSpecError(f"annotation {names.gpu_count}: must be at least 1, got {count_raw!r}")
     containers = []
@@ -112,3 +115,52 @@ def wants_gpu(pod: Mapping[str, Any], names: contract.Names) -> bool:
         if any(names.is_ours(r) for r in _resources(c)):
             return True
     return False
+
+
+def container_requests(container: Mapping[str, Any]) -> dict[str, Any]:
+    """A container's requests as the API server defaults them: a limit without a request is the request."""
+    return _resources(container)
+
+
+def effective_requests(pod: Mapping[str, Any],
+                       amounts: Callable[[Mapping[str, Any]], Mapping[str, int]]) -> dict[str, int]:
+    """What the pod as a whole needs of each resource, counted the way the kubelet and kube-scheduler
+    count it (``k8s.io/component-helpers/resource.PodRequests``, ``AggregateContainerRequests``):
+
+    * app containers add up;
+    * a restartable init container (a sidecar, ``restartPolicy: Always``) runs beside everything that
+      starts after it, so it adds to the app containers' sum and to every later init container;
+    * an ordinary init container runs alone (beside the sidecars started before it): the pod needs the
+      largest of those, or the app sum, whichever is larger;
+    * ``spec.overhead`` (RuntimeClass overhead) is added on top.
+
+    ``amounts`` reads one container (e.g. GPU units, or CPU millicores and memory bytes).
+    """
+    spec = pod.get("spec") or {}
+    total: dict[str, int] = {}
+    for c in spec.get("containers") or []:
+        _add(total, amounts(c))
+    sidecars: dict[str, int] = {}
+    init_peak: dict[str, int] = {}
+    for c in spec.get("initContainers") or []:
+        own = dict(amounts(c))
+        if c.get("restartPolicy") == "Always":
+            _add(total, own)
+            _add(sidecars, own)
+            running = dict(sidecars)
+        else:
+            running = dict(own)
+            _add(running, sidecars)
+        for key, value in running.items():
+            init_peak[key] = max(init_peak.get(key, 0), value)
+    for key, value in init_peak.items():
+        total[key] = max(total.get(key, 0), value)
+    overhead = spec.get("overhead")
+    if overhead:
+        _add(total, amounts({"name": "overhead", "resources": {"requests": overhead}}))
+    return total
+
+
+def _add(into: dict[str, int], more: Mapping[str, int]) -> None:
+    for key, value in more.items():
+        into[key] = into.get(key, 0) + value
