@@ -63,7 +63,7 @@ class QuotaFiles:
         """Point ``<root>/<uid>/<container>`` at ``_alloc/<key>``; True when it changed. A real
         directory there (written by an older plugin version) is left alone."""
         path = self.container_dir(pod_uid, container)
-        target = os.path.join("..", "..", ALLOC_DIR, key) if os.sep not in container else None
+        target = os.path.join("..", ALLOC_DIR, key) if os.sep not in container else None
         if target is None:
             return False
         if os.path.islink(path):
