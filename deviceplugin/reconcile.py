@@ -67,6 +67,7 @@ class Plan:
     owners: dict[str, Owner] = field(default_factory=dict)  # allocation key -> holder
     links: dict[tuple[str, str], str] = field(default_factory=dict)  # (pod uid, container) -> allocation key
     waiting: dict[str, str] = field(default_factory=dict)  # namespace/name -> why not (yet) reconciled
+    unlisted: dict[str, dict[str, int]] = field(default_factory=dict)  # pod -> init devices List omits
     in_sync: int = 0  # pods whose annotations already say what they hold
 
 
@@ -122,6 +123,30 @@ def _missing(pod: Mapping[str, Any], held: Iterable[Held], names: contract.Names
     return None
 
 
+def unlisted_init_devices(pod: Mapping[str, Any], names: contract.Names) -> dict[str, int]:
+    """Devices per resource that non-restartable init containers hold and no app container reuses.
+
+    The kubelet keeps an init container's devices for the pod's life unless later containers reuse
+    them, but PodResources ``List`` does not list non-restartable init containers, so these devices
+    are invisible to the reconciler (and to the books). Rare (an init container asking for more of a
+    resource than the app containers); reported so a person can see it, never guessed."""
+    spec = pod.get("spec") or {}
+    try:
+        inits = pod_demand({**pod, "spec": {**spec, "containers": [
+            c for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"]}}, names)
+        apps = pod_demand(pod, names)
+    except PodSpecError:
+        return {}
+    out: dict[str, int] = {}
+    for c in inits.containers:
+        for resource in resources_of(c, names):
+            reused = sum(requested(a, resource, names) for a in apps.containers)
+            left = requested(c, resource, names) - reused
+            if left > 0:
+                out[resource] = max(out.get(resource, 0), left)
+    return out
+
+
 def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mapping[str, PluginDevice],
          names: contract.Names, node: str, unit_mib: int) -> Plan:
     """Patches and quota-directory owners from PodResources ``held`` and this node's ``pods``."""
@@ -157,6 +182,9 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
         except (KeyError, ValueError) as exc:
             out.waiting[key] = f"device {exc} is not a device of this node; its size is unknown"
             continue
+        hidden = unlisted_init_devices(pod, names)
+        if hidden:
+            out.unlisted[key] = hidden
         ann = meta.get("annotations") or {}
         try:
             current = parse_all(ann.get(names.assignment)) if ann.get(names.assignment) else None

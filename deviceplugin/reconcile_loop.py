@@ -64,6 +64,7 @@ class Reconciler:
         self._lock = threading.Lock()
         self._owners: dict[str, reconcile.Owner] = {}
         self._said_unavailable = False
+        self._warned: set[str] = set()
         self.rounds = 0
 
     def owners(self) -> dict[str, reconcile.Owner]:
@@ -99,6 +100,12 @@ class Reconciler:
         pods = self._pods.pods() if self._pods is not None else []
         plan = reconcile.plan(held, pods, devices, snap.config.names, self._node, snap.inventory.unit_mib)
         out.waiting, out.in_sync = plan.waiting, plan.in_sync
+        for key, hidden in plan.unlisted.items():
+            if key in self._warned:
+                continue
+            self._warned.add(key)
+            log.warning("init container holds devices PodResources does not list; the books cannot count "
+                        "them", pod=key, devices=hidden)
         self._owners = dict(plan.owners)
         out.links = self._link(plan)
         for patch in plan.patches if self._patcher is not None else ():
