@@ -96,9 +96,9 @@ def parse_all(text: str | None) -> dict[str, tuple[AssignedGpu, ...]]:
 
 
 def encode_assignment(containers: Mapping[str, Sequence[AssignedGpu]]) -> str:
-    """The annotation text, containers in name order (the same bytes for the same holdings)."""
-    return json.dumps({c: [{"uuid": g.uuid, "mib": g.mib} for g in gpus] for c, gpus in sorted(containers.items())},
-                      separators=(",", ":"))
+    """The annotation text, containers by name and GPUs by UUID (the same bytes for the same holdings)."""
+    return json.dumps({c: [{"uuid": g.uuid, "mib": g.mib} for g in sorted(gpus, key=lambda g: g.uuid)]
+                       for c, gpus in sorted(containers.items())}, separators=(",", ":"))
 
 
 def same_assignment(a: Mapping[str, Iterable[AssignedGpu]], b: Mapping[str, Iterable[AssignedGpu]]) -> bool:
