@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import time
 from typing import AbstractSet, Sequence
 
 from deviceplugin.allocation import GpuShare
@@ -100,4 +102,24 @@ class QuotaFiles:
                 os.rmdir(pod_dir)  # only when empty
             except OSError:
                 pass
+        return removed
+
+    def prune_allocations(self, held: AbstractSet[str], min_age_s: float) -> int:
+        """Remove allocation directories no container holds any more (by PodResources) and untouched for
+        ``min_age_s`` (an Allocate the kubelet has not listed yet is younger); returns how many."""
+        base = os.path.join(self.root, ALLOC_DIR)
+        try:
+            keys = os.listdir(base)
+        except FileNotFoundError:
+            return 0
+        now, removed = time.time(), 0
+        for key in keys:
+            path = os.path.join(base, key)
+            try:
+                if key in held or now - os.stat(path).st_mtime < min_age_s:
+                    continue
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
         return removed

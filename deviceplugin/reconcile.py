@@ -69,6 +69,7 @@ class Plan:
     waiting: dict[str, str] = field(default_factory=dict)  # namespace/name -> why not (yet) reconciled
     unlisted: dict[str, dict[str, int]] = field(default_factory=dict)  # pod -> init devices List omits
     in_sync: int = 0  # pods whose annotations already say what they hold
+    held_keys: set[str] = field(default_factory=set)  # allocation keys of every listed container
 
 
 def _share_of(device_id: str, resource: str, devices: Mapping[str, PluginDevice], names: contract.Names,
@@ -160,6 +161,7 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
         if (p.get("spec") or {}).get("nodeName") == node:
             known[(meta.get("namespace", "default"), meta.get("name", ""))] = p
     out = Plan()
+    out.held_keys = {allocation_key(h.device_ids) for hs in by_pod.values() for h in hs}
     for (ns, name), hs in sorted(by_pod.items()):
         key = f"{ns}/{name}"
         pod = known.get((ns, name))

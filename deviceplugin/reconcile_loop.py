@@ -24,6 +24,7 @@ from vramshare import logs
 log = logs.get(__name__)
 
 DEBOUNCE_S = 0.05  # after an Allocate the kubelet records the devices a moment later
+ALLOC_DIR_TTL_S = 600.0  # an allocation directory nobody holds is removed after this long untouched
 
 
 class HeldSource(Protocol):
@@ -65,6 +66,7 @@ class Reconciler:
         self._owners: dict[str, reconcile.Owner] = {}
         self._said_unavailable = False
         self._warned: set[str] = set()
+        self.alloc_dir_ttl_s = ALLOC_DIR_TTL_S
         self.rounds = 0
 
     def owners(self) -> dict[str, reconcile.Owner]:
@@ -142,12 +144,15 @@ class Reconciler:
                 changed += self._quota.link(uid, container, key)
             except OSError as exc:
                 log.warning("cannot link quota directory", pod_uid=uid, container=container, error=str(exc))
-        if any(why == reconcile.NOT_CACHED for why in plan.waiting.values()):
-            return changed  # a pod the cache has not seen may still own a link: prune next round
         try:
+            gone = self._quota.prune_allocations(plan.held_keys, self.alloc_dir_ttl_s)
+            if gone:
+                log.info("removed quota directories no container holds", count=gone)
+            if any(why == reconcile.NOT_CACHED for why in plan.waiting.values()):
+                return changed  # a pod the cache has not seen may still own a link: prune next round
             self._quota.prune_links(set(plan.links))
         except OSError as exc:
-            log.warning("cannot prune quota links", error=str(exc))
+            log.warning("cannot prune quota directories", error=str(exc))
         return changed
 
     def _unavailable(self, why: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from deviceplugin.inventory_file import load
 from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.quota import writer
 from deviceplugin.quota_files import allocation_key
 from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare import contract
@@ -93,6 +94,16 @@ def test_allocate_grants_the_ids_gpu_and_the_reconciler_records_it(api, http, ku
     assert os.path.realpath(link) == os.path.realpath(alloc_dir)  # the quota loop's path reaches the file
     assert daemon.reconciler.owners()[allocation_key(ids)].pod == "p"
     assert daemon.reconciler.run_once().patched == []  # already says so: no second patch
+    # the quota loop writes through the pod's path and the container's mount sees it
+    writer.write_quota(writer.container_dir(config.quota_host_dir, pod["metadata"]["uid"], "vllm"),
+                       writer.QuotaFile(gpus=(writer.GpuQuota(H100.uuid, 3000, 2048, 6144),)))
+    assert writer.read_quota(alloc_dir).limits() == {H100.uuid: 3000}
+    kubelet.forget_pod("default", "p")  # the pod ended: its link goes, the allocation's directory stays a while
+    daemon.reconciler.run_once()
+    assert not os.path.lexists(link) and os.path.isdir(alloc_dir)
+    daemon.reconciler.alloc_dir_ttl_s = 0.0
+    daemon.reconciler.run_once()
+    assert not os.path.exists(alloc_dir)
 
 
 def test_a_late_re_allocate_moves_the_books_with_the_container(api, http, kubelet, start_plugin):
