@@ -24,6 +24,7 @@ from vramshare import logs
 log = logs.get(__name__)
 
 DEBOUNCE_S = 0.05  # after an Allocate the kubelet records the devices a moment later
+FOLLOW_UP_S, FOLLOW_UPS = 0.2, 5  # re-rounds while a just-allocated pod is still mid-admission
 ALLOC_DIR_TTL_S = 600.0  # an allocation directory nobody holds is removed after this long untouched
 
 
@@ -164,14 +165,21 @@ class Reconciler:
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
         """Body of the ``reconcile`` thread: a round every ``interval_s`` and soon after each Allocate."""
+        follow_ups = 0
         while not stop.is_set():
-            if self._wake.wait(interval_s):
+            woken = self._wake.wait(FOLLOW_UP_S if follow_ups else interval_s)
+            if woken:
                 self._wake.clear()
                 stop.wait(DEBOUNCE_S)
+                follow_ups = FOLLOW_UPS
             if stop.is_set():
                 return
             try:
-                self.run_once()
+                out = self.run_once()
             except Exception as exc:  # noqa: BLE001 - a bad round must not end the thread
                 self._metrics.reconciled("error", False)
                 log.error("reconcile round failed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                continue
+            # after an Allocate the pod may still be mid-admission: look again soon, a few times, so the
+            # extender's per-signature hold ends promptly
+            follow_ups = follow_ups - 1 if follow_ups and (out.waiting or out.failed) else 0

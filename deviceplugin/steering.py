@@ -43,6 +43,11 @@ def _targets(text: str | None, container: str, resource: str, names: contract.Na
     return {g.uuid: 1 for g in gpus}  # a MIG instance or a whole GPU is one device, its ID its UUID
 
 
+def _of_this_resource(plan: dict[str, int], known: Mapping[str, int]) -> dict[str, int]:
+    """A container asking two resources has one plan for both: keep the entries this resource can serve."""
+    return {t: n for t, n in plan.items() if t in known}
+
+
 def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str, size: int,
           unit_mib: int, free_per_target: Mapping[str, int]) -> Steer:
     """The plan of the single assumed pod with a container of this size signature, else ``None``.
@@ -76,7 +81,7 @@ def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, r
         return Steer(None, reason=f"{len(candidates)} assumed pods of this size: "
                                   + ", ".join(sorted(k for k, _ in candidates)))
     key, plans = candidates[0]
-    for plan in plans:
+    for plan in (_of_this_resource(p, free_per_target) for p in plans):
         if sum(plan.values()) == size and all(free_per_target.get(t, 0) >= n for t, n in plan.items()):
             return Steer(plan, pod=key)
     return Steer(None, pod=key, reason=f"the plan of {key} no longer fits the available devices")

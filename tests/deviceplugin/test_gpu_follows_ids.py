@@ -186,3 +186,11 @@ def test_the_node_inventory_is_published_on_start_and_on_health_changes_only(api
 def _scrape(daemon: DevicePluginDaemon) -> str:
     from prometheus_client import generate_latest
     return generate_latest(daemon.metrics.registry).decode()
+
+
+def test_the_reconcile_thread_records_a_pod_soon_after_its_allocate(api, http, kubelet, start_plugin):
+    bound_pod(api, "two", {"a": 1, "b": 1}, {"a": [(H100.uuid, 1024)], "b": [(H100.uuid, 1024)]})
+    daemon = start_plugin(api=http, reconcile_seconds=60.0)  # only the wake-up after Allocate can do it
+    synced(daemon, api, "two")
+    kubelet.admit(api.get_pod("default", "two"))
+    assert api.wait_for(lambda _: actual(api, "two")[0] == contract.STATE_ALLOCATED, timeout=5)
