@@ -13,7 +13,7 @@ from typing import Any
 
 from deviceplugin.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
-from vramshare import contract, kube, podspec
+from vramshare import contract, kube
 from vramshare.config import Config
 from vramshare.standins.kubelet import FakeKubelet
 
