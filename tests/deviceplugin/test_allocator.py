@@ -116,7 +116,7 @@ def test_bad_ids_are_refused_with_a_reason(make, resource, device_ids, kind, mes
 
 
 def test_an_unhealthy_gpu_is_refused(make):
-    from deviceplugin.health import HealthEvent
+    from deviceplugin.backend import HealthEvent
     allocator = make()
     allocator._state.on_health(HealthEvent(H100.uuid, healthy=False, reason="xid 79"))  # noqa: SLF001 - set up
     with pytest.raises(Refusal, match="is unhealthy") as err:

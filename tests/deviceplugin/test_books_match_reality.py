@@ -5,7 +5,8 @@ Many seeds of random pod mixes (same-size pods, ``gpu-count: 2`` next to single-
 total, MIG, whole GPUs), created in few distinct seconds (creation-time ties), bound in random order by a
 naive planner whose plans are often wrong or ambiguous, admitted by the kubelet's device manager model
 (``vramshare.standins.devicemanager``: its own accounting, the plugin's preference as a hint), deleted,
-re-Allocated late, with plugin restarts with and without PodResources. The plugin's real core runs
+re-Allocated late, GPUs turning unhealthy and back (the kubelet hands out healthy IDs only), with plugin
+restarts with and without PodResources. The plugin's real core runs
 in-process (Allocator, steering, :func:`deviceplugin.reconcile.plan`); only gRPC and HTTP are left out,
 and they have their own tests. A failure prints its seed and step.
 """
@@ -21,7 +22,7 @@ import pytest
 
 from deviceplugin import reconcile
 from deviceplugin.allocator import Allocator
-from deviceplugin.backend import DiscoveredGpu, DiscoveredMig
+from deviceplugin.backend import DiscoveredGpu, DiscoveredMig, HealthEvent
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota_files import QuotaFiles, allocation_key
@@ -239,7 +240,7 @@ def test_books_equal_reality_after_every_step(seed: int, tmp_path) -> None:
     world = World(rng, str(tmp_path), config)
     made = 0
     for step in range(STEPS):
-        action = rng.choices(["batch", "delete", "late", "restart", "podresources"], [5, 2, 1, 1, 1])[0]
+        action = rng.choices(["batch", "delete", "late", "restart", "podresources", "xid"], [5, 2, 1, 1, 1, 1])[0]
         where = f"seed {seed} step {step} ({action})"
         if action == "batch":
             batch = []
@@ -279,6 +280,12 @@ def test_books_equal_reality_after_every_step(seed: int, tmp_path) -> None:
             world.start_plugin()
         elif action == "podresources":
             world.pod_resources = not world.pod_resources
+        elif action == "xid":  # a GPU turns unhealthy or recovers; ListAndWatch resends, the kubelet follows
+            gpu = rng.choice(GPUS)
+            healthy = not world.state.snapshot.inventory.gpu(gpu.uuid).healthy
+            world.state.on_health(HealthEvent(gpu.uuid, healthy, "xid 79" if not healthy else "recovered"))
+            for resource, devs in world.state.snapshot.devices.items():
+                world.dm.update_devices(resource, [(d.id, d.healthy) for d in devs])
         world.reconcile()
         check(world, where)
     world.pod_resources = True
