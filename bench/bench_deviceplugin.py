@@ -4,11 +4,18 @@ Measured through the fake kubelet (real gRPC on real unix sockets) against the r
 
 * ``allocate``: p50/p99 of one Allocate (one container, 4 memory units), standalone; its quota
   file (write + rename) goes to the work directory's disk, and again to tmpfs (``/dev/shm``);
-* ``allocate_handshake``: the same with the pod handshake against the API server double (list this
-  node's pending pods, match, merge-patch ``allocation-state``), a handful of pods pending at a time;
+* ``allocate_with_api``: the same with an API server (the double, in its own process), the plugin's pod
+  watch, steering and reconciler running (a handful of assumed pods on the node; after each Allocate
+  the kubelet stand-in lists the pod in PodResources and the reconciler patches it, concurrently);
+* ``allocate_api_down``: the same daemon after the API server process is killed (Allocate makes no
+  API call, so nothing should change; the watch and the reconciler retry in the background);
+* ``allocate_core_*``: the Allocate handler called in-process (no gRPC), with the API server up and
+  down: what the plugin itself spends, apart from the socket and the scheduler's noise;
+* ``allocate_core_cpu_*``: the same, in this thread's CPU time: what the path costs, without the time a
+  loaded machine keeps the thread waiting;
 * ``noop_grpc``: GetDevicePluginOptions over the same socket, the floor any Allocate pays;
-* ``api_roundtrip``: the same merge patch on a pod of another node, the floor the handshake adds (the
-  pod is matched from a watch-fed cache; the one call on the path is the ``allocation-state`` patch);
+* ``api_roundtrip``: one merge patch of a pod, what the first design's Allocate paid at least once
+  (it matched the pod from the cache and patched ``allocation-state`` on the admission path);
 * ``reregister``: from a restarted kubelet's new ``kubelet.sock`` to the plugin's Register (the
   plugin polls the directory every 100 ms);
 * ``idle``: RSS and CPU of ``vramshare device-plugin --backend simulated`` as a subprocess, idle.
@@ -54,6 +61,9 @@ NODE = "gpu-1"
 UNITS = 4
 
 
+LOAD_AT_START = round(os.getloadavg()[0], 2)
+
+
 def percentiles(samples_s: list[float]) -> dict[str, float]:
     ms = sorted(s * 1000 for s in samples_s)
     return {"n": len(ms), "p50_ms": round(statistics.median(ms), 3),
@@ -74,8 +84,19 @@ def timed(n: int, call: Callable[[int], None], before: Callable[[int], None] | N
     return out
 
 
+def timed_cpu(n: int, call: Callable[[int], None]) -> list[float]:
+    """CPU time of this thread per call (``time.thread_time``): the cost of the path itself, without the
+    time the OS scheduler keeps it waiting on a loaded machine (wall-clock p99 here measures the load)."""
+    out = []
+    for i in range(n):
+        t0 = time.thread_time()
+        call(i)
+        out.append(time.thread_time() - t0)
+    return out
+
+
 def bench_in_process(n: int, n_handshake: int, restarts: int, work: str) -> dict[str, object]:
-    kubelet = FakeKubelet(os.path.join(work, "dp"))
+    kubelet = FakeKubelet(os.path.join(work, "dp"), os.path.join(work, "pr", "kubelet.sock"))
     kubelet.start()
     config = Config(quota_host_dir=os.path.join(work, "quota"))
     result: dict[str, object] = {}
@@ -107,11 +128,12 @@ def bench_in_process(n: int, n_handshake: int, restarts: int, work: str) -> dict
                         timed(n, lambda i: kubelet.allocate(MEM, groups[i % len(groups)])))
             finally:
                 shutil.rmtree(shm, ignore_errors=True)
-        with _double_process() as url, api_client_for(url) as http:
+        with _double_process() as (url, proc), api_client_for(url) as http:
             v1 = client.CoreV1Api(http)
             v1.create_node({"metadata": {"name": NODE}})
             with DevicePluginDaemon(SimulatedBackend.from_file(INVENTORY), config, kubelet.plugin_dir,
-                                    node_name=NODE, api=http) as daemon:
+                                    node_name=NODE, api=http, pod_resources_socket=kubelet.pod_resources_socket,
+                                    reconcile_seconds=1.0) as daemon:
                 kubelet.wait_registered([MEM])
                 daemon.lifecycle.wait_registered(daemon.lifecycle.registered_rounds + 1, 10)
                 h100 = daemon.state.snapshot.inventory.gpus[0].uuid
@@ -131,48 +153,55 @@ def bench_in_process(n: int, n_handshake: int, restarts: int, work: str) -> dict
                 state = {"next": pending}
 
                 def admit(i: int) -> None:
-                    kubelet.allocate(MEM, groups[i % len(groups)])
+                    kubelet.allocate(MEM, groups[i % len(groups)], pod=("default", f"p{i}", "c"))
 
-                def settle(i: int) -> None:  # the admitted pod starts; a new one arrives
-                    v1.patch_namespaced_pod_status(f"p{i}", "default", {"status": {"phase": "Running"}},
-                                                   _content_type=MERGE_PATCH, _preload_content=False)
+                def settle(i: int) -> None:  # untimed: a new pod arrives, an old one ends
                     create(state["next"])
                     state["next"] += 1
-                    want = {f"p{j}" for j in range(i + 1, state["next"])}
-                    deadline = time.monotonic() + 5  # untimed: let the plugin's pod watch catch up
-                    while ({p["metadata"]["name"] for p in daemon.pods.pending_pods()} != want  # type: ignore[union-attr]
-                           and time.monotonic() < deadline):
-                        time.sleep(0.001)
+                    if i >= len(groups) - 1:
+                        kubelet.forget_pod("default", f"p{i - len(groups) + 1}")
 
+                timed(20, lambda i: kubelet.allocate(MEM, groups[i % len(groups)]))  # warm-up
                 samples = timed(n_handshake, admit, after=settle)
+                daemon.reconciler.run_once()
                 pods = json.loads(v1.list_namespaced_pod("default", _preload_content=False).data)["items"]
                 allocated = sum(1 for p in pods
                                 if p["metadata"]["annotations"].get(NAMES.allocation_state) == contract.STATE_ALLOCATED)
-                assert allocated == n_handshake, f"{allocated} of {n_handshake} pods allocated"
-                result["allocate_handshake"] = {**percentiles(samples), "pending_pods": pending,
-                                                "api_server": "double in its own process"}
-                # the floor the handshake adds: one API round trip, the same merge patch on a pod elsewhere
-                v1.create_namespaced_pod("default", {"metadata": {"name": "elsewhere"}, "spec": {
-                    "nodeName": "other-node", "containers": [{"name": "c", "image": "x"}]}}, _preload_content=False)
+                result["allocate_with_api"] = {**percentiles(samples), "assumed_pods": pending,
+                                               "reconciled_pods": allocated,
+                                               "api_server": "double in its own process"}
+                core = timed(n_handshake, lambda i: daemon.allocator.allocate(MEM, groups[i % len(groups)]))
+                result["allocate_core_with_api"] = percentiles(core)  # the handler alone, no gRPC
+                result["allocate_core_cpu_with_api"] = percentiles(
+                    timed_cpu(n_handshake, lambda i: daemon.allocator.allocate(MEM, groups[i % len(groups)])))
                 result["api_roundtrip"] = percentiles(timed(n_handshake, lambda i: v1.patch_namespaced_pod(
-                    "elsewhere", "default", {"metadata": {"annotations": {NAMES.allocation_state: str(i)}}},
+                    "p0", "default", {"metadata": {"annotations": {"bench/i": str(i)}}},
                     _content_type=MERGE_PATCH, _preload_content=False)))
+                proc.kill()  # the API server is gone; the kubelet keeps admitting
+                proc.wait(timeout=10)
+                down = timed(n_handshake, lambda i: kubelet.allocate(MEM, groups[i % len(groups)]))
+                result["allocate_api_down"] = {**percentiles(down), "api_server": "killed (SIGKILL)"}
+                core = timed(n_handshake, lambda i: daemon.allocator.allocate(MEM, groups[i % len(groups)]))
+                result["allocate_core_api_down"] = percentiles(core)
+                result["allocate_core_cpu_api_down"] = percentiles(
+                    timed_cpu(n_handshake, lambda i: daemon.allocator.allocate(MEM, groups[i % len(groups)])))
     finally:
         kubelet.stop()
     return result
 
 
 @contextlib.contextmanager
-def _double_process() -> Iterator[str]:
+def _double_process() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """The API server double in its own process, as a real API server would be (no shared GIL)."""
     code = ("import sys; from vramshare.standins.apiserver import ApiServerDouble; "
             "d = ApiServerDouble().start(); print(d.url, flush=True); sys.stdin.read(); d.stop()")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
-        yield proc.stdout.readline().strip()  # type: ignore[union-attr]
+        yield proc.stdout.readline().strip(), proc  # type: ignore[union-attr]
     finally:
-        proc.stdin.close()  # type: ignore[union-attr]
+        if proc.poll() is None:
+            proc.stdin.close()  # type: ignore[union-attr]
         proc.wait(timeout=15)
 
 
@@ -215,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer samples")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "deviceplugin.json"))
     args = ap.parse_args(argv)
-    logs.setup("warning")
+    logs.setup("error")  # the API-down phase logs every retry of the watch and the reconciler
     n, n_hs, restarts, idle_s = (300, 100, 5, 3.0) if args.quick else (3000, 500, 20, 10.0)
     work = tempfile.mkdtemp(prefix="vsb-", dir="/tmp")
     try:
@@ -227,22 +256,29 @@ def main(argv: list[str] | None = None) -> int:
         "allocate_p50_ms": res["allocate"]["p50_ms"], "allocate_p99_ms": res["allocate"]["p99_ms"],
         **({"allocate_tmpfs_p50_ms": res["allocate_quota_on_tmpfs"]["p50_ms"],
             "allocate_tmpfs_p99_ms": res["allocate_quota_on_tmpfs"]["p99_ms"]} if "allocate_quota_on_tmpfs" in res else {}),
-        "allocate_handshake_p50_ms": res["allocate_handshake"]["p50_ms"],
-        "allocate_handshake_p99_ms": res["allocate_handshake"]["p99_ms"],
+        "allocate_with_api_p50_ms": res["allocate_with_api"]["p50_ms"],
+        "allocate_with_api_p99_ms": res["allocate_with_api"]["p99_ms"],
+        "allocate_api_down_p50_ms": res["allocate_api_down"]["p50_ms"],
+        "allocate_api_down_p99_ms": res["allocate_api_down"]["p99_ms"],
+        "allocate_core_with_api_p99_ms": res["allocate_core_with_api"]["p99_ms"],
+        "allocate_core_api_down_p99_ms": res["allocate_core_api_down"]["p99_ms"],
+        "allocate_core_cpu_with_api_p99_ms": res["allocate_core_cpu_with_api"]["p99_ms"],
+        "allocate_core_cpu_api_down_p99_ms": res["allocate_core_cpu_api_down"]["p99_ms"],
         "noop_grpc_p50_ms": res["noop_grpc"]["p50_ms"], "noop_grpc_p99_ms": res["noop_grpc"]["p99_ms"],
         "api_roundtrip_p50_ms": res["api_roundtrip"]["p50_ms"], "api_roundtrip_p99_ms": res["api_roundtrip"]["p99_ms"],
         "reregister_max_ms": res["reregister"]["max_ms"], "idle_rss_mb": res["idle"]["rss_mb"],
         "idle_cpu_percent": res["idle"]["cpu_percent"],
     }
     summary["aims_met"] = {
-        "allocate_p99_under_5ms": summary["allocate_handshake_p99_ms"] < 5 and summary["allocate_p99_ms"] < 5,
+        "allocate_p99_under_5ms": max(summary["allocate_p99_ms"], summary["allocate_with_api_p99_ms"],
+                                      summary["allocate_api_down_p99_ms"]) < 5,
         "reregister_under_1s": summary["reregister_max_ms"] < 1000,
         "idle_rss_under_80mb": summary["idle_rss_mb"] < 80,
     }
     doc = {"summary": summary, **res,
            "setup": {"inventory": "tests/fixtures/inventories/mixed.yaml", "units_per_allocate": UNITS,
                      "cpus": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
-                     "python": sys.version.split()[0],
+                     "python": sys.version.split()[0], "loadavg_1m_at_start": LOAD_AT_START,
                      "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "quick": args.quick}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:

@@ -2,7 +2,7 @@
 
 Everything here works on plain values (device IDs, :class:`PluginDevice`, GPU shares) so it can be
 tested exhaustively without a kubelet: the servicer translates protobuf to these calls and back, the
-allocator adds the lock, the pod handshake and the files. Refusals carry a kind (bad request vs. the
+allocator adds the lock, the steering hint and the quota files. Refusals carry a kind (bad request vs. the
 node cannot serve it now) that the servicer maps to a gRPC status code and a message a person can act
 on, because the kubelet turns any Allocate error into a final ``UnexpectedAdmissionError``.
 """
@@ -20,8 +20,8 @@ from vramshare.config import Config, DeviceListStrategy
 
 class RefusalKind(str, enum.Enum):
     INVALID = "invalid"  # the request itself is wrong (unknown ID, wrong resource, bad size)
-    PRECONDITION = "precondition"  # valid, but the node cannot serve it (unhealthy GPU, bad assignment)
-    UNAVAILABLE = "unavailable"  # a dependency (the API server) did not answer
+    PRECONDITION = "precondition"  # valid, but the node cannot serve it (unhealthy GPU, quota dir unwritable)
+    UNAVAILABLE = "unavailable"  # a dependency did not answer (kept for the gRPC mapping)
 
 
 class Refusal(Exception):
@@ -92,7 +92,8 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int,
               gpu_of: Mapping[str, str], targets: Mapping[str, int] | None = None) -> list[str]:
     """Exactly ``size`` IDs from ``available`` including ``must_include``, packed onto as few GPUs as fit.
 
-    ``targets`` (GPU UUID -> units) is the pod's assignment when the handshake knows it; otherwise
+    ``targets`` (GPU UUID -> units, or a MIG/whole-GPU device ID -> 1) is the extender's plan when
+    :mod:`deviceplugin.steering` finds the one pod it can be; otherwise
     the GPU whose available devices fit the rest with the least left over wins (best fit), and when
     none fits alone the fullest GPUs are taken first. Deterministic, no side effects.
     """
@@ -111,9 +112,15 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int,
         taken.update(ids[:n])
         free[gpu] = ids[n:]
 
-    for gpu, n in (targets or {}).items():
-        already = sum(1 for i in chosen if gpu_of.get(i, i) == gpu)
-        take(gpu, max(0, min(n - already, size - len(chosen))))
+    for target, n in (targets or {}).items():
+        if target not in free and target in gpu_of:  # a MIG instance or whole GPU: the device itself
+            if target not in taken and len(chosen) < size and target in set(available):
+                free[gpu_of[target]].remove(target)
+                chosen.append(target)
+                taken.add(target)
+            continue
+        already = sum(1 for i in chosen if gpu_of.get(i, i) == target)
+        take(target, max(0, min(n - already, size - len(chosen))))
     if len(chosen) < size:
         anchor = [gpu_of.get(i, i) for i in chosen]
         for gpu in dict.fromkeys(anchor):  # keep growing on the GPUs already in the answer

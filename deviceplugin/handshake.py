@@ -1,25 +1,24 @@
-"""Which pod is this Allocate for? The annotation handshake with the extender, as pure functions.
+"""Reading and writing the ``assignment`` annotation, and what a container asks of one resource.
 
-The kubelet never tells Allocate which pod or container it serves. The extender writes, before the
-Binding, ``<domain>/assignment`` (GPUs and MiB per container), ``<domain>/assume-time`` and
-``allocation-state: assumed``. At Allocate the plugin takes, among pending pods bound to this node in
-state ``assumed``, the oldest-assumed pod with a not-yet-served container whose request for this
-resource equals the request size (DESIGN.md section 3). Unlike gpushare it matches per container, not
-per pod total, so multi-container pods work; the caller serializes Allocate so two pods of the same
-size are served in assume order.
+The annotation is the contract with the extender (DESIGN.md section 3): ``{container: [{"uuid",
+"mib"}, ...]}``. The extender writes it at bind as a *plan* (``allocation-state: assumed``); the
+device plugin only reads that plan to steer GetPreferredAllocation (:mod:`deviceplugin.steering`)
+and, after admission, overwrites it with what the kubelet actually handed out
+(:mod:`deviceplugin.reconcile`, ``allocation-state: allocated``). Allocate itself never reads a pod:
+the kubelet does not say which pod it serves, and the device IDs already name the GPU and the size.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from vramshare import contract
-from vramshare.podspec import ContainerDemand, PodSpecError, pod_demand
+from vramshare.podspec import ContainerDemand
 
 
 class AssignmentError(ValueError):
-    """An assignment annotation that cannot be read; the pod is marked ``failed: <this message>``."""
+    """An assignment annotation that cannot be read; the message says what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -40,21 +39,6 @@ class AssignedGpu:
     mib: int
 
 
-#: A served (pod uid, container, resource): Allocate is once per container per resource.
-Served = tuple[str, str, str]
-
-
-@dataclass(frozen=True)
-class Match:
-    """The pod container an Allocate serves, what the extender assigned it, and if it completes the pod."""
-
-    pod: PodRef
-    container: str
-    assignment_text: str | None  # raw annotation, parsed by the caller (a bad one fails the pod)
-    assume_time: int
-    completes_pod: bool
-
-
 def requested(demand: ContainerDemand, resource: str, names: contract.Names) -> int:
     """How many devices of ``resource`` one container asks for."""
     if resource == names.gpu_memory:
@@ -67,48 +51,8 @@ def requested(demand: ContainerDemand, resource: str, names: contract.Names) -> 
     return 0
 
 
-def _assume_time(raw: Any) -> int | None:
-    try:
-        return int(str(raw))
-    except (TypeError, ValueError):
-        return None
-
-
-def find_match(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str,
-               size: int, served: AbstractSet[Served]) -> Match | None:
-    """The container this Allocate serves, or ``None`` when no assumed pod on ``node`` asks for ``size``."""
-    best: tuple[tuple[int, str, int], Match] | None = None
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        ann = meta.get("annotations") or {}
-        if ((pod.get("spec") or {}).get("nodeName") != node or meta.get("deletionTimestamp")
-                or (pod.get("status") or {}).get("phase", "Pending") != "Pending"
-                or ann.get(names.allocation_state) != contract.STATE_ASSUMED):
-            continue
-        assumed = _assume_time(ann.get(names.assume_time))
-        if assumed is None:
-            continue
-        try:
-            demand = pod_demand(pod, names)
-        except PodSpecError:
-            continue
-        uid = demand.uid
-        wanted = [(i, c) for i, c in enumerate(demand.containers)
-                  if requested(c, resource, names) == size and (uid, c.container, resource) not in served]
-        if not wanted:
-            continue
-        order, chosen = wanted[0]
-        rank = (assumed, meta.get("creationTimestamp") or "", order)
-        if best is not None and rank >= best[0]:
-            continue
-        todo = {(uid, c.container, r) for c in demand.containers for r in _resources_of(c, names)} - set(served)
-        ref = PodRef(demand.namespace, demand.name, uid, str(meta.get("resourceVersion") or ""))
-        best = (rank, Match(ref, chosen.container, ann.get(names.assignment), assumed,
-                            completes_pod=todo == {(uid, chosen.container, resource)}))
-    return best[1] if best else None
-
-
-def _resources_of(demand: ContainerDemand, names: contract.Names) -> list[str]:
+def resources_of(demand: ContainerDemand, names: contract.Names) -> list[str]:
+    """The extended resources of ours one container asks for (at least one device each)."""
     out = []
     if demand.units:
         out.append(names.gpu_memory)
@@ -121,7 +65,7 @@ def _resources_of(demand: ContainerDemand, names: contract.Names) -> list[str]:
 def parse_assignment(text: str | None, container: str) -> tuple[AssignedGpu, ...]:
     """One container's GPUs from ``{container: [{"uuid": .., "mib": ..}, ...]}``."""
     if text is None:
-        raise AssignmentError("pod is assumed but has no assignment annotation")
+        raise AssignmentError("pod has no assignment annotation")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -138,3 +82,26 @@ def parse_assignment(text: str | None, container: str) -> tuple[AssignedGpu, ...
     if len({g.uuid for g in out}) != len(out):
         raise AssignmentError(f"assignment for container {container!r} names a GPU twice")
     return tuple(out)
+
+
+def parse_all(text: str | None) -> dict[str, tuple[AssignedGpu, ...]]:
+    """Every container's GPUs; raises :class:`AssignmentError` when any part is unreadable."""
+    try:
+        containers = json.loads(text or "null")
+    except json.JSONDecodeError as exc:
+        raise AssignmentError(f"assignment is not JSON: {exc.msg}") from None
+    if not isinstance(containers, dict):
+        raise AssignmentError("assignment is not an object of container name to GPU list")
+    return {c: parse_assignment(text, c) for c in containers}
+
+
+def encode_assignment(containers: Mapping[str, Sequence[AssignedGpu]]) -> str:
+    """The annotation text, containers by name and GPUs by UUID (the same bytes for the same holdings)."""
+    return json.dumps({c: [{"uuid": g.uuid, "mib": g.mib} for g in sorted(gpus, key=lambda g: g.uuid)]
+                       for c, gpus in sorted(containers.items())}, separators=(",", ":"))
+
+
+def same_assignment(a: Mapping[str, Iterable[AssignedGpu]], b: Mapping[str, Iterable[AssignedGpu]]) -> bool:
+    """Equal holdings, whatever the order of GPUs within a container."""
+    return ({c: sorted((g.uuid, g.mib) for g in gs) for c, gs in a.items()}
+            == {c: sorted((g.uuid, g.mib) for g in gs) for c, gs in b.items()})

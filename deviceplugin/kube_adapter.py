@@ -1,8 +1,9 @@
-"""The device plugin's two conversations with the API server, over the official ``kubernetes`` client.
+"""The device plugin's two writes to the API server, over the official ``kubernetes`` client.
 
-1. :class:`ApiPodDirectory`: at Allocate, the pending pods bound to this node (read as raw JSON
-   dicts, the form :mod:`vramshare.podspec` reads), and the ``allocation-state`` write, a merge
-   patch carrying the pod's resourceVersion so it never overwrites a change it did not see.
+1. :class:`PodPatcher`: the reconciler's patch of a pod's ``assignment`` and ``allocation-state``
+   (what the kubelet actually handed out), a merge patch carrying the resourceVersion the plan was
+   made from, so it never overwrites a change it did not see (a conflict waits for the next round).
+   Nothing on the kubelet's Allocate path calls the API server.
 2. :class:`InventoryPublisher`: the node annotation ``<domain>/gpu-inventory``, merge-patched only
    when it changed, from its own thread so a slow API server never delays a health event, retried
    with backoff until it lands.
@@ -11,20 +12,31 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Mapping
+from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from deviceplugin.allocator import Conflict, DirectoryError
-from deviceplugin.handshake import PodRef
+from deviceplugin.reconcile import Patch
 from vramshare import contract, logs
 
 log = logs.get(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT_S = 5.0
+
+
+class DirectoryError(Exception):
+    """The API server did not answer or refused; the message says which call."""
+
+
+class Conflict(DirectoryError):
+    """The pod changed since it was read (resourceVersion mismatch)."""
+
+
+class Gone(DirectoryError):
+    """The pod no longer exists."""
 
 
 def read_json(resp: Any) -> dict[str, Any]:
@@ -38,58 +50,29 @@ def _why(exc: Exception) -> str:
     return type(exc).__name__
 
 
-class ApiPodDirectory:
-    """:class:`deviceplugin.allocator.PodDirectory` for one node: every read is a list call."""
+class PodPatcher:
+    """Writes a reconcile :class:`~deviceplugin.reconcile.Patch`; returns the patched pod JSON."""
 
-    cached = False
-
-    def __init__(self, api: client.ApiClient, node: str, names: contract.Names) -> None:
+    def __init__(self, api: client.ApiClient, names: contract.Names) -> None:
         self._v1 = client.CoreV1Api(api)
-        self._node = node
         self._names = names
 
-    def pending_pods(self, fresh: bool = False) -> list[Mapping[str, Any]]:
-        """Always fresh: one list call (``fresh`` is for caching directories)."""
+    def apply(self, patch: Patch) -> dict[str, Any]:
+        pod = patch.pod
+        meta: dict[str, Any] = {"annotations": {self._names.assignment: patch.assignment,
+                                                self._names.allocation_state: patch.state}}
+        if pod.resource_version:
+            meta["resourceVersion"] = pod.resource_version  # a re-created pod has another: 409
         try:
-            resp: Any = self._v1.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={self._node},status.phase=Pending",
-                _preload_content=False, _request_timeout=TIMEOUT_S)
-            return list(read_json(resp).get("items") or [])
-        except (ApiException, HTTPError, ValueError) as exc:
-            raise DirectoryError(f"list pods on node {self._node}: {_why(exc)}") from exc
-
-    def set_allocation_state(self, pod: PodRef, state: str) -> dict[str, Any]:
-        """Patch ``allocation-state``; on a resourceVersion conflict re-read once and retry if still ours.
-        Returns the patched pod."""
-        rv = pod.resource_version
-        for attempt in (1, 2):
-            body: dict[str, Any] = {"metadata": {"annotations": {self._names.allocation_state: state}}}
-            if rv:
-                body["metadata"]["resourceVersion"] = rv
-            try:
-                resp: Any = self._v1.patch_namespaced_pod(pod.name, pod.namespace, body, _content_type=MERGE_PATCH,
-                                                     _preload_content=False, _request_timeout=TIMEOUT_S)
-                return read_json(resp)
-            except ApiException as exc:
-                if exc.status != 409 or attempt == 2:
-                    raise (Conflict if exc.status == 409 else DirectoryError)(
-                        f"patch pod {pod.key}: {_why(exc)}") from exc
-            except (HTTPError, ValueError) as exc:
-                raise DirectoryError(f"patch pod {pod.key}: {_why(exc)}") from exc
-            rv = self._current_version(pod)
-        raise AssertionError("unreachable")
-
-    def _current_version(self, pod: PodRef) -> str:
-        try:
-            resp: Any = self._v1.read_namespaced_pod(pod.name, pod.namespace, _preload_content=False,
-                                                _request_timeout=TIMEOUT_S)
-            meta = read_json(resp).get("metadata") or {}
-        except (ApiException, HTTPError, ValueError) as exc:
-            raise DirectoryError(f"read pod {pod.key}: {_why(exc)}") from exc
-        if meta.get("uid") != pod.uid or (meta.get("annotations") or {}).get(
-                self._names.allocation_state) != contract.STATE_ASSUMED:
-            raise Conflict(f"pod {pod.key} changed while being allocated (no longer assumed)")
-        return str(meta.get("resourceVersion") or "")
+            resp: Any = self._v1.patch_namespaced_pod(pod.name, pod.namespace, {"metadata": meta},
+                                                      _content_type=MERGE_PATCH, _preload_content=False,
+                                                      _request_timeout=TIMEOUT_S)
+            return read_json(resp)
+        except ApiException as exc:
+            kind = {409: Conflict, 404: Gone}.get(exc.status or 0, DirectoryError)
+            raise kind(f"patch pod {pod.key}: {_why(exc)}") from exc
+        except (HTTPError, ValueError) as exc:
+            raise DirectoryError(f"patch pod {pod.key}: {_why(exc)}") from exc
 
 
 class InventoryPublisher:

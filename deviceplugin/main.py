@@ -3,7 +3,10 @@
 Threads (all named, all started by :meth:`DevicePluginDaemon.start`, all stopped by ``close``):
 ``kubelet-watch`` (sockets, Register, restarts), ``gpu-health`` (the backend's health watch),
 ``inventory-publisher`` and ``pod-watch`` (node annotation and this node's pods; only with an API
-server) and ``metrics-http``. Threads,
+server), ``reconcile`` (PodResources -> each pod's actual GPUs and its quota link) and
+``metrics-http``. Start order matters: the pod cache syncs (bounded wait) and one reconcile round
+reads PodResources *before* the gRPC servers register, so a restarted plugin knows what the kubelet
+already handed out before it serves anything. Threads,
 not asyncio: NVML and the kubernetes client block. A thread that dies unexpectedly stops the
 daemon, so the DaemonSet restarts it rather than leaving a plugin that looks alive but is not.
 """
@@ -19,7 +22,7 @@ from typing import Any, Callable
 from deviceplugin.allocator import Allocator
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.config_watch import ConfigWatcher
-from deviceplugin.kube_adapter import InventoryPublisher
+from deviceplugin.kube_adapter import InventoryPublisher, PodPatcher
 from deviceplugin.lifecycle import PluginLifecycle
 from deviceplugin.manager import DeviceFeeds, NodeResourceManager, ResourceManager
 from deviceplugin.metrics import MetricsServer, PluginMetrics
@@ -27,6 +30,7 @@ from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota_files import QuotaFiles
+from deviceplugin.reconcile_loop import Reconciler
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, load_config
 from vramshare.inventory import GpuMode
@@ -35,12 +39,14 @@ log = logs.get(__name__)
 
 
 class DevicePluginDaemon:
-    """The whole node agent. ``api=None`` is standalone: no annotations, no pod handshake."""
+    """The whole node agent. ``api=None`` is standalone: no annotations, no steering, no reconcile
+    patches (Allocate is the same either way: it never reads a pod)."""
 
     def __init__(self, backend: GpuBackend, config: Config, plugin_dir: str, *, node_name: str = "",
                  api: Any = None, pod_resources_socket: str | None = None, metrics_port: int = 0,
                  poll_seconds: float = 0.1, stream_grace_seconds: float = 1.0,
-                 metrics: PluginMetrics | None = None) -> None:
+                 metrics: PluginMetrics | None = None, reconcile_seconds: float = 2.0,
+                 startup_sync_seconds: float = 5.0) -> None:
         self.backend = backend
         self.state = NodeState(backend.discover(), config)
         names = config.names
@@ -49,8 +55,13 @@ class DevicePluginDaemon:
         self.feeds = DeviceFeeds(self.state)
         self.pod_resources = KubeletPodResources(pod_resources_socket, names) if pod_resources_socket else None
         self.pods = NodePodCache(api, node_name, names) if api else None
-        self.allocator = Allocator(self.state, QuotaFiles(config.quota_host_dir, config.quota), self.metrics,
-                                   node_name, self.pods, self.pod_resources)
+        quota = QuotaFiles(config.quota_host_dir, config.quota)
+        self.reconciler = Reconciler(self.state, node_name, quota, self.metrics, self.pod_resources, self.pods,
+                                     PodPatcher(api, names) if api else None)
+        self.allocator = Allocator(self.state, quota, self.metrics, node_name, self.pods,
+                                   on_allocated=self.reconciler.wake)
+        self._reconcile_seconds = reconcile_seconds
+        self._startup_sync_seconds = startup_sync_seconds
         self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,
                                          poll_seconds, stream_grace_seconds)
         self.publisher = InventoryPublisher(api, node_name, names) if api else None
@@ -92,18 +103,23 @@ class DevicePluginDaemon:
 
     # -- start/stop ------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.pod_resources is not None and os.path.exists(self.pod_resources.socket):
-            try:
-                self.allocator.recover()
-            except Exception as exc:  # noqa: BLE001 - recovery is best effort; the kubelet stays the authority
-                log.warning("cannot recover allocations", socket=self.pod_resources.socket, error=str(exc))
+        if self.pods is not None:
+            self._spawn("pod-watch", lambda: self.pods.run(self._stop))  # type: ignore[union-attr]
+            if not self.pods.synced.wait(self._startup_sync_seconds):
+                log.warning("pod cache not synced before serving; pods are reconciled once it is",
+                            waited_s=self._startup_sync_seconds)
+        try:  # before Register: learn what the kubelet already handed out (a restart loses nothing)
+            first = self.reconciler.run_once()
+            log.info("start-up reconcile", pod_resources=first.pod_resources, patched=len(first.patched),
+                     waiting=len(first.waiting), in_sync=first.in_sync)
+        except Exception as exc:  # noqa: BLE001 - Allocate does not need it; the thread retries
+            log.warning("start-up reconcile failed", error=f"{type(exc).__name__}: {exc}")
+        self._spawn("reconcile", lambda: self.reconciler.run(self._stop, self._reconcile_seconds))
         self._spawn("kubelet-watch", lambda: self.lifecycle.run(self._stop))
         health = self.state.snapshot.config.health
         if not health.disabled:
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
-        if self.pods is not None:
-            self._spawn("pod-watch", lambda: self.pods.run(self._stop))  # type: ignore[union-attr]
         if self.publisher is not None:
             self.publisher.publish(self.state.snapshot.inventory.to_json())
             self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
@@ -142,6 +158,7 @@ class DevicePluginDaemon:
     def close(self) -> None:
         self._stop.set()
         self.lifecycle.wake()
+        self.reconciler.wake()
         if self.publisher is not None:
             self.publisher.stop()
         if self.pods is not None:
@@ -183,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     api = kube.api_client(args.kubeconfig)
     if api is None:
         log.info("standalone: no kubeconfig and no in-cluster service account; no inventory annotation, "
-                 "no pod handshake (Allocate grants the GPU the device IDs name)")
+                 "no steering, no reconcile patches (Allocate grants the GPU the device IDs name, as always)")
     elif not args.node_name:
         print("vramshare device-plugin: --node-name (or $NODE_NAME) is required with an API server", file=sys.stderr)
         return 2

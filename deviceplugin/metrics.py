@@ -10,7 +10,7 @@ import threading
 from typing import Callable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -59,6 +59,16 @@ class PluginMetrics:
                                      ["resource", "result"], registry=self.registry)
         self.backend_errors = Counter(_PREFIX + "backend_errors", "GPU backend (NVML) errors",
                                       ["backend"], registry=self.registry)
+        self.steered = Counter(_PREFIX + "preferred_allocations", "GetPreferredAllocation answers by how "
+                               "they were chosen (steered by the one assumed pod's plan, or best-fit)",
+                               ["resource", "how"], registry=self.registry)
+        self.reconciles = Counter(_PREFIX + "reconciles", "Reconcile rounds by outcome (ok, unavailable: "
+                                  "no PodResources, error)", ["result"], registry=self.registry)
+        self.reconcile_patches = Counter(_PREFIX + "reconcile_patches", "Pod assignment patches by result "
+                                         "(ok, conflict, gone, error)", ["result"], registry=self.registry)
+        self.pod_resources_up = Gauge(_PREFIX + "pod_resources_up", "1 when the kubelet's PodResources List "
+                                      "answered in the last round; 0: pods' actual GPUs are unknown and "
+                                      "nothing is guessed", registry=self.registry)
         self._attached = False
         if snapshot is not None:
             self.attach(snapshot)
@@ -75,6 +85,16 @@ class PluginMetrics:
     def allocation(self, resource: str, result: str, seconds: float) -> None:
         self.allocations.labels(resource, result).inc()
         self.allocate_seconds.labels(resource).observe(seconds)
+
+    def steering(self, resource: str, how: str) -> None:
+        self.steered.labels(resource, how).inc()
+
+    def reconciled(self, result: str, pod_resources_up: bool) -> None:
+        self.reconciles.labels(result).inc()
+        self.pod_resources_up.set(1 if pod_resources_up else 0)
+
+    def patched(self, result: str) -> None:
+        self.reconcile_patches.labels(result).inc()
 
     def registration(self, resource: str, ok: bool) -> None:
         self.registrations.labels(resource, "ok" if ok else "error").inc()

@@ -1,10 +1,10 @@
-"""This node's pods, kept by list + watch, so Allocate matches its pod without a list call.
+"""This node's pods, kept by list + watch: what steering and the reconciler read, never an API call.
 
-The Allocate path then costs one API round trip (the ``allocation-state`` patch) instead of two. A
-cache can lag: the allocator asks again with ``fresh=True`` (one list call, through
-:class:`~deviceplugin.kube_adapter.ApiPodDirectory`) whenever the cache has no matching pod, and our
-own patches are written through, so a pod just marked ``allocated`` is not matched again. A watch that
-ends resumes from the last resourceVersion; a ``410 Gone`` or a broken stream relists.
+GetPreferredAllocation reads the extender's plans from here and the reconciler the pods' UIDs,
+resourceVersions and annotations; neither waits on the API server, so an outage only makes the view
+older (steering then falls back to best fit, the reconciler's patches wait). The reconciler's own
+patches are written through, so the next round starts from the resourceVersion it produced. A watch
+that ends resumes from the last resourceVersion; a ``410 Gone`` or a broken stream relists.
 """
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from typing import Any, Mapping
 from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
-from deviceplugin.handshake import PodRef
-from deviceplugin.kube_adapter import TIMEOUT_S, ApiPodDirectory, read_json
+from deviceplugin.kube_adapter import TIMEOUT_S, read_json
 from vramshare import contract, logs
 
 log = logs.get(__name__)
@@ -24,18 +23,23 @@ log = logs.get(__name__)
 GONE = 410
 
 
+def _rv(pod: Mapping[str, Any]) -> int:
+    """resourceVersion as a number for ordering our own writes against watch events (0 if opaque)."""
+    try:
+        return int((pod.get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
 class _Gone(Exception):
     pass
 
 
 class NodePodCache:
-    """:class:`deviceplugin.allocator.PodDirectory` over a watch of the pods bound to one node."""
-
-    cached = True
+    """:class:`deviceplugin.allocator.PodSource` over a watch of the pods bound to one node."""
 
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300) -> None:
         self._v1 = client.CoreV1Api(api)
-        self._direct = ApiPodDirectory(api, node, names)
         self._selector = f"spec.nodeName={node}"
         self._watch_timeout = watch_timeout_s
         self._stopping = threading.Event()
@@ -44,17 +48,21 @@ class NodePodCache:
         self._open: Any = None
         self.synced = threading.Event()
 
-    # -- PodDirectory ------------------------------------------------------------------------------
-    def pending_pods(self, fresh: bool = False) -> list[Mapping[str, Any]]:
-        if fresh or not self.synced.is_set():
-            return self._direct.pending_pods()
+    # -- PodSource ---------------------------------------------------------------------------------
+    def pods(self) -> list[Mapping[str, Any]]:
+        """Every pod bound to this node as last seen; empty before the first list."""
         with self._lock:
-            return [p for p in self._pods.values() if (p.get("status") or {}).get("phase", "Pending") == "Pending"]
+            return list(self._pods.values())
 
-    def set_allocation_state(self, pod: PodRef, state: str) -> Mapping[str, Any]:
-        patched = self._direct.set_allocation_state(pod, state)
-        self._apply("MODIFIED", patched)
-        return patched
+    def written(self, pod: Mapping[str, Any]) -> None:
+        """A pod we just patched: seen at once, not only when its watch event arrives (unless the
+        watch already brought a newer version)."""
+        uid = (pod.get("metadata") or {}).get("uid")
+        with self._lock:
+            seen = self._pods.get(uid) if uid else None
+            if seen is not None and _rv(seen) > _rv(pod):
+                return
+        self._apply("MODIFIED", pod)
 
     # -- the watch thread ----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:

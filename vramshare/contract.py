@@ -56,7 +56,7 @@ class Names:
         """Per-pod override of the extender's scoring policy."""
         return f"{self.domain}/policy"
 
-    # -- pod annotations: the bind/Allocate handshake
+    # -- pod annotations: the extender's plan at bind, overwritten by the device plugin with what was allocated
     @property
     def assignment(self) -> str:
         return f"{self.domain}/assignment"
@@ -77,10 +77,11 @@ class Names:
         return resource.startswith(f"{self.domain}/")
 
 
-# allocation-state values
+# allocation-state values: the extender writes "assumed" with its plan at bind; the device plugin's
+# reconciler writes "allocated" with the pod's actual GPUs (from the kubelet's PodResources) after admission
 STATE_ASSUMED = "assumed"
 STATE_ALLOCATED = "allocated"
-STATE_FAILED_PREFIX = "failed: "
+STATE_FAILED_PREFIX = "failed: "  # no longer written: Allocate does not know its pod (kept for readers)
 
 # what a container gets (Allocate response)
 ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"

@@ -60,8 +60,9 @@ def start_plugin(backend: SimulatedBackend, config: Config, kubelet: FakeKubelet
     def start(cfg: Config | None = None, api: Any = None, node: str = "gpu-1", gpus: Any = None,
               **kw: Any) -> DevicePluginDaemon:
         kw.setdefault("metrics", None)
+        kw.setdefault("pod_resources_socket", kubelet.pod_resources_socket)
         daemon = DevicePluginDaemon(gpus or backend, cfg or config, kubelet.plugin_dir, node_name=node, api=api,
-                                    pod_resources_socket=kubelet.pod_resources_socket, poll_seconds=0.02,
+                                    poll_seconds=0.02, reconcile_seconds=kw.pop("reconcile_seconds", 60.0),
                                     stream_grace_seconds=kw.pop("stream_grace_seconds", 0.3), **kw)
         daemon.start()
         started.append(daemon)

@@ -1,22 +1,29 @@
-"""A stand-in for the kubelet's device manager, for tests, the benchmark and ``vramshare demo``.
+"""A stand-in for the kubelet's device side, for tests, the benchmark and ``vramshare demo``.
 
 Never on a production path. It speaks the real protocol over real unix sockets, so the plugin under
 test cannot tell it from a kubelet where it matters: a ``v1beta1.Registration`` server on
-``<dir>/kubelet.sock`` that, on Register, dials the plugin's socket, calls GetDevicePluginOptions and
-keeps a ListAndWatch stream open, remembering the latest devices per resource (all unhealthy once the
-stream breaks, as the kubelet does); GetPreferredAllocation and Allocate with one container request
-per call; a restart that wipes every socket of the directory; and the ``v1.PodResourcesLister`` List
-on a second socket, answering from what it allocated.
+``<dir>/kubelet.sock`` that, on Register, dials the plugin's socket, calls GetDevicePluginOptions once
+and keeps a ListAndWatch stream open (``pkg/kubelet/cm/devicemanager/plugin/v1beta1`` client/handler),
+feeding each list to the device manager model (:mod:`vramshare.standins.devicemanager`: the kubelet's
+own per-resource accounting, GetPreferredAllocation with available/mustInclude, Allocate with one
+container request per call, init-container reuse, checkpoint); all devices unhealthy once the stream
+breaks; a restart that wipes every socket of the directory and keeps the checkpoint; and the
+``v1.PodResourcesLister`` List on a second socket, which can be switched off to model a node
+without it. Pods are admitted as ``HandlePodAdditions`` does: sorted by creation time
+(``sort.Sort(sliceutils.PodsByCreationTime(pods))``, an unstable sort on one-second timestamps, so
+ties come in random order), one at a time.
 """
 from __future__ import annotations
 
+import calendar
 import glob
 import os
+import random
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import grpc
 
@@ -24,8 +31,23 @@ from protos.deviceplugin.v1beta1 import api_pb2 as dp
 from protos.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from protos.podresources.v1 import api_pb2 as pr
 from protos.podresources.v1 import api_pb2_grpc as pr_grpc
+from vramshare.standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
 
 API_VERSION = "v1beta1"
+
+
+def creation_second(pod: Mapping[str, Any]) -> int:
+    """``metadata.creationTimestamp`` in whole seconds (RFC 3339, one-second resolution)."""
+    text = (pod.get("metadata") or {}).get("creationTimestamp") or "1970-01-01T00:00:00Z"
+    return calendar.timegm(time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S"))
+
+
+def admission_order(pods: Iterable[Mapping[str, Any]], rng: random.Random) -> list[Mapping[str, Any]]:
+    """``HandlePodAdditions``: ``sort.Sort(sliceutils.PodsByCreationTime(pods))``. Go's sort.Sort is
+    not stable, so pods created in the same second come in an order nobody promises: random here."""
+    shuffled = list(pods)
+    rng.shuffle(shuffled)
+    return sorted(shuffled, key=creation_second)
 
 
 @dataclass
@@ -46,15 +68,17 @@ class PluginConnection:
 class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServicer):
     """Start with :meth:`start`, stop with :meth:`stop`; all waits are on a condition, never sleeps."""
 
-    def __init__(self, plugin_dir: str, pod_resources_socket: str | None = None) -> None:
+    def __init__(self, plugin_dir: str, pod_resources_socket: str | None = None,
+                 rng: random.Random | None = None) -> None:
         self.plugin_dir = plugin_dir
+        self.rng = rng or random.Random(0)
+        self.manager = DeviceManager(self.rng)
         self.socket = os.path.join(plugin_dir, "kubelet.sock")
         self.pod_resources_socket = pod_resources_socket
         self._cond = threading.Condition()
         self._plugins: dict[str, PluginConnection] = {}
         self.registrations: dict[str, int] = {}
         self.register_times: dict[str, float] = {}  # time.monotonic() of the last Register per resource
-        self._allocated: dict[tuple[str, str], dict[str, list[tuple[str, list[str]]]]] = {}
         self._server: grpc.Server | None = None
         self._pr_server: grpc.Server | None = None
         self._threads: list[threading.Thread] = []
@@ -83,6 +107,7 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
             self._pr_server = None
         with self._cond:
             plugins, self._plugins = list(self._plugins.values()), {}
+            self.manager.restore(self.manager.checkpoint())  # readCheckpoint: podDevices survive
         for p in plugins:
             self._disconnect(p)
         for t in self._threads:
@@ -130,6 +155,10 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
         with self._cond:
             old = self._plugins.get(request.resource_name)
             self._plugins[request.resource_name] = conn
+            self.manager.register(request.resource_name, FnEndpoint(
+                lambda available, must, size, c=conn: self._preferred_rpc(c, available, size, must),
+                lambda ids, c=conn: self._allocate_rpc(c, ids),
+                preferred_available=options.get_preferred_allocation_available))
         if old is not None:
             self._disconnect(old)
         thread = threading.Thread(target=self._watch, args=(conn,), daemon=True,
@@ -148,12 +177,17 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
                 with self._cond:
                     conn.devices = list(response.devices)
                     conn.updates += 1
+                    if self._plugins.get(conn.resource) is conn:  # genericDeviceUpdateCallback
+                        self.manager.update_devices(conn.resource, [(d.ID, d.health == "Healthy")
+                                                                    for d in conn.devices])
                     self._cond.notify_all()
         except grpc.RpcError:
             pass
         with self._cond:  # like the kubelet: a broken stream makes every device unhealthy
             conn.connected = False
             conn.devices = [dp.Device(ID=d.ID, health="Unhealthy", topology=d.topology) for d in conn.devices]
+            if self._plugins.get(conn.resource) is conn:
+                self.manager.update_devices(conn.resource, [(d.ID, False) for d in conn.devices])
             self._cond.notify_all()
 
     def _disconnect(self, conn: PluginConnection) -> None:
@@ -196,28 +230,80 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
 
     def preferred(self, resource: str, available: Sequence[str], size: int,
                   must_include: Sequence[str] = ()) -> list[str]:
+        return self._preferred_rpc(self.plugin(resource), available, size, must_include)
+
+    @staticmethod
+    def _preferred_rpc(conn: PluginConnection, available: Sequence[str], size: int,
+                       must_include: Sequence[str]) -> list[str]:
         req = dp.PreferredAllocationRequest(container_requests=[dp.ContainerPreferredAllocationRequest(
             available_deviceIDs=list(available), must_include_deviceIDs=list(must_include), allocation_size=size)])
-        resp = self.plugin(resource).stub.GetPreferredAllocation(req, timeout=10)
+        resp = conn.stub.GetPreferredAllocation(req, timeout=10)
         return list(resp.container_responses[0].deviceIDs)
+
+    @staticmethod
+    def _allocate_rpc(conn: PluginConnection, device_ids: Sequence[str]) -> dp.ContainerAllocateResponse:
+        if not conn.connected:  # the kubelet's endpoint is stopped once its stream broke
+            raise AdmissionError(f"endpoint {conn.resource} is stopped")
+        req = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=list(device_ids))])
+        return conn.stub.Allocate(req, timeout=10).container_responses[0]
 
     def allocate(self, resource: str, device_ids: Sequence[str],
                  pod: tuple[str, str, str] | None = None) -> dp.ContainerAllocateResponse:
-        """One Allocate with one container request; ``pod`` = (namespace, name, container) to remember
-        the grant for PodResources (the real kubelet knows it; the plugin is not told)."""
-        req = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=list(device_ids))])
-        resp = self.plugin(resource).stub.Allocate(req, timeout=10)
+        """One raw Allocate with one container request, bypassing the device manager's choice (tests of
+        the plugin's answers). ``pod`` = (namespace, name, container) records the grant as the kubelet
+        would, so PodResources lists it."""
+        resp = self._allocate_rpc(self.plugin(resource), device_ids)
         if pod is not None:
             ns, name, container = pod
             with self._cond:
-                self._allocated.setdefault((ns, name), {}).setdefault(container, []).append(
-                    (resource, list(device_ids)))
-        return resp.container_responses[0]
+                self.manager.record(ns, name, container, resource, device_ids, resp)
+        return resp
+
+    # -- pods, the kubelet's way --------------------------------------------------------------------
+    def handle_pod_additions(self, pods: Iterable[Mapping[str, Any]]) -> dict[str, str | None]:
+        """Admit a batch as ``HandlePodAdditions``: creation-time order, ties random; each pod's
+        admission error (``UnexpectedAdmissionError``) or None, by namespace/name."""
+        out: dict[str, str | None] = {}
+        for pod in admission_order(pods, self.rng):
+            meta = pod["metadata"]
+            try:
+                self.admit(pod)
+                out[f"{meta.get('namespace', 'default')}/{meta['name']}"] = None
+            except AdmissionError as exc:
+                out[f"{meta.get('namespace', 'default')}/{meta['name']}"] = str(exc)
+        return out
+
+    def admit(self, pod: Mapping[str, Any]) -> list[tuple[str, dict[str, str]]]:
+        """Admit one pod through the device manager; each container's environment, per resource.
+        Raises :class:`~vramshare.standins.devicemanager.AdmissionError`."""
+        with self._cond:
+            self.manager.admit(pod)
+            entry = self.manager.pods[pod["metadata"]["uid"]]
+            return [(c, dict(g.response.envs)) for c, grants in entry.containers.items()
+                    for g in grants.values() if g.response is not None]
+
+    def reallocate(self, uid: str, container: str) -> None:
+        """A late re-Allocate: the container's cached devices are lost and allocated again."""
+        with self._cond:
+            self.manager.lose_container(uid, container)
+            self.manager.reallocate(uid)
+
+    def remove_pod(self, uid: str) -> None:
+        with self._cond:
+            self.manager.remove_pod(uid)
 
     def forget_pod(self, namespace: str, name: str) -> None:
         """The pod ended: its devices are free again (PodResources stops listing them)."""
         with self._cond:
-            self._allocated.pop((namespace, name), None)
+            for uid, e in list(self.manager.pods.items()):
+                if (e.namespace, e.name) == (namespace, name):
+                    self.manager.remove_pod(uid)
+
+    def stop_pod_resources(self) -> None:
+        """A node without PodResources (the socket not mounted, or the server gone)."""
+        if self._pr_server is not None:
+            self._pr_server.stop(grace=None).wait()
+            self._pr_server = None
 
     # -- v1.PodResourcesLister -------------------------------------------------------------------
     def List(self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext) -> pr.ListPodResourcesResponse:
@@ -225,7 +311,7 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
             pods = [pr.PodResources(name=name, namespace=ns, containers=[
                 pr.ContainerResources(name=c, devices=[pr.ContainerDevices(resource_name=r, device_ids=ids)
                                                        for r, ids in grants])
-                for c, grants in containers.items()]) for (ns, name), containers in self._allocated.items()]
+                for c, grants in containers]) for ns, name, containers in self.manager.pod_resources()]
         return pr.ListPodResourcesResponse(pod_resources=pods)
 
     def GetAllocatableResources(self, request: pr.AllocatableResourcesRequest,

@@ -1,0 +1,87 @@
+"""Which GPUs GetPreferredAllocation should prefer: the extender's plan for the one pod it can be.
+
+Pure functions over pod JSON from the plugin's watch-fed cache (no API call on the kubelet's path).
+The kubelet does not say which pod it is admitting, so the plan is used only when exactly one pod
+can be meant: among the pods bound to this node in ``allocation-state: assumed``, the ones with a
+container asking for ``size`` devices of ``resource`` (its *size signature*). The extender keeps at
+most one assumed pod per node per signature (DESIGN.md section 3), so normally that is one pod; when
+two match anyway, nothing is guessed and the caller falls back to best fit. Either way it is only a
+hint: the container gets the IDs the kubelet picks, and the reconciler records them afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from deviceplugin.handshake import AssignmentError, parse_assignment, requested
+from vramshare import contract
+from vramshare.podspec import PodSpecError, pod_demand
+
+
+@dataclass(frozen=True)
+class Steer:
+    """``targets``: GPU (or MIG/whole-GPU device) UUID -> devices to prefer there; ``None``: best fit."""
+
+    targets: dict[str, int] | None
+    pod: str = ""  # namespace/name of the pod steered for
+    reason: str = ""  # why there is no target (for logs and metrics)
+
+
+def _assumed_here(pod: Mapping[str, Any], node: str, names: contract.Names) -> bool:
+    meta = pod.get("metadata") or {}
+    ann = meta.get("annotations") or {}
+    return ((pod.get("spec") or {}).get("nodeName") == node and not meta.get("deletionTimestamp")
+            and (pod.get("status") or {}).get("phase", "Pending") == "Pending"
+            and ann.get(names.allocation_state) == contract.STATE_ASSUMED)
+
+
+def _targets(text: str | None, container: str, resource: str, names: contract.Names,
+             unit_mib: int) -> dict[str, int]:
+    gpus = parse_assignment(text, container)
+    if resource == names.gpu_memory:
+        return {g.uuid: g.mib // unit_mib for g in gpus if g.mib >= unit_mib}
+    return {g.uuid: 1 for g in gpus}  # a MIG instance or a whole GPU is one device, its ID its UUID
+
+
+def _of_this_resource(plan: dict[str, int], known: Mapping[str, int]) -> dict[str, int]:
+    """A container asking two resources has one plan for both: keep the entries this resource can serve."""
+    return {t: n for t, n in plan.items() if t in known}
+
+
+def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str, size: int,
+          unit_mib: int, free_per_target: Mapping[str, int]) -> Steer:
+    """The plan of the single assumed pod with a container of this size signature, else ``None``.
+
+    Within that pod, containers are tried in the kubelet's order (init containers, then app
+    containers); the first whose planned GPUs still have the devices free (``free_per_target``:
+    available devices per GPU or per device UUID) is the one being admitted.
+    """
+    candidates: list[tuple[str, list[dict[str, int]]]] = []
+    for pod in pods:
+        if not _assumed_here(pod, node, names):
+            continue
+        try:
+            demand = pod_demand(pod, names)
+        except PodSpecError:
+            continue
+        text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.assignment)
+        plans = []
+        for c in demand.containers:
+            if requested(c, resource, names) != size:
+                continue
+            try:
+                plans.append(_targets(text, c.container, resource, names, unit_mib))
+            except AssignmentError:
+                continue
+        if plans:
+            candidates.append((f"{demand.namespace}/{demand.name}", plans))
+    if not candidates:
+        return Steer(None, reason="no assumed pod of this size on the node")
+    if len(candidates) > 1:
+        return Steer(None, reason=f"{len(candidates)} assumed pods of this size: "
+                                  + ", ".join(sorted(k for k, _ in candidates)))
+    key, plans = candidates[0]
+    for plan in (_of_this_resource(p, free_per_target) for p in plans):
+        if sum(plan.values()) == size and all(free_per_target.get(t, 0) >= n for t, n in plan.items()):
+            return Steer(plan, pod=key)
+    return Steer(None, pod=key, reason=f"the plan of {key} no longer fits the available devices")
