@@ -54,6 +54,12 @@ class ExtenderConfig:
     policy: Policy = Policy.FGD
     assume_timeout_seconds: float = 120.0  # an assumed pod that never binds frees its memory then
     workload_window: int = 1000  # recent requests forming FGD's target workload
+    # TLS with client-certificate authentication of the verbs (all three or none; PEM paths).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    client_ca_file: str | None = None
+    # A second, plain-HTTP listener serving only /metrics, /healthz and /readyz (HOST:PORT), or None.
+    metrics_listen: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,9 @@ _TOP_KEYS = {
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
                 "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
 _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
-                  "workloadWindow": "workload_window"}
+                  "workloadWindow": "workload_window", "tlsCertFile": "tls_cert_file",
+                  "tlsKeyFile": "tls_key_file", "clientCAFile": "client_ca_file",
+                  "metricsListen": "metrics_listen"}
 _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "floorFraction": "floor_fraction", "ceilingFraction": "ceiling_fraction",
                "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure"}
@@ -227,6 +235,28 @@ def merge_env(raw: Any, environ: Mapping[str, str]) -> Any:
     return merged
 
 
+def _extender_tls(e: Mapping[str, Any]) -> dict[str, Any]:
+    """The extender's TLS files (all three or none, absolute paths) and its metrics listener."""
+    out: dict[str, Any] = {}
+    for key, attr in (("tlsCertFile", "tls_cert_file"), ("tlsKeyFile", "tls_key_file"),
+                      ("clientCAFile", "client_ca_file")):
+        value = e.get(key)
+        if value is not None:
+            out[attr] = _absolute(_typed(value, str, f"extender.{key}"), f"extender.{key}")
+    if out and len(out) != 3:
+        missing = [k for k, a in (("tlsCertFile", "tls_cert_file"), ("tlsKeyFile", "tls_key_file"),
+                                  ("clientCAFile", "client_ca_file")) if a not in out]
+        raise ConfigError(f"extender: TLS needs tlsCertFile, tlsKeyFile and clientCAFile; missing {', '.join(missing)}")
+    listen = e.get("metricsListen")
+    if listen is not None:
+        listen = _typed(listen, str, "extender.metricsListen")
+        host, _, port = listen.rpartition(":")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"extender.metricsListen: {listen!r} is not HOST:PORT")
+        out["metrics_listen"] = listen
+    return out
+
+
 def config_from_dict(raw: Any) -> Config:
     top = _check_keys(raw, _TOP_KEYS, "")
     version = top.get("version", VERSION) or VERSION
@@ -266,6 +296,7 @@ def config_from_dict(raw: Any) -> Config:
                                       float, "extender.assumeTimeoutSeconds", minimum=1),
         workload_window=_typed(e.get("workloadWindow", d.extender.workload_window), int,
                                "extender.workloadWindow", minimum=1),
+        **_extender_tls(e),
     )
     q = _check_keys(top.get("quota"), _QUOTA_KEYS, "quota.")
     quota = QuotaConfig(
