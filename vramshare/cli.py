@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("node", nargs="?", help="one node (default: the whole cluster)")
     insp.add_argument("--extender", default="http://127.0.0.1:8888", metavar="URL",
                       help="extender base URL (default http://127.0.0.1:8888)")
+    insp.add_argument("--cacert", metavar="PEM", help="CA of the extender's serving certificate (https)")
+    insp.add_argument("--cert", metavar="PEM", help="client certificate the extender trusts (https)")
+    insp.add_argument("--key", metavar="PEM", help="key of --cert")
     return parser
 
 
