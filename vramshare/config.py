@@ -73,6 +73,10 @@ class QuotaConfig:
     step_mib: int = 512
     margin_mib: int = 1024  # headroom over observed use that the loop never takes from a tenant
     kv_pressure: float = 0.9  # vLLM KV-cache usage at or above this counts as memory pressure
+    # Tie NVML's per-process GPU memory (host PIDs) to pods through /proc/<pid>/cgroup. Needs the
+    # device plugin to run with hostPID: true (it then sees, and as root could signal, every host
+    # process), so it is off by default.
+    process_attribution: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,8 @@ _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_se
                   "metricsListen": "metrics_listen"}
 _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "floorFraction": "floor_fraction", "ceilingFraction": "ceiling_fraction",
-               "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure"}
+               "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure",
+               "processAttribution": "process_attribution"}
 
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$")
@@ -307,6 +312,7 @@ def config_from_dict(raw: Any) -> Config:
         step_mib=_typed(q.get("stepMiB", 512), int, "quota.stepMiB", minimum=1),
         margin_mib=_typed(q.get("marginMiB", 1024), int, "quota.marginMiB", minimum=0),
         kv_pressure=_typed(q.get("kvPressure", 0.9), float, "quota.kvPressure", minimum=0),
+        process_attribution=_typed(q.get("processAttribution", False), bool, "quota.processAttribution"),
     )
     if quota.floor_fraction > 1 or quota.ceiling_fraction < 1:
         raise ConfigError("quota: floorFraction must be <= 1 <= ceilingFraction")
