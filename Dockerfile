@@ -5,9 +5,8 @@
 # deploy/image/install-wheel.sh: no source tree, no build tools, no compilers, no pip cache.
 # The default user is non-root (65532); the device plugin's DaemonSet runs it as root, which it
 # needs for the kubelet's socket directory (see deploy/daemonset/device-plugin.yaml).
-ARG PYTHON_IMAGE=docker.io/library/python:3.11-slim-bookworm
-
-FROM ${PYTHON_IMAGE} AS builder
+# Both stages use the same base (a pinned minor release, never :latest).
+FROM docker.io/library/python:3.11-slim-bookworm AS builder
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY vramshare/ vramshare/
@@ -18,7 +17,7 @@ COPY vllm_patches/ vllm_patches/
 RUN python -m pip install --no-cache-dir "setuptools>=68" wheel \
  && python -m pip wheel --no-cache-dir --wheel-dir /wheels .
 
-FROM ${PYTHON_IMAGE} AS runtime
+FROM docker.io/library/python:3.11-slim-bookworm AS runtime
 COPY deploy/image/install-wheel.sh /tmp/install-wheel.sh
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     sh /tmp/install-wheel.sh /wheels \
