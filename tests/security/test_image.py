@@ -41,9 +41,21 @@ def _run(argv: list[str], **kw: object) -> str:
 def venv(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     tmp = tmp_path_factory.mktemp("image")
     wheels = tmp / "wheels"
-    # The builder stage: `pip wheel .` (here --no-deps, offline, and without build isolation).
+    # The builder stage: what its COPY lines copy, then `pip wheel .` (here --no-deps, offline and
+    # without build isolation). A file the wheel needs but the Dockerfile does not copy fails here.
+    src = tmp / "src"
+    src.mkdir()
+    builder = re.split(r"^FROM ", (ROOT / "Dockerfile").read_text(), flags=re.M)[1]
+    for line in re.findall(r"^COPY (.+)$", builder, flags=re.M):
+        *sources, _dest = line.split()
+        for item in sources:
+            path = ROOT / item.rstrip("/")
+            if path.is_dir():
+                shutil.copytree(path, src / path.name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(path, src / path.name)
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
-          "--wheel-dir", str(wheels), str(ROOT)], cwd=tmp)
+          "--wheel-dir", str(wheels), str(src)], cwd=tmp)
     [wheel] = wheels.glob("vramshare-*.whl")
     env_dir = tmp / "venv"
     _run([sys.executable, "-m", "venv", str(env_dir)])
