@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import ipaddress
 import signal
 import threading
 import time
@@ -100,7 +101,7 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
     watcher.start()
     thread = _serve(server, "extender-http")
     side_thread = _serve(side, "extender-metrics") if side is not None else None
-    if files is None:
+    if files is None and not _loopback(host):
         log.warning("serving the verbs without TLS or client authentication: anyone who can reach "
                     "the port can bind pods; set extender.tlsCertFile/tlsKeyFile/clientCAFile", url=server.url)
     log.info("extender started", url=server.url, policy=chosen.value, client_auth=files is not None,
@@ -114,6 +115,13 @@ def start_for_url(api_url: str, config: Config | None = None, **kwargs: object) 
     running = start(api, config or Config(), **kwargs)  # type: ignore[arg-type]
     running.owned_api = api
     return running
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _listen(value: str, flag: str = "--listen") -> tuple[str, int]:

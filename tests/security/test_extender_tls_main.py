@@ -86,3 +86,13 @@ def test_vramshare_inspect_presents_a_client_certificate(tmp_path: Path, capsys:
             assert inspection.run(ok) == 0 and "n1" in capsys.readouterr().out
             bare = cli.build_parser().parse_args(["inspect", "--extender", ext.url, "--cacert", str(pki.ca)])
             assert inspection.run(bare) != 0 and "403" in capsys.readouterr().err
+
+
+def test_plain_http_is_warned_about_unless_on_loopback(caplog: pytest.LogCaptureFixture) -> None:
+    with ApiServerDouble() as api:
+        with main.start_for_url(api.url, host="127.0.0.1"):
+            pass
+    assert not [r for r in caplog.records if "without TLS" in r.getMessage()]  # the demo, the tests
+    # Which hosts count as loopback (binding a public address in a test is not an option here).
+    assert all(main._loopback(h) for h in ("127.0.0.1", "::1", "localhost"))  # noqa: SLF001
+    assert not any(main._loopback(h) for h in ("0.0.0.0", "::", "10.0.0.7", "extender.svc"))  # noqa: SLF001
