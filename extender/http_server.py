@@ -336,8 +336,19 @@ class ExtenderHTTPServer:
         if conn.out is not None:
             self._flush(conn)
             if conn.out is None and not conn.closed:
-                self._process(conn)
+                self._resume(conn)
             return
+        self._read(conn)
+
+    def _resume(self, conn: _Conn) -> None:
+        """After an answer went out: serve what is buffered, including what TLS already decrypted
+        (that raises no readiness event, so waiting for one would stall a pipelined request)."""
+        self._process(conn)
+        if (self.tls is not None and not (conn.closed or conn.busy or conn.out is not None or conn.draining)
+                and conn.sock.pending()):  # type: ignore[attr-defined]
+            self._read(conn)
+
+    def _read(self, conn: _Conn) -> None:
         while True:
             # A head is read at most MAX_HEAD_BYTES at a time, so an idle or hostile connection
             # buffers little; a body (its size already checked) in large reads.
@@ -485,7 +496,7 @@ class ExtenderHTTPServer:
             self._respond(conn, head, resp)
             if conn.out is None and not conn.closed:
                 self._watch(conn, selectors.EVENT_READ)
-                self._process(conn)
+                self._resume(conn)
 
     def _respond(self, conn: _Conn, head: http1.RequestHead, resp: Response, extra: bytes = b"") -> None:
         keep = head.keep_alive and not self._stopping and not conn.close_after

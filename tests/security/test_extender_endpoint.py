@@ -265,3 +265,11 @@ def test_a_slowloris_request_is_cut_off(pki: Pki) -> None:
         assert raw.recv(10) == b""
     finally:
         s.stop()
+
+
+def test_pipelined_requests_over_tls_after_a_worker_route_are_all_answered(tls_served: Served) -> None:
+    """TLS decrypts whole records: requests already decrypted while /bind ran on a worker raise no
+    readiness event, so the server must look for them itself when the bind's answer is out."""
+    sock = tls_served.scheduler()
+    sock.sendall(request("POST", "/bind", b"{}") + request("POST", "/filter", b"{}") + request("GET", "/healthz"))
+    assert [read_response(sock)[0] for _ in range(3)] == [200, 200, 200]
