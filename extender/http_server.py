@@ -18,19 +18,34 @@ Malformed requests get a 4xx/5xx with a plain-text reason and the connection is 
 ends is no longer known); oversized bodies get 413, methods other than GET/POST 405. Idle keep-alive
 connections and requests that trickle in too slowly are closed by a sweep. :meth:`close` stops
 accepting, lets requests in flight finish (bounded by ``grace_s``), then closes every socket.
+
+Hostile callers (issue 11). With ``tls`` (:mod:`extender.tls`) every connection is TLS and asks for a
+client certificate; only the ``public`` routes (the probes) answer a connection without a verified
+one, every other route is refused with 403 right after the request head, before any body is read.
+``routes`` limits what a listener serves at all (the metrics listener: /metrics and the probes).
+Memory is bounded whatever a caller sends: a body larger than ``max_body_bytes`` is refused with 413
+from its declared ``Content-Length`` alone (its bytes are never read), the bodies being buffered at
+once share ``max_buffered_bytes`` (503 beyond), and a request head is read at most
+:data:`extender.http1.MAX_HEAD_BYTES` at a time. Connections: at most ``max_connections``, of which
+``reserve`` only for authenticated ones; when the unauthenticated ones are at their limit, the oldest
+idle one is closed to admit the new one, so a flood of idle or slow connections can neither lock the
+scheduler out nor pin the table. Every request must arrive whole (and every TLS handshake finish)
+within ``request_timeout_s`` of its first byte (slowloris): 408 and close otherwise.
 """
 from __future__ import annotations
 
 import selectors
 import socket
+import ssl
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from extender import http1
 from extender.app import Response
+from extender.tls import Reloader
 from vramshare import logs
 
 __all__ = ["ExtenderHTTPServer", "Handler"]
@@ -39,6 +54,14 @@ log = logs.get("vramshare.extender.http")
 
 TEXT = "text/plain; charset=utf-8"
 RECV_BYTES = 256 * 1024
+# kube-scheduler's largest body is a filter/prioritize/preempt call: the pod (at most 1.5 MiB, etcd's
+# default --max-request-bytes) plus, with nodeCacheCapable, node names only (5,000 nodes of ~20
+# characters is ~115 KB; even 253-character names are 1.3 MB) or preemption victims (pod UIDs per
+# node). 4 MiB covers the worst of these; a 59 MiB body is refused from its head.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BUFFERED_BYTES = 64 * 1024 * 1024  # bodies being received at once, all connections together
+# Routes the probes need; the only ones a TLS connection without a client certificate may call.
+PROBES = frozenset({("GET", "/healthz"), ("GET", "/readyz")})
 # Answered on the loop thread: fast, pure CPU, never an API call. Everything else goes to the workers.
 INLINE = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("GET", "/healthz"), ("GET", "/readyz")})
 _WAKE = object()  # selector key data of the wake-up socket; the listener's is None
@@ -54,9 +77,9 @@ class _Conn:
     """One client connection's state; touched only by the loop thread."""
 
     __slots__ = ("sock", "peer", "buf", "head", "body_at", "out", "busy", "close_after", "closed",
-                 "events", "since")
+                 "events", "since", "handshaking", "authenticated", "reserved", "linger", "draining")
 
-    def __init__(self, sock: socket.socket, peer: object) -> None:
+    def __init__(self, sock: socket.socket, peer: object, handshaking: bool = False) -> None:
         self.sock = sock
         self.peer = peer
         self.buf = bytearray()
@@ -68,20 +91,38 @@ class _Conn:
         self.closed = False
         self.events = 0  # what the selector watches for this socket (0: unregistered)
         self.since = time.monotonic()  # start of the current phase, for the timeouts
+        self.handshaking = handshaking  # TLS handshake not finished yet
+        self.authenticated = False  # presented a client certificate the client CA verifies
+        self.reserved = 0  # bytes of the body being received, counted in the shared budget
+        self.linger = False  # after the answer, discard what the client still sends before closing
+        self.draining = False  # refused and answered: discarding, then close
 
 
 class ExtenderHTTPServer:
     """Serve ``app`` on ``host:port`` (0 = ephemeral); run :meth:`serve_forever` on a thread of your own."""
 
     def __init__(self, app: Handler, host: str, port: int, *, workers: int = 8,
-                 max_body_bytes: int = 64 * 1024 * 1024, idle_timeout_s: float = 120.0,
-                 request_timeout_s: float = 30.0, grace_s: float = 5.0, max_connections: int = 1024) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, max_buffered_bytes: int = MAX_BUFFERED_BYTES,
+                 idle_timeout_s: float = 120.0, request_timeout_s: float = 10.0, grace_s: float = 5.0,
+                 max_connections: int = 1024, reserve: int = 64, tls: Reloader | None = None,
+                 public: frozenset[tuple[str, str]] = PROBES,
+                 routes: frozenset[tuple[str, str]] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_buffered_bytes = max_buffered_bytes
         self.idle_timeout_s = idle_timeout_s  # Go's transport drops idle connections after 90 s
-        self.request_timeout_s = request_timeout_s  # a whole request, or a whole response, must move by then
+        # A whole request (or TLS handshake, or response) must move by then; kube-scheduler's
+        # httpTimeout is 5 s, so a request still arriving after 10 s has no caller left.
+        self.request_timeout_s = request_timeout_s
         self.grace_s = grace_s
         self.max_connections = max_connections
+        self.reserve = min(reserve, max_connections - 1) if tls is not None else 0
+        self.tls = tls
+        self.public = public  # routes a connection without a verified client certificate may call
+        self.routes = routes  # None: every route of the app
+        self._buffered = 0
+        self._unauth: OrderedDict[_Conn, None] = OrderedDict()  # in accept order, for eviction
+        self._next_tls_check = 0.0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         dual = host == "::" and socket.has_dualstack_ipv6()  # "[::]:port" also serves IPv4 clients
         self._listener = socket.create_server((host, port), family=family, backlog=128, dualstack_ipv6=dual)
@@ -103,7 +144,8 @@ class ExtenderHTTPServer:
     @property
     def url(self) -> str:
         host, port = self.server_address
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def serve_forever(self, poll_interval: float = 0.5) -> None:
@@ -197,15 +239,41 @@ class ExtenderHTTPServer:
             except OSError as exc:  # EMFILE and friends: try again on the next readiness
                 log.warning("accept failed", error=str(exc))
                 return
-            if len(self._conns) >= self.max_connections:
-                log.warning("connection refused: too many open", peer=str(peer), limit=self.max_connections)
+            if not self._room_for_one(peer):
                 sock.close()
                 continue
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, peer)
+            if self.tls is not None:
+                try:
+                    sock = self.tls.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (OSError, ValueError) as exc:
+                    log.warning("tls wrap failed", peer=str(peer), error=str(exc))
+                    sock.close()
+                    continue
+            conn = _Conn(sock, peer, handshaking=self.tls is not None)
             self._conns.add(conn)
+            self._unauth[conn] = None
             self._watch(conn, selectors.EVENT_READ)
+
+    def _room_for_one(self, peer: object) -> bool:
+        """Make room for a new (not yet authenticated) connection, evicting the oldest idle one if needed.
+
+        Unauthenticated connections may hold ``max_connections - reserve`` slots; the reserve is only
+        for connections that proved a client certificate (the scheduler), so a flood never locks it
+        out. Evicting the oldest idle one (never one whose request is being answered) keeps a new
+        caller's chance even while the flood holds every unauthenticated slot.
+        """
+        if len(self._unauth) < self.max_connections - self.reserve and len(self._conns) < self.max_connections:
+            return True
+        for old in self._unauth:
+            if not old.busy and old.out is None:
+                log.warning("connection evicted: too many unauthenticated connections", peer=str(old.peer),
+                            limit=self.max_connections - self.reserve)
+                self._drop(old)
+                return len(self._conns) < self.max_connections
+        log.warning("connection refused: too many open", peer=str(peer), limit=self.max_connections)
+        return False
 
     def _watch(self, conn: _Conn, events: int) -> None:
         if events == conn.events or conn.closed:
@@ -224,14 +292,30 @@ class ExtenderHTTPServer:
         self._watch(conn, 0)
         conn.closed = True
         self._conns.discard(conn)
+        self._unauth.pop(conn, None)
+        self._release_body(conn)
         conn.sock.close()
 
+    def _release_body(self, conn: _Conn) -> None:
+        self._buffered -= conn.reserved
+        conn.reserved = 0
+
     def _sweep(self, now: float) -> None:
+        if self.tls is not None and now >= self._next_tls_check:
+            self._next_tls_check = now + 10.0
+            self.tls.check()
         for conn in list(self._conns):
             if conn.busy:
                 continue
             age = now - conn.since
-            if conn.out is not None or conn.buf:
+            if conn.draining:
+                if age > min(1.0, self.request_timeout_s):
+                    self._drop(conn)
+            elif conn.handshaking:
+                if age > self.request_timeout_s:
+                    log.warning("tls handshake not finished in time", peer=str(conn.peer))
+                    self._drop(conn)
+            elif conn.out is not None or conn.buf:
                 if age > self.request_timeout_s:
                     if conn.out is None:
                         self._fail(conn, 408, "request not received in time")
@@ -244,25 +328,84 @@ class ExtenderHTTPServer:
     def _on_event(self, conn: _Conn) -> None:
         if conn.closed:  # dropped earlier in the same batch of events
             return
+        if conn.draining:
+            self._discard(conn)
+            return
+        if conn.handshaking and not self._handshake(conn):
+            return
         if conn.out is not None:
             self._flush(conn)
             if conn.out is None and not conn.closed:
-                self._process(conn)
+                self._resume(conn)
             return
+        self._read(conn)
+
+    def _resume(self, conn: _Conn) -> None:
+        """After an answer went out: serve what is buffered, including what TLS already decrypted
+        (that raises no readiness event, so waiting for one would stall a pipelined request)."""
+        self._process(conn)
+        if (self.tls is not None and not (conn.closed or conn.busy or conn.out is not None or conn.draining)
+                and conn.sock.pending()):  # type: ignore[attr-defined]
+            self._read(conn)
+
+    def _read(self, conn: _Conn) -> None:
+        while True:
+            # A head is read at most MAX_HEAD_BYTES at a time, so an idle or hostile connection
+            # buffers little; a body (its size already checked) in large reads.
+            want = RECV_BYTES if conn.head is not None else max(1024, http1.MAX_HEAD_BYTES + 4 - len(conn.buf))
+            try:
+                data = conn.sock.recv(want)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return
+            except OSError:
+                self._drop(conn)
+                return
+            if not data:  # the client closed (or half-closed) its side: nothing more to answer
+                self._drop(conn)
+                return
+            if not conn.buf:
+                conn.since = time.monotonic()
+            conn.buf += data
+            self._process(conn)
+            # TLS decrypts a record at a time: what is already decrypted raises no readiness event.
+            if (conn.closed or conn.busy or conn.out is not None or self.tls is None
+                    or not conn.sock.pending()):  # type: ignore[attr-defined]
+                return
+
+    def _discard(self, conn: _Conn) -> None:
+        """Read and drop what a refused client still sends, so closing does not reset the connection
+        before it has read our answer (a close with unread data sends RST, which discards the 4xx)."""
         try:
             data = conn.sock.recv(RECV_BYTES)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
+            data = b""
+        if not data:
             self._drop(conn)
-            return
-        if not data:  # the client closed (or half-closed) its side: nothing more to answer
+
+    def _handshake(self, conn: _Conn) -> bool:
+        """Advance a TLS handshake; True once it is done (then the connection reads requests)."""
+        sock: ssl.SSLSocket = conn.sock  # type: ignore[assignment]
+        try:
+            sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._watch(conn, selectors.EVENT_READ)
+            return False
+        except ssl.SSLWantWriteError:
+            self._watch(conn, selectors.EVENT_WRITE)
+            return False
+        except (ssl.SSLError, OSError) as exc:  # no TLS, an untrusted client certificate, a reset
+            log.warning("tls handshake refused", peer=str(conn.peer), error=str(exc))
             self._drop(conn)
-            return
-        if not conn.buf:
-            conn.since = time.monotonic()
-        conn.buf += data
-        self._process(conn)
+            return False
+        conn.handshaking = False
+        conn.since = time.monotonic()
+        if sock.getpeercert():  # non-empty only when the client CA verified the client's chain
+            conn.authenticated = True
+            self._unauth.pop(conn, None)
+        self._watch(conn, selectors.EVENT_READ)
+        return True
 
     def _process(self, conn: _Conn) -> None:
         """Answer every complete request in the buffer, in order, until one must wait."""
@@ -279,10 +422,13 @@ class ExtenderHTTPServer:
                 except http1.HttpError as exc:
                     self._fail(conn, exc.status, exc.message)
                     return
-                if head.content_length > self.max_body_bytes:
-                    self._fail(conn, 413, f"body of {head.content_length} bytes exceeds {self.max_body_bytes}")
+                refusal = self._refusal(conn, head)
+                if refusal is not None:
+                    self._fail(conn, *refusal)
                     return
                 conn.head, conn.body_at = head, end + 4
+                conn.reserved = head.content_length
+                self._buffered += head.content_length
                 if head.expect_continue and len(conn.buf) < conn.body_at + head.content_length:
                     self._send(conn, b"HTTP/1.1 100 Continue\r\n\r\n", interim=True)
                     if conn.out is not None:
@@ -293,8 +439,24 @@ class ExtenderHTTPServer:
             body = bytes(conn.buf[conn.body_at:stop])
             del conn.buf[:stop]
             conn.head = None
+            self._release_body(conn)
             conn.since = time.monotonic()
             self._dispatch(conn, head, body)
+
+    def _refusal(self, conn: _Conn, head: http1.RequestHead) -> tuple[int, str] | None:
+        """Why a request is refused from its head alone (before any of its body is read), or None."""
+        key = (head.method, _route(head.target))
+        if self.routes is not None and key not in self.routes:
+            return 404, f"no route {head.method} {_route(head.target)} on this port"
+        if self.tls is not None and not conn.authenticated and key not in self.public:
+            return 403, ("a client certificate signed by the extender's client CA is required "
+                         "(kube-scheduler: extenders[].tlsConfig certFile/keyFile)")
+        if head.content_length > self.max_body_bytes:
+            return 413, f"body of {head.content_length} bytes exceeds the limit of {self.max_body_bytes}"
+        if self._buffered + head.content_length > self.max_buffered_bytes:
+            return 503, (f"too many request bodies in flight ({self._buffered} bytes buffered, "
+                         f"limit {self.max_buffered_bytes}): retry")
+        return None
 
     def _dispatch(self, conn: _Conn, head: http1.RequestHead, body: bytes) -> None:
         if (head.method, _route(head.target)) in INLINE:
@@ -334,7 +496,7 @@ class ExtenderHTTPServer:
             self._respond(conn, head, resp)
             if conn.out is None and not conn.closed:
                 self._watch(conn, selectors.EVENT_READ)
-                self._process(conn)
+                self._resume(conn)
 
     def _respond(self, conn: _Conn, head: http1.RequestHead, resp: Response, extra: bytes = b"") -> None:
         keep = head.keep_alive and not self._stopping and not conn.close_after
@@ -348,11 +510,15 @@ class ExtenderHTTPServer:
         body = (message + "\n").encode()
         conn.buf.clear()
         conn.head = None
-        self._send(conn, http1.response_head(status, TEXT, len(body), False) + body, close=True)
+        self._release_body(conn)
+        self._send(conn, http1.response_head(status, TEXT, len(body), False) + body, close=True, linger=True)
 
-    def _send(self, conn: _Conn, data: bytes, close: bool = False, interim: bool = False) -> None:
+    def _send(self, conn: _Conn, data: bytes, close: bool = False, interim: bool = False,
+              linger: bool = False) -> None:
         if close:
             conn.close_after = True
+        if linger:
+            conn.linger = True
         conn.out = memoryview(data)
         self._flush(conn)
         if conn.out is not None and not interim:
@@ -363,7 +529,7 @@ class ExtenderHTTPServer:
         assert out is not None
         try:
             sent = conn.sock.send(out)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
             sent = 0
         except OSError:  # reset by the client
             self._drop(conn)
@@ -373,10 +539,23 @@ class ExtenderHTTPServer:
             self._watch(conn, selectors.EVENT_WRITE)  # and read nothing until it is out: backpressure
             return
         conn.out = None
-        if conn.close_after:
+        if conn.close_after and conn.linger and not conn.draining and not self._stopping:
+            self._linger(conn)
+        elif conn.close_after:
             self._drop(conn)
         elif not conn.busy:
             self._watch(conn, selectors.EVENT_READ)
+
+
+    def _linger(self, conn: _Conn) -> None:
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)  # the answer is complete: the client sees EOF after it
+        except OSError:
+            self._drop(conn)
+            return
+        conn.draining = True
+        conn.since = time.monotonic()
+        self._watch(conn, selectors.EVENT_READ)
 
 
 def _route(target: str) -> str:

@@ -6,6 +6,7 @@ with 20 GiB free?"), so the answer names every GPU with its total, used and free
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 import urllib.error
 import urllib.parse
@@ -77,17 +78,29 @@ def format_table(doc: Obj) -> str:
     return "\n".join(lines)
 
 
-def fetch(base_url: str, node: str | None = None, timeout: float = 10.0) -> Obj:
+def fetch(base_url: str, node: str | None = None, timeout: float = 10.0,
+          context: ssl.SSLContext | None = None) -> Obj:
     url = base_url.rstrip("/") + "/inspect" + (f"/{urllib.parse.quote(node)}" if node else "")
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
         return orjson.loads(resp.read())
+
+
+def client_context(cacert: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """TLS client context for an extender that wants a client certificate (None: library defaults)."""
+    if not (cacert or cert):
+        return None
+    ctx = ssl.create_default_context(cafile=cacert)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``vramshare inspect [NODE] --extender URL``."""
     out = out or sys.stdout
     try:
-        doc = fetch(args.extender, args.node)
+        doc = fetch(args.extender, args.node, context=client_context(
+            getattr(args, "cacert", None), getattr(args, "cert", None), getattr(args, "key", None)))
     except urllib.error.HTTPError as exc:
         with exc:
             body = exc.read()

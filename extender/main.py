@@ -6,7 +6,9 @@ ephemeral loopback port against any API server (the double included) and get its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import ipaddress
 import signal
 import threading
 import time
@@ -15,7 +17,7 @@ from typing import Callable
 
 from kubernetes import client
 
-from extender import accounting, apicalls, app, binder, cache, http_server, metrics
+from extender import accounting, apicalls, app, binder, cache, http_server, metrics, tls
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, Policy, load_config
 
@@ -35,6 +37,8 @@ class RunningExtender:
     server: http_server.ExtenderHTTPServer
     _thread: threading.Thread
     owned_api: client.ApiClient | None = None
+    metrics_server: http_server.ExtenderHTTPServer | None = None
+    _metrics_thread: threading.Thread | None = None
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         return self.cache.ready.wait(timeout)
@@ -42,6 +46,9 @@ class RunningExtender:
     def stop(self) -> None:
         self.server.close()
         self._thread.join()
+        if self.metrics_server is not None and self._metrics_thread is not None:
+            self.metrics_server.close()
+            self._metrics_thread.join()
         self.cache.stop()
         if self.owned_api is not None:
             self.owned_api.close()
@@ -53,10 +60,32 @@ class RunningExtender:
         self.stop()
 
 
+METRICS_ROUTES = frozenset({("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/readyz")})
+
+
+def tls_files(config: Config) -> tls.TlsFiles | None:
+    e = config.extender
+    if e.tls_cert_file and e.tls_key_file and e.client_ca_file:
+        return tls.TlsFiles(e.tls_cert_file, e.tls_key_file, e.client_ca_file)
+    return None
+
+
+def _serve(server: http_server.ExtenderHTTPServer, name: str) -> threading.Thread:
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
 def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: int = 0, *,
           policy: Policy | None = None, clock: Callable[[], int] = time.time_ns,
-          watch_timeout_s: int = 300, expiry_interval_s: float | None = None) -> RunningExtender:
-    """Start cache and HTTP server; returns at once (use ``wait_ready`` for the initial lists)."""
+          watch_timeout_s: int = 300, expiry_interval_s: float | None = None,
+          metrics_at: tuple[str, int] | None = None) -> RunningExtender:
+    """Start cache and HTTP server(s); returns at once (use ``wait_ready`` for the initial lists).
+
+    With TLS files in ``config`` the verbs and /inspect need a client certificate signed by the client
+    CA; ``metrics_at`` adds a plain-HTTP listener serving /metrics and the probes only (Prometheus).
+    Raises ``OSError``/``ssl.SSLError`` when the TLS files do not load.
+    """
     chosen = policy or config.extender.policy
     acct = accounting.Accounting(config, clock)
     stats = metrics.ExtenderMetrics(acct)
@@ -64,14 +93,20 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
     watcher = cache.Cache(acct, kube_api, stats, watch_timeout_s=watch_timeout_s,
                           expiry_interval_s=expiry_interval_s)
     extender = app.Extender(acct, binder.Binder(acct, kube_api, chosen, clock), watcher, stats, chosen)
-    server = http_server.ExtenderHTTPServer(extender, host, port)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
-                              name="extender-http", daemon=True)
+    files = tls_files(config)
+    server = http_server.ExtenderHTTPServer(extender, host, port, tls=tls.Reloader(files) if files else None)
+    side = (http_server.ExtenderHTTPServer(extender, *metrics_at, routes=METRICS_ROUTES, workers=2,
+                                           max_body_bytes=0, max_connections=64, reserve=0)
+            if metrics_at is not None else None)
     watcher.start()
-    thread.start()
-    log.info("extender started", url=server.url, policy=chosen.value,
-             assume_timeout_s=config.extender.assume_timeout_seconds)
-    return RunningExtender(server.url, extender, acct, watcher, server, thread)
+    thread = _serve(server, "extender-http")
+    side_thread = _serve(side, "extender-metrics") if side is not None else None
+    if files is None and not _loopback(host):
+        log.warning("serving the verbs without TLS or client authentication: anyone who can reach "
+                    "the port can bind pods; set extender.tlsCertFile/tlsKeyFile/clientCAFile", url=server.url)
+    log.info("extender started", url=server.url, policy=chosen.value, client_auth=files is not None,
+             metrics_url=side.url if side else None, assume_timeout_s=config.extender.assume_timeout_seconds)
+    return RunningExtender(server.url, extender, acct, watcher, server, thread, None, side, side_thread)
 
 
 def start_for_url(api_url: str, config: Config | None = None, **kwargs: object) -> RunningExtender:
@@ -82,18 +117,38 @@ def start_for_url(api_url: str, config: Config | None = None, **kwargs: object) 
     return running
 
 
-def _listen(value: str) -> tuple[str, int]:
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen(value: str, flag: str = "--listen") -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     if not port.isdigit():
-        raise ValueError(f"--listen {value!r}: want HOST:PORT")
+        raise ValueError(f"{flag} {value!r}: want HOST:PORT")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
+        config = config.with_overrides(extender=dataclasses.replace(
+            config.extender, **{k: v for k, v in (("tls_cert_file", getattr(args, "tls_cert", None)),
+                                                  ("tls_key_file", getattr(args, "tls_key", None)),
+                                                  ("client_ca_file", getattr(args, "client_ca", None)),
+                                                  ("metrics_listen", getattr(args, "metrics_listen", None)))
+                                if v is not None}))
+        files = tls_files(config)
+        if files is None and any((config.extender.tls_cert_file, config.extender.tls_key_file,
+                                  config.extender.client_ca_file)):
+            raise ConfigError("TLS needs --tls-cert, --tls-key and --client-ca together")
+        if files is not None:
+            tls.server_context(files)  # fail here, naming the file, not on the first connection
         host, port = _listen(args.listen)
-    except (ConfigError, ValueError) as exc:
+        metrics_at = _listen(config.extender.metrics_listen, "--metrics-listen") if config.extender.metrics_listen else None
+    except (ConfigError, ValueError, OSError) as exc:
         log.error("refusing to start", error=str(exc))
         return 2
     api = kube.api_client(args.kubeconfig)
@@ -104,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     with api:
-        running = start(api, config, host, port, policy=Policy(args.policy) if args.policy else None)
+        running = start(api, config, host, port, policy=Policy(args.policy) if args.policy else None,
+                        metrics_at=metrics_at)
         if running.wait_ready(60):
             # The cache of thousands of nodes and pods lives for the process: move it out of the
             # collector's reach, so a full collection (hundreds of ms at 5,000 nodes) never lands in a

@@ -57,6 +57,34 @@ def _string(obj: Mapping[str, Any], key: str, what: str) -> str:
     return value
 
 
+def _pod(value: Any, what: str) -> Obj:
+    """A Pod in the shape the API server's validation guarantees, or :class:`WireError` naming the field.
+
+    Only the parts the verbs walk (metadata, annotations, containers and their resources) are checked,
+    so a malformed pod is refused here with a reason instead of failing deep inside a verb.
+    """
+    if not isinstance(value, dict) or not isinstance(value.get("metadata"), dict):
+        raise WireError(f"{what}: expected a Pod object with metadata")
+    ann = value["metadata"].get("annotations")
+    if ann is not None and (not isinstance(ann, dict) or not all(isinstance(v, str) for v in ann.values())):
+        raise WireError(f"{what}.metadata.annotations: expected a map of strings")
+    spec = value.get("spec", {})
+    if not isinstance(spec, dict):
+        raise WireError(f"{what}.spec: expected an object")
+    for key in ("containers", "initContainers"):
+        items = spec.get(key)
+        if items is None:
+            continue
+        if not isinstance(items, list):
+            raise WireError(f"{what}.spec.{key}: expected a list")
+        for i, c in enumerate(items):
+            res = c.get("resources") if isinstance(c, dict) else None
+            if not isinstance(c, dict) or not isinstance(res if res is not None else {}, dict) or any(
+                    not isinstance(res.get(k, {}) or {}, dict) for k in ("limits", "requests") if res):
+                raise WireError(f"{what}.spec.{key}[{i}]: expected a container with resources limits/requests maps")
+    return value
+
+
 # -- filter / prioritize ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class ExtenderArgs:
@@ -85,9 +113,7 @@ class ExtenderArgs:
 def decode_extender_args(body: bytes) -> ExtenderArgs:
     """Parse ``ExtenderArgs``; raises :class:`WireError` naming the bad field."""
     data = _loads(body, "ExtenderArgs")
-    pod = _field(data, "Pod")
-    if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
-        raise WireError("ExtenderArgs.Pod: expected a Pod object with metadata")
+    pod = _pod(_field(data, "Pod"), "ExtenderArgs.Pod")
     names = _field(data, "NodeNames")
     raw_nodes = _field(data, "Nodes")
     if names is not None:
@@ -198,9 +224,7 @@ class PreemptionArgs:
 def decode_preemption_args(body: bytes) -> PreemptionArgs:
     """Read the Meta (UID) form when present, else the full-pod form, as the scheduler sends either."""
     data = _loads(body, "ExtenderPreemptionArgs")
-    pod = _field(data, "Pod")
-    if not isinstance(pod, dict):
-        raise WireError("ExtenderPreemptionArgs.Pod: expected a Pod object")
+    pod = _pod(_field(data, "Pod"), "ExtenderPreemptionArgs.Pod")
     meta = _field(data, "NodeNameToMetaVictims")
     full = _field(data, "NodeNameToVictims")
     source, uid_of = (meta, lambda p: _field(p, "UID")) if meta is not None else (
@@ -213,7 +237,10 @@ def decode_preemption_args(body: bytes) -> PreemptionArgs:
         if not isinstance(v, dict) or not isinstance(_field(v, "Pods") or [], list):
             raise WireError(f"ExtenderPreemptionArgs: victims of node {node!r} are not an object with Pods")
         victims[node] = [str(uid_of(p)) for p in _field(v, "Pods") or [] if isinstance(p, dict)]
-        pdb[node] = int(_field(v, "NumPDBViolations") or 0)
+        violations = _field(v, "NumPDBViolations") or 0
+        if not isinstance(violations, int) or isinstance(violations, bool):
+            raise WireError(f"ExtenderPreemptionArgs: NumPDBViolations of node {node!r} is not an integer")
+        pdb[node] = violations
     return PreemptionArgs(pod=pod, victims=victims, pdb_violations=pdb)
 
 

@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="versioned config YAML (version: v1)")
     ex.add_argument("--policy", choices=["fgd", "binpack", "spread"],
                     help="placement policy (overrides the config; pods may override with an annotation)")
+    ex.add_argument("--tls-cert", metavar="PEM", help="serving certificate chain (with --tls-key and --client-ca)")
+    ex.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    ex.add_argument("--client-ca", metavar="PEM", help="CA whose client certificates may call the verbs and "
+                    "/inspect (kube-scheduler's tlsConfig certFile); probes need none")
+    ex.add_argument("--metrics-listen", metavar="HOST:PORT",
+                    help="plain-HTTP listener for /metrics, /healthz and /readyz only (for Prometheus)")
 
     sim = sub.add_parser("simulate", help="replay a cluster trace through the placement policies",
                          description="Replay the Alibaba GPU-sharing trace (openb) through the extender's "
@@ -111,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("node", nargs="?", help="one node (default: the whole cluster)")
     insp.add_argument("--extender", default="http://127.0.0.1:8888", metavar="URL",
                       help="extender base URL (default http://127.0.0.1:8888)")
+    insp.add_argument("--cacert", metavar="PEM", help="CA of the extender's serving certificate (https)")
+    insp.add_argument("--cert", metavar="PEM", help="client certificate the extender trusts (https)")
+    insp.add_argument("--key", metavar="PEM", help="key of --cert")
     return parser
 
 

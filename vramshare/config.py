@@ -54,6 +54,12 @@ class ExtenderConfig:
     policy: Policy = Policy.FGD
     assume_timeout_seconds: float = 120.0  # an assumed pod that never binds frees its memory then
     workload_window: int = 1000  # recent requests forming FGD's target workload
+    # TLS with client-certificate authentication of the verbs (all three or none; PEM paths).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    client_ca_file: str | None = None
+    # A second, plain-HTTP listener serving only /metrics, /healthz and /readyz (HOST:PORT), or None.
+    metrics_listen: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,10 @@ class QuotaConfig:
     step_mib: int = 512
     margin_mib: int = 1024  # headroom over observed use that the loop never takes from a tenant
     kv_pressure: float = 0.9  # vLLM KV-cache usage at or above this counts as memory pressure
+    # Tie NVML's per-process GPU memory (host PIDs) to pods through /proc/<pid>/cgroup. Needs the
+    # device plugin to run with hostPID: true (it then sees, and as root could signal, every host
+    # process), so it is off by default.
+    process_attribution: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,10 +121,13 @@ _TOP_KEYS = {
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
                 "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
 _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
-                  "workloadWindow": "workload_window"}
+                  "workloadWindow": "workload_window", "tlsCertFile": "tls_cert_file",
+                  "tlsKeyFile": "tls_key_file", "clientCAFile": "client_ca_file",
+                  "metricsListen": "metrics_listen"}
 _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "floorFraction": "floor_fraction", "ceilingFraction": "ceiling_fraction",
-               "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure"}
+               "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure",
+               "processAttribution": "process_attribution"}
 
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$")
@@ -227,6 +240,28 @@ def merge_env(raw: Any, environ: Mapping[str, str]) -> Any:
     return merged
 
 
+def _extender_tls(e: Mapping[str, Any]) -> dict[str, Any]:
+    """The extender's TLS files (all three or none, absolute paths) and its metrics listener."""
+    out: dict[str, Any] = {}
+    for key, attr in (("tlsCertFile", "tls_cert_file"), ("tlsKeyFile", "tls_key_file"),
+                      ("clientCAFile", "client_ca_file")):
+        value = e.get(key)
+        if value is not None:
+            out[attr] = _absolute(_typed(value, str, f"extender.{key}"), f"extender.{key}")
+    if out and len(out) != 3:
+        missing = [k for k, a in (("tlsCertFile", "tls_cert_file"), ("tlsKeyFile", "tls_key_file"),
+                                  ("clientCAFile", "client_ca_file")) if a not in out]
+        raise ConfigError(f"extender: TLS needs tlsCertFile, tlsKeyFile and clientCAFile; missing {', '.join(missing)}")
+    listen = e.get("metricsListen")
+    if listen is not None:
+        listen = _typed(listen, str, "extender.metricsListen")
+        host, _, port = listen.rpartition(":")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"extender.metricsListen: {listen!r} is not HOST:PORT")
+        out["metrics_listen"] = listen
+    return out
+
+
 def config_from_dict(raw: Any) -> Config:
     top = _check_keys(raw, _TOP_KEYS, "")
     version = top.get("version", VERSION) or VERSION
@@ -266,6 +301,7 @@ def config_from_dict(raw: Any) -> Config:
                                       float, "extender.assumeTimeoutSeconds", minimum=1),
         workload_window=_typed(e.get("workloadWindow", d.extender.workload_window), int,
                                "extender.workloadWindow", minimum=1),
+        **_extender_tls(e),
     )
     q = _check_keys(top.get("quota"), _QUOTA_KEYS, "quota.")
     quota = QuotaConfig(
@@ -276,6 +312,7 @@ def config_from_dict(raw: Any) -> Config:
         step_mib=_typed(q.get("stepMiB", 512), int, "quota.stepMiB", minimum=1),
         margin_mib=_typed(q.get("marginMiB", 1024), int, "quota.marginMiB", minimum=0),
         kv_pressure=_typed(q.get("kvPressure", 0.9), float, "quota.kvPressure", minimum=0),
+        process_attribution=_typed(q.get("processAttribution", False), bool, "quota.processAttribution"),
     )
     if quota.floor_fraction > 1 or quota.ceiling_fraction < 1:
         raise ConfigError("quota: floorFraction must be <= 1 <= ceilingFraction")

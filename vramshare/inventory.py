@@ -3,6 +3,14 @@
 Pure data, no I/O. The device plugin builds it from a backend (NVML or simulated) plus the config,
 publishes it as the node annotation ``<domain>/gpu-inventory``; the extender reads it back. The JSON
 form is the contract (DESIGN.md section 3) and is versioned.
+
+Version skew (a device plugin one release newer or older than the extender, issue 11): changes
+within ``v1`` are additive. A reader ignores keys it does not know (a newer writer's) and derives the
+ones an older writer did not publish: a shared GPU without ``units`` offers
+``floor(memoryMiB / unitMiB)`` units, never 0 (which would read as a full GPU). A change old readers
+cannot ignore needs a new version, which they refuse with a reason naming it (the extender then keeps
+the node's last good inventory). Every number is bounded: a value no GPU can have is refused, not
+scheduled on.
 """
 from __future__ import annotations
 
@@ -109,6 +117,32 @@ def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
     }
 
 
+MAX_MIB = 1 << 24  # 16 TiB: more memory than any GPU (or unit) has; larger values are corrupt
+MAX_GPUS = 1024
+_MISSING = object()
+
+
+def _int(obj: Mapping[str, Any], key: str, where: str, lo: int, hi: int, default: Any = _MISSING) -> Any:
+    """An integer field in ``[lo, hi]`` (JSON numbers like 1e30 or 2.0 and booleans are refused)."""
+    if key not in obj or (obj[key] is None and default is not _MISSING):
+        if default is _MISSING:
+            raise InventoryError(f"{where}: missing key {key!r}")
+        return default
+    value = obj[key]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InventoryError(f"{where}.{key}: expected an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InventoryError(f"{where}.{key}: {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def _bool(obj: Mapping[str, Any], key: str, where: str) -> bool:
+    value = obj.get(key, True)
+    if not isinstance(value, bool):
+        raise InventoryError(f"{where}.{key}: expected true or false, got {value!r}")
+    return value
+
+
 def _need(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in obj:
         raise InventoryError(f"{where}: missing key {key!r}")
@@ -124,11 +158,12 @@ def inventory_from_dict(data: Any) -> NodeInventory:
     version = data.get("version", contract.INVENTORY_VERSION)
     if version != contract.INVENTORY_VERSION:
         raise InventoryError(f"inventory.version: unknown version {version!r} (want {contract.INVENTORY_VERSION!r})")
-    unit = _need(data, "unitMiB", int, "inventory")
-    if unit <= 0:
-        raise InventoryError("inventory.unitMiB: must be positive")
+    unit = _int(data, "unitMiB", "inventory", 1, MAX_MIB)
+    raw_gpus = _need(data, "gpus", list, "inventory")
+    if len(raw_gpus) > MAX_GPUS:
+        raise InventoryError(f"inventory.gpus: {len(raw_gpus)} GPUs, more than {MAX_GPUS}")
     gpus = []
-    for i, g in enumerate(_need(data, "gpus", list, "inventory")):
+    for i, g in enumerate(raw_gpus):
         where = f"inventory.gpus[{i}]"
         if not isinstance(g, dict):
             raise InventoryError(f"{where}: expected an object")
@@ -136,24 +171,28 @@ def inventory_from_dict(data: Any) -> NodeInventory:
             mode = GpuMode(g.get("mode", GpuMode.SHARED.value))
         except ValueError as exc:
             raise InventoryError(f"{where}.mode: {exc}") from exc
-        numa = g.get("numaNode")
-        if numa is not None and (not isinstance(numa, int) or isinstance(numa, bool)):
-            raise InventoryError(f"{where}.numaNode: expected int or null, got {numa!r}")
+        numa = _int(g, "numaNode", where, -1, 1 << 16, default=None)
+        raw_mig = g.get("mig") or []
+        if not isinstance(raw_mig, list) or len(raw_mig) > 64:
+            raise InventoryError(f"{where}.mig: expected a list of at most 64 MIG devices")
         migs = []
-        for j, m in enumerate(g.get("mig") or []):
+        for j, m in enumerate(raw_mig):
             mw = f"{where}.mig[{j}]"
             if not isinstance(m, dict):
                 raise InventoryError(f"{mw}: expected an object")
             migs.append(MigInstance(
                 uuid=_need(m, "uuid", str, mw), profile=_need(m, "profile", str, mw),
-                memory_mib=_need(m, "memoryMiB", int, mw), gi=m.get("gi"), ci=m.get("ci"),
-                healthy=bool(m.get("healthy", True)),
+                memory_mib=_int(m, "memoryMiB", mw, 0, MAX_MIB), gi=_int(m, "gi", mw, 0, 1 << 16, default=None),
+                ci=_int(m, "ci", mw, 0, 1 << 16, default=None), healthy=_bool(m, "healthy", mw),
             ))
+        memory = _int(g, "memoryMiB", where, 0, MAX_MIB)
+        # An older writer may not publish units: derive them, never read a shared GPU as 0 units.
+        derived = units_for(memory, 0, unit) if mode is GpuMode.SHARED else 0
         gpus.append(Gpu(
-            index=_need(g, "index", int, where), uuid=_need(g, "uuid", str, where),
-            model=_need(g, "model", str, where), memory_mib=_need(g, "memoryMiB", int, where),
-            numa_node=numa, mode=mode, healthy=bool(g.get("healthy", True)), mig=tuple(migs),
-            units=int(g.get("units", 0)),
+            index=_int(g, "index", where, 0, MAX_GPUS), uuid=_need(g, "uuid", str, where),
+            model=_need(g, "model", str, where), memory_mib=memory,
+            numa_node=numa, mode=mode, healthy=_bool(g, "healthy", where), mig=tuple(migs),
+            units=_int(g, "units", where, 0, memory // unit, default=derived),
         ))
     return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version)
 

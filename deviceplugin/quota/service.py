@@ -33,7 +33,15 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
     ``shared`` mode; tenants of any other GPU keep their quotas untouched.
     """
     v1 = client.CoreV1Api(api)
-    usage: list[UsageReader] = [NvmlProcessReader(nvml)]
+    usage: list[UsageReader] = []
+    if cfg.quota.process_attribution:
+        usage.append(NvmlProcessReader(nvml))
+    else:
+        # Without hostPID the host PIDs NVML reports resolve to no pod, and their memory would count
+        # as foreign: better no per-process reader than one that shrinks every GPU's capacity.
+        log.info("per-process GPU memory attribution off (quota.processAttribution: false, no hostPID): "
+                 "usage comes from dcgm-exporter and vLLM metrics where available",
+                 dcgm=bool(dcgm_url))
     if dcgm_url:
         usage.append(DcgmExporterReader(dcgm_url))
     return QuotaLoop(ApiTenantSource(v1, node, cfg.names), capacities, usage,

@@ -3,8 +3,9 @@
 Every reader returns plain samples and raises :class:`TelemetryError` (one line a person can act on)
 for anything it cannot read, so the loop can log it and keep the last good quotas. NVML is the
 primary source (per process, sub-second, no extra daemon); the dcgm-exporter and vLLM scrapes live in
-``scrape.py``. PIDs are host PIDs (the DaemonSet runs with ``hostPID: true``); a PID is tied to its
-pod through ``/proc/<pid>/cgroup``, as dcgm-exporter does, for both cgroup v1 and v2 layouts.
+``scrape.py``. PIDs are host PIDs, so this reader is used only with ``quota.processAttribution:
+true`` and ``hostPID: true``; a PID is tied to its pod through ``/proc/<pid>/cgroup``, as
+dcgm-exporter does, for both cgroup v1 and v2 layouts.
 """
 from __future__ import annotations
 

@@ -67,7 +67,8 @@ def test_every_document_is_valid(doc, version):
 @pytest.mark.parametrize("doc", [d for d in DOCS if d[2].get("kind") not in NON_API_KINDS], ids=_id)
 def test_namespaced_objects_live_in_our_namespace(doc):
     body = doc[2]
-    if body["kind"] in {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass"}:
+    if body["kind"] in {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass",
+                        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}:
         assert "namespace" not in body["metadata"]
     elif body["kind"] not in {"Role", "RoleBinding"}:  # a Role may have to live in kube-system
         assert body["metadata"].get("namespace") == NAMESPACE
@@ -177,6 +178,8 @@ def used_rights(package: pathlib.Path) -> set[tuple[str, str]]:
         watches = "watch=True" in source or "Watch()" in source
         for verb, resource in _CALL.findall(source):
             sub = ""
+            if resource == "pod_binding":  # create_namespaced_pod_binding: the pods/binding subresource
+                resource, sub = "pod", "/binding"
             if resource.endswith("_status"):
                 resource, sub = resource[: -len("_status")], "/status"
             plural = resource.replace("_", "") + "s" + sub
@@ -197,6 +200,16 @@ def test_device_plugin_rbac_is_exactly_what_its_code_calls():
     assert granted - used == set(), "granted but never called: remove from rbac-device-plugin.yaml"
     assert used - granted == set(), "called but not granted: add to rbac-device-plugin.yaml"
     assert {g for rule in _one("ClusterRole", "vramshare-device-plugin")["rules"] for g in rule["apiGroups"]} == {""}
+
+
+def test_extender_pod_writes_are_no_wider_than_kube_schedulers():
+    """kube-scheduler's system:kube-scheduler role writes pods only through pods/binding, pods/status
+    and delete; the extender's extra `patch` on pods is narrowed to vramshare.io/* annotations by the
+    vramshare-extender-scope admission policy (tests/security/test_admission_policies.py)."""
+    granted = granted_rights(_one("ClusterRole", "vramshare-extender"))
+    writes = {(r, v) for r, v in granted if v not in {"get", "list", "watch"}}
+    assert writes == {("pods", "patch"), ("pods/binding", "create")}
+    _one("ValidatingAdmissionPolicy", "vramshare-extender-scope")
 
 
 def test_rbac_scan_sees_verbs_and_watches(tmp_path):

@@ -53,7 +53,7 @@ def test_profile_and_extender_settings(sched_config: dict[str, Any], ext: dict[s
     assert sched_config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert [p["schedulerName"] for p in sched_config["profiles"]] == ["vramshare-scheduler"]
     assert sched_config["percentageOfNodesToScore"] == 100
-    assert ext["nodeCacheCapable"] is True and ext["ignorable"] is False and ext["enableHTTPS"] is False
+    assert ext["nodeCacheCapable"] is True and ext["ignorable"] is False and ext["enableHTTPS"] is True
     assert ext["weight"] >= 3 and re.fullmatch(r"\d+s", ext["httpTimeout"])
     assert all(m["ignoredByScheduler"] is False for m in ext["managedResources"])
     managed = [m["name"] for m in ext["managedResources"]]
@@ -74,13 +74,16 @@ def test_url_reaches_the_service_and_the_container(ext: dict[str, Any]) -> None:
     url = urllib.parse.urlsplit(ext["urlPrefix"])
     service = one("extender.yaml", "Service")
     assert url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc"
-    [port] = service["spec"]["ports"]
-    assert url.port == port["port"]
+    port = next(p for p in service["spec"]["ports"] if p["name"] == "https")
+    assert url.scheme == "https" and url.port == port["port"]
     pod = one("extender.yaml", "Deployment")["spec"]["template"]["spec"]
     [c] = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     args = cli.build_parser().parse_args(c["command"][1:] + c["args"])
     assert args.command == "extender" and int(args.listen.rsplit(":", 1)[1]) == ports[port["targetPort"]]
+    assert args.tls_cert and args.tls_key and args.client_ca  # the verbs need the scheduler's certificate
+    metrics_port = next(p for p in service["spec"]["ports"] if p["name"] == "metrics")
+    assert int(args.metrics_listen.rsplit(":", 1)[1]) == ports[metrics_port["targetPort"]]
     labels = one("extender.yaml", "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     volumes = {v["name"]: v for v in pod["volumes"]}
