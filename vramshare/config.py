@@ -76,6 +76,7 @@ class EnforcementConfig:
     mps_shm_directory: str = "/run/nvidia/mps/shm"
     over_limit_action: OverLimitAction = OverLimitAction.EVENT
     over_limit_grace_seconds: float = 60.0
+    resolved: EnforcementMode | None = None  # not a file key: the mode the device plugin detected
 
     def requested(self) -> EnforcementMode | None:
         """The mode asked for; ``None`` for auto."""

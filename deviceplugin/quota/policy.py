@@ -59,6 +59,7 @@ class _Plan:
     blind: bool  # no telemetry: the limit is held
     target: int = 0
     alloc: int = 0
+    spare: int = 0  # part of the target that is shared spare memory (rule 3's last line)
 
     @property
     def reserve(self) -> int:
@@ -139,6 +140,7 @@ def _even(plans: list[_Plan], free: int) -> None:
         for pl in list(open_):
             give = min(share, pl.b.ceiling_mib - pl.target, free)
             pl.target += give
+            pl.spare += give
             free -= give
             if pl.target >= pl.b.ceiling_mib:
                 open_.remove(pl)
@@ -223,6 +225,8 @@ def _reason(pl: _Plan, over: bool) -> str:  # noqa: C901 (one line per case, in 
     if pl.t.phase is Phase.WAKING and delta > 0:
         return f"grow {delta:+d}: waking (traffic again), restored ahead of co-tenants"
     if delta > 0:
+        if pl.spare and delta <= pl.spare:
+            return f"grow {delta:+d}: spare memory shared as headroom"
         if pl.score:
             return f"grow {delta:+d}: {because}"
         if pl.need > pl.cur:

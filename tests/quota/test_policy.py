@@ -7,7 +7,9 @@ from deviceplugin.quota.model import GpuState, PolicyParams, Signals, TenantKey,
 from deviceplugin.quota.policy import rebalance
 from vramshare.config import QuotaConfig
 
-P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024, kv_pressure=0.9)
+# these rules predate shareSpare; spare sharing has its own tests (test_policy_invariant.py)
+P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024, kv_pressure=0.9,
+                 share_spare=False)
 
 
 def key(name: str) -> TenantKey:
@@ -90,9 +92,9 @@ def test_overcommitted_gpu_gives_reservations_back_first():
     gpu = GpuState("GPU-0", 40000, (tenant("borrower", 20000, 29000, 28000),
                                     tenant("owner", 20000, 11000, 19000)))
     out = {d.key.pod: d for d in rebalance(gpu, P)}
-    assert out["owner"].limit_mib == 19000  # all of its use: the rest of its request is not free yet
-    assert out["borrower"].limit_mib == 20000  # cut to its request: it asks the most beyond it
-    assert out["borrower"].reason.startswith("cut -9000: GPU over-committed")
+    assert out["owner"].limit_mib == 19000  # all of its use: it is within its request
+    assert out["borrower"].limit_mib == 21000  # its request + what is left, below its use
+    assert out["borrower"].reason.startswith("cut -8000: GPU over-committed")
     assert "asks the most beyond its request" in out["borrower"].reason
 
 
