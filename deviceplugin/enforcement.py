@@ -19,13 +19,14 @@ mode asked for by name that the node cannot honour is refused with the reason, n
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from vramshare import contract, logs
-from vramshare.config import EnforcementConfig
-from vramshare.inventory import EnforcementMode
+from vramshare.config import Config, EnforcementConfig
+from vramshare.inventory import EnforcementMode, GpuMode
 
 log = logs.get("vramshare.enforcement")
 
@@ -174,3 +175,31 @@ def container_fence(shares: Sequence[GpuShare], cfg: EnforcementConfig) -> Conta
             ((MPS_CONTAINER_PIPE_DIR, cfg.mps_pipe_directory, False),
              (MPS_CONTAINER_SHM_DIR, cfg.mps_shm_directory, False)))
     return ContainerFence({})
+
+
+# -- the daemon's side --------------------------------------------------------------------------
+def detect(backend: Any, config: Config, discovered: Sequence[Any]) -> Chosen:
+    """Probe the node behind ``backend`` and choose; raises :class:`EnforcementRefused`.
+
+    A backend may carry its own ``enforcement_facts`` (the simulated one does, so a simulated node
+    can stand for a driver node); otherwise the NVML backend's module is probed, and a node without
+    NVML has no driver facts at all.
+    """
+    facts = getattr(backend, "enforcement_facts", None)
+    if facts is None:
+        shared = [d.uuid for d in discovered
+                  if config.mode_for(d.index, d.uuid, d.mig_enabled) is GpuMode.SHARED]
+        nvml = getattr(backend, "nvml", None) if getattr(backend, "name", "") == "nvml" else None
+        facts = probe(nvml, config.enforcement, shared_uuids=shared)
+    chosen = choose(config.enforcement.requested(), facts)
+    log.info("gpu memory enforcement", mode=chosen.mode.value, reason=chosen.reason,
+             driver=facts.driver_version or "none", cgroup_v2=facts.cgroup_v2)
+    return chosen
+
+
+def pin(config: Config, chosen: Chosen) -> Config:
+    """``config`` with the detected mode in force (Allocate and the inventory read it from there)."""
+    if config.enforcement.requested() not in (None, chosen.mode):
+        log.warning("enforcement.mode changed in the config; it takes effect at the next restart",
+                    running=chosen.mode.value, asked=config.enforcement.mode)
+    return dataclasses.replace(config, enforcement=dataclasses.replace(config.enforcement, resolved=chosen.mode))

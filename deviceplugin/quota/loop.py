@@ -47,8 +47,10 @@ class TenantSource(Protocol):
 class QuotaMirror(Protocol):
     """Mirrors a pod's quotas into its ``vramshare.io/quota-mib`` annotation."""
 
-    def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]]) -> None:
-        """``quotas`` = {container: {gpu uuid: limit MiB}} for every tenant container of the pod."""
+    def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]],
+               states: Mapping[str, str] | None = None) -> None:
+        """``quotas`` = {container: {gpu uuid: limit MiB}} for every tenant container of the pod;
+        ``states`` = {container: hot / warm / waking / cold}."""
         ...
 
 
@@ -336,7 +338,8 @@ class QuotaLoop:
             quotas = {t.key.container: {g: self._limits[(t.key, g)] for g, _ in t.gpus
                                         if (t.key, g) in self._limits} for t in members}
             try:
-                self._mirror.mirror(members[0].key, quotas)  # type: ignore[union-attr]
+                states = {t.key.container: self._phases[t.key].value for t in members if t.key in self._phases}
+                self._mirror.mirror(members[0].key, quotas, states)  # type: ignore[union-attr]
             except Exception as exc:  # the file is the contract; the annotation is only a mirror
                 log.warning("quota annotation not mirrored", pod=f"{members[0].key.namespace}/"
                             f"{members[0].key.pod}", error=str(exc))

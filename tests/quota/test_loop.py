@@ -53,8 +53,9 @@ class Mirror:
     def __init__(self):
         self.calls = []
 
-    def mirror(self, key, quotas):
+    def mirror(self, key, quotas, states=None):
         self.calls.append((key.pod, quotas))
+        self.states = states
 
 
 def make(tmp_path, usage, signals=None, mirror=None, tenants=None):
