@@ -102,9 +102,10 @@ def probe(nvml: Any | None, cfg: EnforcementConfig, *, cgroup_root: str = "/sys/
           shared_uuids: Sequence[str] = ()) -> NodeFacts:
     """Read the facts :func:`choose` needs. ``nvml`` is pynvml (initialised) or ``None`` (no GPU).
 
-    The memory-limit probe reads the limits of the cgroup root on each shared GPU (read-only), so a
-    driver without the call (FunctionNotFound), a MIG GPU or vGPU (NotSupported) or a missing
-    privilege (NoPermission) is found at start rather than at the first quota move.
+    The memory-limit probe reads the limits of the cgroup root on each shared GPU and writes the same
+    values back (a no-op that needs the privilege the loop will need), so a driver without the call
+    (FunctionNotFound), a MIG GPU or vGPU (NotSupported) or a missing privilege (NoPermission) is
+    found at start rather than at the first quota move.
     """
     cgroup_v2 = os.path.exists(os.path.join(cgroup_root, "cgroup.controllers"))
     mps = _mps_problem(cfg)
@@ -122,12 +123,19 @@ def _limits_problem(nvml: Any, shared_uuids: Sequence[str]) -> str | None:
         return "nvidia-ml-py has no nvmlDeviceGetMemoryLimits_v1 (needs 13.615 or newer)"
     if not shared_uuids:
         return "no shared GPU to fence"
+    call = "nvmlDeviceGetHandleByUUID"
     for uuid in shared_uuids:
         try:
             handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
-            nvml.nvmlDeviceGetMemoryLimits_v1(handle, nvml.c_nvmlGetMemoryLimits_v1_t(nameSpace=b"/"))
+            now = nvml.c_nvmlGetMemoryLimits_v1_t(nameSpace=b"/")
+            call = "nvmlDeviceGetMemoryLimits_v1"
+            nvml.nvmlDeviceGetMemoryLimits_v1(handle, now)
+            call = "nvmlDeviceSetMemoryLimits_v1"
+            nvml.nvmlDeviceSetMemoryLimits_v1(handle, nvml.c_nvmlSetMemoryLimits_v1_t(
+                nameSpace=b"/", softLimit=now.softLimit, hardLimit=now.hardLimit))
         except Exception as exc:  # noqa: BLE001 - pynvml raises NVMLError_* subclasses
-            return f"nvmlDeviceGetMemoryLimits_v1 on {uuid}: {type(exc).__name__}: {_text(exc)}"
+            hint = " (the device plugin must run privileged)" if "NoPermission" in type(exc).__name__ else ""
+            return f"{call} on {uuid}: {type(exc).__name__}: {_text(exc)}{hint}"
     return None
 
 

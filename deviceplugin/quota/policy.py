@@ -7,7 +7,8 @@ Two layers, each explaining part of :func:`rebalance`:
 1. Each tenant's bounds (floor, ceiling, margin) are its own input (:class:`model.Bounds`; the
    defaults come from ``PolicyParams``), so a quota class can supply different ones. Limits stay in
    [floor, ceiling].
-2. A tenant's *need* is its use (or its reported demand, when higher) plus headroom: at least its
+2. A tenant's *need* is its use (or its reported demand, when higher; a tenant at its limit with no
+   reported demand counts one margin more, since a fence hides what it wants) plus headroom: at least its
    margin, and up to the peak of its use over the recent window (the loop keeps the window), since
    a tenant that fell from 30 GiB to 10 GiB a few minutes ago rises back by more than one margin.
    A tenant without telemetry holds its limit (never cut blind). A ``warm`` (idle) tenant needs only
@@ -81,6 +82,8 @@ def _plan(t: TenantState, p: PolicyParams) -> _Plan:
     if t.used_mib is None:
         return _Plan(t, b, cur, held=cur, seen=cur, need=cur, want=cur, score=0, why=["no telemetry"], blind=True)
     seen = max(t.used_mib, t.demand_mib or 0)
+    if t.demand_mib is None and t.used_mib >= cur:  # at its (hard) limit: what it wants beyond is unseen,
+        seen = t.used_mib + b.margin_mib  # so count one margin more as use, not as headroom
     why: list[str] = []
     if t.phase is Phase.WARM:
         need = b.clamp(t.used_mib + b.margin_mib)

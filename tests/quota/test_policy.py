@@ -92,9 +92,11 @@ def test_overcommitted_gpu_gives_reservations_back_first():
     gpu = GpuState("GPU-0", 40000, (tenant("borrower", 20000, 29000, 28000),
                                     tenant("owner", 20000, 11000, 19000)))
     out = {d.key.pod: d for d in rebalance(gpu, P)}
-    assert out["owner"].limit_mib == 19000  # all of its use: it is within its request
-    assert out["borrower"].limit_mib == 21000  # its request + what is left, below its use
-    assert out["borrower"].reason.startswith("cut -8000: GPU over-committed")
+    assert out["owner"].limit_mib == 19000  # all of its use; the rest of its request is not free yet
+    # the owner is at its limit (what it wants beyond is unseen): its whole request is given back
+    assert out["borrower"].limit_mib == 20000
+    assert out["borrower"].reason.startswith("cut -9000: GPU over-committed")
+    assert "asks the most beyond its request" in out["borrower"].reason
     assert "asks the most beyond its request" in out["borrower"].reason
 
 
