@@ -169,7 +169,7 @@ class QuotaLoop:
             if last is not None:  # a counter below its last value was reset: count it from zero
                 delta = int(s.preemptions_total - last if s.preemptions_total >= last else s.preemptions_total)
             self._preempt[t.key] = s.preemptions_total
-        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta)
+        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running)
 
     def _current(self, t: Tenant, gpu: str) -> int | None:
         """The limit in force: ours, else the file Allocate wrote, else None (= the request)."""
