@@ -57,8 +57,9 @@ def test_never_grants_memory_that_is_not_free(trace, p, demand_known):
         assert sum(d.limit_mib for d in out) <= cap
         for i, d in enumerate(out):
             assert d.limit_mib >= 0 and d.reason and d.held_mib == max(d.limit_mib, used[i])
-            if blind[tick][i]:  # never cut blind (it may grow back toward its request)
-                assert d.limit_mib >= min(d.previous_mib, d.ceiling_mib) or "not granted" in d.reason \
+            if blind[tick][i]:  # never cut blind below its request (beyond it, co-tenants' use within
+                reserve = max(p.floor_of(reqs[i]), min(p.ceiling_of(reqs[i]), reqs[i]))  # theirs comes first)
+                assert d.limit_mib >= min(d.previous_mib, d.ceiling_mib, reserve) or "not granted" in d.reason \
                     or sum(p.floor_of(r) for r in reqs) > cap, d.reason
             limits[i] = d.limit_mib
             held[i] = min(want[i], max(d.limit_mib, held[i]))
