@@ -193,7 +193,7 @@ def detect(backend: Any, config: Config, discovered: Sequence[Any]) -> Chosen:
     can stand for a driver node); otherwise the NVML backend's module is probed, and a node without
     NVML has no driver facts at all.
     """
-    facts = getattr(backend, "enforcement_facts", None)
+    facts = getattr(backend, "enforcement_facts", None)  # a simulated node says what it stands for
     if facts is None:
         shared = [d.uuid for d in discovered
                   if config.mode_for(d.index, d.uuid, d.mig_enabled) is GpuMode.SHARED]

@@ -101,7 +101,8 @@ def _plan(t: TenantState, p: PolicyParams) -> _Plan:
         why.append(f"kv {s.kv_usage:.2f}")
     if seen + b.margin_mib > cur:  # the margin is eaten: use is within margin of the limit (or above)
         score += _P_NEAR
-        why.append(f"used {seen} near limit {cur}")
+        why.append(f"used {t.used_mib} near limit {cur}" if seen <= t.used_mib + b.margin_mib and
+                   t.demand_mib is None else f"wants {seen}, limit {cur}")
     if need > b.clamp(seen + b.margin_mib):
         why.append(f"headroom to recent peak {t.peak_mib}")
     want = b.clamp(max(cur, need) + score * p.step_mib) if score else max(cur, need)

@@ -60,6 +60,9 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
                      settings=LoopSettings.from_config(cfg.quota, cfg.enforcement), mode=mode, fence=fence,
                      actor=ApiOverLimitActor(v1, cfg.names, node))
     holder.append(loop)
+    for reader in usage:
+        if hasattr(reader, "bind"):  # a simulated node's replay reads the tenants of the tick
+            reader.bind(lambda: loop.tenants_now)
     return loop
 
 

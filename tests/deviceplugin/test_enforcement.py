@@ -129,7 +129,7 @@ def test_allocate_adds_nothing_when_nothing_fences(mode):
 
 def _backend(facts: NodeFacts) -> SimulatedBackend:
     b = SimulatedBackend.demo()
-    b.enforcement_facts = facts  # type: ignore[attr-defined]
+    b.enforcement_facts = facts
     return b
 
 
