@@ -90,6 +90,20 @@ class NvmlMemoryLimits:
             raise LimitError(f"set limits of {cgroup} on {uuid} to soft {soft_mib} / hard {hard_mib} MiB: "
                              f"{type(exc).__name__}: {exc}") from exc
 
+    def gpu_used_mib(self, uuid: str) -> int:
+        """Memory in use on the whole GPU (memory v2: without the driver's reservation, where known)."""
+        try:
+            v2 = getattr(self.nvml, "nvmlMemory_v2", None)
+            try:
+                info = self.nvml.nvmlDeviceGetMemoryInfo(self._handle(uuid), version=v2) if v2 else None
+            except Exception:  # noqa: BLE001 - old driver: v1 counts the reservation as used
+                info = None
+            info = info or self.nvml.nvmlDeviceGetMemoryInfo(self._handle(uuid))
+        except Exception as exc:  # noqa: BLE001
+            self._handles.pop(uuid, None)
+            raise LimitError(f"read memory of {uuid}: {type(exc).__name__}: {exc}") from exc
+        return int(info.used) // MIB
+
     def get(self, uuid: str, cgroup: str) -> CgroupLimits:
         try:
             arg = self.nvml.c_nvmlGetMemoryLimits_v1_t(nameSpace=cgroup.encode())

@@ -2,7 +2,8 @@
 
 In ``driver`` mode (see ``deviceplugin.enforcement``) each tenant's cgroup is found from the runtime
 ID of its container; :meth:`DriverFence.read_usage` reads ``currentUsed`` per cgroup and GPU (no host
-PID namespace needed) and :meth:`DriverFence.apply` moves the cgroup's limits after the loop decides:
+PID namespace needed), plus what the whole GPU holds beyond them as foreign memory, and
+:meth:`DriverFence.apply` moves the cgroup's limits after the loop decides:
 soft = the part of the limit within the container's request (its guaranteed share), hard = the limit.
 A tenant whose cgroup cannot be found yet (container starting) gives no sample: the policy then holds
 its limit, as for any tenant without telemetry.
@@ -50,8 +51,26 @@ class DriverFence:
                                            container_id=cid))
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
+        out.extend(self._foreign(out))
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
+        return out
+
+    def _foreign(self, ours: list[UsageSample]) -> list[UsageSample]:
+        """Per GPU, memory in use that no tenant cgroup holds (another plugin's pod, a host process): an
+        anonymous sample, which attribution books as foreign so quotas never promise it."""
+        mine: dict[str, int] = {}
+        for s in ours:
+            mine[s.gpu_uuid] = mine.get(s.gpu_uuid, 0) + s.used_mib
+        out = []
+        for gpu in sorted({g for t in self._tenants() for g, _ in t.gpus}):
+            try:
+                other = self._limits.gpu_used_mib(gpu) - mine.get(gpu, 0)
+            except LimitError as exc:
+                log.warning("gpu memory unreadable, foreign use unknown this tick", gpu=gpu, error=str(exc))
+                continue
+            if other > 0:
+                out.append(UsageSample(gpu_uuid=gpu, used_mib=other))
         return out
 
     def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int]) -> list[str]:

@@ -122,3 +122,19 @@ def test_nvml_limits_name_the_gpu_and_cgroup_on_failure(node):
     nv.driver_version = "580.95.05"
     with pytest.raises(LimitError, match=r"/x on GPU-.*NVMLError_FunctionNotFound"):
         NvmlMemoryLimits(nv).set(GPU, "/x", 1, 2)
+
+
+def test_memory_outside_every_tenant_cgroup_is_foreign(node):
+    nv, cgroot, qroot = node
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 10000)
+    nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 10000)
+    real = nv.nvmlDeviceGetMemoryInfo
+
+    def with_a_stranger(handle, version=None):  # another device plugin's pod holds 25000 MiB
+        info = real(handle, version)
+        info.used = sum(nv.used.values()) + 25000 * (1 << 20)
+        return info
+
+    nv.nvmlDeviceGetMemoryInfo = with_a_stranger
+    report = make_loop(nv, cgroot, qroot).run_once()
+    assert sum(d.limit_mib for d in report.decisions) <= 60000 - 25000
