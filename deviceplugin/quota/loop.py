@@ -78,12 +78,14 @@ class LoopSettings:
     idle_seconds: float = 300.0
     grace_seconds: float = 60.0
     action: OverLimitAction = OverLimitAction.EVENT
+    interval_seconds: float | None = None  # None: what ``run`` was started with
+    enabled: bool = True  # false: ``run`` pauses (the files keep the last quotas)
 
     @classmethod
     def from_config(cls, quota: QuotaConfig, enforcement: EnforcementConfig | None = None) -> "LoopSettings":
         en = enforcement or EnforcementConfig()
         return cls(PolicyParams.from_config(quota), quota.peak_window_ticks, quota.idle_seconds,
-                   en.over_limit_grace_seconds, en.over_limit_action)
+                   en.over_limit_grace_seconds, en.over_limit_action, quota.interval_seconds, quota.enabled)
 
 
 @dataclass
@@ -346,10 +348,12 @@ class QuotaLoop:
                 report.errors.append(str(exc))
 
     def run(self, stop: threading.Event, interval_seconds: float) -> None:
-        """Tick every ``interval_seconds`` until ``stop`` is set (the DaemonSet's quota thread)."""
+        """Tick every ``interval_seconds`` (or the reloaded ``quota.intervalSeconds``) until ``stop`` is
+        set (the DaemonSet's quota thread); ``quota.enabled: false`` reloaded pauses it."""
         while not stop.is_set():
             try:
-                self.run_once()
+                if self.settings.enabled:
+                    self.run_once()
             except Exception:  # never let one bad tick end the loop
                 log.error("quota tick crashed, keeping last quotas", exc_info=True)
-            stop.wait(interval_seconds)
+            stop.wait(self.settings.interval_seconds or interval_seconds)

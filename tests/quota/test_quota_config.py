@@ -33,7 +33,9 @@ LIVE = [("floorFraction: 0.3", lambda s: s.params.floor_fraction, 0.3),
         ("protectRequests: false", lambda s: s.params.protect_requests, False),
         ("shareSpare: false", lambda s: s.params.share_spare, False),
         ("peakWindowTicks: 12", lambda s: s.peak_window_ticks, 12),
-        ("idleSeconds: 45", lambda s: s.idle_seconds, 45.0)]
+        ("idleSeconds: 45", lambda s: s.idle_seconds, 45.0),
+        ("intervalSeconds: 2.5", lambda s: s.interval_seconds, 2.5),
+        ("enabled: false", lambda s: s.enabled, False)]
 LIVE_ENF = [("overLimitAction: evict", lambda s: s.action.value, "evict"),
             ("overLimitGraceSeconds: 5", lambda s: s.grace_seconds, 5.0)]
 
@@ -70,3 +72,32 @@ def test_an_invalid_value_is_refused_naming_the_key_and_the_last_good_config_sta
     assert loop.settings == before and loop.settings.params.margin_mib == 2048
     refused = [r for r in caplog.records if "keeping the last good config" in r.getMessage()]
     assert refused and key in str(refused[0].__dict__)
+
+
+class _OneTurn:
+    """A stop event that ends ``run`` after one turn and remembers how long it was asked to wait."""
+
+    def __init__(self):
+        self.waited, self.done = [], False
+
+    def is_set(self):
+        return self.done
+
+    def wait(self, seconds):
+        self.waited.append(seconds)
+        self.done = True
+
+
+def test_run_follows_the_reloaded_interval_and_pauses_when_disabled(tmp_path):
+    from deviceplugin.quota.loop import QuotaLoop
+    path, loop, watcher = _watched_loop(tmp_path, "version: v1\n")
+    loop._tenants = type("T", (), {"list_tenants": lambda self: []})()
+    stop = _OneTurn()
+    loop.run(stop, 10.0)
+    assert loop.counts["ticks"] == 1 and stop.waited == [10.0]
+    path.write_text("version: v1\nquota: {enabled: false, intervalSeconds: 3}\n")
+    watcher.check(force="test")
+    stop = _OneTurn()
+    loop.run(stop, 10.0)
+    assert loop.counts["ticks"] == 1 and stop.waited == [3.0]
+    assert isinstance(loop, QuotaLoop)
