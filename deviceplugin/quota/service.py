@@ -97,11 +97,6 @@ class QuotaCollector(Collector):
             for p in Phase:
                 state.add_metric([key.namespace, key.pod, key.container, p.value], 1.0 if p is phase else 0.0)
         yield state
-        mode = GaugeMetricFamily("vramshare_enforcement_mode", "1 for the node's GPU memory enforcement mode",
-                                 labels=["mode"])
-        for m in EnforcementMode:
-            mode.add_metric([m.value], 1.0 if m is self._loop.mode else 0.0)
-        yield mode
         for name, help_text in (("ticks", "Quota loop ticks"), ("skipped", "Ticks skipped on bad input"),
                                 ("changes", "Quota changes decided"), ("writes", "quota.json files written"),
                                 ("errors", "Telemetry, write and mirror errors"),

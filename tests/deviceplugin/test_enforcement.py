@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from prometheus_client import generate_latest
 
 from deviceplugin import allocation, enforcement
 from deviceplugin.allocation import GpuShare
@@ -144,6 +145,9 @@ def test_detected_mode_is_in_the_inventory_and_survives_a_reload(tmp_path):
     try:
         inv = NodeInventory.from_json(daemon.state.snapshot.inventory.to_json())
         assert inv.enforcement is EnforcementMode.DRIVER
+        scrape = generate_latest(daemon.metrics.registry).decode()
+        assert 'vramshare_enforcement_mode{mode="driver"} 1.0' in scrape
+        assert 'vramshare_enforcement_mode{mode="cooperative"} 0.0' in scrape
         daemon.reload(Config(memory_unit_mib=2048))
         assert daemon.state.snapshot.inventory.enforcement is EnforcementMode.DRIVER
         assert daemon.state.snapshot.config.enforcement.resolved is EnforcementMode.DRIVER
