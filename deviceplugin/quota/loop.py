@@ -177,7 +177,7 @@ class QuotaLoop:
         """The limit in force: ours, else the file Allocate wrote, else None (= the request)."""
         if (t.key, gpu) not in self._limits:
             try:
-                on_disk = read_quota(container_dir(self._root, t.key.pod_uid, t.key.container))
+                on_disk = read_quota(self._dir(t))
             except (QuotaFileError, OSError) as exc:
                 log.warning("quota file unreadable", pod=str(t.key), gpu=gpu, error=str(exc))
                 on_disk = None
@@ -289,7 +289,7 @@ class QuotaLoop:
                 continue
             gpus = tuple(self._entry(t.key, g, req, decided.get((t.key, g))) for g, req in t.gpus)
             try:
-                written = write_quota(container_dir(self._root, t.key.pod_uid, t.key.container),
+                written = write_quota(self._dir(t),
                                       QuotaFile(gpus=gpus, state=phase.value, enforcement=self.mode.value))
             except (OSError, ValueError) as exc:
                 log.error("quota write failed, will retry", pod=str(t.key), error=str(exc))
@@ -307,6 +307,11 @@ class QuotaLoop:
             self._apply_fence(t, ds, report)
         if self._mirror is not None:
             self._mirror_pods(tenants, changed_pods, report)
+
+    def _dir(self, t: Tenant) -> str:
+        """The tenant's quota directory: its own when the source names one (an allocation-keyed dir),
+        else ``<quotaHostDir>/<pod-uid>/<container>``."""
+        return t.quota_dir or container_dir(self._root, t.key.pod_uid, t.key.container)
 
     def _fence_first(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         """A tenant this process has not fenced yet (new, or after a restart) gets its limits set."""

@@ -33,6 +33,7 @@ class Tenant:
     gpus: tuple[tuple[str, int], ...]  # (gpu uuid, requested MiB) per GPU it was assigned
     metrics_url: str | None = None  # its vLLM /metrics endpoint, when it has one
     container_ids: frozenset[str] = frozenset()  # runtime IDs (no scheme), to match cgroups
+    quota_dir: str | None = None  # where its quota.json lives, when not <root>/<pod-uid>/<container>
 
 
 class Phase(str, enum.Enum):

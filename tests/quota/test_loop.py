@@ -163,3 +163,16 @@ def test_a_gpu_missing_from_the_inventory_keeps_its_line_in_a_multi_gpu_file(tmp
     doc = read_quota(d)
     assert doc.generation == 2 and doc.limits()["GPU-0"] > 20000
     assert doc.gpus[1] == GpuQuota("GPU-9", 7000, 5000, 15000)
+
+
+def test_a_tenant_named_by_its_quota_dir_is_written_there(tmp_path):
+    """A tenant is one container's allocation on a GPU, identified by its quota dir (the device plugin
+    may key dirs by allocation and learn the pod later)."""
+    alloc_dir = tmp_path / "alloc-3f2a"
+    key = TenantKey("", "", "", pod_uid="")
+    usage = Usage([UsageSample("GPU-0", 5000, container_id="d" * 64)])
+    tenants = Tenants([Tenant(key, (("GPU-0", 20000),), container_ids=frozenset(["d" * 64]),
+                              quota_dir=str(alloc_dir))])
+    loop = QuotaLoop(tenants, lambda: {"GPU-0": 40000}, [usage], P, str(tmp_path))
+    loop.run_once()
+    assert read_quota(str(alloc_dir)).limits()["GPU-0"] >= 5000 + 1024
