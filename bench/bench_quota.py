@@ -1,7 +1,7 @@
 """Quota policies replayed on real per-container GPU memory demand (the issue 9 protocol).
 
-Trace: ``shared/traces/genai/pod_gpu_memory_used_bytes.csv`` (72 containers x 1,441 samples, one a
-minute). For each seed the containers with a (nearly) full day are shuffled and packed ``k`` to an
+Trace: ``shared/traces/genai/pod_gpu_memory_used_bytes.csv`` (72 containers, one sample a minute).
+For each seed the 57 containers with a (nearly) full day are shuffled and packed ``k`` to an
 80 GiB GPU (``k`` = 2 and 3; 20 seeds = 20 random groupings). Each minute every tenant has a demand;
 its limit for minute t is set beforehand from what was seen at t-1 (one minute's lag). Every
 tenant's request is an equal share of the GPU. Compared, on the same groupings:

@@ -23,7 +23,7 @@ Two layers, each explaining part of :func:`rebalance`:
    so); margins, then the rest of the headroom, come after every use. With ``protect_requests``
    (the default) use within each request is covered before anybody's use beyond it, so a tenant
    is never cut below its reservation to let another borrow; off, whole uses are filled in order
-   alone, which puts fewer tenants over their limit (bench_quota: 7.4% vs 9.2% at k=3) at the cost
+   alone, which puts fewer tenants over their limit (bench_quota: 7.5% vs 8.9% at k=3) at the cost
    of that guarantee.
    Splitting the shortfall in proportion would put every tenant a little over its limit.
 5. Hysteresis: a change smaller than ``step_mib`` that no rule forces is not made.
