@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from deviceplugin.quota.attribution import attribute
