@@ -227,7 +227,7 @@ class QuotaLoop:
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 per_gpu[gpu].append(TenantState(t.key, req, self._current(t, gpu), u, sig, peak_mib=peak,
                                                 phase=phase if u is not None else Phase.HOT))
-                self._check_limit(t.key, gpu, u, now, report)
+                self._check_limit(t.key, gpu, req, u, now, report)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
         for gpu, states in sorted(per_gpu.items()):
@@ -258,11 +258,14 @@ class QuotaLoop:
             win.append(used)
         return max(win) if win else None
 
-    def _check_limit(self, key: TenantKey, gpu: str, used: int | None, now: float, report: TickReport) -> None:
-        """Nodes where nothing fences: act on a container above its limit past the grace period."""
+    def _check_limit(self, key: TenantKey, gpu: str, request: int, used: int | None, now: float,
+                     report: TickReport) -> None:
+        """Nodes where nothing fences: act on a container above its limit past the grace period. A
+        container within its request (what the scheduler reserved for it) is never named, even when
+        the loop cut its limit below that: memory vLLM allocated up front is not released by a cap."""
         if self.mode is EnforcementMode.DRIVER or (key, gpu) not in self._limits:
             return
-        breach = self._watch.observe(key, gpu, used, self._limits[(key, gpu)], now)
+        breach = self._watch.observe(key, gpu, used, max(self._limits[(key, gpu)], request), now)
         if breach is None:
             return
         report.breaches.append(breach)

@@ -107,3 +107,17 @@ def test_cooperative_evicts_only_the_offender_when_configured(tmp_path):
 def test_driver_mode_leaves_it_to_the_driver(tmp_path):
     _api, reports, (greedy, _polite), events = _run(tmp_path, OverLimitAction.EVICT, EnforcementMode.DRIVER)
     assert greedy is not None and not events and not any(r.breaches for r in reports)
+
+
+def test_a_container_cut_below_its_use_but_within_its_request_is_never_named(tmp_path):
+    """Overload: the loop cuts a borrower's limit; the owner within its request may sit above its own
+    cut limit for a while (vLLM's memory is allocated up front): it is within its reservation."""
+    owner = TenantKey("llm", "owner", "vllm", pod_uid="uid-owner")
+    src = Source([Tenant(owner, (("GPU-0", 20000),))], [UsageSample("GPU-0", 18000, pod_uid="uid-owner")])
+    write_quota(container_dir(str(tmp_path), "uid-owner", "vllm"), QuotaFile(gpus=(GpuQuota("GPU-0", 12000, 10000, 30000),)))
+    clock = [0.0]
+    loop = QuotaLoop(src, lambda: {"GPU-0": 12000}, [src], PolicyParams(), str(tmp_path),  # the GPU shrank
+                     settings=LoopSettings(PolicyParams(), grace_seconds=0), clock=lambda: clock[0])
+    for t in range(5):
+        clock[0] = 100.0 * t
+        assert not loop.run_once().breaches
