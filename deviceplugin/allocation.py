@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from deviceplugin import enforcement
 from deviceplugin.devices import PluginDevice
 from vramshare import contract
 from vramshare.config import Config, DeviceListStrategy
@@ -153,8 +154,9 @@ def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: s
     else:  # volume-mounts: the NVIDIA container toolkit reads the device list from mount names
         envs[contract.ENV_VISIBLE_DEVICES] = _VOLUME_MOUNT_ROOT
         mounts += [(f"{_VOLUME_MOUNT_ROOT}/{u}", "/dev/null", True) for u in uuids]
-    if config.mps_enforcement:
-        envs[contract.ENV_MPS_PINNED_MEM_LIMIT] = ",".join(f"{i}={s.mib}M" for i, s in enumerate(shares))
+    fence = enforcement.container_fence(shares, config.enforcement)  # issue 9: driver / mps modes
+    envs.update(fence.envs)
+    mounts += fence.mounts
     if quota_host_dir is not None:
         mounts.append((contract.CONTAINER_QUOTA_DIR, quota_host_dir, True))
         envs[contract.ENV_QUOTA_FILE] = f"{contract.CONTAINER_QUOTA_DIR}/{contract.QUOTA_FILE_NAME}"

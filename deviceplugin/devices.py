@@ -52,7 +52,7 @@ def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
                  if mode is GpuMode.SHARED else 0)
         gpus.append(Gpu(index=d.index, uuid=d.uuid, model=d.model, memory_mib=d.memory_mib,
                         numa_node=d.numa_node, mode=mode, healthy=gpu_ok, mig=migs, units=units))
-    return NodeInventory(unit_mib=config.memory_unit_mib, gpus=tuple(gpus))
+    return NodeInventory(unit_mib=config.memory_unit_mib, gpus=tuple(gpus), enforcement=config.enforcement.resolved)
 
 
 def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[str, tuple[PluginDevice, ...]]:

@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from deviceplugin import enforcement
 from deviceplugin.allocator import Allocator
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.config_watch import ConfigWatcher
@@ -48,7 +49,10 @@ class DevicePluginDaemon:
                  metrics: PluginMetrics | None = None, reconcile_seconds: float = 2.0,
                  startup_sync_seconds: float = 5.0) -> None:
         self.backend = backend
-        self.state = NodeState(backend.discover(), config)
+        discovered = backend.discover()
+        self.enforcement = enforcement.detect(backend, config, discovered)  # raises EnforcementRefused
+        config = enforcement.pin(config, self.enforcement)
+        self.state = NodeState(discovered, config)
         names = config.names
         self.metrics = metrics or PluginMetrics()
         self.metrics.attach(lambda: self.state.snapshot)
@@ -83,12 +87,15 @@ class DevicePluginDaemon:
         config = self.state.snapshot.config
         if self._api is None or not config.quota.enabled:
             return
-        if self.backend.name != "nvml":
-            log.info("quota loop off: it reads per-process GPU memory from NVML", backend=self.backend.name)
+        replay = getattr(self.backend, "usage_replay", None)  # a simulated node replaying a trace
+        if self.backend.name != "nvml" and replay is None:
+            log.info("quota loop off: it reads per-container GPU memory from NVML", backend=self.backend.name)
             return
         from deviceplugin.quota import service as quota_service
         loop = quota_service.build_loop(config, self._api, self._node_name, self._shared_capacities,
-                                      nvml=getattr(self.backend, "nvml", None))
+                                        nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
+                                        usage=[replay] if replay is not None else None)
+        self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
 
@@ -149,8 +156,8 @@ class DevicePluginDaemon:
 
     def reload(self, config: Config) -> None:
         """A new config from the config watcher: device lists follow at once (ListAndWatch resends);
-        servers restart only when the set of resources changes. ``quotaHostDir`` needs a restart."""
-        self.state.on_config(config)
+        servers restart only when the set of resources changes. ``quotaHostDir`` and ``enforcement.mode`` need a restart."""
+        self.state.on_config(enforcement.pin(config, self.enforcement))
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
@@ -210,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                                     node_name=args.node_name or "", api=api,
                                     pod_resources_socket=args.pod_resources_socket,
                                     metrics_port=args.metrics_port, metrics=metrics)
-    except BackendError as exc:
+    except (BackendError, enforcement.EnforcementRefused) as exc:
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides)

@@ -42,6 +42,12 @@ class _DeviceCollector(Collector):
         for g in inventory.gpus:
             gpus.add_metric([g.uuid, g.model, g.mode.value], 1.0 if g.healthy else 0.0)
         yield gpus
+        if inventory.enforcement is not None:  # issue 9: the mode detected at start, 1 for the one in force
+            mode = GaugeMetricFamily(contract.METRICS_PREFIX + "enforcement_mode",
+                                     "1 for the node's GPU memory enforcement mode", labels=["mode"])
+            for m in type(inventory.enforcement):
+                mode.add_metric([m.value], 1.0 if m is inventory.enforcement else 0.0)
+            yield mode
 
 
 class PluginMetrics:

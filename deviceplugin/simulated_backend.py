@@ -9,6 +9,10 @@ Faults come in through methods, from any thread:
 * ``lose_gpu(uuid)``: the GPU stops answering (NVML's "GPU is lost");
 * ``recover(uuid)``: it answers again;
 * ``fail_discover(times=2)``: the next ``discover()`` calls raise :class:`BackendError`.
+
+Two optional attributes make a simulated node stand in for more: ``usage_replay`` (a
+``simulated_usage.UsageReplay``) feeds the quota loop per-container use, and ``enforcement_facts``
+(an ``enforcement.NodeFacts``) says what the node's driver would offer, for mode detection.
 """
 from __future__ import annotations
 
@@ -53,6 +57,8 @@ class SimulatedBackend:
         self._discover_failures: list[str] = []
         self._closed = False
         self.discover_calls = 0
+        self.usage_replay: Any = None  # simulated_usage.UsageReplay: the quota loop runs on this node
+        self.enforcement_facts: Any = None  # enforcement.NodeFacts; None: no driver (cooperative)
 
     @classmethod
     def from_file(cls, path: str, host: str = "") -> "SimulatedBackend":

@@ -16,15 +16,43 @@ from typing import Any, TextIO
 import orjson
 
 from extender import accounting
+from vramshare import contract
+from vramshare.inventory import InventoryError, NodeInventory
 
 __all__ = ["render", "format_table", "run"]
 
 Obj = dict[str, Any]
 
 
+def _enforcement(annotation: str | None) -> str | None:
+    """The node's GPU memory enforcement mode from its inventory (optional field, issue 9)."""
+    try:
+        mode = NodeInventory.from_json(annotation).enforcement if annotation else None
+    except InventoryError:
+        return None
+    return mode.value if mode else None
+
+
+def _states(acct: accounting.Accounting, names: contract.Names) -> dict[str, str]:
+    """Pod key -> its containers' warmth from the quota loop's ``quota-mib`` mirror (issue 9)."""
+    out = {}
+    for key, pod in acct.pods.items():
+        text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.quota_mib)
+        try:
+            doc = orjson.loads(text) if text else {}
+            states = sorted({e["state"] for entries in doc.values() for e in entries if "state" in e})
+        except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
+            continue
+        if states:
+            out[key] = "/".join(states)
+    return out
+
+
 def _node(acct: accounting.Accounting, name: str) -> Obj:
     with acct.lock:  # one node at a time: consistent per node, and filter never waits for the whole walk
         usage = acct.state.node_usage(name)
+        mode = _enforcement(acct._annotation.get(name))  # the inventory text accounting keeps per node
+        states = _states(acct, acct.names)
     gpus: list[Obj] = []
     total = used = 0
     for use in usage:
@@ -33,9 +61,13 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
         gpus.append({
             "index": s.index, "uuid": s.uuid, "model": s.model, "kind": s.kind, "healthy": s.healthy,
             "totalMiB": s.capacity, "usedMiB": use.used, "freeMiB": max(0, s.capacity - use.used),
-            "pods": [{"pod": key, "mib": mib} for key, mib in sorted(use.pods.items())],
+            "pods": [{"pod": key, "mib": mib, **({"state": states[key]} if key in states else {})}
+                     for key, mib in sorted(use.pods.items())],
         })
-    return {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
+    doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
+    if mode:
+        doc["enforcement"] = mode
+    return doc
 
 
 def render(acct: accounting.Accounting, node: str | None = None) -> Obj | None:
@@ -63,7 +95,8 @@ def format_table(doc: Obj) -> str:
     rows = [header]
     for n in nodes:
         for g in n["gpus"]:
-            pods = ", ".join(f"{p['pod']} ({_gib(p['mib'])})" for p in g["pods"]) or "-"
+            pods = ", ".join(f"{p['pod']} ({_gib(p['mib'])}{', ' + p['state'] if p.get('state') else ''})"
+                             for p in g["pods"]) or "-"
             kind = g["kind"] + ("" if g["healthy"] else " UNHEALTHY")
             rows.append((n["name"], str(g["index"]), g["model"], kind, _gib(g["totalMiB"]), _gib(g["usedMiB"]),
                          _gib(g["freeMiB"]), pods))
@@ -73,6 +106,9 @@ def format_table(doc: Obj) -> str:
     used = sum(n["usedMiB"] for n in nodes)
     lines.append(f"{len(nodes)} node(s), {sum(len(n['gpus']) for n in nodes)} GPU(s): "
                  f"{_gib(used)} of {_gib(total)} GiB used, {_gib(total - used)} GiB free (memory in GiB)")
+    modes = {n["name"]: n["enforcement"] for n in nodes if n.get("enforcement")}
+    if modes:
+        lines.append("GPU memory enforcement: " + ", ".join(f"{n} {m}" for n, m in sorted(modes.items())))
     for pod, why in (doc.get("unaccounted") or {}).items():
         lines.append(f"warning: {pod} not accounted: {why}")
     return "\n".join(lines)

@@ -13,8 +13,8 @@ def test_empty_document_and_no_file_give_the_defaults():
     assert parse_config("version: v1\n") == Config()
     d = Config()
     assert (d.resource_domain, d.memory_unit_mib, d.reserved_mib_per_gpu) == ("vramshare.io", 1024, 0)
-    assert (d.default_gpu_mode, d.device_list_strategy, d.mps_enforcement) == (
-        GpuMode.SHARED, DeviceListStrategy.ENVVAR, False)
+    assert (d.default_gpu_mode, d.device_list_strategy, d.enforcement.mode) == (
+        GpuMode.SHARED, DeviceListStrategy.ENVVAR, "auto")
     assert d.health.ignored_xids == (13, 31, 43, 45, 68, 109) and d.health.probes_to_recover == 3
     assert d.extender.policy is Policy.FGD and d.quota.floor_fraction == 0.5 and d.quota.ceiling_fraction == 1.5
     assert d.names.gpu_memory == "vramshare.io/gpu-memory"
@@ -28,7 +28,10 @@ def test_empty_document_and_no_file_give_the_defaults():
     ("gpuModes: {0: exclusive, GPU-abc: shared}", "gpu_modes", {"0": GpuMode.EXCLUSIVE, "GPU-abc": GpuMode.SHARED}),
     ("deviceListStrategy: cdi-cri", "device_list_strategy", DeviceListStrategy.CDI_CRI),
     ("deviceListStrategy: volume-mounts", "device_list_strategy", DeviceListStrategy.VOLUME_MOUNTS),
-    ("mpsEnforcement: true", "mps_enforcement", True),
+    ("enforcement: {mode: mps}", "enforcement.mode", "mps"),
+    ("enforcement: {overLimitAction: evict}", "enforcement.over_limit_action", config.OverLimitAction.EVICT),
+    ("quota: {idleSeconds: 30, peakWindowTicks: 6, protectRequests: false, shareSpare: false}",
+     "quota.idle_seconds", 30.0),
     ("quotaHostDir: /data/quota", "quota_host_dir", "/data/quota"),
     ("health: {ignoredXids: [13, 79]}", "health.ignored_xids", (13, 79)),
     ("health: {ignoredXids: []}", "health.ignored_xids", ()),
@@ -63,7 +66,14 @@ def test_each_key(text, attr, expected):
     ("memoryUnitMiB: true", "memoryUnitMiB: expected int, got True"),
     ("memoryUnitMiB: 0", "memoryUnitMiB: must be >= 1"),
     ("reservedMiBPerGPU: -1", "reservedMiBPerGPU: must be >= 0"),
-    ("mpsEnforcement: 'yes'", "mpsEnforcement: expected bool"),
+    ("mpsEnforcement: true", "mpsEnforcement: replaced by enforcement.mode: mps"),
+    ("enforcement: {mode: hami}", "enforcement.mode: 'hami' is not one of auto, driver, mps, cooperative"),
+    ("enforcement: {overLimitAction: kill}", "enforcement.overLimitAction: 'kill' is not one of event, evict"),
+    ("enforcement: {mpsPipeDirectory: pipes}", "enforcement.mpsPipeDirectory: 'pipes' must be an absolute"),
+    ("enforcement: {overLimitGraceSeconds: -1}", "enforcement.overLimitGraceSeconds: must be >= 0"),
+    ("quota: {peakWindowTicks: 0}", "quota.peakWindowTicks: must be >= 1"),
+    ("quota: {idleSeconds: -5}", "quota.idleSeconds: must be >= 0"),
+    ("quota: {shareSpare: 'yes'}", "quota.shareSpare: expected bool"),
     ("defaultGpuMode: split", "defaultGpuMode: 'split' is not one of shared, exclusive, mig"),
     ("defaultGpuMode: mig", "defaultGpuMode: must be shared or exclusive"),
     ("gpuModes: [exclusive]", "gpuModes: expected a mapping"),
@@ -125,7 +135,7 @@ FILE = "memoryUnitMiB: 512\nhealth: {disabled: false, recoveryProbeSeconds: 7}\n
     ({"VRAMSHARE_RESERVED_MIB_PER_GPU": "100"}, "reserved_mib_per_gpu", 100),
     ({"VRAMSHARE_DEFAULT_GPU_MODE": "exclusive"}, "default_gpu_mode", GpuMode.EXCLUSIVE),
     ({"VRAMSHARE_DEVICE_LIST_STRATEGY": "cdi-cri"}, "device_list_strategy", DeviceListStrategy.CDI_CRI),
-    ({"VRAMSHARE_MPS_ENFORCEMENT": "true"}, "mps_enforcement", True),
+    ({"VRAMSHARE_ENFORCEMENT_MODE": "cooperative"}, "enforcement.mode", "cooperative"),
     ({"VRAMSHARE_QUOTA_HOST_DIR": "/data/q"}, "quota_host_dir", "/data/q"),
     ({"VRAMSHARE_HEALTH_IGNORED_XIDS": "13, 79"}, "health.ignored_xids", (13, 79)),
     ({"VRAMSHARE_HEALTH_IGNORED_XIDS": ""}, "health.ignored_xids", ()),
@@ -158,7 +168,7 @@ def test_env_without_file_and_cli_over_env():
 
 @pytest.mark.parametrize("env, message", [
     ({"VRAMSHARE_MEMORY_UNIT_MIB": "lots"}, "VRAMSHARE_MEMORY_UNIT_MIB: memoryUnitMiB: expected int, got 'lots'"),
-    ({"VRAMSHARE_MPS_ENFORCEMENT": "maybe"}, "VRAMSHARE_MPS_ENFORCEMENT: mpsEnforcement: expected bool"),
+    ({"VRAMSHARE_ENFORCEMENT_MODE": "maybe"}, "VRAMSHARE_ENFORCEMENT_MODE: enforcement.mode: 'maybe' is not one"),
     ({"VRAMSHARE_HEALTH_IGNORED_XIDS": "13,x"}, "VRAMSHARE_HEALTH_IGNORED_XIDS: health.ignoredXids[1]: expected int"),
     ({"VRAMSHARE_EXTENDER_POLICY": "rand"}, "VRAMSHARE_EXTENDER_POLICY: extender.policy: 'rand' is not one of"),
 ])

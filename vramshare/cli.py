@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "show where each landed and why. Ends by itself.")
     demo.add_argument("--pods", type=int, default=8, metavar="N", help="pods to submit (default 8)")
     demo.add_argument("--verbose", action="store_true", help="also show every component's log lines")
+    demo.add_argument("--quota", action="store_true", help="only the quota loop on one shared GPU (a few seconds)")
 
     insp = sub.add_parser("inspect", help="show per-GPU usage from a running extender",
                           description="Fetch /inspect from the extender and print total, used and free "

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from vramshare import contract
-from vramshare.inventory import GpuMode
+from vramshare.inventory import EnforcementMode, GpuMode
 
 VERSION = "v1"
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
@@ -62,6 +62,33 @@ class ExtenderConfig:
     metrics_listen: str | None = None
 
 
+class OverLimitAction(str, enum.Enum):
+    """What the quota loop does about a container above its hard limit past the grace period."""
+
+    EVENT = "event"  # a Warning event and the <domain>/over-limit annotation on the pod
+    EVICT = "evict"  # that, and evict the pod (the Eviction API, so PodDisruptionBudgets hold)
+
+
+ENFORCEMENT_AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class EnforcementConfig:
+    """How each container's GPU memory is fenced. ``mode`` auto picks the best the node supports;
+    a named mode that the node cannot honour stops the device plugin with the reason."""
+
+    mode: str = ENFORCEMENT_AUTO  # auto | driver | mps | cooperative
+    mps_pipe_directory: str = "/run/nvidia/mps/nvidia.com/gpu/pipe"  # host, as NVIDIA's MPS daemon makes it
+    mps_shm_directory: str = "/run/nvidia/mps/shm"
+    over_limit_action: OverLimitAction = OverLimitAction.EVENT
+    over_limit_grace_seconds: float = 60.0
+    resolved: EnforcementMode | None = None  # not a file key: the mode the device plugin detected
+
+    def requested(self) -> EnforcementMode | None:
+        """The mode asked for; ``None`` for auto."""
+        return None if self.mode == ENFORCEMENT_AUTO else EnforcementMode(self.mode)
+
+
 @dataclass(frozen=True)
 class QuotaConfig:
     """Bounds for the quota feedback loop; per-pod floors and ceilings as fractions of the request."""
@@ -77,6 +104,10 @@ class QuotaConfig:
     # device plugin to run with hostPID: true (it then sees, and as root could signal, every host
     # process), so it is off by default.
     process_attribution: bool = False
+    peak_window_ticks: int = 60  # ticks of use remembered: headroom reaches the window's peak
+    protect_requests: bool = True  # overload: use within each request is covered before any beyond it
+    share_spare: bool = True  # memory nobody asked for is split evenly as headroom
+    idle_seconds: float = 300.0  # no requests and flat use this long: the tenant is warm (0 = never)
 
 
 @dataclass(frozen=True)
@@ -88,11 +119,11 @@ class Config:
     default_gpu_mode: GpuMode = GpuMode.SHARED
     gpu_modes: Mapping[str, GpuMode] = field(default_factory=dict)  # by GPU index ("0") or UUID
     device_list_strategy: DeviceListStrategy = DeviceListStrategy.ENVVAR
-    mps_enforcement: bool = False
     quota_host_dir: str = contract.HOST_QUOTA_ROOT
     health: HealthConfig = field(default_factory=HealthConfig)
     extender: ExtenderConfig = field(default_factory=ExtenderConfig)
     quota: QuotaConfig = field(default_factory=QuotaConfig)
+    enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
 
     @property
     def names(self) -> contract.Names:
@@ -115,9 +146,11 @@ _TOP_KEYS = {
     "version": "version", "resourceDomain": "resource_domain", "memoryUnitMiB": "memory_unit_mib",
     "reservedMiBPerGPU": "reserved_mib_per_gpu", "defaultGpuMode": "default_gpu_mode",
     "gpuModes": "gpu_modes", "deviceListStrategy": "device_list_strategy",
-    "mpsEnforcement": "mps_enforcement", "quotaHostDir": "quota_host_dir",
-    "health": "health", "extender": "extender", "quota": "quota",
+    "quotaHostDir": "quota_host_dir",
+    "health": "health", "extender": "extender", "quota": "quota", "enforcement": "enforcement",
 }
+_REMOVED_KEYS = {"mpsEnforcement": "replaced by enforcement.mode: mps (which also mounts the MPS pipe and "
+                                   "shared-memory directories a client needs; the old switch did not)"}
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
                 "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
 _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
@@ -127,7 +160,12 @@ _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_se
 _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "floorFraction": "floor_fraction", "ceilingFraction": "ceiling_fraction",
                "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure",
-               "processAttribution": "process_attribution"}
+               "processAttribution": "process_attribution",
+               "peakWindowTicks": "peak_window_ticks", "protectRequests": "protect_requests",
+               "shareSpare": "share_spare", "idleSeconds": "idle_seconds"}
+_ENFORCEMENT_KEYS = {"mode": "mode", "mpsPipeDirectory": "mps_pipe_directory",
+                     "mpsShmDirectory": "mps_shm_directory", "overLimitAction": "over_limit_action",
+                     "overLimitGraceSeconds": "over_limit_grace_seconds"}
 
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+$")
@@ -193,7 +231,7 @@ ENV_KEYS: dict[str, tuple[str, ...]] = {
     "VRAMSHARE_RESERVED_MIB_PER_GPU": ("reservedMiBPerGPU",),
     "VRAMSHARE_DEFAULT_GPU_MODE": ("defaultGpuMode",),
     "VRAMSHARE_DEVICE_LIST_STRATEGY": ("deviceListStrategy",),
-    "VRAMSHARE_MPS_ENFORCEMENT": ("mpsEnforcement",),
+    "VRAMSHARE_ENFORCEMENT_MODE": ("enforcement", "mode"),
     "VRAMSHARE_QUOTA_HOST_DIR": ("quotaHostDir",),
     "VRAMSHARE_HEALTH_IGNORED_XIDS": ("health", "ignoredXids"),
     "VRAMSHARE_HEALTH_DISABLED": ("health", "disabled"),
@@ -263,6 +301,9 @@ def _extender_tls(e: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def config_from_dict(raw: Any) -> Config:
+    for key, why in _REMOVED_KEYS.items():
+        if isinstance(raw, dict) and key in raw:
+            raise ConfigError(f"{key}: {why}")
     top = _check_keys(raw, _TOP_KEYS, "")
     version = top.get("version", VERSION) or VERSION
     if version != VERSION:
@@ -313,6 +354,26 @@ def config_from_dict(raw: Any) -> Config:
         margin_mib=_typed(q.get("marginMiB", 1024), int, "quota.marginMiB", minimum=0),
         kv_pressure=_typed(q.get("kvPressure", 0.9), float, "quota.kvPressure", minimum=0),
         process_attribution=_typed(q.get("processAttribution", False), bool, "quota.processAttribution"),
+        peak_window_ticks=_typed(q.get("peakWindowTicks", 60), int, "quota.peakWindowTicks", minimum=1),
+        protect_requests=_typed(q.get("protectRequests", True), bool, "quota.protectRequests"),
+        share_spare=_typed(q.get("shareSpare", True), bool, "quota.shareSpare"),
+        idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds", minimum=0),
+    )
+    en = _check_keys(top.get("enforcement"), _ENFORCEMENT_KEYS, "enforcement.")
+    modes_ok = [ENFORCEMENT_AUTO] + [m.value for m in EnforcementMode]
+    mode = _typed(en.get("mode", ENFORCEMENT_AUTO), str, "enforcement.mode")
+    if mode not in modes_ok:
+        raise ConfigError(f"enforcement.mode: {mode!r} is not one of {', '.join(modes_ok)}")
+    enforcement = EnforcementConfig(
+        mode=mode,
+        mps_pipe_directory=_absolute(_typed(en.get("mpsPipeDirectory", EnforcementConfig.mps_pipe_directory), str,
+                                            "enforcement.mpsPipeDirectory"), "enforcement.mpsPipeDirectory"),
+        mps_shm_directory=_absolute(_typed(en.get("mpsShmDirectory", EnforcementConfig.mps_shm_directory), str,
+                                           "enforcement.mpsShmDirectory"), "enforcement.mpsShmDirectory"),
+        over_limit_action=_enum(en.get("overLimitAction", OverLimitAction.EVENT.value), OverLimitAction,
+                                "enforcement.overLimitAction"),
+        over_limit_grace_seconds=_typed(en.get("overLimitGraceSeconds", 60.0), float,
+                                        "enforcement.overLimitGraceSeconds", minimum=0),
     )
     if quota.floor_fraction > 1 or quota.ceiling_fraction < 1:
         raise ConfigError("quota: floorFraction must be <= 1 <= ceilingFraction")
@@ -328,12 +389,12 @@ def config_from_dict(raw: Any) -> Config:
         gpu_modes=modes,
         device_list_strategy=_enum(top.get("deviceListStrategy", d.device_list_strategy.value),
                                    DeviceListStrategy, "deviceListStrategy"),
-        mps_enforcement=_typed(top.get("mpsEnforcement", False), bool, "mpsEnforcement"),
         quota_host_dir=_absolute(_typed(top.get("quotaHostDir", d.quota_host_dir), str, "quotaHostDir"),
                                  "quotaHostDir"),
         health=health,
         extender=ext,
         quota=quota,
+        enforcement=enforcement,
     )
 
 

@@ -73,6 +73,11 @@ class Names:
     def quota_mib(self) -> str:
         return f"{self.domain}/quota-mib"
 
+    @property
+    def over_limit(self) -> str:
+        """Set by the quota loop on a pod whose container stayed above its hard limit (issue 9)."""
+        return f"{self.domain}/over-limit"
+
     def is_ours(self, resource: str) -> bool:
         return resource.startswith(f"{self.domain}/")
 
@@ -88,6 +93,11 @@ ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 ENV_GPU_UUIDS = "VRAMSHARE_GPU_UUIDS"
 ENV_MEMORY_LIMIT_MIB = "VRAMSHARE_MEMORY_LIMIT_MIB"
 ENV_MPS_PINNED_MEM_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+ENV_MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
+# enforcement.mode driver (issue 9): the NVIDIA container toolkit's apply-cuda-memory-limits CDI hook
+# reads these exact (singular) names, whole MiB, and sets the container cgroup's soft/hard limits
+ENV_GPU_MEMORY_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
+ENV_GPU_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
 ENV_QUOTA_FILE = "VRAMSHARE_QUOTA_FILE"
 CONTAINER_QUOTA_DIR = "/var/run/vramshare"
 QUOTA_FILE_NAME = "quota.json"

@@ -30,6 +30,14 @@ class GpuMode(str, enum.Enum):
     MIG = "mig"
 
 
+class EnforcementMode(str, enum.Enum):
+    """How a node fences each container's GPU memory (issue 9), detected by the device plugin at start."""
+
+    DRIVER = "driver"  # R615+ memory limits per cgroup (NVML), moved live by the quota loop
+    MPS = "mps"  # an MPS control daemon enforces CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, fixed at start
+    COOPERATIVE = "cooperative"  # nothing fences: the quota file, plus over-limit detection
+
+
 class InventoryError(ValueError):
     """An inventory annotation or file that cannot be read; the message names the bad field."""
 
@@ -71,6 +79,7 @@ class NodeInventory:
     unit_mib: int
     gpus: tuple[Gpu, ...] = field(default_factory=tuple)
     version: str = contract.INVENTORY_VERSION
+    enforcement: EnforcementMode | None = None  # optional: absent from older publishers
 
     def gpu(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
@@ -93,6 +102,13 @@ class NodeInventory:
 
 
 def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
+    doc = _inventory_doc(inv)
+    if inv.enforcement is not None:
+        doc["enforcement"] = inv.enforcement.value
+    return doc
+
+
+def _inventory_doc(inv: NodeInventory) -> dict[str, Any]:
     return {
         "version": inv.version,
         "unitMiB": inv.unit_mib,
@@ -194,7 +210,13 @@ def inventory_from_dict(data: Any) -> NodeInventory:
             numa_node=numa, mode=mode, healthy=_bool(g, "healthy", where), mig=tuple(migs),
             units=_int(g, "units", where, 0, memory // unit, default=derived),
         ))
-    return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version)
+    enforcement = None
+    if data.get("enforcement") is not None:
+        try:
+            enforcement = EnforcementMode(data["enforcement"])
+        except ValueError:  # a newer publisher's mode: unknown here, which is what absent means
+            enforcement = None
+    return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version, enforcement=enforcement)
 
 
 def units_for(memory_mib: int, reserved_mib: int, unit_mib: int) -> int:

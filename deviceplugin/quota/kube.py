@@ -6,10 +6,13 @@ allocated``: their ``<domain>/assignment`` says which GPUs and how many MiB each
 A pod's vLLM metrics endpoint is found the usual way, from ``prometheus.io/port`` (and optional
 ``prometheus.io/path``, ``prometheus.io/scheme``) plus the pod IP. The mirror writes
 ``<domain>/quota-mib`` = ``{container: [{"uuid", "mib"}]}`` (the assignment's shape, with the current
-limits) so ``kubectl`` shows what each container may use now; the file stays the contract.
+limits and each container's warmth) so ``kubectl`` shows what each container may use now; the
+file stays the contract. ``ApiOverLimitActor`` reports (event + ``<domain>/over-limit``) or evicts a
+container that stayed above its limit where nothing fences.
 """
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any, Iterable, Mapping
 
@@ -18,7 +21,9 @@ from kubernetes.client.exceptions import ApiException
 
 from deviceplugin.handshake import AssignmentError, parse_assignment
 from deviceplugin.quota.model import Tenant, TenantKey
+from deviceplugin.quota.overlimit import Breach
 from vramshare import contract, logs
+from vramshare.config import OverLimitAction
 
 log = logs.get("vramshare.quota.kube")
 MERGE_PATCH = "application/merge-patch+json"
@@ -91,8 +96,11 @@ class ApiQuotaMirror:
     def __init__(self, v1: client.CoreV1Api, names: contract.Names) -> None:
         self._v1, self._names = v1, names
 
-    def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]]) -> None:
-        value = json.dumps({c: [{"uuid": u, "mib": mib} for u, mib in sorted(gpus.items())]
+    def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]],
+               states: Mapping[str, str] | None = None) -> None:
+        st = states or {}
+        value = json.dumps({c: [{"uuid": u, "mib": mib, **({"state": st[c]} if c in st else {})}
+                                for u, mib in sorted(gpus.items())]
                             for c, gpus in sorted(quotas.items())}, separators=(",", ":"))
         body = {"metadata": {"annotations": {self._names.quota_mib: value}}}
         try:
@@ -103,3 +111,47 @@ class ApiQuotaMirror:
                 log.info("pod vanished, quota not mirrored", pod=f"{key.namespace}/{key.pod}")
                 return
             raise
+
+
+class ApiOverLimitActor:
+    """:class:`loop.OverLimitActor`: a Warning event and the ``<domain>/over-limit`` annotation on the
+    pod, and with ``evict`` an eviction through the Eviction API (so PodDisruptionBudgets hold).
+    Only ever called for a container the loop measured above its limit past the grace period."""
+
+    def __init__(self, v1: client.CoreV1Api, names: contract.Names, node: str) -> None:
+        self._v1, self._names, self._node = v1, names, node
+
+    def act(self, breach: Breach, action: OverLimitAction) -> None:
+        key = breach.key
+        note = breach.message() + (": evicting the pod" if action is OverLimitAction.EVICT else "")
+        value = json.dumps({"container": key.container, "gpu": breach.gpu_uuid, "usedMiB": breach.used_mib,
+                            "limitMiB": breach.limit_mib, "seconds": round(breach.seconds)}, separators=(",", ":"))
+        try:
+            self._v1.patch_namespaced_pod(key.pod, key.namespace,
+                                          {"metadata": {"annotations": {self._names.over_limit: value}}},
+                                          _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status == 404:
+                log.info("pod vanished before the over-limit report", pod=f"{key.namespace}/{key.pod}")
+                return
+            raise
+        self._event(key, "GpuMemoryOverLimit", note)
+        if action is OverLimitAction.EVICT:
+            body = {"apiVersion": "policy/v1", "kind": "Eviction",
+                    "metadata": {"name": key.pod, "namespace": key.namespace},
+                    "deleteOptions": {"preconditions": {"uid": key.pod_uid}} if key.pod_uid else {}}
+            self._v1.create_namespaced_pod_eviction(key.pod, key.namespace, body, _preload_content=False,
+                                                    _request_timeout=TIMEOUT_S)
+            log.warning("pod evicted: GPU memory above its limit", pod=f"{key.namespace}/{key.pod}",
+                        container=key.container, gpu=breach.gpu_uuid, used_mib=breach.used_mib,
+                        limit_mib=breach.limit_mib)
+
+    def _event(self, key: TenantKey, reason: str, message: str) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {"apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": reason, "message": message,
+                "metadata": {"generateName": f"{key.pod}.", "namespace": key.namespace},
+                "involvedObject": {"kind": "Pod", "name": key.pod, "namespace": key.namespace, "uid": key.pod_uid,
+                                   "apiVersion": "v1"},
+                "source": {"component": "vramshare-quota", "host": self._node},
+                "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+        self._v1.create_namespaced_event(key.namespace, body, _preload_content=False, _request_timeout=TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""The quota loop: read telemetry -> policy per GPU -> write quota files -> mirror annotations.
+"""The quota loop: read telemetry -> policy per GPU -> write quota files -> fence -> mirror annotations.
 
 Imperative shell around :func:`policy.rebalance`. Each tick (:meth:`QuotaLoop.run_once`) is
 independent and keeps going past bad input: a failed tenant listing or usage read skips the tick
@@ -6,22 +6,32 @@ independent and keeps going past bad input: a failed tenant listing or usage rea
 that tenant's pressure signals; a failed write is retried next tick because the loop only records
 what it managed to write. Files are written only when a limit changes, so readers are not woken
 for nothing, and the generation on disk grows with each write (see ``writer``).
+
+Per tenant it also keeps what the pure parts need from the past: a window of recent use (the
+policy's headroom reaches its peak), the tenant's warmth (``warmth``), and, on nodes where nothing
+fences, how long it has been above its limit (``overlimit``). In ``driver`` mode the fence moves
+the container's cgroup limits after each written change. Settings reload live (:meth:`reconfigure`).
 """
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
 from deviceplugin.quota.attribution import attribute
-from deviceplugin.quota.model import (Decision, GpuState, PolicyParams, Signals, Tenant, TenantKey,
+from deviceplugin.quota.model import (Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
                                       TenantState)
+from deviceplugin.quota.overlimit import Breach, OverLimitWatch
 from deviceplugin.quota.policy import rebalance
+from deviceplugin.quota.warmth import Warmth
 from deviceplugin.quota.telemetry import SignalReader, TelemetryError, UsageReader, UsageSample
 from deviceplugin.quota.writer import (GpuQuota, QuotaFile, QuotaFileError, container_dir, read_quota,
                                        write_quota)
 from vramshare import logs
+from vramshare.config import EnforcementConfig, OverLimitAction, QuotaConfig
+from vramshare.inventory import EnforcementMode
 
 log = logs.get("vramshare.quota.loop")
 
@@ -37,9 +47,45 @@ class TenantSource(Protocol):
 class QuotaMirror(Protocol):
     """Mirrors a pod's quotas into its ``vramshare.io/quota-mib`` annotation."""
 
-    def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]]) -> None:
-        """``quotas`` = {container: {gpu uuid: limit MiB}} for every tenant container of the pod."""
+    def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]],
+               states: Mapping[str, str] | None = None) -> None:
+        """``quotas`` = {container: {gpu uuid: limit MiB}} for every tenant container of the pod;
+        ``states`` = {container: hot / warm / waking / cold}."""
         ...
+
+
+class OverLimitActor(Protocol):
+    """Tells Kubernetes about a breach: an event and annotation, or that plus eviction."""
+
+    def act(self, breach: Breach, action: OverLimitAction) -> None:
+        """Raises any exception on failure; the loop logs it and tries again next episode."""
+        ...
+
+
+class Fence(Protocol):
+    """Moves a tenant's enforced limits (driver mode): ``fence.DriverFence``."""
+
+    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int]) -> list[str]:
+        ...
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """Everything the loop reads from the config; swapped whole by :meth:`QuotaLoop.reconfigure`."""
+
+    params: PolicyParams = field(default_factory=PolicyParams)
+    peak_window_ticks: int = 60
+    idle_seconds: float = 300.0
+    grace_seconds: float = 60.0
+    action: OverLimitAction = OverLimitAction.EVENT
+    interval_seconds: float | None = None  # None: what ``run`` was started with
+    enabled: bool = True  # false: ``run`` pauses (the files keep the last quotas)
+
+    @classmethod
+    def from_config(cls, quota: QuotaConfig, enforcement: EnforcementConfig | None = None) -> "LoopSettings":
+        en = enforcement or EnforcementConfig()
+        return cls(PolicyParams.from_config(quota), quota.peak_window_ticks, quota.idle_seconds,
+                   en.over_limit_grace_seconds, en.over_limit_action, quota.interval_seconds, quota.enabled)
 
 
 @dataclass
@@ -50,19 +96,50 @@ class TickReport:
     written: list[TenantKey] = field(default_factory=list)
     skipped: str | None = None  # why the whole tick was skipped
     errors: list[str] = field(default_factory=list)
+    breaches: list[Breach] = field(default_factory=list)
 
 
 class QuotaLoop:
     def __init__(self, tenants: TenantSource, capacities: Callable[[], Mapping[str, int]],
                  usage: Sequence[UsageReader], params: PolicyParams, host_root: str,
-                 signals: SignalReader | None = None, mirror: QuotaMirror | None = None) -> None:
-        """``usage`` readers are tried in order (NVML first, dcgm-exporter as the fallback)."""
+                 signals: SignalReader | None = None, mirror: QuotaMirror | None = None, *,
+                 settings: LoopSettings | None = None, mode: EnforcementMode = EnforcementMode.COOPERATIVE,
+                 fence: Fence | None = None, actor: OverLimitActor | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``usage`` readers are tried in order (driver limits or NVML first, dcgm-exporter as the
+        fallback). ``settings`` (default: ``params`` with default windows) can be swapped live."""
         self._tenants, self._capacities, self._usage = tenants, capacities, list(usage)
-        self._params, self._root, self._signals, self._mirror = params, host_root, signals, mirror
+        self._root, self._signals, self._mirror = host_root, signals, mirror
+        self.settings = settings or LoopSettings(params=params)
+        self.mode, self._fence, self._actor, self._clock = mode, fence, actor, clock
         self._limits: dict[tuple[TenantKey, str], int] = {}  # what is on disk, as we wrote or read it
         self._preempt: dict[TenantKey, float] = {}  # last preemption counter per tenant
+        self._window: dict[tuple[TenantKey, str], deque[int]] = {}  # recent use per tenant and GPU
+        self._warmth = Warmth()
+        self._phases: dict[TenantKey, Phase] = {}  # as last written to the tenant's file
+        self._fenced: set[tuple[TenantKey, str]] = set()  # cgroup limits set by this process
+        self._watch = OverLimitWatch(self.settings.grace_seconds)
+        self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
         self.last = TickReport()  # the latest tick, for the metrics collector
-        self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes
+        self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
+
+    @property
+    def _params(self) -> PolicyParams:
+        return self.settings.params
+
+    def reconfigure(self, quota: QuotaConfig, enforcement: EnforcementConfig | None = None) -> None:
+        """Take a new (already validated) config from the next tick on; the mode needs a restart."""
+        new = LoopSettings.from_config(quota, enforcement)
+        if new != self.settings:
+            log.info("quota settings reloaded", step_mib=new.params.step_mib, margin_mib=new.params.margin_mib,
+                     floor_fraction=new.params.floor_fraction, idle_s=new.idle_seconds,
+                     grace_s=new.grace_seconds, action=new.action.value)
+        self.settings = new
+        self._watch.grace = new.grace_seconds
+
+    def phases(self) -> dict[TenantKey, Phase]:
+        """Each tenant's warmth as of the latest tick (metrics, inspect)."""
+        return dict(self._phases)
 
     def limits(self) -> dict[tuple[TenantKey, str], int]:
         """The limits on disk as this loop knows them: ``{(tenant, gpu uuid): MiB}``."""
@@ -94,13 +171,13 @@ class QuotaLoop:
             if last is not None:  # a counter below its last value was reset: count it from zero
                 delta = int(s.preemptions_total - last if s.preemptions_total >= last else s.preemptions_total)
             self._preempt[t.key] = s.preemptions_total
-        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta)
+        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running)
 
     def _current(self, t: Tenant, gpu: str) -> int | None:
         """The limit in force: ours, else the file Allocate wrote, else None (= the request)."""
         if (t.key, gpu) not in self._limits:
             try:
-                on_disk = read_quota(container_dir(self._root, t.key.pod_uid, t.key.container))
+                on_disk = read_quota(self._dir(t))
             except (QuotaFileError, OSError) as exc:
                 log.warning("quota file unreadable", pod=str(t.key), gpu=gpu, error=str(exc))
                 on_disk = None
@@ -119,6 +196,7 @@ class QuotaLoop:
         self.counts["errors"] += len(report.errors)
         self.counts["writes"] += len(report.written)
         self.counts["changes"] += sum(d.changed for d in report.decisions)
+        self.counts["breaches"] += len(report.breaches)
         return report
 
     def _tick(self) -> TickReport:
@@ -130,44 +208,92 @@ class QuotaLoop:
             report.skipped = f"cannot list tenants: {exc}"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
             return report
+        self.tenants_now = tenants
         samples = self._read_usage(report)
         if samples is None:
             report.skipped = "no usage source answered"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
             return report
         seen = attribute(samples, tenants)
+        now, st = self._clock(), self.settings
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
+        phases: dict[TenantKey, Phase] = {}
         for t in tenants:
             sig = self._read_signals(t, report)
-            for gpu, req in t.gpus:
-                per_gpu[gpu].append(TenantState(t.key, req, self._current(t, gpu),
-                                                seen.used.get((t.key, gpu)), sig))
+            used = [seen.used.get((t.key, g)) for g, _ in t.gpus]
+            total = sum(u for u in used if u is not None) if any(u is not None for u in used) else None
+            phase = self._warmth.update(t.key, total, sig, now, st.idle_seconds, st.params.step_mib)
+            for (gpu, req), u in zip(t.gpus, used):
+                peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
+                per_gpu[gpu].append(TenantState(t.key, req, self._current(t, gpu), u, sig, peak_mib=peak,
+                                                phase=phase if u is not None else Phase.HOT))
+                self._check_limit(t.key, gpu, req, u, now, report)
+            phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
         for gpu, states in sorted(per_gpu.items()):
             if gpu not in capacities:
                 log.warning("GPU not in inventory, its tenants keep their quotas", gpu=gpu)
                 continue
             cap = capacities[gpu] - seen.foreign.get(gpu, 0)
-            for d in rebalance(GpuState(gpu, cap, tuple(states)), self._params):
+            for d in rebalance(GpuState(gpu, cap, tuple(states)), st.params):
                 decided[(d.key, gpu)] = d
                 report.decisions.append(d)
-        self._write(tenants, decided, report)
+        self._write(tenants, decided, phases, report)
         alive = {t.key for t in tenants}
         self._limits = {k: v for k, v in self._limits.items() if k[0] in alive}
         self._preempt = {k: v for k, v in self._preempt.items() if k in alive}
+        self._window = {k: v for k, v in self._window.items() if k[0] in alive}
+        self._phases = {k: v for k, v in self._phases.items() if k in alive}
+        self._fenced = {k for k in self._fenced if k[0] in alive}
+        self._warmth.forget(alive)
+        self._watch.forget(alive)
         return report
 
+    def _remember(self, key: TenantKey, gpu: str, used: int | None, ticks: int) -> int | None:
+        """The peak of the last ``ticks`` uses seen (the policy's headroom), this one included."""
+        win = self._window.get((key, gpu))
+        if win is None or win.maxlen != ticks:
+            win = self._window[(key, gpu)] = deque(win or (), maxlen=ticks)
+        if used is not None:
+            win.append(used)
+        return max(win) if win else None
+
+    def _check_limit(self, key: TenantKey, gpu: str, request: int, used: int | None, now: float,
+                     report: TickReport) -> None:
+        """Nodes where nothing fences: act on a container above its limit past the grace period. A
+        container within its request (what the scheduler reserved for it) is never named, even when
+        the loop cut its limit below that: memory vLLM allocated up front is not released by a cap."""
+        if self.mode is EnforcementMode.DRIVER or (key, gpu) not in self._limits:
+            return
+        breach = self._watch.observe(key, gpu, used, max(self._limits[(key, gpu)], request), now)
+        if breach is None:
+            return
+        report.breaches.append(breach)
+        log.warning("container above its memory limit", pod=f"{key.namespace}/{key.pod}", container=key.container,
+                    gpu=gpu, used_mib=breach.used_mib, limit_mib=breach.limit_mib, seconds=round(breach.seconds),
+                    action=self.settings.action.value)
+        if self._actor is not None:
+            try:
+                self._actor.act(breach, self.settings.action)
+            except Exception as exc:  # the API may be down; the breach is in the log and the metrics
+                log.error("over-limit action failed", pod=f"{key.namespace}/{key.pod}", error=str(exc))
+                report.errors.append(str(exc))
+
     def _write(self, tenants: list[Tenant], decided: Mapping[tuple[TenantKey, str], Decision],
-               report: TickReport) -> None:
+               phases: Mapping[TenantKey, Phase], report: TickReport) -> None:
         changed_pods: set[str] = set()
         for t in tenants:
             ds = [decided[(t.key, g)] for g, _ in t.gpus if (t.key, g) in decided]
-            if not ds or all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds):
+            self._fence_first(t, ds, report)
+            phase = phases.get(t.key, Phase.HOT)
+            if not ds or (all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds)
+                          and self._phases.get(t.key, phase) == phase):
+                self._phases.setdefault(t.key, phase)
                 continue
             gpus = tuple(self._entry(t.key, g, req, decided.get((t.key, g))) for g, req in t.gpus)
             try:
-                written = write_quota(container_dir(self._root, t.key.pod_uid, t.key.container),
-                                      QuotaFile(gpus=gpus))
+                written = write_quota(self._dir(t),
+                                      QuotaFile(gpus=gpus, state=phase.value, enforcement=self.mode.value))
             except (OSError, ValueError) as exc:
                 log.error("quota write failed, will retry", pod=str(t.key), error=str(exc))
                 report.errors.append(str(exc))
@@ -178,10 +304,33 @@ class QuotaLoop:
                              gpu=d.gpu_uuid, old_mib=d.previous_mib, new_mib=d.limit_mib, reason=d.reason,
                              generation=written.generation)
                 self._limits[(t.key, d.gpu_uuid)] = d.limit_mib
+            self._phases[t.key] = phase
             report.written.append(t.key)
             changed_pods.add(t.key.pod_uid)
+            self._apply_fence(t, ds, report)
         if self._mirror is not None:
             self._mirror_pods(tenants, changed_pods, report)
+
+    def _dir(self, t: Tenant) -> str:
+        """The tenant's quota directory: its own when the source names one (an allocation-keyed dir),
+        else ``<quotaHostDir>/<pod-uid>/<container>``."""
+        return t.quota_dir or container_dir(self._root, t.key.pod_uid, t.key.container)
+
+    def _fence_first(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
+        """A tenant this process has not fenced yet (new, or after a restart) gets its limits set."""
+        if self._fence is not None and ds and any((t.key, d.gpu_uuid) not in self._fenced for d in ds):
+            if all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds):
+                self._apply_fence(t, ds, report)
+
+    def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
+        if self._fence is None:
+            return
+        errors = self._fence.apply(t, ds, dict(t.gpus))
+        for e in errors:
+            log.error("cgroup memory limit not moved, will retry", pod=f"{t.key.namespace}/{t.key.pod}", error=e)
+        report.errors.extend(errors)
+        if not errors:
+            self._fenced.update((t.key, d.gpu_uuid) for d in ds)
 
     def _entry(self, key: TenantKey, gpu: str, request: int, d: Decision | None) -> GpuQuota:
         """One GPU's line of the file. A GPU skipped this tick keeps its limit (a multi-GPU file is
@@ -199,17 +348,20 @@ class QuotaLoop:
             quotas = {t.key.container: {g: self._limits[(t.key, g)] for g, _ in t.gpus
                                         if (t.key, g) in self._limits} for t in members}
             try:
-                self._mirror.mirror(members[0].key, quotas)  # type: ignore[union-attr]
+                states = {t.key.container: self._phases[t.key].value for t in members if t.key in self._phases}
+                self._mirror.mirror(members[0].key, quotas, states)  # type: ignore[union-attr]
             except Exception as exc:  # the file is the contract; the annotation is only a mirror
                 log.warning("quota annotation not mirrored", pod=f"{members[0].key.namespace}/"
                             f"{members[0].key.pod}", error=str(exc))
                 report.errors.append(str(exc))
 
     def run(self, stop: threading.Event, interval_seconds: float) -> None:
-        """Tick every ``interval_seconds`` until ``stop`` is set (the DaemonSet's quota thread)."""
+        """Tick every ``interval_seconds`` (or the reloaded ``quota.intervalSeconds``) until ``stop`` is
+        set (the DaemonSet's quota thread); ``quota.enabled: false`` reloaded pauses it."""
         while not stop.is_set():
             try:
-                self.run_once()
+                if self.settings.enabled:
+                    self.run_once()
             except Exception:  # never let one bad tick end the loop
                 log.error("quota tick crashed, keeping last quotas", exc_info=True)
-            stop.wait(interval_seconds)
+            stop.wait(self.settings.interval_seconds or interval_seconds)

@@ -18,6 +18,7 @@ Fetch = Callable[[str], str]
 DCGM_FB_USED = "DCGM_FI_DEV_FB_USED"
 VLLM_KV = "vllm:kv_cache_usage_perc"
 VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
 PLUGIN_PREFIX = "vramshare_vllm_"
 PLUGIN_BLOCKS_USED = "vramshare_vllm_kv_blocks_used"  # the plugin's KV use against its quota cap
@@ -84,6 +85,7 @@ class VllmMetricsReader:
     def read_signals(self, url: str) -> VllmSample:
         kv: float | None = None
         waiting: float | None = None
+        running: float | None = None
         preempt: float | None = None
         extra: dict[str, float] = {}
         used: dict[str, float] = {}
@@ -93,6 +95,8 @@ class VllmMetricsReader:
                 kv = value if kv is None else max(kv, value)
             elif name == VLLM_WAITING:
                 waiting = (waiting or 0.0) + value
+            elif name == VLLM_RUNNING:
+                running = (running or 0.0) + value
             elif name == VLLM_PREEMPTIONS:
                 preempt = (preempt or 0.0) + value
             elif name.startswith(PLUGIN_PREFIX):
@@ -106,4 +110,4 @@ class VllmMetricsReader:
             if c > 0 and engine in used:
                 kv = max(kv or 0.0, used[engine] / c)
         return VllmSample(kv_usage=kv, waiting=None if waiting is None else int(waiting),
-                          preemptions_total=preempt, extra=extra)
+                          preemptions_total=preempt, running=None if running is None else int(running), extra=extra)

@@ -14,39 +14,65 @@ from kubernetes import client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from deviceplugin.quota.kube import ApiQuotaMirror, ApiTenantSource
-from deviceplugin.quota.loop import QuotaLoop
+from deviceplugin.nvml_limits import CgroupFinder, NvmlMemoryLimits
+from deviceplugin.quota.fence import DriverFence
+from deviceplugin.quota.kube import ApiOverLimitActor, ApiQuotaMirror, ApiTenantSource
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+from deviceplugin.quota.model import Phase
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader
 from deviceplugin.quota.telemetry import NvmlProcessReader, UsageReader
 from vramshare import logs
 from vramshare.config import Config
+from vramshare.inventory import EnforcementMode
 
 log = logs.get("vramshare.quota.service")
 
 
 def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callable[[], Mapping[str, int]],
-               *, nvml: Any | None = None, dcgm_url: str | None = None) -> QuotaLoop:
-    """A loop reading NVML (then dcgm-exporter at ``dcgm_url``, when given) and vLLM metrics.
+               *, nvml: Any | None = None, dcgm_url: str | None = None,
+               mode: EnforcementMode = EnforcementMode.COOPERATIVE, cgroup_root: str = "/sys/fs/cgroup",
+               process_attribution: bool | None = None, usage: list[UsageReader] | None = None) -> QuotaLoop:
+    """A loop reading per-container use, then dcgm-exporter at ``dcgm_url`` (when given), and vLLM metrics.
 
     ``capacities`` returns ``{gpu uuid: schedulable MiB}`` (units x memoryUnitMiB) for the GPUs in
-    ``shared`` mode; tenants of any other GPU keep their quotas untouched.
+    ``shared`` mode; tenants of any other GPU keep their quotas untouched. In ``driver`` mode use
+    comes from each container's cgroup (``currentUsed``, no host PID namespace) and the loop moves
+    the cgroup limits; per-process NVML attribution (needs ``hostPID``) is the fallback when
+    ``process_attribution`` is on (default: the config's ``quota.processAttribution``). ``usage``
+    replaces every reader (a simulated node's replay).
     """
     v1 = client.CoreV1Api(api)
-    usage: list[UsageReader] = []
-    if cfg.quota.process_attribution:
+    given = usage is not None
+    usage = list(usage or [])
+    fence: DriverFence | None = None
+    holder: list[QuotaLoop] = []
+    if mode is EnforcementMode.DRIVER and nvml is not None:
+        fence = DriverFence(NvmlMemoryLimits(nvml), CgroupFinder(cgroup_root),
+                            lambda: holder[0].tenants_now if holder else [])
+        usage.append(fence)
+    if process_attribution is None:
+        process_attribution = cfg.quota.process_attribution
+    if not given and process_attribution:
         usage.append(NvmlProcessReader(nvml))
-    else:
+    elif not given:
         # Without hostPID the host PIDs NVML reports resolve to no pod, and their memory would count
         # as foreign: better no per-process reader than one that shrinks every GPU's capacity.
         log.info("per-process GPU memory attribution off (quota.processAttribution: false, no hostPID): "
-                 "usage comes from dcgm-exporter and vLLM metrics where available",
-                 dcgm=bool(dcgm_url))
-    if dcgm_url:
+                 "usage comes from the driver's per-cgroup counters, dcgm-exporter and vLLM metrics where available",
+                 driver=fence is not None, dcgm=bool(dcgm_url))
+    if dcgm_url and not given:
         usage.append(DcgmExporterReader(dcgm_url))
-    return QuotaLoop(ApiTenantSource(v1, node, cfg.names), capacities, usage,
+    loop = QuotaLoop(ApiTenantSource(v1, node, cfg.names), capacities, usage,
                      PolicyParams.from_config(cfg.quota), cfg.quota_host_dir,
-                     signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names))
+                     signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names),
+                     settings=LoopSettings.from_config(cfg.quota, cfg.enforcement), mode=mode, fence=fence,
+                     actor=ApiOverLimitActor(v1, cfg.names, node))
+    holder.append(loop)
+    for reader in usage:
+        if hasattr(reader, "bind"):  # a simulated node's replay reads the tenants of the tick
+            reader.bind(lambda: loop.tenants_now)
+    return loop
 
 
 def start(loop: QuotaLoop, cfg: Config, stop: threading.Event) -> threading.Thread | None:
@@ -74,9 +100,16 @@ class QuotaCollector(Collector):
         for (key, gpu), mib in sorted(self._loop.limits().items()):
             limit.add_metric([key.namespace, key.pod, key.container, gpu], mib)
         yield limit
+        state = GaugeMetricFamily("vramshare_quota_tenant_state", "1 for each tenant's warmth (hot, warm, "
+                                  "waking, cold)", labels=["namespace", "pod", "container", "state"])
+        for key, phase in sorted(self._loop.phases().items()):
+            for p in Phase:
+                state.add_metric([key.namespace, key.pod, key.container, p.value], 1.0 if p is phase else 0.0)
+        yield state
         for name, help_text in (("ticks", "Quota loop ticks"), ("skipped", "Ticks skipped on bad input"),
                                 ("changes", "Quota changes decided"), ("writes", "quota.json files written"),
-                                ("errors", "Telemetry, write and mirror errors")):
+                                ("errors", "Telemetry, write and mirror errors"),
+                                ("breaches", "Containers found above their limit past the grace period")):
             c = CounterMetricFamily(f"vramshare_quota_{name}", help_text)
             c.add_metric([], self._loop.counts[name])
             yield c

@@ -47,6 +47,7 @@ class VllmSample:
     kv_usage: float | None = None
     waiting: int | None = None
     preemptions_total: float | None = None
+    running: int | None = None  # vllm:num_requests_running (idle detection)
     extra: dict[str, float] = field(default_factory=dict)  # the plugin's vramshare_vllm_* gauges
 
 

@@ -55,10 +55,17 @@ class QuotaFile:
     gpus: tuple[GpuQuota, ...] = field(default_factory=tuple)
     generation: int = 0
     updated: str = ""  # UTC, "2026-11-29T09:20:00Z", as the device plugin's first file has it
+    state: str = ""  # the tenant's phase (hot / warm / waking / cold); optional, "" = not written
+    enforcement: str = ""  # the node's enforcement mode (driver / mps / cooperative); optional
 
     def to_json(self) -> dict[str, Any]:
-        return {"generation": self.generation, "updated": self.updated,
-                "gpus": [g.to_json() for g in self.gpus]}
+        doc: dict[str, Any] = {"generation": self.generation, "updated": self.updated,
+                               "gpus": [g.to_json() for g in self.gpus]}
+        if self.state:
+            doc["state"] = self.state
+        if self.enforcement:
+            doc["enforcement"] = self.enforcement
+        return doc
 
     def limits(self) -> dict[str, int]:
         """``{gpu uuid: limit MiB}``, handy for comparisons and the annotation mirror."""
@@ -77,7 +84,8 @@ def parse_quota(text: str) -> QuotaFile:
         gpus = tuple(GpuQuota(uuid=str(g["uuid"]), limit_mib=int(g["limitMiB"]),
                               floor_mib=int(g["floorMiB"]), ceiling_mib=int(g["ceilingMiB"]))
                      for g in doc["gpus"])
-        return QuotaFile(gpus=gpus, generation=int(doc["generation"]), updated=str(doc["updated"]))
+        return QuotaFile(gpus=gpus, generation=int(doc["generation"]), updated=str(doc["updated"]),
+                         state=str(doc.get("state") or ""), enforcement=str(doc.get("enforcement") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         raise QuotaFileError(f"bad or missing field: {exc!r}") from exc
 

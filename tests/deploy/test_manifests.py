@@ -182,6 +182,8 @@ def used_rights(package: pathlib.Path) -> set[tuple[str, str]]:
                 resource, sub = "pod", "/binding"
             if resource.endswith("_status"):
                 resource, sub = resource[: -len("_status")], "/status"
+            elif resource.endswith("_eviction"):  # create_namespaced_pod_eviction: pods/eviction
+                resource, sub = resource[: -len("_eviction")], "/eviction"
             plural = resource.replace("_", "") + "s" + sub
             rights.add((plural, _VERB[verb]))
             if verb == "list" and watches:

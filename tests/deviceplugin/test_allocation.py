@@ -7,7 +7,8 @@ from deviceplugin import allocation
 from deviceplugin.allocation import GpuShare, Refusal, RefusalKind
 from deviceplugin.devices import PluginDevice
 from vramshare import contract
-from vramshare.config import Config, DeviceListStrategy
+from vramshare.config import Config, DeviceListStrategy, EnforcementConfig
+from vramshare.inventory import EnforcementMode
 
 
 def units(gpu: str, n: int, start: int = 0) -> list[str]:
@@ -101,11 +102,14 @@ def test_envvar_strategy_with_quota_mount():
 
 
 def test_two_gpus_with_mps_enforcement():
-    spec = allocation.container_spec([GpuShare("GPU-a", 8192), GpuShare("GPU-b", 8192)],
-                                     Config(mps_enforcement=True), None)
+    mps = Config(enforcement=EnforcementConfig(resolved=EnforcementMode.MPS))
+    spec = allocation.container_spec([GpuShare("GPU-a", 8192), GpuShare("GPU-b", 8192)], mps, None)
     assert spec.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
     assert spec.envs["VRAMSHARE_MEMORY_LIMIT_MIB"] == "8192"
     assert spec.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M,1=8192M"
+    assert spec.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/pipe"
+    assert ("/mps/pipe", "/run/nvidia/mps/nvidia.com/gpu/pipe", False) in spec.mounts
+    assert ("/dev/shm", "/run/nvidia/mps/shm", False) in spec.mounts
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in allocation.container_spec(
         [GpuShare("GPU-a", 1)], Config(), None).envs
 

@@ -53,8 +53,9 @@ class Mirror:
     def __init__(self):
         self.calls = []
 
-    def mirror(self, key, quotas):
+    def mirror(self, key, quotas, states=None):
         self.calls.append((key.pod, quotas))
+        self.states = states
 
 
 def make(tmp_path, usage, signals=None, mirror=None, tenants=None):
@@ -146,7 +147,7 @@ def test_vanished_tenants_are_forgotten_and_write_errors_retried(tmp_path):
     blocker.unlink()
     assert loop.run_once().written == [HOT]
     doc = json.loads((tmp_path / "uid-hot" / "vllm" / "quota.json").read_text())
-    assert doc["gpus"][0]["limitMiB"] == 19500 + 1024 + 512  # use + margin + one step of pressure
+    assert doc["gpus"][0]["limitMiB"] == 30000  # alone on the GPU: spare shared up to its ceiling
     tenants.tenants = []
     assert loop.run_once().decisions == []
 
@@ -162,3 +163,16 @@ def test_a_gpu_missing_from_the_inventory_keeps_its_line_in_a_multi_gpu_file(tmp
     doc = read_quota(d)
     assert doc.generation == 2 and doc.limits()["GPU-0"] > 20000
     assert doc.gpus[1] == GpuQuota("GPU-9", 7000, 5000, 15000)
+
+
+def test_a_tenant_named_by_its_quota_dir_is_written_there(tmp_path):
+    """A tenant is one container's allocation on a GPU, identified by its quota dir (the device plugin
+    may key dirs by allocation and learn the pod later)."""
+    alloc_dir = tmp_path / "alloc-3f2a"
+    key = TenantKey("", "", "", pod_uid="")
+    usage = Usage([UsageSample("GPU-0", 5000, container_id="d" * 64)])
+    tenants = Tenants([Tenant(key, (("GPU-0", 20000),), container_ids=frozenset(["d" * 64]),
+                              quota_dir=str(alloc_dir))])
+    loop = QuotaLoop(tenants, lambda: {"GPU-0": 40000}, [usage], P, str(tmp_path))
+    loop.run_once()
+    assert read_quota(str(alloc_dir)).limits()["GPU-0"] >= 5000 + 1024

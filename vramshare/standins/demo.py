@@ -6,7 +6,9 @@ What runs, each the real thing except the two peers no laptop has:
     stand-in kubelet (``vramshare.standins.kubelet``) that registers it, watches devices and calls Allocate;
   * the real extender over HTTP, driven the way kube-scheduler drives it (``vramshare.standins.scheduler``).
 It submits inference pods of realistic sizes, says where each landed and why, shows what the kubelet
-handed each container, prints the ``/inspect`` table, deletes a pod to show the memory coming back.
+handed each container, prints the ``/inspect`` table, deletes a pod to show the memory coming back,
+and ends with the quota loop moving three tenants' limits on one shared GPU as their demand swings
+(:func:`show_quota`; ``vramshare demo --quota`` runs that part alone).
 """
 from __future__ import annotations
 
@@ -19,7 +21,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from deviceplugin import enforcement
+from deviceplugin.devices import build_inventory
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.simulated_backend import SimulatedBackend
+from deviceplugin.simulated_usage import BUILTIN, UsageReplay
+from vramshare.config import Config
+from vramshare.inventory import GpuMode
 from extender import inspection
 from extender.main import start_for_url
 from vramshare import contract
@@ -82,6 +91,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     t0 = time.monotonic()
     if not getattr(args, "verbose", False):  # the narration says what happened; logs on request
         logging.getLogger().setLevel(logging.WARNING)
+    if getattr(args, "quota", False):
+        show_quota(out)
+        return 0
     pods = PODS[: max(1, min(args.pods, len(PODS)))]
     # The directory outlives the daemons: removing sockets under a running plugin makes it re-register.
     with tempfile.TemporaryDirectory(prefix="vramshare-demo-") as root, ExitStack() as stack:
@@ -149,6 +161,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             _wait(lambda: _used(ext, node) < before, 5)
             _say(out, f"\nDeleted {gone.name}: {node} used {before / GIB:.0f} GiB before, "
                       f"{_used(ext, node) / GIB:.0f} GiB now.")
+        _say(out)
+        show_quota(out)
         _say(out, f"\nDemo finished in {time.monotonic() - t0:.1f} s: {len(placed)} of {len(pods)} pods placed.")
     return 0
 
@@ -168,3 +182,68 @@ def _wait(predicate: Any, timeout: float) -> bool:
             pass
         time.sleep(0.05)
     return False
+
+
+# -- the quota loop on one shared GPU -----------------------------------------------------------
+QUOTA_TENANTS = ("chat-llama3", "job-summarizer", "rag-retriever")  # sorted: the replay deals series in key order
+
+
+class _Tenants:
+    def __init__(self, tenants: list[Tenant]) -> None:
+        self.tenants = tenants
+
+    def list_tenants(self) -> list[Tenant]:
+        return self.tenants
+
+
+def show_quota(out: TextIO, ticks: int = 16) -> None:
+    """The real quota loop (policy, writer, warmth) on the demo node's first H100, fed a replay of
+    per-container use (a built-in day of three servers; ``simulated_usage.genai_series`` replays the
+    GenAI trace the same way). Prints one row a tick: each tenant's use / limit and state."""
+    backend = SimulatedBackend.demo()
+    discovered = backend.discover()
+    cfg = Config()
+    chosen = enforcement.detect(backend, cfg, discovered)
+    inv = build_inventory(discovered, enforcement.pin(cfg, chosen))
+    gpu = next(g for g in inv.gpus if g.mode is GpuMode.SHARED)
+    cap = inv.capacity_mib(gpu)
+    series = [list(s) for s in BUILTIN]  # a readable day; UsageReplay also replays the GenAI trace
+    request = (cap // len(QUOTA_TENANTS)) // 1024 * 1024
+    keys = [TenantKey("inference", name, "server", pod_uid=f"uid-{name}") for name in QUOTA_TENANTS]
+    tenants = [Tenant(k, ((gpu.uuid, request),), metrics_url=str(k)) for k in keys]
+    replay = UsageReplay(series)
+    params = PolicyParams.from_config(cfg.quota)
+    clock = [0.0]
+    with tempfile.TemporaryDirectory(prefix="vramshare-quota-") as root:
+        loop = QuotaLoop(_Tenants(tenants), lambda: {gpu.uuid: cap}, [replay], params, root, signals=replay,
+                         settings=LoopSettings(params, peak_window_ticks=3, idle_seconds=180, grace_seconds=3600),
+                         mode=chosen.mode, clock=lambda: clock[0])
+        replay.bind(lambda: loop.tenants_now)
+        _say(out, f"Quota loop on one shared GPU ({gpu.model}, {cap / GIB:.0f} GiB schedulable), three tenants "
+                  f"requesting {request / GIB:.0f} GiB each; use replayed from a day of three servers "
+                  f"(one tick = 90 minutes).")
+        _say(out, f"Enforcement here: {chosen.mode.value} ({chosen.reason}). On an R615+ node with cgroup v2 "
+                  f"it would be driver: Allocate sets NVIDIA_GPU_MEMORY_REQUEST/LIMIT and the loop moves each "
+                  f"container's hard limit with nvmlDeviceSetMemoryLimits_v1.")
+        width = 24
+        _say(out, "  tick  " + "".join(f"{n:<{width}}" for n in QUOTA_TENANTS) + "why (largest move)")
+        for tick in range(ticks):
+            clock[0] = tick * 60.0
+            report = loop.run_once()
+            used = {s.pod: s.used_mib for s in replay_last(replay, tenants, tick)}
+            cells, moves = [], []
+            for d in sorted(report.decisions, key=lambda d: QUOTA_TENANTS.index(d.key.pod)):
+                u = used.get(d.key.pod, 0)
+                mark = "!" if u > d.previous_mib else " "
+                cells.append(f"{u / GIB:5.1f}/{d.limit_mib / GIB:4.1f} GiB {d.phase.value:<6}{mark}")
+                if d.changed:
+                    moves.append((abs(d.limit_mib - d.previous_mib), f"{d.key.pod}: {d.reason}"))
+            why = max(moves)[1] if moves else "hold"
+            _say(out, f"  {tick:>4}  " + "".join(f"{c:<{width}}" for c in cells) + why[:90])
+        _say(out, "  (use/limit after the tick; ! = the use was above the limit in force before the tick)")
+
+
+def replay_last(replay: UsageReplay, tenants: list[Tenant], tick: int) -> list[Any]:
+    """The samples the replay gave at ``tick`` (re-derived, the replay has moved on)."""
+    from deviceplugin.quota.telemetry import UsageSample
+    return [UsageSample(g, replay._value(t.key, tick), pod=t.key.pod) for t in tenants for g, _ in t.gpus[:1]]

@@ -31,7 +31,7 @@ class ResourceType:
 
 
 NODES = ResourceType("/api/v1", "nodes", "Node", namespaced=False, subresources=("status",))
-PODS = ResourceType("/api/v1", "pods", "Pod", namespaced=True, subresources=("status", "binding"))
+PODS = ResourceType("/api/v1", "pods", "Pod", namespaced=True, subresources=("status", "binding", "eviction"))
 EVENTS = ResourceType("/api/v1", "events", "Event", namespaced=True)
 EVENTS_V1 = ResourceType("/apis/events.k8s.io/v1", "events", "Event", namespaced=True)
 CONFIGMAPS = ResourceType("/api/v1", "configmaps", "ConfigMap", namespaced=True)

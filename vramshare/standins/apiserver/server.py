@@ -170,7 +170,9 @@ class _Handler(BaseHTTPRequestHandler):
         if verb == "POST" and where.subresource == "binding" and rtype is PODS:
             assert where.namespace is not None
             return self._bind(where.namespace, where.name, _json(body_bytes))
-        if where.name is None or where.subresource == "binding":
+        if verb == "POST" and where.subresource == "eviction" and rtype is PODS:
+            return self._evict(where, _json(body_bytes), dry_run)
+        if where.name is None or where.subresource in ("binding", "eviction"):
             raise errors.method_not_allowed(verb, self.path)
         if verb == "PUT":
             updated = store.update(rtype, where.namespace, where.name, _json(body_bytes), where.subresource,
@@ -234,6 +236,21 @@ class _Handler(BaseHTTPRequestHandler):
         if pod and isinstance(body, dict) and (body.get("metadata") or {}).get("name") not in (None, "", pod):
             raise errors.bad_request(f"the name of the binding does not match the pod {pod!r} on the URL")
         self.server.store.bind(namespace, name, body)
+        self._send_json(201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
+
+    def _evict(self, where: Route, body: Any, dry_run: bool) -> None:
+        """POST pods/{name}/eviction (policy/v1 Eviction). Upstream ``EvictionREST.Create``
+        (pkg/registry/core/pod/storage/eviction.go) checks PodDisruptionBudgets, then deletes the pod
+        with the eviction's deleteOptions and answers a 201 Status. This double has no PDBs."""
+        assert where.name is not None
+        meta = (body.get("metadata") or {}) if isinstance(body, dict) else {}
+        if meta.get("name") not in (None, "", where.name):
+            raise errors.bad_request("name in URL does not match name in Eviction object")
+        options = (body.get("deleteOptions") or {}) if isinstance(body, dict) else {}
+        pre = options.get("preconditions") or {}
+        self.server.store.delete(PODS, where.namespace, where.name, grace_seconds=options.get("gracePeriodSeconds"),
+                                 precondition_uid=pre.get("uid"), precondition_rv=pre.get("resourceVersion"),
+                                 graceful=self.server.graceful_pod_deletion, dry_run=dry_run)
         self._send_json(201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
 
     def _delete(self, where: Route, query: dict[str, str], body_bytes: bytes, dry_run: bool) -> None:

@@ -1,0 +1,86 @@
+"""The driver-mode fence as the quota loop sees it: per-container use in, hard limits out.
+
+In ``driver`` mode (see ``deviceplugin.enforcement``) each tenant's cgroup is found from the runtime
+ID of its container; :meth:`DriverFence.read_usage` reads ``currentUsed`` per cgroup and GPU (no host
+PID namespace needed), plus what the whole GPU holds beyond them as foreign memory, and
+:meth:`DriverFence.apply` moves the cgroup's limits after the loop decides:
+soft = the part of the limit within the container's request (its guaranteed share), hard = the limit.
+A tenant whose cgroup cannot be found yet (container starting) gives no sample: the policy then holds
+its limit, as for any tenant without telemetry.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
+from deviceplugin.quota.model import Decision, Tenant
+from deviceplugin.quota.telemetry import TelemetryError, UsageSample
+from vramshare import logs
+from vramshare.inventory import EnforcementMode
+
+log = logs.get("vramshare.quota.fence")
+
+
+class DriverFence:
+    """A :class:`telemetry.UsageReader` and the loop's limit mover, over NVML memory limits."""
+
+    name = "driver-limits"
+    mode = EnforcementMode.DRIVER
+
+    def __init__(self, limits: NvmlMemoryLimits, finder: CgroupFinder,
+                 tenants: Callable[[], Sequence[Tenant]]) -> None:
+        """``tenants`` gives the tenants of the current tick (the loop lists them before reading use)."""
+        self._limits, self._finder, self._tenants = limits, finder, tenants
+
+    def _cgroups(self, t: Tenant) -> list[tuple[str, str]]:
+        return [(cid, cg) for cid in sorted(t.container_ids) if (cg := self._finder.find(cid))]
+
+    def read_usage(self) -> list[UsageSample]:
+        out: list[UsageSample] = []
+        failures: list[str] = []
+        for t in self._tenants():
+            for cid, cgroup in self._cgroups(t):
+                for gpu, _req in t.gpus:
+                    try:
+                        got = self._limits.get(gpu, cgroup)
+                    except LimitError as exc:
+                        failures.append(str(exc))
+                        continue
+                    out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, pod_uid=t.key.pod_uid or None,
+                                           namespace=t.key.namespace, pod=t.key.pod, container=t.key.container,
+                                           container_id=cid))
+        if failures and not out:
+            raise TelemetryError(f"driver limits: {failures[0]}")
+        out.extend(self._foreign(out))
+        for f in failures:
+            log.warning("cgroup use unreadable", error=f)
+        return out
+
+    def _foreign(self, ours: list[UsageSample]) -> list[UsageSample]:
+        """Per GPU, memory in use that no tenant cgroup holds (another plugin's pod, a host process): an
+        anonymous sample, which attribution books as foreign so quotas never promise it."""
+        mine: dict[str, int] = {}
+        for s in ours:
+            mine[s.gpu_uuid] = mine.get(s.gpu_uuid, 0) + s.used_mib
+        out = []
+        for gpu in sorted({g for t in self._tenants() for g, _ in t.gpus}):
+            try:
+                other = self._limits.gpu_used_mib(gpu) - mine.get(gpu, 0)
+            except LimitError as exc:
+                log.warning("gpu memory unreadable, foreign use unknown this tick", gpu=gpu, error=str(exc))
+                continue
+            if other > 0:
+                out.append(UsageSample(gpu_uuid=gpu, used_mib=other))
+        return out
+
+    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int]) -> list[str]:
+        """Move the tenant's cgroup limits to ``decisions``; returns the errors (logged by the loop)."""
+        errors = []
+        for _cid, cgroup in self._cgroups(tenant):
+            for d in decisions:
+                soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
+                try:
+                    self._limits.set(d.gpu_uuid, cgroup, soft, d.limit_mib)
+                except LimitError as exc:
+                    errors.append(str(exc))
+        return errors

@@ -1,0 +1,140 @@
+"""Driver mode end to end: the real loop, policy, writer and DriverFence over the fake NVML's memory
+limits per cgroup (which fails allocations beyond the hard limit, as the R615 driver does)."""
+from __future__ import annotations
+
+import pytest
+
+from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
+from deviceplugin.quota.fence import DriverFence
+from deviceplugin.quota.loop import QuotaLoop
+from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
+from deviceplugin.quota.writer import container_dir, read_quota
+from tests.fixtures.fake_nvml import H100_80GB, FakeNvml, OutOfMemory
+from vramshare.inventory import EnforcementMode
+
+GPU = H100_80GB.uuid
+P = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+CID_A, CID_B = "a" * 64, "b" * 64
+A = TenantKey("llm", "a", "vllm", pod_uid="11111111-2222-3333-4444-555555555555")
+B = TenantKey("llm", "b", "vllm", pod_uid="66666666-7777-8888-9999-000000000000")
+
+
+def cgroup_of(uid: str, cid: str) -> str:
+    return (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid.replace('-', '_')}.slice/"
+            f"cri-containerd-{cid}.scope")
+
+
+@pytest.fixture
+def node(tmp_path):
+    root = tmp_path / "cgroup"
+    for key, cid in ((A, CID_A), (B, CID_B)):
+        (root / cgroup_of(key.pod_uid, cid).lstrip("/")).mkdir(parents=True)
+    nv = FakeNvml([H100_80GB])
+    nv.driver_version = "615.20.01"
+    nv.nvmlInit()
+    return nv, str(root), tmp_path / "quota"
+
+
+class Tenants:
+    def __init__(self, tenants):
+        self.tenants = tenants
+
+    def list_tenants(self):
+        return self.tenants
+
+
+def make_loop(nv, cgroot, qroot):
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A])),
+                       Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))])
+    holder = []
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), lambda: holder[0].tenants_now)
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence)
+    holder.append(loop)
+    return loop
+
+
+def test_finder_names_the_cgroup_as_proc_would(node):
+    _nv, cgroot, _q = node
+    assert CgroupFinder(cgroot).find(CID_A) == cgroup_of(A.pod_uid, CID_A)
+    assert CgroupFinder(cgroot).find("c" * 64) is None
+
+
+def test_use_comes_from_current_used_and_limits_follow_the_loop(node):
+    nv, cgroot, qroot = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    loop = make_loop(nv, cgroot, qroot)
+    nv.allocate(GPU, ca, 29000)
+    nv.allocate(GPU, cb, 4000)
+    report = loop.run_once()
+    assert not report.errors and report.skipped is None
+    limits = {d.key.pod: d.limit_mib for d in report.decisions}
+    assert limits["a"] > 30000 > limits["b"] >= 4000 + 1024  # a grows into what b does not use
+    # the fence moved both cgroups: hard = the limit, soft = the part within the request
+    assert nv.limits[(GPU, ca)] == (30000 << 20, limits["a"] << 20)
+    assert nv.limits[(GPU, cb)] == (limits["b"] << 20, limits["b"] << 20)
+    assert read_quota(container_dir(str(qroot), A.pod_uid, "vllm")).enforcement == "driver"
+    # the driver fences: b cannot allocate beyond its new hard limit, a can grow up to its own
+    with pytest.raises(OutOfMemory):
+        nv.allocate(GPU, cb, limits["b"] - 4000 + 1)
+    nv.allocate(GPU, ca, limits["a"] - 29000)
+
+
+def test_a_shrink_is_granted_only_after_the_driver_shows_it_released(node):
+    nv, cgroot, qroot = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    loop = make_loop(nv, cgroot, qroot)
+    def grow(cg, upto):  # allocate as far as the hard limit lets it, up to ``upto`` MiB in all
+        room = min(nv.limits.get((GPU, cg), (0, 1 << 60))[1] >> 20, upto) - (nv.used.get((GPU, cg), 0) >> 20)
+        if room > 0:
+            nv.allocate(GPU, cg, room)
+
+    grow(ca, 10000)
+    grow(cb, 30000)
+    for _ in range(20):  # b borrows beyond its request while a is quiet, a step per tick
+        loop.run_once()
+        grow(cb, 48000)
+    for _ in range(6):  # a grows by what its hard limit lets it take each tick: it wants its 30000 back
+        grow(ca, 30000)
+        report = loop.run_once()
+        used = {"a": nv.used[(GPU, ca)] >> 20, "b": nv.used[(GPU, cb)] >> 20}
+        d = {x.key.pod: x for x in report.decisions}
+        assert sum(max(d[p].limit_mib, used[p]) for p in d) <= 60000  # never a MiB b still holds
+    assert d["b"].limit_mib < used["b"] and "not granted" in d["a"].reason  # cut, not yet released
+    nv.release(GPU, cb, used["b"] - d["b"].limit_mib)  # b honours its cut (vLLM drained, kvcached freed)
+    d2 = {x.key.pod: x for x in loop.run_once().decisions}
+    assert d2["a"].limit_mib > d["a"].limit_mib
+
+
+def test_limit_errors_are_reported_and_retried(node):
+    nv, cgroot, qroot = node
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 29000)
+    loop = make_loop(nv, cgroot, qroot)
+    nv.privileged = False
+    report = loop.run_once()
+    assert any("NoPermission" in e for e in report.errors)
+    nv.privileged = True
+    assert not loop.run_once().errors  # the first fence is retried until it lands
+    assert (GPU, cgroup_of(A.pod_uid, CID_A)) in nv.limits
+
+
+def test_nvml_limits_name_the_gpu_and_cgroup_on_failure(node):
+    nv, _cg, _q = node
+    nv.driver_version = "580.95.05"
+    with pytest.raises(LimitError, match=r"/x on GPU-.*NVMLError_FunctionNotFound"):
+        NvmlMemoryLimits(nv).set(GPU, "/x", 1, 2)
+
+
+def test_memory_outside_every_tenant_cgroup_is_foreign(node):
+    nv, cgroot, qroot = node
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 10000)
+    nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 10000)
+    real = nv.nvmlDeviceGetMemoryInfo
+
+    def with_a_stranger(handle, version=None):  # another device plugin's pod holds 25000 MiB
+        info = real(handle, version)
+        info.used = sum(nv.used.values()) + 25000 * (1 << 20)
+        return info
+
+    nv.nvmlDeviceGetMemoryInfo = with_a_stranger
+    report = make_loop(nv, cgroot, qroot).run_once()
+    assert sum(d.limit_mib for d in report.decisions) <= 60000 - 25000
