@@ -50,9 +50,10 @@ class BindOutcome:
 
 
 class _BindFailed(Exception):
-    def __init__(self, message: str, result: str) -> None:
+    def __init__(self, message: str, result: str, keep: bool = False) -> None:
         super().__init__(message)
         self.result = result
+        self.keep = keep  # whether the pod got bound is unknown: keep its GPUs reserved
 
 
 class _AlreadyBound(Exception):
@@ -168,8 +169,9 @@ class Binder:
         try:
             self._patch(args, pod, annotations)
             self._bind(args)
-        except _BindFailed:
-            self.acct.release(key, assume_ns)
+        except _BindFailed as exc:
+            if not exc.keep:
+                self.acct.release(key, assume_ns)
             raise
         except _AlreadyBound as done:  # keep the assignment it carries: the device plugin may have used it
             self.acct.release(key, assume_ns)
@@ -201,15 +203,30 @@ class Binder:
         raise _BindFailed(f"pod {args.pod_key} kept changing: {PATCH_ATTEMPTS} patch conflicts", "conflict")
 
     def _bind(self, args: wire.BindingArgs) -> None:
+        """Create the Binding. A failed answer is not proof that nothing happened (a reply lost to a
+        timeout, or an earlier attempt that bound it): the pod is read back before anything is undone,
+        and if even that fails its GPUs stay reserved (expiry or the watch settles it), because
+        freeing the memory of a pod that did bind is how a GPU ends up over-committed."""
         try:
             self.kube.bind_pod(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+            return
         except apicalls.ApiException as exc:
-            if exc.status == apicalls.CONFLICT:  # a timed-out earlier attempt may have bound it already
-                fresh = self._read(args)
-                if (fresh.get("spec") or {}).get("nodeName") == args.node:
-                    return
-            raise _BindFailed(f"cannot bind pod {args.pod_key} to {args.node}: {exc.status} {exc.reason}",
-                              "api_error") from None
+            why = f"{exc.status} {exc.reason}"
+        except Exception as exc:  # noqa: BLE001 - a timeout or a cut connection
+            why = f"{type(exc).__name__}: {exc}"
+        failed = f"cannot bind pod {args.pod_key} to {args.node}: {why}"
+        try:
+            fresh = self._read(args)
+        except _BindFailed as exc:
+            raise _BindFailed(f"{failed}; reading it back failed too ({exc}): its GPUs stay reserved "
+                              "until the API says whether it is bound", "api_error", keep=True) from None
+        bound_to = (fresh.get("spec") or {}).get("nodeName")
+        if bound_to == args.node:
+            log.info("binding answer lost, pod is bound", pod=args.pod_key, node=args.node, error=why)
+            return
+        if bound_to:
+            raise _BindFailed(f"pod {args.pod_key} was bound to {bound_to} meanwhile", "conflict")
+        raise _BindFailed(failed, "api_error")
 
 
 def _allocations(pod: Obj, names: contract.Names, text: str) -> list[tuple[str, int]]:
