@@ -274,6 +274,7 @@ class Accounting:
             hold = self._held.get(key)
             if hold is not None and hold.stamp == assume_ns and not hold.allocated:
                 self._release(key)
+            self.holds.release_expected(key)
             self._forgotten[key] = assume_ns
             if len(self._forgotten) > _FORGET_LIMIT:
                 self._forgotten.pop(next(iter(self._forgotten)))
@@ -285,6 +286,12 @@ class Accounting:
             if hold is not None and not hold.allocated:
                 self._release(key)
                 self._forgotten[key] = hold.stamp
+
+    def expect_bind(self, key: str, node: str, signature: translate.Signature) -> None:
+        """kube-scheduler will most likely bind ``key`` to ``node`` next (see :mod:`extender.holds`)."""
+        with self.lock:
+            if key not in self._held:
+                self.holds.expect(key, node, signature, self.clock())
 
     def blocking_hold(self, key: str, node: str, signature: translate.Signature) -> str | None:
         """Why ``key`` may not be bound to ``node`` now (a same-size pod still assumed there), or None."""

@@ -118,6 +118,8 @@ class Binder:
                 raise _BindFailed(f"pod {key} is already bound to {bound_to}, not {args.node}", "conflict")
             return self._bind_gpu_pod(args, pod)
         except _BindFailed as exc:
+            with self.acct.lock:
+                self.acct.holds.release_expected(key)
             log.warning("bind failed", pod=key, node=args.node, error=str(exc))
             return BindOutcome(str(exc), exc.result)
 

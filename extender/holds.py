@@ -11,7 +11,13 @@ briefly. Narrow on purpose: other sizes keep binding to the node, and nothing is
 A hold ends when the pod is reconciled as ``allocated``, is deleted or finishes, or ``timeout_ns``
 after it began (the config key ``extender.holdTimeoutSeconds``; 0 turns holds off), whichever comes
 first: a device plugin that never reconciles (an older one) delays same-size pods by at most that.
-Pure: no I/O, the caller passes the time.
+
+An *expected* hold closes the gap before the bind: kube-scheduler binds asynchronously, so the next
+pod's filter can arrive before the previous pod's bind. When the extender answers prioritize (or a
+filter that leaves one node), the node it scored best is where the bind will almost surely go (its weight
+outvotes the other score plugins): the pod holds that node for ``EXPECT_NS`` or until its bind
+decides, so a same-size replica goes elsewhere at once instead of losing the bind race and waiting out
+kube-scheduler's backoff. Pure: no I/O, the caller passes the time.
 """
 from __future__ import annotations
 
@@ -19,7 +25,10 @@ from dataclasses import dataclass
 
 from extender.translate import Signature
 
-__all__ = ["Holds", "Hold"]
+__all__ = ["Holds", "Hold", "EXPECT_NS"]
+
+#: How long an expected hold lasts without its bind (kube-scheduler binds within milliseconds).
+EXPECT_NS = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,8 @@ class Hold:
     node: str
     signature: Signature
     since_ns: int
+    until_ns: int
+    expected: bool = False  # taken at prioritize, before any bind
 
 
 class Holds:
@@ -44,12 +55,29 @@ class Holds:
         if self.timeout_ns <= 0 or not signature or not node:
             return
         old = self._by_pod.get(pod)
-        if old is not None and old.node == node and old.signature == signature:
+        if old is not None and old.node == node and old.signature == signature and not old.expected:
             return
         self.release(pod)
-        h = Hold(pod, node, signature, since_ns)
+        h = Hold(pod, node, signature, since_ns, since_ns + self.timeout_ns)
         self._by_pod[pod] = h
         self._by_node.setdefault(node, {})[pod] = h
+
+    def expect(self, pod: str, node: str, signature: Signature, now_ns: int) -> None:
+        """The pod's bind will most likely name ``node``: hold it there briefly (never over a real hold)."""
+        if self.timeout_ns <= 0 or not signature or not node:
+            return
+        old = self._by_pod.get(pod)
+        if old is not None and not old.expected:
+            return
+        self.release(pod)
+        h = Hold(pod, node, signature, now_ns, now_ns + min(EXPECT_NS, self.timeout_ns), expected=True)
+        self._by_pod[pod] = h
+        self._by_node.setdefault(node, {})[pod] = h
+
+    def release_expected(self, pod: str) -> None:
+        h = self._by_pod.get(pod)
+        if h is not None and h.expected:
+            self.release(pod)
 
     def release(self, pod: str) -> None:
         h = self._by_pod.pop(pod, None)
@@ -65,19 +93,21 @@ class Holds:
         if not on_node:
             return None
         for h in on_node.values():
-            if h.pod != pod and now_ns - h.since_ns < self.timeout_ns and h.signature & signature:
+            if h.pod != pod and now_ns < h.until_ns and h.signature & signature:
                 return h
         return None
 
     def reason(self, h: Hold, now_ns: int) -> str:
-        left = max(0.0, (self.timeout_ns - (now_ns - h.since_ns)) / 1e9)
+        left = max(0.0, (h.until_ns - now_ns) / 1e9)
         sizes = ", ".join(f"{n} x {r}" for r, n in sorted(h.signature))
+        if h.expected:
+            return f"held for pod {h.pod} of the same size ({sizes}), being bound here (at most {left:.0f}s more)"
         return (f"held for pod {h.pod} of the same size ({sizes}) until the device plugin reports it "
                 f"allocated (at most {left:.0f}s more)")
 
     def expire(self, now_ns: int) -> list[str]:
         """Drop holds past the timeout; returns their pods."""
-        gone = [p for p, h in self._by_pod.items() if now_ns - h.since_ns >= self.timeout_ns]
+        gone = [p for p, h in self._by_pod.items() if now_ns >= h.until_ns]
         for p in gone:
             self.release(p)
         return gone

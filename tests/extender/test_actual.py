@@ -191,3 +191,26 @@ def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None
     books = {u.slot.uuid: u.used for n in acct.slots for u in acct.state.node_usage(n)}
     reality = {g: sum(m for gg, m in real.values() if gg == g) for g in cap}
     assert books == reality, orjson.dumps({"books": books, "real": reality}).decode()
+
+
+def test_prioritize_holds_its_best_node_until_the_bind_decides() -> None:
+    """kube-scheduler binds asynchronously: the next same-size pod's filter may come before the bind."""
+    from extender import app, metrics
+
+    clock = Clock()
+    acct = make(clock)
+    ext = app.Extender(acct, None, None, metrics.ExtenderMetrics(acct), Policy.BINPACK)  # type: ignore[arg-type]
+    first, second = b.pod("first", 8), b.pod("second", 8)
+    scores = orjson.loads(ext.handle("POST", "/prioritize", orjson.dumps(
+        {"Pod": first, "NodeNames": ["n1", "n2"]})).body)
+    best = max(scores, key=lambda s: s["Score"])["Host"]
+    out = filter_names(acct, second, ["n1", "n2"])
+    assert best in out.failed and "being bound here" in out.failed[best]
+    assert filter_names(acct, b.pod("other", 4), ["n1", "n2"]).passed == ["n1", "n2"]
+    clock.now += 3 * SEC  # the bind never came
+    assert filter_names(acct, second, ["n1", "n2"]).passed == ["n1", "n2"]
+    ext.handle("POST", "/filter", orjson.dumps({"Pod": first, "NodeNames": ["n2"]}))  # one node left
+    assert filter_names(acct, second, ["n2"]).passed == []
+    acct.reserve("default/first", "n1", [("GPU-n1-0", 8192)], clock.now,
+                 translate.signature_of(podspec.pod_demand(first, N), N))  # bound elsewhere after all
+    assert filter_names(acct, second, ["n1", "n2"]).passed == ["n2"]
