@@ -151,11 +151,17 @@ class Accounting:
             self._account(key, pod)
 
     def _observe(self, key: str, pod: Obj) -> None:
+        """Feed FGD's target workload; a size no GPU of the cluster has is no workload to plan for (a
+        flood of absurd requests must not steer every other pod's placement)."""
         try:
             asks = translate.pod_asks(pod, self.names, self.config.memory_unit_mib)
         except podspec.PodSpecError:
             return
-        self.state.observe(translate.demands_of(asks))
+        cap = self.state.capacity
+        biggest = int(cap.max()) if cap.size else 0
+        demands = [d for d in translate.demands_of(asks) if d.per_gpu <= biggest]
+        if demands:
+            self.state.observe(demands)
 
     def _account(self, key: str, pod: Obj) -> None:
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import orjson
+from hypothesis import given, settings, strategies as st
 
 from extender import accounting, app, metrics, preemption, wire
 from vramshare.config import Config, Policy
@@ -74,3 +75,41 @@ def test_preempt_over_the_wire_answers_the_meta_form() -> None:
                                               b'"NumPDBViolations":1}}}')
     bad = ext.handle("POST", "/preempt", b"{")
     assert (bad.status, bad.body) == (200, b'{"NodeNameToMetaVictims":{}}')
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 20), st.integers(0, 5)), max_size=12),
+       st.integers(1, 22), st.integers(0, 6))
+def test_victims_always_make_room_and_only_lower_priority_go(drawn: list[tuple[int, int, int]], gib: int,
+                                                             mine: int) -> None:
+    """Any node of 4 L4s, any pods and priorities: the answer frees room, names only pods of lower
+    priority, is minimal (each victim is needed), changes nothing, and misses no node where evicting
+    every lower-priority pod would make room."""
+    acct = accounting.Accounting(Config(), clock=lambda: T)
+    acct.apply_node("ADDED", b.gpu_node("n", b.l4(), b.l4(), b.l4(), b.l4()))
+    pods: list[tuple[int, int, int]] = []
+    for gpu, size, p in drawn:  # what fits: a node the books hold as it is
+        if sum(s for g, s, _ in pods if g == gpu) + size <= 22:
+            pods.append((gpu, size, p))
+    for i, (gpu, size, p) in enumerate(pods):
+        pod = prio(b.pod(f"v{i}", size, uid=f"uid-{i}"), p)
+        acct.apply_pod("ADDED", b.assigned(pod, "n", [(b.uuid_of("n", gpu), size * 1024)], T))
+    before = usage(acct)
+    out = preemption.preempt_pod(acct, wire.PreemptionArgs(pod=prio(b.pod("big", gib), mine),
+                                                           victims={"n": []}, pdb_violations={}))
+    assert usage(acct) == before
+    lower = [f"uid-{i}" for i, (_, _, p) in enumerate(pods) if p < mine]
+    free_all = {b.uuid_of("n", g): 22528 - sum(s * 1024 for gg, s, p in pods if gg == g and p >= mine)
+                for g in range(4)}
+    possible = max(free_all.values()) >= gib * 1024
+    assert ("n" in out) == possible
+    if "n" in out:
+        victims = set(out["n"])
+        assert victims <= set(lower)
+        held = {b.uuid_of("n", g): sum(s * 1024 for i, (gg, s, _) in enumerate(pods)
+                                        if gg == g and f"uid-{i}" not in victims) for g in range(4)}
+        assert max(22528 - h for h in held.values()) >= gib * 1024
+        for v in victims:  # minimal: putting any one victim back leaves no room
+            i = int(v.split("-")[1])
+            g = b.uuid_of("n", pods[i][0])
+            assert 22528 - held[g] - pods[i][1] * 1024 < gib * 1024

@@ -139,6 +139,8 @@ def test_a_request_larger_than_any_gpu_is_unresolvable_and_fgd_keeps_working(
             for _ in range(3):  # it stays pending and keeps being filtered
                 client.filter(huge, ["n1", "n2"])
             assert client.prioritize(normal, ["n1", "n2"]) == before
+            assert eventually(lambda: "default/huge" in ext.acct.pods or units == "9.1e15")
+            assert all(s.per_gpu <= 81920 for s in ext.acct.state.target_workload().shapes)
             assert {h["Score"] for h in before} != {0}  # FGD still tells the nodes apart
             double.delete_pod("default", "huge")
             assert client.prioritize(normal, ["n1", "n2"]) == before
