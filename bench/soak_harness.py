@@ -18,6 +18,7 @@ The kubelet stand-in reproduces what makes placement hard on a real node:
 """
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import signal
@@ -68,6 +69,8 @@ class ExtenderProcess:
         self.http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=0.5, read=5))
 
     def start(self) -> None:
+        if self.proc is None:
+            atexit.register(self.kill)  # never leave an extender behind, however the bench ends
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
