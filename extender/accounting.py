@@ -182,7 +182,7 @@ class Accounting:
                 return  # a bind in flight, or the device plugin's report, is newer than this event
         now = self.clock()
         assume = held.assume_ns if held is not None and held.stamp == raw else min(raw, now)
-        if raw > now:
+        if raw > now and (held is None or held.stamp != raw):
             log.warning("assume-time in the future, counted from now", pod=key, assume_time_ns=raw)
         allocations = asg.allocations(pod)
         if not node_name:
