@@ -20,7 +20,7 @@ there was no room), steering misses (the GPU a pod got is not the one assigned; 
 shows why it exists). Run twice in one process: ``hold`` (the default config) and ``no_hold``
 (``holdTimeoutSeconds: 0``), the same seed.
 
-    python bench/bench_soak.py                 # 1,200 pods per run, a kill -9 every 15 s, at most 300 s each
+    python bench/bench_soak.py                 # 1,200 pods per run, a kill -9 every 6 s, at most 300 s each
     python bench/bench_soak.py --quick         # 300 pods, a kill every 5 s, at most 90 s
 """
 from __future__ import annotations
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--callers", type=int, default=4)
     ap.add_argument("--max-seconds", type=float, default=300)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--kill-every-s", type=float, default=15)
+    ap.add_argument("--kill-every-s", type=float, default=6)
     ap.add_argument("--churn-interval-s", type=float, default=0.03)
     ap.add_argument("--create-interval-s", type=float, default=0.02)
     ap.add_argument("--duplicate-share", type=float, default=0.3)
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["hold", "no_hold"])
     args = ap.parse_args(argv)
     if args.quick:
-        args.pods, args.max_seconds, args.kill_every_s = 300, 90, 5
+        args.pods, args.max_seconds, args.kill_every_s = 300, 90, 4
     runs = {}
     for name in (args.only,) if args.only else ("hold", "no_hold"):
         print(f"soak {name} ...", file=sys.stderr, flush=True)

@@ -217,7 +217,7 @@ class KubeletSim(threading.Thread):
                     free[gpu] -= take
         own = {e["uuid"]: e["mib"] // self.unit for es in orjson.loads(
             (p["metadata"].get("annotations") or {}).get(N.assignment, "{}")).values() for e in es}
-        self.seen_bound.pop(key, None)
+        waited = now - self.seen_bound.pop(key, now)
         self.due.pop(key, None)
         if sum(got.values()) < want:
             self.stats.admission_failures += 1
@@ -228,7 +228,7 @@ class KubeletSim(threading.Thread):
         if got != own:
             self.stats.steering_misses += 1
         self.stats.admitted += 1
-        self.stats.admit_latency_s.append(now - self.seen_bound.get(key, now))
+        self.stats.admit_latency_s.append(waited)
         cname = p["spec"]["containers"][0]["name"]
         actual = orjson.dumps({cname: [{"uuid": g, "mib": u * self.unit} for g, u in sorted(got.items())]}).decode()
 
