@@ -9,8 +9,9 @@ per GPU, the ``allocated`` report).
 
 Figures (aims: 0, 0, 0):
 
-* ``gpus_over_capacity_assigned``: GPUs that at any sample carried more in the pods' assignment
-  annotations than they hold (what the first design's allocator would have granted);
+* ``gpus_over_capacity_assigned``: GPUs that at any sample carried more in the assignment annotations
+  of the pods bound to their node than they hold (what the first design's allocator would have granted;
+  an unbound pod's assignment steers nothing);
 * ``gpus_over_capacity_books``: GPUs the extender's books (/inspect) ever showed over capacity;
 * ``mismatched_gpus_after_settle``: GPUs whose books differ from what the containers really got, once
   callers stop, unbound pods are deleted and every bound pod is admitted and reported.
@@ -74,6 +75,8 @@ class Soak:
         self.lock = threading.Lock()
         self.over_assigned: set[str] = set()
         self.over_books: set[str] = set()
+        self.over_examples: list[dict[str, Any]] = []
+        self.over_with_unbound: set[str] = set()
         self.stop = threading.Event()
 
     def bump(self, key: str, n: int = 1) -> None:
@@ -194,14 +197,28 @@ class Soak:
 
         while not self.stop.wait(0.25):
             per_gpu: dict[str, int] = {}
-            for p in api.pods():
+            holders: dict[str, list[str]] = {}
+            every: dict[str, int] = {}
+            for p in api.pods():  # what a device plugin acts on: pods bound to its node
                 if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                     continue
-                text = (p["metadata"].get("annotations") or {}).get(N.assignment)
+                ann = p["metadata"].get("annotations") or {}
+                text = ann.get(N.assignment)
+                for es in orjson.loads(text).values() if text else ():
+                    for e in es:
+                        every[e["uuid"]] = every.get(e["uuid"], 0) + e["mib"]
+                if not p["spec"].get("nodeName"):
+                    continue
                 for es in orjson.loads(text).values() if text else ():
                     for e in es:
                         per_gpu[e["uuid"]] = per_gpu.get(e["uuid"], 0) + e["mib"]
-            self.over_assigned.update(g for g, m in per_gpu.items() if m > capacity_mib[g])
+                        holders.setdefault(e["uuid"], []).append(
+                            f"{p['metadata']['name']}:{e['mib']}:{ann.get(N.allocation_state)}")
+            self.over_with_unbound.update(g for g, m in every.items() if m > capacity_mib[g])
+            for g, m in per_gpu.items():
+                if m > capacity_mib[g] and g not in self.over_assigned:
+                    self.over_assigned.add(g)
+                    self.over_examples.append({"gpu": g, "mib": m, "capacity": capacity_mib[g], "pods": holders[g]})
             books = ext.books()
             if books:
                 self.over_books.update(g for g, (used, total) in books.items() if used > total)
@@ -276,8 +293,12 @@ class Soak:
                         "admit_after_bind_p50_s": round(lat[len(lat) // 2], 3) if lat else None},
             "gpus_over_capacity_assigned": len(self.over_assigned),
             "gpus_over_capacity_books": len(self.over_books),
+            # also counting assignments left on pods that never bound (a killed extender's patch; they
+            # steer nothing, and the books free them after assumeTimeoutSeconds)
+            "gpus_over_capacity_assigned_incl_unbound": len(self.over_with_unbound),
             "mismatched_gpus_after_settle": len(mismatched),
             "mismatch_examples": dict(list(mismatched.items())[:5]),
+            "over_capacity_examples": self.over_examples[:3],
             "pods_unbound_at_end_of_storm": len(unbound),
             "storm_seconds": round(storm_s, 1), "settle_seconds": round(settle_s, 1),
         }
