@@ -8,9 +8,17 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
 * A pod holds memory from the moment the binder reserves it until it is deleted or reaches Succeeded or
   Failed: then it frees at once (HAMi#2923).
 * Usage is rebuilt from the pods' assignment annotations alone, so a restarted extender sees what the
-  old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``.
+  old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``,
+  counted from its assume-time, or from when we first saw it if that time lies in the future (a
+  forged or skewed time never holds memory for ever).
+* **Actual over assigned**: an ``allocated`` assignment on a bound pod is the device plugin's report
+  of the GPUs the kubelet really gave it. It replaces whatever we assumed, is recorded even where the
+  books thought the GPU full (the books must say what the GPUs hold), and never expires; a pod
+  deleted frees exactly what that report said. ``allocated`` on an unbound pod is not believed.
 * A reservation is newer than any event that predates it: an event with an older (or no) assignment
   never undoes a bind in flight, and an assignment the binder gave up on is not revived by the watch.
+* While a pod is ``assumed`` on a node, pods sharing a container size with it wait (:mod:`extender.holds`).
+* A node update is all or nothing: a refused inventory keeps the node's last good slots and usage.
 
 ClusterState is not thread-safe; :attr:`lock` serialises every read and write of it.
 """
@@ -21,8 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from extender import cluster, translate, verbs
-from vramshare import logs, podspec
+from extender import cluster, holds, translate, verbs
+from vramshare import contract, logs, podspec
 from vramshare.config import Config, Policy
 
 __all__ = ["Accounting", "TERMINAL_PHASES"]
@@ -36,8 +44,14 @@ _FORGET_LIMIT = 10_000
 @dataclass(frozen=True)
 class _Hold:
     node: str
-    assume_ns: int
+    assume_ns: int  # the assume-time, or when we first saw it if it lay in the future
     since_ns: int  # when we started holding it (our clock): relists only drop holds older than the list
+    raw_ns: int = -1  # the assume-time as the annotation says it (compared with later events)
+    allocated: bool = False  # the device plugin's report: authoritative, never expires
+
+    @property
+    def stamp(self) -> int:
+        return self.assume_ns if self.raw_ns < 0 else self.raw_ns
 
 
 def _key(obj: Obj) -> str:
@@ -60,10 +74,12 @@ class Accounting:
         self._node_of_uuid: dict[str, str] = {}
         self._held: dict[str, _Hold] = {}
         self._forgotten: dict[str, int] = {}
+        self.holds = holds.Holds(int(config.extender.hold_timeout_seconds * 1e9))
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
 
     def view(self, policy: Policy) -> verbs.View:
-        return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy)
+        return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
+                          self.holds if len(self.holds) else None, self.clock())
 
     # -- nodes ----------------------------------------------------------------------------
     def apply_node(self, event: str, node: Obj) -> None:
@@ -77,16 +93,12 @@ class Accounting:
                 return  # a heartbeat: nothing we read changed
             try:
                 slots = translate.node_slots(node, self.names)
-            except translate.TranslateError as exc:
-                log.error("bad inventory, keeping last good", node=name, error=str(exc))
-                return
-            if slots is None:
-                self._drop_node(name)
-                return
-            try:
-                self.state.set_node(name, slots)
-            except ValueError as exc:  # e.g. the same GPU uuid twice
-                log.error("bad inventory, keeping last good", node=name, error=str(exc))
+                if slots is None:
+                    self._drop_node(name)
+                    return
+                self.state.set_node(name, slots)  # all or nothing
+            except (ValueError, TypeError, OverflowError) as exc:  # e.g. units 1e30, one GPU uuid twice
+                log.error("bad inventory, keeping last good", node=name, error=f"{type(exc).__name__}: {exc}")
                 return
             for s in self.slots.get(name, ()):
                 self._node_of_uuid.pop(s.uuid, None)
@@ -106,8 +118,7 @@ class Accounting:
         self._annotation.pop(name, None)
         self.state.remove_node(name)
         for key in [k for k, h in self._held.items() if h.node == name]:
-            self._held.pop(key)
-            self.state.remove_pod(key)
+            self._release(key)
         log.info("node gone", node=name)
 
     def replace_nodes(self, items: Iterable[Obj]) -> None:
@@ -140,11 +151,17 @@ class Accounting:
             self._account(key, pod)
 
     def _observe(self, key: str, pod: Obj) -> None:
+        """Feed FGD's target workload; a size no GPU of the cluster has is no workload to plan for (a
+        flood of absurd requests must not steer every other pod's placement)."""
         try:
             asks = translate.pod_asks(pod, self.names, self.config.memory_unit_mib)
         except podspec.PodSpecError:
             return
-        self.state.observe(translate.demands_of(asks))
+        cap = self.state.capacity
+        biggest = int(cap.max()) if cap.size else 0
+        demands = [d for d in translate.demands_of(asks) if d.per_gpu <= biggest]
+        if demands:
+            self.state.observe(demands)
 
     def _account(self, key: str, pod: Obj) -> None:
         try:
@@ -152,34 +169,58 @@ class Accounting:
         except translate.TranslateError as exc:
             log.error("bad assignment ignored", pod=key, error=str(exc))
             return
-        if asg is None or self._forgotten.get(key) == asg.assume_time_ns:
+        if asg is None:
             return
-        held = self._held.get(key)
-        if held is not None and held.assume_ns > asg.assume_time_ns:
-            return  # a bind in flight is newer than this event
         node_name = (pod.get("spec") or {}).get("nodeName") or ""
-        allocations = asg.allocations()
+        raw = asg.assume_time_ns
+        allocated = asg.state == contract.STATE_ALLOCATED and bool(node_name)
+        held = self._held.get(key)
+        if not allocated:
+            if self._forgotten.get(key) == raw:
+                return
+            if held is not None and (held.allocated or held.stamp > raw):
+                return  # a bind in flight, or the device plugin's report, is newer than this event
+        now = self.clock()
+        assume = held.assume_ns if held is not None and held.stamp == raw else min(raw, now)
+        if raw > now and (held is None or held.stamp != raw):
+            log.warning("assume-time in the future, counted from now", pod=key, assume_time_ns=raw)
+        allocations = asg.allocations(pod)
         if not node_name:
-            if self._expired(asg.assume_time_ns):
+            if self._expired(assume):
                 self._release(key)
+                self._forgotten[key] = raw
                 return
             node_name = next((self._node_of_uuid[u] for u, _ in allocations if u in self._node_of_uuid), "")
-        if held is not None and held.node == node_name and held.assume_ns == asg.assume_time_ns:
-            return
         try:
-            self.state.add_pod(key, node_name, allocations)
+            self.state.add_pod(key, node_name, allocations, force=allocated)
         except cluster.OverCommit as exc:
             self.unaccounted[key] = str(exc)
             log.error("assignment not accounted", pod=key, node=node_name or "?", error=str(exc))
             return
+        if allocated and self._over(node_name):
+            log.warning("device plugin reports a GPU over capacity", pod=key, node=node_name)
         self.unaccounted.pop(key, None)
-        self._held[key] = _Hold(node_name, asg.assume_time_ns, self.clock())
+        self._held[key] = _Hold(node_name, assume, held.since_ns if held else now, raw, allocated)
+        if allocated:
+            self.holds.release(key)
+        else:
+            self.holds.hold(key, node_name, self._signature(pod), assume)
+
+    def _signature(self, pod: Obj) -> translate.Signature:
+        try:
+            return translate.signature_of(podspec.pod_demand(pod, self.names), self.names)
+        except podspec.PodSpecError:
+            return frozenset()
+
+    def _over(self, node: str) -> bool:
+        return any(u.used > u.slot.capacity for u in self.state.node_usage(node))
 
     def _expired(self, assume_ns: int) -> bool:
         return self.clock() - assume_ns > self.config.extender.assume_timeout_seconds * 1e9
 
     def _release(self, key: str) -> None:
         self._held.pop(key, None)
+        self.holds.release(key)
         self.state.remove_pod(key)
 
     def replace_pods(self, items: Iterable[Obj], started_ns: int) -> None:
@@ -211,28 +252,35 @@ class Accounting:
             for key, hold in list(self._held.items()):
                 pod = self.pods.get(key)
                 bound = pod is not None and (pod.get("spec") or {}).get("nodeName")
-                if not bound and self._expired(hold.assume_ns):
+                if not bound and not hold.allocated and self._expired(hold.assume_ns):
                     self._release(key)
-                    self._forgotten[key] = hold.assume_ns
+                    self._forgotten[key] = hold.stamp
                     gone.append(key)
                     log.warning("assumed pod expired", pod=key, node=hold.node,
                                 timeout_s=self.config.extender.assume_timeout_seconds)
+            for key in self.holds.expire(self.clock()):
+                log.info("hold ended by timeout", pod=key,
+                         timeout_s=self.config.extender.hold_timeout_seconds)
         return gone
 
     # -- the binder's reservations --------------------------------------------------------
-    def reserve(self, key: str, node: str, allocations: list[tuple[str, int]], assume_ns: int) -> None:
-        """Hold memory for a bind in flight; raises ``cluster.OverCommit`` (caller holds :attr:`lock`)."""
+    def reserve(self, key: str, node: str, allocations: list[tuple[str, int]], assume_ns: int,
+                signature: translate.Signature = frozenset()) -> None:
+        """Hold memory for a bind in flight; raises ``cluster.OverCommit`` (caller holds :attr:`lock`).
+        The pod also holds its size ``signature`` on the node until it is reported allocated."""
         with self.lock:
             self.state.add_pod(key, node, allocations)
-            self._held[key] = _Hold(node, assume_ns, self.clock())
+            self._held[key] = _Hold(node, assume_ns, self.clock(), assume_ns)
             self._forgotten.pop(key, None)
+            self.holds.hold(key, node, signature, assume_ns)
 
     def release(self, key: str, assume_ns: int) -> None:
         """Undo a reservation whose bind failed; a later event carrying it will not bring it back."""
         with self.lock:
             hold = self._held.get(key)
-            if hold is not None and hold.assume_ns == assume_ns:
+            if hold is not None and hold.stamp == assume_ns and not hold.allocated:
                 self._release(key)
+            self.holds.release_expected(key)
             self._forgotten[key] = assume_ns
             if len(self._forgotten) > _FORGET_LIMIT:
                 self._forgotten.pop(next(iter(self._forgotten)))
@@ -240,10 +288,23 @@ class Accounting:
     def release_unbound(self, key: str) -> None:
         """Drop an earlier assumption for a pod that is being bound again (it never bound)."""
         with self.lock:
-            hold = self._held.pop(key, None)
-            if hold is not None:
-                self.state.remove_pod(key)
-                self._forgotten[key] = hold.assume_ns
+            hold = self._held.get(key)
+            if hold is not None and not hold.allocated:
+                self._release(key)
+                self._forgotten[key] = hold.stamp
+
+    def expect_bind(self, key: str, node: str, signature: translate.Signature) -> None:
+        """kube-scheduler will most likely bind ``key`` to ``node`` next (see :mod:`extender.holds`)."""
+        with self.lock:
+            if key not in self._held:
+                self.holds.expect(key, node, signature, self.clock())
+
+    def blocking_hold(self, key: str, node: str, signature: translate.Signature) -> str | None:
+        """Why ``key`` may not be bound to ``node`` now (a same-size pod still assumed there), or None."""
+        with self.lock:
+            now = self.clock()
+            h = self.holds.blocking(node, key, signature, now)
+            return self.holds.reason(h, now) if h is not None else None
 
     def mark_bound(self, key: str, node: str) -> None:
         """The Binding was created: remember the node so expiry never frees it before the watch says so."""

@@ -5,6 +5,11 @@ Every kube-scheduler verb answers HTTP 200, also on failure, with the reason in 
 status is an opaque error to the scheduler, and a body it can read tells the operator what went wrong.
 Bad input (not JSON, a missing key) is answered the same way and changes nothing. The HTTP module only
 moves bytes; this module times each request and counts it.
+
+No verb is answered from a cache that has not synced: until the first node and pod lists are in, the
+books are empty and a filter would pass full GPUs and a bind would over-commit them. Filter and bind
+answer an ``Error`` that says so (kube-scheduler retries the pod), prioritize an empty list, preempt no
+candidates.
 """
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ from typing import Callable
 
 import orjson
 
-from extender import accounting, binder, cache, inspection, metrics, preemption, verbs, wire
-from vramshare import logs
+from extender import accounting, binder, cache, inspection, metrics, preemption, translate, verbs, wire
+from vramshare import logs, podspec
 from vramshare.config import Policy
 
 __all__ = ["Extender", "Response"]
@@ -24,6 +29,8 @@ __all__ = ["Extender", "Response"]
 log = logs.get("vramshare.extender.app")
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
+NOT_SYNCED = ("vramshare extender: cache not synced with the API server yet (nodes and pods not listed); "
+              "retry shortly")
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,10 @@ class Extender:
     def handle(self, method: str, path: str, body: bytes) -> Response:
         path = path.split("?", 1)[0].rstrip("/") or "/"
         if method == "POST" and path in self._post:
+            if self.cache is not None and not self.cache.ready.is_set():
+                self.stats.observe(path[1:], "not_ready", 0.0)
+                log.warning("verb refused: cache not synced", verb=path[1:])
+                return Response(200, self._error(path[1:], NOT_SYNCED))
             return self._verb(path[1:], self._post[path], body)
         if method == "GET":
             if path == "/healthz":
@@ -93,13 +104,28 @@ class Extender:
         args = wire.decode_extender_args(body)
         with self.acct.lock:
             result = verbs.filter_pod(self.acct.view(self.policy), args)
+            if len(result.passed) == 1:  # kube-scheduler skips prioritize and binds there
+                self._expect(args, result.passed[0])
         return wire.encode_filter_result(result, args)
 
     def _prioritize(self, body: bytes) -> bytes:
         args = wire.decode_extender_args(body)
         with self.acct.lock:
             scores = verbs.prioritize_pod(self.acct.view(self.policy), args)
+            best = max(scores, key=lambda s: s[1], default=None)
+            if best is not None and best[1] > 0:
+                self._expect(args, best[0])
         return wire.encode_host_priorities(scores)
+
+    def _expect(self, args: wire.ExtenderArgs, node: str) -> None:
+        """Hold ``node`` for the pod's size until its bind comes (extender.holds, expected holds)."""
+        if self.acct.holds.timeout_ns <= 0 or not podspec.wants_gpu(args.pod, self.acct.names):
+            return
+        try:
+            sig = translate.signature_of(podspec.pod_demand(args.pod, self.acct.names), self.acct.names)
+        except podspec.PodSpecError:
+            return
+        self.acct.expect_bind(args.pod_key, node, sig)
 
     def _preempt(self, body: bytes) -> bytes:
         args = wire.decode_preemption_args(body)

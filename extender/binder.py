@@ -11,9 +11,19 @@ Order matters (DESIGN.md section 3, "assignment"):
 
 No lock is held across an API call and none outlives the request (HAMi's 5-minute node lock stalls whole
 nodes; we never lock anything in the API).
+
+Idempotent per pod UID: kube-scheduler retries a bind that timed out while the first attempt may still
+be running here. A second bind of a UID whose bind is in flight waits for it and then answers from its
+result (same node: done, nothing changed; another node: refused); a bind of a bound pod changes nothing.
+
+Only what is ours: a pod of another scheduler profile (``extender.schedulerName``), a pod that asks none
+of our resources and a node without a vramshare inventory are refused with the reason, so the endpoint
+cannot be used to place arbitrary pods. A node where a pod of the same size is still assumed is refused
+too (:mod:`extender.holds`); kube-scheduler then retries the pod.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,6 +37,8 @@ __all__ = ["Binder", "BindOutcome"]
 log = logs.get("vramshare.extender.binder")
 Obj = dict[str, Any]
 PATCH_ATTEMPTS = 5
+#: How long a repeated bind waits for the attempt in flight (longer than kube-scheduler's bind timeout).
+INFLIGHT_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -38,9 +50,10 @@ class BindOutcome:
 
 
 class _BindFailed(Exception):
-    def __init__(self, message: str, result: str) -> None:
+    def __init__(self, message: str, result: str, keep: bool = False) -> None:
         super().__init__(message)
         self.result = result
+        self.keep = keep  # whether the pod got bound is unknown: keep its GPUs reserved
 
 
 class _AlreadyBound(Exception):
@@ -59,21 +72,54 @@ class Binder:
         self.policy = policy
         self.names: contract.Names = acct.names
         self.clock = clock
+        self.scheduler_name = acct.config.extender.scheduler_name
+        self._inflight: dict[str, threading.Event] = {}
+        self._inflight_lock = threading.Lock()
 
     def bind(self, args: wire.BindingArgs) -> BindOutcome:
         key = args.pod_key
+        uid = args.pod_uid or key
+        while True:
+            with self._inflight_lock:
+                running = self._inflight.get(uid)
+                if running is None:
+                    mine = self._inflight[uid] = threading.Event()
+                    break
+            if not running.wait(INFLIGHT_WAIT_S):  # the first attempt decides; then look again
+                return BindOutcome(f"pod {key}: an earlier bind of this pod is still in progress", "conflict")
+        try:
+            return self._bind_once(args)
+        finally:
+            with self._inflight_lock:
+                self._inflight.pop(uid, None)
+            mine.set()
+
+    def _bind_once(self, args: wire.BindingArgs) -> BindOutcome:
+        key = args.pod_key
         try:
             pod = self._current_pod(args)
-            bound_to = (pod.get("spec") or {}).get("nodeName")
+            spec = pod.get("spec") or {}
+            scheduler = spec.get("schedulerName") or "default-scheduler"
+            if scheduler != self.scheduler_name:
+                raise _BindFailed(f"pod {key} uses scheduler {scheduler!r}, not {self.scheduler_name!r}: "
+                                  "this extender binds only its own profile's pods", "refused")
+            if not podspec.wants_gpu(pod, self.names):
+                raise _BindFailed(f"pod {key} asks for no {self.names.domain} resource: "
+                                  "this extender binds only GPU pods", "refused")
+            with self.acct.lock:
+                known = args.node in self.acct.slots
+            if not known:
+                raise _BindFailed(f"node {args.node} does not exist or publishes no vramshare GPU inventory",
+                                  "refused")
+            bound_to = spec.get("nodeName")
             if bound_to:
                 if bound_to == args.node:
                     return BindOutcome(result="already_bound")
                 raise _BindFailed(f"pod {key} is already bound to {bound_to}, not {args.node}", "conflict")
-            if not podspec.wants_gpu(pod, self.names):
-                self._bind(args)
-                return BindOutcome(result="passthrough")
             return self._bind_gpu_pod(args, pod)
         except _BindFailed as exc:
+            with self.acct.lock:
+                self.acct.holds.release_expected(key)
             log.warning("bind failed", pod=key, node=args.node, error=str(exc))
             return BindOutcome(str(exc), exc.result)
 
@@ -103,25 +149,31 @@ class Binder:
         except podspec.PodSpecError as exc:
             raise _BindFailed(f"pod {key}: {exc}", "bad_request") from None
         policy = verbs.policy_for(want.policy, self.policy)
+        signature = translate.signature_of(want, self.names)
         assume_ns = self.clock()
         with self.acct.lock:
+            held = self.acct.blocking_hold(key, args.node, signature)
+            if held is not None:
+                raise _BindFailed(f"pod {key} not bound to {args.node}: {held}", "held")
             self.acct.release_unbound(key)  # a new bind supersedes any earlier assumption
             try:
                 picks = placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value)
-                allocations = _per_slot(picks)
-                self.acct.reserve(key, args.node, allocations, assume_ns)
+                text = translate.encode_assignment(asks, picks)
+                allocations = _allocations(pod, self.names, text)
+                self.acct.reserve(key, args.node, allocations, assume_ns, signature)
             except (cluster.NoFit, cluster.OverCommit) as exc:
                 raise _BindFailed(f"pod {key} does not fit node {args.node}: {exc}", "no_fit") from None
         annotations = {
-            self.names.assignment: translate.encode_assignment(asks, picks),
+            self.names.assignment: text,
             self.names.assume_time: str(assume_ns),
             self.names.allocation_state: contract.STATE_ASSUMED,
         }
         try:
             self._patch(args, pod, annotations)
             self._bind(args)
-        except _BindFailed:
-            self.acct.release(key, assume_ns)
+        except _BindFailed as exc:
+            if not exc.keep:
+                self.acct.release(key, assume_ns)
             raise
         except _AlreadyBound as done:  # keep the assignment it carries: the device plugin may have used it
             self.acct.release(key, assume_ns)
@@ -153,20 +205,36 @@ class Binder:
         raise _BindFailed(f"pod {args.pod_key} kept changing: {PATCH_ATTEMPTS} patch conflicts", "conflict")
 
     def _bind(self, args: wire.BindingArgs) -> None:
+        """Create the Binding. A failed answer is not proof that nothing happened (a reply lost to a
+        timeout, or an earlier attempt that bound it): the pod is read back before anything is undone,
+        and if even that fails its GPUs stay reserved (expiry or the watch settles it), because
+        freeing the memory of a pod that did bind is how a GPU ends up over-committed."""
         try:
             self.kube.bind_pod(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+            return
         except apicalls.ApiException as exc:
-            if exc.status == apicalls.CONFLICT:  # a timed-out earlier attempt may have bound it already
-                fresh = self._read(args)
-                if (fresh.get("spec") or {}).get("nodeName") == args.node:
-                    return
-            raise _BindFailed(f"cannot bind pod {args.pod_key} to {args.node}: {exc.status} {exc.reason}",
-                              "api_error") from None
+            why = f"{exc.status} {exc.reason}"
+        except Exception as exc:  # noqa: BLE001 - a timeout or a cut connection
+            why = f"{type(exc).__name__}: {exc}"
+        failed = f"cannot bind pod {args.pod_key} to {args.node}: {why}"
+        try:
+            fresh = self._read(args)
+        except _BindFailed as exc:
+            raise _BindFailed(f"{failed}; reading it back failed too ({exc}): its GPUs stay reserved "
+                              "until the API says whether it is bound", "api_error", keep=True) from None
+        bound_to = (fresh.get("spec") or {}).get("nodeName")
+        if bound_to == args.node:
+            log.info("binding answer lost, pod is bound", pod=args.pod_key, node=args.node, error=why)
+            return
+        if bound_to:
+            raise _BindFailed(f"pod {args.pod_key} was bound to {bound_to} meanwhile", "conflict")
+        raise _BindFailed(failed, "api_error")
 
 
-def _per_slot(picks: list[list[tuple[str, int]]]) -> list[tuple[str, int]]:
-    total: dict[str, int] = {}
-    for pairs in picks:
-        for uuid, amount in pairs:
-            total[uuid] = total.get(uuid, 0) + int(amount)
-    return list(total.items())
+def _allocations(pod: Obj, names: contract.Names, text: str) -> list[tuple[str, int]]:
+    """What the pod will hold per GPU once the assignment ``text`` is on it: read back exactly as a
+    restarted extender reads it (the kubelet's max rule over init containers), so books never drift."""
+    meta = {**(pod.get("metadata") or {}), "annotations": {names.assignment: text}}
+    asg = translate.decode_assignment({**pod, "metadata": meta}, names)
+    assert asg is not None
+    return asg.allocations(pod)

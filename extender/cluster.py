@@ -22,6 +22,8 @@ from extender.slottable import EXCLUSIVE, MIG_PREFIX, NO_SLOT, SHARED, SlotTable
 from extender.workload import Shape, TargetWorkload, WorkloadWindow
 
 T = TypeVar("T")
+#: The largest slot capacity accepted (16 TiB, far beyond any GPU; well inside int64 arithmetic).
+MAX_SLOT_MIB = 1 << 24
 
 __all__ = ["SHARED", "EXCLUSIVE", "MIG_PREFIX", "Slot", "Demand", "HostDemand", "SlotUsage", "OverCommit",
            "NoFit", "ClusterState"]
@@ -100,10 +102,16 @@ class ClusterState(SlotTable):
 
     # -- nodes ------------------------------------------------------------------------------
     def set_node(self, name: str, slots: Sequence[Slot]) -> None:
-        """Add or replace a node's slots; usage on slots that remain (same uuid) is kept."""
+        """Add or replace a node's slots; usage on slots that remain (same uuid) is kept.
+
+        All or nothing: every check runs before the first write, so a refused inventory leaves the
+        node's last good slots *and* their usage as they were."""
         uuids = [s.uuid for s in slots]
         if len(set(uuids)) != len(uuids):
             raise ValueError(f"node {name}: duplicate slot uuid")
+        for s in slots:
+            if not isinstance(s.capacity, int) or isinstance(s.capacity, bool) or not 0 <= s.capacity <= MAX_SLOT_MIB:
+                raise ValueError(f"node {name}: GPU {s.uuid} capacity {s.capacity!r} MiB is outside 0..{MAX_SLOT_MIB}")
         row = self._rows.get(name)
         for u in uuids:  # a UUID names one physical GPU: two nodes announcing it is a broken inventory
             where = self._uuids.get(u)
@@ -206,8 +214,12 @@ class ClusterState(SlotTable):
 
     # -- pods -------------------------------------------------------------------------------
     def add_pod(self, key: str, node: str, allocations: Sequence[tuple[str, int]],
-                host: HostDemand = HostDemand()) -> None:
-        """Record a pod's holdings; all or nothing. Same key and same holdings again is a no-op."""
+                host: HostDemand = HostDemand(), *, force: bool = False) -> None:
+        """Record a pod's holdings; all or nothing. Same key and same holdings again is a no-op.
+
+        ``force`` records what is already true (the device plugin's report of a running pod's GPUs)
+        even beyond what is free: the books must say what the GPUs hold, and a GPU shown over capacity
+        takes no more pods."""
         allocs = tuple((u, int(a)) for u, a in allocations)
         prev = self._pods.get(key)
         if prev is not None:
@@ -215,7 +227,7 @@ class ClusterState(SlotTable):
                 return
             self.remove_pod(key)
             try:
-                self.add_pod(key, node, allocs, host)
+                self.add_pod(key, node, allocs, host, force=force)
             except OverCommit:
                 self.add_pod(key, prev.node, prev.allocations, prev.host)
                 raise
@@ -228,12 +240,12 @@ class ClusterState(SlotTable):
             where = self._uuids.get(uuid)
             if where is None or where[0] != row:
                 raise OverCommit(f"GPU {uuid} is not on node {node}")
-            if amount <= 0:
-                raise OverCommit(f"allocation of {amount} on GPU {uuid} is not positive")
+            if not 0 < amount <= MAX_SLOT_MIB:
+                raise OverCommit(f"allocation of {amount} MiB on GPU {uuid} is not in 1..{MAX_SLOT_MIB}")
             per_slot[where] = per_slot.get(where, 0) + amount
         for (r, c), amount in per_slot.items():
             free = int(self.capacity[r, c] - self.used[r, c])
-            if amount > free:
+            if amount > free and not force:
                 s = self._slots[r][c]
                 raise OverCommit(f"GPU {s.index} ({s.uuid}) on {node} has {free} free, pod {key} needs {amount}")
         if self.host_tracked[row]:

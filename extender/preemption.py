@@ -1,54 +1,135 @@
-"""The preempt verb: keep only the candidate nodes where evicting the proposed victims frees a GPU.
+"""The preempt verb: name the victims per GPU, not per node.
 
-kube-scheduler's default preemption picks victims by priority with its in-tree filters, which see a
-node's *total* ``gpu-memory`` but not how it is split over GPUs: evicting two 10 GiB pods on two
-different GPUs does not make room for one 20 GiB pod. For each candidate node we take the victims'
-holdings off the accounting, ask the placement core whether the pod fits, and put them back, all under
-the accounting lock so nobody sees the what-if. Nodes where it still does not fit are dropped; the
-victims of the others are returned unchanged (kube-scheduler already chose the fewest by priority).
+kube-scheduler's default preemption picks victims with its in-tree filters, which see a node's *total*
+``gpu-memory`` and not how it is split over GPUs: on a fragmented node (room enough in total, on no single
+GPU) it finds the pod already fits and proposes no victims at all (1.28-1.34), and elsewhere it may
+propose pods spread over GPUs whose eviction frees no one GPU enough. So for every candidate node we
+choose the victims ourselves, from the pods it could evict there (lower priority than the preemptor, or
+proposed by kube-scheduler): for each GPU, and for the node as a whole, evict in order of priority
+(lowest first, larger holdings first) until the pod fits, then reprieve from the highest priority down
+every victim the pod does not need (kube-scheduler's own ``SelectVictimsOnNode`` rule). The set kept is
+the one with the lowest highest priority, then the fewest pods, then the least memory. Nodes where no
+set makes room are dropped.
+
+Everything runs on the live accounting under its lock and is put back before the lock is released, so
+nobody sees the what-if. ``NumPDBViolations`` is passed through as kube-scheduler counted it for the node
+(we cannot see PodDisruptionBudgets).
 """
 from __future__ import annotations
 
-from extender import accounting, placement, translate, wire
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from extender import accounting, cluster, placement, translate, wire
 from vramshare import logs, podspec
 
-__all__ = ["preempt_pod"]
+__all__ = ["preempt_pod", "priority_of"]
 
 log = logs.get("vramshare.extender.preemption")
 
 
-def _holdings(acct: accounting.Accounting, node: str, keys: set[str]) -> dict[str, list[tuple[str, int]]]:
+@dataclass(frozen=True)
+class _Candidate:
+    key: str
+    uid: str
+    priority: int
+    holdings: tuple[tuple[str, int], ...]  # (slot uuid, MiB) on this node
+
+    @property
+    def mib(self) -> int:
+        return sum(m for _, m in self.holdings)
+
+
+def priority_of(pod: Mapping[str, Any]) -> int:
+    """``spec.priority`` as the priority admission plugin sets it (0 when absent)."""
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _candidates(acct: accounting.Accounting, node: str, preemptor_priority: int,
+                proposed: set[str]) -> list[_Candidate]:
     held: dict[str, list[tuple[str, int]]] = {}
     for use in acct.state.node_usage(node):
         for key, amount in use.pods.items():
-            if key in keys:
-                held.setdefault(key, []).append((use.slot.uuid, amount))
-    return held
+            held.setdefault(key, []).append((use.slot.uuid, amount))
+    out = []
+    for key, pairs in held.items():
+        pod = acct.pods.get(key)
+        if pod is None:
+            continue  # a reservation of a bind in flight: not a pod kube-scheduler could evict
+        uid = str((pod.get("metadata") or {}).get("uid", ""))
+        prio = priority_of(pod)
+        if prio < preemptor_priority or uid in proposed:
+            out.append(_Candidate(key, uid, prio, tuple(pairs)))
+    return out
+
+
+def _fits(state: cluster.ClusterState, demands: list[cluster.Demand], node: str) -> bool:
+    fitting, _ = placement.filter_nodes(state, demands, [node])
+    return bool(fitting)
+
+
+def _victims(state: cluster.ClusterState, demands: list[cluster.Demand], node: str,
+             order: Sequence[_Candidate]) -> list[_Candidate] | None:
+    """Evict along ``order`` until the pod fits, then reprieve what it does not need; all put back."""
+    removed: list[_Candidate] = []
+    try:
+        for c in order:
+            state.remove_pod(c.key)
+            removed.append(c)
+            if _fits(state, demands, node):
+                break
+        else:
+            return None
+        victims = list(removed)
+        for c in sorted(removed, key=lambda c: (-c.priority, c.mib)):  # reprieve the most important first
+            state.add_pod(c.key, node, c.holdings, force=True)
+            if _fits(state, demands, node):
+                victims.remove(c)
+            else:
+                state.remove_pod(c.key)
+        return victims
+    finally:
+        for c in removed:
+            if not state.has_pod(c.key):
+                state.add_pod(c.key, node, c.holdings, force=True)
+
+
+def _best_on_node(acct: accounting.Accounting, demands: list[cluster.Demand], node: str,
+                  cands: list[_Candidate]) -> list[_Candidate] | None:
+    if _fits(acct.state, demands, node):
+        return []
+    ranked = sorted(cands, key=lambda c: (c.priority, -c.mib, c.key))
+    groups = [ranked] + [[c for c in ranked if any(u == s.uuid for u, _ in c.holdings)]
+                         for s in acct.slots.get(node, ())]
+    best: list[_Candidate] | None = None
+    for order in groups:
+        found = _victims(acct.state, demands, node, order) if order else None
+        if found is None:
+            continue
+        rank = (max((c.priority for c in found), default=-2**63), len(found), sum(c.mib for c in found))
+        if best is None or rank < (max((c.priority for c in best), default=-2**63), len(best),
+                                   sum(c.mib for c in best)):
+            best = found
+    return best
 
 
 def preempt_pod(acct: accounting.Accounting, args: wire.PreemptionArgs) -> dict[str, list[str]]:
-    """``{node: victim UIDs}`` for the nodes where the pod fits once those victims are gone."""
+    """``{node: victim UIDs}`` for the nodes where evicting those victims makes the pod fit."""
     if not podspec.wants_gpu(args.pod, acct.names):
         return dict(args.victims)
     try:
         demands = translate.demands_of(translate.pod_asks(args.pod, acct.names, acct.config.memory_unit_mib))
     except podspec.PodSpecError:
         return {}
+    mine = priority_of(args.pod)
     keep: dict[str, list[str]] = {}
     with acct.lock:
-        by_uid = {(p.get("metadata") or {}).get("uid"): key for key, p in acct.pods.items()}
         for node, uids in args.victims.items():
             if node not in acct.slots:
                 continue
-            held = _holdings(acct, node, {by_uid[u] for u in uids if u in by_uid})
-            for key in held:
-                acct.state.remove_pod(key)
-            try:
-                fits, _ = placement.filter_nodes(acct.state, demands, [node])
-            finally:
-                for key, allocations in held.items():
-                    acct.state.add_pod(key, node, allocations)
-            if fits:
-                keep[node] = list(uids)
+            found = _best_on_node(acct, demands, node, _candidates(acct, node, mine, set(uids)))
+            if found is not None:
+                keep[node] = [c.uid for c in found]
     log.debug("preempt", pod=wire.ExtenderArgs(pod=args.pod).pod_key, candidates=len(args.victims), kept=len(keep))
     return keep

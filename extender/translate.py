@@ -15,7 +15,7 @@ usage of every pod after a restart from the API alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import orjson
@@ -24,7 +24,7 @@ from extender import cluster
 from vramshare import contract, inventory, podspec
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
-           "demands_of", "Assignment", "encode_assignment", "decode_assignment", "mig_kind"]
+           "demands_of", "Assignment", "Rider", "Signature", "signature_of", "encode_assignment", "decode_assignment", "mig_kind"]
 
 Obj = Mapping[str, Any]
 SHARED, EXCLUSIVE = "shared", "exclusive"
@@ -70,11 +70,25 @@ def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
 
 # -- pods -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Rider:
+    """An ordinary init container steered onto the GPUs of the ask it rides on (see :func:`asks_of`).
+
+    ``per_gpu`` is its MiB on each of the first ``count`` GPUs of that ask; ``None`` takes the ask's own
+    (whole GPUs and MIG instances are taken whole)."""
+
+    container: str
+    count: int
+    per_gpu: int | None
+
+
+@dataclass(frozen=True)
 class ContainerAsk:
     """One Demand of one container; a container asking for two kinds yields two asks."""
 
     container: str
     demand: cluster.Demand
+    riders: tuple[Rider, ...] = ()
+    own_per_gpu: int | None = None  # the container's own MiB per GPU when riders grew the demand
 
 
 def pod_asks(pod: Obj, names: contract.Names, unit_mib: int) -> list[ContainerAsk]:
@@ -86,25 +100,83 @@ def pod_asks(pod: Obj, names: contract.Names, unit_mib: int) -> list[ContainerAs
     return asks_of(podspec.pod_demand(pod, names), unit_mib)
 
 
-def asks_of(want: podspec.PodDemand, unit_mib: int) -> list[ContainerAsk]:
-    """:func:`pod_asks` for a pod already read (callers that also need its policy read it once)."""
+def _container_asks(c: podspec.ContainerDemand, models: tuple[str, ...], unit_mib: int) -> list[ContainerAsk]:
     asks: list[ContainerAsk] = []
-    for c in want.containers:
-        if c.units:
+    if c.units:
+        asks.append(ContainerAsk(c.container, cluster.Demand(
+            per_gpu=c.units_per_gpu * unit_mib, count=c.gpu_count, kind=SHARED, models=models)))
+    if c.whole_gpus:
+        asks.append(ContainerAsk(c.container, cluster.Demand(
+            per_gpu=0, count=c.whole_gpus, kind=EXCLUSIVE, models=models)))
+    for profile, n in c.mig:
+        if n:
             asks.append(ContainerAsk(c.container, cluster.Demand(
-                per_gpu=c.units_per_gpu * unit_mib, count=c.gpu_count, kind=SHARED, models=want.models)))
-        if c.whole_gpus:
-            asks.append(ContainerAsk(c.container, cluster.Demand(
-                per_gpu=0, count=c.whole_gpus, kind=EXCLUSIVE, models=want.models)))
-        for profile, n in c.mig:
-            if n:
-                asks.append(ContainerAsk(c.container, cluster.Demand(
-                    per_gpu=0, count=n, kind=mig_kind(profile), models=want.models)))
+                per_gpu=0, count=n, kind=mig_kind(profile), models=models)))
+    return asks
+
+
+def asks_of(want: podspec.PodDemand, unit_mib: int) -> list[ContainerAsk]:
+    """:func:`pod_asks` for a pod already read (callers that also need its policy read it once).
+
+    Init containers, the way the kubelet runs and allocates them (``devicemanager`` reuses the devices
+    of an init container for the containers that start after it, ``PodRequests`` takes the larger of
+    the init peak and the running sum):
+
+    * a sidecar (init container with ``restartPolicy: Always``) runs beside the app containers: it is
+      one more ask, like an app container;
+    * an ordinary init container runs alone and its devices are reused: it *rides* on an ask of the
+      same kind with at least as many GPUs (the largest such), steered onto that ask's first GPUs. When
+      it wants more per GPU than that ask, the ask grows to its size (the GPUs must hold the larger
+      phase). An init container no ask can carry (more GPUs than any, or a kind no app container asks)
+      becomes its own ask: the pod then holds the sum, more than the kubelet's max, never less.
+
+    The books hold, per GPU, the kubelet's max rule over the assignment (:meth:`Assignment.allocations`),
+    which never exceeds what these asks reserved.
+    """
+    models = want.models
+    asks: list[ContainerAsk] = []
+    for c in [*(i for i in want.init_containers if i.restartable), *want.containers]:
+        asks.extend(_container_asks(c, models, unit_mib))
+    for init in (i for i in want.init_containers if not i.restartable):
+        for own in _container_asks(init, models, unit_mib):
+            d = own.demand
+            hosts = [i for i, a in enumerate(asks) if a.demand.kind == d.kind and a.demand.count >= d.count]
+            if not hosts:
+                asks.append(own)
+                continue
+            best = max(hosts, key=lambda i: (asks[i].demand.count, asks[i].demand.per_gpu, -i))
+            host = asks[best]
+            rider = Rider(init.container, d.count, d.per_gpu if d.kind == SHARED else None)
+            own_size = host.own_per_gpu
+            if d.per_gpu > host.demand.per_gpu and own_size is None:
+                own_size = host.demand.per_gpu
+            grown = replace(host.demand, per_gpu=max(host.demand.per_gpu, d.per_gpu))
+            asks[best] = ContainerAsk(host.container, grown, host.riders + (rider,), own_size)
     return asks
 
 
 def demands_of(asks: list[ContainerAsk]) -> list[cluster.Demand]:
     return [a.demand for a in asks]
+
+
+Signature = frozenset[tuple[str, int]]
+
+
+def signature_of(want: podspec.PodDemand, names: contract.Names) -> Signature:
+    """The pod's size signature: the set of ``(resource name, devices)`` its containers ask, init
+    containers and sidecars included. This is all the kubelet tells the device plugin when it asks
+    for a preferred allocation (one container, one resource, a device count), so two pods that share
+    an element cannot be told apart there: a ``gpu-count: 2`` container of 2 x 11 units and a
+    22-unit container both read ``(gpu-memory, 22)``. The extender's hold (``extender.holds``) keeps
+    at most one such pod ``assumed`` per node."""
+    out: set[tuple[str, int]] = set()
+    for c in (*want.init_containers, *want.containers):
+        if c.units:
+            out.add((names.gpu_memory, c.units))
+        if c.whole_gpus:
+            out.add((names.gpu, c.whole_gpus))
+        out.update((names.mig(p), n) for p, n in c.mig if n)
+    return frozenset(out)
 
 
 # -- the assignment annotation ----------------------------------------------------------------
@@ -116,20 +188,46 @@ class Assignment:
     assume_time_ns: int = 0
     state: str = ""
 
-    def allocations(self) -> list[tuple[str, int]]:
-        """All (slot uuid, MiB) pairs of the pod, summed per slot, as ClusterState.add_pod takes them."""
-        total: dict[str, int] = {}
-        for pairs in self.containers.values():
-            for uuid, mib in pairs:
-                total[uuid] = total.get(uuid, 0) + mib
-        return list(total.items())
+    def allocations(self, pod: Obj | None = None) -> list[tuple[str, int]]:
+        """What the pod holds per slot, as (slot uuid, MiB) pairs for ClusterState.add_pod.
+
+        With the pod, the kubelet's rule per GPU (:func:`podspec.effective_requests`): its ordinary
+        init containers run alone and their devices are reused, so a GPU holds the larger of each init
+        phase and the running sum. Containers the pod does not declare count as app containers (never
+        less than the sum of what is written)."""
+        per_container = {name: _summed(pairs) for name, pairs in self.containers.items()}
+        if pod is None:
+            return list(_summed(p for pairs in self.containers.values() for p in pairs).items())
+        spec = pod.get("spec") or {}
+        declared = {c.get("name") for c in (spec.get("initContainers") or [])}
+        apps = list(spec.get("containers") or []) + [
+            {"name": n} for n in per_container if n not in declared
+            and n not in {c.get("name") for c in spec.get("containers") or []}]
+        shaped = {"spec": {"containers": apps, "initContainers": spec.get("initContainers") or []}}
+        total = podspec.effective_requests(shaped, lambda c: per_container.get(c.get("name"), {}))
+        return [(u, m) for u, m in total.items() if m > 0]
+
+
+def _summed(pairs: Any) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for uuid, mib in pairs:
+        total[uuid] = total.get(uuid, 0) + mib
+    return total
 
 
 def encode_assignment(asks: list[ContainerAsk], picks: list[list[tuple[str, int]]]) -> str:
-    """``{container: [{"uuid", "mib"}, ...]}``; ``picks`` is placement.pick's answer, one per ask."""
+    """``{container: [{"uuid", "mib"}, ...]}``; ``picks`` is placement.pick's answer, one per ask.
+
+    A grown ask (one an init container rides on) writes its container's own size; riders get the
+    ask's first GPUs with their own size."""
     out: dict[str, list[dict[str, Any]]] = {}
     for ask, pairs in zip(asks, picks):
-        out.setdefault(ask.container, []).extend({"uuid": u, "mib": int(m)} for u, m in pairs)
+        mine = ask.own_per_gpu
+        out.setdefault(ask.container, []).extend(
+            {"uuid": u, "mib": int(m if mine is None else mine)} for u, m in pairs)
+        for r in ask.riders:
+            out.setdefault(r.container, []).extend(
+                {"uuid": u, "mib": int(m if r.per_gpu is None else r.per_gpu)} for u, m in pairs[:r.count])
     return orjson.dumps(out).decode()
 
 

@@ -11,13 +11,16 @@ even when empty. Every other miss is an ordinary ``FailedNodes`` entry, which pr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
 from extender import cluster, placement, translate, wire
 from vramshare import contract, logs, podspec
 from vramshare.config import Policy
+
+if TYPE_CHECKING:
+    from extender.holds import Holds
 
 __all__ = ["View", "filter_pod", "prioritize_pod", "policy_for", "NOT_A_GPU_NODE"]
 
@@ -34,6 +37,8 @@ class View:
     names: contract.Names
     unit_mib: int
     policy: Policy
+    holds: "Holds | None" = None  # live same-size holds (None: none at all, the common case)
+    now_ns: int = 0
 
 
 def policy_for(pod_policy: str | None, default: Policy) -> Policy:
@@ -67,12 +72,16 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     if not podspec.wants_gpu(args.pod, view.names):
         return wire.FilterResult(passed=list(names))
     try:
-        demands = translate.demands_of(translate.pod_asks(args.pod, view.names, view.unit_mib))
+        want = podspec.pod_demand(args.pod, view.names)
+        demands = translate.demands_of(translate.asks_of(want, view.unit_mib))
     except podspec.PodSpecError as exc:
         return wire.FilterResult(unresolvable={n: str(exc) for n in names})
     if not demands:  # asked for zero of our resources: nothing to place
         return wire.FilterResult(passed=list(names))
     fitting, failed = placement.filter_nodes(view.state, demands, names)
+    if view.holds is not None and fitting:
+        fitting, failed = _apply_holds(view, args.pod_key, translate.signature_of(want, view.names),
+                                       fitting, failed, names)
     result = wire.FilterResult(passed=fitting)
     if failed:
         known = [n for n in failed if n in view.slots]
@@ -85,6 +94,22 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
                 (result.unresolvable if hopeless[name] else result.failed)[name] = reason
     log.debug("filter", pod=args.pod_key, candidates=len(names), passed=len(result.passed))
     return result
+
+
+def _apply_holds(view: View, key: str, signature: translate.Signature, fitting: list[str],
+                 failed: Mapping[str, str], names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Fitting nodes where a same-size pod is still assumed become ordinary failures (not
+    unresolvable: the hold ends within seconds), with a reason naming the pod it waits for."""
+    assert view.holds is not None
+    waiting: dict[str, str] = {}
+    for n in fitting:
+        h = view.holds.blocking(n, key, signature, view.now_ns)
+        if h is not None:
+            waiting[n] = view.holds.reason(h, view.now_ns)
+    if not waiting:
+        return fitting, dict(failed)
+    merged = {n: failed.get(n) or waiting[n] for n in names if n in failed or n in waiting}
+    return [n for n in fitting if n not in waiting], merged
 
 
 def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]:

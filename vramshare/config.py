@@ -60,6 +60,11 @@ class ExtenderConfig:
     client_ca_file: str | None = None
     # A second, plain-HTTP listener serving only /metrics, /healthz and /readyz (HOST:PORT), or None.
     metrics_listen: str | None = None
+    # An assumed pod blocks binds of same-size pods to its node until allocated, at most this long
+    # (0: no hold; see extender/holds.py).
+    hold_timeout_seconds: float = 30.0
+    # /bind serves only pods of this scheduler profile (kube-scheduler's schedulerName).
+    scheduler_name: str = "vramshare-scheduler"
 
 
 class OverLimitAction(str, enum.Enum):
@@ -156,7 +161,8 @@ _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
 _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
                   "workloadWindow": "workload_window", "tlsCertFile": "tls_cert_file",
                   "tlsKeyFile": "tls_key_file", "clientCAFile": "client_ca_file",
-                  "metricsListen": "metrics_listen"}
+                  "metricsListen": "metrics_listen",
+                  "holdTimeoutSeconds": "hold_timeout_seconds", "schedulerName": "scheduler_name"}
 _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "floorFraction": "floor_fraction", "ceilingFraction": "ceiling_fraction",
                "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure",
@@ -190,6 +196,13 @@ def _typed(value: Any, kind: type, key: str, *, minimum: float | None = None) ->
     if minimum is not None and value < minimum:
         raise ConfigError(f"{key}: must be >= {minimum}, got {value!r}")
     return value
+
+
+def _scheduler_name(value: Any) -> str:
+    name = _typed(value, str, "extender.schedulerName")
+    if not name.strip():
+        raise ConfigError("extender.schedulerName: must not be empty")
+    return name
 
 
 def _enum(value: Any, kind: type[enum.Enum], key: str) -> Any:
@@ -342,6 +355,9 @@ def config_from_dict(raw: Any) -> Config:
                                       float, "extender.assumeTimeoutSeconds", minimum=1),
         workload_window=_typed(e.get("workloadWindow", d.extender.workload_window), int,
                                "extender.workloadWindow", minimum=1),
+        hold_timeout_seconds=_typed(e.get("holdTimeoutSeconds", d.extender.hold_timeout_seconds), float,
+                                    "extender.holdTimeoutSeconds", minimum=0),
+        scheduler_name=_scheduler_name(e.get("schedulerName", d.extender.scheduler_name)),
         **_extender_tls(e),
     )
     q = _check_keys(top.get("quota"), _QUOTA_KEYS, "quota.")

@@ -30,6 +30,7 @@ class ContainerDemand:
     gpu_count: int = 1  # distinct GPUs the units are spread over (pod annotation gpu-count)
     whole_gpus: int = 0  # vramshare.io/gpu
     mig: tuple[tuple[str, int], ...] = ()  # (profile, count) for vramshare.io/mig-<profile>
+    restartable: bool = False  # an init container with restartPolicy Always (a sidecar)
 
     @property
     def units_per_gpu(self) -> int:
@@ -48,6 +49,9 @@ class PodDemand:
     containers: tuple[ContainerDemand, ...]
     models: tuple[str, ...] = ()  # allowed GPU model substrings (gpu-models annotation), empty = any
     policy: str | None = None  # per-pod policy override annotation
+    #: ``spec.initContainers`` in order, sidecars (``restartable``) included; ``containers`` are the app
+    #: containers only. How the two combine is the kubelet's rule: see :func:`effective_requests`.
+    init_containers: tuple[ContainerDemand, ...] = ()
 
     @property
     def key(self) -> str:
@@ -85,33 +89,40 @@ def pod_demand(pod: Mapping[str, Any], names: contract.Names) -> PodDemand:
         gpu_count = _quantity(count_raw, f"annotation {names.gpu_count}", MAX_GPU_COUNT)
         if gpu_count < 1:
             raise PodSpecError(f"annotation {names.gpu_count}: must be at least 1, got {count_raw!r}")
-    containers = []
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        cname = c.get("name", "")
-        units = whole = 0
-        mig: list[tuple[str, int]] = []
-        for res, qty in _resources(c).items():
-            if not names.is_ours(res):
-                continue
-            n = _quantity(qty, f"container {cname}: {res}")
-            if res == names.gpu_memory:
-                units = n
-            elif res == names.gpu:
-                whole = n
-            elif res.startswith(names.mig_prefix):
-                mig.append((res[len(names.mig_prefix):], n))
-        cd = ContainerDemand(cname, units, gpu_count if units else 1, whole, tuple(sorted(mig)))
-        if units and units % gpu_count:
-            raise PodSpecError(f"container {cname}: {units} units of {names.gpu_memory} do not split evenly "
-                               f"over {gpu_count} GPUs ({names.gpu_count}); use a multiple of {gpu_count}")
-        containers.append(cd)
+    spec = pod.get("spec") or {}
+    containers = [_container_demand(c, names, gpu_count) for c in spec.get("containers") or []]
+    inits = [_container_demand(c, names, gpu_count) for c in spec.get("initContainers") or []]
     models = tuple(p.strip() for p in str(ann.get(names.gpu_models, "")).split("|") if p.strip())
-    return PodDemand(ns, name, meta.get("uid", ""), tuple(containers), models, ann.get(names.policy))
+    return PodDemand(ns, name, meta.get("uid", ""), tuple(containers), models, ann.get(names.policy),
+                     tuple(c for c in inits if not c.empty))
+
+
+def _container_demand(c: Mapping[str, Any], names: contract.Names, gpu_count: int) -> ContainerDemand:
+    cname = c.get("name", "")
+    units = whole = 0
+    mig: list[tuple[str, int]] = []
+    for res, qty in _resources(c).items():
+        if not names.is_ours(res):
+            continue
+        n = _quantity(qty, f"container {cname}: {res}")
+        if res == names.gpu_memory:
+            units = n
+        elif res == names.gpu:
+            whole = n
+        elif res.startswith(names.mig_prefix):
+            mig.append((res[len(names.mig_prefix):], n))
+    if units and units % gpu_count:
+        raise PodSpecError(f"container {cname}: {units} units of {names.gpu_memory} do not split evenly "
+                           f"over {gpu_count} GPUs ({names.gpu_count}); use a multiple of {gpu_count}")
+    return ContainerDemand(cname, units, gpu_count if units else 1, whole, tuple(sorted(mig)),
+                           c.get("restartPolicy") == "Always")
 
 
 def wants_gpu(pod: Mapping[str, Any], names: contract.Names) -> bool:
-    """Does any container ask for one of our resources? (kube-scheduler's IsInterested, for our names.)"""
-    for c in (pod.get("spec") or {}).get("containers") or []:
+    """Does any container (init containers included) ask for one of our resources? (kube-scheduler's
+    ``IsInterested``, for our names, which also reads init containers.)"""
+    spec = pod.get("spec") or {}
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
         if any(names.is_ours(r) for r in _resources(c)):
             return True
     return False

@@ -62,6 +62,27 @@ def test_profile_and_extender_settings(sched_config: dict[str, Any], ext: dict[s
     assert all(NAMES.is_ours(m) for m in managed)
 
 
+#: kube-scheduler's default score plugins and weights, 1.28 to 1.34 (pkg/scheduler/apis/config/v1/
+#: default_plugins.go, getDefaultPlugins: MultiPoint). MaxNodeScore 100, MaxExtenderPriority 10.
+DEFAULT_SCORE_WEIGHTS = {"TaintToleration": 3, "NodeAffinity": 2, "NodeResourcesFit": 1, "PodTopologySpread": 2,
+                         "InterPodAffinity": 2, "NodeResourcesBalancedAllocation": 1, "ImageLocality": 1}
+MAX_NODE_SCORE, MAX_EXTENDER_PRIORITY = 100, contract.MAX_EXTENDER_PRIORITY
+
+
+def test_one_step_of_the_extenders_score_outweighs_every_default_score_plugin(
+        sched_config: dict[str, Any], ext: dict[str, Any]) -> None:
+    """schedule_one.go prioritizeNodes: extender score x weight x (MaxNodeScore / MaxExtenderPriority)."""
+    [profile] = sched_config["profiles"]
+    score = (profile.get("plugins") or {}).get("score") or {}
+    disabled = {p["name"] for p in score.get("disabled") or []}
+    assert disabled <= set(DEFAULT_SCORE_WEIGHTS) and not score.get("enabled")
+    others = sum(w for name, w in DEFAULT_SCORE_WEIGHTS.items() if name not in disabled) * MAX_NODE_SCORE
+    step = 1 * ext["weight"] * (MAX_NODE_SCORE // MAX_EXTENDER_PRIORITY)
+    assert step > others, f"one extender step {step} <= default plugins' {others}"
+    assert (others, step) == (900, 1000)  # the arithmetic the YAML comment shows
+    assert {"TaintToleration", "NodeAffinity", "PodTopologySpread", "InterPodAffinity"}.isdisjoint(disabled)
+
+
 def test_every_verb_is_a_route_of_the_extender(ext: dict[str, Any], service_app: app.Extender) -> None:
     for key in ("filterVerb", "prioritizeVerb", "preemptVerb"):
         resp = service_app.handle("POST", f"/{ext[key]}", b"{}")

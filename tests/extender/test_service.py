@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from extender import main
+from vramshare.config import Config, ExtenderConfig, Policy
 from vramshare.standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 from tests.extender.conftest import Scheduler, eventually
@@ -139,6 +140,10 @@ def test_bind_of_an_already_bound_pod(cluster: ApiServerDouble, extender: main.R
     assert cluster.count("POST", r"/binding$") == 1
 
 
+NO_HOLD = Config(extender=ExtenderConfig(policy=Policy.BINPACK, assume_timeout_seconds=120, hold_timeout_seconds=0))
+
+
+@pytest.mark.parametrize("extender_config", [NO_HOLD], ids=["no-hold"])  # same-size pods: see test_holds
 def test_concurrent_binds_to_one_node_never_overcommit(double: ApiServerDouble, extender: main.RunningExtender,
                                                        scheduler: Scheduler) -> None:
     double.create_node(b.gpu_node("hot", b.l4(), b.l4()))  # 2 x 22 GiB

@@ -8,6 +8,7 @@ landed where it did.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,8 +43,12 @@ class SchedulerDriver:
             raise RuntimeError(f"/{verb}: HTTP {resp.status}: {resp.data[:200]!r}")
         return orjson.loads(resp.data)
 
-    def schedule(self, pod: Obj, max_attempts: int = 20) -> Outcome:
-        """One pod until bound or no node fits; bind errors (lost races) are retried like the scheduler does."""
+    def schedule(self, pod: Obj, max_attempts: int = 20, hold_backoff_s: float = 0.2) -> Outcome:
+        """One pod until bound or no node fits; bind errors (lost races) are retried like the scheduler does.
+
+        A node the extender passes over only because a same-size pod is still assumed there (a hold,
+        extender/holds.py) is not a lasting no-fit: kube-scheduler retries such a pod after its backoff
+        (``podInitialBackoffSeconds``, doubling), so this waits ``hold_backoff_s`` (doubling) and tries again."""
         meta = pod["metadata"]
         out = Outcome(f"{meta.get('namespace', 'default')}/{meta['name']}")
         while out.attempts < max_attempts:
@@ -56,6 +61,10 @@ class SchedulerDriver:
             out.failed = {**(result.get("FailedNodes") or {}), **(result.get("FailedAndUnresolvableNodes") or {})}
             if not fitting:
                 out.error = "; ".join(f"{n}: {why}" for n, why in sorted(out.failed.items())) or "no node fits"
+                held = any("held for pod" in why for why in (result.get("FailedNodes") or {}).values())
+                if held and out.attempts < max_attempts:
+                    time.sleep(hold_backoff_s * 2 ** min(out.attempts - 1, 5))
+                    continue
                 return out
             node = fitting[0]
             out.scores = {node: 0}
@@ -70,6 +79,8 @@ class SchedulerDriver:
                 out.node, out.error = node, ""
                 return out
             out.error = bound["Error"]
+            if "held for pod" in out.error:
+                time.sleep(hold_backoff_s * 2 ** min(out.attempts - 1, 5))
         return out
 
     def close(self) -> None:

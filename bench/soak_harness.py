@@ -1,0 +1,257 @@
+"""Pieces shared by bench_soak.py and bench_hold.py: the extender as a killable process, a stand-in for
+the kubelets and device plugins of a cluster (what the extender side needs of them: admission and the
+``allocated`` report), and a kube-scheduler-like caller loop. Never imported by a daemon.
+
+The kubelet stand-in reproduces what makes placement hard on a real node:
+
+* admission in creation-time order, ties (one-second timestamps) in random order
+  (``kubelet.HandlePodAdditions`` sorts with ``sort.Sort(sliceutils.PodsByCreationTime)``, not stable);
+* devices are counted per GPU (``devicemanager``: a container gets device IDs that are free, never more
+  than exist), so reality never exceeds a GPU; a pod for which the node has too few free devices fails
+  admission (``UnexpectedAdmissionError``);
+* the device plugin steers ``GetPreferredAllocation`` by the assumed assignment of the one pod of that
+  size on the node; when several assumed pods share the size it cannot tell them apart and takes the
+  oldest assume-time (the first design's rule), so same-size pods may swap GPUs; when the steered GPU lacks
+  free devices the kubelet's choice falls on whatever is free;
+* after admission the device plugin writes the pod's actual GPUs into ``vramshare.io/assignment`` with
+  ``allocation-state: allocated`` (the reconcile of DESIGN.md section 3).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import urllib3
+
+from vramshare import contract
+from vramshare.standins.apiserver import PODS, ApiServerDouble
+
+N = contract.Names()
+Obj = dict[str, Any]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ExtenderProcess:
+    """``vramshare extender`` as a child process on a fixed port; :meth:`kill` is SIGKILL."""
+
+    def __init__(self, api_url: str, config_yaml: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="vramshare-soak-")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        kubeconfig = os.path.join(self.dir, "kubeconfig")
+        with open(kubeconfig, "w", encoding="utf-8") as fh:
+            fh.write(f"apiVersion: v1\nkind: Config\nclusters: [{{name: d, cluster: {{server: \"{api_url}\"}}}}]\n"
+                     "users: [{name: u, user: {}}]\ncontexts: [{name: c, context: {cluster: d, user: u}}]\n"
+                     "current-context: c\n")
+        config = os.path.join(self.dir, "config.yaml")
+        with open(config, "w", encoding="utf-8") as fh:
+            fh.write(config_yaml)
+        self.cmd = [sys.executable, "-c", "import sys; from vramshare.cli import main; sys.exit(main())",
+                    "--log-level", "warning", "extender", "--listen", f"127.0.0.1:{self.port}",
+                    "--kubeconfig", kubeconfig, "--config", config]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=0.5, read=5))
+
+    def start(self) -> None:
+        if self.proc is None:
+            atexit.register(self.kill)  # never leave an extender behind, however the bench ends
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def ready(self) -> bool:
+        try:
+            return self.http.request("GET", f"{self.url}/readyz").status == 200
+        except urllib3.exceptions.HTTPError:
+            return False
+
+    def wait_ready(self, timeout: float = 60) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def books(self) -> dict[str, tuple[int, int]] | None:
+        """Per GPU (used, total) MiB from /inspect, None while the extender is down."""
+        try:
+            resp = self.http.request("GET", f"{self.url}/inspect")
+            if resp.status != 200:
+                return None
+            doc = orjson.loads(resp.data)
+        except (urllib3.exceptions.HTTPError, orjson.JSONDecodeError):
+            return None
+        return {g["uuid"]: (g["usedMiB"], g["totalMiB"]) for n in doc["nodes"] for g in n["gpus"]}
+
+
+def signature(pod: Obj) -> tuple[str, int]:
+    """The (resource, devices) the kubelet asks for the pod's single container."""
+    c = pod["spec"]["containers"][0]
+    return (N.gpu_memory, int(c["resources"]["limits"][N.gpu_memory]))
+
+
+@dataclass
+class KubeletStats:
+    admitted: int = 0
+    admission_failures: int = 0
+    steering_misses: int = 0  # actual GPUs differ from the pod's own assignment
+    ambiguous: int = 0  # admissions where several assumed pods shared the size
+    admit_latency_s: list[float] = field(default_factory=list)
+
+
+class KubeletSim(threading.Thread):
+    """All nodes' kubelets + device plugins, as seen through the API (see the module docstring)."""
+
+    def __init__(self, api: ApiServerDouble, capacity: dict[str, dict[str, int]], unit_mib: int,
+                 admit_delay_s: tuple[float, float], seed: int, tick_s: float = 0.02) -> None:
+        super().__init__(name="kubelet-sim", daemon=True)
+        self.api, self.unit = api, unit_mib
+        self.capacity = capacity  # node -> gpu uuid -> units
+        self.node_of = {g: n for n, gpus in capacity.items() for g in gpus}
+        self.delay, self.tick = admit_delay_s, tick_s
+        self.rng = random.Random(seed)
+        self.real: dict[str, dict[str, int]] = {}  # pod key -> gpu -> units (what containers got)
+        self.seen_bound: dict[str, float] = {}
+        self.due: dict[str, float] = {}
+        self.stats = KubeletStats()
+        self.stop_event = threading.Event()
+        self.lock = threading.Lock()
+
+    def used_units(self, gpu: str) -> int:
+        return sum(r.get(gpu, 0) for r in self.real.values())
+
+    def reality_mib(self) -> dict[str, int]:
+        with self.lock:
+            return {g: self.used_units(g) * self.unit for g in self.node_of}
+
+    def pending_admissions(self) -> int:
+        with self.lock:
+            return len(self.seen_bound)
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.tick):
+            self.step()
+
+    def step(self) -> None:
+        pods = self.api.pods()
+        now = time.monotonic()
+        live = {}
+        for p in pods:
+            key = f"{p['metadata'].get('namespace', 'default')}/{p['metadata']['name']}"
+            if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            live[key] = p
+        with self.lock:
+            for key in [k for k in self.real if k not in live]:  # deleted or finished: devices free
+                del self.real[key]
+            for key in [k for k in self.seen_bound if k not in live]:
+                del self.seen_bound[key]
+                self.due.pop(key, None)
+            by_node: dict[str, list[Obj]] = {}
+            for key, p in live.items():
+                node = p["spec"].get("nodeName")
+                if not node or key in self.real:
+                    continue
+                if key not in self.seen_bound:
+                    self.seen_bound[key] = now
+                    self.due[key] = now + self.rng.uniform(*self.delay)
+                if self.due[key] <= now:
+                    by_node.setdefault(node, []).append(p)
+            for node, ready in by_node.items():
+                # creation-time order at one-second resolution, ties in random order
+                self.rng.shuffle(ready)
+                ready.sort(key=lambda p: p["metadata"].get("creationTimestamp", ""))
+                assumed = [p for k, p in live.items() if p["spec"].get("nodeName") == node and k not in self.real
+                           and (p["metadata"].get("annotations") or {}).get(N.allocation_state) == "assumed"]
+                for p in ready:
+                    self._admit(node, p, assumed, now)
+
+    def _steer(self, p: Obj, assumed: list[Obj]) -> list[tuple[str, int]]:
+        """The device plugin's preferred GPUs for the pod's container, known only by its size."""
+        same = [q for q in assumed if signature(q) == signature(p)]
+        if len(same) > 1:
+            self.stats.ambiguous += 1
+        if not same:
+            same = [p]
+        oldest = min(same, key=lambda q: int((q["metadata"].get("annotations") or {}).get(N.assume_time, "0")))
+        text = (oldest["metadata"].get("annotations") or {}).get(N.assignment, "{}")
+        entries = [e for es in orjson.loads(text).values() for e in es]
+        return [(e["uuid"], e["mib"] // self.unit) for e in entries]
+
+    def _admit(self, node: str, p: Obj, assumed: list[Obj], now: float) -> None:
+        key = f"{p['metadata'].get('namespace', 'default')}/{p['metadata']['name']}"
+        want = signature(p)[1]
+        free = {g: units - self.used_units(g) for g, units in self.capacity[node].items()}
+        got: dict[str, int] = {}
+        for gpu, units in self._steer(p, assumed):
+            if free.get(gpu, 0) >= units and gpu not in got and sum(got.values()) + units <= want:
+                got[gpu] = units
+                free[gpu] -= units
+        if sum(got.values()) < want:  # the kubelet takes whatever devices are free
+            for gpu in sorted(free, key=lambda g: -free[g]):
+                take = min(free[gpu], want - sum(got.values()))
+                if take > 0:
+                    got[gpu] = got.get(gpu, 0) + take
+                    free[gpu] -= take
+        own = {e["uuid"]: e["mib"] // self.unit for es in orjson.loads(
+            (p["metadata"].get("annotations") or {}).get(N.assignment, "{}")).values() for e in es}
+        waited = now - self.seen_bound.pop(key, now)
+        self.due.pop(key, None)
+        if sum(got.values()) < want:
+            self.stats.admission_failures += 1
+            self.real[key] = {}
+            self.api.set_pod_phase(p["metadata"].get("namespace", "default"), p["metadata"]["name"], "Failed")
+            return
+        self.real[key] = got
+        if got != own:
+            self.stats.steering_misses += 1
+        self.stats.admitted += 1
+        self.stats.admit_latency_s.append(waited)
+        cname = p["spec"]["containers"][0]["name"]
+        actual = orjson.dumps({cname: [{"uuid": g, "mib": u * self.unit} for g, u in sorted(got.items())]}).decode()
+
+        def report(obj: Obj) -> None:
+            ann = obj["metadata"].setdefault("annotations", {})
+            ann[N.assignment] = actual
+            ann[N.allocation_state] = contract.STATE_ALLOCATED
+
+        try:
+            self.api.update(PODS, p["metadata"].get("namespace", "default"), p["metadata"]["name"], report)
+        except Exception:  # noqa: BLE001 - deleted meanwhile
+            pass
+
+
+def post(http: urllib3.PoolManager, url: str, verb: str, body: Obj) -> Any:
+    resp = http.request("POST", f"{url}/{verb}", body=orjson.dumps(body),
+                        headers={"Content-Type": "application/json"})
+    if resp.status != 200:
+        raise RuntimeError(f"/{verb}: HTTP {resp.status}")
+    return orjson.loads(resp.data)
+
+
+def bind_body(pod: Obj, node: str) -> Obj:
+    meta = pod["metadata"]
+    return {"PodName": meta["name"], "PodNamespace": meta.get("namespace", "default"), "PodUID": meta["uid"],
+            "Node": node}

@@ -1,0 +1,216 @@
+"""Actual over assigned, and the per-node, per-signature hold (no I/O, virtual clock).
+
+The device plugin rewrites a pod's ``vramshare.io/assignment`` with the GPUs the kubelet really gave it
+and sets ``allocation-state: allocated``; the books follow that report. While a pod is still ``assumed``
+on a node, no pod sharing a container size with it is bound there.
+"""
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from extender import accounting, translate, verbs, wire
+from vramshare import contract, podspec
+from vramshare.config import Config, ExtenderConfig, Policy
+from tests.extender import builders as b
+
+SEC = 1_000_000_000
+T0 = 1_700_000_000 * SEC
+N = b.NAMES
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def make(clock: Clock, hold_s: float = 30.0) -> accounting.Accounting:
+    a = accounting.Accounting(Config(extender=ExtenderConfig(assume_timeout_seconds=60, hold_timeout_seconds=hold_s,
+                                                             policy=Policy.BINPACK)), clock)
+    a.apply_node("ADDED", b.gpu_node("n1", b.l4(), b.l4()))
+    a.apply_node("ADDED", b.gpu_node("n2", b.l4()))
+    return a
+
+
+def used(acct: accounting.Accounting, node: str = "n1") -> list[int]:
+    return [u.used for u in acct.state.node_usage(node)]
+
+
+def allocated(p: dict, node: str, gpus: list[tuple[str, int]], assume_ns: int = 0) -> dict:
+    return b.assigned(p, node, gpus, assume_ns, state=contract.STATE_ALLOCATED)
+
+
+def test_the_actual_gpu_replaces_the_assumed_one_and_deletion_frees_it() -> None:
+    clock = Clock()
+    acct = make(clock)
+    p = b.pod("p", 20)
+    acct.apply_pod("ADDED", b.assigned(p, "n1", [("GPU-n1-0", 20480)], T0))
+    assert used(acct) == [20480, 0]
+    acct.apply_pod("MODIFIED", allocated(p, "n1", [("GPU-n1-1", 20480)], T0))  # the kubelet chose GPU 1
+    assert used(acct) == [0, 20480]
+    acct.apply_pod("MODIFIED", b.assigned(p, "n1", [("GPU-n1-0", 20480)], T0))  # a stale event: ignored
+    assert used(acct) == [0, 20480]
+    clock.now += 3600 * SEC
+    acct.expire()
+    assert used(acct) == [0, 20480]  # allocated never expires
+    acct.apply_pod("DELETED", allocated(p, "n1", [("GPU-n1-1", 20480)], T0))
+    assert used(acct) == [0, 0]
+
+
+def test_a_pod_that_bypassed_the_extender_is_booked_from_reality_even_over_capacity() -> None:
+    acct = make(Clock())
+    acct.reserve("default/ours", "n2", [("GPU-n2-0", 20480)], T0)
+    stray = b.pod("stray", 8)
+    stray["spec"]["schedulerName"] = "default-scheduler"
+    acct.apply_pod("ADDED", allocated(stray, "n2", [("GPU-n2-0", 8192)]))  # no assume-time at all
+    assert used(acct, "n2") == [28672]  # over the 22 GiB: the books say what the GPU holds
+    assert acct.unaccounted == {}
+
+
+def test_allocated_on_an_unbound_pod_is_not_believed() -> None:
+    clock = Clock()
+    acct = make(clock)
+    acct.apply_pod("ADDED", allocated(b.pod("p", 20), "", [("GPU-n1-0", 20480)], T0))
+    clock.now += 61 * SEC
+    acct.expire()
+    assert used(acct) == [0, 0]
+
+
+# -- holds -------------------------------------------------------------------------------------
+def filter_names(acct: accounting.Accounting, pod: dict, nodes: list[str]) -> wire.FilterResult:
+    return verbs.filter_pod(acct.view(Policy.BINPACK), wire.ExtenderArgs(pod=pod, node_names=nodes))
+
+
+def test_filter_passes_over_a_node_where_a_same_size_pod_is_assumed() -> None:
+    clock = Clock()
+    acct = make(clock)
+    first = b.pod("first", 8)
+    acct.apply_pod("ADDED", b.assigned(first, "n1", [("GPU-n1-0", 8192)], T0))
+    out = filter_names(acct, b.pod("second", 8), ["n1", "n2"])
+    assert out.passed == ["n2"] and "held for pod default/first" in out.failed["n1"]
+    assert "n1" not in out.unresolvable
+    assert filter_names(acct, b.pod("other", 4), ["n1", "n2"]).passed == ["n1", "n2"]  # other sizes: no hold
+    split = b.pod("split", 8, count=2)  # 2 x 4 units: the kubelet asks 8 devices, as for "first"
+    assert filter_names(acct, split, ["n1"]).passed == []
+    acct.apply_pod("MODIFIED", allocated(first, "n1", [("GPU-n1-0", 8192)], T0))  # reconciled
+    assert filter_names(acct, b.pod("second", 8), ["n1", "n2"]).passed == ["n1", "n2"]
+
+
+@pytest.mark.parametrize("end", ["deleted", "timeout", "succeeded"])
+def test_a_hold_ends_on_deletion_finish_or_timeout(end: str) -> None:
+    clock = Clock()
+    acct = make(clock, hold_s=30)
+    first = b.assigned(b.pod("first", 8), "n1", [("GPU-n1-0", 8192)], T0)
+    acct.apply_pod("ADDED", first)
+    assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == []
+    if end == "deleted":
+        acct.apply_pod("DELETED", first)
+    elif end == "succeeded":
+        acct.apply_pod("MODIFIED", {**first, "status": {"phase": "Succeeded"}})
+    else:
+        clock.now += 29 * SEC
+        assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == []
+        clock.now += 2 * SEC
+        acct.expire()
+    assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == ["n1"]
+
+
+def test_hold_off_with_zero_timeout() -> None:
+    acct = make(Clock(), hold_s=0)
+    acct.apply_pod("ADDED", b.assigned(b.pod("first", 8), "n1", [("GPU-n1-0", 8192)], T0))
+    assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == ["n1"]
+
+
+def test_the_signature_is_what_the_kubelet_asks_per_container() -> None:
+    def sig(p: dict) -> translate.Signature:
+        return translate.signature_of(podspec.pod_demand(p, N), N)
+
+    assert sig(b.pod("a", 22)) == sig(b.pod("b", 22, count=2)) == frozenset({(N.gpu_memory, 22)})
+    assert sig(b.pod("w", whole=1, mig={"3g.40gb": 2})) == frozenset({(N.gpu, 1), (N.mig("3g.40gb"), 2)})
+    assert sig(b.pod("a", 22)) & sig(b.pod("c", 22, containers=2))
+    assert not sig(b.pod("a", 22)) & sig(b.pod("d", 21))
+
+
+# -- the property: books equal reality after every step -----------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None:
+    """Random binds (through reserve), random admission order with the kubelet picking any GPU with
+    room, reports in any order, deletions and relists: after every step, once every report is in,
+    the books equal what the pods really hold, and reality never exceeds a GPU."""
+    rng = random.Random(seed)
+    clock = Clock()
+    acct = make(clock)
+    cap = {s.uuid: s.capacity for ns in acct.slots.values() for s in ns}
+    node_of = {s.uuid: n for n, ns in acct.slots.items() for s in ns}
+    real: dict[str, tuple[str, int]] = {}  # pod -> (gpu, MiB) the kubelet really gave
+    pods: dict[str, dict] = {}
+    for step in range(40):
+        clock.now += SEC
+        action = rng.random()
+        if action < 0.5:
+            name, gib = f"p{step}", rng.choice([2, 4, 8, 10])
+            key, node = f"default/{name}", rng.choice(["n1", "n2"])
+            free = [u for u in acct.state.node_usage(node) if u.slot.capacity - u.used >= gib * 1024]
+            if not free:
+                continue
+            gpu = free[0].slot.uuid
+            acct.reserve(key, node, [(gpu, gib * 1024)], clock.now)
+            pod = b.assigned(b.pod(name, gib), node, [(gpu, gib * 1024)], clock.now)
+            pods[key] = pod
+            acct.apply_pod("ADDED", pod)
+            room = [g for g in cap if node_of[g] == node and
+                    cap[g] - sum(m for gg, m in real.values() if gg == g) >= gib * 1024]
+            if room:  # the kubelet admits it on any GPU with room (the hold makes this the steered one
+                real[key] = (rng.choice(room), gib * 1024)  # in production; here: worst case)
+        elif action < 0.8 and real:
+            key = rng.choice(sorted(real))
+            gpu, mib = real[key]
+            pods[key] = allocated(pods[key], node_of[gpu], [(gpu, mib)], clock.now)
+            acct.apply_pod("MODIFIED", pods[key])
+        elif action < 0.95 and pods:
+            key = rng.choice(sorted(pods))
+            acct.apply_pod("DELETED", pods.pop(key))
+            real.pop(key, None)
+        else:
+            acct.replace_pods(list(pods.values()), clock.now)
+        for g in cap:
+            assert sum(m for gg, m in real.values() if gg == g) <= cap[g]
+    for key, pod in list(pods.items()):  # settle: every admitted pod reported, the rest never admitted
+        if key in real:
+            gpu, mib = real[key]
+            acct.apply_pod("MODIFIED", allocated(pod, node_of[gpu], [(gpu, mib)], clock.now))
+        else:
+            acct.apply_pod("DELETED", pod)
+    books = {u.slot.uuid: u.used for n in acct.slots for u in acct.state.node_usage(n)}
+    reality = {g: sum(m for gg, m in real.values() if gg == g) for g in cap}
+    assert books == reality, orjson.dumps({"books": books, "real": reality}).decode()
+
+
+def test_prioritize_holds_its_best_node_until_the_bind_decides() -> None:
+    """kube-scheduler binds asynchronously: the next same-size pod's filter may come before the bind."""
+    from extender import app, metrics
+
+    clock = Clock()
+    acct = make(clock)
+    ext = app.Extender(acct, None, None, metrics.ExtenderMetrics(acct), Policy.BINPACK)  # type: ignore[arg-type]
+    first, second = b.pod("first", 8), b.pod("second", 8)
+    scores = orjson.loads(ext.handle("POST", "/prioritize", orjson.dumps(
+        {"Pod": first, "NodeNames": ["n1", "n2"]})).body)
+    best = max(scores, key=lambda s: s["Score"])["Host"]
+    out = filter_names(acct, second, ["n1", "n2"])
+    assert best in out.failed and "being bound here" in out.failed[best]
+    assert filter_names(acct, b.pod("other", 4), ["n1", "n2"]).passed == ["n1", "n2"]
+    clock.now += 3 * SEC  # the bind never came
+    assert filter_names(acct, second, ["n1", "n2"]).passed == ["n1", "n2"]
+    ext.handle("POST", "/filter", orjson.dumps({"Pod": first, "NodeNames": ["n2"]}))  # one node left
+    assert filter_names(acct, second, ["n2"]).passed == []
+    acct.reserve("default/first", "n1", [("GPU-n1-0", 8192)], clock.now,
+                 translate.signature_of(podspec.pod_demand(first, N), N))  # bound elsewhere after all
+    assert filter_names(acct, second, ["n1", "n2"]).passed == ["n2"]
