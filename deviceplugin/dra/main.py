@@ -79,8 +79,8 @@ class DraPluginDaemon:
 
     def desired(self) -> list[dict[str, Any]]:
         snap = self.state.snapshot
-        return slices.desired_devices(snap.inventory, snap.config.names, taints=snap.config.dra.device_taints,
-                                      refused=self.refused)
+        return slices.desired_devices(snap.inventory, snap.config.names, self.node,
+                                      taints=snap.config.dra.device_taints, refused=self.refused)
 
     def _read_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         try:

@@ -75,9 +75,10 @@ def device_refs(inventory: NodeInventory) -> tuple[DeviceRef, ...]:
     return tuple(out)
 
 
-def _attributes(ref: DeviceRef) -> Obj:
+def _attributes(ref: DeviceRef, node: str) -> Obj:
     g = ref.gpu
     attrs: Obj = {
+        "node": {"string": node},  # lets a claim's constraint say "all on one node" (matchAttribute)
         "model": {"string": g.model},
         "uuid": {"string": ref.uuid},
         "mode": {"string": g.mode.value},
@@ -92,9 +93,9 @@ def _attributes(ref: DeviceRef) -> Obj:
     return attrs
 
 
-def device_object(ref: DeviceRef, inventory: NodeInventory, names: contract.Names) -> Obj:
+def device_object(ref: DeviceRef, inventory: NodeInventory, node: str) -> Obj:
     """One ``spec.devices[]`` entry (without taints)."""
-    dev: Obj = {"name": ref.name, "attributes": _attributes(ref)}
+    dev: Obj = {"name": ref.name, "attributes": _attributes(ref, node)}
     if ref.mig is not None:
         dev["capacity"] = {"memory": {"value": mib(ref.mig.memory_mib)}}
     elif ref.shared:
@@ -113,7 +114,7 @@ def unhealthy_taint(names: contract.Names) -> Obj:
     return {"key": f"{names.dra_driver}/unhealthy", "value": "true", "effect": "NoSchedule"}
 
 
-def desired_devices(inventory: NodeInventory, names: contract.Names, *, taints: bool,
+def desired_devices(inventory: NodeInventory, names: contract.Names, node: str, *, taints: bool,
                     refused: frozenset[str] = frozenset()) -> list[Obj]:
     """The devices to publish: healthy ones, plus unhealthy ones tainted when ``taints`` is on.
 
@@ -123,7 +124,7 @@ def desired_devices(inventory: NodeInventory, names: contract.Names, *, taints: 
     for ref in device_refs(inventory):
         if ref.gpu.uuid in refused:
             continue
-        dev = device_object(ref, inventory, names)
+        dev = device_object(ref, inventory, node)
         if not ref.healthy:
             if not taints:
                 continue
