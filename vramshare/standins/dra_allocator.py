@@ -82,9 +82,11 @@ class _Parser:
         return tok
 
     def parse(self) -> Any:
-        value = self.or_()
+        value = self._lazy(self.or_)
         if self.peek() is not None:
             raise AllocationError(f"CEL (stand-in subset): trailing {self.peek()} in {self.text!r}")
+        if isinstance(value, _Missing):
+            raise value
         return value
 
     def _lazy(self, parse: Callable[[], Any]) -> Any:
@@ -114,15 +116,20 @@ class _Parser:
         return left
 
     def cmp(self) -> Any:
-        left = self.unary()
+        left = self._lazy(self.unary)  # parse both sides before raising, so parsing stays in step
         tok = self.peek()
         if tok and tok[0] == "op" and tok[1] in ("==", "!=", "<", "<=", ">", ">="):
             self.take()
-            right = self.unary()
+            right = self._lazy(self.unary)
+            for side in (left, right):
+                if isinstance(side, _Missing):
+                    raise side
             ops: dict[str, Callable[[Any, Any], bool]] = {
                 "==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b,
                 "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b}
             return ops[tok[1]](left, right)
+        if isinstance(left, _Missing):
+            raise left
         return left
 
     def unary(self) -> Any:
@@ -139,16 +146,18 @@ class _Parser:
             return value
         if kind != "id" or value not in self.env:
             raise AllocationError(f"CEL (stand-in subset): unknown name {value!r} in {self.text!r}")
-        current = self.env[value]
-        while self.peek() in (("op", "."), ("op", "[")):
+        current, missing = self.env[value], None
+        while self.peek() in (("op", "."), ("op", "[")):  # read the whole path, even past a missing key
             if self.take()[1] == ".":
                 key = self.take()[1]
             else:
                 key = self.take()[1]
                 self.take("]")
-            if not isinstance(current, Mapping) or key not in current:
-                raise _Missing(f"no such key: {key}")
-            current = current[key]
+            if missing is None and (not isinstance(current, Mapping) or key not in current):
+                missing = _Missing(f"no such key: {key}")
+            current = current[key] if missing is None else None
+        if missing is not None:
+            raise missing
         return current
 
 
