@@ -10,7 +10,8 @@ Order of a Prepare (each step survives a crash after it):
 4. the quota file and the CDI spec are written (atomically, overwriting a half-done earlier try);
 5. the claim is recorded ``prepared`` with its CDI names.
 
-Unprepare removes exactly the recorded paths, then the entry; an unknown claim is already done.
+Unprepare marks the entry ``preparing`` again, removes exactly the recorded paths, then the entry;
+an unknown claim is already done.
 File effects go through :class:`FileEffects`, the one edge tests may replace to crash at any step.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from deviceplugin.allocation import GpuShare
@@ -179,6 +180,10 @@ class ClaimPreparer:
             record = self.checkpoint.claims.get(ref.uid)
             if record is None:
                 return ""
+            if record.state == PREPARED:
+                # back to "preparing" first: should we die while removing, a repeated Prepare redoes
+                # the files instead of answering from an entry whose files are gone
+                self._save(self.checkpoint.with_claim(replace(record, state=PREPARING)))
             self.effects.remove_file(record.cdi_spec)
             if record.quota_dir:
                 self.effects.remove_dir(record.quota_dir)
