@@ -84,14 +84,13 @@ class SlicePublisher:
             node_uid = ((node or {}).get("metadata") or {}).get("uid")
             desired = slices.resource_slices(self.node, node_uid, devices, generation, self.names)
             for obj in desired:
-                self._resource.patch_resource_slice(obj["metadata"]["name"], obj, field_manager=FIELD_MANAGER,
-                                                    force=True, _content_type=APPLY, _preload_content=False
-                                                    ).release_conn()
+                _data(self._resource.patch_resource_slice(obj["metadata"]["name"], obj, field_manager=FIELD_MANAGER,
+                                                          force=True, _content_type=APPLY, _preload_content=False))
             keep = {o["metadata"]["name"] for o in desired}
             for old in existing:
                 name = old["metadata"]["name"]
                 if name not in keep:
-                    self._resource.delete_resource_slice(name, _preload_content=False).release_conn()
+                    _data(self._resource.delete_resource_slice(name, _preload_content=False))
             if generation != self._generation:
                 log.info("resource slices published", node=self.node, generation=generation,
                          devices=len(devices), slices=len(desired))
@@ -103,5 +102,5 @@ class SlicePublisher:
         """Delete this node's slices (on uninstall: ``vramshare dra-plugin`` leaves them on restart)."""
         with self._lock:
             for old in self._published_slices():
-                self._resource.delete_resource_slice(old["metadata"]["name"], _preload_content=False).release_conn()
+                _data(self._resource.delete_resource_slice(old["metadata"]["name"], _preload_content=False))
             self._generation, self._devices = None, None

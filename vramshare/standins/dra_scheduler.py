@@ -110,16 +110,16 @@ class DraScheduler:
                                                "uid": pod["metadata"]["uid"]}]
             written.append(_data(self.resource.replace_namespaced_resource_claim_status(
                 claim["metadata"]["name"], claim["metadata"]["namespace"], claim, _preload_content=False)))
-        self.core.create_namespaced_pod_binding(
+        _data(self.core.create_namespaced_pod_binding(
             pod["metadata"]["name"], pod["metadata"]["namespace"],
             client.V1Binding(metadata=client.V1ObjectMeta(name=pod["metadata"]["name"]),
                              target=client.V1ObjectReference(kind="Node", name=node)),
-            _preload_content=False).release_conn()
+            _preload_content=False))
         return Placement(node, written)
 
     def release(self, pod: Obj) -> None:
         """The pod is gone: the claim controller deallocates its claims (no one else reserves them)."""
         for claim in self._claims(pod):
             claim["status"] = {}
-            self.resource.replace_namespaced_resource_claim_status(
-                claim["metadata"]["name"], claim["metadata"]["namespace"], claim, _preload_content=False).release_conn()
+            _data(self.resource.replace_namespaced_resource_claim_status(
+                claim["metadata"]["name"], claim["metadata"]["namespace"], claim, _preload_content=False))
