@@ -28,8 +28,7 @@ DRIVER = "gpu.vramshare.io"
 
 
 def slices_of(api: ApiServerDouble) -> list[dict]:
-    items, _ = api._store.list_objects(RESOURCESLICES, None, None)  # python-side read of the double
-    return [i for i in items if i["spec"]["nodeName"] == NODE]
+    return [i for i in api.objects(RESOURCESLICES) if i["spec"]["nodeName"] == NODE]
 
 
 def devices_of(api: ApiServerDouble) -> dict[str, dict]:
@@ -178,5 +177,5 @@ def test_a_pod_claim_goes_from_template_to_container_environment(env):
         for pod in pods:
             assert kubelet.unprepare_pod(pod)
         assert daemon.preparer.prepared() == {} and not list((tmp / "cdi").iterdir())
-        claims, _ = api._store.list_objects(RESOURCECLAIMS, None, None)
+        claims = api.objects(RESOURCECLAIMS)
         assert len(claims) == 3 and all(c["status"]["allocation"] for c in claims)
