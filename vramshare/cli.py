@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "show where each landed and why. Ends by itself.")
     demo.add_argument("--pods", type=int, default=8, metavar="N", help="pods to submit (default 8)")
     demo.add_argument("--verbose", action="store_true", help="also show every component's log lines")
+    demo.add_argument("--dra", action="store_true",
+                      help="the DRA path instead (Kubernetes 1.36+): DRA plugins, ResourceClaims, a stand-in "
+                           "for kube-scheduler's DRA allocator and the kubelet's DRA manager")
 
     insp = sub.add_parser("inspect", help="show per-GPU usage from a running extender",
                           description="Fetch /inspect from the extender and print total, used and free "
