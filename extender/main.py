@@ -15,7 +15,7 @@ from typing import Callable
 
 from kubernetes import client
 
-from extender import accounting, apicalls, app, binder, cache, http_server, metrics
+from extender import accounting, apicalls, app, binder, cache, dra_scoring, http_server, metrics
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, Policy, load_config
 
@@ -35,6 +35,7 @@ class RunningExtender:
     server: http_server.ExtenderHTTPServer
     _thread: threading.Thread
     owned_api: client.ApiClient | None = None
+    dra_watch: dra_scoring.DraWatch | None = None
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         return self.cache.ready.wait(timeout)
@@ -43,6 +44,8 @@ class RunningExtender:
         self.server.close()
         self._thread.join()
         self.cache.stop()
+        if self.dra_watch is not None:
+            self.dra_watch.stop()
         if self.owned_api is not None:
             self.owned_api.close()
 
@@ -55,7 +58,7 @@ class RunningExtender:
 
 def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: int = 0, *,
           policy: Policy | None = None, clock: Callable[[], int] = time.time_ns,
-          watch_timeout_s: int = 300, expiry_interval_s: float | None = None) -> RunningExtender:
+          watch_timeout_s: int = 300, expiry_interval_s: float | None = None, dra: bool = False) -> RunningExtender:
     """Start cache and HTTP server; returns at once (use ``wait_ready`` for the initial lists)."""
     chosen = policy or config.extender.policy
     acct = accounting.Accounting(config, clock)
@@ -67,11 +70,16 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
     server = http_server.ExtenderHTTPServer(extender, host, port)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
                               name="extender-http", daemon=True)
+    dra_watch = None
+    if dra:  # score pods whose ResourceClaims use our DeviceClasses (resource.k8s.io/v1, 1.36+)
+        extender.dra = dra_scoring.DraCluster(config.names, config.memory_unit_mib)
+        dra_watch = dra_scoring.DraWatch(api, extender.dra, timeout_s=watch_timeout_s)
+        dra_watch.start()
     watcher.start()
     thread.start()
     log.info("extender started", url=server.url, policy=chosen.value,
              assume_timeout_s=config.extender.assume_timeout_seconds)
-    return RunningExtender(server.url, extender, acct, watcher, server, thread)
+    return RunningExtender(server.url, extender, acct, watcher, server, thread, dra_watch=dra_watch)
 
 
 def start_for_url(api_url: str, config: Config | None = None, **kwargs: object) -> RunningExtender:
@@ -104,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     with api:
-        running = start(api, config, host, port, policy=Policy(args.policy) if args.policy else None)
+        running = start(api, config, host, port, policy=Policy(args.policy) if args.policy else None, dra=True)
         if running.wait_ready(60):
             # The cache of thousands of nodes and pods lives for the process: move it out of the
             # collector's reach, so a full collection (hundreds of ms at 5,000 nodes) never lands in a
