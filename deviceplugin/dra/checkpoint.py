@@ -41,6 +41,7 @@ class PreparedClaim:
     quota_dir: str | None = None
     devices: tuple[PreparedDevice, ...] = ()
     pod_uids: tuple[str, ...] = ()  # the claim's reservedFor pods: the quota loop's tenants
+    pod_names: tuple[str, ...] = ()  # same order as pod_uids
     gpus: Mapping[str, int] = field(default_factory=dict)  # visible UUID -> MiB granted
 
 
@@ -66,7 +67,8 @@ class Checkpoint:
     def to_json(self) -> str:
         return json.dumps({"version": VERSION, "claims": {
             uid: {"namespace": c.namespace, "name": c.name, "state": c.state, "cdiSpec": c.cdi_spec,
-                  "quotaDir": c.quota_dir, "podUIDs": list(c.pod_uids), "gpus": dict(c.gpus),
+                  "quotaDir": c.quota_dir, "podUIDs": list(c.pod_uids), "podNames": list(c.pod_names),
+                  "gpus": dict(c.gpus),
                   "devices": [{"requestNames": list(d.request_names), "pool": d.pool, "device": d.device,
                                "cdiIDs": list(d.cdi_ids)} for d in c.devices]}
             for uid, c in sorted(self.claims.items())}}, sort_keys=True, indent=1)
@@ -85,6 +87,7 @@ class Checkpoint:
                 claims[uid] = PreparedClaim(
                     uid=uid, namespace=c["namespace"], name=c["name"], state=c["state"], cdi_spec=c["cdiSpec"],
                     quota_dir=c.get("quotaDir"), pod_uids=tuple(c.get("podUIDs") or ()),
+                    pod_names=tuple(c.get("podNames") or ()),
                     gpus={str(k): int(v) for k, v in (c.get("gpus") or {}).items()},
                     devices=tuple(PreparedDevice(tuple(d["requestNames"]), d["pool"], d["device"], tuple(d["cdiIDs"]))
                                   for d in c.get("devices") or ()))

@@ -31,6 +31,7 @@ from deviceplugin.metrics import MetricsServer
 from deviceplugin.node_state import NodeState, Snapshot
 from vramshare import contract, kube, logs
 from vramshare.config import Config, ConfigError, load_config
+from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
 
@@ -58,6 +59,7 @@ class DraPluginDaemon:
         self.node = node_name
         self.publisher = SlicePublisher(api, node_name, config.names)
         self._resource = client.ResourceV1Api(api)
+        self._api = api
         self.preparer = ClaimPreparer(node_name, lambda: self.state.snapshot.config, self.devices, self._read_claim)
         self.plugin = KubeletPlugin(self.preparer, config.names.dra_driver, plugin_dir, registry_dir)
         self.metrics = DraMetrics()
@@ -71,6 +73,27 @@ class DraPluginDaemon:
         self.refused: frozenset[str] = frozenset()
         self.failed: str | None = None
         self.state.add_listener(self._changed)
+
+    def _start_quota_loop(self) -> None:
+        """The quota loop over prepared claims: needs per-process memory from NVML (a real node)."""
+        config = self.state.snapshot.config
+        if not config.quota.enabled:
+            return
+        if self.backend.name != "nvml":
+            log.info("quota loop off: it reads per-process GPU memory from NVML", backend=self.backend.name)
+            return
+        from deviceplugin.dra.tenants import ClaimTenantSource
+        from deviceplugin.quota import service as quota_service
+
+        def capacities() -> dict[str, int]:  # schedulable MiB of each shared GPU, what the loop divides
+            inv = self.state.snapshot.inventory
+            return {g.uuid: inv.capacity_mib(g) for g in inv.gpus if g.mode is GpuMode.SHARED}
+        loop = quota_service.build_loop(config, self._api, self.node, capacities,
+                                        nvml=getattr(self.backend, "nvml", None),
+                                        tenants=ClaimTenantSource(self.preparer.prepared, client.CoreV1Api(self._api),
+                                                                  self.node))
+        quota_service.register_metrics(loop, self.metrics.registry)
+        self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
 
     def devices(self) -> Mapping[str, slices.DeviceRef]:
         """Devices Prepare may hand out: this plugin's, minus GPUs a device plugin advertises."""
@@ -130,6 +153,7 @@ class DraPluginDaemon:
         if not health.disabled:
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
+        self._start_quota_loop()
         if self._metrics_port:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
             self._metrics_server.start()

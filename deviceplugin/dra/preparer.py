@@ -30,6 +30,7 @@ from deviceplugin.dra.checkpoint import (PREPARED, PREPARING, Checkpoint, Checkp
                                          PreparedDevice, completed)
 from deviceplugin.dra.claims import ClaimError, ClaimRef, our_shares, resolve
 from deviceplugin.dra.slices import DeviceRef
+from deviceplugin.quota import writer
 from deviceplugin.quota_files import QuotaFiles
 from vramshare import logs
 from vramshare.config import Config
@@ -38,6 +39,11 @@ log = logs.get(__name__)
 
 CHECKPOINT_FILE = "prepared-claims.json"
 ClaimReader = Callable[[str, str], Mapping[str, Any]]  # (namespace, name) -> ResourceClaim dict
+
+
+def tenant_container(claim_name: str) -> str:
+    """The quota loop's "container" of a claim tenant: the claim, as ``claim-<name>``."""
+    return f"claim-{claim_name}"
 
 
 class Effects(Protocol):
@@ -123,9 +129,15 @@ class ClaimPreparer:
         self.effects.write_file(self.checkpoint_path, cp.to_json().encode())
         self.checkpoint = cp
 
-    def paths_for(self, uid: str, config: Config) -> tuple[str, str]:
-        """The CDI spec file and quota directory a claim owns: fixed by its UID, so a retry overwrites."""
+    def paths_for(self, uid: str, config: Config, name: str = "", pods: Sequence[str] = ()) -> tuple[str, str]:
+        """The CDI spec file and quota directory a claim owns, fixed by the claim, so a retry overwrites.
+
+        A claim of one pod gets the quota loop's layout, ``<quotaHostDir>/<pod-uid>/claim-<name>``
+        (the tenant "container" is the claim), so the loop rewrites the very file the container
+        mounts; a claim shared by several pods keeps ``<quotaHostDir>/_claims/<claim-uid>``."""
         spec = os.path.join(config.dra.cdi_root, cdi.spec_file_name(config.names.cdi_kind, uid))
+        if len(pods) == 1 and pods[0] and name:
+            return spec, writer.container_dir(config.quota_host_dir, pods[0], tenant_container(name))
         return spec, os.path.join(config.quota_host_dir, "_claims", uid)
 
     # -- Prepare ----------------------------------------------------------------------------------
@@ -151,12 +163,13 @@ class ClaimPreparer:
             raise ClaimError(f"{where}: UID is {uid}, the kubelet asked for {ref.uid} (claim was recreated)")
         config = self._config()
         shares = resolve(our_shares(claim, config.names.dra_driver, self.node), self._devices(), where)
-        spec_path, quota_dir = self.paths_for(ref.uid, config)
-        pods = tuple(r.get("uid", "") for r in (claim.get("status") or {}).get("reservedFor") or ()
-                     if r.get("resource") == "pods")
+        reserved = [r for r in (claim.get("status") or {}).get("reservedFor") or () if r.get("resource") == "pods"]
+        pods = tuple(r.get("uid", "") for r in reserved)
+        spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
         gpu = cdi.gpu_shares(shares)
         record = PreparedClaim(uid=ref.uid, namespace=ref.namespace, name=ref.name, state=PREPARING,
                                cdi_spec=spec_path, quota_dir=quota_dir if shares else None, pod_uids=pods,
+                               pod_names=tuple(r.get("name", "") for r in reserved),
                                gpus={g.uuid: g.mib for g in gpu})
         self._save(self.checkpoint.with_claim(record))
         devices: list[PreparedDevice] = []

@@ -26,17 +26,18 @@ log = logs.get("vramshare.quota.service")
 
 
 def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callable[[], Mapping[str, int]],
-               *, nvml: Any | None = None, dcgm_url: str | None = None) -> QuotaLoop:
+               *, nvml: Any | None = None, dcgm_url: str | None = None, tenants: Any | None = None) -> QuotaLoop:
     """A loop reading NVML (then dcgm-exporter at ``dcgm_url``, when given) and vLLM metrics.
 
     ``capacities`` returns ``{gpu uuid: schedulable MiB}`` (units x memoryUnitMiB) for the GPUs in
-    ``shared`` mode; tenants of any other GPU keep their quotas untouched.
+    ``shared`` mode; tenants of any other GPU keep their quotas untouched. ``tenants`` replaces the
+    pod-annotation source (the DRA plugin passes its prepared claims).
     """
     v1 = client.CoreV1Api(api)
     usage: list[UsageReader] = [NvmlProcessReader(nvml)]
     if dcgm_url:
         usage.append(DcgmExporterReader(dcgm_url))
-    return QuotaLoop(ApiTenantSource(v1, node, cfg.names), capacities, usage,
+    return QuotaLoop(tenants or ApiTenantSource(v1, node, cfg.names), capacities, usage,
                      PolicyParams.from_config(cfg.quota), cfg.quota_host_dir,
                      signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names))
 

@@ -120,7 +120,10 @@ def test_prepare_writes_a_valid_cdi_spec_whose_names_resolve(tmp_path):
     assert injected.env[contract.ENV_QUOTA_FILE] == "/var/run/vramshare/quota.json"
     [mount] = injected.mounts
     assert mount["containerPath"] == contract.CONTAINER_QUOTA_DIR and "ro" in mount["options"]
-    quota = json.loads((tmp_path / "quota" / "_claims" / "uid-a" / "quota.json").read_text())
+    # a claim of one pod: the quota loop's layout <root>/<pod-uid>/claim-<claim name>, mounted by CDI
+    quota_dir = tmp_path / "quota" / "pod-uid-1" / "claim-claim-uid-a"
+    assert mount["hostPath"] == str(quota_dir)
+    quota = json.loads((quota_dir / "quota.json").read_text())
     assert quota["gpus"][0]["uuid"] == gpu0 and quota["gpus"][0]["limitMiB"] == 22 * 1024
     assert p.prepared()["uid-a"].pod_uids == ("pod-uid-1",)
 
@@ -198,7 +201,7 @@ def test_unprepare_removes_exactly_what_prepare_made(tmp_path):
     assert p.unprepare(ref(b)) == "" and p.unprepare(ref(b)) == ""  # twice: already done
     after = files_under(tmp_path) - {os.path.join(tmp_path, "state", "prepared-claims.json")}
     assert after == before and foreign.exists()
-    assert not os.path.exists(tmp_path / "quota" / "_claims" / "uid-1")
+    assert not os.path.exists(tmp_path / "quota" / "pod-uid-1" / "claim-claim-uid-1")
 
 
 @pytest.mark.parametrize("crash_at", [1, 2, 3, 4])
@@ -305,3 +308,54 @@ def test_the_cdi_registry_standin_rejects_what_runtimes_reject(tmp_path):
     registry = cdi_registry.Registry([str(tmp_path)])
     with pytest.raises(cdi_registry.CdiError, match="more than one spec"):
         registry.inject(["vramshare.io/gpu=a"])
+
+
+def test_the_quota_loop_rewrites_the_file_a_prepared_claim_mounts(tmp_path):
+    """Tenants come from prepared claims (pod from reservedFor); the loop moves memory between them
+    and writes exactly the file the claim's CDI spec mounts into the container."""
+    from deviceplugin.dra.tenants import tenants_from_claims
+    from deviceplugin.quota.loop import QuotaLoop
+    from deviceplugin.quota.policy import PolicyParams
+    from deviceplugin.quota.scrape import VllmSample
+    from deviceplugin.quota.telemetry import UsageSample
+    from deviceplugin.quota.writer import read_quota
+
+    claims = Claims()
+    hot = claims.add(claim("uid-hot", [share("gpu-0", "20Gi", "s1")], pod="pod-hot"))
+    idle = claims.add(claim("uid-idle", [share("gpu-0", "20Gi", "s2")], pod="pod-idle"))
+    shared_claim = claims.add(claim("uid-s", [share("gpu-2", "4Gi", "s3")], pod="pod-s"))
+    shared_claim["status"]["reservedFor"].append({"resource": "pods", "name": "p2", "uid": "pod-s2"})
+    p = make(tmp_path, claims)
+    for c in (hot, idle, shared_claim):
+        assert p.prepare(ref(c)).error == ""
+    pods = {"pod-hot": {"metadata": {"name": "p", "annotations": {"prometheus.io/port": "8000"}},
+                        "status": {"podIP": "10.0.0.1"}}}
+    tenants = tenants_from_claims(p.prepared().values(), pods)
+    assert [(t.key.pod_uid, t.key.container) for t in tenants] == [  # a claim of two pods is no tenant
+        ("pod-hot", "claim-claim-uid-hot"), ("pod-idle", "claim-claim-uid-idle")]
+    gpu0 = SimulatedBackend.demo().discover()[0].uuid
+    assert tenants[0].gpus == ((gpu0, 20 * 1024),) and tenants[0].metrics_url == "http://10.0.0.1:8000/metrics"
+
+    class Source:
+        def list_tenants(self):
+            return tenants_from_claims(p.prepared().values(), pods)
+
+    class Usage:
+        name = "fake"
+
+        def read_usage(self):
+            return [UsageSample(gpu0, 20000, pod_uid="pod-hot"), UsageSample(gpu0, 4000, pod_uid="pod-idle")]
+
+    class Signals:
+        def read_signals(self, url):
+            return VllmSample(kv_usage=0.97, waiting=2, preemptions_total=5)
+
+    mount = cdi_registry.Registry([str(tmp_path / "cdi")]).inject(
+        list(p.prepared()["uid-hot"].devices[0].cdi_ids)).mounts[0]["hostPath"]
+    before = read_quota(mount)
+    loop = QuotaLoop(Source(), lambda: {gpu0: 40 * 1024}, [Usage()], PolicyParams(), str(tmp_path / "quota"),
+                     signals=Signals())
+    for _ in range(3):
+        loop.run_once()
+    after = read_quota(mount)
+    assert after.generation > before.generation and after.gpus[0].limit_mib > before.gpus[0].limit_mib
