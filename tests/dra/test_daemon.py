@@ -60,7 +60,7 @@ def start(env, backend=None, **dra) -> DraPluginDaemon:
 def test_slices_are_published_before_any_kubelet_registers(env):
     api = env[0]
     with start(env) as daemon:
-        assert api.wait_for(lambda a: len(devices_of(a)) == 7)
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
         assert not daemon.plugin.registration.registered.is_set()
         [s] = slices_of(api)
         node_uid = api.get_node(NODE)["metadata"]["uid"]
@@ -73,7 +73,7 @@ def test_publishing_retries_until_the_api_server_answers(env):
     api = env[0]
     api.fail_next("GET", r"/resourceslices", code=503, times=3)
     with start(env):
-        assert api.wait_for(lambda a: len(devices_of(a)) == 7)
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
     assert api.count("GET", r"/resourceslices") >= 4
 
 
@@ -83,26 +83,26 @@ def test_health_withdraws_and_restores_devices(env, taints):
     backend = SimulatedBackend.demo()
     gpu0 = backend.discover()[0].uuid
     with start(env, backend, device_taints=taints):
-        assert api.wait_for(lambda a: len(devices_of(a)) == 7)
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
         first = generation(api)
         backend.inject_xid(gpu0, 79)
         if taints:
-            assert api.wait_for(lambda a: "taints" in devices_of(a).get("gpu-0", {}))
+            assert api.wait_for(lambda a: "taints" in devices_of(a).get("gpu-0", {}), timeout=20)
         else:
-            assert api.wait_for(lambda a: "gpu-0" not in devices_of(a))
+            assert api.wait_for(lambda a: "gpu-0" not in devices_of(a), timeout=20)
         assert generation(api) == first + 1
         backend.recover(gpu0)
-        assert api.wait_for(lambda a: "taints" not in devices_of(a).get("gpu-0", {"taints": 1}), timeout=15)
+        assert api.wait_for(lambda a: "taints" not in devices_of(a).get("gpu-0", {"taints": 1}), timeout=20)
         assert generation(api) == first + 2
 
 
 def test_a_restart_continues_the_pool_generation(env):
     api = env[0]
     with start(env):
-        assert api.wait_for(lambda a: len(devices_of(a)) == 7)
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
     g = generation(api)
     with start(env, gpus=("0",)):  # fewer devices after the restart: one more generation, not 1
-        assert api.wait_for(lambda a: set(devices_of(a)) == {"gpu-0"})
+        assert api.wait_for(lambda a: set(devices_of(a)) == {"gpu-0"}, timeout=20)
         assert generation(api) == g + 1
 
 
@@ -117,7 +117,7 @@ def test_gpus_a_device_plugin_advertises_are_refused(env):
     api.update(*_node_ref(), lambda n: n["metadata"].setdefault("annotations", {}).update(
         {contract.Names().inventory: dp_inventory.to_json()}))
     with start(env) as daemon:
-        assert api.wait_for(lambda a: len(devices_of(a)) == 6)
+        assert api.wait_for(lambda a: len(devices_of(a)) == 6, timeout=20)
         assert "gpu-0" not in devices_of(api) and daemon.refused == {discovered[0].uuid}
         assert "gpu-0" not in daemon.devices()
     assert NodeInventory.from_json(api.get_node(NODE)["metadata"]["annotations"][contract.Names().inventory])
@@ -146,7 +146,7 @@ def test_a_pod_claim_goes_from_template_to_container_environment(env):
     api, http, tmp, sockets = env
     _apply_deploy(http)
     with start(env) as daemon:
-        assert api.wait_for(lambda a: len(devices_of(a)) == 7)
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
         scheduler = DraScheduler(http, [NODE], seed=1)
         kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
         assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
