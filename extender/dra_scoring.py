@@ -225,7 +225,8 @@ class DraWatch:
             t.join(timeout=5)
 
 
-def scores_for(dra: DraCluster | None, pod: Obj, node_names: Iterable[str], policy: str) -> list[tuple[str, int]] | None:
+def scores_for(dra: DraCluster | None, pod: Obj, node_names: Iterable[str],
+               policy: str) -> list[tuple[str, int]] | None:
     """The hook prioritize calls: scores for a DRA pod of ours, ``None`` for every other pod."""
     if dra is None or not dra.handles(pod):
         return None

@@ -75,7 +75,8 @@ def test_unhealthy_devices_are_removed_or_tainted(discovered, config):
 
 
 def test_refused_gpus_are_never_published(inventory, config):
-    devs = slices.desired_devices(inventory, config.names, NODE, taints=False, refused=frozenset({inventory.gpus[0].uuid}))
+    devs = slices.desired_devices(inventory, config.names, NODE, taints=False,
+                                  refused=frozenset({inventory.gpus[0].uuid}))
     assert "gpu-0" not in _by_name(devs) and "gpu-2" in _by_name(devs)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 
 import orjson
-import pytest
 from kubernetes import client
 
 from deviceplugin import devices

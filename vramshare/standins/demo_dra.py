@@ -66,7 +66,8 @@ def device_classes(names: contract.Names = NAMES) -> list[dict[str, Any]]:
     for what, mode in (("gpu-memory", "shared"), ("gpu", "exclusive"), ("mig", "mig")):
         expr = f'device.driver == "{driver}" && device.attributes["{driver}"].mode == "{mode}"'
         out.append({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-                    "metadata": {"name": names.device_class(what), "labels": {"app.kubernetes.io/part-of": "vramshare"}},
+                    "metadata": {"name": names.device_class(what),
+                                 "labels": {"app.kubernetes.io/part-of": "vramshare"}},
                     "spec": {"selectors": [{"cel": {"expression": expr}}]}})
     return out
 
@@ -98,7 +99,8 @@ def _per_gpu(api: ApiServerDouble) -> list[tuple[str, str, str, int, int]]:
         for r in ((c.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or ():
             mem = (r.get("consumedCapacity") or {}).get("memory")
             if mem:
-                used[(r["pool"], r["device"])] = used.get((r["pool"], r["device"]), 0) + int(parse_quantity(mem)) // 2**20
+                key = (r["pool"], r["device"])
+                used[key] = used.get(key, 0) + int(parse_quantity(mem)) // 2**20
     rows = []
     for s in api.objects(RESOURCESLICES):
         for d in s["spec"].get("devices") or ():
@@ -164,7 +166,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     _say(out, f"  {c.pod:<16} {ask:<12} prepare failed: {exc}")
                     continue
                 env = Registry([cdi_root]).inject(names).env
-                devs = [r["device"] for cl in placement.claims for r in cl["status"]["allocation"]["devices"]["results"]]
+                devs = [r["device"] for cl in placement.claims
+                        for r in cl["status"]["allocation"]["devices"]["results"]]
                 _say(out, f"  {c.pod:<16} {ask:<12} -> {placement.node} {','.join(devs):<16} container gets "
                           f"{contract.ENV_MEMORY_LIMIT_MIB}={env.get(contract.ENV_MEMORY_LIMIT_MIB)} "
                           f"{contract.ENV_VISIBLE_DEVICES}={env.get(contract.ENV_VISIBLE_DEVICES, '')[:12]}...")

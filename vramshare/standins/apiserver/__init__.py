@@ -24,12 +24,13 @@ Serves nodes (+status), pods (+status, +binding), namespaced ``bindings``, core 
 Events, ConfigMaps, and resource.k8s.io/v1 ResourceSlices, ResourceClaims (+status),
 ResourceClaimTemplates and DeviceClasses: list (limit/continue), get, create (generateName, dryRun),
 update, patch (merge, strategic merge, JSON patch, server-side apply with one field manager per
-object), delete (preconditions; optional graceful deletion of bound pods), with 409 Conflict on stale resourceVersions and Status bodies for every error. Watches replay from a
-resourceVersion, answer 410 Expired after ``compact()`` (or past ``history_limit``), send bookmarks,
-honour timeoutSeconds, and show objects entering/leaving a field selector as ADDED/DELETED.
+object), delete (preconditions; optional graceful deletion of bound pods), with 409 Conflict on
+stale resourceVersions and Status bodies for every error. Watches replay from a resourceVersion,
+answer 410 Expired after ``compact()`` (or past ``history_limit``), send bookmarks, honour
+timeoutSeconds, and show objects entering/leaving a field selector as ADDED/DELETED.
 
-Python side (``ApiServerDouble``): ``start/stop/restart/url``; ``create_node/create_pod/get_node/get_pod/objects/
-nodes/pods/events/delete_pod/delete_node/set_pod_phase/bind_pod/update/resource_version``;
+Python side (``ApiServerDouble``): ``start/stop/restart/url``; ``create_node/create_pod/get_node/get_pod/
+objects/nodes/pods/events/delete_pod/delete_node/set_pod_phase/bind_pod/update/resource_version``;
 ``compact/drop_watches(abrupt)/send_bookmarks/open_watches/wait_for/wait_for_watches``;
 ``requests/count/clear_requests``; ``fail_next(verb, path_regex, code, times, after_commit)/clear_faults``.
 """
