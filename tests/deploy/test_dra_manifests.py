@@ -133,3 +133,23 @@ def test_configmap_documents_the_dra_keys():
     from tests.deploy.test_manifests import _config_text
     raw = yaml.safe_load(_config_text())
     assert set(raw["dra"]) == set(config._DRA_KEYS)
+
+
+def test_the_dra_scheduler_calls_the_extender_to_score_only():
+    cm = _one("ConfigMap", "vramshare-dra-scheduler-config")
+    cfg = yaml.safe_load(cm["data"]["scheduler-config.yaml"])
+    assert cfg["kind"] == "KubeSchedulerConfiguration"
+    assert [p["schedulerName"] for p in cfg["profiles"]] == ["vramshare-dra-scheduler"]
+    [ext] = cfg["extenders"]
+    assert ext["prioritizeVerb"] == "prioritize" and ext["ignorable"] is True
+    assert not {"filterVerb", "bindVerb", "preemptVerb", "managedResources"} & set(ext)  # DRA pods ask none
+    assert cfg["leaderElection"]["resourceName"] == "vramshare-dra-scheduler"
+    role = _one("Role", "vramshare-dra-scheduler-leader-election")
+    assert ["vramshare-dra-scheduler"] in [r.get("resourceNames") for r in role["rules"]]
+    dep = _one("Deployment", "vramshare-dra-scheduler")["spec"]["template"]["spec"]
+    [c] = dep["containers"]
+    minor = int(c["image"].rsplit(":v", 1)[1].split(".")[1])
+    assert minor >= 36, "consumable capacity needs kube-scheduler 1.36+"
+    assert dep["volumes"][0]["configMap"]["name"] == cm["metadata"]["name"]
+    assert any(a.endswith("/scheduler-config.yaml") and a.startswith("--config=" + c["volumeMounts"][0]["mountPath"])
+               for a in c["command"])
