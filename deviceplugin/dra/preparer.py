@@ -2,8 +2,8 @@
 
 Order of a Prepare (each step survives a crash after it):
 
-1. a claim already ``prepared`` in the checkpoint is answered from it (the kubelet repeats Prepare
-   after its own restarts; no API call, no file written twice);
+1. a claim already ``prepared`` in the checkpoint, whose CDI spec is still there, is answered from
+   it (the kubelet repeats Prepare after its own restarts; no API call, no file written twice);
 2. the claim is read from the API server and its UID checked (a recreated claim of the same name
    is not the one the kubelet means), as the kubeletplugin helper does before calling a driver;
 3. the claim is recorded ``preparing`` with the deterministic paths it will own;
@@ -144,8 +144,10 @@ class ClaimPreparer:
     def prepare(self, ref: ClaimRef) -> PrepareResult:
         with self._lock:
             done = self.checkpoint.claims.get(ref.uid)
-            if done is not None and done.state == PREPARED:
+            if done is not None and done.state == PREPARED and (not done.devices or os.path.exists(done.cdi_spec)):
                 return PrepareResult(done.devices)
+            # else: not prepared, half prepared, or prepared before a reboot emptied /var/run/cdi (a
+            # tmpfs) while the checkpoint survived: (re)build it
             try:
                 return PrepareResult(self._prepare(ref))
             except ClaimError as exc:

@@ -359,3 +359,16 @@ def test_the_quota_loop_rewrites_the_file_a_prepared_claim_mounts(tmp_path):
         loop.run_once()
     after = read_quota(mount)
     assert after.generation > before.generation and after.gpus[0].limit_mib > before.gpus[0].limit_mib
+
+
+def test_after_a_reboot_emptied_the_cdi_root_prepare_rebuilds_the_spec(tmp_path):
+    """/var/run/cdi is a tmpfs, the checkpoint is not: a repeated Prepare must not answer with names
+    whose spec is gone."""
+    import shutil
+    claims = Claims()
+    c = claims.add(claim("uid-boot", [share("gpu-0")]))
+    first = make(tmp_path, claims).prepare(ref(c))
+    shutil.rmtree(tmp_path / "cdi")
+    again = make(tmp_path, claims).prepare(ref(c))
+    assert again == first
+    assert set(first.devices[0].cdi_ids) <= set(cdi_registry.Registry([str(tmp_path / "cdi")]).devices)
