@@ -108,10 +108,13 @@ class DraCluster:
         self.names, self.unit_mib = names, unit_mib
         self.slices: dict[str, Obj] = {}
         self.claims: dict[str, Obj] = {}  # "ns/name"
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # puts (watch threads) and scoring (HTTP threads)
         self._state: cluster.ClusterState | None = None
+        self._capacity: dict[str, int] = {}  # slot uuid -> MiB, of the state built
 
     def put(self, kind: str, obj: Obj, deleted: bool = False) -> None:
+        """A watched object changed. A claim is applied to the built state in place (claims churn
+        with every pod); a slice invalidates it (slices change with health and config only)."""
         meta = obj.get("metadata") or {}
         if kind == "ResourceSlice":
             if (obj.get("spec") or {}).get("driver") != self.names.dra_driver:
@@ -124,35 +127,42 @@ class DraCluster:
                 table.pop(key, None)
             else:
                 table[key] = obj
-            self._state = None
+            if kind == "ResourceSlice":
+                self._state = None
+            elif self._state is not None:
+                self._state.remove_pod(key)
+                self._charge(self._state, key, None if deleted else obj)
+
+    def _charge(self, st: cluster.ClusterState, key: str, claim: Obj | None) -> None:
+        if claim is None:
+            return
+        usage = [(u, m) for u, m in claim_usage(claim, self.names.dra_driver, self._capacity) if u in self._capacity]
+        if usage:
+            try:
+                st.add_pod(key, usage[0][0].split("/", 1)[0], usage)  # pool name = node name
+            except Exception as exc:  # noqa: BLE001 - a stale view must not break scoring of others
+                log.warning("claim not accounted", claim=key, error=str(exc))
 
     def state(self) -> cluster.ClusterState:
+        """The per-GPU state; built from every slice and claim when a slice changed."""
         with self._lock:
             if self._state is not None:
                 return self._state
-            slices, claims = list(self.slices.values()), list(self.claims.items())
-        per_node: dict[str, list[tuple[str, Obj]]] = {}
-        for s in slices:  # newest generation of each pool only, as the allocator reads them
-            per_node.setdefault(s["spec"].get("nodeName", ""), []).append((s["metadata"]["name"], s))
-        st = cluster.ClusterState()
-        capacity: dict[str, int] = {}
-        for node, members in per_node.items():
-            newest = max(int(s["spec"]["pool"].get("generation", 0)) for _, s in members)
-            slots = [slot for _, s in sorted(members) if int(s["spec"]["pool"].get("generation", 0)) == newest
-                     for slot in slots_of_slice(s)]
-            st.set_node(node, slots)
-            capacity.update({s.uuid: s.capacity for s in slots})
-        for key, c in claims:
-            usage = [(u, m) for u, m in claim_usage(c, self.names.dra_driver, capacity) if u in capacity]
-            if usage:
-                node = usage[0][0].split("/", 1)[0]  # pool name = node name
-                try:
-                    st.add_pod(key, node, usage)
-                except Exception as exc:  # noqa: BLE001 - a stale view must not break scoring of others
-                    log.warning("claim not accounted", claim=key, error=str(exc))
-        with self._lock:
+            per_node: dict[str, list[tuple[str, Obj]]] = {}
+            for s in self.slices.values():  # newest generation of each pool only, as the allocator reads
+                per_node.setdefault(s["spec"].get("nodeName", ""), []).append((s["metadata"]["name"], s))
+            st = cluster.ClusterState()
+            self._capacity = {}
+            for node, members in per_node.items():
+                newest = max(int(s["spec"]["pool"].get("generation", 0)) for _, s in members)
+                slots = [slot for _, s in sorted(members) if int(s["spec"]["pool"].get("generation", 0)) == newest
+                         for slot in slots_of_slice(s)]
+                st.set_node(node, slots)
+                self._capacity.update({s.uuid: s.capacity for s in slots})
+            for key, c in self.claims.items():
+                self._charge(st, key, c)
             self._state = st
-        return st
+            return st
 
     def demands(self, pod: Obj) -> list[cluster.Demand]:
         ns = (pod.get("metadata") or {}).get("namespace")
@@ -168,10 +178,11 @@ class DraCluster:
         return bool(self.demands(pod))
 
     def score(self, pod: Obj, node_names: Sequence[str], policy: str) -> list[tuple[str, int]]:
-        demands = self.demands(pod)
-        if not demands:
-            return [(n, 0) for n in node_names]
-        return placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy))
+        with self._lock:
+            demands = self.demands(pod)
+            if not demands:
+                return [(n, 0) for n in node_names]
+            return placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy))
 
 
 class DraWatch:

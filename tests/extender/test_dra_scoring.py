@@ -113,3 +113,20 @@ def test_the_live_extender_scores_dra_pods_from_its_watches():
             plain = orjson.dumps({"Pod": {"metadata": {"name": "q", "namespace": "default"},
                                           "spec": {"containers": [{"name": "c"}]}}, "Nodes": None, "NodeNames": ["n1"]})
             assert json.loads(ext.app.handle("POST", "/prioritize", plain).body) == [{"Host": "n1", "Score": 0}]
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(1, 30), st.booleans()), max_size=25))
+def test_claims_applied_in_place_equal_a_fresh_build(ops):
+    """Claim events update the built state in place; it must always equal a build from scratch."""
+    live = cluster_with(*node_slices("n1", 2), *node_slices("n2", 2))
+    live.state()
+    for i, gpu, gib, deleted in ops:
+        node, dev = ("n1", "n2")[gpu // 2], f"gpu-{gpu % 2}"
+        live.put("ResourceClaim", claim(f"c{i}", gib, allocated=[(node, dev, gib)]), deleted=deleted)
+        fresh = cluster_with(*live.slices.values(), *live.claims.values())
+        for n in ("n1", "n2"):
+            assert [u.used for u in live.state().node_usage(n)] == [u.used for u in fresh.state().node_usage(n)]
