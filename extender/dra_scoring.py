@@ -111,6 +111,7 @@ class DraCluster:
         self._lock = threading.RLock()  # puts (watch threads) and scoring (HTTP threads)
         self._state: cluster.ClusterState | None = None
         self._capacity: dict[str, int] = {}  # slot uuid -> MiB, of the state built
+        self._unaccounted: set[str] = set()  # claims the built state could not hold (transient views)
 
     def put(self, kind: str, obj: Obj, deleted: bool = False) -> None:
         """A watched object changed. A claim is applied to the built state in place (claims churn
@@ -127,21 +128,27 @@ class DraCluster:
                 table.pop(key, None)
             else:
                 table[key] = obj
-            if kind == "ResourceSlice":
-                self._state = None
+            if kind == "ResourceSlice" or self._unaccounted:
+                self._state = None  # rebuilt on the next score (a refused claim may fit now)
             elif self._state is not None:
                 self._state.remove_pod(key)
-                self._charge(self._state, key, None if deleted else obj)
+                if not self._charge(self._state, key, None if deleted else obj):
+                    self._state = None
 
-    def _charge(self, st: cluster.ClusterState, key: str, claim: Obj | None) -> None:
+    def _charge(self, st: cluster.ClusterState, key: str, claim: Obj | None) -> bool:
+        """Charge a claim's holdings; False (and remembered) when the view cannot hold them."""
+        self._unaccounted.discard(key)
         if claim is None:
-            return
+            return True
         usage = [(u, m) for u, m in claim_usage(claim, self.names.dra_driver, self._capacity) if u in self._capacity]
         if usage:
             try:
                 st.add_pod(key, usage[0][0].split("/", 1)[0], usage)  # pool name = node name
             except Exception as exc:  # noqa: BLE001 - a stale view must not break scoring of others
                 log.warning("claim not accounted", claim=key, error=str(exc))
+                self._unaccounted.add(key)
+                return False
+        return True
 
     def state(self) -> cluster.ClusterState:
         """The per-GPU state; built from every slice and claim when a slice changed."""
@@ -152,7 +159,7 @@ class DraCluster:
             for s in self.slices.values():  # newest generation of each pool only, as the allocator reads
                 per_node.setdefault(s["spec"].get("nodeName", ""), []).append((s["metadata"]["name"], s))
             st = cluster.ClusterState()
-            self._capacity = {}
+            self._capacity, self._unaccounted = {}, set()
             for node, members in per_node.items():
                 newest = max(int(s["spec"]["pool"].get("generation", 0)) for _, s in members)
                 slots = [slot for _, s in sorted(members) if int(s["spec"]["pool"].get("generation", 0)) == newest
