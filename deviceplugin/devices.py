@@ -33,14 +33,17 @@ class DeviceIdError(ValueError):
 
 
 def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
-                    unhealthy: AbstractSet[str] = frozenset()) -> NodeInventory:
+                    unhealthy: AbstractSet[str] = frozenset(), *, dra: bool = False) -> NodeInventory:
     """The node inventory: mode per GPU from the config, units per shared GPU, MIG instances.
 
     ``unhealthy`` holds GPU and MIG UUIDs the health watch reported; a MIG instance is also
-    unhealthy when its parent GPU is.
+    unhealthy when its parent GPU is. GPUs the config gives to the DRA plugin (``dra.gpus``) are in
+    the DRA plugin's inventory (``dra=True``) and never in the device plugin's: one owner per GPU.
     """
     gpus = []
     for d in sorted(discovered, key=lambda g: g.index):
+        if config.dra.manages(d.index, d.uuid) != dra:
+            continue
         mode = config.mode_for(d.index, d.uuid, d.mig_enabled)
         gpu_ok = d.uuid not in unhealthy
         migs = tuple(

@@ -36,8 +36,9 @@ class Snapshot:
 Listener = Callable[[Snapshot, Snapshot], None]  # (old, new)
 
 
-def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: frozenset[str]) -> Snapshot:
-    inventory = devices.build_inventory(discovered, config, unhealthy)
+def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: frozenset[str],
+              dra: bool = False) -> Snapshot:
+    inventory = devices.build_inventory(discovered, config, unhealthy, dra=dra)
     per_resource = devices.resource_devices(inventory, config.names)
     owners = {d.id: r for r, ds in per_resource.items() for d in ds}
     return Snapshot(config, inventory, per_resource, owners)
@@ -46,12 +47,14 @@ def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: fr
 class NodeState:
     """Thread-safe holder of the current :class:`Snapshot`."""
 
-    def __init__(self, discovered: Sequence[DiscoveredGpu], config: Config) -> None:
+    def __init__(self, discovered: Sequence[DiscoveredGpu], config: Config, *, dra: bool = False) -> None:
+        """``dra``: hold the GPUs the config gives the DRA plugin (``dra.gpus``) instead of the others."""
+        self._dra = dra
         self._discovered = tuple(discovered)
         self._unhealthy: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
-        self._snapshot = _snapshot(self._discovered, config, self._unhealthy)
+        self._snapshot = _snapshot(self._discovered, config, self._unhealthy, dra)
 
     @property
     def snapshot(self) -> Snapshot:
@@ -71,11 +74,11 @@ class NodeState:
             self._unhealthy = unhealthy
         log.warning("gpu health changed", gpu=event.uuid, mig=event.mig_uuid or "", healthy=event.healthy,
                     reason=event.reason)
-        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy))
+        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra))
 
     def on_config(self, config: Config) -> None:
         """A new config (SIGHUP or file change); modes and unit size may change the device lists."""
-        self._swap(lambda s: _snapshot(self._discovered, config, self._unhealthy))
+        self._swap(lambda s: _snapshot(self._discovered, config, self._unhealthy, self._dra))
 
     def _swap(self, build: Callable[[Snapshot], Snapshot]) -> None:
         with self._lock:

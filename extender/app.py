@@ -20,7 +20,7 @@ from typing import Callable
 
 import orjson
 
-from extender import accounting, binder, cache, inspection, metrics, preemption, translate, verbs, wire
+from extender import accounting, binder, cache, dra_scoring, inspection, metrics, preemption, translate, verbs, wire
 from vramshare import logs, podspec
 from vramshare.config import Policy
 
@@ -46,6 +46,7 @@ class Extender:
     def __init__(self, acct: accounting.Accounting, bind: binder.Binder, watcher: cache.Cache | None,
                  stats: metrics.ExtenderMetrics, policy: Policy) -> None:
         self.acct, self.binder, self.cache, self.stats, self.policy = acct, bind, watcher, stats, policy
+        self.dra: dra_scoring.DraCluster | None = None  # set when DRA pods are scored (Kubernetes 1.36+)
         self._post: dict[str, Callable[[bytes], bytes]] = {
             "/filter": self._filter, "/prioritize": self._prioritize, "/bind": self._bind,
             "/preempt": self._preempt,
@@ -110,6 +111,9 @@ class Extender:
 
     def _prioritize(self, body: bytes) -> bytes:
         args = wire.decode_extender_args(body)
+        dra = dra_scoring.scores_for(self.dra, args.pod, args.names, self.policy.value)
+        if dra is not None:  # a pod whose ResourceClaims use our DeviceClasses
+            return wire.encode_host_priorities(dra)
         with self.acct.lock:
             scores = verbs.prioritize_pod(self.acct.view(self.policy), args)
             best = max(scores, key=lambda s: s[1], default=None)

@@ -17,7 +17,7 @@ from typing import Callable
 
 from kubernetes import client
 
-from extender import accounting, apicalls, app, binder, cache, http_server, metrics, tls
+from extender import accounting, apicalls, app, binder, cache, dra_scoring, http_server, metrics, tls
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, Policy, load_config
 
@@ -39,6 +39,7 @@ class RunningExtender:
     owned_api: client.ApiClient | None = None
     metrics_server: http_server.ExtenderHTTPServer | None = None
     _metrics_thread: threading.Thread | None = None
+    dra_watch: dra_scoring.DraWatch | None = None
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         return self.cache.ready.wait(timeout)
@@ -50,6 +51,8 @@ class RunningExtender:
             self.metrics_server.close()
             self._metrics_thread.join()
         self.cache.stop()
+        if self.dra_watch is not None:
+            self.dra_watch.stop()
         if self.owned_api is not None:
             self.owned_api.close()
 
@@ -79,11 +82,12 @@ def _serve(server: http_server.ExtenderHTTPServer, name: str) -> threading.Threa
 def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: int = 0, *,
           policy: Policy | None = None, clock: Callable[[], int] = time.time_ns,
           watch_timeout_s: int = 300, expiry_interval_s: float | None = None,
-          metrics_at: tuple[str, int] | None = None) -> RunningExtender:
+          metrics_at: tuple[str, int] | None = None, dra: bool = False) -> RunningExtender:
     """Start cache and HTTP server(s); returns at once (use ``wait_ready`` for the initial lists).
 
     With TLS files in ``config`` the verbs and /inspect need a client certificate signed by the client
     CA; ``metrics_at`` adds a plain-HTTP listener serving /metrics and the probes only (Prometheus).
+    ``dra`` also scores pods whose ResourceClaims use our DeviceClasses (resource.k8s.io/v1, 1.36+).
     Raises ``OSError``/``ssl.SSLError`` when the TLS files do not load.
     """
     chosen = policy or config.extender.policy
@@ -98,6 +102,11 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
     side = (http_server.ExtenderHTTPServer(extender, *metrics_at, routes=METRICS_ROUTES, workers=2,
                                            max_body_bytes=0, max_connections=64, reserve=0)
             if metrics_at is not None else None)
+    dra_watch = None
+    if dra:  # score pods whose ResourceClaims use our DeviceClasses (resource.k8s.io/v1, 1.36+)
+        extender.dra = dra_scoring.DraCluster(config.names, config.memory_unit_mib)
+        dra_watch = dra_scoring.DraWatch(api, extender.dra, timeout_s=watch_timeout_s)
+        dra_watch.start()
     watcher.start()
     thread = _serve(server, "extender-http")
     side_thread = _serve(side, "extender-metrics") if side is not None else None
@@ -106,7 +115,7 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
                     "the port can bind pods; set extender.tlsCertFile/tlsKeyFile/clientCAFile", url=server.url)
     log.info("extender started", url=server.url, policy=chosen.value, client_auth=files is not None,
              metrics_url=side.url if side else None, assume_timeout_s=config.extender.assume_timeout_seconds)
-    return RunningExtender(server.url, extender, acct, watcher, server, thread, None, side, side_thread)
+    return RunningExtender(server.url, extender, acct, watcher, server, thread, None, side, side_thread, dra_watch)
 
 
 def start_for_url(api_url: str, config: Config | None = None, **kwargs: object) -> RunningExtender:
@@ -160,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: done.set())
     with api:
         running = start(api, config, host, port, policy=Policy(args.policy) if args.policy else None,
-                        metrics_at=metrics_at)
+                        metrics_at=metrics_at, dra=True)
         if running.wait_ready(60):
             # The cache of thousands of nodes and pods lives for the process: move it out of the
             # collector's reach, so a full collection (hundreds of ms at 5,000 nodes) never lands in a

@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Callable
 
 from extender.baselines import BASELINES
+from extender.dra_policies import DRA
 from extender.policies import OURS, Policy
 
-REGISTRY: dict[str, Callable[[], Policy]] = {**OURS, **BASELINES}
+REGISTRY: dict[str, Callable[[], Policy]] = {**OURS, **BASELINES, **DRA}
 
 
 def get(name: str) -> Policy:

@@ -18,6 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROTO_FILES = (
     "protos/deviceplugin/v1beta1/api.proto",
     "protos/podresources/v1/api.proto",
+    "protos/dra/v1/api.proto",
+    "protos/dra/v1beta1/api.proto",
+    "protos/pluginregistration/v1/api.proto",
 )
 
 

@@ -18,6 +18,8 @@ vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
 
   device-plugin  the node DaemonSet: advertises GPU memory units, MIG instances and whole GPUs
                  to the kubelet and hands each container the GPU the scheduler chose
+  dra-plugin     the node DaemonSet for Kubernetes 1.36+: GPU memory as DRA consumable capacity
+                 (ResourceSlices, NodePrepareResources, one CDI spec per claim)
   extender       the kube-scheduler HTTP extender: filter, prioritize and bind by free VRAM per GPU
   simulate       replay a production trace through the extender's placement code, compare policies
   demo           everything on loopback with simulated GPUs: no cluster and no GPU needed
@@ -68,6 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--metrics-port", type=int, default=9401, metavar="N",
                     help="Prometheus /metrics port, 0 to disable (default 9401)")
 
+    dra = sub.add_parser("dra-plugin", help="run the DRA kubelet plugin (DaemonSet, Kubernetes 1.36+)",
+                         description="Publish this node's GPUs as resource.k8s.io/v1 ResourceSlices (shared GPUs "
+                                     "with consumable memory), register with the kubelet and prepare claims "
+                                     "(one CDI spec per claim). Serves the GPUs the config's dra.gpus lists.")
+    dra.add_argument("--backend", choices=["nvml", "simulated", "auto"], default="auto",
+                     help="where GPUs come from, as for device-plugin")
+    dra.add_argument("--inventory", metavar="FILE", help="simulated GPU inventory YAML (for --backend simulated)")
+    dra.add_argument("--config", metavar="FILE", default=os.environ.get("VRAMSHARE_CONFIG"),
+                     help="versioned config YAML (version: v1), the device plugin's; reloaded on change and SIGHUP")
+    dra.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
+                     help="kubeconfig (default: in-cluster service account); required")
+    dra.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
+                     help="this node's name (default $NODE_NAME)")
+    dra.add_argument("--plugin-dir", metavar="DIR",
+                     help=f"directory of the DRA socket (default {contract.KUBELET_PLUGINS_DIR}/<driver>)")
+    dra.add_argument("--registry-dir", metavar="DIR", default=contract.KUBELET_REGISTRY_DIR,
+                     help=f"kubelet plugin registration directory (default {contract.KUBELET_REGISTRY_DIR})")
+    dra.add_argument("--metrics-port", type=int, default=9403, metavar="N",
+                     help="Prometheus /metrics port, 0 to disable (default 9403)")
+
     ex = sub.add_parser("extender", help="run the kube-scheduler extender (HTTP)",
                         description="Serve kube-scheduler's extender protocol: /filter, /prioritize, /bind, "
                                     "plus /inspect, /healthz, /readyz and /metrics.")
@@ -111,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--pods", type=int, default=8, metavar="N", help="pods to submit (default 8)")
     demo.add_argument("--verbose", action="store_true", help="also show every component's log lines")
     demo.add_argument("--quota", action="store_true", help="only the quota loop on one shared GPU (a few seconds)")
+    demo.add_argument("--dra", action="store_true",
+                      help="the DRA path instead (Kubernetes 1.36+): DRA plugins, ResourceClaims, a stand-in "
+                           "for kube-scheduler's DRA allocator and the kubelet's DRA manager")
 
     insp = sub.add_parser("inspect", help="show per-GPU usage from a running extender",
                           description="Fetch /inspect from the extender and print total, used and free "
@@ -126,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _COMMANDS = {
     "device-plugin": "deviceplugin.main",
+    "dra-plugin": "deviceplugin.dra.main",
     "extender": "extender.main",
     "simulate": "extender.simulation.main",
     "demo": "vramshare.standins.demo",

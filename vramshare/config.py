@@ -116,6 +116,21 @@ class QuotaConfig:
 
 
 @dataclass(frozen=True)
+class DraConfig:
+    """The DRA kubelet plugin (``vramshare dra-plugin``). ``gpus`` decides which plugin owns a GPU:
+    listed GPUs (index or UUID; ``"all"`` for every GPU) are served by DRA only and the device plugin
+    leaves them out, so the two can never hand out the same GPU."""
+
+    gpus: tuple[str, ...] = ()
+    device_taints: bool = False  # withdraw unhealthy devices by taint (DRADeviceTaints) instead of removal
+    cdi_root: str = "/var/run/cdi"
+    state_dir: str = "/var/lib/vramshare/dra"  # the prepared-claims checkpoint
+
+    def manages(self, index: int, uuid: str) -> bool:
+        return "all" in self.gpus or uuid in self.gpus or str(index) in self.gpus
+
+
+@dataclass(frozen=True)
 class Config:
     version: str = VERSION
     resource_domain: str = contract.DEFAULT_DOMAIN
@@ -129,6 +144,7 @@ class Config:
     extender: ExtenderConfig = field(default_factory=ExtenderConfig)
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
+    dra: DraConfig = field(default_factory=DraConfig)
 
     @property
     def names(self) -> contract.Names:
@@ -153,9 +169,11 @@ _TOP_KEYS = {
     "gpuModes": "gpu_modes", "deviceListStrategy": "device_list_strategy",
     "quotaHostDir": "quota_host_dir",
     "health": "health", "extender": "extender", "quota": "quota", "enforcement": "enforcement",
+    "dra": "dra",
 }
 _REMOVED_KEYS = {"mpsEnforcement": "replaced by enforcement.mode: mps (which also mounts the MPS pipe and "
                                    "shared-memory directories a client needs; the old switch did not)"}
+_DRA_KEYS = {"gpus": "gpus", "deviceTaints": "device_taints", "cdiRoot": "cdi_root", "stateDir": "state_dir"}
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
                 "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
 _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
@@ -396,6 +414,7 @@ def config_from_dict(raw: Any) -> Config:
     if quota.kv_pressure > 1:
         raise ConfigError(f"quota.kvPressure: must be <= 1 (a fraction of the KV cache), got {quota.kv_pressure}")
     return Config(
+        dra=_dra_config(top.get("dra")),
         version=VERSION,
         resource_domain=domain,
         memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB", minimum=1),
@@ -411,6 +430,22 @@ def config_from_dict(raw: Any) -> Config:
         extender=ext,
         quota=quota,
         enforcement=enforcement,
+    )
+
+
+def _dra_config(raw: Any) -> DraConfig:
+    r = _check_keys(raw, _DRA_KEYS, "dra.")
+    d = DraConfig()
+    gpus = r.get("gpus", [])
+    if gpus == "all":
+        gpus = ["all"]
+    if not isinstance(gpus, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in gpus):
+        raise ConfigError(f"dra.gpus: expected \"all\" or a list of GPU indexes or UUIDs, got {gpus!r}")
+    return DraConfig(
+        gpus=tuple(str(g) for g in gpus),
+        device_taints=_typed(r.get("deviceTaints", False), bool, "dra.deviceTaints"),
+        cdi_root=_absolute(_typed(r.get("cdiRoot", d.cdi_root), str, "dra.cdiRoot"), "dra.cdiRoot"),
+        state_dir=_absolute(_typed(r.get("stateDir", d.state_dir), str, "dra.stateDir"), "dra.stateDir"),
     )
 
 

@@ -78,6 +78,21 @@ class Names:
         """Set by the quota loop on a pod whose container stayed above its hard limit (issue 9)."""
         return f"{self.domain}/over-limit"
 
+    # -- DRA (resource.k8s.io/v1): the driver name and the DeviceClasses of deploy/daemonset/dra
+    @property
+    def dra_driver(self) -> str:
+        """ResourceSlice ``spec.driver`` and the kubelet plugin name, e.g. ``gpu.vramshare.io``."""
+        return f"gpu.{self.domain}"
+
+    @property
+    def cdi_kind(self) -> str:
+        """CDI ``vendor/class`` of the per-claim specs: ``vramshare.io/gpu``."""
+        return f"{self.domain}/gpu"
+
+    def device_class(self, what: str) -> str:
+        """DeviceClass names: ``gpu-memory.vramshare.io``, ``gpu.vramshare.io``, ``mig.vramshare.io``."""
+        return f"{what}.{self.domain}"
+
     def is_ours(self, resource: str) -> bool:
         return resource.startswith(f"{self.domain}/")
 
@@ -111,6 +126,10 @@ DEVICE_PLUGIN_API_VERSION = "v1beta1"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 MAX_DEVICE_ID_LEN = 63
+
+# kubelet DRA plugin paths (k8s.io/dynamic-resource-allocation/kubeletplugin defaults)
+KUBELET_PLUGINS_DIR = "/var/lib/kubelet/plugins"  # the DRA socket lives in <dir>/<driver>/dra.sock
+KUBELET_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"  # <driver>-reg.sock, watched by the kubelet
 
 # extender protocol constants (kube-scheduler extender/v1)
 MIN_EXTENDER_PRIORITY = 0

@@ -32,7 +32,8 @@ log = logs.get("vramshare.quota.service")
 def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callable[[], Mapping[str, int]],
                *, nvml: Any | None = None, dcgm_url: str | None = None,
                mode: EnforcementMode = EnforcementMode.COOPERATIVE, cgroup_root: str = "/sys/fs/cgroup",
-               process_attribution: bool | None = None, usage: list[UsageReader] | None = None) -> QuotaLoop:
+               process_attribution: bool | None = None, usage: list[UsageReader] | None = None,
+               tenants: Any | None = None) -> QuotaLoop:
     """A loop reading per-container use, then dcgm-exporter at ``dcgm_url`` (when given), and vLLM metrics.
 
     ``capacities`` returns ``{gpu uuid: schedulable MiB}`` (units x memoryUnitMiB) for the GPUs in
@@ -40,7 +41,8 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
     comes from each container's cgroup (``currentUsed``, no host PID namespace) and the loop moves
     the cgroup limits; per-process NVML attribution (needs ``hostPID``) is the fallback when
     ``process_attribution`` is on (default: the config's ``quota.processAttribution``). ``usage``
-    replaces every reader (a simulated node's replay).
+    replaces every reader (a simulated node's replay). ``tenants`` replaces the pod-annotation source
+    (the DRA plugin passes its prepared claims).
     """
     v1 = client.CoreV1Api(api)
     given = usage is not None
@@ -63,7 +65,7 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
                  driver=fence is not None, dcgm=bool(dcgm_url))
     if dcgm_url and not given:
         usage.append(DcgmExporterReader(dcgm_url))
-    loop = QuotaLoop(ApiTenantSource(v1, node, cfg.names), capacities, usage,
+    loop = QuotaLoop(tenants or ApiTenantSource(v1, node, cfg.names), capacities, usage,
                      PolicyParams.from_config(cfg.quota), cfg.quota_host_dir,
                      signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names),
                      settings=LoopSettings.from_config(cfg.quota, cfg.enforcement), mode=mode, fence=fence,

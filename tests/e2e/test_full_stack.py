@@ -136,10 +136,6 @@ def test_an_xid_takes_a_gpu_out_of_scheduling_until_it_recovers(stack: Stack) ->
     assert outcome.node == "node-h200", outcome.error
 
 
-@pytest.mark.xfail(strict=False, reason="needs the extender side of issue 8 (branch ext-sound): it must account an "
-                   "'allocation-state: allocated' assignment over its own plan; today extender/accounting.py "
-                   "_account ignores an assignment change with the same assume-time. The device plugin's "
-                   "annotations are right (test_gpu_follows_ids, test_books_match_reality)")
 def test_the_extenders_books_follow_what_the_kubelet_handed_out(stack: Stack) -> None:
     """Same-size pods bound by the real extender to a two-GPU node, admitted by the kubelet stand-in in its
     own order (ties in random order): after reconciliation the extender's per-GPU usage is what the device

@@ -87,6 +87,9 @@ def _say(out: TextIO, text: str = "") -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    if getattr(args, "dra", False):  # the DRA path (Kubernetes 1.36+): its own module
+        from vramshare.standins import demo_dra
+        return demo_dra.run(args, out)
     out = out or sys.stdout
     t0 = time.monotonic()
     if not getattr(args, "verbose", False):  # the narration says what happened; logs on request

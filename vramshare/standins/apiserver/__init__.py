@@ -21,21 +21,24 @@ Never on a production code path. The real ``kubernetes`` client runs against it 
         assert api.count("POST", r"/binding$") == 1
 
 Serves nodes (+status), pods (+status, +binding), namespaced ``bindings``, core and events.k8s.io
-Events, ConfigMaps: list (limit/continue), get, create (generateName, dryRun), update, patch (merge,
-strategic merge, JSON patch), delete (preconditions; optional graceful deletion of bound pods), with
-409 Conflict on stale resourceVersions and Status bodies for every error. Watches replay from a
-resourceVersion, answer 410 Expired after ``compact()`` (or past ``history_limit``), send bookmarks,
-honour timeoutSeconds, and show objects entering/leaving a field selector as ADDED/DELETED.
+Events, ConfigMaps, and resource.k8s.io/v1 ResourceSlices, ResourceClaims (+status),
+ResourceClaimTemplates and DeviceClasses: list (limit/continue), get, create (generateName, dryRun),
+update, patch (merge, strategic merge, JSON patch, server-side apply with one field manager per
+object), delete (preconditions; optional graceful deletion of bound pods), with 409 Conflict on
+stale resourceVersions and Status bodies for every error. Watches replay from a resourceVersion,
+answer 410 Expired after ``compact()`` (or past ``history_limit``), send bookmarks, honour
+timeoutSeconds, and show objects entering/leaving a field selector as ADDED/DELETED.
 
 Python side (``ApiServerDouble``): ``start/stop/restart/url``; ``create_node/create_pod/get_node/get_pod/
-nodes/pods/events/delete_pod/delete_node/set_pod_phase/bind_pod/update/resource_version``;
+objects/nodes/pods/events/delete_pod/delete_node/set_pod_phase/bind_pod/update/resource_version``;
 ``compact/drop_watches(abrupt)/send_bookmarks/open_watches/wait_for/wait_for_watches``;
 ``requests/count/clear_requests``; ``fail_next(verb, path_regex, code, times, after_commit)/clear_faults``.
 """
 from .double import ApiServerDouble
 from .errors import ApiError
-from .resources import CONFIGMAPS, EVENTS, EVENTS_V1, NODES, PODS, ResourceType
+from .resources import (CONFIGMAPS, DEVICECLASSES, EVENTS, EVENTS_V1, NODES, PODS, RESOURCECLAIMS,
+                        RESOURCECLAIMTEMPLATES, RESOURCESLICES, ResourceType)
 from .traffic import RequestRecord
 
 __all__ = ["ApiServerDouble", "ApiError", "RequestRecord", "ResourceType", "NODES", "PODS", "EVENTS", "EVENTS_V1",
-           "CONFIGMAPS"]
+           "CONFIGMAPS", "RESOURCESLICES", "RESOURCECLAIMS", "RESOURCECLAIMTEMPLATES", "DEVICECLASSES"]

@@ -125,6 +125,10 @@ class ApiServerDouble:
     def pods(self, namespace: str | None = None) -> list[Obj]:
         return copy.deepcopy(self._store.list_objects(PODS, namespace)[0])
 
+    def objects(self, rtype: ResourceType, namespace: str | None = None) -> list[Obj]:
+        """Any served resource (e.g. ``RESOURCESLICES``, ``RESOURCECLAIMS``), read Python-side."""
+        return copy.deepcopy(self._store.list_objects(rtype, namespace)[0])
+
     def events(self, namespace: str | None = None) -> list[Obj]:
         """Core v1 Events clients posted (e.g. the extender's FailedScheduling reasons)."""
         return copy.deepcopy(self._store.list_objects(EVENTS, namespace)[0])

@@ -13,6 +13,12 @@ from .errors import ApiError, bad_request, unsupported_media_type
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
+APPLY = ("application/apply-patch+yaml", "application/apply-patch+json")
+
+
+def is_apply(content_type: str) -> bool:
+    """Server-side apply (handled by ``Store.apply``, not by :func:`apply_patch`)."""
+    return content_type.split(";", 1)[0].strip().lower() in APPLY
 
 # list fields that strategic merge merges by a key instead of replacing (a subset of the core/v1 schema)
 MERGE_KEYS: dict[str, str] = {

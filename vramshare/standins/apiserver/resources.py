@@ -36,7 +36,15 @@ EVENTS = ResourceType("/api/v1", "events", "Event", namespaced=True)
 EVENTS_V1 = ResourceType("/apis/events.k8s.io/v1", "events", "Event", namespaced=True)
 CONFIGMAPS = ResourceType("/api/v1", "configmaps", "ConfigMap", namespaced=True)
 BINDINGS = ResourceType("/api/v1", "bindings", "Binding", namespaced=True)  # POST-only twin of pods/binding
-RESOURCE_TYPES: tuple[ResourceType, ...] = (NODES, PODS, EVENTS, EVENTS_V1, CONFIGMAPS, BINDINGS)
+# Dynamic Resource Allocation, resource.k8s.io/v1 (GA in 1.34)
+RESOURCESLICES = ResourceType("/apis/resource.k8s.io/v1", "resourceslices", "ResourceSlice", namespaced=False)
+RESOURCECLAIMS = ResourceType("/apis/resource.k8s.io/v1", "resourceclaims", "ResourceClaim", namespaced=True,
+                              subresources=("status",))
+RESOURCECLAIMTEMPLATES = ResourceType("/apis/resource.k8s.io/v1", "resourceclaimtemplates", "ResourceClaimTemplate",
+                                      namespaced=True)
+DEVICECLASSES = ResourceType("/apis/resource.k8s.io/v1", "deviceclasses", "DeviceClass", namespaced=False)
+RESOURCE_TYPES: tuple[ResourceType, ...] = (NODES, PODS, EVENTS, EVENTS_V1, CONFIGMAPS, BINDINGS, RESOURCESLICES,
+                                            RESOURCECLAIMS, RESOURCECLAIMTEMPLATES, DEVICECLASSES)
 
 
 @dataclass(frozen=True)

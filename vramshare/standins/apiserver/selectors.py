@@ -29,7 +29,15 @@ _NODE_FIELDS: dict[str, Callable[[Obj], str]] = {
     **_COMMON_FIELDS,
     "spec.unschedulable": lambda o: str(bool((o.get("spec") or {}).get("unschedulable"))).lower(),
 }
-FIELDS_BY_PLURAL: dict[str, dict[str, Callable[[Obj], str]]] = {"pods": _POD_FIELDS, "nodes": _NODE_FIELDS}
+# the real server's field selectors for ResourceSlices (pkg/registry/resource/resourceslice/strategy.go)
+_SLICE_FIELDS: dict[str, Callable[[Obj], str]] = {
+    **_COMMON_FIELDS,
+    "spec.nodeName": lambda o: (o.get("spec") or {}).get("nodeName") or "",
+    "spec.driver": lambda o: (o.get("spec") or {}).get("driver") or "",
+    "spec.pool.name": lambda o: ((o.get("spec") or {}).get("pool") or {}).get("name") or "",
+}
+FIELDS_BY_PLURAL: dict[str, dict[str, Callable[[Obj], str]]] = {"pods": _POD_FIELDS, "nodes": _NODE_FIELDS,
+                                                                "resourceslices": _SLICE_FIELDS}
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import yaml
+
 from vramshare import logs
 
 from . import errors
 from .errors import ApiError
+from .patches import is_apply
 from .resources import BINDINGS, PODS, Route, route
 from .selectors import parse_selector
 from .store import Store
@@ -180,6 +183,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send_json(200, updated)
         if verb == "PATCH":
             content_type = self.headers.get("Content-Type", "")
+            if is_apply(content_type):
+                applied, created = store.apply(rtype, where.namespace, where.name, _yaml(body_bytes),
+                                               query.get("fieldManager"), where.subresource, dry_run=dry_run)
+                return self._send_json(201 if created else 200, applied)
             patched = store.patch(rtype, where.namespace, where.name, content_type, _json(body_bytes),
                                   where.subresource, dry_run=dry_run)
             return self._send_json(200, patched)
@@ -285,6 +292,14 @@ def _json(data: bytes) -> Any:
         return json.loads(data or b"null")
     except ValueError as error:
         raise errors.bad_request(f"the request body is not JSON: {error}") from None
+
+
+def _yaml(data: bytes) -> Any:
+    """An apply body: YAML (JSON is YAML too), as the server decodes application/apply-patch+yaml."""
+    try:
+        return yaml.safe_load(data or b"null")
+    except yaml.YAMLError as error:
+        raise errors.bad_request(f"the request body is not YAML: {error}") from None
 
 
 def _int(query: dict[str, str], name: str) -> int | None:

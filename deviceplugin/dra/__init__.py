@@ -1,0 +1,1 @@
+"""The DRA kubelet plugin: ResourceSlices, CDI specs per claim, the kubelet DRA gRPC service."""

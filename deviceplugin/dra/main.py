@@ -1,0 +1,244 @@
+"""``vramshare dra-plugin``: the DRA kubelet plugin's composition root (Kubernetes 1.36+).
+
+Threads (named, started by :meth:`DraPluginDaemon.start`, stopped by ``close``): ``slice-publisher``
+(applies this node's ResourceSlices as soon as the API server answers, whether or not a kubelet has
+registered the plugin, and again on every health or config change, retrying failures),
+``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration)
+and ``metrics-http``. Same backends and config file as the device plugin; the config's
+``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable, Mapping
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from deviceplugin.backend import BackendError, GpuBackend
+from deviceplugin.config_watch import ConfigWatcher
+from deviceplugin.dra import slices
+from deviceplugin.dra.grpc_service import KubeletPlugin
+from deviceplugin.dra.preparer import ClaimPreparer
+from deviceplugin.dra.publisher import SlicePublisher
+from deviceplugin.metrics import MetricsServer
+from deviceplugin.node_state import NodeState, Snapshot
+from vramshare import contract, kube, logs
+from vramshare.config import Config, ConfigError, load_config
+from vramshare.inventory import GpuMode
+
+log = logs.get(__name__)
+
+
+class DraMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        p = contract.METRICS_PREFIX
+        self.devices = Gauge(f"{p}dra_published_devices", "Devices in this node's ResourceSlices",
+                             registry=self.registry)
+        self.generation = Gauge(f"{p}dra_pool_generation", "Generation of this node's pool", registry=self.registry)
+        self.prepared = Gauge(f"{p}dra_prepared_claims", "Claims prepared on this node", registry=self.registry)
+        self.publish_errors = Counter(f"{p}dra_publish_errors", "Failed ResourceSlice publications",
+                                      registry=self.registry)
+
+
+class DraPluginDaemon:
+    """The node's DRA driver. ``api`` is required: Prepare reads claims from the API server."""
+
+    def __init__(self, backend: GpuBackend, config: Config, api: client.ApiClient, node_name: str, *,
+                 plugin_dir: str, registry_dir: str, metrics_port: int = 0, retry_seconds: float = 5.0,
+                 resync_seconds: float = 300.0) -> None:
+        self.backend = backend
+        self.state = NodeState(backend.discover(), config, dra=True)
+        self.node = node_name
+        self.publisher = SlicePublisher(api, node_name, config.names)
+        self._resource = client.ResourceV1Api(api)
+        self._api = api
+        self.preparer = ClaimPreparer(node_name, lambda: self.state.snapshot.config, self.devices, self._read_claim)
+        self.plugin = KubeletPlugin(self.preparer, config.names.dra_driver, plugin_dir, registry_dir)
+        self.metrics = DraMetrics()
+        self.metrics.prepared.set_function(lambda: len(self.preparer.prepared()))
+        self._metrics_port = metrics_port
+        self._metrics_server: MetricsServer | None = None
+        self._retry, self._resync = retry_seconds, resync_seconds
+        self._stop = threading.Event()
+        self._dirty = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.refused: frozenset[str] = frozenset()
+        self.failed: str | None = None
+        self.state.add_listener(self._changed)
+
+    def _start_quota_loop(self) -> None:
+        """The quota loop over prepared claims: needs per-process memory from NVML (a real node)."""
+        config = self.state.snapshot.config
+        if not config.quota.enabled:
+            return
+        if self.backend.name != "nvml":
+            log.info("quota loop off: it reads per-process GPU memory from NVML", backend=self.backend.name)
+            return
+        from deviceplugin.dra.tenants import ClaimTenantSource
+        from deviceplugin.quota import service as quota_service
+
+        def capacities() -> dict[str, int]:  # schedulable MiB of each shared GPU, what the loop divides
+            inv = self.state.snapshot.inventory
+            return {g.uuid: inv.capacity_mib(g) for g in inv.gpus if g.mode is GpuMode.SHARED}
+        loop = quota_service.build_loop(config, self._api, self.node, capacities,
+                                        nvml=getattr(self.backend, "nvml", None),
+                                        tenants=ClaimTenantSource(self.preparer.prepared, client.CoreV1Api(self._api),
+                                                                  self.node))
+        quota_service.register_metrics(loop, self.metrics.registry)
+        self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
+
+    def devices(self) -> Mapping[str, slices.DeviceRef]:
+        """Devices Prepare may hand out: this plugin's, minus GPUs a device plugin advertises."""
+        return {n: r for n, r in slices.device_index(self.state.snapshot.inventory).items()
+                if r.gpu.uuid not in self.refused}
+
+    def desired(self) -> list[dict[str, Any]]:
+        snap = self.state.snapshot
+        return slices.desired_devices(snap.inventory, snap.config.names, self.node,
+                                      taints=snap.config.dra.device_taints, refused=self.refused)
+
+    def _read_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
+        try:
+            resp = self._resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
+        except ApiException as exc:
+            raise LookupError(f"{exc.status} {exc.reason}") from exc
+        try:
+            return json.loads(resp.data)
+        finally:
+            resp.release_conn()
+
+    def _changed(self, old: Snapshot, new: Snapshot) -> None:
+        if new.inventory != old.inventory or new.config != old.config:
+            self._dirty.set()
+
+    def publish_once(self) -> int:
+        """Refresh the refused set, then apply the pool. Raises on API errors."""
+        refused = self.publisher.device_plugin_gpus() & {g.uuid for g in self.state.snapshot.inventory.gpus}
+        if refused != self.refused:
+            log.error("GPUs also advertised by a device plugin on this node; not serving them by DRA "
+                      "(set dra.gpus the same in both plugins' config)", node=self.node, gpus=",".join(sorted(refused)))
+        self.refused = refused
+        devices = self.desired()
+        generation = self.publisher.publish(devices)
+        self.metrics.devices.set(len(devices))
+        self.metrics.generation.set(generation)
+        return generation
+
+    def _publish_loop(self) -> None:
+        while not self._stop.is_set():
+            self._dirty.clear()
+            try:
+                self.publish_once()
+                wait = self._resync
+            except (ApiException, OSError, ValueError) as exc:
+                self.metrics.publish_errors.inc()
+                log.warning("resource slices not published; retrying", node=self.node, error=str(exc),
+                            retry_seconds=self._retry)
+                wait = self._retry
+            self._dirty.wait(wait)  # a health or config change (or close) wakes us early
+
+    # -- start/stop ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._spawn("slice-publisher", self._publish_loop)
+        self.plugin.start()
+        health = self.state.snapshot.config.health
+        if not health.disabled:
+            self._spawn("gpu-health", lambda: self.backend.watch_health(
+                self._stop, self.state.on_health, frozenset(health.ignored_xids)))
+        self._start_quota_loop()
+        if self._metrics_port:
+            self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
+            self._metrics_server.start()
+
+    def _spawn(self, name: str, body: Callable[[], None]) -> None:
+        def guarded() -> None:
+            try:
+                body()
+            except BaseException as exc:  # noqa: BLE001 - logged, then the daemon stops
+                self.failed = f"thread {name} crashed: {exc}"
+                log.error("thread crashed", thread=name, error=str(exc), exc_info=True)
+                self._stop.set()
+                self._dirty.set()
+        thread = threading.Thread(target=guarded, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def reload(self, config: Config) -> None:
+        self.state.on_config(config)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stop.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._dirty.set()
+        self.plugin.stop()
+        self.backend.close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+
+    def __enter__(self) -> "DraPluginDaemon":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``vramshare dra-plugin``; returns the exit status."""
+    from deviceplugin.main import _backend  # the device plugin's backend choice, shared
+    from deviceplugin.metrics import PluginMetrics
+
+    try:
+        config = load_config(args.config, os.environ)
+    except ConfigError as exc:
+        print(f"vramshare dra-plugin: {exc}", file=sys.stderr)
+        return 2
+    api = kube.api_client(args.kubeconfig)
+    if api is None:
+        print("vramshare dra-plugin: needs the API server (--kubeconfig or an in-cluster service account): "
+              "Prepare reads each claim's allocation", file=sys.stderr)
+        return 2
+    if not args.node_name:
+        print("vramshare dra-plugin: --node-name (or $NODE_NAME) is required", file=sys.stderr)
+        return 2
+    driver = config.names.dra_driver
+    plugin_dir = args.plugin_dir or os.path.join(contract.KUBELET_PLUGINS_DIR, driver)
+    try:
+        daemon = DraPluginDaemon(_backend(args, PluginMetrics()), config, api, args.node_name,
+                                 plugin_dir=plugin_dir, registry_dir=args.registry_dir,
+                                 metrics_port=args.metrics_port)
+    except BackendError as exc:
+        print(f"vramshare dra-plugin: {exc}", file=sys.stderr)
+        return 1
+    watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ)
+               if args.config else None)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: watcher.reload("SIGHUP") if watcher else None)
+    daemon.start()
+    if watcher is not None:
+        watcher.start()
+    try:
+        while not stop.is_set() and not daemon.wait(0.5):
+            pass
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        daemon.close()
+    if daemon.failed:
+        print(f"vramshare dra-plugin: {daemon.failed}", file=sys.stderr)
+        return 1
+    return 0

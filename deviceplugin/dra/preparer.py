@@ -1,0 +1,210 @@
+"""NodePrepareResources / NodeUnprepareResources for one claim, protobuf-free, checkpointed.
+
+Order of a Prepare (each step survives a crash after it):
+
+1. a claim already ``prepared`` in the checkpoint, whose CDI spec is still there, is answered from
+   it (the kubelet repeats Prepare after its own restarts; no API call, no file written twice);
+2. the claim is read from the API server and its UID checked (a recreated claim of the same name
+   is not the one the kubelet means), as the kubeletplugin helper does before calling a driver;
+3. the claim is recorded ``preparing`` with the deterministic paths it will own;
+4. the quota file and the CDI spec are written (atomically, overwriting a half-done earlier try);
+5. the claim is recorded ``prepared`` with its CDI names.
+
+Unprepare marks the entry ``preparing`` again, removes exactly the recorded paths, then the entry;
+an unknown claim is already done.
+File effects go through :class:`FileEffects`, the one edge tests may replace to crash at any step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from deviceplugin.allocation import GpuShare
+from deviceplugin.dra import cdi
+from deviceplugin.dra.checkpoint import (PREPARED, PREPARING, Checkpoint, CheckpointError, PreparedClaim,
+                                         PreparedDevice, completed)
+from deviceplugin.dra.claims import ClaimError, ClaimRef, our_shares, resolve
+from deviceplugin.dra.slices import DeviceRef
+from deviceplugin.quota import writer
+from deviceplugin.quota_files import QuotaFiles
+from vramshare import logs
+from vramshare.config import Config
+
+log = logs.get(__name__)
+
+CHECKPOINT_FILE = "prepared-claims.json"
+ClaimReader = Callable[[str, str], Mapping[str, Any]]  # (namespace, name) -> ResourceClaim dict
+
+
+def tenant_container(claim_name: str) -> str:
+    """The quota loop's "container" of a claim tenant: the claim, as ``claim-<name>``."""
+    return f"claim-{claim_name}"
+
+
+class Effects(Protocol):
+    """The file system, as Prepare and Unprepare use it."""
+
+    def write_file(self, path: str, data: bytes) -> None: ...
+    def remove_file(self, path: str) -> None: ...
+    def write_quota(self, directory: str, shares: Sequence[GpuShare], config: Config) -> None: ...
+    def remove_dir(self, path: str) -> None: ...
+
+
+class FileEffects:
+    """Atomic writes (temp file + rename + fsync of the directory), idempotent removals."""
+
+    def write_file(self, path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def remove_file(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def write_quota(self, directory: str, shares: Sequence[GpuShare], config: Config) -> None:
+        QuotaFiles(config.quota_host_dir, config.quota).write_initial(directory, shares)
+
+    def remove_dir(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+class ClaimPreparer:
+    """Prepares and unprepares claims of one node; thread-safe (the kubelet may call concurrently)."""
+
+    def __init__(self, node: str, config: Callable[[], Config], devices: Callable[[], Mapping[str, DeviceRef]],
+                 read_claim: ClaimReader, effects: Effects | None = None) -> None:
+        self.node = node
+        self._config = config
+        self._devices = devices
+        self._read_claim = read_claim
+        self.effects = effects or FileEffects()
+        self._lock = threading.Lock()
+        self.checkpoint_path = os.path.join(config().dra.state_dir, CHECKPOINT_FILE)
+        self.checkpoint = self._load()
+
+    def _load(self) -> Checkpoint:
+        try:
+            with open(self.checkpoint_path, encoding="utf-8") as fh:
+                cp = Checkpoint.from_json(fh.read())
+        except FileNotFoundError:
+            return Checkpoint()
+        except (OSError, CheckpointError) as exc:
+            # Refuse to start on an unreadable checkpoint: guessing would lose or double claims.
+            raise CheckpointError(f"cannot read {self.checkpoint_path}: {exc}") from exc
+        unfinished = sorted(uid for uid, c in cp.claims.items() if c.state == PREPARING)
+        log.info("checkpoint loaded", claims=len(cp.claims), unfinished=",".join(unfinished))
+        return cp
+
+    def _save(self, cp: Checkpoint) -> None:
+        self.effects.write_file(self.checkpoint_path, cp.to_json().encode())
+        self.checkpoint = cp
+
+    def paths_for(self, uid: str, config: Config, name: str = "", pods: Sequence[str] = ()) -> tuple[str, str]:
+        """The CDI spec file and quota directory a claim owns, fixed by the claim, so a retry overwrites.
+
+        A claim of one pod gets the quota loop's layout, ``<quotaHostDir>/<pod-uid>/claim-<name>``
+        (the tenant "container" is the claim), so the loop rewrites the very file the container
+        mounts; a claim shared by several pods keeps ``<quotaHostDir>/_claims/<claim-uid>``."""
+        spec = os.path.join(config.dra.cdi_root, cdi.spec_file_name(config.names.cdi_kind, uid))
+        if len(pods) == 1 and pods[0] and name:
+            return spec, writer.container_dir(config.quota_host_dir, pods[0], tenant_container(name))
+        return spec, os.path.join(config.quota_host_dir, "_claims", uid)
+
+    # -- Prepare ----------------------------------------------------------------------------------
+    def prepare(self, ref: ClaimRef) -> PrepareResult:
+        with self._lock:
+            done = self.checkpoint.claims.get(ref.uid)
+            if done is not None and done.state == PREPARED and (not done.devices or os.path.exists(done.cdi_spec)):
+                return PrepareResult(done.devices)
+            # else: not prepared, half prepared, or prepared before a reboot emptied /var/run/cdi (a
+            # tmpfs) while the checkpoint survived: (re)build it
+            try:
+                return PrepareResult(self._prepare(ref))
+            except ClaimError as exc:
+                log.warning("claim not prepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, error=str(exc))
+                return PrepareResult(error=str(exc))
+
+    def _prepare(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+        where = f"claim {ref.namespace}/{ref.name}"
+        try:
+            claim = self._read_claim(ref.namespace, ref.name)
+        except LookupError as exc:
+            raise ClaimError(f"{where}: cannot read it from the API server: {exc}") from exc
+        uid = (claim.get("metadata") or {}).get("uid")
+        if uid != ref.uid:
+            raise ClaimError(f"{where}: UID is {uid}, the kubelet asked for {ref.uid} (claim was recreated)")
+        config = self._config()
+        shares = resolve(our_shares(claim, config.names.dra_driver, self.node), self._devices(), where)
+        reserved = [r for r in (claim.get("status") or {}).get("reservedFor") or () if r.get("resource") == "pods"]
+        pods = tuple(r.get("uid", "") for r in reserved)
+        spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
+        gpu = cdi.gpu_shares(shares)
+        record = PreparedClaim(uid=ref.uid, namespace=ref.namespace, name=ref.name, state=PREPARING,
+                               cdi_spec=spec_path, quota_dir=quota_dir if shares else None, pod_uids=pods,
+                               pod_names=tuple(r.get("name", "") for r in reserved),
+                               gpus={g.uuid: g.mib for g in gpu})
+        self._save(self.checkpoint.with_claim(record))
+        devices: list[PreparedDevice] = []
+        if shares:
+            self.effects.write_quota(quota_dir, gpu, config)
+            doc, extra = cdi.claim_spec(ref.uid, shares, config, quota_dir)
+            self.effects.write_file(spec_path, json.dumps(doc, indent=1, sort_keys=True).encode())
+            kind = config.names.cdi_kind
+            for n, s in enumerate(shares):
+                ids = (cdi.qualified(kind, cdi.device_name(ref.uid, n)),) + extra
+                devices.append(PreparedDevice((s.share.request,), s.share.pool, s.share.device, ids))
+        self._save(self.checkpoint.with_claim(completed(record, tuple(devices))))
+        log.info("claim prepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid,
+                 gpus=",".join(f"{u}:{m}MiB" for u, m in record.gpus.items()), pods=",".join(pods))
+        return tuple(devices)
+
+    # -- Unprepare --------------------------------------------------------------------------------
+    def unprepare(self, ref: ClaimRef) -> str:
+        """Remove what Prepare made; ``""`` on success (also for a claim never prepared here)."""
+        with self._lock:
+            record = self.checkpoint.claims.get(ref.uid)
+            if record is None:
+                return ""
+            if record.state == PREPARED:
+                # back to "preparing" first: should we die while removing, a repeated Prepare redoes
+                # the files instead of answering from an entry whose files are gone
+                self._save(self.checkpoint.with_claim(replace(record, state=PREPARING)))
+            self.effects.remove_file(record.cdi_spec)
+            if record.quota_dir:
+                self.effects.remove_dir(record.quota_dir)
+            self._save(self.checkpoint.without(ref.uid))
+            log.info("claim unprepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
+            return ""
+
+    def prepared(self) -> Mapping[str, PreparedClaim]:
+        return self.checkpoint.claims

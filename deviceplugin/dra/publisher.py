@@ -1,0 +1,106 @@
+"""Keeps this node's ResourceSlices current through the API server (server-side apply).
+
+The adapter around :mod:`deviceplugin.dra.slices`: reads what is published (to continue the pool
+generation after a restart), applies the desired slices with field manager ``vramshare-dra``
+(``force``: this plugin alone owns its node's pool), and deletes slices the pool no longer needs.
+It also reads the node's device-plugin inventory annotation: a GPU that a device plugin advertises
+is refused here, so a stale config on either side never lets both plugins hand out one GPU.
+Uses the official client's ``ResourceV1Api`` with raw JSON responses (the dicts are the contract).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Sequence
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from deviceplugin.dra import slices
+from vramshare import contract, logs
+from vramshare.inventory import InventoryError, NodeInventory
+
+log = logs.get(__name__)
+
+FIELD_MANAGER = "vramshare-dra"
+APPLY = "application/apply-patch+yaml"
+
+
+def _data(resp: Any) -> Any:
+    try:
+        return json.loads(resp.data)
+    finally:
+        resp.release_conn()
+
+
+class SlicePublisher:
+    """Publishes one node's pool; ``publish`` is safe to call from any thread and after any failure."""
+
+    def __init__(self, api: client.ApiClient, node: str, names: contract.Names) -> None:
+        self.node = node
+        self.names = names
+        self._resource = client.ResourceV1Api(api)
+        self._core = client.CoreV1Api(api)
+        self._lock = threading.Lock()
+        self._generation: int | None = None
+        self._devices: list[dict[str, Any]] | None = None
+        self.published = threading.Event()
+
+    def _published_slices(self) -> list[dict[str, Any]]:
+        selector = f"spec.nodeName={self.node},spec.driver={self.names.dra_driver}"
+        return _data(self._resource.list_resource_slice(field_selector=selector, _preload_content=False))["items"]
+
+    def _node(self) -> dict[str, Any] | None:
+        try:
+            return _data(self._core.read_node(self.node, _preload_content=False))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def device_plugin_gpus(self) -> frozenset[str]:
+        """GPU UUIDs a device plugin advertises on this node (its inventory annotation); refused here."""
+        node = self._node() or {}
+        text = ((node.get("metadata") or {}).get("annotations") or {}).get(self.names.inventory)
+        if not text:
+            return frozenset()
+        try:
+            inv = NodeInventory.from_json(text)
+        except InventoryError as exc:
+            log.warning("device plugin inventory unreadable; refusing nothing", node=self.node, error=str(exc))
+            return frozenset()
+        return frozenset(g.uuid for g in inv.gpus)
+
+    def publish(self, devices: Sequence[dict[str, Any]]) -> int:
+        """Apply the pool with ``devices``; returns its generation. Raises ``ApiException`` to retry."""
+        with self._lock:
+            existing = self._published_slices()
+            if self._generation is None:
+                self._generation = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing), default=0)
+                self._devices = [d for s in sorted(existing, key=lambda s: s["metadata"]["name"])
+                                 for d in s["spec"].get("devices") or ()] if existing else None
+            generation = slices.next_generation(self._generation, self._devices, devices)
+            node = self._node()
+            node_uid = ((node or {}).get("metadata") or {}).get("uid")
+            desired = slices.resource_slices(self.node, node_uid, devices, generation, self.names)
+            for obj in desired:
+                _data(self._resource.patch_resource_slice(obj["metadata"]["name"], obj, field_manager=FIELD_MANAGER,
+                                                          force=True, _content_type=APPLY, _preload_content=False))
+            keep = {o["metadata"]["name"] for o in desired}
+            for old in existing:
+                name = old["metadata"]["name"]
+                if name not in keep:
+                    _data(self._resource.delete_resource_slice(name, _preload_content=False))
+            if generation != self._generation:
+                log.info("resource slices published", node=self.node, generation=generation,
+                         devices=len(devices), slices=len(desired))
+            self._generation, self._devices = generation, list(devices)
+            self.published.set()
+            return generation
+
+    def withdraw(self) -> None:
+        """Delete this node's slices (on uninstall: ``vramshare dra-plugin`` leaves them on restart)."""
+        with self._lock:
+            for old in self._published_slices():
+                _data(self._resource.delete_resource_slice(old["metadata"]["name"], _preload_content=False))
+            self._generation, self._devices = None, None

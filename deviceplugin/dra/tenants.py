@@ -1,0 +1,55 @@
+"""The quota loop's tenants on the DRA path: the prepared claims of this node.
+
+Each prepared claim reserved by one pod is a tenant: key (namespace, pod, ``claim-<name>``, pod UID),
+its GPUs and granted MiB from the checkpoint, and, from the pod itself (one list of this node's pods
+per tick, as the device-plugin path does), its vLLM metrics URL and the runtime IDs of its containers
+so NVML's per-process memory is attributed to it. The loop then writes
+``<quotaHostDir>/<pod-uid>/claim-<name>/quota.json``, the directory the claim's CDI spec mounts, and
+floors, ceilings, rebalancing and enforcement apply unchanged.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterable, Mapping
+
+from kubernetes import client
+
+from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
+from deviceplugin.dra.preparer import tenant_container
+from deviceplugin.quota.kube import TIMEOUT_S, _container_ids, _metrics_url
+from deviceplugin.quota.model import Tenant, TenantKey
+
+
+def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Mapping[str, Mapping[str, Any]]) -> list[Tenant]:
+    """Pure: prepared claims (+ this node's pods by UID) -> tenants; shared claims are left alone."""
+    out = []
+    for c in sorted(claims, key=lambda c: (c.namespace, c.name)):
+        if c.state != PREPARED or len(c.pod_uids) != 1 or not c.gpus:
+            continue
+        uid = c.pod_uids[0]
+        pod = pods.get(uid) or {}
+        names = c.pod_names[0] if c.pod_names else (pod.get("metadata") or {}).get("name", "")
+        out.append(Tenant(key=TenantKey(c.namespace, names, tenant_container(c.name), pod_uid=uid),
+                          gpus=tuple(sorted(c.gpus.items())), metrics_url=_metrics_url(pod) if pod else None,
+                          container_ids=frozenset(_container_ids(pod).values()) if pod else frozenset()))
+    return out
+
+
+class ClaimTenantSource:
+    """:class:`deviceplugin.quota.loop.TenantSource` over the preparer's checkpoint."""
+
+    def __init__(self, prepared: Callable[[], Mapping[str, PreparedClaim]], v1: client.CoreV1Api | None,
+                 node: str) -> None:
+        self._prepared, self._v1, self._node = prepared, v1, node
+
+    def list_tenants(self) -> list[Tenant]:
+        pods: dict[str, Mapping[str, Any]] = {}
+        if self._v1 is not None:
+            resp: Any = self._v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self._node}",
+                                                             _preload_content=False, _request_timeout=TIMEOUT_S)
+            try:
+                items = json.loads(resp.data).get("items") or []
+            finally:
+                resp.release_conn()
+            pods = {(p.get("metadata") or {}).get("uid", ""): p for p in items}
+        return tenants_from_claims(self._prepared().values(), pods)

@@ -1,0 +1,251 @@
+"""Prioritize for pods whose ResourceClaims use vramshare's DeviceClasses (the DRA path, 1.36+).
+
+kube-scheduler filters, allocates and binds such pods itself; its DRA allocator has no scorer for
+shared devices and takes the first fitting devices of whatever feasible node it ends up on. This
+module gives prioritize the same per-GPU view the device-plugin path has, built from:
+
+* this driver's ResourceSlices: one slot per device, in published order (the allocator's device
+  order), shared GPUs sized by ``capacity.memory``, exclusive GPUs and MIG instances whole, tainted
+  devices unhealthy;
+* allocated ResourceClaims: every result's ``consumedCapacity.memory`` charged to its GPU (whole
+  devices charged in full), keyed by claim;
+* the pod's own, not yet allocated, claims (``status.resourceClaimStatuses``): one Demand per request
+  of our classes (memory rounded up to the device's step, ``count`` distinct GPUs).
+
+Scores come from :func:`extender.placement.score_nodes` with the configured policy; ``fgd`` becomes
+``dra-fgd``, which scores the GPU the allocator will really take (first fit). Pure: objects in,
+scores out; :class:`DraWatch` keeps the objects current from the API server.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from typing import Any, Iterable, Mapping, Sequence
+
+from kubernetes import client, watch
+from kubernetes.utils import parse_quantity
+
+from extender import cluster, placement
+from extender.translate import EXCLUSIVE, SHARED, mig_kind
+from vramshare import contract, logs
+
+log = logs.get("vramshare.extender.dra")
+Obj = Mapping[str, Any]
+MiB = 1024 * 1024
+_PROFILE = re.compile(r'\.profile\s*==\s*"([^"]+)"')
+DRA_POLICY = {"fgd": "dra-fgd"}
+
+
+def _mib(value: Any) -> int:
+    return math.ceil(parse_quantity(value) / MiB)
+
+
+def slots_of_slice(obj: Obj) -> list[cluster.Slot]:
+    """The slots one ResourceSlice publishes, in device order."""
+    out = []
+    for pos, d in enumerate((obj.get("spec") or {}).get("devices") or ()):
+        attrs = d.get("attributes") or {}
+        value = lambda k, default="": next(iter((attrs.get(k) or {default: default}).values()))  # noqa: E731
+        mode = value("mode")
+        cap = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
+        kind = SHARED if d.get("allowMultipleAllocations") else (
+            mig_kind(value("profile")) if mode == "mig" else EXCLUSIVE)
+        healthy = not any(t.get("effect") in ("NoSchedule", "NoExecute") for t in d.get("taints") or ())
+        out.append(cluster.Slot(uuid=f"{obj['spec']['pool']['name']}/{d['name']}", model=value("model"), kind=kind,
+                                capacity=cap, healthy=healthy, index=int(value("index", pos) or pos)))
+    return out
+
+
+def claim_usage(claim: Obj, driver: str, capacity: Mapping[str, int]) -> list[tuple[str, int]]:
+    """``[(slot uuid, MiB)]`` an allocated claim holds of this driver's devices."""
+    alloc = (claim.get("status") or {}).get("allocation") or {}
+    out = []
+    for r in (alloc.get("devices") or {}).get("results") or ():
+        if r.get("driver") != driver:
+            continue
+        uuid = f"{r['pool']}/{r['device']}"
+        mem = (r.get("consumedCapacity") or {}).get("memory")
+        out.append((uuid, _mib(mem) if mem is not None else capacity.get(uuid, 0)))
+    return out
+
+
+def claim_demands(claim: Obj, names: contract.Names, unit_mib: int) -> list[cluster.Demand]:
+    """What an unallocated claim asks of our classes; requests of other classes are not ours to score."""
+    out = []
+    for req in ((claim.get("spec") or {}).get("devices") or {}).get("requests") or ():
+        ex = req.get("exactly") or {}
+        cls, count = ex.get("deviceClassName"), int(ex.get("count", 1))
+        if cls == names.device_class("gpu-memory"):
+            mem = ((ex.get("capacity") or {}).get("requests") or {}).get("memory")
+            mib = _mib(mem) if mem is not None else unit_mib
+            out.append(cluster.Demand(per_gpu=math.ceil(mib / unit_mib) * unit_mib, count=count, kind=SHARED))
+        elif cls == names.device_class("gpu"):
+            out.append(cluster.Demand(per_gpu=0, count=count, kind=EXCLUSIVE))
+        elif cls == names.device_class("mig"):
+            profiles = {p for s in ex.get("selectors") or () for p in _PROFILE.findall(s["cel"]["expression"])}
+            if len(profiles) == 1:
+                out.append(cluster.Demand(per_gpu=0, count=count, kind=mig_kind(profiles.pop())))
+    return out
+
+
+def pod_claim_names(pod: Obj) -> list[str]:
+    """The ResourceClaims of a pod: direct references and those the claim controller made."""
+    made = {s["name"]: s.get("resourceClaimName") for s in (pod.get("status") or {}).get("resourceClaimStatuses") or ()}
+    out = []
+    for pc in (pod.get("spec") or {}).get("resourceClaims") or ():
+        name = pc.get("resourceClaimName") or made.get(pc.get("name"))
+        if name:
+            out.append(name)
+    return out
+
+
+class DraCluster:
+    """Slices and claims by key; the ClusterState over them is rebuilt when either changed."""
+
+    def __init__(self, names: contract.Names, unit_mib: int) -> None:
+        self.names, self.unit_mib = names, unit_mib
+        self.slices: dict[str, Obj] = {}
+        self.claims: dict[str, Obj] = {}  # "ns/name"
+        self._lock = threading.RLock()  # puts (watch threads) and scoring (HTTP threads)
+        self._state: cluster.ClusterState | None = None
+        self._capacity: dict[str, int] = {}  # slot uuid -> MiB, of the state built
+        self._unaccounted: set[str] = set()  # claims the built state could not hold (transient views)
+
+    def put(self, kind: str, obj: Obj, deleted: bool = False) -> None:
+        """A watched object changed. A claim is applied to the built state in place (claims churn
+        with every pod); a slice invalidates it (slices change with health and config only)."""
+        meta = obj.get("metadata") or {}
+        if kind == "ResourceSlice":
+            if (obj.get("spec") or {}).get("driver") != self.names.dra_driver:
+                return
+            table, key = self.slices, meta["name"]
+        else:
+            table, key = self.claims, f"{meta.get('namespace')}/{meta['name']}"
+        with self._lock:
+            if deleted:
+                table.pop(key, None)
+            else:
+                table[key] = obj
+            if kind == "ResourceSlice" or self._unaccounted:
+                self._state = None  # rebuilt on the next score (a refused claim may fit now)
+            elif self._state is not None:
+                self._state.remove_pod(key)
+                if not self._charge(self._state, key, None if deleted else obj):
+                    self._state = None
+
+    def _charge(self, st: cluster.ClusterState, key: str, claim: Obj | None) -> bool:
+        """Charge a claim's holdings; False (and remembered) when the view cannot hold them."""
+        self._unaccounted.discard(key)
+        if claim is None:
+            return True
+        usage = [(u, m) for u, m in claim_usage(claim, self.names.dra_driver, self._capacity) if u in self._capacity]
+        if usage:
+            try:
+                st.add_pod(key, usage[0][0].split("/", 1)[0], usage)  # pool name = node name
+            except Exception as exc:  # noqa: BLE001 - a stale view must not break scoring of others
+                log.warning("claim not accounted", claim=key, error=str(exc))
+                self._unaccounted.add(key)
+                return False
+        return True
+
+    def state(self) -> cluster.ClusterState:
+        """The per-GPU state; built from every slice and claim when a slice changed."""
+        with self._lock:
+            if self._state is not None:
+                return self._state
+            per_node: dict[str, list[tuple[str, Obj]]] = {}
+            for s in self.slices.values():  # newest generation of each pool only, as the allocator reads
+                per_node.setdefault(s["spec"].get("nodeName", ""), []).append((s["metadata"]["name"], s))
+            st = cluster.ClusterState()
+            self._capacity, self._unaccounted = {}, set()
+            for node, members in per_node.items():
+                newest = max(int(s["spec"]["pool"].get("generation", 0)) for _, s in members)
+                slots = [slot for _, s in sorted(members) if int(s["spec"]["pool"].get("generation", 0)) == newest
+                         for slot in slots_of_slice(s)]
+                st.set_node(node, slots)
+                self._capacity.update({s.uuid: s.capacity for s in slots})
+            for key, c in self.claims.items():
+                self._charge(st, key, c)
+            self._state = st
+            return st
+
+    def demands(self, pod: Obj) -> list[cluster.Demand]:
+        ns = (pod.get("metadata") or {}).get("namespace")
+        out: list[cluster.Demand] = []
+        for name in pod_claim_names(pod):
+            claim = self.claims.get(f"{ns}/{name}")
+            if claim is not None and not (claim.get("status") or {}).get("allocation"):
+                out += claim_demands(claim, self.names, self.unit_mib)
+        return out
+
+    def handles(self, pod: Obj) -> bool:
+        """Does the pod have an unallocated claim of our DeviceClasses (what this module scores)?"""
+        return bool(self.demands(pod))
+
+    def score(self, pod: Obj, node_names: Sequence[str], policy: str) -> list[tuple[str, int]]:
+        with self._lock:
+            demands = self.demands(pod)
+            if not demands:
+                return [(n, 0) for n in node_names]
+            return placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy))
+
+
+class DraWatch:
+    """List+watch of ResourceSlices and ResourceClaims into a :class:`DraCluster` (two threads)."""
+
+    def __init__(self, api: client.ApiClient, dra: DraCluster, timeout_s: int = 300) -> None:
+        self._resource = client.ResourceV1Api(api)
+        self.dra = dra
+        self._timeout = timeout_s
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for kind, lister in (("ResourceSlice", self._resource.list_resource_slice),
+                             ("ResourceClaim", self._resource.list_resource_claim_for_all_namespaces)):
+            t = threading.Thread(target=self._run, args=(kind, lister), name=f"dra-watch-{kind}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _run(self, kind: str, lister: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                listed = lister(_preload_content=False)
+                try:
+                    doc = json.loads(listed.data)
+                finally:
+                    listed.release_conn()
+                for obj in doc.get("items") or ():
+                    self.dra.put(kind, obj)
+                w = watch.Watch()
+                for ev in w.stream(lister, resource_version=doc["metadata"]["resourceVersion"],
+                                   timeout_seconds=self._timeout):
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+                    obj = ev["raw_object"]
+                    self.dra.put(kind, obj, deleted=ev["type"] == "DELETED")
+            except client.ApiException as exc:
+                if exc.status in (403, 404):  # no resource.k8s.io/v1 here (before 1.34), or no RBAC for it
+                    log.info("DRA scoring off: cannot list", kind=kind, status=exc.status)
+                    return
+                log.warning("dra watch restarts", kind=kind, error=str(exc))
+                self._stop.wait(1.0)
+            except Exception as exc:  # noqa: BLE001 - relist after any failure
+                log.warning("dra watch restarts", kind=kind, error=str(exc))
+                self._stop.wait(1.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+def scores_for(dra: DraCluster | None, pod: Obj, node_names: Iterable[str],
+               policy: str) -> list[tuple[str, int]] | None:
+    """The hook prioritize calls: scores for a DRA pod of ours, ``None`` for every other pod."""
+    if dra is None or not dra.handles(pod):
+        return None
+    return dra.score(pod, list(node_names), policy)

@@ -1,0 +1,27 @@
+"""The ``dra`` config section: strict keys, who owns which GPU."""
+from __future__ import annotations
+
+import pytest
+
+from vramshare.config import ConfigError, DraConfig, parse_config
+
+
+def test_dra_section_parses_and_defaults():
+    c = parse_config("version: v1\ndra:\n  gpus: [0, GPU-abc]\n  deviceTaints: true\n  cdiRoot: /etc/cdi\n")
+    assert c.dra == DraConfig(gpus=("0", "GPU-abc"), device_taints=True, cdi_root="/etc/cdi")
+    assert c.dra.manages(0, "GPU-x") and c.dra.manages(5, "GPU-abc") and not c.dra.manages(1, "GPU-y")
+    assert parse_config("dra:\n  gpus: all\n").dra.manages(7, "anything")
+    assert parse_config("").dra.gpus == () and not parse_config("").dra.manages(0, "GPU-0")
+
+
+@pytest.mark.parametrize("text, key", [
+    ("dra:\n  gpu: [0]\n", "dra.gpu"),
+    ("dra:\n  gpus: 3\n", "dra.gpus"),
+    ("dra:\n  gpus: [true]\n", "dra.gpus"),
+    ("dra:\n  deviceTaints: yes please\n", "dra.deviceTaints"),
+    ("dra:\n  cdiRoot: relative/dir\n", "dra.cdiRoot"),
+    ("dra: [1]\n", "dra"),
+])
+def test_bad_dra_config_names_the_key(text, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(text)

@@ -1,0 +1,181 @@
+"""``vramshare dra-plugin`` against the API server double: slices published before any kubelet,
+health withdrawal, refusing GPUs a device plugin serves, and a pod's claim from template to CDI."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+import tempfile
+
+import pytest
+import yaml
+from kubernetes import client
+
+from deviceplugin.dra.main import DraPluginDaemon
+from deviceplugin.simulated_backend import SimulatedBackend
+from tests.dra.conftest import NODE, dra_config
+from vramshare import contract
+from vramshare.inventory import NodeInventory
+from vramshare.kube import api_client_for
+from vramshare.standins import cdi_registry
+from vramshare.standins.apiserver import ApiServerDouble
+from vramshare.standins.apiserver.resources import RESOURCECLAIMS, RESOURCESLICES
+from vramshare.standins.dra_kubelet import DraKubelet, PrepareError
+from vramshare.standins.dra_scheduler import DraScheduler
+
+DRA_DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "daemonset" / "dra"
+DRIVER = "gpu.vramshare.io"
+
+
+def slices_of(api: ApiServerDouble) -> list[dict]:
+    return [i for i in api.objects(RESOURCESLICES) if i["spec"]["nodeName"] == NODE]
+
+
+def devices_of(api: ApiServerDouble) -> dict[str, dict]:
+    return {d["name"]: d for s in slices_of(api) for d in s["spec"].get("devices") or ()}
+
+
+def generation(api: ApiServerDouble) -> int:
+    return max(s["spec"]["pool"]["generation"] for s in slices_of(api))
+
+
+@pytest.fixture
+def env(tmp_path):
+    sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        api.create_node({"metadata": {"name": NODE}})
+        yield api, http, tmp_path, sockets
+    shutil.rmtree(sockets, ignore_errors=True)
+
+
+def start(env, backend=None, **dra) -> DraPluginDaemon:
+    api, http, tmp, sockets = env
+    config = dra_config(tmp, **dra)
+    daemon = DraPluginDaemon(backend or SimulatedBackend.demo(), config, http, NODE,
+                             plugin_dir=f"{sockets}/plugins/{DRIVER}", registry_dir=f"{sockets}/registry",
+                             retry_seconds=0.05, resync_seconds=0.2)
+    return daemon  # started by ``with``
+
+
+def test_slices_are_published_before_any_kubelet_registers(env):
+    api = env[0]
+    with start(env) as daemon:
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+        assert not daemon.plugin.registration.registered.is_set()
+        [s] = slices_of(api)
+        node_uid = api.get_node(NODE)["metadata"]["uid"]
+        assert s["metadata"]["ownerReferences"][0]["uid"] == node_uid
+        assert s["spec"]["driver"] == DRIVER and s["spec"]["pool"]["name"] == NODE
+        assert api.count("PATCH", r"/resourceslices/") >= 1
+
+
+def test_publishing_retries_until_the_api_server_answers(env):
+    api = env[0]
+    api.fail_next("GET", r"/resourceslices", code=503, times=3)
+    with start(env):
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+    assert api.count("GET", r"/resourceslices") >= 4
+
+
+@pytest.mark.parametrize("taints", [False, True])
+def test_health_withdraws_and_restores_devices(env, taints):
+    api = env[0]
+    backend = SimulatedBackend.demo()
+    gpu0 = backend.discover()[0].uuid
+    with start(env, backend, device_taints=taints):
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+        first = generation(api)
+        backend.inject_xid(gpu0, 79)
+        if taints:
+            assert api.wait_for(lambda a: "taints" in devices_of(a).get("gpu-0", {}), timeout=20)
+        else:
+            assert api.wait_for(lambda a: "gpu-0" not in devices_of(a), timeout=20)
+        assert generation(api) == first + 1
+        backend.recover(gpu0)
+        assert api.wait_for(lambda a: "taints" not in devices_of(a).get("gpu-0", {"taints": 1}), timeout=20)
+        assert generation(api) == first + 2
+
+
+def test_a_restart_continues_the_pool_generation(env):
+    api = env[0]
+    with start(env):
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+    g = generation(api)
+    with start(env, gpus=("0",)):  # fewer devices after the restart: one more generation, not 1
+        assert api.wait_for(lambda a: set(devices_of(a)) == {"gpu-0"}, timeout=20)
+        assert generation(api) == g + 1
+
+
+def test_gpus_a_device_plugin_advertises_are_refused(env):
+    """A device plugin on this node (with a config that still gives it GPU 0) publishes its inventory
+    annotation; the DRA plugin must neither publish GPU 0 nor prepare claims on it."""
+    api, http, tmp, _ = env
+    discovered = SimulatedBackend.demo().discover()
+    from deviceplugin import devices
+    dp_config = dataclasses.replace(dra_config(tmp), dra=dataclasses.replace(dra_config(tmp).dra, gpus=()))
+    dp_inventory = devices.build_inventory(discovered[:1], dp_config)  # the device plugin holds GPU 0
+    api.update(*_node_ref(), lambda n: n["metadata"].setdefault("annotations", {}).update(
+        {contract.Names().inventory: dp_inventory.to_json()}))
+    with start(env) as daemon:
+        assert api.wait_for(lambda a: len(devices_of(a)) == 6, timeout=20)
+        assert "gpu-0" not in devices_of(api) and daemon.refused == {discovered[0].uuid}
+        assert "gpu-0" not in daemon.devices()
+    assert NodeInventory.from_json(api.get_node(NODE)["metadata"]["annotations"][contract.Names().inventory])
+
+
+def _node_ref():
+    from vramshare.standins.apiserver import NODES
+    return NODES, None, NODE
+
+
+def _apply_deploy(http) -> None:
+    resource = client.ResourceV1Api(http)
+    for doc in yaml.safe_load_all((DRA_DEPLOY / "deviceclasses.yaml").read_text()):
+        resource.create_device_class(doc)
+    for doc in yaml.safe_load_all((DRA_DEPLOY / "examples" / "claim-templates.yaml").read_text()):
+        resource.create_namespaced_resource_claim_template("default", doc)
+
+
+def _pod(api: ApiServerDouble, name: str, template: str) -> dict:
+    return api.create_pod({"metadata": {"name": name, "namespace": "default"}, "spec": {
+        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+        "containers": [{"name": "vllm", "image": "vllm", "resources": {"claims": [{"name": "gpu"}]}}]}})
+
+
+def test_a_pod_claim_goes_from_template_to_container_environment(env):
+    api, http, tmp, sockets = env
+    _apply_deploy(http)
+    with start(env) as daemon:
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+        scheduler = DraScheduler(http, [NODE], seed=1)
+        kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
+        assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+        pods = []
+        for i, template in enumerate(["vllm-22gi", "vllm-tp2-48gi", "mig-1g-10gb"]):
+            pod = scheduler.create_claims(_pod(api, f"p{i}", template))
+            placement = scheduler.schedule(pod)
+            assert placement is not None and placement.node == NODE
+            pods.append(api.get_pod("default", f"p{i}"))
+        def container_env(pod: dict) -> dict[str, str]:
+            names = kubelet.prepare_pod(pod)  # first: the runtime reads the specs after Prepare wrote them
+            registry = cdi_registry.Registry([str(tmp / "cdi")])
+            assert registry.errors == {}
+            return registry.inject(names).env
+
+        env22 = container_env(pods[0])
+        assert env22[contract.ENV_MEMORY_LIMIT_MIB] == str(22 * 1024)
+        tp2 = container_env(pods[1])
+        assert len(set(tp2[contract.ENV_GPU_UUIDS].split(","))) == 2 and tp2[contract.ENV_MEMORY_LIMIT_MIB] == "49152"
+        mig = container_env(pods[2])
+        migs = {m.uuid for m in SimulatedBackend.demo().discover()[3].mig}
+        assert mig[contract.ENV_GPU_UUIDS] in migs and mig[contract.ENV_VISIBLE_DEVICES] in migs
+        assert len(daemon.preparer.prepared()) == 3
+        # a pod whose claim does not reserve it is refused by the kubelet, as upstream
+        stranger = dict(pods[0], metadata={**pods[0]["metadata"], "uid": "someone-else"})
+        with pytest.raises(PrepareError, match="reservedFor"):
+            kubelet.prepare_pod(stranger)
+        for pod in pods:
+            assert kubelet.unprepare_pod(pod)
+        assert daemon.preparer.prepared() == {} and not list((tmp / "cdi").iterdir())
+        claims = api.objects(RESOURCECLAIMS)
+        assert len(claims) == 3 and all(c["status"]["allocation"] for c in claims)
