@@ -5,8 +5,9 @@ process. The block pool gets two instance-level overrides:
 
 * ``get_num_free_blocks`` answers ``KvCap.free(raw)``. Every admission and growth decision in the
   v1 scheduler (``KVCacheManager.allocate_slots``) compares against it, so at the cap the scheduler
-  sees a full cache and preempts exactly as it would on a genuinely full one. ``get_usage`` (the
-  ``vllm:kv_cache_usage_perc`` metric) reads it too and so reports usage against the cap.
+  sees a full cache and preempts exactly as it would on a genuinely full one.
+* ``get_usage`` (the ``vllm:kv_cache_usage_perc`` metric) reports ``used / cap`` and
+  ``reset_prefix_cache`` checks the raw pool (see :func:`_install_on_pool`).
 * ``get_new_blocks`` refuses requests beyond the capped free count with the pool's own error, as a
   guard for code paths that allocate without asking first.
 """
@@ -69,8 +70,19 @@ class EngineCap:
 
 
 def _install_on_pool(pool: Any, cap: KvCap) -> None:
+    """Give the scheduler the capped view, and keep vLLM's own accounting on the raw one.
+
+    Only admission (``KVCacheManager.allocate_slots`` and friends) should see the cap. Two other
+    readers of ``get_num_free_blocks`` must not: ``get_usage`` (the ``vllm:kv_cache_usage_perc``
+    metric, which the quota loop reads as pressure) reports ``used / cap`` instead, so an idle
+    shrunk engine reads 0; ``reset_prefix_cache`` (also the sleep and
+    ``pause_scheduler(clear_cache=True)`` path) checks "only the null block is used" against the
+    raw pool, else it fails on an idle engine after any shrink. Both run on the scheduler thread,
+    the only thread that touches the pool, so swapping the method for the reset is safe.
+    """
     raw_free = pool.get_num_free_blocks
     raw_new = pool.get_new_blocks
+    raw_reset = pool.reset_prefix_cache
 
     def get_num_free_blocks() -> int:
         return cap.free(raw_free())
@@ -81,8 +93,20 @@ def _install_on_pool(pool: Any, cap: KvCap) -> None:
                              f"(vramshare cap {cap.cap} of {cap.usable_blocks})")
         return raw_new(num_blocks)
 
+    def get_usage() -> float:
+        return cap.usage(raw_free())
+
+    def reset_prefix_cache() -> bool:
+        pool.get_num_free_blocks = raw_free
+        try:
+            return raw_reset()
+        finally:
+            pool.get_num_free_blocks = get_num_free_blocks
+
     pool.get_num_free_blocks = get_num_free_blocks
     pool.get_new_blocks = get_new_blocks
+    pool.get_usage = get_usage
+    pool.reset_prefix_cache = reset_prefix_cache
 
 
 def block_bytes_of(kv_cache_config: Any) -> int:

@@ -209,6 +209,68 @@ def test_metrics_are_in_the_default_registry(engine: Any, quota_env: dict[str, s
     ec.watcher.poll_once()
 
 
+def test_idle_shrunk_engine_reports_usage_against_the_cap(engine: Any,
+                                                        quota_env: dict[str, str]) -> None:
+    """vllm:kv_cache_usage_perc reads block_pool.get_usage(): an idle engine must read 0 after a
+    shrink (the quota loop reads 0.9 as pressure), a busy one used/cap."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm_engine = engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    ec = scheduler._vramshare
+    try:
+        write_quota(quota_env["quota"], 16, 50)
+        ec.watcher.poll_once()
+        assert 4 <= ec.cap.cap < ec.cap.usable_blocks
+        assert scheduler.kv_cache_manager.usage == 0.0
+        assert scheduler.get_kv_cache_usage() == 0.0  # what SchedulerStats.kv_cache_usage reads
+        params = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
+        llm_engine.add_request("u0", TokensPrompt(prompt_token_ids=[3, 4, 5, 6, 7, 8]), params)
+        llm_engine.step()
+        used = used_blocks(scheduler)
+        assert used == 1
+        assert scheduler.kv_cache_manager.usage == pytest.approx(used / ec.cap.cap)
+        while llm_engine.has_unfinished_requests():
+            llm_engine.step()
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 51)
+        ec.watcher.poll_once()
+
+
+def test_prefix_cache_reset_and_pause_work_after_a_shrink(engine: Any,
+                                                          quota_env: dict[str, str]) -> None:
+    """reset_prefix_cache() on an idle engine, and the sleep / pause_scheduler(clear_cache=True)
+    path (reset_running_requests=True) with requests running, both after a shrink."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm_engine = engine.llm_engine
+    core = llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    ec = scheduler._vramshare
+    try:
+        write_quota(quota_env["quota"], 16, 60)
+        ec.watcher.poll_once()
+        assert ec.cap.cap < ec.cap.usable_blocks
+        assert engine.reset_prefix_cache() is True
+        params = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
+        for i in range(3):
+            llm_engine.add_request(f"p{i}", TokensPrompt(prompt_token_ids=[20 + i, 4, 5, 6]), params)
+        llm_engine.step()
+        assert used_blocks(scheduler) == 3
+        core.pause_scheduler(mode="keep", clear_cache=True)  # preempts all, then resets
+        assert used_blocks(scheduler) == 0
+        core.resume_scheduler()
+        finished = set()
+        while llm_engine.has_unfinished_requests():
+            finished.update(o.request_id for o in llm_engine.step() if o.finished)
+        assert finished == {"p0", "p1", "p2"}
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 61)
+        ec.watcher.poll_once()
+
+
 def run_batch(llm_engine: Any, tag: str, on_step: Any = None) -> dict[str, list[int]]:
     """Eight greedy requests of 6 prompt + 58 generated tokens (2 blocks each); outputs by index."""
     from vllm import SamplingParams
