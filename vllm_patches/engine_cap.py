@@ -22,7 +22,7 @@ from . import metrics
 from .budget import min_blocks_for
 from .cap import KvCap
 from .codecs import codec_bits
-from .release import KeepMapped, Releaser
+from .release import KvcachedRelease, Releaser, choose
 from .settings import QuotaSettings
 from .snapshot import DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC
 from .watcher import QuotaWatcher
@@ -56,12 +56,20 @@ class EngineCap:
         self.releaser.on_cap(old, new, self.cap.usable_blocks, self.cap.block_bytes)
         self.publish()
 
+    def tick(self) -> None:
+        """Every watcher poll: keep kvcached's limit on the quota, refresh the metrics."""
+        if isinstance(self.releaser, KvcachedRelease):
+            self.releaser.reassert()
+        self.publish()
+
     def publish(self) -> None:
         state = self.cap.state(self.raw_free())
         doc: dict[str, Any] = {
             "quota_mib": state.quota_mib, "cap_blocks": state.cap_blocks,
             "used_blocks": state.used_blocks, "usable_blocks": state.usable_blocks,
-            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits}
+            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits,
+            "release_mode": self.releaser.mode,
+            "kv_held_bytes": self.releaser.held_bytes(state.usable_blocks, state.block_bytes)}
         if self.connector is not None:
             doc["snapshots_taken"] = self.connector.snapshots_taken
             doc["snapshot_tokens_restored"] = self.connector.tokens_restored
@@ -141,15 +149,18 @@ def attach(scheduler: Any, vllm_config: Any, kv_cache_config: Any,
     bits = codec_bits(os.environ.get(ENV_SNAPSHOT_CODEC, DEFAULT_SNAPSHOT_CODEC)) if snapshots else 16
     holder: dict[str, EngineCap] = {}
     watcher = QuotaWatcher(settings.path, tracker, lambda mib: holder["ec"].on_change(mib),
-                           interval_s=settings.poll_s, on_tick=lambda: holder["ec"].publish())
+                           interval_s=settings.poll_s, on_tick=lambda: holder["ec"].tick())
     connector = getattr(scheduler, "connector", None) if snapshots else None
-    ec = EngineCap(pool, cap, watcher, state_dir, engine, KeepMapped(), bits, connector)
+    releaser = choose(os.environ)
+    ec = EngineCap(pool, cap, watcher, state_dir, engine, releaser, bits, connector)
     holder["ec"] = ec
     _install_on_pool(pool, cap)
+    # kvcached wrote its own limit when it built the cache (before the scheduler): replace it.
+    releaser.on_cap(cap.cap, cap.cap, usable, cap.block_bytes)
     scheduler._vramshare = ec
     ec.publish()
     log.info("kv block cap installed", limit_mib=start, usable_blocks=usable,
              block_bytes=cap.block_bytes, non_kv_mib=round(cap.non_kv_bytes / (1 << 20), 1),
-             min_blocks=cap.min_blocks, quota_file=settings.path)
+             min_blocks=cap.min_blocks, quota_file=settings.path, release_mode=releaser.mode)
     watcher.start()
     return ec

@@ -15,7 +15,7 @@ import threading
 
 from vramshare import logs
 
-from . import metrics, settings
+from . import metrics, release, settings
 
 log = logs.get(__name__)
 
@@ -35,6 +35,8 @@ def register() -> None:
             log.debug("no vramshare quota; plugin inactive")
             return
         from . import vllm_glue
+
+        release.ensure_ipc_name(os.environ)  # before any child process is spawned
 
         _installed = vllm_glue.install(found)
         # The collector serves the engine core's published state from this process's default

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_patches.budget import (MIB, Headroom, ModelShape, QuotaTooSmall, activation_bytes,
                                  headroom_from_env, llama_param_count, min_blocks_for, plan_kv,
                                  slice_request, weights_bytes)
-from vllm_patches.cap import KvCap, cap_blocks, capped_free
+from vllm_patches.cap import KvCap, cap_blocks, cap_usage, capped_free
 
 # Llama-2-7B: 6,738,415,616 parameters (the published count).
 LLAMA2_7B = ModelShape(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
@@ -103,3 +105,14 @@ def test_kv_cap_shrink_and_grow() -> None:
     assert cap.set_limit(400) == (2, 100) and not cap.below_minimum
     state = cap.state(raw_free=70)
     assert (state.quota_mib, state.cap_blocks, state.used_blocks) == (400, 100, 30)
+
+
+@given(st.integers(1, 500), st.data())
+def test_usage_is_against_the_cap(usable: int, data: st.DataObject) -> None:
+    """An idle engine reads 0 whatever the cap; a full cap reads 1; never outside [0, 1]."""
+    cap = data.draw(st.integers(1, usable))
+    used = data.draw(st.integers(0, usable))
+    usage = cap_usage(usable - used, usable, cap)
+    assert 0.0 <= usage <= 1.0
+    assert cap_usage(usable, usable, cap) == 0.0
+    assert usage == min(1.0, used / cap)
