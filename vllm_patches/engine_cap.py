@@ -21,10 +21,8 @@ from vramshare import logs
 from . import metrics
 from .budget import min_blocks_for
 from .cap import KvCap
-from .codecs import codec_bits
 from .release import KvcachedRelease, Releaser, choose
 from .settings import QuotaSettings
-from .snapshot import DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC
 from .watcher import QuotaWatcher
 
 log = logs.get(__name__)
@@ -146,11 +144,11 @@ def attach(scheduler: Any, vllm_config: Any, kv_cache_config: Any,
     engine = str(vllm_config.parallel_config.data_parallel_rank or 0)
     transfer = vllm_config.kv_transfer_config
     snapshots = transfer is not None and transfer.kv_connector == "SnapshotConnector"
-    bits = codec_bits(os.environ.get(ENV_SNAPSHOT_CODEC, DEFAULT_SNAPSHOT_CODEC)) if snapshots else 16
     holder: dict[str, EngineCap] = {}
     watcher = QuotaWatcher(settings.path, tracker, lambda mib: holder["ec"].on_change(mib),
                            interval_s=settings.poll_s, on_tick=lambda: holder["ec"].tick())
     connector = getattr(scheduler, "connector", None) if snapshots else None
+    bits = int(getattr(connector, "snapshot_bits", 16))
     releaser = choose(os.environ)
     ec = EngineCap(pool, cap, watcher, state_dir, engine, releaser, bits, connector)
     holder["ec"] = ec

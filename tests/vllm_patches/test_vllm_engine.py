@@ -296,18 +296,49 @@ def run_batch(llm_engine: Any, tag: str, on_step: Any = None) -> dict[str, list[
     return out
 
 
-def test_snapshot_connector_restores_preempted_requests(engine: Any,
-                                                        quota_env: dict[str, str]) -> None:
-    """Under a shrink, preempted requests resume from host snapshots instead of recomputing."""
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same tiny Llama with seeded random weights: its outputs depend on its KV cache."""
+    from vllm_patches.testing import save_random_llama
+
+    return save_random_llama(str(tmp_path_factory.mktemp("random-llama")), seed=0,
+                             max_position_embeddings=256)
+
+
+def snapshot_llm(model: str, codec: str) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    os.environ["VRAMSHARE_KV_SNAPSHOT_CODEC"] = codec
+    try:
+        return LLM(model=model, **{**ENGINE_KW, "load_format": "auto", "enable_prefix_caching": False,
+                                   "async_scheduling": False},
+                   kv_transfer_config=KVTransferConfig(
+                       kv_connector="SnapshotConnector",
+                       kv_connector_module_path="vllm_patches.snapshot_connector",
+                       kv_role="kv_both"))
+    finally:
+        os.environ.pop("VRAMSHARE_KV_SNAPSHOT_CODEC", None)
+
+
+def corrupt_snapshots() -> int:
+    """Add noise to every stored snapshot on the worker side (in-process engine)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    store = get_kv_transfer_group()._store
+    for snap in store.values():
+        for layer in snap.layers:
+            layer.data = layer.data.float().neg().to(layer.data.dtype)  # K, V -> -K, -V
+    return len(store)
+
+
+def test_snapshot_connector_restores_preempted_requests(engine: Any, random_model: str,
+                                                        quota_env: dict[str, str]) -> None:
+    """Under a shrink, preempted requests resume from host snapshots instead of recomputing, with
+    the outputs of an unpreempted run; and the outputs depend on what was restored (negating the
+    snapshots' K and V changes them), so this test can fail."""
     engine.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()  # one publisher
-    os.environ["VRAMSHARE_KV_SNAPSHOT_CODEC"] = "none"  # bit-exact: outputs must not change
-    llm = LLM(model=quota_env["model"], **{**ENGINE_KW, "enable_prefix_caching": False},
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="SnapshotConnector",
-                  kv_connector_module_path="vllm_patches.snapshot_connector", kv_role="kv_both"))
+    llm = snapshot_llm(random_model, "none")  # the default codec: bit-exact
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     ec, connector = scheduler._vramshare, scheduler.connector
     scheduled = [0]
@@ -319,15 +350,26 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any,
         return output
 
     scheduler.schedule = counting_schedule
+    generation = [40]
+
+    def shrink_at_step_3(step: int, corrupt: bool = False) -> None:
+        if step == 3:
+            generation[0] += 1
+            write_quota(quota_env["quota"], 16, generation[0])
+            ec.watcher.poll_once()
+        if corrupt:
+            corrupt_snapshots()
+
+    def grow() -> None:
+        generation[0] += 1
+        write_quota(quota_env["quota"], START_MIB, generation[0])
+        ec.watcher.poll_once()
+
     try:
         reference = run_batch(llm.llm_engine, "ref-")
         no_preemption_tokens = scheduled[0]
         assert no_preemption_tokens == 8 * 6 + 8 * 57  # prompts once, then one token a step
-
-        def shrink_at_step_3(step: int) -> None:
-            if step == 3:
-                write_quota(quota_env["quota"], 16, 40)
-                ec.watcher.poll_once()
+        assert len({tuple(t) for t in reference.values()}) > 1  # a model, not a constant
 
         scheduled[0] = 0
         resumed = run_batch(llm.llm_engine, "cap-", shrink_at_step_3)
@@ -342,11 +384,31 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any,
         assert gauge("vramshare_vllm_kv_snapshot_tokens_restored_total") == restored
         assert gauge("vramshare_vllm_kv_snapshots_total") == connector.snapshots_taken
         assert gauge("vramshare_vllm_kv_compression_bits") == 16
+
+        grow()
+        before = connector.tokens_restored
+        corrupted = run_batch(llm.llm_engine, "bad-",
+                              lambda step: shrink_at_step_3(step, corrupt=True))
+        assert connector.tokens_restored > before
+        assert corrupted != reference, "outputs do not depend on the restored KV"
     finally:
-        write_quota(quota_env["quota"], START_MIB, 41)
+        grow()
         ec.watcher.stop()
-        os.environ.pop("VRAMSHARE_KV_SNAPSHOT_CODEC", None)
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_snapshot_connector_refuses_async_scheduling() -> None:
+    """On CUDA vLLM 0.32 turns async scheduling on by default (the CPU platform forces it off, so
+    the engine cannot show it here): the connector must check, not assume."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vllm_patches.snapshot_connector import SnapshotConnector
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))
+    with pytest.raises(ValueError, match="no-async-scheduling"):
+        SnapshotConnector(config, KVConnectorRole.SCHEDULER, None)
 
 
 def gauge(name: str) -> float | None:
