@@ -38,6 +38,7 @@ from vramshare import logs
 
 from .codecs import codec_bits
 from .engine_cap import block_bytes_of
+from .vllm_glue import cache_elem_bytes
 from .snapshot import (DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC, KvSnapshot, effective_codec,
                        restore_from, snapshot_block_bytes, take)
 
@@ -45,16 +46,6 @@ log = logs.get(__name__)
 
 ENV_MAX_MIB = "VRAMSHARE_SNAPSHOT_MAX_MIB"
 DEFAULT_MAX_MIB = 2048
-
-
-def cache_elem_bytes(vllm_config: Any) -> int:
-    """Bytes per KV cache element: 1 for fp8 / int8 caches, else the model dtype's size."""
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype.startswith(("fp8", "int8", "uint8")):
-        return 1
-    if cache_dtype in ("auto", ""):
-        return vllm_config.model_config.dtype.itemsize
-    return 2
 
 
 @dataclass

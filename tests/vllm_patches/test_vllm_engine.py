@@ -91,6 +91,24 @@ def test_model_that_does_not_fit_is_refused(quota_env: dict[str, str]) -> None:
     assert f"{WEIGHTS / MIB:.1f} MiB" in str(err.value) and "8 MiB" in str(err.value)
 
 
+def test_quota_below_one_full_length_request_gets_our_reason(quota_env: dict[str, str]) -> None:
+    """16 MiB leaves ~1 MiB of KV; one 256-token request needs 9 blocks x 128 KiB = 1.125 MiB.
+    Stock message: "To serve at least one request ... (0.0 GiB KV cache is needed ... (0.0 GiB)"."""
+    from vllm import LLM
+
+    from vllm_patches.budget import QuotaTooSmall
+
+    write_quota(quota_env["quota"], 16, 4)
+    try:
+        with pytest.raises(QuotaTooSmall) as err:
+            LLM(model=quota_env["model"], **{**ENGINE_KW, "max_model_len": 256})
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 5)
+    text = str(err.value)
+    assert "quota 16 MiB" in text and "max_model_len 256" in text and "1.12 MiB" in text
+    assert "0.0 GiB" not in text
+
+
 @pytest.fixture(scope="module")
 def engine(quota_env: dict[str, str]) -> Iterator[Any]:
     from vllm import LLM
@@ -130,6 +148,11 @@ def test_cuda_startup_check_judges_the_slice(engine: Any) -> None:
     snap.free_memory = 30 * MIB
     with pytest.raises(ValueError, match="less than this container's GPU memory quota"):
         gpu_worker.request_memory(snap, cache_config)
+    # vLLM 0.32 passes the bytes of weights held by an external loader process; its own rule
+    # (budget minus external weights) must still apply, inside the slice.
+    snap.free_memory = 45 * MIB
+    assert gpu_worker.request_memory(snap, cache_config, 10 * MIB) == (START_MIB - 10) * MIB
+    assert cache_config.gpu_memory_utilization == 0.92  # the engine's config is not touched
 
 
 def test_kv_cache_has_the_size_computed_from_the_quota(engine: Any) -> None:
