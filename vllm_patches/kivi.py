@@ -14,7 +14,7 @@ scheme     keys                                                   values        
 =========  =====================================================  ==========================  =====
 ``kivi8``  8-bit asymmetric, per channel over 32 tokens           8-bit symmetric, per token  1.91x
 ``kivi4``  4-bit asymmetric, per channel over 16 tokens           4-bit asymmetric, per token
-                                                                  and 32-channel half         3.37x
+                                                                  and 16-channel group        3.20x
 =========  =====================================================  ==========================  =====
 
 Asymmetric (min/max) grids matter for keys: an outlier channel with a large mean sits far from 0,
@@ -24,21 +24,22 @@ is 1 byte each, so that the asymmetric grid fits the same budget as a bf16 symme
 * scale: "log8", ``2**(e/8)`` for an int8 ``e``, rounded *up* (at most 9% coarser than ideal,
   range 2**-16 .. 2**15.9);
 * zero point: fp8 e4m3 rounded *down* (toward -inf), so every value is >= the zero point and the
-  grid is computed from the stored zero; the range grows by at most 12.5% of ``|zero|``. Zero
-  points beyond e4m3's +-448 saturate and values below -448 clamp (keys that large do not occur
-  in bf16 models we know of; :func:`compress_kv` users can fall back to ``none``).
+  grid is computed from the stored zero; the range grows by at most 12.5% of ``|zero|``. When a
+  tensor has zero points beyond e4m3's +-448, all of its zero points are stored divided by one
+  power of two (``zero_scale``, one float per tensor).
 
 Symmetric value scales are bf16, rounded up, as in :mod:`vllm_patches.codecs`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 # scheme -> (bits, key token group, value channel group (0 = whole head), values asymmetric)
 SCHEMES: dict[str, tuple[int, int, int, bool]] = {"kivi8": (8, 32, 0, False),
-                                                  "kivi4": (4, 16, 32, True)}
+                                                  "kivi4": (4, 16, 16, True)}
 TINY = 1e-30
 E4M3_MAX = 448.0
 
@@ -51,7 +52,8 @@ def _round_up_bf16(x: torch.Tensor) -> torch.Tensor:
 def log8_encode_up(s: torch.Tensor) -> torch.Tensor:
     """int8 ``e`` with ``2**(e/8) >= s`` (saturating at both ends)."""
     e = torch.ceil(8.0 * torch.log2(s.clamp_min(TINY)))
-    # guard against log2 rounding: step up where 2**(e/8) fell short
+    # guard against log2 / exp2 rounding both ways: the smallest e whose decoded value is >= s
+    e = torch.where(torch.exp2((e - 1) / 8.0) >= s, e - 1, e)
     e = torch.where(torch.exp2(e / 8.0) < s, e + 1, e)
     return e.clamp_(-128, 127).to(torch.int8)
 
@@ -76,6 +78,14 @@ def e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float8_e4m3fn).float()
 
 
+def _zero_scale(mins: torch.Tensor) -> float:
+    """A power of two (>= 1) that brings every zero point into e4m3's +-448, once per tensor."""
+    worst = float(mins.abs().max()) if mins.numel() else 0.0
+    if worst <= E4M3_MAX:
+        return 1.0
+    return float(2.0 ** math.ceil(math.log2(worst / E4M3_MAX)))
+
+
 @dataclass
 class Quantized:
     """A tensor viewed as ``[rows, a, b]`` and quantized over axis 1 (``a``) or 2 (``b``)."""
@@ -87,6 +97,7 @@ class Quantized:
     view: tuple[int, int]  # (a, b)
     shape: torch.Size
     dtype: torch.dtype
+    zero_scale: float = 1.0  # power of two the e4m3 zero points are multiplied by
 
     @property
     def nbytes(self) -> int:
@@ -98,7 +109,7 @@ class Quantized:
         zero = None if self.zero is None else self.zero.to(device, non_blocking=non_blocking)
         return Quantized(self.data.to(device, non_blocking=non_blocking),
                          self.scale.to(device, non_blocking=non_blocking), zero, self.bits,
-                         self.view, self.shape, self.dtype)
+                         self.view, self.shape, self.dtype, self.zero_scale)
 
 
 def quantize(x: torch.Tensor, view: tuple[int, int], axis: int, bits: int,
@@ -109,37 +120,42 @@ def quantize(x: torch.Tensor, view: tuple[int, int], axis: int, bits: int,
         raise ValueError(f"shape {tuple(x.shape)} is not whole groups of {a}x{b}")
     if bits == 4 and b % 2:
         raise ValueError(f"4-bit packs pairs; the last group dimension {b} is odd")
-    xf = x.reshape(-1, a, b).float()
+    xf = x.reshape(-1, a, b).to(torch.float32, copy=True)  # worked on in place below
+    zero_scale = 1.0
     if asym:
-        zero = e4m3_floor(xf.amin(axis, keepdim=True))
-        lo = e4m3_decode(zero)
+        mins = xf.amin(axis, keepdim=True)
+        zero_scale = _zero_scale(mins)
+        zero = e4m3_floor(mins / zero_scale)
+        lo = e4m3_decode(zero) * zero_scale
         levels = float((1 << bits) - 1)
         scale = log8_encode_up((xf.amax(axis, keepdim=True) - lo) / levels)
-        q = ((xf - lo) / log8_decode(scale)).round_().clamp_(0, levels).to(torch.uint8)
+        xf.sub_(lo).mul_(log8_decode(scale).reciprocal_())
+        q = xf.round_().clamp_(0, levels).to(torch.uint8)
         zero_out: torch.Tensor | None = zero
     else:
         qmax = float((1 << (bits - 1)) - 1)
         s = _round_up_bf16((xf.abs().amax(axis, keepdim=True) / qmax).clamp_min(TINY))
-        q = (xf / s).round_().clamp_(-qmax, qmax)
+        xf.mul_(s.reciprocal())
+        q = xf.round_().clamp_(-qmax, qmax)
         q = q.to(torch.int8) if bits == 8 else q.add_(8.0).to(torch.uint8)
         scale, zero_out = s.bfloat16(), None
     if bits == 4:
         half = b // 2
         q = q[..., :half] | (q[..., half:] << 4)
-    return Quantized(q, scale, zero_out, bits, view, x.shape, x.dtype)
+    return Quantized(q, scale, zero_out, bits, view, x.shape, x.dtype, zero_scale)
 
 
 def dequantize(c: Quantized) -> torch.Tensor:
     q = c.data
     if c.bits == 4:
         q = torch.cat([q & 0x0F, q >> 4], dim=-1)
-    xf = q.float()
+    xf = q.to(torch.float32)
     if c.zero is None:
         if c.bits == 4:
-            xf = xf - 8.0
-        xf = xf * c.scale.float()
+            xf.sub_(8.0)
+        xf.mul_(c.scale.float())
     else:
-        xf = xf * log8_decode(c.scale) + e4m3_decode(c.zero)
+        xf.mul_(log8_decode(c.scale)).add_(e4m3_decode(c.zero) * c.zero_scale)
     return xf.to(c.dtype).reshape(c.shape)
 
 
