@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     # requests at start, for about half of them after the shrink.
     per_request = -(-(args.prompt_tokens + args.gen_tokens) // BLOCK)
     block_mib = 2 * 2 * BLOCK * 8 * 64 * 2 / (1 << 20)
-    weights_mib = 5
+    weights_mib = 12  # 2 x 512 x 512 embeddings + 2 layers, bf16: 11.0 MiB
     start_mib = int(weights_mib + 8 + (args.requests * per_request + 4) * block_mib) + 1
     shrink_mib = int(weights_mib + 8 + (args.requests // 2 * per_request) * block_mib)
     os.environ.update({"VRAMSHARE_QUOTA_FILE": quota, "VRAMSHARE_ACTIVATION_MIB": "8",
