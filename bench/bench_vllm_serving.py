@@ -74,6 +74,7 @@ class Server:
         self.log = open(log_path, "w")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init",
+               "--served-model-name", "m",
                "--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
                "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
                "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0",
