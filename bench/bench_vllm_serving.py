@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--runs", default="stock,plugin,plugin_shrink")
+    ap.add_argument("--quick", action="store_true", help="24 requests, 8 in flight")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.concurrency = 24, 8
     try:
         import torch
         import vllm  # noqa: F401

@@ -328,14 +328,14 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> str:
                              max_position_embeddings=256)
 
 
-def snapshot_llm(model: str, codec: str) -> Any:
+def snapshot_llm(model: str, codec: str, **extra: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     os.environ["VRAMSHARE_KV_SNAPSHOT_CODEC"] = codec
     try:
         return LLM(model=model, **{**ENGINE_KW, "load_format": "auto", "enable_prefix_caching": False,
-                                   "async_scheduling": False},
+                                   "async_scheduling": False, **extra},
                    kv_transfer_config=KVTransferConfig(
                        kv_connector="SnapshotConnector",
                        kv_connector_module_path="vllm_patches.snapshot_connector",
@@ -416,6 +416,41 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any, random_mode
         assert corrupted != reference, "outputs do not depend on the restored KV"
     finally:
         grow()
+        ec.watcher.stop()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_fp8_cache_snapshots_are_raw_and_exact(engine: Any, random_model: str,
+                                               quota_env: dict[str, str]) -> None:
+    """--kv-cache-dtype fp8: an int8 snapshot would be larger than the cache and lossy; the
+    connector stores the blocks raw, so resumed requests match an unpreempted run exactly."""
+    import torch
+
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's CPU backend needs AVX-512 or AMX for an fp8 KV cache")
+    engine.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()
+    llm = snapshot_llm(random_model, "int8", kv_cache_dtype="fp8")
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    ec, connector = scheduler._vramshare, scheduler.connector
+    generation = [70]
+
+    def quota(mib: int) -> None:
+        generation[0] += 1
+        write_quota(quota_env["quota"], mib, generation[0])
+        ec.watcher.poll_once()
+
+    try:
+        assert connector.codec == "none" and connector.snapshot_bits == 8
+        reference = run_batch(llm.llm_engine, "ref-")
+        # fp8 blocks are half the bytes: shrink to a quota that leaves ~6 of the 16 needed blocks
+        usable = ec.cap.usable_blocks
+        quota(int((ec.cap.non_kv_bytes + 6 * ec.cap.block_bytes) // MIB) + 1)
+        assert ec.cap.cap < 16 <= usable
+        resumed = run_batch(llm.llm_engine, "cap-")
+        assert connector.snapshots_taken > 0 and connector.tokens_restored > 0
+        assert resumed == reference
+    finally:
+        quota(START_MIB)
         ec.watcher.stop()
         llm.llm_engine.engine_core.shutdown()
 
