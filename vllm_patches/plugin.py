@@ -49,6 +49,8 @@ def ensure_log_handler(env: "os._Environ[str] | dict[str, str]" = os.environ) ->
         logger.setLevel(level)
         attached = True
     return attached
+
+
 _installed: dict[str, bool] | None = None
 
 
@@ -59,12 +61,11 @@ def register() -> None:
         if _installed is not None:
             return
         found = settings.from_env()
-        if found is not None:
-            ensure_log_handler()
         if found is None:
             _installed = {}
             log.debug("no vramshare quota; plugin inactive")
             return
+        ensure_log_handler()
         from . import vllm_glue
 
         release.ensure_ipc_name(os.environ)  # before any child process is spawned

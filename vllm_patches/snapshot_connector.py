@@ -21,8 +21,8 @@ Protocol per step, scheduler side -> worker side through the connector metadata:
 this step: snapshot -> new blocks, skipping blocks the local prefix cache already supplied).
 Sync execution only: a save relies on the previous step's forward having finished, and the
 token counts on the scheduler's view after that step. vLLM 0.32 turns async scheduling on by
-default wherever the executor supports it (uniproc and multiproc, CUDA and CPU), so the connector
-checks ``scheduler_config.async_scheduling`` and refuses to start with it, naming the flag.
+default on CUDA (the CPU platform forces it off), so the connector checks
+``scheduler_config.async_scheduling`` and refuses to start with it, naming the flag.
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ from vramshare import logs
 
 from .codecs import codec_bits
 from .engine_cap import block_bytes_of
-from .vllm_glue import cache_elem_bytes
 from .snapshot import (DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC, KvSnapshot, effective_codec,
                        restore_from, snapshot_block_bytes, take)
+from .vllm_glue import cache_elem_bytes
 
 log = logs.get(__name__)
 
@@ -64,8 +64,8 @@ class SnapshotConnector(KVConnectorBase_V1):
         if getattr(vllm_config.scheduler_config, "async_scheduling", False):
             raise ValueError(
                 "SnapshotConnector needs synchronous scheduling (a snapshot must see the previous "
-                "step's forward finished), but async scheduling is on (vLLM enables it by default "
-                "on CUDA and CPU); pass --no-async-scheduling / async_scheduling=False")
+                "step's forward finished), but async scheduling is on (vLLM 0.32's default on "
+                "CUDA); pass --no-async-scheduling / async_scheduling=False")
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         requested = os.environ.get(ENV_SNAPSHOT_CODEC, DEFAULT_SNAPSHOT_CODEC)
