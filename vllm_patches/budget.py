@@ -139,11 +139,14 @@ def headroom_from_env(env: Mapping[str, str], shape: ModelShape, max_num_batched
     return Headroom(act, graphs, runtime)
 
 
-def plan_kv(quota_mib: int, weights: int, headroom: Headroom) -> KvPlan:
-    """The KV budget for a quota; raise :class:`QuotaTooSmall` when nothing is left for KV.
+def plan_kv(quota_mib: int, weights: int, headroom: Headroom, min_kv_bytes: int = 0,
+            max_model_len: int | None = None) -> KvPlan:
+    """The KV budget for a quota; raise :class:`QuotaTooSmall` when the KV cache would be useless.
 
-    The error names the quota, the weights and the headroom, so the operator knows whether to raise
-    the request or pick a smaller model.
+    Useless is "no bytes left" and also "less than one request of ``max_model_len`` tokens"
+    (``min_kv_bytes``, see :func:`min_kv_bytes`): vLLM refuses that too, but with
+    "0.0 GiB > 0.0 GiB" on a small model. The error names the quota, the weights, the headroom and
+    what one full-length request needs, so the operator knows which knob to turn.
     """
     quota = quota_mib * MIB
     if weights >= quota:
@@ -151,13 +154,33 @@ def plan_kv(quota_mib: int, weights: int, headroom: Headroom) -> KvPlan:
             f"model weights need {weights / MIB:.1f} MiB but the GPU memory quota is {quota_mib} MiB; "
             f"request more vramshare.io/gpu-memory or use a smaller/quantized model")
     kv = quota - weights - headroom.total
+    parts = (f"weights {weights / MIB:.1f} MiB + headroom {headroom.total / MIB:.1f} MiB "
+             f"(activations {headroom.activation_bytes / MIB:.1f}, cuda graphs "
+             f"{headroom.cudagraph_bytes / MIB:.1f}, runtime {headroom.runtime_bytes / MIB:.1f})")
     if kv <= 0:
         raise QuotaTooSmall(
-            f"quota {quota_mib} MiB leaves no KV cache: weights {weights / MIB:.1f} MiB + headroom "
-            f"{headroom.total / MIB:.1f} MiB (activations {headroom.activation_bytes / MIB:.1f}, "
-            f"cuda graphs {headroom.cudagraph_bytes / MIB:.1f}, runtime {headroom.runtime_bytes / MIB:.1f})"
+            f"quota {quota_mib} MiB leaves no KV cache: {parts}"
             f"; raise the quota or lower max_num_batched_tokens / VRAMSHARE_ACTIVATION_MIB")
+    if kv < min_kv_bytes:
+        per_token = min_kv_bytes / max(1, max_model_len or 1)
+        fits = int(kv // per_token) if per_token else 0
+        raise QuotaTooSmall(
+            f"quota {quota_mib} MiB leaves {kv / MIB:.2f} MiB for the KV cache after {parts}, but "
+            f"one request of max_model_len {max_model_len} needs {min_kv_bytes / MIB:.2f} MiB; "
+            f"raise the quota by {(min_kv_bytes - kv) / MIB:.1f} MiB or lower max_model_len "
+            f"(about {fits} tokens fit)")
     return KvPlan(quota, weights, headroom, kv)
+
+
+def kv_bytes_per_token(shape: ModelShape, cache_elem_bytes: int) -> int:
+    """K and V of every layer for one token (per tensor-parallel rank as given)."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_size * cache_elem_bytes
+
+
+def min_kv_bytes(max_model_len: int, block_size: int, bytes_per_token: int) -> int:
+    """What vLLM requires at start: one ``max_model_len`` request in whole blocks, plus the null
+    block the pool holds back (``check_enough_kv_cache_memory`` in vLLM 0.32)."""
+    return (min_blocks_for(max_model_len, block_size) + 1) * block_size * bytes_per_token
 
 
 def min_blocks_for(max_model_len: int, block_size: int) -> int:

@@ -45,6 +45,13 @@ def capped_free(raw_free: int, usable_blocks: int, cap: int) -> int:
     return max(0, min(raw_free, cap - used))
 
 
+def cap_usage(raw_free: int, usable_blocks: int, cap: int) -> float:
+    """``used / cap`` clamped to ``[0, 1]`` (0 for an empty cap)."""
+    if cap <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (usable_blocks - raw_free) / cap))
+
+
 @dataclass(frozen=True)
 class CapState:
     """A consistent snapshot of the cap for metrics and logs."""
@@ -90,6 +97,14 @@ class KvCap:
     def free(self, raw_free: int) -> int:
         """The scheduler's view of free blocks (see :func:`capped_free`)."""
         return capped_free(raw_free, self.usable_blocks, self.cap)
+
+    def usage(self, raw_free: int) -> float:
+        """Fraction of the cap in use, in ``[0, 1]``: what ``vllm:kv_cache_usage_perc`` should say.
+
+        Blocks withheld by the cap are not "used"; an engine over its cap right after a shrink
+        reads 1.0 (full) until preemption brings it under.
+        """
+        return cap_usage(raw_free, self.usable_blocks, self.cap)
 
     def state(self, raw_free: int) -> CapState:
         return CapState(self.quota_mib, self.cap, self.usable_blocks,

@@ -24,14 +24,14 @@ import torch
 
 CODECS = ("none", "int8", "fp8", "int4")
 QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
-_BITS = {"none": 16, "int8": 8, "fp8": 8, "int4": 4}
+_BITS = {"none": 16, "int8": 8, "fp8": 8, "int4": 4, "kivi8": 8, "kivi4": 4}  # kivi: vllm_patches.kivi
 TINY_SCALE = 1e-30  # floor for all-zero vectors (a normal bf16 number)
 
 
 def codec_bits(name: str) -> int:
     """Bits per element a codec stores (16 for ``none``); ValueError on an unknown name."""
     if name not in _BITS:
-        raise ValueError(f"unknown KV codec {name!r}; choose one of {', '.join(CODECS)}")
+        raise ValueError(f"unknown KV codec {name!r}; choose one of {', '.join(_BITS)}")
     return _BITS[name]
 
 
@@ -79,7 +79,9 @@ def _fp8_table() -> torch.Tensor:
 
 def compress(x: torch.Tensor, codec: str) -> Compressed:
     """Compress ``x`` (``[..., head_size]``, any float dtype) with one scale per last-dim vector."""
-    codec_bits(codec)
+    if codec not in CODECS:
+        raise ValueError(f"per-vector codec must be one of {', '.join(CODECS)}, got {codec!r} "
+                         f"(KIVI schemes need K and V apart: vllm_patches.kivi.compress_kv)")
     if codec == "none":
         return Compressed(codec, x.clone(), None, x.shape, x.dtype)
     dim = x.shape[-1]

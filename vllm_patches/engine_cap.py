@@ -5,8 +5,9 @@ process. The block pool gets two instance-level overrides:
 
 * ``get_num_free_blocks`` answers ``KvCap.free(raw)``. Every admission and growth decision in the
   v1 scheduler (``KVCacheManager.allocate_slots``) compares against it, so at the cap the scheduler
-  sees a full cache and preempts exactly as it would on a genuinely full one. ``get_usage`` (the
-  ``vllm:kv_cache_usage_perc`` metric) reads it too and so reports usage against the cap.
+  sees a full cache and preempts exactly as it would on a genuinely full one.
+* ``get_usage`` (the ``vllm:kv_cache_usage_perc`` metric) reports ``used / cap`` and
+  ``reset_prefix_cache`` checks the raw pool (see :func:`_install_on_pool`).
 * ``get_new_blocks`` refuses requests beyond the capped free count with the pool's own error, as a
   guard for code paths that allocate without asking first.
 """
@@ -20,10 +21,8 @@ from vramshare import logs
 from . import metrics
 from .budget import min_blocks_for
 from .cap import KvCap
-from .codecs import codec_bits
-from .release import KeepMapped, Releaser
+from .release import KvcachedRelease, Releaser, choose
 from .settings import QuotaSettings
-from .snapshot import DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC
 from .watcher import QuotaWatcher
 
 log = logs.get(__name__)
@@ -55,12 +54,20 @@ class EngineCap:
         self.releaser.on_cap(old, new, self.cap.usable_blocks, self.cap.block_bytes)
         self.publish()
 
+    def tick(self) -> None:
+        """Every watcher poll: keep kvcached's limit on the quota, refresh the metrics."""
+        if isinstance(self.releaser, KvcachedRelease):
+            self.releaser.reassert()
+        self.publish()
+
     def publish(self) -> None:
         state = self.cap.state(self.raw_free())
         doc: dict[str, Any] = {
             "quota_mib": state.quota_mib, "cap_blocks": state.cap_blocks,
             "used_blocks": state.used_blocks, "usable_blocks": state.usable_blocks,
-            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits}
+            "block_bytes": state.block_bytes, "compression_bits": self.compression_bits,
+            "release_mode": self.releaser.mode,
+            "kv_held_bytes": self.releaser.held_bytes(state.usable_blocks, state.block_bytes)}
         if self.connector is not None:
             doc["snapshots_taken"] = self.connector.snapshots_taken
             doc["snapshot_tokens_restored"] = self.connector.tokens_restored
@@ -69,8 +76,19 @@ class EngineCap:
 
 
 def _install_on_pool(pool: Any, cap: KvCap) -> None:
+    """Give the scheduler the capped view, and keep vLLM's own accounting on the raw one.
+
+    Only admission (``KVCacheManager.allocate_slots`` and friends) should see the cap. Two other
+    readers of ``get_num_free_blocks`` must not: ``get_usage`` (the ``vllm:kv_cache_usage_perc``
+    metric, which the quota loop reads as pressure) reports ``used / cap`` instead, so an idle
+    shrunk engine reads 0; ``reset_prefix_cache`` (also the sleep and
+    ``pause_scheduler(clear_cache=True)`` path) checks "only the null block is used" against the
+    raw pool, else it fails on an idle engine after any shrink. Both run on the scheduler thread,
+    the only thread that touches the pool, so swapping the method for the reset is safe.
+    """
     raw_free = pool.get_num_free_blocks
     raw_new = pool.get_new_blocks
+    raw_reset = pool.reset_prefix_cache
 
     def get_num_free_blocks() -> int:
         return cap.free(raw_free())
@@ -81,8 +99,20 @@ def _install_on_pool(pool: Any, cap: KvCap) -> None:
                              f"(vramshare cap {cap.cap} of {cap.usable_blocks})")
         return raw_new(num_blocks)
 
+    def get_usage() -> float:
+        return cap.usage(raw_free())
+
+    def reset_prefix_cache() -> bool:
+        pool.get_num_free_blocks = raw_free
+        try:
+            return raw_reset()
+        finally:
+            pool.get_num_free_blocks = get_num_free_blocks
+
     pool.get_num_free_blocks = get_num_free_blocks
     pool.get_new_blocks = get_new_blocks
+    pool.get_usage = get_usage
+    pool.reset_prefix_cache = reset_prefix_cache
 
 
 def block_bytes_of(kv_cache_config: Any) -> int:
@@ -114,18 +144,21 @@ def attach(scheduler: Any, vllm_config: Any, kv_cache_config: Any,
     engine = str(vllm_config.parallel_config.data_parallel_rank or 0)
     transfer = vllm_config.kv_transfer_config
     snapshots = transfer is not None and transfer.kv_connector == "SnapshotConnector"
-    bits = codec_bits(os.environ.get(ENV_SNAPSHOT_CODEC, DEFAULT_SNAPSHOT_CODEC)) if snapshots else 16
     holder: dict[str, EngineCap] = {}
     watcher = QuotaWatcher(settings.path, tracker, lambda mib: holder["ec"].on_change(mib),
-                           interval_s=settings.poll_s, on_tick=lambda: holder["ec"].publish())
+                           interval_s=settings.poll_s, on_tick=lambda: holder["ec"].tick())
     connector = getattr(scheduler, "connector", None) if snapshots else None
-    ec = EngineCap(pool, cap, watcher, state_dir, engine, KeepMapped(), bits, connector)
+    bits = int(getattr(connector, "snapshot_bits", 16))
+    releaser = choose(os.environ)
+    ec = EngineCap(pool, cap, watcher, state_dir, engine, releaser, bits, connector)
     holder["ec"] = ec
     _install_on_pool(pool, cap)
+    # kvcached wrote its own limit when it built the cache (before the scheduler): replace it.
+    releaser.on_cap(cap.cap, cap.cap, usable, cap.block_bytes)
     scheduler._vramshare = ec
     ec.publish()
     log.info("kv block cap installed", limit_mib=start, usable_blocks=usable,
              block_bytes=cap.block_bytes, non_kv_mib=round(cap.non_kv_bytes / (1 << 20), 1),
-             min_blocks=cap.min_blocks, quota_file=settings.path)
+             min_blocks=cap.min_blocks, quota_file=settings.path, release_mode=releaser.mode)
     watcher.start()
     return ec

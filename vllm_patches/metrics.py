@@ -9,7 +9,8 @@ several data-parallel engines (label ``engine``). Files of dead writers are skip
 
 Metric names (all gauges): ``vramshare_vllm_quota_mib``, ``vramshare_vllm_kv_block_cap``,
 ``vramshare_vllm_kv_blocks_used``, ``vramshare_vllm_kv_blocks_total``,
-``vramshare_vllm_kv_block_bytes``, ``vramshare_vllm_kv_compression_bits``; with the snapshot
+``vramshare_vllm_kv_block_bytes``, ``vramshare_vllm_kv_compression_bits``,
+``vramshare_vllm_kv_memory_held_bytes``, ``vramshare_vllm_release_mode{mode=unmap|throttle}``; with the snapshot
 connector also the counters ``vramshare_vllm_kv_snapshots_total`` and
 ``vramshare_vllm_kv_snapshot_tokens_restored_total``.
 """
@@ -36,7 +37,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "block_bytes": ("vramshare_vllm_kv_block_bytes", "Bytes of one KV block over all layers"),
     "compression_bits": ("vramshare_vllm_kv_compression_bits",
                          "Bits per KV element in host snapshots (16 = uncompressed)"),
+    "kv_held_bytes": ("vramshare_vllm_kv_memory_held_bytes",
+                      "KV bytes the engine holds on the device (kvcached: mapped; else allocated)"),
 }
+# What a shrink does to device memory: 1 on the engine's mode, "unmap" (kvcached returns the pages)
+# or "throttle" (the cap stops the scheduler, the memory stays allocated).
+RELEASE_MODE = ("vramshare_vllm_release_mode",
+                "1 for how a quota shrink acts: unmap (memory returned) or throttle (nothing released)")
 # Cumulative counts (exported as counters, ``_total``), present with the snapshot connector only.
 COUNTERS: dict[str, tuple[str, str]] = {
     "snapshots_taken": ("vramshare_vllm_kv_snapshots", "Preempted requests kept as KV snapshots"),
@@ -115,6 +122,11 @@ class StateCollector(Collector):
                     if isinstance(state.get(key), (int, float)):
                         family.add_metric([engine], float(state[key]))
                 yield family
+        mode = GaugeMetricFamily(RELEASE_MODE[0], RELEASE_MODE[1], labels=["engine", "mode"])
+        for engine, state in states.items():
+            if isinstance(state.get("release_mode"), str):
+                mode.add_metric([engine, state["release_mode"]], 1.0)
+        yield mode
 
 
 _mp_gauges: dict[str, Gauge] = {}
@@ -138,6 +150,13 @@ def set_multiprocess(engine: str, state: Mapping[str, Any]) -> bool:
             gauge = Gauge(name, help_text, ["engine"], registry=None, multiprocess_mode="mostrecent")
             _mp_gauges[key] = gauge
         gauge.labels(engine).set(float(state[key]))
+    if isinstance(state.get("release_mode"), str):
+        gauge = _mp_gauges.get("release_mode")
+        if gauge is None:
+            gauge = Gauge(RELEASE_MODE[0], RELEASE_MODE[1], ["engine", "mode"], registry=None,
+                          multiprocess_mode="mostrecent")
+            _mp_gauges["release_mode"] = gauge
+        gauge.labels(engine, state["release_mode"]).set(1.0)
     return True
 
 

@@ -10,16 +10,47 @@ Tested with vLLM 0.32.0 (see ``vllm_patches/README.md``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
 from vramshare import logs
 
-from . import metrics, settings
+from . import metrics, release, settings
 
 log = logs.get(__name__)
 
 _lock = threading.Lock()
+ENV_LOG_LEVEL = "VRAMSHARE_LOG_LEVEL"
+ENV_LOG_JSON = "VRAMSHARE_LOG_JSON"
+_LOGGERS = ("vllm_patches", "vramshare")
+
+
+def ensure_log_handler(env: "os._Environ[str] | dict[str, str]" = os.environ) -> bool:
+    """Make the plugin's structured lines visible inside vLLM's processes.
+
+    vLLM configures only its own ``vllm`` logger; ours propagate to a root logger without
+    handlers, where Python's last-resort handler prints warnings alone and without their fields.
+    When nothing up the chain handles them, attach our formatter (fields kept) to our two
+    top-level loggers, at ``VRAMSHARE_LOG_LEVEL`` (default info). Returns whether it attached.
+    """
+    if logging.getLogger().handlers:
+        return False  # someone (our CLI, a host application) configured logging: respect it
+    level = env.get(ENV_LOG_LEVEL, "info").strip().upper() or "INFO"
+    as_json = env.get(ENV_LOG_JSON, "").strip().lower() in ("1", "true")
+    attached = False
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        if any(getattr(h, "_vramshare", False) for h in logger.handlers):
+            continue
+        out = logs.handler(as_json)
+        out._vramshare = True  # type: ignore[attr-defined]
+        logger.addHandler(out)
+        logger.setLevel(level)
+        attached = True
+    return attached
+
+
 _installed: dict[str, bool] | None = None
 
 
@@ -34,7 +65,10 @@ def register() -> None:
             _installed = {}
             log.debug("no vramshare quota; plugin inactive")
             return
+        ensure_log_handler()
         from . import vllm_glue
+
+        release.ensure_ipc_name(os.environ)  # before any child process is spawned
 
         _installed = vllm_glue.install(found)
         # The collector serves the engine core's published state from this process's default

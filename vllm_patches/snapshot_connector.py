@@ -12,14 +12,17 @@ Enable it with::
     LLM(..., kv_transfer_config=KVTransferConfig(kv_connector="SnapshotConnector",
         kv_connector_module_path="vllm_patches.snapshot_connector", kv_role="kv_both"))
 
-and pick the codec with ``VRAMSHARE_KV_SNAPSHOT_CODEC`` (``int8`` default; ``fp8``, ``int4``,
-``none``). Lossy codecs change the resumed request's KV slightly, so its continuation can differ
-from a recompute; ``none`` restores bit-exact.
+and pick the codec with ``VRAMSHARE_KV_SNAPSHOT_CODEC`` (``none`` default, bit-exact; ``kivi8``,
+``kivi4``, ``int8``, ``fp8``, ``int4``). Lossy codecs change the resumed request's KV slightly, so
+its continuation can differ from a recompute. An fp8/int8 KV cache is always stored raw.
 
 Protocol per step, scheduler side -> worker side through the connector metadata:
 ``saves`` (preempted this step: the blocks it held after the previous step) and ``loads`` (resumed
 this step: snapshot -> new blocks, skipping blocks the local prefix cache already supplied).
-Sync execution only: a save relies on the previous step's forward having finished.
+Sync execution only: a save relies on the previous step's forward having finished, and the
+token counts on the scheduler's view after that step. vLLM 0.32 turns async scheduling on by
+default on CUDA (the CPU platform forces it off), so the connector checks
+``scheduler_config.async_scheduling`` and refuses to start with it, naming the flag.
 """
 from __future__ import annotations
 
@@ -35,7 +38,9 @@ from vramshare import logs
 
 from .codecs import codec_bits
 from .engine_cap import block_bytes_of
-from .snapshot import DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC, KvSnapshot, restore_from, take
+from .snapshot import (DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC, KvSnapshot, effective_codec,
+                       restore_from, snapshot_block_bytes, take)
+from .vllm_glue import cache_elem_bytes
 
 log = logs.get(__name__)
 
@@ -56,10 +61,20 @@ class SnapshotConnector(KVConnectorBase_V1):
     """Both roles in one class, as vLLM expects; each instance uses the half for its role."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            raise ValueError(
+                "SnapshotConnector needs synchronous scheduling (a snapshot must see the previous "
+                "step's forward finished), but async scheduling is on (vLLM 0.32's default on "
+                "CUDA); pass --no-async-scheduling / async_scheduling=False")
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
-        self.codec = os.environ.get(ENV_SNAPSHOT_CODEC, DEFAULT_SNAPSHOT_CODEC)
-        codec_bits(self.codec)  # fail at start-up on a typo, not at the first preemption
+        requested = os.environ.get(ENV_SNAPSHOT_CODEC, DEFAULT_SNAPSHOT_CODEC)
+        codec_bits(requested)  # fail at start-up on a typo, not at the first preemption
+        elem = cache_elem_bytes(vllm_config)
+        self.codec = effective_codec(requested, elem)
+        if self.codec != requested:
+            log.info("kv snapshots stored raw: the KV cache is already 8-bit", requested=requested,
+                     cache_dtype=vllm_config.cache_config.cache_dtype)
         # scheduler side
         self._last: dict[str, tuple[list[int], int]] = {}  # blocks + tokens after the last step
         self._snap_tokens: dict[str, int] = {}
@@ -72,7 +87,9 @@ class SnapshotConnector(KVConnectorBase_V1):
         # Host memory is not free either: snapshots beyond the budget are skipped (recomputed).
         self._budget_bytes = int(float(os.environ.get(ENV_MAX_MIB, "") or DEFAULT_MAX_MIB) * (1 << 20))
         raw_block = block_bytes_of(kv_cache_config) if kv_cache_config is not None else 0
-        self._host_block_bytes = raw_block * codec_bits(self.codec) // 16
+        self._host_block_bytes = snapshot_block_bytes(raw_block, self.codec, elem)
+        # bits per element a snapshot stores (the metric vramshare_vllm_kv_compression_bits)
+        self.snapshot_bits = 8 * elem if self.codec == "none" else codec_bits(self.codec)
         self._held: dict[str, int] = {}  # request -> host bytes of its snapshot
         # worker side
         self.head_size = vllm_config.model_config.get_head_size()

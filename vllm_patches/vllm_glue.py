@@ -17,7 +17,9 @@ version outside :data:`TESTED_VERSIONS` it also logs a warning. The hooks:
 """
 from __future__ import annotations
 
+import copy
 import functools
+import math
 import os
 from typing import Any, Callable
 
@@ -78,15 +80,30 @@ def estimated_weights(vllm_config: Any) -> int:
     return budget.weights_bytes(model_shape(vllm_config), bits) // ranks
 
 
+def cache_elem_bytes(vllm_config: Any) -> int:
+    """Bytes per KV element: 1 for fp8 / int8 caches, else the model dtype's size."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype or "auto")
+    if cache_dtype.startswith(("fp8", "int8", "uint8")):
+        return 1
+    return int(vllm_config.model_config.dtype.itemsize)
+
+
 def plan_for(vllm_config: Any, quota_mib: int, weights: int) -> budget.KvPlan:
     """The KV plan for this engine under ``quota_mib`` (same function in process 0 and worker)."""
     on_cuda = vllm_config.device_config.device_type == "cuda"
+    shape = model_shape(vllm_config)
     headroom = budget.headroom_from_env(
-        os.environ, model_shape(vllm_config),
+        os.environ, shape,
         vllm_config.scheduler_config.max_num_batched_tokens,
         vllm_config.scheduler_config.max_num_seqs,
         on_cuda=on_cuda, cuda_graphs=not vllm_config.model_config.enforce_eager)
-    return budget.plan_kv(quota_mib, weights, headroom)
+    pc = vllm_config.parallel_config
+    ranks = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
+    per_token = budget.kv_bytes_per_token(shape, cache_elem_bytes(vllm_config)) // ranks
+    max_len = vllm_config.model_config.max_model_len
+    block = vllm_config.cache_config.block_size or 16
+    return budget.plan_kv(quota_mib, weights, headroom,
+                          budget.min_kv_bytes(max_len, block, per_token), max_len)
 
 
 def loaded_model_bytes(worker: Any) -> int | None:
@@ -157,6 +174,14 @@ def _hook_worker_memory(settings: QuotaSettings) -> bool:
     return ok & _wrap(cpu_worker.CPUWorker, "determine_available_memory", make)
 
 
+def sliced_utilization(quota_bytes: int, total_bytes: int) -> float:
+    """The largest ``gpu_memory_utilization`` with ``ceil(total x util) <= quota`` (float-exact)."""
+    util = min(1.0, quota_bytes / total_bytes)
+    while util > 0 and math.ceil(total_bytes * util) > quota_bytes:
+        util = math.nextafter(util, 0.0)
+    return util
+
+
 def _hook_request_memory(settings: QuotaSettings) -> bool:
     from vllm.v1.worker import gpu_worker
 
@@ -164,8 +189,15 @@ def _hook_request_memory(settings: QuotaSettings) -> bool:
         def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
             # The visible-device index is the position in VRAMSHARE_GPU_UUIDS (same order).
             limit = settings.current_limit_mib(getattr(init_snapshot.device_, "index", None) or 0)
-            return budget.slice_request(init_snapshot.free_memory, init_snapshot.total_memory,
-                                        limit * budget.MIB, str(init_snapshot.device_))
+            quota = limit * budget.MIB
+            budget.slice_request(init_snapshot.free_memory, init_snapshot.total_memory, quota,
+                                 str(init_snapshot.device_))
+            # vLLM's own check, arguments (0.32's external_weight_memory) and all, but judged
+            # against the slice: the same config with the quota as the utilization.
+            sliced = copy.copy(cache_config)
+            object.__setattr__(sliced, "gpu_memory_utilization",
+                               sliced_utilization(quota, init_snapshot.total_memory))
+            return original(init_snapshot, sliced, *args, **kwargs)
         return request_memory
     return _wrap(gpu_worker, "request_memory", make)
 

@@ -43,7 +43,7 @@ class QuotaTracker:
             doc = parse_quota(text)
         except QuotaError as exc:
             self.errors += 1
-            log.warning("quota file rejected, keeping last good quota", error=str(exc),
+            log.warning("quota file rejected, keeping last good quota", reason=str(exc),
                         limit_mib=self.limit_mib)
             return None
         gpu: GpuQuota | None = select_gpu(doc, self.uuid, self.index)
@@ -85,6 +85,7 @@ class QuotaWatcher:
         self.on_tick = on_tick
         self.interval_s = interval_s
         self._stamp: tuple[int, int, int] | None = None
+        self._missing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poll_lock = threading.Lock()
@@ -94,8 +95,16 @@ class QuotaWatcher:
         with self._poll_lock:
             try:
                 st = os.stat(self.path)
-            except FileNotFoundError:
+            except OSError as exc:
+                if not self._missing:  # once per disappearance, not once a second
+                    self._missing = True
+                    log.warning("quota file unreadable, keeping last good quota", path=self.path,
+                                reason=exc.strerror or type(exc).__name__,
+                                limit_mib=self.tracker.limit_mib)
                 return None
+            if self._missing:
+                self._missing = False
+                log.info("quota file back", path=self.path)
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             if stamp == self._stamp:
                 return None

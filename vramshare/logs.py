@@ -60,10 +60,16 @@ def get(name: str) -> Logger:
     return Logger(name)
 
 
+def handler(as_json: bool = False) -> logging.Handler:
+    """A stderr handler with this module's format (fields kept)."""
+    out = logging.StreamHandler(sys.stderr)
+    out.setFormatter(_Formatter(as_json))
+    return out
+
+
 def setup(level: str = "info", as_json: bool = False) -> None:
     """Configure the root logger once, from the CLI."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(as_json))
+    handler_ = handler(as_json)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler_]
     root.setLevel(level.upper())

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_patches.budget import (MIB, Headroom, ModelShape, QuotaTooSmall, activation_bytes,
+                                 kv_bytes_per_token, min_kv_bytes,
                                  headroom_from_env, llama_param_count, min_blocks_for, plan_kv,
                                  slice_request, weights_bytes)
-from vllm_patches.cap import KvCap, cap_blocks, capped_free
+from vllm_patches.cap import KvCap, cap_blocks, cap_usage, capped_free
 
 # Llama-2-7B: 6,738,415,616 parameters (the published count).
 LLAMA2_7B = ModelShape(hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32,
@@ -103,3 +106,30 @@ def test_kv_cap_shrink_and_grow() -> None:
     assert cap.set_limit(400) == (2, 100) and not cap.below_minimum
     state = cap.state(raw_free=70)
     assert (state.quota_mib, state.cap_blocks, state.used_blocks) == (400, 100, 30)
+
+
+@given(st.integers(1, 500), st.data())
+def test_usage_is_against_the_cap(usable: int, data: st.DataObject) -> None:
+    """An idle engine reads 0 whatever the cap; a full cap reads 1; never outside [0, 1]."""
+    cap = data.draw(st.integers(1, usable))
+    used = data.draw(st.integers(0, usable))
+    usage = cap_usage(usable - used, usable, cap)
+    assert 0.0 <= usage <= 1.0
+    assert cap_usage(usable, usable, cap) == 0.0
+    assert usage == min(1.0, used / cap)
+
+
+def test_quota_below_one_full_length_request_is_refused_with_our_reason() -> None:
+    """vLLM would say "0.0 GiB > 0.0 GiB" for a small model; we name the quota and the fix."""
+    per_token = kv_bytes_per_token(LLAMA2_7B, 2)
+    assert per_token == 2 * 32 * 32 * 128 * 2  # 512 KiB per token for Llama-2-7B in bf16
+    need = min_kv_bytes(4096, 16, per_token)
+    assert need == (256 + 1) * 16 * per_token  # whole blocks plus the null block
+    weights = weights_bytes(LLAMA2_7B)
+    quota_mib = (weights + need) // MIB - 10  # ~10 MiB short
+    with pytest.raises(QuotaTooSmall) as err:
+        plan_kv(quota_mib, weights, Headroom(0, 0, 0), need, 4096)
+    text = str(err.value)
+    assert f"quota {quota_mib} MiB" in text and "max_model_len 4096" in text
+    assert f"{need / MIB:.2f} MiB" in text and "lower max_model_len" in text
+    assert plan_kv(quota_mib + 20, weights, Headroom(0, 0, 0), need, 4096).kv_bytes >= need

@@ -70,3 +70,13 @@ def test_multiprocess_prometheus_mode(tmp_path, monkeypatch) -> None:
     assert 'vramshare_vllm_kv_block_cap{engine="0"} 12.0' in text
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     assert metrics.set_multiprocess("0", {"quota_mib": 1}) is False  # mode off: nothing written
+
+
+def test_release_mode_and_held_bytes_are_exported(tmp_path) -> None:
+    metrics.publish(str(tmp_path), "0", {"quota_mib": 1, "release_mode": "throttle",
+                                         "kv_held_bytes": 4096})
+    registry = CollectorRegistry()
+    metrics.register_collector(str(tmp_path), registry)
+    text = generate_latest(registry).decode()
+    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle"} 1.0' in text
+    assert 'vramshare_vllm_kv_memory_held_bytes{engine="0"} 4096.0' in text

@@ -104,3 +104,33 @@ def test_settings_only_with_a_quota(tmp_path) -> None:
     write_atomic(path, doc({"uuid": "", "limitMiB": 300}))
     s = from_env({"VRAMSHARE_QUOTA_FILE": path})
     assert s is not None and s.env_limit_mib is None and s.current_limit_mib() == 300
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict]]:
+    return [(r.getMessage(), getattr(r, "fields", {})) for r in caplog.records
+            if r.levelname == "WARNING"]
+
+
+def test_runtime_quota_errors_are_logged_with_their_reason(tmp_path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Bad JSON and a deleted file keep the last good quota and say why, a deletion once."""
+    path = tmp_path / "quota.json"
+    path.write_text(doc({"uuid": "", "limitMiB": 512}))
+    seen: list[int] = []
+    watcher = QuotaWatcher(str(path), QuotaTracker(None, None), seen.append)
+    assert watcher.poll_once() == 512
+    caplog.set_level("INFO", logger="vllm_patches")
+    path.write_text('{"gpus": [')
+    assert watcher.poll_once() is None
+    (event, fields), = _warnings(caplog)
+    assert "keeping last good quota" in event and "not JSON" in fields["reason"]
+    assert fields["limit_mib"] == 512
+    caplog.clear()
+    os.unlink(path)
+    assert watcher.poll_once() is None and watcher.poll_once() is None
+    (event, fields), = _warnings(caplog)  # once per disappearance, not once a poll
+    assert "keeping last good quota" in event and fields["path"] == str(path)
+    assert fields["reason"] == "No such file or directory" and fields["limit_mib"] == 512
+    path.write_text(doc({"uuid": "", "limitMiB": 256}))
+    assert watcher.poll_once() == 256 and seen == [512, 256]
+    assert any(r.getMessage() == "quota file back" for r in caplog.records)

@@ -91,6 +91,24 @@ def test_model_that_does_not_fit_is_refused(quota_env: dict[str, str]) -> None:
     assert f"{WEIGHTS / MIB:.1f} MiB" in str(err.value) and "8 MiB" in str(err.value)
 
 
+def test_quota_below_one_full_length_request_gets_our_reason(quota_env: dict[str, str]) -> None:
+    """16 MiB leaves ~1 MiB of KV; one 256-token request needs 9 blocks x 128 KiB = 1.125 MiB.
+    Stock message: "To serve at least one request ... (0.0 GiB KV cache is needed ... (0.0 GiB)"."""
+    from vllm import LLM
+
+    from vllm_patches.budget import QuotaTooSmall
+
+    write_quota(quota_env["quota"], 16, 4)
+    try:
+        with pytest.raises(QuotaTooSmall) as err:
+            LLM(model=quota_env["model"], **{**ENGINE_KW, "max_model_len": 256})
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 5)
+    text = str(err.value)
+    assert "quota 16 MiB" in text and "max_model_len 256" in text and "1.12 MiB" in text
+    assert "0.0 GiB" not in text
+
+
 @pytest.fixture(scope="module")
 def engine(quota_env: dict[str, str]) -> Iterator[Any]:
     from vllm import LLM
@@ -130,6 +148,11 @@ def test_cuda_startup_check_judges_the_slice(engine: Any) -> None:
     snap.free_memory = 30 * MIB
     with pytest.raises(ValueError, match="less than this container's GPU memory quota"):
         gpu_worker.request_memory(snap, cache_config)
+    # vLLM 0.32 passes the bytes of weights held by an external loader process; its own rule
+    # (budget minus external weights) must still apply, inside the slice.
+    snap.free_memory = 45 * MIB
+    assert gpu_worker.request_memory(snap, cache_config, 10 * MIB) == (START_MIB - 10) * MIB
+    assert cache_config.gpu_memory_utilization == 0.92  # the engine's config is not touched
 
 
 def test_kv_cache_has_the_size_computed_from_the_quota(engine: Any) -> None:
@@ -205,8 +228,73 @@ def test_metrics_are_in_the_default_registry(engine: Any, quota_env: dict[str, s
     assert f'vramshare_vllm_kv_blocks_total{{engine="0"}} {float(usable)}' in text
     assert 'vramshare_vllm_kv_blocks_used{engine="0"} 0.0' in text
     assert 'vramshare_vllm_kv_compression_bits{engine="0"} 16.0' in text
+    # no kvcached here: the quota loop must know a shrink released nothing
+    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle"} 1.0' in text
+    assert gauge("vramshare_vllm_kv_memory_held_bytes") == usable * BLOCK_BYTES
     write_quota(quota_env["quota"], START_MIB, 21)
     ec.watcher.poll_once()
+
+
+def test_idle_shrunk_engine_reports_usage_against_the_cap(engine: Any,
+                                                        quota_env: dict[str, str]) -> None:
+    """vllm:kv_cache_usage_perc reads block_pool.get_usage(): an idle engine must read 0 after a
+    shrink (the quota loop reads 0.9 as pressure), a busy one used/cap."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm_engine = engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    ec = scheduler._vramshare
+    try:
+        write_quota(quota_env["quota"], 16, 50)
+        ec.watcher.poll_once()
+        assert 4 <= ec.cap.cap < ec.cap.usable_blocks
+        assert scheduler.kv_cache_manager.usage == 0.0
+        assert scheduler.get_kv_cache_usage() == 0.0  # what SchedulerStats.kv_cache_usage reads
+        params = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
+        llm_engine.add_request("u0", TokensPrompt(prompt_token_ids=[3, 4, 5, 6, 7, 8]), params)
+        llm_engine.step()
+        used = used_blocks(scheduler)
+        assert used == 1
+        assert scheduler.kv_cache_manager.usage == pytest.approx(used / ec.cap.cap)
+        while llm_engine.has_unfinished_requests():
+            llm_engine.step()
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 51)
+        ec.watcher.poll_once()
+
+
+def test_prefix_cache_reset_and_pause_work_after_a_shrink(engine: Any,
+                                                          quota_env: dict[str, str]) -> None:
+    """reset_prefix_cache() on an idle engine, and the sleep / pause_scheduler(clear_cache=True)
+    path (reset_running_requests=True) with requests running, both after a shrink."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm_engine = engine.llm_engine
+    core = llm_engine.engine_core.engine_core
+    scheduler = core.scheduler
+    ec = scheduler._vramshare
+    try:
+        write_quota(quota_env["quota"], 16, 60)
+        ec.watcher.poll_once()
+        assert ec.cap.cap < ec.cap.usable_blocks
+        assert engine.reset_prefix_cache() is True
+        params = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
+        for i in range(3):
+            llm_engine.add_request(f"p{i}", TokensPrompt(prompt_token_ids=[20 + i, 4, 5, 6]), params)
+        llm_engine.step()
+        assert used_blocks(scheduler) == 3
+        core.pause_scheduler(mode="keep", clear_cache=True)  # preempts all, then resets
+        assert used_blocks(scheduler) == 0
+        core.resume_scheduler()
+        finished = set()
+        while llm_engine.has_unfinished_requests():
+            finished.update(o.request_id for o in llm_engine.step() if o.finished)
+        assert finished == {"p0", "p1", "p2"}
+    finally:
+        write_quota(quota_env["quota"], START_MIB, 61)
+        ec.watcher.poll_once()
 
 
 def run_batch(llm_engine: Any, tag: str, on_step: Any = None) -> dict[str, list[int]]:
@@ -231,18 +319,49 @@ def run_batch(llm_engine: Any, tag: str, on_step: Any = None) -> dict[str, list[
     return out
 
 
-def test_snapshot_connector_restores_preempted_requests(engine: Any,
-                                                        quota_env: dict[str, str]) -> None:
-    """Under a shrink, preempted requests resume from host snapshots instead of recomputing."""
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same tiny Llama with seeded random weights: its outputs depend on its KV cache."""
+    from vllm_patches.testing import save_random_llama
+
+    return save_random_llama(str(tmp_path_factory.mktemp("random-llama")), seed=0,
+                             max_position_embeddings=256)
+
+
+def snapshot_llm(model: str, codec: str, **extra: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
+    os.environ["VRAMSHARE_KV_SNAPSHOT_CODEC"] = codec
+    try:
+        return LLM(model=model, **{**ENGINE_KW, "load_format": "auto", "enable_prefix_caching": False,
+                                   "async_scheduling": False, **extra},
+                   kv_transfer_config=KVTransferConfig(
+                       kv_connector="SnapshotConnector",
+                       kv_connector_module_path="vllm_patches.snapshot_connector",
+                       kv_role="kv_both"))
+    finally:
+        os.environ.pop("VRAMSHARE_KV_SNAPSHOT_CODEC", None)
+
+
+def corrupt_snapshots() -> int:
+    """Add noise to every stored snapshot on the worker side (in-process engine)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    store = get_kv_transfer_group()._store
+    for snap in store.values():
+        for layer in snap.layers:
+            layer.data = layer.data.float().neg().to(layer.data.dtype)  # K, V -> -K, -V
+    return len(store)
+
+
+def test_snapshot_connector_restores_preempted_requests(engine: Any, random_model: str,
+                                                        quota_env: dict[str, str]) -> None:
+    """Under a shrink, preempted requests resume from host snapshots instead of recomputing, with
+    the outputs of an unpreempted run; and the outputs depend on what was restored (negating the
+    snapshots' K and V changes them), so this test can fail."""
     engine.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()  # one publisher
-    os.environ["VRAMSHARE_KV_SNAPSHOT_CODEC"] = "none"  # bit-exact: outputs must not change
-    llm = LLM(model=quota_env["model"], **{**ENGINE_KW, "enable_prefix_caching": False},
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="SnapshotConnector",
-                  kv_connector_module_path="vllm_patches.snapshot_connector", kv_role="kv_both"))
+    llm = snapshot_llm(random_model, "none")  # the default codec: bit-exact
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     ec, connector = scheduler._vramshare, scheduler.connector
     scheduled = [0]
@@ -254,15 +373,26 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any,
         return output
 
     scheduler.schedule = counting_schedule
+    generation = [40]
+
+    def shrink_at_step_3(step: int, corrupt: bool = False) -> None:
+        if step == 3:
+            generation[0] += 1
+            write_quota(quota_env["quota"], 16, generation[0])
+            ec.watcher.poll_once()
+        if corrupt:
+            corrupt_snapshots()
+
+    def grow() -> None:
+        generation[0] += 1
+        write_quota(quota_env["quota"], START_MIB, generation[0])
+        ec.watcher.poll_once()
+
     try:
         reference = run_batch(llm.llm_engine, "ref-")
         no_preemption_tokens = scheduled[0]
         assert no_preemption_tokens == 8 * 6 + 8 * 57  # prompts once, then one token a step
-
-        def shrink_at_step_3(step: int) -> None:
-            if step == 3:
-                write_quota(quota_env["quota"], 16, 40)
-                ec.watcher.poll_once()
+        assert len({tuple(t) for t in reference.values()}) > 1  # a model, not a constant
 
         scheduled[0] = 0
         resumed = run_batch(llm.llm_engine, "cap-", shrink_at_step_3)
@@ -277,11 +407,66 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any,
         assert gauge("vramshare_vllm_kv_snapshot_tokens_restored_total") == restored
         assert gauge("vramshare_vllm_kv_snapshots_total") == connector.snapshots_taken
         assert gauge("vramshare_vllm_kv_compression_bits") == 16
+
+        grow()
+        before = connector.tokens_restored
+        corrupted = run_batch(llm.llm_engine, "bad-",
+                              lambda step: shrink_at_step_3(step, corrupt=True))
+        assert connector.tokens_restored > before
+        assert corrupted != reference, "outputs do not depend on the restored KV"
     finally:
-        write_quota(quota_env["quota"], START_MIB, 41)
+        grow()
         ec.watcher.stop()
-        os.environ.pop("VRAMSHARE_KV_SNAPSHOT_CODEC", None)
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_fp8_cache_snapshots_are_raw_and_exact(engine: Any, random_model: str,
+                                               quota_env: dict[str, str]) -> None:
+    """--kv-cache-dtype fp8: an int8 snapshot would be larger than the cache and lossy; the
+    connector stores the blocks raw, so resumed requests match an unpreempted run exactly."""
+    import torch
+
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's CPU backend needs AVX-512 or AMX for an fp8 KV cache")
+    engine.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()
+    llm = snapshot_llm(random_model, "int8", kv_cache_dtype="fp8")
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    ec, connector = scheduler._vramshare, scheduler.connector
+    generation = [70]
+
+    def quota(mib: int) -> None:
+        generation[0] += 1
+        write_quota(quota_env["quota"], mib, generation[0])
+        ec.watcher.poll_once()
+
+    try:
+        assert connector.codec == "none" and connector.snapshot_bits == 8
+        reference = run_batch(llm.llm_engine, "ref-")
+        # fp8 blocks are half the bytes: shrink to a quota that leaves ~6 of the 16 needed blocks
+        usable = ec.cap.usable_blocks
+        quota(int((ec.cap.non_kv_bytes + 6 * ec.cap.block_bytes) // MIB) + 1)
+        assert ec.cap.cap < 16 <= usable
+        resumed = run_batch(llm.llm_engine, "cap-")
+        assert connector.snapshots_taken > 0 and connector.tokens_restored > 0
+        assert resumed == reference
+    finally:
+        quota(START_MIB)
+        ec.watcher.stop()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_snapshot_connector_refuses_async_scheduling() -> None:
+    """On CUDA vLLM 0.32 turns async scheduling on by default (the CPU platform forces it off, so
+    the engine cannot show it here): the connector must check, not assume."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vllm_patches.snapshot_connector import SnapshotConnector
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=True))
+    with pytest.raises(ValueError, match="no-async-scheduling"):
+        SnapshotConnector(config, KVConnectorRole.SCHEDULER, None)
 
 
 def gauge(name: str) -> float | None:
