@@ -25,11 +25,10 @@ import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 from kubernetes import client, watch
-from kubernetes.utils import parse_quantity
 
 from extender import cluster, placement
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
-from vramshare import contract, logs
+from vramshare import contract, logs, quantity
 
 log = logs.get("vramshare.extender.dra")
 Obj = Mapping[str, Any]
@@ -39,7 +38,7 @@ DRA_POLICY = {"fgd": "dra-fgd"}
 
 
 def _mib(value: Any) -> int:
-    return math.ceil(parse_quantity(value) / MiB)
+    return -(-quantity.byte_count(value, "capacity") // MiB)
 
 
 def slots_of_slice(obj: Obj) -> list[cluster.Slot]:

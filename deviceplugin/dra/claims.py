@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from kubernetes.utils import parse_quantity
+from vramshare import quantity
+
 
 from deviceplugin.dra.slices import DeviceRef
 
@@ -51,13 +52,9 @@ class ClaimRef:
 def quantity_mib(value: Any, where: str) -> int:
     """A quantity in whole MiB, rounded up (the allocator already rounded to our step)."""
     try:
-        q = parse_quantity(value)
-    except (ValueError, TypeError) as exc:
-        raise ClaimError(f"{where}: {value!r} is not a quantity") from exc
-    if q < 0:
-        raise ClaimError(f"{where}: negative quantity {value!r}")
-    whole = int(q) // _MIB
-    return whole + (1 if q > whole * _MIB else 0)
+        return -(-quantity.byte_count(value, where) // _MIB)
+    except quantity.QuantityError as exc:
+        raise ClaimError(str(exc)) from None
 
 
 def our_shares(claim: Mapping[str, Any], driver: str, pool: str) -> tuple[Share, ...]:

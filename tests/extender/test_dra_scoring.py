@@ -105,6 +105,7 @@ def test_the_live_extender_scores_dra_pods_from_its_watches():
         resource.create_namespaced_resource_claim("default", claim("mine", 16))
         with start_for_url(api.url, Config(), policy=Policy.BINPACK, dra=True, watch_timeout_s=2) as ext:
             assert ext.app.dra is not None
+            assert ext.wait_ready(20)  # no verb is answered before the node and pod lists are in
             assert api.wait_for(lambda a: len(ext.app.dra.claims) == 2 and len(ext.app.dra.slices) == 2, timeout=20)
             req = orjson.dumps({"Pod": pod("mine"), "Nodes": None, "NodeNames": ["n1", "n2"]})
             resp = ext.app.handle("POST", "/prioritize", req)
