@@ -11,6 +11,9 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
   old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``.
 * A reservation is newer than any event that predates it: an event with an older (or no) assignment
   never undoes a bind in flight, and an assignment the binder gave up on is not revived by the watch.
+* Each node's ``status.allocatable`` CPU and memory, and the CPU and memory requests of every pod bound
+  to it (GPU or not, counted as the kubelet counts them), are tracked as kube-scheduler's cache tracks
+  them: FGD counts the idle GPUs a node's remaining CPU and memory cannot feed, as the simulator does.
 
 ClusterState is not thread-safe; :attr:`lock` serialises every read and write of it.
 """
@@ -61,6 +64,11 @@ class Accounting:
         self._held: dict[str, _Hold] = {}
         self._forgotten: dict[str, int] = {}
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
+        self._host: dict[str, tuple[int, int] | None] = {}  # node -> allocatable (CPU milli, memory MiB)
+        # Pods that ask no GPU but are bound to a node: their CPU and memory, by node (kept while the
+        # node is away, so they are charged again when it returns), and the node of each.
+        self._host_pods: dict[str, dict[str, cluster.HostDemand]] = {}
+        self._host_node: dict[str, str] = {}
 
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy)
@@ -73,7 +81,12 @@ class Accounting:
                 self._drop_node(name)
                 return
             text = ((node.get("metadata") or {}).get("annotations") or {}).get(self.names.inventory)
-            if text is not None and text == self._annotation.get(name):
+            try:
+                host = translate.node_host(node)
+            except translate.TranslateError as exc:
+                log.error("bad allocatable, keeping last good", node=name, error=str(exc))
+                host = self._host.get(name)
+            if text is not None and text == self._annotation.get(name) and host == self._host.get(name):
                 return  # a heartbeat: nothing we read changed
             try:
                 slots = translate.node_slots(node, self.names)
@@ -88,9 +101,14 @@ class Accounting:
             except ValueError as exc:  # e.g. the same GPU uuid twice
                 log.error("bad inventory, keeping last good", node=name, error=str(exc))
                 return
+            new = name not in self.slots
             for s in self.slots.get(name, ()):
                 self._node_of_uuid.pop(s.uuid, None)
             self.slots[name] = slots
+            self._set_host(name, host)
+            if new:
+                for key, need in self._host_pods.get(name, {}).items():
+                    self.state.add_pod(key, name, (), need, strict_host=False)
             self._annotation[name] = text or ""
             self._node_of_uuid.update((s.uuid, name) for s in slots)
             log.info("node inventory", node=name, gpus=len(slots), capacity_mib=sum(s.capacity for s in slots))
@@ -98,12 +116,23 @@ class Accounting:
                 if key in self.pods:
                     self._account(key, self.pods[key])
 
+    def _set_host(self, name: str, host: tuple[int, int] | None) -> None:
+        self._host[name] = host
+        if host is None:
+            self.state.untrack_host(name)
+        else:
+            self.state.set_host(name, *host)
+            log.debug("node host", node=name, cpu_milli=host[0], memory_mib=host[1])
+
     def _drop_node(self, name: str) -> None:
         if name not in self.slots:
             return
         for s in self.slots.pop(name):
             self._node_of_uuid.pop(s.uuid, None)
         self._annotation.pop(name, None)
+        self._host.pop(name, None)
+        for key in self._host_pods.get(name, {}):
+            self.state.remove_pod(key)
         self.state.remove_node(name)
         for key in [k for k, h in self._held.items() if h.node == name]:
             self._held.pop(key)
@@ -129,10 +158,12 @@ class Accounting:
                 if self.pods.pop(key, None) is not None or key in self._held:
                     log.info("pod freed", pod=key, reason="deleted" if event == "DELETED" else phase)
                 self._release(key)
+                self._drop_host_pod(key)
                 self._forgotten.pop(key, None)
                 self.unaccounted.pop(key, None)
                 return
             if not podspec.wants_gpu(pod, self.names):
+                self._account_host_pod(key, pod)
                 return
             if key not in self.pods:
                 self._observe(key, pod)
@@ -144,7 +175,38 @@ class Accounting:
             asks = translate.pod_asks(pod, self.names, self.config.memory_unit_mib)
         except podspec.PodSpecError:
             return
-        self.state.observe(translate.demands_of(asks))
+        self.state.observe(translate.demands_of(asks), self._pod_host(key, pod))
+
+    @staticmethod
+    def _pod_host(key: str, pod: Obj) -> cluster.HostDemand:
+        try:
+            return translate.pod_host(pod)
+        except translate.TranslateError as exc:  # the API server refuses such pods: count nothing
+            log.error("bad CPU/memory request ignored", pod=key, error=str(exc))
+            return cluster.HostDemand()
+
+    def _account_host_pod(self, key: str, pod: Obj) -> None:
+        """A pod that asks no GPU uses the CPU and memory of the node it is bound to."""
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        if not node:
+            return
+        need = self._pod_host(key, pod)
+        if self._host_node.get(key) == node and self._host_pods[node].get(key) == need:
+            return
+        self._drop_host_pod(key)
+        self._host_node[key] = node
+        self._host_pods.setdefault(node, {})[key] = need
+        if node in self.slots:
+            self.state.add_pod(key, node, (), need, strict_host=False)
+
+    def _drop_host_pod(self, key: str) -> None:
+        node = self._host_node.pop(key, None)
+        if node is None:
+            return
+        self._host_pods[node].pop(key, None)
+        if not self._host_pods[node]:
+            del self._host_pods[node]
+        self.state.remove_pod(key)
 
     def _account(self, key: str, pod: Obj) -> None:
         try:
@@ -167,7 +229,7 @@ class Accounting:
         if held is not None and held.node == node_name and held.assume_ns == asg.assume_time_ns:
             return
         try:
-            self.state.add_pod(key, node_name, allocations)
+            self.state.add_pod(key, node_name, allocations, self._pod_host(key, pod), strict_host=False)
         except cluster.OverCommit as exc:
             self.unaccounted[key] = str(exc)
             log.error("assignment not accounted", pod=key, node=node_name or "?", error=str(exc))
@@ -191,6 +253,8 @@ class Accounting:
                 self._safely(self.apply_pod, pod)
             for key in [k for k in self.pods if k not in seen]:
                 self.pods.pop(key)
+            for key in [k for k in self._host_node if k not in seen]:
+                self._drop_host_pod(key)
             for key, hold in list(self._held.items()):
                 if key not in seen and hold.since_ns <= started_ns:
                     log.info("pod freed", pod=key, reason="gone at resync")
@@ -220,10 +284,12 @@ class Accounting:
         return gone
 
     # -- the binder's reservations --------------------------------------------------------
-    def reserve(self, key: str, node: str, allocations: list[tuple[str, int]], assume_ns: int) -> None:
-        """Hold memory for a bind in flight; raises ``cluster.OverCommit`` (caller holds :attr:`lock`)."""
+    def reserve(self, key: str, node: str, allocations: list[tuple[str, int]], assume_ns: int,
+                host: cluster.HostDemand = cluster.HostDemand()) -> None:
+        """Hold memory (and the pod's CPU and memory) for a bind in flight; raises ``cluster.OverCommit``
+        (caller holds :attr:`lock`)."""
         with self.lock:
-            self.state.add_pod(key, node, allocations)
+            self.state.add_pod(key, node, allocations, host)
             self._held[key] = _Hold(node, assume_ns, self.clock())
             self._forgotten.pop(key, None)
 
@@ -244,6 +310,12 @@ class Accounting:
             if hold is not None:
                 self.state.remove_pod(key)
                 self._forgotten[key] = hold.assume_ns
+
+    def assume_bound(self, key: str, node: str, pod: Obj) -> None:
+        """A pod asking no GPU was bound through us: charge its CPU and memory now, as kube-scheduler's
+        cache assumes a pod at bind, rather than only when the watch reports it."""
+        with self.lock:
+            self._account_host_pod(key, {**pod, "spec": {**(pod.get("spec") or {}), "nodeName": node}})
 
     def mark_bound(self, key: str, node: str) -> None:
         """The Binding was created: remember the node so expiry never frees it before the watch says so."""

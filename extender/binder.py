@@ -71,6 +71,7 @@ class Binder:
                 raise _BindFailed(f"pod {key} is already bound to {bound_to}, not {args.node}", "conflict")
             if not podspec.wants_gpu(pod, self.names):
                 self._bind(args)
+                self.acct.assume_bound(key, args.node, pod)
                 return BindOutcome(result="passthrough")
             return self._bind_gpu_pod(args, pod)
         except _BindFailed as exc:
@@ -100,16 +101,17 @@ class Binder:
         try:
             want = podspec.pod_demand(pod, self.names)
             asks = translate.pod_asks(pod, self.names, self.acct.config.memory_unit_mib)
-        except podspec.PodSpecError as exc:
+            host = translate.pod_host(pod)
+        except (podspec.PodSpecError, translate.TranslateError) as exc:
             raise _BindFailed(f"pod {key}: {exc}", "bad_request") from None
         policy = verbs.policy_for(want.policy, self.policy)
         assume_ns = self.clock()
         with self.acct.lock:
             self.acct.release_unbound(key)  # a new bind supersedes any earlier assumption
             try:
-                picks = placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value)
+                picks = placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value, host)
                 allocations = _per_slot(picks)
-                self.acct.reserve(key, args.node, allocations, assume_ns)
+                self.acct.reserve(key, args.node, allocations, assume_ns, host)
             except (cluster.NoFit, cluster.OverCommit) as exc:
                 raise _BindFailed(f"pod {key} does not fit node {args.node}: {exc}", "no_fit") from None
         annotations = {
