@@ -171,6 +171,12 @@ class ClusterState(SlotTable):
     def all_rows(self) -> np.ndarray:
         return np.arange(len(self._names))
 
+    def live_rows(self) -> np.ndarray:
+        """Rows that hold a node now (rows of removed nodes wait for reuse)."""
+        if not self._spare:
+            return self.all_rows()
+        return np.array(sorted(self._rows.values()), np.int64)
+
     def memo_fit(self, demands: tuple[Demand, ...], host: HostDemand, compute: Callable[[], T]) -> T:
         """``compute()`` once per pod shape and state version: kube-scheduler asks filter, then
         prioritize, for one pod against one state, and the policies read the same greedy fit."""

@@ -114,6 +114,14 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
     return list(zip(node_names, out.tolist()))
 
 
+def warm(state: ClusterState, policy: str, max_rows: int = 512) -> bool:
+    """Precompute some of ``policy``'s per-row tables for the target workload (see
+    :meth:`extender.policies.FragmentationGradient.warm`); ``True`` while more remain. Policies without
+    tables return ``False``."""
+    step = getattr(policy_catalog.get(policy), "warm", None)
+    return bool(step(state, max_rows)) if step is not None else False
+
+
 def pick(state: ClusterState, demands: Sequence[Demand], node: str, policy: str,
          host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> list[list[tuple[str, int]]]:
     """Per demand ``[(slot uuid, amount)]`` on ``node``; raises :class:`NoFit` saying why not."""

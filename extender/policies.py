@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from extender.cluster import SHARED
+from extender.cluster import SHARED, ClusterState, Demand, HostDemand
 from extender.fit import Ask
 from extender.fragmentation import frag_after_each_slot, host_stranded, node_frag
 from extender.workload import TargetWorkload
@@ -111,6 +111,30 @@ class FragmentationGradient:
             elig = elig & masks[ask.state.model[ask.rows]]
         return elig
 
+    @staticmethod
+    def _keys(demands: tuple, host: HostDemand) -> tuple:
+        if len(demands) == 1 and demands[0].kind == SHARED and demands[0].count == 1:
+            return ("slot", demands[0].per_gpu, host.cpu_milli, host.memory_mib)
+        return ("after", demands, host.cpu_milli, host.memory_mib)
+
+    def warm(self, state: ClusterState, max_rows: int) -> bool:
+        """Compute, ahead of any request, the per-row tables of up to ``max_rows`` stale rows for the first
+        target-workload shape that has some; ``True`` while more remain. Run in the background (the
+        accounting's warmer) so no request pays for a shape's first appearance or for the workload
+        being republished: every pod is observed when the watch reports it, before it is scheduled."""
+        wl = state.target_workload()
+        rows = state.live_rows()
+        for shape in wl.shapes:
+            demands = (Demand(shape.per_gpu, shape.count, shape.kind, shape.models),)
+            host = HostDemand(shape.cpu_milli, shape.memory_mib)
+            stale = state.memo.stale(self._keys(demands, host), wl, rows, state.row_version)
+            if not len(stale):
+                stale = state.memo.stale(("f0",), wl, rows, state.row_version)
+            if len(stale):
+                self.deltas(Ask(state, demands, stale[:max_rows], host))
+                return True
+        return False
+
     def deltas(self, ask: Ask) -> tuple[np.ndarray, np.ndarray | None]:
         """Fragmentation reduction per node ``[n]`` and, for one-GPU shared pods, per slot ``[n, G]``.
 
@@ -125,12 +149,12 @@ class FragmentationGradient:
         f0 = memo(("f0",), lambda a: node_frag(a.shared_free, self._eligible(a, wl), a.cpu_free, wl, a.mem_free))
         if self._single_slot(ask):
             d = ask.demands[0]
-            after = memo(("slot", d.per_gpu, host.cpu_milli, host.memory_mib), lambda a: frag_after_each_slot(
+            after = memo(self._keys(ask.demands, host), lambda a: frag_after_each_slot(
                 a.shared_free, self._eligible(a, wl), a.cpu_free, wl, d.per_gpu, host.cpu_milli,
                 a.mem_free, host.memory_mib))
             per_slot = np.where(ask.mask(0) & (ask.free >= d.per_gpu), f0[:, None] - after, -np.inf)
             return per_slot.max(axis=1), per_slot
-        f1 = memo(("after", ask.demands, host.cpu_milli, host.memory_mib), lambda a: node_frag(
+        f1 = memo(self._keys(ask.demands, host), lambda a: node_frag(
             np.where(a.shared, a.best_fit.free_after, 0), self._eligible(a, wl), a.cpu_free - host.cpu_milli, wl,
             a.mem_free - host.memory_mib))
         return f0 - f1, None
