@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="fgd")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--pods", type=int, default=0, help="replay only the first N of the sequence (default all)")
+    ap.add_argument("--quick", action="store_true", help="the first 1,500 pods only (no figures at 100%%)")
     ap.add_argument("--scheduler-config", default=SCHEDULER_CONFIG)
     ap.add_argument("--extender-weight", type=int, help="override the configuration's extender weight")
     ap.add_argument("--also-manage", action="append", default=[], metavar="RESOURCE",
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     nodes = load_nodes(os.path.join(TRACES, "openb_node_list_gpu_node.csv"))
     pods = load_pods(os.path.join(TRACES, f"openb_pod_list_{args.trace}.csv"))
     seq = arrivals(pods, nodes, args.view, args.seed, order="trace")
-    if args.pods:
-        seq = seq[: args.pods]
+    if args.pods or args.quick:
+        seq = seq[: args.pods or 1500]
     typical = typical_workload(p.shape(args.view) for p in pods)
     profile = Profile.from_yaml(args.scheduler_config)
     if args.extender_weight is not None:
@@ -223,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     doc["profile"]["managed"] = list(profile.managed)
+    doc["summary"] = {"placements_differing": len(differ), "pods": len(seq),
+                      "wire_allocated_pct_at_100": doc["through_wire"]["allocated_pct_at_100"],
+                      "wire_unallocated_pct_at_130": doc["through_wire"]["unallocated_pct_at_130"],
+                      "simulate_allocated_pct_at_100": doc["simulate_policy_only"]["allocated_pct_at_100"],
+                      "simulate_unallocated_pct_at_130": doc["simulate_policy_only"]["unallocated_pct_at_130"],
+                      "wire_seconds": timing["seconds"], "wire_cycles_per_s": timing["cycles_per_s"]}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)

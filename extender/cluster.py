@@ -212,6 +212,13 @@ class ClusterState(SlotTable):
         self._recent_rows = [(names, rows)] + self._recent_rows[:3]
         return rows
 
+    def remember_rows(self, names: list[str], rows: np.ndarray) -> None:
+        """Register a name list whose rows are known (filter's answer): kube-scheduler sends exactly that
+        list to prioritize next, and :meth:`rows_of` then finds it without hashing every name."""
+        rows = np.asarray(rows, np.int64).copy()
+        rows.setflags(write=False)
+        self._recent_rows = [(names, rows)] + self._recent_rows[:3]
+
     def name(self, row: int) -> str:
         name = self._names[row]
         assert name is not None

@@ -7,6 +7,7 @@ simulator calls in its inner loop; the name-level ones wrap them. A pod is a seq
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -65,8 +66,9 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
     reasons = why_not_many(ask, failing)
     if known.all():
         names = list(node_names)
-        fitting = [n for n, fits in zip(names, ok.tolist()) if fits]
-        return fitting, dict(zip([names[j] for j in failing.tolist()], reasons))
+        fitting = list(itertools.compress(names, ok.tolist()))
+        state.remember_rows(fitting, rows[ok])
+        return fitting, dict(zip(itertools.compress(names, (~ok).tolist()), reasons))
     fitting: list[str] = []
     failed: dict[str, str] = {}
     fits, why = iter(ok.tolist()), iter(reasons)

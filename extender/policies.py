@@ -162,6 +162,8 @@ class FragmentationGradient:
     def stranding_removed(self, ask: Ask) -> np.ndarray:
         """``[n]`` GPU freed from host stranding by placing the pod (usually negative: it takes CPU)."""
         wl, host = ask.state.target_workload(), ask.host
+        if not ask.state.host_tracked[ask.rows].any():  # no host known (e.g. no allocatable published)
+            return np.zeros(len(ask.rows))
         idle = ask.shared_free.sum(axis=1).astype(np.float64)
         req = float(sum(d.per_gpu * d.count for d in ask.demands if d.kind == SHARED))
         cpu, mem = ask.cpu_free.astype(np.float64), ask.mem_free.astype(np.float64)
