@@ -45,7 +45,10 @@ def node_frag(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: Targ
     count = ge.sum(axis=1)  # [n, M]
     usable = (free[:, :, None] * ge).sum(axis=1)  # [n, M]
     fit = (count >= wl.count[None, :]) & host_fit(cpu_free, mem_free, wl)
-    return total - (fit * usable) @ wl.weight
+    # A row-wise sum, not ``@``: BLAS's matrix-vector product rounds a row differently depending on how
+    # many rows share the call, and the memo computes rows in batches of any size; one node's value must
+    # not depend on which others were stale with it (the wire and the simulator must agree bit for bit).
+    return total - ((fit * usable) * wl.weight).sum(axis=1)
 
 
 def frag_after_each_slot(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: TargetWorkload,
