@@ -37,3 +37,32 @@ def test_memoised_scores_follow_every_change_to_the_cluster() -> None:
     assert sorted(before.values()) == [9, 10] and after == {"a": 0, "b": 10}  # a tie, then b is best
     st.remove_pod("x")
     assert dict(score_nodes(st, [Demand(500)], ["a", "b"], "fgd")) == before
+
+
+def test_the_warmer_leaves_no_table_for_a_request_to_compute() -> None:
+    """After the background warmer, a request of a workload shape finds every row's table current: no
+    request pays for a shape's first appearance (the slow first request at 5,000 nodes)."""
+    from extender import placement
+    from extender.cluster import ClusterState, Demand, Slot
+    from extender.policies import FragmentationGradient
+
+    st = ClusterState(gpus_per_node=4)
+    for n in range(300):
+        st.set_node(f"n{n}", [Slot(f"g{n}-{g}", "m", capacity=1000, index=g) for g in range(4)])
+    for size in (100, 250, 500, 250, 100, 700):
+        st.observe([Demand(size)])
+    st.observe([Demand(500, 2)])
+    steps = 0
+    while placement.warm(st, "fgd", max_rows=64):
+        steps += 1
+    assert steps > 1  # it works in short steps
+    wl, rows = st.target_workload(), st.live_rows()
+    for shape in wl.shapes:
+        d = (Demand(shape.per_gpu, shape.count),)
+        key = FragmentationGradient._keys(d, __import__("extender.cluster", fromlist=["HostDemand"]).HostDemand())
+        assert len(st.memo.stale(key, wl, rows, st.row_version)) == 0
+    st.add_pod("p", "n7", [("g7-0", 100)])  # one node changes: only its row is stale, and warmed again
+    assert placement.warm(st, "fgd") is True
+    while placement.warm(st, "fgd"):
+        pass
+    assert placement.warm(st, "fgd") is False
