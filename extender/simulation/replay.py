@@ -170,7 +170,10 @@ def replay_as_scheduler(nodes: Sequence[TraceNode], seq: Sequence[TracePod], pol
     Other pods are placed by the model alone. The stand-in driver (:class:`vramshare.standins.scheduler.
     ProfileDriver`) does the same over HTTP; ``placed`` collects ``(pod, node)`` (``""``: unschedulable)."""
     state = build_state(nodes, view)
+    if policy == "fgd-paper":
+        state.pinned = typical
     kube = kube_model_for(nodes, profile, seed)
+    rng = np.random.default_rng(1_000_003 + seed)  # only the baselines that choose at random use it
     names = [n.name for n in nodes]
     row_of = {n: i for i, n in enumerate(names)}
     name_arr = np.array(names, dtype=object)
@@ -188,12 +191,12 @@ def replay_as_scheduler(nodes: Sequence[TraceNode], seq: Sequence[TracePod], pol
                 rows = np.fromiter((row_of[n] for n in fitting), np.int64, len(fitting))
                 ext = None
                 if len(fitting) > 1:  # kube-scheduler skips prioritize with one feasible node
-                    ext = np.array([sc for _, sc in score_nodes(state, demands, fitting, policy, host)])
+                    ext = np.array([sc for _, sc in score_nodes(state, demands, fitting, policy, host, rng)])
                 node = names[int(rows[kube.select(rows, req, ext)])]
         elif len(feasible):
             node = names[int(feasible[kube.select(feasible, req)])]
         if node:
-            flat = [a for per in pick(state, demands, node, policy, host) for a in per] if demands else []
+            flat = [a for per in pick(state, demands, node, policy, host, rng) for a in per] if demands else []
             state.add_pod(pod.name, node, flat, host)
             got = sum(amount for _, amount in flat)
             kube.bind(row_of[node], req)

@@ -43,7 +43,7 @@ def test_the_warmer_leaves_no_table_for_a_request_to_compute() -> None:
     """After the background warmer, a request of a workload shape finds every row's table current: no
     request pays for a shape's first appearance (the slow first request at 5,000 nodes)."""
     from extender import placement
-    from extender.cluster import ClusterState, Demand, Slot
+    from extender.cluster import ClusterState, Demand, HostDemand, Slot
     from extender.policies import FragmentationGradient
 
     st = ClusterState(gpus_per_node=4)
@@ -59,7 +59,7 @@ def test_the_warmer_leaves_no_table_for_a_request_to_compute() -> None:
     wl, rows = st.target_workload(), st.live_rows()
     for shape in wl.shapes:
         d = (Demand(shape.per_gpu, shape.count),)
-        key = FragmentationGradient._keys(d, __import__("extender.cluster", fromlist=["HostDemand"]).HostDemand())
+        key = FragmentationGradient._keys(d, HostDemand())
         assert len(st.memo.stale(key, wl, rows, st.row_version)) == 0
     st.add_pod("p", "n7", [("g7-0", 100)])  # one node changes: only its row is stale, and warmed again
     assert placement.warm(st, "fgd") is True
