@@ -83,23 +83,17 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, vie
     if policy == "fgd-paper":
         state.pinned = typical
     rng = np.random.default_rng(1_000_003 + seed)
-    capacity = float(gpu_capacity(nodes, view))
     rows = np.array([state.row(n.name) for n in nodes], np.int64)
     rank = np.empty(len(rows), np.int64)
     rank[rows] = rng.permutation(len(rows))
-    arrived_pct = np.zeros(len(seq))
-    alloc_pct = np.zeros(len(seq))
-    arrived = allocated = 0
-    failed = 0
-    frag: list[tuple[float, float]] = []
-    next_mark = 0
+    track = Tracker(float(gpu_capacity(nodes, view)), typical, len(seq))
     started = last_report = time.monotonic()
     for t, pod in enumerate(seq):
         demands, host = pod.demands(view), pod.host
-        arrived += pod.gpu_request(view)
         state.observe(demands, host)
         ask = ask_for(state, demands, rows, host, rng)
         ok = fit_rows(ask)
+        got = None
         if ok.any():
             fitting = ask.subset(ok)
             raw = rank_rows(fitting, policy)
@@ -108,19 +102,14 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, vie
             alloc = choose(fitting, i, policy)
             flat = [a for per_demand in alloc for a in per_demand]
             state.add_pod(pod.name, state.name(int(fitting.rows[i])), flat, host)
-            allocated += sum(amount for _, amount in flat)
-        else:
-            failed += 1
-        arrived_pct[t], alloc_pct[t] = 100.0 * arrived / capacity, 100.0 * allocated / capacity
-        if arrived_pct[t] >= next_mark:
-            frag.append((arrived_pct[t], frag_rate(state, typical)))
-            next_mark = int(arrived_pct[t]) + 1
+            got = sum(amount for _, amount in flat)
+        track.record(t, state, pod.gpu_request(view), got)
         now = time.monotonic()
         if progress and (now - last_report > 5 or t == len(seq) - 1):
             last_report = now
-            progress(f"{policy} seed {seed}: {t + 1}/{len(seq)} tasks, arrived {arrived_pct[t]:.1f}%, "
-                     f"allocated {alloc_pct[t]:.1f}%, {now - started:.0f}s")
-    return RunResult(policy, seed, arrived_pct, alloc_pct, frag, failed, time.monotonic() - started)
+            progress(f"{policy} seed {seed}: {t + 1}/{len(seq)} tasks, arrived {track.arrived_pct[t]:.1f}%, "
+                     f"allocated {track.alloc_pct[t]:.1f}%, {now - started:.0f}s")
+    return track.result(policy, seed, time.monotonic() - started)
 
 
 @dataclass
