@@ -91,7 +91,7 @@ def host_stranded(idle: np.ndarray, cpu_free: np.ndarray, mem_free: np.ndarray, 
     :func:`node_frag` sees a node's CPU run out only once a whole shape stops fitting; until then a
     placement that eats the CPU next to idle GPUs looks free. Here the node can serve at most
     ``cpu_free / cpu_per_unit`` (and likewise memory) of its idle GPU; the rest is stranded, and it grows
-    smoothly with every core taken. Untracked hosts (live: kube-scheduler checks CPU) strand nothing.
+    smoothly with every core taken. Hosts that publish no allocatable CPU or memory strand nothing.
     """
     cpu_unit, mem_unit = host_per_unit(wl)
     servable = np.full(idle.shape, np.inf)

@@ -94,7 +94,9 @@ class FragmentationGradient:
     Node scores also count the idle GPU a placement strands behind the node's CPU and memory at the
     workload's average ratio (:func:`extender.fragmentation.host_stranded`): on openb, CPU runs out about
     as fast as GPU, and this alone adds half a point of allocation over the paper's FGD
-    (bench/results/placement.md). Where hosts are not tracked (live) that term is zero.
+    (bench/results/placement.md). Live, the accounting tracks each node's allocatable CPU and memory and
+    the requests of every pod bound there, so the term is the same as in the simulator; a node that
+    publishes no allocatable strands nothing.
     """
 
     name = "fgd"
