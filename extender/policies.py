@@ -121,12 +121,15 @@ class FragmentationGradient:
 
     def warm(self, state: ClusterState, max_rows: int) -> bool:
         """Compute, ahead of any request, the per-row tables of up to ``max_rows`` stale rows for the first
-        target-workload shape that has some; ``True`` while more remain. Run in the background (the
-        accounting's warmer) so no request pays for a shape's first appearance or for the workload
-        being republished: every pod is observed when the watch reports it, before it is scheduled."""
+        shape that has some, the shapes just observed first, then the target workload's; ``True`` while
+        more remain. Run in the background (the accounting's warmer) so no request pays for a shape's
+        first appearance or for the workload being republished: every pod is observed when the watch
+        reports it, which is before kube-scheduler asks about it."""
         wl = state.target_workload()
         rows = state.live_rows()
-        for shape in wl.shapes:
+        for shape in dict.fromkeys(state.window.latest() + list(wl.shapes)):  # just observed first
+            if shape.kind != SHARED or shape.per_gpu <= 0 or shape.count <= 0:
+                continue
             demands = (Demand(shape.per_gpu, shape.count, shape.kind, shape.models),)
             host = HostDemand(shape.cpu_milli, shape.memory_mib)
             stale = state.memo.stale(self._keys(demands, host), wl, rows, state.row_version)

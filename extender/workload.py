@@ -94,6 +94,15 @@ class WorkloadWindow:
     def __len__(self) -> int:
         return len(self._recent)
 
+    def latest(self, n: int = 16) -> list[Shape]:
+        """The last ``n`` distinct shapes observed, newest first: pods that may be scheduled next."""
+        out: dict[Shape, None] = {}
+        for shape in reversed(self._recent):
+            if len(out) >= n:
+                break
+            out.setdefault(shape, None)
+        return list(out)
+
     def workload(self) -> TargetWorkload:
         """The most popular ``top`` shapes (bounding per-request cost), weights over what is kept."""
         self._check_drift()

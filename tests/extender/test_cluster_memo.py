@@ -89,3 +89,25 @@ def test_the_published_workload_depends_only_on_what_was_observed() -> None:
             assert lazy.workload() is not None
             assert lazy.workload().shapes == eager.workload().shapes
             np.testing.assert_array_equal(lazy.workload().weight, eager.workload().weight)
+
+
+def test_the_warmer_prepares_a_new_pods_shape_before_it_is_asked_about() -> None:
+    """A shape too rare to move the published workload is warmed as soon as it is observed."""
+    from extender import placement
+    from extender.cluster import ClusterState, Demand, HostDemand, Slot
+    from extender.policies import FragmentationGradient
+
+    st = ClusterState(gpus_per_node=4)
+    for n in range(50):
+        st.set_node(f"n{n}", [Slot(f"g{n}-{g}", "m", capacity=1000, index=g) for g in range(4)])
+    for _ in range(200):
+        st.observe([Demand(100)])
+    while placement.warm(st, "fgd"):
+        pass
+    published = st.target_workload()
+    st.observe([Demand(730)], HostDemand(3000, 0))  # one new pod: no drift, same published workload
+    assert st.target_workload() is published
+    while placement.warm(st, "fgd"):
+        pass
+    key = FragmentationGradient._keys((Demand(730),), HostDemand(3000, 0))
+    assert len(st.memo.stale(key, published, st.live_rows(), st.row_version)) == 0
