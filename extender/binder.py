@@ -146,7 +146,8 @@ class Binder:
         try:
             want = podspec.pod_demand(pod, self.names)
             asks = translate.pod_asks(pod, self.names, self.acct.config.memory_unit_mib)
-        except podspec.PodSpecError as exc:
+            host = translate.pod_host(pod)
+        except (podspec.PodSpecError, translate.TranslateError) as exc:
             raise _BindFailed(f"pod {key}: {exc}", "bad_request") from None
         policy = verbs.policy_for(want.policy, self.policy)
         signature = translate.signature_of(want, self.names)
@@ -157,10 +158,10 @@ class Binder:
                 raise _BindFailed(f"pod {key} not bound to {args.node}: {held}", "held")
             self.acct.release_unbound(key)  # a new bind supersedes any earlier assumption
             try:
-                picks = placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value)
+                picks = placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value, host)
                 text = translate.encode_assignment(asks, picks)
                 allocations = _allocations(pod, self.names, text)
-                self.acct.reserve(key, args.node, allocations, assume_ns, signature)
+                self.acct.reserve(key, args.node, allocations, assume_ns, signature, host)
             except (cluster.NoFit, cluster.OverCommit) as exc:
                 raise _BindFailed(f"pod {key} does not fit node {args.node}: {exc}", "no_fit") from None
         annotations = {

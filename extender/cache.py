@@ -45,6 +45,8 @@ class Cache:
         self._threads = [threading.Thread(target=self._run, args=(r,), name=f"extender-watch-{r}", daemon=True)
                          for r in RESOURCES]
         self._threads.append(threading.Thread(target=self._expire_loop, name="extender-expiry", daemon=True))
+        self._threads.append(threading.Thread(target=self.acct.warm_loop, args=(self._stop,), name="extender-warm",
+                                              daemon=True))
         for t in self._threads:
             t.start()
 

@@ -53,7 +53,8 @@ class Demand:
 
 @dataclass(frozen=True)
 class HostDemand:
-    """Pod-level CPU and memory; only the simulator checks them (kube-scheduler's Fit does it live)."""
+    """Pod-level CPU and memory requests (kube-scheduler's Fit checks them too; FGD counts GPUs stranded
+    behind a node's remaining CPU and memory). Live from the pod's requests, in the simulator from the trace."""
 
     cpu_milli: int = 0
     memory_mib: int = 0
@@ -146,10 +147,19 @@ class ClusterState(SlotTable):
         self._touch(row)
 
     def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
-        """Track a node's allocatable CPU and memory (simulator: kube-scheduler's in-tree Fit)."""
+        """Track a node's allocatable CPU and memory (live: ``status.allocatable``; simulator: the trace)."""
         row = self._rows[name]
+        if self.host_tracked[row] and (self.cpu_cap[row], self.mem_cap[row]) == (cpu_milli, memory_mib):
+            return
         self.cpu_cap[row], self.mem_cap[row], self.host_tracked[row] = cpu_milli, memory_mib, True
         self._touch(row)
+
+    def untrack_host(self, name: str) -> None:
+        """Forget a node's CPU and memory limits (its allocatable is no longer published): unlimited."""
+        row = self._rows[name]
+        if self.host_tracked[row]:
+            self.host_tracked[row] = False
+            self._touch(row)
 
     def remove_node(self, name: str) -> None:
         row = self._rows.pop(name, None)
@@ -168,6 +178,12 @@ class ClusterState(SlotTable):
 
     def all_rows(self) -> np.ndarray:
         return np.arange(len(self._names))
+
+    def live_rows(self) -> np.ndarray:
+        """Rows that hold a node now (rows of removed nodes wait for reuse)."""
+        if not self._spare:
+            return self.all_rows()
+        return np.array(sorted(self._rows.values()), np.int64)
 
     def memo_fit(self, demands: tuple[Demand, ...], host: HostDemand, compute: Callable[[], T]) -> T:
         """``compute()`` once per pod shape and state version: kube-scheduler asks filter, then
@@ -204,6 +220,13 @@ class ClusterState(SlotTable):
         self._recent_rows = [(names, rows)] + self._recent_rows[:3]
         return rows
 
+    def remember_rows(self, names: list[str], rows: np.ndarray) -> None:
+        """Register a name list whose rows are known (filter's answer): kube-scheduler sends exactly that
+        list to prioritize next, and :meth:`rows_of` then finds it without hashing every name."""
+        rows = np.asarray(rows, np.int64).copy()
+        rows.setflags(write=False)
+        self._recent_rows = [(names, rows)] + self._recent_rows[:3]
+
     def name(self, row: int) -> str:
         name = self._names[row]
         assert name is not None
@@ -214,12 +237,14 @@ class ClusterState(SlotTable):
 
     # -- pods -------------------------------------------------------------------------------
     def add_pod(self, key: str, node: str, allocations: Sequence[tuple[str, int]],
-                host: HostDemand = HostDemand(), *, force: bool = False) -> None:
+                host: HostDemand = HostDemand(), strict_host: bool = True, *, force: bool = False) -> None:
         """Record a pod's holdings; all or nothing. Same key and same holdings again is a no-op.
 
         ``force`` records what is already true (the device plugin's report of a running pod's GPUs)
         even beyond what is free: the books must say what the GPUs hold, and a GPU shown over capacity
-        takes no more pods."""
+        takes no more pods. ``strict_host=False`` records CPU and memory even past the node's
+        allocatable: the accounting mirrors pods the kubelet already runs (kube-scheduler and the
+        kubelet admit CPU and memory), so refusing them would only make the extender blind to what is used."""
         allocs = tuple((u, int(a)) for u, a in allocations)
         prev = self._pods.get(key)
         if prev is not None:
@@ -227,9 +252,9 @@ class ClusterState(SlotTable):
                 return
             self.remove_pod(key)
             try:
-                self.add_pod(key, node, allocs, host, force=force)
+                self.add_pod(key, node, allocs, host, strict_host, force=force)
             except OverCommit:
-                self.add_pod(key, prev.node, prev.allocations, prev.host)
+                self.add_pod(key, prev.node, prev.allocations, prev.host, strict_host=False)
                 raise
             return
         row = self._rows.get(node)
@@ -248,13 +273,13 @@ class ClusterState(SlotTable):
             if amount > free and not force:
                 s = self._slots[r][c]
                 raise OverCommit(f"GPU {s.index} ({s.uuid}) on {node} has {free} free, pod {key} needs {amount}")
-        if self.host_tracked[row]:
+        if self.host_tracked[row] and strict_host:
             if host.cpu_milli > self.cpu_cap[row] - self.cpu_used[row]:
                 raise OverCommit(f"node {node} lacks CPU for pod {key}")
             if host.memory_mib > self.mem_cap[row] - self.mem_used[row]:
                 raise OverCommit(f"node {node} lacks memory for pod {key}")
-            self.cpu_used[row] += host.cpu_milli
-            self.mem_used[row] += host.memory_mib
+        self.cpu_used[row] += host.cpu_milli  # charged on every row: tracking may start later
+        self.mem_used[row] += host.memory_mib
         for (r, c), amount in per_slot.items():
             self.used[r, c] += amount
             holders = self._holders.setdefault((r, c), {})
@@ -276,7 +301,7 @@ class ClusterState(SlotTable):
                 self.used[where] = max(0, int(self.used[where]) - amount)
             if not holders:
                 self._holders.pop(where, None)
-        if row is not None and self.host_tracked[row]:
+        if row is not None:
             self.cpu_used[row] -= pod.host.cpu_milli
             self.mem_used[row] -= pod.host.memory_mib
         if row is not None:

@@ -45,7 +45,10 @@ def node_frag(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: Targ
     count = ge.sum(axis=1)  # [n, M]
     usable = (free[:, :, None] * ge).sum(axis=1)  # [n, M]
     fit = (count >= wl.count[None, :]) & host_fit(cpu_free, mem_free, wl)
-    return total - (fit * usable) @ wl.weight
+    # A row-wise sum, not ``@``: BLAS's matrix-vector product rounds a row differently depending on how
+    # many rows share the call, and the memo computes rows in batches of any size; one node's value must
+    # not depend on which others were stale with it (the wire and the simulator must agree bit for bit).
+    return total - ((fit * usable) * wl.weight).sum(axis=1)
 
 
 def frag_after_each_slot(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarray, wl: TargetWorkload,
@@ -88,7 +91,7 @@ def host_stranded(idle: np.ndarray, cpu_free: np.ndarray, mem_free: np.ndarray, 
     :func:`node_frag` sees a node's CPU run out only once a whole shape stops fitting; until then a
     placement that eats the CPU next to idle GPUs looks free. Here the node can serve at most
     ``cpu_free / cpu_per_unit`` (and likewise memory) of its idle GPU; the rest is stranded, and it grows
-    smoothly with every core taken. Untracked hosts (live: kube-scheduler checks CPU) strand nothing.
+    smoothly with every core taken. Hosts that publish no allocatable CPU or memory strand nothing.
     """
     cpu_unit, mem_unit = host_per_unit(wl)
     servable = np.full(idle.shape, np.inf)

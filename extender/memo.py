@@ -54,5 +54,12 @@ class RowMemo:
             self._entries.popitem(last=False)
         return entry.values[rows]
 
+    def stale(self, key: Hashable, pin: object, rows: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """The subset of ``rows`` whose values :meth:`get` would compute now (without computing)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.pin is not pin or len(entry.seen) < len(versions):
+            return rows
+        return rows[entry.seen[rows] != versions[rows]]
+
     def clear(self) -> None:
         self._entries.clear()

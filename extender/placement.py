@@ -7,6 +7,7 @@ simulator calls in its inner loop; the name-level ones wrap them. A pod is a seq
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -65,8 +66,9 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
     reasons = why_not_many(ask, failing)
     if known.all():
         names = list(node_names)
-        fitting = [n for n, fits in zip(names, ok.tolist()) if fits]
-        return fitting, dict(zip([names[j] for j in failing.tolist()], reasons))
+        fitting = list(itertools.compress(names, ok.tolist()))
+        state.remember_rows(fitting, rows[ok])
+        return fitting, dict(zip(itertools.compress(names, (~ok).tolist()), reasons))
     fitting: list[str] = []
     failed: dict[str, str] = {}
     fits, why = iter(ok.tolist()), iter(reasons)
@@ -86,10 +88,12 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
 
     Raw scores are min-max scaled over the fitting nodes, so the extender's weight decides how much
     VRAM placement counts against kube-scheduler's own plugins, whatever the policy's raw units.
-    Among nodes that scale to 10, only the first in a stable per-node order (CRC-32 of the name)
-    keeps 10, the others get 9: kube-scheduler breaks ties at random, and in the simulator a random
-    choice among equally good nodes costs FGD five points of allocation against always filling the
-    same nodes first (bench/results/placement.json).
+    Exactly one node keeps 10: of the nodes with the highest raw score, the first in a stable per-node
+    order (``tie_rank``, CRC-32 of the name); every other node that would scale to 10 gets 9. So with
+    a weight that dominates the default plugins, kube-scheduler binds exactly the node the simulator
+    picks (``rank_rows`` argmax, same tie order), not merely one within a twentieth of the range of it;
+    and it never breaks a tie at random (in the simulator a random choice among equally good nodes
+    costs FGD five points of allocation against always filling the same nodes first).
     """
     rows, known = _rows(state, node_names)
     out = np.full(len(node_names), MIN_EXTENDER_PRIORITY, np.int64)
@@ -102,15 +106,22 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
             scaled = np.full(len(raw), MAX_EXTENDER_PRIORITY, np.int64) if hi <= lo else \
                 np.rint((raw - lo) / (hi - lo) * (MAX_EXTENDER_PRIORITY - MIN_EXTENDER_PRIORITY)).astype(np.int64)
             scaled += MIN_EXTENDER_PRIORITY
-            top = np.flatnonzero(scaled == MAX_EXTENDER_PRIORITY)
-            if len(top) > 1:
-                keep = top[np.argmin(state.tie_rank[rows[ok][top]])]
-                scaled[top] = MAX_EXTENDER_PRIORITY - 1
-                scaled[keep] = MAX_EXTENDER_PRIORITY
+            best = np.flatnonzero(raw >= hi)
+            keep = best[np.argmin(state.tie_rank[rows[ok][best]])] if len(best) > 1 else best[0]
+            scaled[scaled == MAX_EXTENDER_PRIORITY] = MAX_EXTENDER_PRIORITY - 1
+            scaled[keep] = MAX_EXTENDER_PRIORITY
             per_row = np.full(len(rows), MIN_EXTENDER_PRIORITY, np.int64)
             per_row[ok] = scaled
             out[known] = per_row
     return list(zip(node_names, out.tolist()))
+
+
+def warm(state: ClusterState, policy: str, max_rows: int = 512) -> bool:
+    """Precompute some of ``policy``'s per-row tables for the target workload (see
+    :meth:`extender.policies.FragmentationGradient.warm`); ``True`` while more remain. Policies without
+    tables return ``False``."""
+    step = getattr(policy_catalog.get(policy), "warm", None)
+    return bool(step(state, max_rows)) if step is not None else False
 
 
 def pick(state: ClusterState, demands: Sequence[Demand], node: str, policy: str,

@@ -21,10 +21,11 @@ from typing import Any, Mapping
 import orjson
 
 from extender import cluster
-from vramshare import contract, inventory, podspec
+from vramshare import contract, inventory, podspec, quantity
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
-           "demands_of", "Assignment", "Rider", "Signature", "signature_of", "encode_assignment", "decode_assignment", "mig_kind"]
+           "demands_of", "Assignment", "Rider", "Signature", "signature_of", "encode_assignment",
+           "decode_assignment", "mig_kind", "node_host", "pod_host"]
 
 Obj = Mapping[str, Any]
 SHARED, EXCLUSIVE = "shared", "exclusive"
@@ -66,6 +67,43 @@ def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
         return slots_from_inventory(inventory.NodeInventory.from_json(text))
     except inventory.InventoryError as exc:
         raise TranslateError(f"node {meta.get('name', '?')}: annotation {names.inventory}: {exc}") from None
+
+
+_MIB = 1 << 20
+
+
+def node_host(node: Obj) -> tuple[int, int] | None:
+    """``(CPU millicores, memory MiB)`` of ``status.allocatable``, what kube-scheduler's Fit compares
+    against; ``None`` when either is missing (the node's host is then not tracked). Memory rounds down:
+    never more than the node has. Raises :class:`TranslateError` for a quantity the API would refuse."""
+    meta = node.get("metadata") or {}
+    alloc = (node.get("status") or {}).get("allocatable") or {}
+    if "cpu" not in alloc or "memory" not in alloc:
+        return None
+    where = f"node {meta.get('name', '?')}: status.allocatable"
+    try:
+        return quantity.cpu_millis(alloc["cpu"], f"{where}.cpu"), quantity.byte_count(alloc["memory"], f"{where}.memory") // _MIB
+    except quantity.QuantityError as exc:
+        raise TranslateError(str(exc)) from None
+
+
+def _cpu_and_memory(container: Mapping[str, Any]) -> dict[str, int]:
+    req = podspec.container_requests(container)
+    where = f"container {container.get('name', '?')}"
+    return {"cpu": quantity.cpu_millis(req.get("cpu", 0), f"{where}: cpu"),
+            "memory": quantity.byte_count(req.get("memory", 0), f"{where}: memory")}
+
+
+def pod_host(pod: Obj) -> cluster.HostDemand:
+    """The pod's CPU and memory requests as the kubelet and kube-scheduler count them (init containers,
+    sidecars and overhead: :func:`vramshare.podspec.effective_requests`). Memory rounds up to MiB: never
+    less than the pod asked. Raises :class:`TranslateError` for a quantity the API would refuse."""
+    try:
+        total = podspec.effective_requests(pod, _cpu_and_memory)
+    except quantity.QuantityError as exc:
+        meta = pod.get("metadata") or {}
+        raise TranslateError(f"pod {meta.get('namespace', 'default')}/{meta.get('name', '?')}: {exc}") from None
+    return cluster.HostDemand(total.get("cpu", 0), -(-total.get("memory", 0) // _MIB))
 
 
 # -- pods -------------------------------------------------------------------------------------

@@ -74,11 +74,12 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     try:
         want = podspec.pod_demand(args.pod, view.names)
         demands = translate.demands_of(translate.asks_of(want, view.unit_mib))
-    except podspec.PodSpecError as exc:
+        host = translate.pod_host(args.pod)
+    except (podspec.PodSpecError, translate.TranslateError) as exc:
         return wire.FilterResult(unresolvable={n: str(exc) for n in names})
     if not demands:  # asked for zero of our resources: nothing to place
         return wire.FilterResult(passed=list(names))
-    fitting, failed = placement.filter_nodes(view.state, demands, names)
+    fitting, failed = placement.filter_nodes(view.state, demands, names, host)
     if view.holds is not None and fitting:
         fitting, failed = _apply_holds(view, args.pod_key, translate.signature_of(want, view.names),
                                        fitting, failed, names)
@@ -113,15 +114,17 @@ def _apply_holds(view: View, key: str, signature: translate.Signature, fitting: 
 
 
 def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]:
-    """Scores 0..10 for every candidate (0 where the pod does not fit or wants no GPU)."""
+    """Scores 0..10 for every candidate (0 where the pod does not fit); a pod that asks no GPU is scored
+    by where its CPU and memory strand the fewest GPUs (fgd), as the simulator places it."""
     names = args.names
-    if not podspec.wants_gpu(args.pod, view.names):
-        return [(n, 0) for n in names]
+    # A pod that asks no GPU is scored too (kube-scheduler only sends it when the profile's
+    # managedResources include one it asks, e.g. cpu): its CPU and memory strand GPUs as well.
     try:
         want = podspec.pod_demand(args.pod, view.names)
         demands = translate.demands_of(translate.asks_of(want, view.unit_mib))
-    except podspec.PodSpecError:
+        host = translate.pod_host(args.pod)
+    except (podspec.PodSpecError, translate.TranslateError):
         return [(n, 0) for n in names]
     # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
     # (0 where the pod does not fit or the node is unknown): already the wire's HostPriorityList.
-    return placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value)
+    return placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host)

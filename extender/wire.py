@@ -9,6 +9,7 @@ below and this module only turns them into bytes, so the golden tests can assert
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -161,26 +162,37 @@ def encode_filter_result(result: FilterResult, args: ExtenderArgs | None) -> byt
     })
 
 
-_HOST_PREFIX: dict[str, bytes] = {}  # '{"Host":"<name>","Score":' per node name, bounded below
-_SCORE_SUFFIX = [b"%d}" % s for s in range(MAX_EXTENDER_PRIORITY + 1)]
+_HOST_FRAGMENTS: dict[str, tuple[bytes, ...]] = {}  # name -> '{"Host":"<name>","Score":<s>}' for s in 0..10
+_FRAGMENT_LIMIT = 20_000  # names come from requests: never let them grow the cache unbounded
+
+
+def _fragments(host: str) -> tuple[bytes, ...]:
+    prefix = b'{"Host":' + orjson.dumps(host) + b',"Score":'
+    frags = _HOST_FRAGMENTS[host] = tuple(prefix + b"%d}" % s for s in range(MAX_EXTENDER_PRIORITY + 1))
+    return frags
 
 
 def encode_host_priorities(scores: Sequence[tuple[str, int]]) -> bytes:
     """``HostPriorityList``: a bare JSON array of ``{"Host", "Score"}``, scores already 0..10.
 
-    Joined from per-name fragments encoded once: at 5,000 nodes this halves the cost of building
-    5,000 dicts for orjson on every prioritize call. Scores outside 0..10 fall back to orjson.
+    Joined from fragments encoded once per name and score: at 5,000 nodes the per-call work is two
+    lookups per node, in C, and no new object per node (building 5,000 dicts for orjson, or even 5,000
+    concatenated fragments, costs several times more). Scores outside 0..10 fall back to orjson.
     """
-    if len(_HOST_PREFIX) > 65536:  # names come from requests: never let them grow the cache unbounded
-        _HOST_PREFIX.clear()
-    parts = []
-    for host, score in scores:
-        prefix = _HOST_PREFIX.get(host)
-        if prefix is None:
-            prefix = _HOST_PREFIX[host] = b'{"Host":' + orjson.dumps(host) + b',"Score":'
-        s = int(score)
-        parts.append(prefix + (_SCORE_SUFFIX[s] if 0 <= s <= MAX_EXTENDER_PRIORITY else b"%d}" % s))
-    return b"[" + b",".join(parts) + b"]"
+    if not scores:
+        return b"[]"
+    hosts, values = zip(*scores)
+    if len(_HOST_FRAGMENTS) > _FRAGMENT_LIMIT:
+        _HOST_FRAGMENTS.clear()
+    per_host = list(map(_HOST_FRAGMENTS.get, hosts))
+    if None in per_host:
+        per_host = [f if f is not None else _fragments(h) for h, f in zip(hosts, per_host)]
+    try:
+        if min(values) < 0:  # a negative index would pick a fragment from the end
+            raise IndexError
+        return b"[" + b",".join(map(operator.getitem, per_host, values)) + b"]"
+    except (IndexError, TypeError):
+        return orjson.dumps([{"Host": h, "Score": int(v)} for h, v in scores])
 
 
 # -- bind -------------------------------------------------------------------------------------

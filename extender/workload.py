@@ -68,6 +68,9 @@ class WorkloadWindow:
     The published workload only moves when the distribution has drifted by more than ``drift``
     (L1 distance of the weights): per-node fragmentation is memoised against the published object,
     so republishing on every request would throw that memo away for no change in the decision.
+    Every window state is checked for drift exactly once (by :meth:`workload` or by the next
+    :meth:`add`), so what is published depends only on the sequence of shapes observed, never on who
+    asked when: the live extender (whose warmer asks at any moment) and the simulator publish alike.
     """
 
     def __init__(self, size: int = 1000, top: int = 32, drift: float = 0.1) -> None:
@@ -78,6 +81,7 @@ class WorkloadWindow:
         self._dirty = True
 
     def add(self, shape: Shape) -> None:
+        self._check_drift()
         if len(self._recent) == self._recent.maxlen:
             old = self._recent[0]
             self._counts[old] -= 1
@@ -90,15 +94,27 @@ class WorkloadWindow:
     def __len__(self) -> int:
         return len(self._recent)
 
+    def latest(self, n: int = 16) -> list[Shape]:
+        """The last ``n`` distinct shapes observed, newest first: pods that may be scheduled next."""
+        out: dict[Shape, None] = {}
+        for shape in reversed(self._recent):
+            if len(out) >= n:
+                break
+            out.setdefault(shape, None)
+        return list(out)
+
     def workload(self) -> TargetWorkload:
         """The most popular ``top`` shapes (bounding per-request cost), weights over what is kept."""
+        self._check_drift()
+        assert self._published is not None
+        return self._published
+
+    def _check_drift(self) -> None:
         if self._dirty:
             self._dirty = False
             fresh = TargetWorkload.from_counts(dict(self._counts.most_common(self._top)))
             if self._published is None or _distance(self._published, fresh) > self._drift:
                 self._published = fresh
-        assert self._published is not None
-        return self._published
 
 
 def _distance(a: TargetWorkload, b: TargetWorkload) -> float:

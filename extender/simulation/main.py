@@ -14,7 +14,8 @@ import time
 from extender import policy_catalog
 from extender.simulation import report
 from extender.simulation.arrival import arrivals
-from extender.simulation.replay import RunResult, replay
+from extender.simulation.kube_model import Profile, ProfileError
+from extender.simulation.replay import RunResult, replay, replay_as_scheduler
 from extender.simulation.trace import load_nodes, load_pods
 from extender.workload import typical_workload
 
@@ -43,6 +44,13 @@ def run(args: argparse.Namespace) -> int:
         print("vramshare simulate: --seeds must be at least 1", file=sys.stderr)
         return 2
     order = getattr(args, "order", "shuffle")
+    profile = None
+    if getattr(args, "as_scheduler", None):
+        try:
+            profile = Profile.from_yaml(args.as_scheduler)
+        except (OSError, ProfileError) as exc:
+            print(f"vramshare simulate: --as-scheduler {args.as_scheduler}: {exc}", file=sys.stderr)
+            return 2
     nodes, pods = load_nodes(args.nodes), load_pods(args.pods)
     typical = typical_workload(p.shape(args.view) for p in pods)
     _say(f"{len(nodes)} nodes, {sum(n.gpus for n in nodes)} GPUs, {len(pods)} tasks; policies {', '.join(chosen)}; "
@@ -51,12 +59,18 @@ def run(args: argparse.Namespace) -> int:
     for seed in range(FIRST_SEED, FIRST_SEED + args.seeds):
         seq = arrivals(pods, nodes, args.view, seed, order=order)
         for policy in chosen:
-            result = replay(nodes, seq, policy, args.view, seed, typical, progress=_say)
+            if profile is not None:
+                result = replay_as_scheduler(nodes, seq, policy, args.view, seed, typical, profile)
+            else:
+                result = replay(nodes, seq, policy, args.view, seed, typical, progress=_say)
             results[policy].append(result)
             _say(f"{policy} seed {seed}: allocated {report.alloc_at(result, 100):.2f}% at 100% arrived, "
                  f"unallocated {100 - report.alloc_at(result, 130):.2f}% at 130% ({result.seconds:.0f}s)")
     meta = {"nodes": args.nodes, "pods": args.pods, "view": args.view, "seeds": args.seeds, "order": order,
             "first_seed": FIRST_SEED, "tie_break": "first best node in a per-seed random node order"}
+    if profile is not None:
+        meta["tie_break"] = "as kube-scheduler with the extender: one 10 per cycle (CRC-32 node order), random among equal totals"
+        meta["scheduler_profile"] = {"config": args.as_scheduler, **vars(profile)}
     report.write(args.out, results, meta)
     with open(os.path.join(args.out, "table.md"), encoding="utf-8") as fh:
         sys.stdout.write(fh.read())

@@ -17,11 +17,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from vramshare.config import ExtenderConfig
+from vramshare.contract import Names
 
 from extender.cluster import ClusterState
 from extender.fragmentation import cluster_frag
-from extender.placement import ask_for, choose, fit_rows, rank_rows
+from extender.placement import ask_for, choose, filter_nodes, fit_rows, pick, rank_rows, score_nodes
 from extender.simulation.arrival import gpu_capacity
+from extender.simulation.kube_model import KubeModel, PodRequest, Profile
 from extender.simulation.trace import TraceNode, TracePod
 from extender.workload import TargetWorkload
 
@@ -50,6 +52,22 @@ def build_state(nodes: Sequence[TraceNode], view: str) -> ClusterState:
     return state
 
 
+MIB = 1 << 20
+GPU_MEMORY = Names().gpu_memory
+#: Pods a node admits (the kubelet's default ``maxPods``), as the replay's nodes publish it.
+MAX_PODS = 110
+
+
+def kube_model_for(nodes: Sequence[TraceNode], profile: Profile, seed: int) -> KubeModel:
+    """kube-scheduler's cache for the trace's nodes (allocatable as the replay's Node objects publish it)."""
+    return KubeModel(profile, [n.cpu_milli for n in nodes], [n.memory_mib * MIB for n in nodes],
+                     [MAX_PODS] * len(nodes), seed)
+
+
+def pod_request(pod: TracePod) -> PodRequest:
+    return PodRequest.of(pod.cpu_milli, pod.memory_mib * MIB)
+
+
 def frag_rate(state: ClusterState, typical: TargetWorkload) -> float:
     """Fragmented share of idle GPU (%), measured against the trace's typical tasks (the paper's)."""
     shared = state.kind == state.kind_code("shared")
@@ -65,23 +83,17 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, vie
     if policy == "fgd-paper":
         state.pinned = typical
     rng = np.random.default_rng(1_000_003 + seed)
-    capacity = float(gpu_capacity(nodes, view))
     rows = np.array([state.row(n.name) for n in nodes], np.int64)
     rank = np.empty(len(rows), np.int64)
     rank[rows] = rng.permutation(len(rows))
-    arrived_pct = np.zeros(len(seq))
-    alloc_pct = np.zeros(len(seq))
-    arrived = allocated = 0
-    failed = 0
-    frag: list[tuple[float, float]] = []
-    next_mark = 0
+    track = Tracker(float(gpu_capacity(nodes, view)), typical, len(seq))
     started = last_report = time.monotonic()
     for t, pod in enumerate(seq):
         demands, host = pod.demands(view), pod.host
-        arrived += pod.gpu_request(view)
         state.observe(demands, host)
         ask = ask_for(state, demands, rows, host, rng)
         ok = fit_rows(ask)
+        got = None
         if ok.any():
             fitting = ask.subset(ok)
             raw = rank_rows(fitting, policy)
@@ -90,16 +102,94 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, vie
             alloc = choose(fitting, i, policy)
             flat = [a for per_demand in alloc for a in per_demand]
             state.add_pod(pod.name, state.name(int(fitting.rows[i])), flat, host)
-            allocated += sum(amount for _, amount in flat)
-        else:
-            failed += 1
-        arrived_pct[t], alloc_pct[t] = 100.0 * arrived / capacity, 100.0 * allocated / capacity
-        if arrived_pct[t] >= next_mark:
-            frag.append((arrived_pct[t], frag_rate(state, typical)))
-            next_mark = int(arrived_pct[t]) + 1
+            got = sum(amount for _, amount in flat)
+        track.record(t, state, pod.gpu_request(view), got)
         now = time.monotonic()
         if progress and (now - last_report > 5 or t == len(seq) - 1):
             last_report = now
-            progress(f"{policy} seed {seed}: {t + 1}/{len(seq)} tasks, arrived {arrived_pct[t]:.1f}%, "
-                     f"allocated {alloc_pct[t]:.1f}%, {now - started:.0f}s")
-    return RunResult(policy, seed, arrived_pct, alloc_pct, frag, failed, time.monotonic() - started)
+            progress(f"{policy} seed {seed}: {t + 1}/{len(seq)} tasks, arrived {track.arrived_pct[t]:.1f}%, "
+                     f"allocated {track.alloc_pct[t]:.1f}%, {now - started:.0f}s")
+    return track.result(policy, seed, time.monotonic() - started)
+
+
+@dataclass
+class Tracker:
+    """Arrived and allocated per task, and fragmentation at each whole arrived %, as :func:`replay` keeps."""
+
+    capacity: float
+    typical: TargetWorkload
+    n: int
+    arrived: float = 0.0
+    allocated: float = 0.0
+    failed: int = 0
+    next_mark: int = 0
+
+    def __post_init__(self) -> None:
+        self.arrived_pct, self.alloc_pct = np.zeros(self.n), np.zeros(self.n)
+        self.frag: list[tuple[float, float]] = []
+
+    def record(self, t: int, state: ClusterState, asked: int, got: int | None) -> None:
+        self.arrived += asked
+        if got is None:
+            self.failed += 1
+        else:
+            self.allocated += got
+        self.arrived_pct[t], self.alloc_pct[t] = 100.0 * self.arrived / self.capacity, 100.0 * self.allocated / self.capacity
+        if self.arrived_pct[t] >= self.next_mark:
+            self.frag.append((self.arrived_pct[t], frag_rate(state, self.typical)))
+            self.next_mark = int(self.arrived_pct[t]) + 1
+
+    def result(self, policy: str, seed: int, seconds: float) -> RunResult:
+        return RunResult(policy, seed, self.arrived_pct, self.alloc_pct, self.frag, self.failed, seconds)
+
+
+def pod_resources(pod: TracePod, view: str) -> list[str]:
+    """The resource names the replayed pod asks (what ``IsInterested`` reads)."""
+    out = ["cpu"] + (["memory"] if pod.memory_mib else [])
+    return out + ([GPU_MEMORY] if pod.demands(view) else [])
+
+
+def replay_as_scheduler(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, view: str, seed: int,
+                        typical: TargetWorkload, profile: Profile,
+                        placed: list[tuple[str, str]] | None = None) -> RunResult:
+    """Place ``seq`` as kube-scheduler with the extender would: :class:`KubeModel` filters by CPU, memory
+    and pod count; for pods the extender is interested in (its managedResources), the extender's
+    ``filter_nodes`` and ``score_nodes`` (0..10, one 10 per cycle) answer as the verbs do, the model adds
+    its default scores and the extender's weight and picks, and the binder's ``pick`` chooses the GPUs.
+    Other pods are placed by the model alone. The stand-in driver (:class:`vramshare.standins.scheduler.
+    ProfileDriver`) does the same over HTTP; ``placed`` collects ``(pod, node)`` (``""``: unschedulable)."""
+    state = build_state(nodes, view)
+    if policy == "fgd-paper":
+        state.pinned = typical
+    kube = kube_model_for(nodes, profile, seed)
+    rng = np.random.default_rng(1_000_003 + seed)  # only the baselines that choose at random use it
+    names = [n.name for n in nodes]
+    row_of = {n: i for i, n in enumerate(names)}
+    name_arr = np.array(names, dtype=object)
+    track = Tracker(float(gpu_capacity(nodes, view)), typical, len(seq))
+    started = time.monotonic()
+    for t, pod in enumerate(seq):
+        demands, host, req = pod.demands(view), pod.host, pod_request(pod)
+        state.observe(demands, host)
+        feasible = np.flatnonzero(kube.fits(req))
+        node, got = "", None
+        if len(feasible) and profile.interested(pod_resources(pod, view)):
+            candidates = name_arr[feasible].tolist()
+            fitting = filter_nodes(state, demands, candidates, host)[0] if demands else candidates
+            if fitting:
+                rows = np.fromiter((row_of[n] for n in fitting), np.int64, len(fitting))
+                ext = None
+                if len(fitting) > 1:  # kube-scheduler skips prioritize with one feasible node
+                    ext = np.array([sc for _, sc in score_nodes(state, demands, fitting, policy, host, rng)])
+                node = names[int(rows[kube.select(rows, req, ext)])]
+        elif len(feasible):
+            node = names[int(feasible[kube.select(feasible, req)])]
+        if node:
+            flat = [a for per in pick(state, demands, node, policy, host, rng) for a in per] if demands else []
+            state.add_pod(pod.name, node, flat, host)
+            got = sum(amount for _, amount in flat)
+            kube.bind(row_of[node], req)
+        if placed is not None:
+            placed.append((pod.name, node))
+        track.record(t, state, pod.gpu_request(view), got if node else None)
+    return track.result(policy, seed, time.monotonic() - started)

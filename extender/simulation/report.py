@@ -81,28 +81,47 @@ def _mean_over_seeds(curves: Sequence[Sequence[float]]) -> np.ndarray:
     return np.where(n > 0, np.where(have, a, 0.0).sum(axis=0) / np.maximum(n, 1), np.nan)
 
 
-def plot(results: Mapping[str, Sequence[RunResult]], path: str, title: str) -> None:
-    """Allocation and fragmentation rate against arrived workload, mean over seeds."""
+GRID = np.arange(0, 131)
+
+
+def curves(results: Mapping[str, Sequence[RunResult]]) -> dict[str, dict[str, list[float]]]:
+    """Per policy, mean over seeds on the 0..130% arrived grid: allocated % and fragmentation rate %."""
+    out = {}
+    for policy, runs in results.items():
+        alloc = _mean_over_seeds([[alloc_at(r, int(x)) for x in GRID] for r in runs])
+        frag = _mean_over_seeds([np.interp(GRID, [a for a, _ in r.frag], [f for _, f in r.frag]) for r in runs])
+        out[policy] = {"allocated_pct": [round(float(v), 3) for v in alloc],
+                       "frag_rate_pct": [round(float(v), 3) for v in frag]}
+    return out
+
+
+def plot(results: Mapping[str, Sequence[RunResult]], path: str, title: str, unit: str = "GPU") -> None:
+    """Allocation, unallocated (the paper's Figure 7 style) and fragmentation rate against arrived
+    workload, mean over seeds. ``unit`` names what is allocated (``GPU`` shares, ``GPU memory``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = np.arange(0, 131)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for policy, runs in results.items():
-        alloc = _mean_over_seeds([[alloc_at(r, int(x)) for x in grid] for r in runs])
+    grid = GRID
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(17, 4.5))
+    for policy, c in curves(results).items():
+        alloc = np.array(c["allocated_pct"])
         ax1.plot(grid, alloc, label=policy, lw=1.4)
-        frag = _mean_over_seeds([np.interp(grid, [a for a, _ in r.frag], [f for _, f in r.frag]) for r in runs])
-        ax2.plot(grid, frag, label=policy, lw=1.4)
+        ax3.plot(grid, np.minimum(grid, 100) - alloc, label=policy, lw=1.4)
+        ax2.plot(grid, c["frag_rate_pct"], label=policy, lw=1.4)
     ax1.plot(grid, np.minimum(grid, 100), color="grey", ls=":", lw=1, label="ideal")
-    ax1.set(xlabel="arrived workload (% of GPU capacity)", ylabel="GPU allocated (% of capacity)",
-            xlim=(60, 130), ylim=(60, 100), title="GPU allocation")
+    ax1.set(xlabel="arrived workload (% of GPU capacity)", ylabel=f"{unit} allocated (% of capacity)",
+            xlim=(60, 130), ylim=(60, 100), title=f"{unit} allocation")
+    ax3.set(xlabel="arrived workload (% of capacity)",
+            ylabel=f"{unit} unallocated while wanted (% of capacity)", xlim=(60, 130), ylim=(0, 25),
+            title=f"unallocated {unit} (min(arrived, 100) - allocated)")
     ax2.set(xlabel="arrived workload (% of GPU capacity)", ylabel="fragmented (% of idle GPU)",
             xlim=(0, 130), ylim=(0, 100), title="fragmentation rate")
-    for ax in (ax1, ax2):
+    for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
+    ax3.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -116,10 +135,11 @@ def write(out_dir: str, results: Mapping[str, Sequence[RunResult]], meta: dict) 
     with_paper = meta.get("view") == "share" and os.path.basename(str(meta.get("pods", ""))) == "openb_pod_list_default.csv"
     table = markdown(summary, with_paper)
     with open(os.path.join(out_dir, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump({"meta": meta, "policies": summary}, fh, indent=2)
+        json.dump({"meta": meta, "policies": summary, "curves_on_arrived_grid": curves(results)}, fh)
     with open(os.path.join(out_dir, "table.md"), "w", encoding="utf-8") as fh:
         fh.write(f"Trace `{os.path.basename(str(meta.get('pods')))}`, {meta.get('view')} view, "
                  f"{meta.get('seeds')} seed(s), arrival order: {meta.get('order')}\n\n{table}")
     plot(results, os.path.join(out_dir, "allocation.png"),
-         f"{os.path.basename(str(meta.get('pods')))} ({meta.get('view')} view, {meta.get('seeds')} seeds)")
+         f"{os.path.basename(str(meta.get('pods')))} ({meta.get('view')} view, {meta.get('seeds')} seeds)",
+         "GPU memory" if meta.get("view") == "memory" else "GPU")
     return summary

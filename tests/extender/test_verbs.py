@@ -102,7 +102,10 @@ def test_unknown_policy_annotation_falls_back() -> None:
     assert verbs.policy_for(" Spread ", Policy.FGD) is Policy.SPREAD
 
 
-def test_prioritize_gives_zero_to_pods_that_want_no_gpu() -> None:
-    acct = cluster(b.gpu_node("n1", b.a100()))
-    args = wire.ExtenderArgs(pod=b.pod("web"), node_names=["n1"])
-    assert verbs.prioritize_pod(acct.view(Policy.FGD), args) == [("n1", 0)]
+def test_prioritize_scores_pods_that_want_no_gpu_too() -> None:
+    """kube-scheduler sends them when the profile manages cpu: they get one best node like GPU pods
+    (the simulator places them with the policy too)."""
+    acct = cluster(b.gpu_node("n1", b.a100()), b.gpu_node("n2", b.a100()))
+    args = wire.ExtenderArgs(pod=b.pod("web"), node_names=["n1", "n2"])
+    scores = dict(verbs.prioritize_pod(acct.view(Policy.FGD), args))
+    assert sorted(scores.values()) == [9, 10]

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import orjson
 import urllib3
+
+from extender.simulation.kube_model import KubeModel, PodRequest
+from vramshare import podspec, quantity
 
 Obj = dict[str, Any]
 
@@ -85,3 +89,75 @@ class SchedulerDriver:
 
     def close(self) -> None:
         self.http.clear()
+
+
+def pod_request(pod: Obj) -> PodRequest:
+    """The pod's CPU millicores and memory bytes as kube-scheduler's Fit counts them (init containers,
+    sidecars, overhead: ``effective_requests``); non-zero defaults for the scores at pod level."""
+    total = podspec.effective_requests(pod, lambda c: {
+        "cpu": quantity.cpu_millis(podspec.container_requests(c).get("cpu", 0), "cpu"),
+        "memory": quantity.byte_count(podspec.container_requests(c).get("memory", 0), "memory")})
+    return PodRequest.of(total.get("cpu", 0), total.get("memory", 0))
+
+
+def pod_resources(pod: Obj) -> list[str]:
+    """Every resource name a container or init container requests or limits (``hasManagedResources``)."""
+    spec = pod.get("spec") or {}
+    out: list[str] = []
+    for c in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        res = c.get("resources") or {}
+        out += list(res.get("requests") or {}) + list(res.get("limits") or {})
+    return out
+
+
+class ProfileDriver(SchedulerDriver):
+    """kube-scheduler's cycle for one profile, over real HTTP: what :mod:`extender.simulation.kube_model`
+    models, with the extender reached on the wire (``schedule_one.go``: in-tree filters, then the
+    extender's filter on the nodes that pass, ``prioritizeNodes`` combining the extender's 0..10 x weight
+    x 10 with the default scores, ``selectHost``; bind through the extender when it is interested,
+    else the default binder: a Binding through ``bind_direct``). One cycle at a time, as kube-scheduler
+    runs them; the model's cache is updated at bind (``AssumePod``)."""
+
+    def __init__(self, extender_url: str, node_names: list[str], model: KubeModel,
+                 bind_direct: Callable[[Obj, str], None], pool_size: int = 4) -> None:
+        super().__init__(extender_url, node_names, pool_size)
+        self.model = model
+        self.bind_direct = bind_direct
+        self.row_of = {n: i for i, n in enumerate(node_names)}
+
+    def schedule_one(self, pod: Obj) -> Outcome:
+        meta = pod["metadata"]
+        out = Outcome(f"{meta.get('namespace', 'default')}/{meta['name']}", attempts=1)
+        req = pod_request(pod)
+        feasible = np.flatnonzero(self.model.fits(req))
+        if not len(feasible):
+            out.error = "in-tree Fit: no node has the CPU, memory or pod room"
+            return out
+        names = [self.node_names[i] for i in feasible]
+        if self.model.profile.interested(pod_resources(pod)):
+            result = self._post("filter", {"Pod": pod, "Nodes": None, "NodeNames": names})
+            if result["Error"]:
+                raise RuntimeError(f"filter {out.pod}: {result['Error']}")
+            fitting = result["NodeNames"] or []
+            out.failed = {**(result.get("FailedNodes") or {}), **(result.get("FailedAndUnresolvableNodes") or {})}
+            if not fitting:
+                out.error = "no node fits"
+                return out
+            rows = np.fromiter((self.row_of[n] for n in fitting), np.int64, len(fitting))
+            ext = None
+            if len(fitting) > 1:  # findNodesThatFitPod: one feasible node is taken without scoring
+                scores = self._post("prioritize", {"Pod": pod, "Nodes": None, "NodeNames": fitting})
+                out.scores = {s["Host"]: s["Score"] for s in scores}
+                ext = np.array([out.scores.get(n, 0) for n in fitting])
+            node = self.node_names[int(rows[self.model.select(rows, req, ext)])]
+            bound = self._post("bind", {"PodName": meta["name"], "PodNamespace": meta.get("namespace", "default"),
+                                        "PodUID": meta.get("uid", ""), "Node": node})
+            if bound["Error"]:  # kube-scheduler forgets the assumed pod and retries it later
+                out.error = bound["Error"]
+                return out
+        else:
+            node = self.node_names[int(feasible[self.model.select(feasible, req)])]
+            self.bind_direct(pod, node)
+        self.model.bind(self.row_of[node], req)
+        out.node = node
+        return out
