@@ -51,7 +51,7 @@ from extender.simulation.trace import GPU_MIB, REFERENCE_MIB, SHARE_UNITS, Trace
 from extender.workload import TargetWorkload, typical_workload  # noqa: E402
 from vramshare import contract, inventory  # noqa: E402
 from vramshare.config import Config, Policy  # noqa: E402
-from vramshare.standins.apiserver import ApiServerDouble  # noqa: E402
+from vramshare.standins.apiserver import PODS, ApiServerDouble  # noqa: E402
 from vramshare.standins.scheduler import ProfileDriver  # noqa: E402
 
 NAMES = contract.Names()
@@ -110,6 +110,23 @@ def _wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
         delay = min(0.005, delay * 2)
 
 
+def _report_allocated(api: ApiServerDouble, ext: Any, name: str) -> None:
+    """Play the device plugin's reconciler: the kubelet admitted the pod on the GPUs it was steered to,
+    so its assignment becomes ``allocated`` and the extender's same-size hold on the node ends (the
+    simulator has no holds: without this the wire would steer later same-size pods elsewhere)."""
+    def report(obj: dict[str, Any]) -> None:
+        obj["metadata"].setdefault("annotations", {})[NAMES.allocation_state] = contract.STATE_ALLOCATED
+
+    api.update(PODS, NAMESPACE, name, report)
+    key = f"{NAMESPACE}/{name}"
+
+    def released() -> bool:
+        with ext.acct.lock:
+            return key not in ext.acct.holds.held_pods()
+
+    _wait(released)
+
+
 def through_wire(nodes: Sequence[TraceNode], seq: Sequence[TracePod], view: str, policy: str, profile: Profile,
                  seed: int, typical: TargetWorkload, placed: list[tuple[str, str]] | None = None,
                  progress: Callable[[str], None] | None = None) -> tuple[RunResult, dict[str, Any]]:
@@ -139,6 +156,8 @@ def through_wire(nodes: Sequence[TraceNode], seq: Sequence[TracePod], view: str,
                     out = driver.schedule_one(manifest)
                     if out.node and not ext.acct.state.has_pod(key):  # bound by the default binder
                         _wait(lambda: ext.acct.state.has_pod(key))
+                    if out.node and gpu:
+                        _report_allocated(api, ext, pod.name)
                     counts["extender_cycles" if profile.interested(["cpu"] + ([NAMES.gpu_memory] if gpu else []))
                            else "default_cycles"] += 1
                     if placed is not None:
@@ -174,8 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the first 1,500 pods only (no figures at 100%%)")
     ap.add_argument("--scheduler-config", default=SCHEDULER_CONFIG)
     ap.add_argument("--extender-weight", type=int, help="override the configuration's extender weight")
-    ap.add_argument("--also-manage", action="append", default=[], metavar="RESOURCE",
-                    help="add a managedResource (e.g. cpu: the extender also places pods asking no GPU)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     logging.getLogger().setLevel(logging.WARNING)  # one info line per bind would cost more than the bind
@@ -192,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     profile = Profile.from_yaml(args.scheduler_config)
     if args.extender_weight is not None:
         profile = dataclasses.replace(profile, extender_weight=args.extender_weight)
-    if args.also_manage:
-        profile = dataclasses.replace(profile, managed=profile.managed + tuple(args.also_manage))
     say(f"{len(nodes)} nodes, {len(seq)} pods in trace order (seed {args.seed}), {args.view} view, "
         f"extender weight {profile.extender_weight}, managed {len(profile.managed)} resources")
     wire_placed: list[tuple[str, str]] = []
@@ -209,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "replay", "trace": args.trace, "view": args.view, "policy": args.policy, "seed": args.seed,
         "order": "trace", "nodes": len(nodes), "pods": len(seq),
         "scheduler_config": os.path.relpath(args.scheduler_config, ROOT),
-        "overrides": {"extender_weight": args.extender_weight, "also_manage": args.also_manage},
+        "overrides": {"extender_weight": args.extender_weight},
         "profile": dataclasses.asdict(profile),
         "through_wire": {**figures(wire), **timing},
         "simulate_as_scheduler": {**figures(sim), "seconds": round(sim_s, 1)},
