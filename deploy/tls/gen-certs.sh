@@ -4,12 +4,14 @@
 #                            vramshare-extender.vramshare-system.svc; ca.crt: the CA whose client
 #                            certificates may call the verbs
 #   vramshare-scheduler-tls  tls.crt/tls.key: kube-scheduler's client certificate; ca.crt: the CA
-#                            that signed the extender's serving certificate
+#                            that signed the extender's serving certificate (mounted by both
+#                            vramshare-scheduler and, on the DRA path, vramshare-dra-scheduler)
 # One throw-away CA signs both leaf certificates; its key is never stored (deleted on exit), so
 # nobody can mint another trusted client later: rotating means running this again.
 #
 #   deploy/tls/gen-certs.sh | kubectl apply -f -                 # install or rotate
 #   kubectl -n vramshare-system rollout restart deploy/vramshare-scheduler   # after a rotation
+#   kubectl -n vramshare-system rollout restart deploy/vramshare-dra-scheduler   # (DRA path too)
 #
 # Usage: gen-certs.sh [DAYS]   (validity of the leaf certificates, default 365). Needs openssl.
 set -eu

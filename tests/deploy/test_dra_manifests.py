@@ -1,7 +1,7 @@
 """deploy/daemonset/dra/ and every object the DRA plugin writes, against the 1.36 and 1.37 schemas
-(``kubernetes-validate --strict``), plus what a schema cannot see: RBAC equals what the code calls,
-the DaemonSet's args parse and its mounts are the kubelet's directories, the DeviceClasses' CEL
-selects what their names promise."""
+(``kubernetes-validate --strict``), plus what a schema cannot see: the DaemonSet's args parse and its
+mounts are the kubelet's directories, both workloads are hardened like the device plugin's and the
+extender's, the DRA scheduler scores only. RBAC against the code: test_manifests.py."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,6 @@ import yaml
 from deviceplugin import devices
 from deviceplugin.dra import slices
 from deviceplugin.simulated_backend import SimulatedBackend
-from tests.deploy.test_manifests import granted_rights
 from vramshare import cli, config, contract
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -86,26 +85,6 @@ def test_namespaced_objects_live_in_our_namespace_and_examples_in_none():
             assert ns == NAMESPACE
 
 
-def test_dra_plugin_rbac_is_what_its_code_calls():
-    used = _dra_used()
-    granted = granted_rights(_one("ClusterRole", "vramshare-dra-plugin"))
-    # server-side apply creates a missing slice: "create" is needed although the code only patches
-    assert granted - used == {("resourceslices", "create")}
-    assert used - granted == set()
-
-
-def _dra_used() -> set[tuple[str, str]]:
-    import re
-    verb = {"read": "get", "list": "list", "patch": "patch", "create": "create", "delete": "delete",
-            "replace": "update"}
-    call = re.compile(r"\.(read|list|patch|create|delete|replace)_(?:namespaced_)?([a-z_]+?)(?:_for_all_namespaces)?\(")
-    rights = set()
-    for path in (ROOT / "deviceplugin" / "dra").glob("*.py"):
-        for v, resource in call.findall(path.read_text()):
-            rights.add((resource.replace("_", "") + "s", verb[v]))
-    return rights
-
-
 def test_daemonset_args_parse_and_mount_the_kubelet_directories():
     ds = _one("DaemonSet", "vramshare-dra-plugin")
     pod = ds["spec"]["template"]["spec"]
@@ -153,3 +132,34 @@ def test_the_dra_scheduler_calls_the_extender_to_score_only():
     assert dep["volumes"][0]["configMap"]["name"] == cm["metadata"]["name"]
     assert any(a.endswith("/scheduler-config.yaml") and a.startswith("--config=" + c["volumeMounts"][0]["mountPath"])
                for a in c["command"])
+
+
+def test_the_dra_workloads_are_hardened_like_the_others():
+    """The same patterns as device-plugin.yaml and scheduler.yaml (checkov: deploy/checkov-accepted.yaml
+    lists what is accepted and why): the device plugin's image, no host namespaces, RuntimeDefault
+    seccomp, no capability, read-only root, no privilege escalation, requests and a memory limit,
+    probes; the scheduler non-root with profiling off."""
+    from tests.deploy.test_manifests import _one as base_one
+    [dp] = base_one("DaemonSet", "vramshare-device-plugin")["spec"]["template"]["spec"]["containers"]
+    [main_sched] = base_one("Deployment", "vramshare-scheduler")["spec"]["template"]["spec"]["containers"]
+    for kind, name in (("DaemonSet", "vramshare-dra-plugin"), ("Deployment", "vramshare-dra-scheduler")):
+        pod = _one(kind, name)["spec"]["template"]["spec"]
+        assert not pod.get("hostPID") and not pod.get("hostNetwork") and not pod.get("hostIPC"), name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        [c] = pod["containers"]
+        sc = c["securityContext"]
+        assert sc["capabilities"] == {"drop": ["ALL"]} and sc["privileged"] is False, name
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True, name
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"], name
+        assert c["livenessProbe"] and c["readinessProbe"], name
+        assert c["imagePullPolicy"] == "IfNotPresent", name
+    [plugin] = _one("DaemonSet", "vramshare-dra-plugin")["spec"]["template"]["spec"]["containers"]
+    assert plugin["image"] == dp["image"], "the image the build produces (deploy/build-image.sh)"
+    sched = _one("Deployment", "vramshare-dra-scheduler")["spec"]["template"]["spec"]
+    assert sched["securityContext"]["runAsNonRoot"] is True and sched["securityContext"]["runAsUser"] != 0
+    [c] = sched["containers"]
+    assert "--profiling=false" in c["command"]
+    assert c["image"].rsplit(":", 1)[0] == main_sched["image"].rsplit(":", 1)[0]
+    kust = yaml.safe_load((DRA / "kustomization.yaml").read_text())
+    [img] = kust["images"]
+    assert img["name"] == "registry.k8s.io/kube-scheduler" and c["image"].endswith(":" + img["newTag"])

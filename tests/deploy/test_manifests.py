@@ -1,13 +1,16 @@
 """Every YAML document under deploy/daemonset/ against the Kubernetes schemas, plus the invariants
 that a schema cannot see: the config parses, the kubelet directories are mounted as directories, the
-RBAC grants exactly what the device plugin's code calls, and the kustomization lists every resource.
+RBAC grants exactly what each daemon's code calls (the device plugin and, under dra/, the DRA plugin),
+the kube-schedulers get the upstream roles and their own Lease only, and the kustomization lists
+every resource. The DRA path's schemas (1.36+) are checked in test_dra_manifests.py.
 """
 from __future__ import annotations
 
+import ast
 import os
 import pathlib
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import kubernetes_validate
 import pytest
@@ -36,13 +39,24 @@ def _documents() -> Iterator[tuple[str, int, dict[str, Any]]]:
 DOCS = list(_documents())
 
 
+def _dra_documents() -> Iterator[tuple[str, int, dict[str, Any]]]:
+    for path in sorted((DEPLOY / "dra").glob("*.yaml")):  # not examples/: users apply those
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text(encoding="utf-8"))):
+            if doc is not None:
+                yield str(path.relative_to(DEPLOY)), i, doc
+
+
+DRA_DOCS = list(_dra_documents())
+ALL_DOCS = DOCS + DRA_DOCS
+
+
 def _id(doc: tuple[str, int, dict[str, Any]]) -> str:
     name, i, body = doc
     return f"{name}#{i}:{body.get('kind')}/{(body.get('metadata') or {}).get('name')}"
 
 
-def _one(kind: str, name: str) -> dict[str, Any]:
-    found = [d for _, _, d in DOCS if d.get("kind") == kind and d["metadata"]["name"] == name]
+def _one(kind: str, name: str, docs: list[tuple[str, int, dict[str, Any]]] = DOCS) -> dict[str, Any]:
+    found = [d for _, _, d in docs if d.get("kind") == kind and d["metadata"]["name"] == name]
     assert len(found) == 1, f"expected one {kind} {name} under deploy/daemonset, found {len(found)}"
     return found[0]
 
@@ -66,11 +80,11 @@ def test_every_document_is_valid(doc, version):
     kubernetes_validate.validate(body, version, strict=True)  # raises ValidationError naming the field
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if d[2].get("kind") not in NON_API_KINDS], ids=_id)
+@pytest.mark.parametrize("doc", [d for d in ALL_DOCS if d[2].get("kind") not in NON_API_KINDS], ids=_id)
 def test_namespaced_objects_live_in_our_namespace(doc):
     body = doc[2]
     if body["kind"] in {"Namespace", "ClusterRole", "ClusterRoleBinding", "PriorityClass",
-                        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}:
+                        "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "DeviceClass"}:
         assert "namespace" not in body["metadata"]
     elif body["kind"] not in {"Role", "RoleBinding"}:  # a Role may have to live in kube-system
         assert body["metadata"].get("namespace") == NAMESPACE
@@ -168,18 +182,25 @@ _VERB = {"read": "get", "list": "list", "patch": "patch", "create": "create", "d
          "replace": "update"}
 _CALL = re.compile(r"\.(read|list|patch|create|delete|replace)_(?:namespaced_)?([a-z_]+?)"
                    r"(?:_for_all_namespaces)?\(")
+#: the API client classes whose calls are scanned, and the API group of their resources
+API_CLIENTS = {"CoreV1Api": "", "ResourceV1Api": "resource.k8s.io"}
 
 
 def used_rights(package: pathlib.Path) -> set[tuple[str, str]]:
-    """(resource, verb) of every CoreV1Api call in the files that build a CoreV1Api client."""
+    """(resource, verb) of every API call in the package (the device plugin: all but dra/)."""
+    return rights_in(p for p in package.rglob("*.py") if package / "dra" not in p.parents)
+
+
+def rights_in(paths: Iterable[pathlib.Path]) -> set[tuple[str, str]]:
+    """(resource, verb) of every CoreV1Api / ResourceV1Api call in the files that build such a client.
+    A server-side apply (an ``apply-patch`` content type in the file) also creates: patch implies create."""
     rights: set[tuple[str, str]] = set()
-    for path in package.rglob("*.py"):
-        if package / "dra" in path.parents:
-            continue  # the DRA plugin is its own daemon with its own role (test_dra_manifests.py)
+    for path in paths:
         source = path.read_text(encoding="utf-8")
-        if "CoreV1Api" not in source:
+        if not any(api in source for api in API_CLIENTS):
             continue
         watches = "watch=True" in source or "Watch()" in source
+        applies = "application/apply-patch" in source
         for verb, resource in _CALL.findall(source):
             sub = ""
             if resource == "pod_binding":  # create_namespaced_pod_binding: the pods/binding subresource
@@ -192,6 +213,8 @@ def used_rights(package: pathlib.Path) -> set[tuple[str, str]]:
             rights.add((plural, _VERB[verb]))
             if verb == "list" and watches:
                 rights.add((plural, "watch"))
+            if verb == "patch" and applies:
+                rights.add((plural, "create"))
     return rights
 
 
@@ -234,8 +257,112 @@ def test_device_plugin_binding_and_service_account_agree(pod):
     _one("ServiceAccount", pod["serviceAccountName"])
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if d[2].get("kind") in {"ClusterRole", "Role"}], ids=_id)
+@pytest.mark.parametrize("doc", [d for d in ALL_DOCS if d[2].get("kind") in {"ClusterRole", "Role"}], ids=_id)
 def test_no_rbac_wildcards(doc):
     for rule in doc[2]["rules"]:
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule.get(key, []), f"{key}: no wildcards"
+
+
+# -- the DRA path (deploy/daemonset/dra/) ---------------------------------------------------------
+def _module_path(module: str) -> pathlib.Path | None:
+    for p in (ROOT / (module.replace(".", "/") + ".py"), ROOT / module.replace(".", "/") / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Our modules ``path`` imports, at any depth of the file (function-level imports too)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m.split(".")[0] in {"deviceplugin", "vramshare"} and _module_path(m)}
+
+
+#: the DRA plugin borrows only ``_backend`` (the backend choice) from the device plugin's main; the
+#: closure stops there, and a test checks that this is all it borrows and that it calls no API
+_BORROWED = "deviceplugin.main"
+
+
+def dra_plugin_modules() -> set[pathlib.Path]:
+    """The files the DRA plugin runs: deviceplugin/dra/ and everything it imports (transitively)."""
+    seen: set[str] = set()
+    todo = [f"deviceplugin.dra.{p.stem}" for p in (ROOT / "deviceplugin" / "dra").glob("*.py")]
+    while todo:
+        module = todo.pop()
+        if module in seen or module == _BORROWED:
+            continue
+        seen.add(module)
+        todo += _imports(_module_path(module))
+    return {_module_path(m) for m in seen}
+
+
+def test_the_dra_plugin_borrows_only_the_backend_choice_from_the_device_plugin():
+    borrowed = set()
+    for path in (ROOT / "deviceplugin" / "dra").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == _BORROWED:
+                borrowed |= {a.name for a in node.names}
+    assert borrowed == {"_backend"}
+    source = (ROOT / "deviceplugin" / "main.py").read_text(encoding="utf-8")
+    [fn] = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "_backend"]
+    assert not _CALL.findall(ast.get_source_segment(source, fn)), "_backend calls the API: scan deviceplugin.main too"
+
+
+def test_dra_plugin_rbac_is_exactly_what_its_code_calls():
+    """Its ResourceSlices (publisher.py: list, server-side apply, delete), the claims Prepare reads,
+    the Node it reads, and the quota loop it runs (deviceplugin/quota: this node's pods, the
+    quota-mib mirror, over-limit events and evictions)."""
+    modules = dra_plugin_modules()
+    assert ROOT / "deviceplugin" / "quota" / "kube.py" in modules, "the import scan lost the quota loop"
+    used = rights_in(modules)
+    role = _one("ClusterRole", "vramshare-dra-plugin", DRA_DOCS)
+    granted = granted_rights(role)
+    assert granted - used == set(), "granted but never called: remove from dra/rbac-dra-plugin.yaml"
+    assert used - granted == set(), "called but not granted: add to dra/rbac-dra-plugin.yaml"
+    for rule in role["rules"]:
+        want = {"resource.k8s.io" if r.startswith("resource") else "" for r in rule["resources"]}
+        assert set(rule["apiGroups"]) == want, rule
+
+
+def test_dra_plugin_binding_and_service_account_agree():
+    pod = _one("DaemonSet", "vramshare-dra-plugin", DRA_DOCS)["spec"]["template"]["spec"]
+    binding = _one("ClusterRoleBinding", "vramshare-dra-plugin", DRA_DOCS)
+    assert binding["roleRef"]["name"] == "vramshare-dra-plugin"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": NAMESPACE}]
+    _one("ServiceAccount", pod["serviceAccountName"], DRA_DOCS)
+
+
+def _role_refs(sa: str) -> dict[str, dict[str, Any]]:
+    """roleRef name -> the binding, for every binding of service account ``sa`` in deploy/daemonset/."""
+    subject = {"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}
+    return {d["roleRef"]["name"]: d for _, _, d in ALL_DOCS
+            if d.get("kind") in {"ClusterRoleBinding", "RoleBinding"} and subject in d["subjects"]}
+
+
+@pytest.mark.parametrize("deployment", ["vramshare-scheduler", "vramshare-dra-scheduler"])
+def test_each_kube_scheduler_has_the_upstream_roles_and_only_its_own_lease(deployment):
+    """kube-scheduler is not our code: its identity gets the built-in roles, the front-proxy CA
+    reader, and a Lease Role naming only the Lease its configuration elects with."""
+    dep = _one("Deployment", deployment, ALL_DOCS)
+    sa = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    refs = _role_refs(sa)
+    lease_roles = {n for n, bd in refs.items() if bd["roleRef"]["kind"] == "Role" and bd["metadata"]["namespace"] == NAMESPACE}
+    assert set(refs) - lease_roles == {"system:kube-scheduler", "system:volume-scheduler",
+                                       "extension-apiserver-authentication-reader"}
+    assert refs["extension-apiserver-authentication-reader"]["metadata"]["namespace"] == "kube-system"
+    [lease_role] = lease_roles
+    [cm_volume] = [v for v in dep["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    cm = _one("ConfigMap", cm_volume["configMap"]["name"], ALL_DOCS)
+    elect = yaml.safe_load(cm["data"]["scheduler-config.yaml"])["leaderElection"]["resourceName"]
+    role = _one("Role", lease_role, ALL_DOCS)
+    named = {n for r in role["rules"] for n in r.get("resourceNames", [])}
+    assert named == {elect}
+    assert all(r["resources"] == ["leases"] for r in role["rules"])
+    others = {d["spec"]["template"]["spec"]["serviceAccountName"] for _, _, d in ALL_DOCS
+              if d.get("kind") in {"Deployment", "DaemonSet"} and d["metadata"]["name"] != deployment}
+    assert sa not in others, f"{deployment} shares its service account"

@@ -1,4 +1,4 @@
-"""Evaluate the ValidatingAdmissionPolicies of deploy/daemonset/ the way the API server does.
+"""Evaluate the ValidatingAdmissionPolicies of deploy/daemonset/ (and dra/) the way the API server does.
 
 The expressions are read from the YAML files and run with the ``common-expression-language`` CEL
 interpreter (a test-only dependency), never copied by hand. What the API server adds around them,
@@ -23,14 +23,16 @@ import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 POLICY_FILE = ROOT / "deploy" / "daemonset" / "admission-policies.yaml"
+#: both kustomizations' policies: a cluster on the DRA path has them all installed
+POLICY_FILES = (POLICY_FILE, ROOT / "deploy" / "daemonset" / "dra" / "admission-policies.yaml")
 
 Obj = dict[str, Any]
 EXT = {"join": lambda items, sep: sep.join(items)}
 
 
 def load() -> tuple[dict[str, Obj], dict[str, Obj]]:
-    """(policies by name, bindings by policy name) from the manifest."""
-    docs = [d for d in yaml.safe_load_all(POLICY_FILE.read_text()) if d]
+    """(policies by name, bindings by policy name) from the manifests."""
+    docs = [d for f in POLICY_FILES for d in yaml.safe_load_all(f.read_text()) if d]
     policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
     bindings = {d["spec"]["policyName"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
     return policies, bindings
@@ -39,15 +41,19 @@ def load() -> tuple[dict[str, Obj], dict[str, Obj]]:
 @dataclass(frozen=True)
 class Request:
     operation: str
-    resource: str  # "pods" or "nodes"
+    resource: str  # "pods", "nodes" or "resourceslices"
     username: str
     obj: Obj | None
     old: Obj | None = None
     extra: dict[str, list[str]] | None = None
 
+    @property
+    def group(self) -> str:
+        return "resource.k8s.io" if self.resource in {"resourceslices", "resourceclaims", "deviceclasses"} else ""
+
     def context(self) -> dict[str, Any]:
         return {
-            "request": {"operation": self.operation, "resource": {"group": "", "version": "v1",
+            "request": {"operation": self.operation, "resource": {"group": self.group, "version": "v1",
                                                                   "resource": self.resource},
                         "userInfo": {"username": self.username, "extra": self.extra or {}}},
             "object": copy.deepcopy(self.obj), "oldObject": copy.deepcopy(self.old),
@@ -56,7 +62,8 @@ class Request:
 
 def _matches(policy: Obj, req: Request) -> bool:
     for rule in policy["spec"]["matchConstraints"]["resourceRules"]:
-        if req.resource in rule["resources"] and req.operation in rule["operations"]:
+        if (req.group in rule["apiGroups"] and req.resource in rule["resources"]
+                and req.operation in rule["operations"]):
             return True
     return False
 

@@ -53,7 +53,7 @@ def bound(node: str) -> dict[str, Any]:
 # -- every policy is bound, and the names agree with the rest of deploy/ and the contract ---------
 def test_every_policy_is_bound_with_deny() -> None:
     policies, bindings = load()
-    assert set(policies) == set(bindings) and len(policies) == 4
+    assert set(policies) == set(bindings) and len(policies) == 5
     assert all(bd["spec"]["validationActions"] == ["Deny"] for bd in bindings.values())
 
 

@@ -1,6 +1,7 @@
 """The certificates an admin installs work end to end: deploy/tls/gen-certs.sh's Secrets give the
-extender its serving certificate and client CA and kube-scheduler a client certificate the extender
-accepts, for the Service name in scheduler-config.yaml's urlPrefix; the cert-manager variant issues
+extender its serving certificate and client CA and each kube-scheduler (vramshare-scheduler and the
+DRA path's vramshare-dra-scheduler) a client certificate the extender accepts, for the Service name in
+its configuration's urlPrefix, mounted where its tlsConfig reads it; the cert-manager variant issues
 the same Secrets."""
 from __future__ import annotations
 
@@ -45,33 +46,69 @@ def _secrets(tmp: pathlib.Path) -> dict[str, dict[str, pathlib.Path]]:
     return files
 
 
+WORKLOAD_FILES = ("extender.yaml", "scheduler.yaml", "dra/scheduler.yaml")
+
+
+def _deployments() -> list[dict]:
+    return [doc for f in WORKLOAD_FILES for doc in yaml.safe_load_all((ROOT / "deploy/daemonset" / f).read_text())
+            if doc and doc["kind"] == "Deployment"]
+
+
 def _mounted_secret_names() -> set[str]:
-    names = set()
-    for f in ("extender.yaml", "scheduler.yaml"):
-        for doc in yaml.safe_load_all((ROOT / "deploy/daemonset" / f).read_text()):
-            if doc and doc["kind"] == "Deployment":
-                names |= {v["secret"]["secretName"] for v in doc["spec"]["template"]["spec"]["volumes"] if "secret" in v}
-    return names
+    return {v["secret"]["secretName"] for d in _deployments() for v in d["spec"]["template"]["spec"]["volumes"]
+            if "secret" in v}
+
+
+def _schedulers() -> list[tuple[str, dict, str]]:
+    """(Deployment name, its extender entry, the Secret mounted where tlsConfig reads) per kube-scheduler."""
+    out = []
+    for f in ("scheduler-config.yaml", "dra/scheduler.yaml"):
+        for cm in yaml.safe_load_all((ROOT / "deploy/daemonset" / f).read_text()):
+            if not cm or cm["kind"] != "ConfigMap":
+                continue
+            [extender] = yaml.safe_load(cm["data"]["scheduler-config.yaml"])["extenders"]
+            [dep] = [d for d in _deployments() if any(v.get("configMap", {}).get("name") == cm["metadata"]["name"]
+                                                      for v in d["spec"]["template"]["spec"]["volumes"])]
+            pod = dep["spec"]["template"]["spec"]
+            [container] = pod["containers"]
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+            tls = extender["tlsConfig"]
+            dirs = {str(pathlib.PurePath(tls[k]).parent) for k in ("certFile", "keyFile", "caFile")}
+            assert len(dirs) == 1, f"{dep['metadata']['name']}: tlsConfig files from one Secret"
+            assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"], "0440 files readable"
+            out.append((dep["metadata"]["name"], extender, mounts[dirs.pop()]["secret"]["secretName"]))
+    return out
+
+
+SCHEDULERS = _schedulers()
+
+
+def test_both_schedulers_call_the_extender_over_mutual_tls() -> None:
+    assert {name for name, _, _ in SCHEDULERS} == {"vramshare-scheduler", "vramshare-dra-scheduler"}
+    for name, extender, secret in SCHEDULERS:
+        assert extender["enableHTTPS"] is True and extender["urlPrefix"].startswith("https://"), name
+        assert secret == "vramshare-scheduler-tls", name
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
-def test_generated_secrets_authenticate_the_scheduler_to_the_extender(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("name, extender, secret", SCHEDULERS, ids=[s[0] for s in SCHEDULERS])
+def test_generated_secrets_authenticate_the_scheduler_to_the_extender(tmp_path: pathlib.Path, name: str,
+                                                                      extender: dict, secret: str) -> None:
     s = _secrets(tmp_path)
     assert set(s) == _mounted_secret_names() == {"vramshare-extender-tls", "vramshare-scheduler-tls"}
-    ext, sched = s["vramshare-extender-tls"], s["vramshare-scheduler-tls"]
+    ext, sched = s["vramshare-extender-tls"], s[secret]
     server = ExtenderHTTPServer(Ok(), "127.0.0.1", 0,
                                 tls=Reloader(TlsFiles(str(ext["tls.crt"]), str(ext["tls.key"]), str(ext["ca.crt"]))))
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
     thread.start()
-    config = yaml.safe_load(yaml.safe_load((ROOT / "deploy/daemonset/scheduler-config.yaml").read_text())
-                            ["data"]["scheduler-config.yaml"])
-    [extender] = config["extenders"]
     host = urllib.parse.urlsplit(extender["urlPrefix"]).hostname
     try:
         def post(ctx: ssl.SSLContext) -> bytes:
             with socket.create_connection(server.server_address, timeout=5) as raw:
                 with ctx.wrap_socket(raw, server_hostname=host) as sock:  # verifies the Service name
-                    sock.sendall(b"POST /filter HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}")
+                    verb = extender.get("filterVerb") or extender["prioritizeVerb"]
+                    sock.sendall(b"POST /%s HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}" % verb.encode())
                     return sock.recv(4096).split(b"\r\n", 1)[0]
 
         client = ssl.create_default_context(cafile=str(sched["ca.crt"]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import yaml
 from kubernetes import client
 
@@ -23,8 +24,9 @@ def _workload(file: str) -> dict:
                 if d and d["kind"] in ("DaemonSet", "Deployment"))["spec"]["template"]["spec"]
 
 
-def test_the_device_plugin_runs_without_host_pid_and_without_capabilities() -> None:
-    pod = _workload("device-plugin.yaml")
+@pytest.mark.parametrize("file", ["device-plugin.yaml", "dra/dra-plugin.yaml"])
+def test_the_node_plugins_run_without_host_pid_and_without_capabilities(file: str) -> None:
+    pod = _workload(file)
     assert not pod.get("hostPID") and not pod.get("hostNetwork") and not pod.get("hostIPC")
     [c] = pod["containers"]
     sc = c["securityContext"]
@@ -34,7 +36,7 @@ def test_the_device_plugin_runs_without_host_pid_and_without_capabilities() -> N
 
 
 def test_extender_and_scheduler_run_as_non_root() -> None:
-    for file in ("extender.yaml", "scheduler.yaml"):
+    for file in ("extender.yaml", "scheduler.yaml", "dra/scheduler.yaml"):
         pod = _workload(file)
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"

@@ -160,7 +160,7 @@ def test_the_extender_starts_from_the_wheel(venv: pathlib.Path, tmp_path: pathli
 def test_the_build_script_names_the_image_the_manifests_use() -> None:
     ref = _run(["sh", str(ROOT / "deploy/build-image.sh"), "--print-image"]).strip()
     images = set()
-    for path in (ROOT / "deploy/daemonset").glob("*.yaml"):
+    for path in (ROOT / "deploy/daemonset").rglob("*.yaml"):  # dra/ too
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") in ("DaemonSet", "Deployment"):
                 images |= {c["image"] for c in doc["spec"]["template"]["spec"]["containers"]}
