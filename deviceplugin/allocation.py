@@ -135,6 +135,11 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int,
     return chosen
 
 
+def cdi_name(uuid: str) -> str:
+    """The CDI name of a whole GPU in NVIDIA's generated spec (``--device-name-strategy=uuid``)."""
+    return f"nvidia.com/gpu={uuid}"
+
+
 def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: str | None) -> ContainerSpec:
     """Env, mounts and CDI devices for a container holding ``shares`` (DESIGN.md section 3)."""
     uuids = [s.uuid for s in shares]
@@ -150,7 +155,7 @@ def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: s
     if strategy is DeviceListStrategy.ENVVAR:
         envs[contract.ENV_VISIBLE_DEVICES] = ",".join(uuids)
     elif strategy is DeviceListStrategy.CDI_CRI:
-        cdi = tuple(f"nvidia.com/gpu={u}" for u in uuids)
+        cdi = tuple(cdi_name(u) for u in uuids)
     else:  # volume-mounts: the NVIDIA container toolkit reads the device list from mount names
         envs[contract.ENV_VISIBLE_DEVICES] = _VOLUME_MOUNT_ROOT
         mounts += [(f"{_VOLUME_MOUNT_ROOT}/{u}", "/dev/null", True) for u in uuids]

@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from deviceplugin import enforcement
+from deviceplugin import allocation, cdi_names, enforcement
 from deviceplugin.allocator import Allocator
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.config_watch import ConfigWatcher
@@ -33,7 +33,7 @@ from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.reconcile_loop import Reconciler
 from vramshare import kube, logs
-from vramshare.config import Config, ConfigError, load_config
+from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -47,8 +47,9 @@ class DevicePluginDaemon:
                  api: Any = None, pod_resources_socket: str | None = None, metrics_port: int = 0,
                  poll_seconds: float = 0.1, stream_grace_seconds: float = 1.0,
                  metrics: PluginMetrics | None = None, reconcile_seconds: float = 2.0,
-                 startup_sync_seconds: float = 5.0) -> None:
+                 startup_sync_seconds: float = 5.0, cdi_roots: tuple[str, ...] = cdi_names.DEFAULT_ROOTS) -> None:
         self.backend = backend
+        self._cdi_roots = cdi_roots
         discovered = backend.discover()
         self.enforcement = enforcement.detect(backend, config, discovered)  # raises EnforcementRefused
         config = enforcement.pin(config, self.enforcement)
@@ -122,6 +123,7 @@ class DevicePluginDaemon:
         except Exception as exc:  # noqa: BLE001 - Allocate does not need it; the thread retries
             log.warning("start-up reconcile failed", error=f"{type(exc).__name__}: {exc}")
         self._spawn("reconcile", lambda: self.reconciler.run(self._stop, self._reconcile_seconds))
+        self._check_cdi_names()
         self._spawn("kubelet-watch", lambda: self.lifecycle.run(self._stop))
         health = self.state.snapshot.config.health
         if not health.disabled:
@@ -134,6 +136,23 @@ class DevicePluginDaemon:
         if self._metrics_port:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
             self._metrics_server.start()
+
+    def _check_cdi_names(self) -> None:
+        """With the cdi-cri strategy, say at start which GPUs' CDI names no spec on this node defines."""
+        snapshot = self.state.snapshot
+        if snapshot.config.device_list_strategy is not DeviceListStrategy.CDI_CRI:
+            return
+        wanted = [allocation.cdi_name(uuid) for g in snapshot.inventory.gpus
+                  for uuid in ([m.uuid for m in g.mig] if g.mig else [g.uuid])]
+        specs, problems = cdi_names.read_specs(self._cdi_roots)
+        for problem in problems:
+            log.warning("CDI spec not readable", problem=problem)
+        gone = cdi_names.missing(wanted, specs)
+        if gone:
+            log.error("CDI device names do not resolve: containers given these GPUs will fail at creation",
+                      missing=",".join(gone), roots=",".join(self._cdi_roots), fix=cdi_names.FIX)
+        else:
+            log.info("CDI device names resolve", devices=len(wanted))
 
     def _spawn(self, name: str, body: Callable[[], None]) -> None:
         def guarded() -> None:
