@@ -159,7 +159,9 @@ def test_the_extenders_books_follow_what_the_kubelet_handed_out(stack: Stack) ->
             for i in range(3):
                 only = pod(f"r{round_}-{i}", rng.choice([4, 4, 8]))
                 only["metadata"]["annotations"] = {NAMES.gpu_models: "L4"}
-                if driver.schedule(stack.api.create_pod(only)).node:
+                # One attempt: a pod turned away by the same-size hold waits for a later round (as
+                # kube-scheduler's backoff would), after the kubelet has admitted this round's pods.
+                if driver.schedule(stack.api.create_pod(only), max_attempts=1).node:
                     batch.append(stack.api.get_pod(NS, only["metadata"]["name"]))
             results = node.kubelet.handle_pod_additions(batch)
             live += [p for p in batch if results[f"{NS}/{p['metadata']['name']}"] is None]
