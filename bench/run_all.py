@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="pass --quick to every benchmark (smaller runs)")
     ap.add_argument("--only", action="append", metavar="NAME", help="run only this benchmark (repeatable)")
+    ap.add_argument("--summary-only", action="store_true",
+                    help="run nothing: rebuild SUMMARY.md from the results already in bench/results")
     args = ap.parse_args(argv)
     os.makedirs(RESULTS, exist_ok=True)
-    scripts = _scripts(args.only)
+    scripts = [] if args.summary_only else _scripts(args.only)
     failed = []
     for i, (name, path) in enumerate(scripts, 1):
         print(f"[{i}/{len(scripts)}] {name} ...", file=sys.stderr, flush=True)
