@@ -290,6 +290,7 @@ class Soak:
             "kubelet": {"admitted": kubelet.stats.admitted, "admission_failures": kubelet.stats.admission_failures,
                         "steering_misses": kubelet.stats.steering_misses,
                         "ambiguous_admissions": kubelet.stats.ambiguous,
+                        "unsteered_admissions": kubelet.stats.unsteered,
                         "admit_after_bind_p50_s": round(lat[len(lat) // 2], 3) if lat else None},
             "gpus_over_capacity_assigned": len(self.over_assigned),
             "gpus_over_capacity_books": len(self.over_books),
