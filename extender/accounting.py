@@ -305,10 +305,11 @@ class Accounting:
                 self.holds.expect(key, node, signature, self.clock())
 
     def hold_required(self, key: str, node: str, signature: translate.Signature) -> holds.Required:
-        """What ``key`` needs to be bound to ``node`` now: wait for a same-size pod assumed there on
-        other terms, or take the GPUs held there for its size (see :mod:`extender.holds`)."""
+        """What the bind of ``key`` to ``node`` needs now: wait for a same-size pod assumed there on
+        other terms, or take the GPUs held there for its size (see :mod:`extender.holds`; expected
+        holds do not count at bind)."""
         with self.lock:
-            return self.holds.required(node, key, signature, self.clock())
+            return self.holds.required(node, key, signature, self.clock(), binding=True)
 
     def hold_reason(self, h: holds.Hold) -> str:
         return self.holds.reason(h, self.clock())

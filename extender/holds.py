@@ -43,8 +43,11 @@ An *expected* hold closes the gap before the bind: kube-scheduler binds asynchro
 pod's filter can arrive before the previous pod's bind. When the extender answers prioritize (or a
 filter that leaves one node), the node it scored best is where the bind will almost surely go (its weight
 outvotes the other score plugins): the pod holds that node for ``EXPECT_NS`` or until its bind
-decides, so a same-size replica goes elsewhere at once instead of losing the bind race and waiting out
-kube-scheduler's backoff. Pure: no I/O, the caller passes the time.
+decides, so filter sends a same-size replica elsewhere at once instead of into a bind race it may lose
+and kube-scheduler's backoff. Expected holds only route filter: a bind decides under the accounting lock
+from the real holds alone (two pods that both passed filter before either was expected must not refuse
+each other; the first bound takes a plan and the second follows it). Pure: no I/O, the caller passes the
+time.
 """
 from __future__ import annotations
 
@@ -149,8 +152,12 @@ class Holds:
             if not on_node:
                 self._by_node.pop(h.node, None)
 
-    def required(self, node: str, pod: str, signature: Signature, now_ns: int) -> Required:
-        """What ``pod`` (of ``signature``) needs to be assumed on ``node`` now (the rule above)."""
+    def required(self, node: str, pod: str, signature: Signature, now_ns: int, binding: bool = False) -> Required:
+        """What ``pod`` (of ``signature``) needs to be assumed on ``node`` now (the rule above).
+
+        ``binding``: asked by the bind itself, which decides under the accounting lock from the real
+        holds alone; expected holds only route filter (a pod bound first takes a plan, and the expected
+        one then follows it at its own bind, or waits if it no longer fits)."""
         on_node = self._by_node.get(node)
         if not on_node:
             return Required()
@@ -158,7 +165,7 @@ class Holds:
         holders: dict[Element, Hold] = {}
         for h in on_node.values():
             shared = h.signature & signature
-            if h.pod == pod or now_ns >= h.until_ns or not shared:
+            if h.pod == pod or now_ns >= h.until_ns or not shared or (binding and h.expected):
                 continue
             if h.expected or h.plans is None:
                 return Required(blocker=h)

@@ -108,6 +108,20 @@ def test_a_pod_of_another_shape_of_the_same_size_waits(world: World) -> None:
     assert world.bind_to(split, "n2").result == "no_fit"  # n2 has one GPU
 
 
+def test_pods_expected_on_one_node_do_not_refuse_each_others_bind(world: World) -> None:
+    """Both passed filter and were prioritized onto n1 before either bind (concurrent kube-scheduler
+    cycles): expected holds route filter only, so the first bind takes a plan and the second follows."""
+    a, c = world.create(b.pod("a", 8)), world.create(b.pod("c", 8))
+    sig = frozenset({(N.gpu_memory, 8)})
+    for p in (a, c):
+        world.acct.expect_bind(f"default/{p['metadata']['name']}", "n1", sig)
+    out = world.filter(b.pod("d", 8), ["n1", "n2"])
+    assert out.passed == ["n2"] and "being bound here" in out.failed["n1"]
+    assert world.bind_to(a, "n1").error == ""
+    assert world.bind_to(c, "n1").error == ""
+    assert plan(world.watch("a")) == plan(world.watch("c"))
+
+
 # -- the property ---------------------------------------------------------------------------------
 SHAPES = [(4, 1), (8, 1), (8, 1), (6, 1), (8, 2)]  # (units, gpu-count)
 
