@@ -65,7 +65,8 @@ def follow(state: cluster.ClusterState, node: str, pod: Mapping[str, Any], want:
             continue
         mine = [u for u, _ in plan if u in slots and slots[u].kind == d.kind]
         if len(mine) != d.count:
-            return f"the held plan has {len(mine)} GPU(s) of kind {d.kind} where container {ask.container} needs {d.count}"
+            return (f"the held plan has {len(mine)} GPU(s) of kind {d.kind} where container {ask.container} "
+                    f"needs {d.count}")
         picks.append([(u, d.per_gpu if d.kind == translate.SHARED else slots[u].capacity) for u in mine])
     text = translate.encode_assignment(list(asks), picks)
     containers = containers_of(text)

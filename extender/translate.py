@@ -168,8 +168,8 @@ def signature_of(want: podspec.PodDemand, names: contract.Names) -> Signature:
     containers and sidecars included. This is all the kubelet tells the device plugin when it asks
     for a preferred allocation (one container, one resource, a device count), so two pods that share
     an element cannot be told apart there: a ``gpu-count: 2`` container of 2 x 11 units and a
-    22-unit container both read ``(gpu-memory, 22)``. The extender's hold (``extender.holds``) keeps
-    at most one such pod ``assumed`` per node."""
+    22-unit container both read ``(gpu-memory, 22)``. The extender's hold (``extender.holds``) lets
+    such pods be ``assumed`` on one node together only when planned on the same GPUs."""
     out: set[tuple[str, int]] = set()
     for c in (*want.init_containers, *want.containers):
         out.update(container_signature(c, names).values())

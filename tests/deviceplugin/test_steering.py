@@ -92,7 +92,8 @@ def test_one_pod_whose_containers_of_a_size_differ_still_makes_several_pods_ambi
 
 
 def test_whole_gpu_and_mig_plans_of_two_pods_always_differ():
-    m = [pod(n, {"c": 1}, gpus=(g,), resource="vramshare.io/mig-1g.10gb") for n, g in (("m1", "MIG-1"), ("m2", "MIG-2"))]
+    m = [pod(n, {"c": 1}, gpus=(g,), resource="vramshare.io/mig-1g.10gb")
+         for n, g in (("m1", "MIG-1"), ("m2", "MIG-2"))]
     assert steer(m, 1, resource="vramshare.io/mig-1g.10gb").targets is None
 
 
