@@ -167,9 +167,10 @@ def test_the_signature_is_what_the_kubelet_asks_per_container() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None:
-    """Random binds (through reserve), random admission order with the kubelet picking any GPU with
-    room, reports in any order, deletions and relists: after every step, once every report is in,
-    the books equal what the pods really hold, and reality never exceeds a GPU."""
+    """Random binds (through reserve, same-size pods joining a held plan as the binder does), random
+    admission order with the kubelet picking any GPU with room, reports in any order, deletions and
+    relists: after every step no two plans of one size are held on a node, and once every report is
+    in, the books equal what the pods really hold, and reality never exceeds a GPU."""
     rng = random.Random(seed)
     clock = Clock()
     acct = make(clock)
@@ -184,10 +185,17 @@ def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None
             name, gib = f"p{step}", rng.choice([2, 4, 8, 10])
             key, node = f"default/{name}", rng.choice(["n1", "n2"])
             free = [u for u in acct.state.node_usage(node) if u.slot.capacity - u.used >= gib * 1024]
+            sig = frozenset({(N.gpu_memory, gib)})
+            need = acct.hold_required(key, node, sig)  # the narrower hold, as the binder applies it
+            if need.blocker is not None:
+                continue
+            held = need.plans.get((N.gpu_memory, gib))
+            if held is not None:  # same size assumed here: only its GPU, if it still has room
+                free = [u for u in free if u.slot.uuid == held[0][0]]
             if not free:
                 continue
             gpu = free[0].slot.uuid
-            acct.reserve(key, node, [(gpu, gib * 1024)], clock.now)
+            acct.reserve(key, node, [(gpu, gib * 1024)], clock.now, sig, {(N.gpu_memory, gib): ((gpu, gib * 1024),)})
             pod = b.assigned(b.pod(name, gib), node, [(gpu, gib * 1024)], clock.now)
             pods[key] = pod
             acct.apply_pod("ADDED", pod)
@@ -208,6 +216,12 @@ def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None
             acct.replace_pods(list(pods.values()), clock.now)
         for g in cap:
             assert sum(m for gg, m in real.values() if gg == g) <= cap[g]
+        plans: dict[tuple[str, tuple[str, int]], set] = {}  # never two plans for one size on one node
+        live = [h for h in acct.holds._by_pod.values() if clock.now < h.until_ns]  # noqa: SLF001 - the invariant
+        for h in live:  # is about the holds themselves (one that timed out gives way on purpose)
+            for e in h.signature:
+                plans.setdefault((h.node, e), set()).add((h.plans or {}).get(e))
+        assert all(len(v) == 1 and None not in v for v in plans.values()), plans
     for key, pod in list(pods.items()):  # settle: every admitted pod reported, the rest never admitted
         if key in real:
             gpu, mib = real[key]
