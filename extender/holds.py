@@ -177,18 +177,6 @@ class Holds:
                 holders.setdefault(e, h)
         return Required(plans=need, holders=holders)
 
-    def blocking(self, node: str, pod: str, signature: Signature, now_ns: int,
-                 plans: Plans | None = None) -> Hold | None:
-        """The live hold on ``node`` that ``pod`` (of ``signature``, planned as ``plans``; None: not
-        planned yet) must wait for, if any."""
-        req = self.required(node, pod, signature, now_ns)
-        if req.blocker is not None:
-            return req.blocker
-        for e, plan in req.plans.items():
-            if plans is None or plans.get(e) != plan:
-                return req.holders[e]
-        return None
-
     def reason(self, h: Hold, now_ns: int) -> str:
         left = max(0.0, (h.until_ns - now_ns) / 1e9)
         sizes = ", ".join(f"{n} x {r}" for r, n in sorted(h.signature))

@@ -122,6 +122,47 @@ def test_pods_expected_on_one_node_do_not_refuse_each_others_bind(world: World) 
     assert plan(world.watch("a")) == plan(world.watch("c"))
 
 
+# -- the rule, pure ----------------------------------------------------------------------------------
+def demand(p: dict) -> podspec.PodDemand:
+    return podspec.pod_demand(p, N)
+
+
+def test_plans_of_names_one_plan_per_size_and_none_where_a_pods_own_containers_differ() -> None:
+    two = b.pod("two", 4, containers=2)
+    same = holds.plans_of(demand(two), N, {"c0": [("G0", 4096)], "c1": [("G0", 4096)]})
+    assert same == {(N.gpu_memory, 4): (("G0", 4096),)}
+    differ = holds.plans_of(demand(two), N, {"c0": [("G0", 4096)], "c1": [("G1", 4096)]})
+    assert differ == {(N.gpu_memory, 4): None}
+    assert holds.plans_of(demand(two), N, {"c0": [("G0", 4096)]}) == {(N.gpu_memory, 4): None}  # c1 unplanned
+    init = b.pod("init", 8)
+    init["spec"]["initContainers"] = [{"name": "i", "resources": {"limits": {N.gpu_memory: "2"}}}]
+    assert holds.plans_of(demand(init), N, {"c0": [("G0", 8192)], "i": [("G0", 2048)]}) == {
+        (N.gpu_memory, 8): (("G0", 8192),), (N.gpu_memory, 2): (("G0", 2048),)}
+    tp2 = holds.plans_of(demand(b.pod("tp2", 8, count=2)), N, {"c0": [("G1", 4096), ("G0", 4096)]})
+    assert tp2 == {(N.gpu_memory, 8): (("G0", 4096), ("G1", 4096))}  # order-free
+
+
+def test_required_follows_real_holds_and_blocks_on_unknown_or_disagreeing_plans() -> None:
+    h = holds.Holds(30 * SEC)
+    e4, e8 = (N.gpu_memory, 4), (N.gpu_memory, 8)
+    h.hold("a", "n1", frozenset({e4, e8}), T0, {e4: (("G0", 4096),), e8: (("G1", 8192),)})
+    need = h.required("n1", "new", frozenset({e4}), T0)
+    assert need.blocker is None and need.plans == {e4: (("G0", 4096),)} and need.holders[e4].pod == "a"
+    assert h.required("n1", "new", frozenset({(N.gpu_memory, 2)}), T0) == holds.Required()  # other sizes
+    assert h.required("n2", "new", frozenset({e4}), T0) == holds.Required()  # other nodes
+    h.hold("b", "n1", frozenset({e4}), T0, {e4: (("G1", 4096),)})  # a second plan (a restart, a timeout)
+    assert h.required("n1", "new", frozenset({e4}), T0).blocker is not None
+    assert h.required("n1", "new", frozenset({e8}), T0).plans == {e8: (("G1", 8192),)}
+    h.release("b")
+    h.hold("self-ambiguous", "n1", frozenset({e8}), T0, {e8: None})
+    assert h.required("n1", "new", frozenset({e8}), T0).blocker.pod == "self-ambiguous"
+    h.release("self-ambiguous")
+    h.expect("x", "n1", frozenset({e4}), T0)  # prioritized here, not bound yet: its plan is unknown
+    assert h.required("n1", "new", frozenset({e4}), T0).blocker.pod == "x"  # filter goes elsewhere
+    assert h.required("n1", "new", frozenset({e4}), T0, binding=True).plans == {e4: (("G0", 4096),)}
+    assert h.required("n1", "new", frozenset({e4}), T0 + 31 * SEC, binding=True) == holds.Required()  # timed out
+
+
 # -- the property ---------------------------------------------------------------------------------
 SHAPES = [(4, 1), (8, 1), (8, 1), (6, 1), (8, 2)]  # (units, gpu-count)
 
