@@ -110,7 +110,7 @@ def burst(replicas: int, hold: bool, args: argparse.Namespace) -> dict[str, Any]
         ext.kill()
     return {"replicas": replicas, "bound": len(bound_at), "all_bound_s": round(all_bound, 2),
             "all_admitted_s": round(all_admitted, 2), "filter_turned_away": turned_away,
-            "steering_misses": kubelet.stats.steering_misses, "ambiguous_admissions": kubelet.stats.ambiguous,
+            "steering_misses": kubelet.stats.steering_misses, "ambiguous_admissions": kubelet.stats.ambiguous, "unsteered_admissions": kubelet.stats.unsteered,
             "admission_failures": kubelet.stats.admission_failures}
 
 

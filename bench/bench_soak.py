@@ -73,6 +73,7 @@ class Soak:
             "created", "bound", "bind_errors", "held", "filter_none", "not_synced", "duplicates_sent",
             "late_duplicates_sent", "duplicate_changed_something", "deleted", "finished", "kills", "down")}
         self.lock = threading.Lock()
+        self.bind_error_kinds: dict[str, int] = {}
         self.over_assigned: set[str] = set()
         self.over_books: set[str] = set()
         self.over_examples: list[dict[str, Any]] = []
@@ -82,6 +83,13 @@ class Soak:
     def bump(self, key: str, n: int = 1) -> None:
         with self.lock:
             self.counts[key] += n
+
+    def _why(self, error: str) -> None:
+        """Bind errors by kind (the extender's reason, without pod and node names)."""
+        kinds = ("held for pod", "not synced", "does not fit", "in progress", "already bound", "cannot", "was bound")
+        kind = next((k for k in kinds if k in error), "other")
+        with self.lock:
+            self.bind_error_kinds[kind] = self.bind_error_kinds.get(kind, 0) + 1
 
     # -- actors --------------------------------------------------------------------------------
     def creator(self, api: ApiServerDouble, queue: list[dict], cv: threading.Condition) -> None:
@@ -148,6 +156,7 @@ class Soak:
                 twin.join()
             if res["Error"]:
                 self.bump("held" if "held for pod" in res["Error"] else "bind_errors")
+                self._why(res["Error"])
                 return False
             self.bump("bound")
             if rng.random() < 0.1:  # a late retry of a bind that already succeeded: must change nothing
@@ -287,9 +296,11 @@ class Soak:
         return {
             "config": {"hold_timeout_s": 30 if self.hold else 0},
             "counts": self.counts,
+            "bind_error_kinds": self.bind_error_kinds,
             "kubelet": {"admitted": kubelet.stats.admitted, "admission_failures": kubelet.stats.admission_failures,
                         "steering_misses": kubelet.stats.steering_misses,
                         "ambiguous_admissions": kubelet.stats.ambiguous,
+                        "unsteered_admissions": kubelet.stats.unsteered,
                         "admit_after_bind_p50_s": round(lat[len(lat) // 2], 3) if lat else None},
             "gpus_over_capacity_assigned": len(self.over_assigned),
             "gpus_over_capacity_books": len(self.over_books),

@@ -9,10 +9,11 @@ The kubelet stand-in reproduces what makes placement hard on a real node:
 * devices are counted per GPU (``devicemanager``: a container gets device IDs that are free, never more
   than exist), so reality never exceeds a GPU; a pod for which the node has too few free devices fails
   admission (``UnexpectedAdmissionError``);
-* the device plugin steers ``GetPreferredAllocation`` by the assumed assignment of the one pod of that
-  size on the node; when several assumed pods share the size it cannot tell them apart and takes the
-  oldest assume-time (the first design's rule), so same-size pods may swap GPUs; when the steered GPU lacks
-  free devices the kubelet's choice falls on whatever is free;
+* the device plugin steers ``GetPreferredAllocation`` with its real rule (``deviceplugin.steering``): the
+  plan of the assumed pods of that size on the node when they are one pod or all share one plan (the
+  extender's narrower hold), else no preference; without one, or when the preferred GPU lacks free
+  devices, the kubelet's choice falls on whatever is free, so same-size pods with different plans may
+  swap GPUs (what the hold's baseline shows);
 * after admission the device plugin writes the pod's actual GPUs into ``vramshare.io/assignment`` with
   ``allocation-state: allocated`` (the reconcile of DESIGN.md section 3).
 """
@@ -34,6 +35,7 @@ from typing import Any
 import orjson
 import urllib3
 
+from deviceplugin import steering
 from vramshare import contract
 from vramshare.standins.apiserver import PODS, ApiServerDouble
 
@@ -118,6 +120,7 @@ class KubeletStats:
     admission_failures: int = 0
     steering_misses: int = 0  # actual GPUs differ from the pod's own assignment
     ambiguous: int = 0  # admissions where several assumed pods shared the size
+    unsteered: int = 0  # admissions the device plugin had no preference for (no plan, or plans differ)
     admit_latency_s: list[float] = field(default_factory=list)
 
 
@@ -188,24 +191,23 @@ class KubeletSim(threading.Thread):
                 for p in ready:
                     self._admit(node, p, assumed, now)
 
-    def _steer(self, p: Obj, assumed: list[Obj]) -> list[tuple[str, int]]:
+    def _steer(self, node: str, p: Obj, assumed: list[Obj], free: dict[str, int]) -> list[tuple[str, int]]:
         """The device plugin's preferred GPUs for the pod's container, known only by its size."""
-        same = [q for q in assumed if signature(q) == signature(p)]
-        if len(same) > 1:
+        resource, size = signature(p)
+        if sum(1 for q in assumed if signature(q) == (resource, size)) > 1:
             self.stats.ambiguous += 1
-        if not same:
-            same = [p]
-        oldest = min(same, key=lambda q: int((q["metadata"].get("annotations") or {}).get(N.assume_time, "0")))
-        text = (oldest["metadata"].get("annotations") or {}).get(N.assignment, "{}")
-        entries = [e for es in orjson.loads(text).values() for e in es]
-        return [(e["uuid"], e["mib"] // self.unit) for e in entries]
+        hint = steering.steer(assumed, N, node, resource, size, self.unit, free)
+        if hint.targets is None:
+            self.stats.unsteered += 1
+            return []
+        return list(hint.targets.items())
 
     def _admit(self, node: str, p: Obj, assumed: list[Obj], now: float) -> None:
         key = f"{p['metadata'].get('namespace', 'default')}/{p['metadata']['name']}"
         want = signature(p)[1]
         free = {g: units - self.used_units(g) for g, units in self.capacity[node].items()}
         got: dict[str, int] = {}
-        for gpu, units in self._steer(p, assumed):
+        for gpu, units in self._steer(node, p, assumed, free):
             if free.get(gpu, 0) >= units and gpu not in got and sum(got.values()) + units <= want:
                 got[gpu] = units
                 free[gpu] -= units

@@ -48,7 +48,7 @@ class Allocator:
     # -- GetPreferredAllocation ------------------------------------------------------------
     def preferred(self, resource: str, available: Sequence[str], must_include: Sequence[str],
                   size: int) -> list[str]:
-        """Best-fit IDs, on the GPU(s) of the extender's plan when exactly one assumed pod can be meant."""
+        """Best-fit IDs, on the GPU(s) of the extender's plan when every assumed pod it can be agrees on it."""
         snap = self._state.snapshot
         gpu_of = {d.id: d.gpu_uuid for d in snap.devices.get(resource, ())}
         targets = None

@@ -66,7 +66,7 @@ class PluginMetrics:
         self.backend_errors = Counter(_PREFIX + "backend_errors", "GPU backend (NVML) errors",
                                       ["backend"], registry=self.registry)
         self.steered = Counter(_PREFIX + "preferred_allocations", "GetPreferredAllocation answers by how "
-                               "they were chosen (steered by the one assumed pod's plan, or best-fit)",
+                               "they were chosen (steered by the plan of the assumed pods of that size, or best-fit)",
                                ["resource", "how"], registry=self.registry)
         self.reconciles = Counter(_PREFIX + "reconciles", "Reconcile rounds by outcome (ok, unavailable: "
                                   "no PodResources, error)", ["result"], registry=self.registry)

@@ -1,12 +1,16 @@
-"""Which GPUs GetPreferredAllocation should prefer: the extender's plan for the one pod it can be.
+"""Which GPUs GetPreferredAllocation should prefer: the extender's plan, when it is the same whichever pod is meant.
 
 Pure functions over pod JSON from the plugin's watch-fed cache (no API call on the kubelet's path).
-The kubelet does not say which pod it is admitting, so the plan is used only when exactly one pod
-can be meant: among the pods bound to this node in ``allocation-state: assumed``, the ones with a
-container asking for ``size`` devices of ``resource`` (its *size signature*). The extender keeps at
-most one assumed pod per node per signature (DESIGN.md section 3), so normally that is one pod; when
-two match anyway, nothing is guessed and the caller falls back to best fit. Either way it is only a
-hint: the container gets the IDs the kubelet picks, and the reconciler records them afterwards.
+The kubelet does not say which pod it is admitting, so a plan is used only when it cannot be the wrong
+one: among the pods bound to this node in ``allocation-state: assumed``, the ones with a container
+asking for ``size`` devices of ``resource`` (an element of its *size signature*). The extender assumes
+several such pods on one node only when they are all planned on the same GPUs for that size
+(:mod:`extender.holds`, DESIGN.md section 3): then every plan names one GPU set, and whichever pod the
+kubelet admits first gets it. When one pod matches, its containers of that size are tried in the
+kubelet's order (the first whose plan still fits is the one being admitted). When several pods match
+and their plans differ (a plugin newer than its extender, a hold that timed out), nothing is guessed:
+the caller falls back to best fit. Either way it is only a hint: the container gets the IDs the kubelet
+picks, and the reconciler records them afterwards.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ class Steer:
     """``targets``: GPU (or MIG/whole-GPU device) UUID -> devices to prefer there; ``None``: best fit."""
 
     targets: dict[str, int] | None
-    pod: str = ""  # namespace/name of the pod steered for
+    pod: str = ""  # namespace/name of the pod steered for (several, comma-separated, when they share the plan)
     reason: str = ""  # why there is no target (for logs and metrics)
 
 
@@ -50,11 +54,12 @@ def _of_this_resource(plan: dict[str, int], known: Mapping[str, int]) -> dict[st
 
 def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str, size: int,
           unit_mib: int, free_per_target: Mapping[str, int]) -> Steer:
-    """The plan of the single assumed pod with a container of this size signature, else ``None``.
+    """The plan every assumed pod with a container of this size agrees on, else ``None``.
 
-    Within that pod, containers are tried in the kubelet's order (init containers, then app
-    containers); the first whose planned GPUs still have the devices free (``free_per_target``:
-    available devices per GPU or per device UUID) is the one being admitted.
+    With a single such pod, its containers are tried in the kubelet's order (init containers, then
+    app containers); the first whose planned GPUs still have the devices free (``free_per_target``:
+    available devices per GPU or per device UUID) is the one being admitted. With several, all their
+    containers of this size must name the same GPUs and devices per GPU.
     """
     candidates: list[tuple[str, list[dict[str, int]]]] = []
     for pod in pods:
@@ -66,7 +71,7 @@ def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, r
             continue
         text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.assignment)
         plans = []
-        for c in demand.containers:
+        for c in (*demand.init_containers, *demand.containers):  # the kubelet's order
             if requested(c, resource, names) != size:
                 continue
             try:
@@ -77,11 +82,14 @@ def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, r
             candidates.append((f"{demand.namespace}/{demand.name}", plans))
     if not candidates:
         return Steer(None, reason="no assumed pod of this size on the node")
+    keys = ", ".join(sorted(k for k, _ in candidates))
     if len(candidates) > 1:
-        return Steer(None, reason=f"{len(candidates)} assumed pods of this size: "
-                                  + ", ".join(sorted(k for k, _ in candidates)))
-    key, plans = candidates[0]
+        if len({frozenset(p.items()) for _, plans in candidates for p in plans}) > 1:
+            return Steer(None, reason=f"{len(candidates)} assumed pods of this size with different plans: {keys}")
+        plans = candidates[0][1][:1]  # one GPU set, whichever pod the kubelet is admitting
+    else:
+        plans = candidates[0][1]
     for plan in (_of_this_resource(p, free_per_target) for p in plans):
         if sum(plan.values()) == size and all(free_per_target.get(t, 0) >= n for t, n in plan.items()):
-            return Steer(plan, pod=key)
-    return Steer(None, pod=key, reason=f"the plan of {key} no longer fits the available devices")
+            return Steer(plan, pod=keys)
+    return Steer(None, pod=keys, reason=f"the plan of {keys} no longer fits the available devices")

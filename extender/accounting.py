@@ -17,7 +17,8 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
   deleted frees exactly what that report said. ``allocated`` on an unbound pod is not believed.
 * A reservation is newer than any event that predates it: an event with an older (or no) assignment
   never undoes a bind in flight, and an assignment the binder gave up on is not revived by the watch.
-* While a pod is ``assumed`` on a node, pods sharing a container size with it wait (:mod:`extender.holds`).
+* While a pod is ``assumed`` on a node, pods sharing a container size with it wait unless they take the
+  same GPUs for that size (:mod:`extender.holds`).
 * A node update is all or nothing: a refused inventory keeps the node's last good slots and usage.
 * Each node's ``status.allocatable`` CPU and memory, and the CPU and memory requests of every pod bound
   to it (GPU or not, counted as the kubelet counts them), are tracked as kube-scheduler's cache tracks
@@ -267,13 +268,16 @@ class Accounting:
         if allocated:
             self.holds.release(key)
         else:
-            self.holds.hold(key, node_name, self._signature(pod), assume)
+            self._hold(key, node_name, pod, asg, assume)
 
-    def _signature(self, pod: Obj) -> translate.Signature:
+    def _hold(self, key: str, node: str, pod: Obj, asg: translate.Assignment, assume_ns: int) -> None:
+        """The pod's size signature is held on the node with the plans its assignment names."""
         try:
-            return translate.signature_of(podspec.pod_demand(pod, self.names), self.names)
+            want = podspec.pod_demand(pod, self.names)
         except podspec.PodSpecError:
-            return frozenset()
+            return
+        self.holds.hold(key, node, translate.signature_of(want, self.names), assume_ns,
+                        holds.plans_of(want, self.names, asg.containers))
 
     def _over(self, node: str) -> bool:
         return any(u.used > u.slot.capacity for u in self.state.node_usage(node))
@@ -347,16 +351,16 @@ class Accounting:
 
     # -- the binder's reservations --------------------------------------------------------
     def reserve(self, key: str, node: str, allocations: list[tuple[str, int]], assume_ns: int,
-                signature: translate.Signature = frozenset(),
+                signature: translate.Signature = frozenset(), plans: holds.Plans | None = None,
                 host: cluster.HostDemand = cluster.HostDemand()) -> None:
         """Hold memory (and the pod's CPU and memory) for a bind in flight; raises ``cluster.OverCommit``
-        (caller holds :attr:`lock`). The pod also holds its size ``signature`` on the node until it is
-        reported allocated."""
+        (caller holds :attr:`lock`). The pod also holds its size ``signature`` on the node, planned as
+        ``plans`` (:func:`holds.plans_of`), until it is reported allocated."""
         with self.lock:
             self.state.add_pod(key, node, allocations, host)
             self._held[key] = _Hold(node, assume_ns, self.clock(), assume_ns)
             self._forgotten.pop(key, None)
-            self.holds.hold(key, node, signature, assume_ns)
+            self.holds.hold(key, node, signature, assume_ns, plans)
 
     def release(self, key: str, assume_ns: int) -> None:
         """Undo a reservation whose bind failed; a later event carrying it will not bring it back."""
@@ -383,12 +387,15 @@ class Accounting:
             if key not in self._held:
                 self.holds.expect(key, node, signature, self.clock())
 
-    def blocking_hold(self, key: str, node: str, signature: translate.Signature) -> str | None:
-        """Why ``key`` may not be bound to ``node`` now (a same-size pod still assumed there), or None."""
+    def hold_required(self, key: str, node: str, signature: translate.Signature) -> holds.Required:
+        """What the bind of ``key`` to ``node`` needs now: wait for a same-size pod assumed there on
+        other terms, or take the GPUs held there for its size (see :mod:`extender.holds`; expected
+        holds do not count at bind)."""
         with self.lock:
-            now = self.clock()
-            h = self.holds.blocking(node, key, signature, now)
-            return self.holds.reason(h, now) if h is not None else None
+            return self.holds.required(node, key, signature, self.clock(), binding=True)
+
+    def hold_reason(self, h: holds.Hold) -> str:
+        return self.holds.reason(h, self.clock())
 
     def mark_bound(self, key: str, node: str) -> None:
         """The Binding was created: remember the node so expiry never frees it before the watch says so."""

@@ -19,7 +19,8 @@ result (same node: done, nothing changed; another node: refused); a bind of a bo
 Only what is ours: a pod of another scheduler profile (``extender.schedulerName``), a pod that asks none
 of our resources and a node without a vramshare inventory are refused with the reason, so the endpoint
 cannot be used to place arbitrary pods. A node where a pod of the same size is still assumed is refused
-too (:mod:`extender.holds`); kube-scheduler then retries the pod.
+too, unless the pod can take the very GPUs held there for its size (:mod:`extender.holds`,
+:mod:`extender.held_pick`); kube-scheduler then retries the pod.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from extender import accounting, apicalls, cluster, placement, translate, verbs, wire
+from extender import accounting, apicalls, cluster, held_pick, holds, placement, translate, verbs, wire
 from vramshare import contract, logs, podspec
 from vramshare.config import Policy
 
@@ -153,15 +154,29 @@ class Binder:
         signature = translate.signature_of(want, self.names)
         assume_ns = self.clock()
         with self.acct.lock:
-            held = self.acct.blocking_hold(key, args.node, signature)
-            if held is not None:
-                raise _BindFailed(f"pod {key} not bound to {args.node}: {held}", "held")
+            need = self.acct.hold_required(key, args.node, signature)
+            if need.blocker is not None:
+                raise _BindFailed(f"pod {key} not bound to {args.node}: {self.acct.hold_reason(need.blocker)}",
+                                  "held")
             self.acct.release_unbound(key)  # a new bind supersedes any earlier assumption
+
+            def policy_picks() -> list[list[tuple[str, int]]]:
+                return placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value, host)
+
             try:
-                picks = placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value, host)
-                text = translate.encode_assignment(asks, picks)
-                allocations = _allocations(pod, self.names, text)
-                self.acct.reserve(key, args.node, allocations, assume_ns, signature, host)
+                if need.plans:  # pods of its size are assumed here: only their GPUs keep steering unambiguous
+                    choice = held_pick.follow(self.acct.state, args.node, pod, want, asks, self.names,
+                                              need.plans, policy_picks)
+                    if isinstance(choice, str):
+                        holder = next(iter(need.holders.values()))
+                        raise _BindFailed(f"pod {key} not bound to {args.node}: "
+                                          f"{self.acct.hold_reason(holder)}; {choice}", "held")
+                    text, allocations, plans = choice.text, choice.allocations, choice.plans
+                else:
+                    text = translate.encode_assignment(asks, policy_picks())
+                    allocations = _allocations(pod, self.names, text)
+                    plans = holds.plans_of(want, self.names, held_pick.containers_of(text))
+                self.acct.reserve(key, args.node, allocations, assume_ns, signature, plans, host)
             except (cluster.NoFit, cluster.OverCommit) as exc:
                 raise _BindFailed(f"pod {key} does not fit node {args.node}: {exc}", "no_fit") from None
         annotations = {

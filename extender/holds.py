@@ -1,34 +1,85 @@
-"""The per-node, per-signature hold: at most one ``assumed`` pod of a size signature per node.
+"""The per-node, per-signature hold: same-size pods are ``assumed`` together on a node only on the same GPUs.
 
 Why (DESIGN.md section 3, "allocation"): the GPU follows the device IDs. The kubelet asks the device
-plugin for a preferred allocation per container with only a resource name and a device count, and it
-admits pods in its own order; the extender's assignment can steer that choice only when the size
-(:func:`extender.translate.signature_of`) names one pod. So while a pod is assumed on a node (bound or
-about to be, not yet reported ``allocated`` by the device plugin), filter passes over that node for any
-other pod sharing an element of its signature, and bind refuses it: the later pod goes elsewhere or waits
-briefly. Narrow on purpose: other sizes keep binding to the node, and nothing is ever locked.
+plugin for a preferred allocation per container with only a resource name and a device count (an
+*element* of the pod's size signature, :func:`extender.translate.signature_of`), and it admits pods in
+its own order; the extender's plan can steer that choice only when every pod the request may come from
+is planned on the same GPUs.
 
-A hold ends when the pod is reconciled as ``allocated``, is deleted or finishes, or ``timeout_ns``
-after it began (the config key ``extender.holdTimeoutSeconds``; 0 turns holds off), whichever comes
-first: a device plugin that never reconciles (an older one) delays same-size pods by at most that.
+The rule. Pod P may be assumed on node N (filter passes N, bind goes ahead) while pods Q1..Qk are
+assumed there (bound or about to be, not yet reported ``allocated`` by the device plugin) iff for every
+element e that P shares with some Qi:
+
+* every container of P asking e is planned on the same GPUs and MiB (its *plan for e*, :func:`plans_of`),
+  and so is every container of each Qi asking e; and
+* those plans are all equal: P gets exactly the GPUs the Qi already hold for e.
+
+Then any GetPreferredAllocation for e on N, whichever pod the kubelet is admitting, steers to that one GPU
+set, which the extender reserved once per pod: each container lands on the GPUs its own plan names, and
+the books equal reality before the reconcile even reports it. Otherwise P waits: filter passes over N
+(a ``FailedNodes`` reason naming the pod it waits for) and bind refuses it; it goes elsewhere or waits
+briefly. Consequences:
+
+* At bind, a pod whose element is held on the node *takes the held plan* when it still fits (the
+  binder's :mod:`extender.held_pick`, also what filter checks), instead of the policy's own choice: a
+  burst of same-size replicas fills one GPU per node at once instead of one replica per node.
+* ``gpu-count`` > 1: the plan is the whole GPU set with the MiB on each, so ``2 x 11`` units on GPUs
+  a+b and 22 units on GPU a (both ``(gpu-memory, 22)``) differ and wait for each other, as before.
+* Whole GPUs and MIG instances cannot be shared: two pods never hold the same device, so their plans
+  always differ and the hold works as it always did (one assumed pod per element per node).
+* A container asking two resources has one plan for all of them: a whole GPU or MIG instance in it
+  makes it differ from every other pod's.
+* Init containers and sidecars are containers like the others: each element they ask needs the same
+  plan. A pod whose own containers of one size are planned on different GPUs is ambiguous by itself
+  (the device plugin cannot tell its containers apart either): no other pod of that size joins it.
+* An *expected* hold (below) has no plan yet: it blocks same-size pods as a hold always did.
+
+Narrow on purpose: other sizes keep binding to the node, and nothing is ever locked. A hold ends when
+the pod is reconciled as ``allocated``, is deleted or finishes, or ``timeout_ns`` after it began (the
+config key ``extender.holdTimeoutSeconds``; 0 turns holds off), whichever comes first: a device plugin
+that never reconciles (an older one) delays different-plan same-size pods by at most that.
 
 An *expected* hold closes the gap before the bind: kube-scheduler binds asynchronously, so the next
 pod's filter can arrive before the previous pod's bind. When the extender answers prioritize (or a
 filter that leaves one node), the node it scored best is where the bind will almost surely go (its weight
 outvotes the other score plugins): the pod holds that node for ``EXPECT_NS`` or until its bind
-decides, so a same-size replica goes elsewhere at once instead of losing the bind race and waiting out
-kube-scheduler's backoff. Pure: no I/O, the caller passes the time.
+decides, so filter sends a same-size replica elsewhere at once instead of into a bind race it may lose
+and kube-scheduler's backoff. Expected holds only route filter: a bind decides under the accounting lock
+from the real holds alone (two pods that both passed filter before either was expected must not refuse
+each other; the first bound takes a plan and the second follows it). Pure: no I/O, the caller passes the
+time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
-from extender.translate import Signature
+from extender.translate import Signature, container_signature
+from vramshare import contract, podspec
 
-__all__ = ["Holds", "Hold", "EXPECT_NS"]
+__all__ = ["Holds", "Hold", "Required", "Element", "Plan", "Plans", "plans_of", "EXPECT_NS"]
 
 #: How long an expected hold lasts without its bind (kube-scheduler binds within milliseconds).
 EXPECT_NS = 2_000_000_000
+
+Element = tuple[str, int]  # (resource name, devices): one element of a size signature
+Plan = tuple[tuple[str, int], ...]  # one container's (GPU or device UUID, MiB), sorted
+Plans = Mapping[Element, "Plan | None"]  # per element; None: the pod's own containers of that size differ
+
+
+def plans_of(want: podspec.PodDemand, names: contract.Names,
+             containers: Mapping[str, Sequence[tuple[str, int]]]) -> dict[Element, Plan | None]:
+    """Per element of the pod's signature, the plan its containers of that size share (from the
+    assignment ``containers``: name -> [(uuid, MiB)]); ``None`` where they differ or one has none."""
+    out: dict[Element, Plan | None] = {}
+    for c in (*want.init_containers, *want.containers):
+        plan: Plan = tuple(sorted((str(u), int(m)) for u, m in containers.get(c.container, ())))
+        for e in container_signature(c, names).values():
+            if not plan or (e in out and out[e] != plan):
+                out[e] = None
+            else:
+                out.setdefault(e, plan)
+    return out
 
 
 @dataclass(frozen=True)
@@ -39,6 +90,17 @@ class Hold:
     since_ns: int
     until_ns: int
     expected: bool = False  # taken at prioritize, before any bind
+    plans: Plans | None = field(default=None, compare=False)  # None: not known yet (expected holds)
+
+
+@dataclass(frozen=True)
+class Required:
+    """What a pod must do to be assumed on a node: wait for ``blocker``, or take ``plans`` (element ->
+    the held plan; empty: nothing of its size is held there). ``holders`` names a hold per element."""
+
+    blocker: Hold | None = None
+    plans: dict[Element, Plan] = field(default_factory=dict)
+    holders: dict[Element, Hold] = field(default_factory=dict)
 
 
 class Holds:
@@ -50,17 +112,18 @@ class Holds:
     def __len__(self) -> int:
         return len(self._by_pod)
 
-    def hold(self, pod: str, node: str, signature: Signature, since_ns: int) -> None:
-        """``pod`` is assumed on ``node`` from ``since_ns``; a repeat keeps the earlier start."""
+    def hold(self, pod: str, node: str, signature: Signature, since_ns: int, plans: Plans | None = None) -> None:
+        """``pod`` is assumed on ``node`` from ``since_ns`` with ``plans`` (:func:`plans_of`; None:
+        unknown, blocks every same-size pod); a repeat keeps the earlier start."""
         if self.timeout_ns <= 0 or not signature or not node:
             return
         old = self._by_pod.get(pod)
         if old is not None and old.node == node and old.signature == signature and not old.expected:
+            if old.plans != plans:
+                self._put(Hold(pod, node, signature, old.since_ns, old.until_ns, plans=plans))
             return
         self.release(pod)
-        h = Hold(pod, node, signature, since_ns, since_ns + self.timeout_ns)
-        self._by_pod[pod] = h
-        self._by_node.setdefault(node, {})[pod] = h
+        self._put(Hold(pod, node, signature, since_ns, since_ns + self.timeout_ns, plans=plans))
 
     def expect(self, pod: str, node: str, signature: Signature, now_ns: int) -> None:
         """The pod's bind will most likely name ``node``: hold it there briefly (never over a real hold)."""
@@ -70,9 +133,11 @@ class Holds:
         if old is not None and not old.expected:
             return
         self.release(pod)
-        h = Hold(pod, node, signature, now_ns, now_ns + min(EXPECT_NS, self.timeout_ns), expected=True)
-        self._by_pod[pod] = h
-        self._by_node.setdefault(node, {})[pod] = h
+        self._put(Hold(pod, node, signature, now_ns, now_ns + min(EXPECT_NS, self.timeout_ns), expected=True))
+
+    def _put(self, h: Hold) -> None:
+        self._by_pod[h.pod] = h
+        self._by_node.setdefault(h.node, {})[h.pod] = h
 
     def release_expected(self, pod: str) -> None:
         h = self._by_pod.get(pod)
@@ -87,15 +152,30 @@ class Holds:
             if not on_node:
                 self._by_node.pop(h.node, None)
 
-    def blocking(self, node: str, pod: str, signature: Signature, now_ns: int) -> Hold | None:
-        """The live hold on ``node`` that ``pod`` (of ``signature``) must wait for, if any."""
+    def required(self, node: str, pod: str, signature: Signature, now_ns: int, binding: bool = False) -> Required:
+        """What ``pod`` (of ``signature``) needs to be assumed on ``node`` now (the rule above).
+
+        ``binding``: asked by the bind itself, which decides under the accounting lock from the real
+        holds alone; expected holds only route filter (a pod bound first takes a plan, and the expected
+        one then follows it at its own bind, or waits if it no longer fits)."""
         on_node = self._by_node.get(node)
         if not on_node:
-            return None
+            return Required()
+        need: dict[Element, Plan] = {}
+        holders: dict[Element, Hold] = {}
         for h in on_node.values():
-            if h.pod != pod and now_ns < h.until_ns and h.signature & signature:
-                return h
-        return None
+            shared = h.signature & signature
+            if h.pod == pod or now_ns >= h.until_ns or not shared or (binding and h.expected):
+                continue
+            if h.expected or h.plans is None:
+                return Required(blocker=h)
+            for e in sorted(shared):
+                plan = h.plans.get(e)
+                if plan is None or need.get(e, plan) != plan:
+                    return Required(blocker=h)
+                need[e] = plan
+                holders.setdefault(e, h)
+        return Required(plans=need, holders=holders)
 
     def reason(self, h: Hold, now_ns: int) -> str:
         left = max(0.0, (h.until_ns - now_ns) / 1e9)

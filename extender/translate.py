@@ -24,8 +24,8 @@ from extender import cluster
 from vramshare import contract, inventory, podspec, quantity
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
-           "demands_of", "Assignment", "Rider", "Signature", "signature_of", "encode_assignment",
-           "decode_assignment", "mig_kind", "node_host", "pod_host"]
+           "demands_of", "Assignment", "Rider", "Signature", "signature_of", "container_signature",
+           "encode_assignment", "decode_assignment", "mig_kind", "node_host", "pod_host"]
 
 Obj = Mapping[str, Any]
 SHARED, EXCLUSIVE = "shared", "exclusive"
@@ -205,16 +205,26 @@ def signature_of(want: podspec.PodDemand, names: contract.Names) -> Signature:
     containers and sidecars included. This is all the kubelet tells the device plugin when it asks
     for a preferred allocation (one container, one resource, a device count), so two pods that share
     an element cannot be told apart there: a ``gpu-count: 2`` container of 2 x 11 units and a
-    22-unit container both read ``(gpu-memory, 22)``. The extender's hold (``extender.holds``) keeps
-    at most one such pod ``assumed`` per node."""
+    22-unit container both read ``(gpu-memory, 22)``. The extender's hold (``extender.holds``) lets
+    such pods be ``assumed`` on one node together only when planned on the same GPUs."""
     out: set[tuple[str, int]] = set()
     for c in (*want.init_containers, *want.containers):
-        if c.units:
-            out.add((names.gpu_memory, c.units))
-        if c.whole_gpus:
-            out.add((names.gpu, c.whole_gpus))
-        out.update((names.mig(p), n) for p, n in c.mig if n)
+        out.update(container_signature(c, names).values())
     return frozenset(out)
+
+
+def container_signature(c: podspec.ContainerDemand, names: contract.Names) -> dict[str, tuple[str, int]]:
+    """One container's ``(resource name, devices)`` per slot kind it asks (``shared``, ``exclusive``,
+    ``mig:<profile>``): what the kubelet asks the device plugin for it, one GetPreferredAllocation each."""
+    out: dict[str, tuple[str, int]] = {}
+    if c.units:
+        out[SHARED] = (names.gpu_memory, c.units)
+    if c.whole_gpus:
+        out[EXCLUSIVE] = (names.gpu, c.whole_gpus)
+    for p, n in c.mig:
+        if n:
+            out[mig_kind(p)] = (names.mig(p), n)
+    return out
 
 
 # -- the assignment annotation ----------------------------------------------------------------

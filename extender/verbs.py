@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from extender import cluster, placement, translate, wire
+from extender import cluster, held_pick, placement, translate, wire
 from vramshare import contract, logs, podspec
 from vramshare.config import Policy
 
@@ -73,7 +73,8 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
         return wire.FilterResult(passed=list(names))
     try:
         want = podspec.pod_demand(args.pod, view.names)
-        demands = translate.demands_of(translate.asks_of(want, view.unit_mib))
+        asks = translate.asks_of(want, view.unit_mib)
+        demands = translate.demands_of(asks)
         host = translate.pod_host(args.pod)
     except (podspec.PodSpecError, translate.TranslateError) as exc:
         return wire.FilterResult(unresolvable={n: str(exc) for n in names})
@@ -81,8 +82,7 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
         return wire.FilterResult(passed=list(names))
     fitting, failed = placement.filter_nodes(view.state, demands, names, host)
     if view.holds is not None and fitting:
-        fitting, failed = _apply_holds(view, args.pod_key, translate.signature_of(want, view.names),
-                                       fitting, failed, names)
+        fitting, failed = _apply_holds(view, args, want, asks, host, fitting, failed)
     result = wire.FilterResult(passed=fitting)
     if failed:
         known = [n for n in failed if n in view.slots]
@@ -97,18 +97,30 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     return result
 
 
-def _apply_holds(view: View, key: str, signature: translate.Signature, fitting: list[str],
-                 failed: Mapping[str, str], names: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    """Fitting nodes where a same-size pod is still assumed become ordinary failures (not
+def _apply_holds(view: View, args: wire.ExtenderArgs, want: podspec.PodDemand,
+                 asks: Sequence[translate.ContainerAsk], host: cluster.HostDemand, fitting: list[str],
+                 failed: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """Fitting nodes where a same-size pod is still assumed on other terms (extender.holds), or whose
+    held GPUs lack room for this pod too (extender.held_pick), become ordinary failures (not
     unresolvable: the hold ends within seconds), with a reason naming the pod it waits for."""
     assert view.holds is not None
+    signature = translate.signature_of(want, view.names)
+    policy = policy_for(want.policy, view.policy).value
+    demands = translate.demands_of(list(asks))
     waiting: dict[str, str] = {}
     for n in fitting:
-        h = view.holds.blocking(n, key, signature, view.now_ns)
-        if h is not None:
-            waiting[n] = view.holds.reason(h, view.now_ns)
+        need = view.holds.required(n, args.pod_key, signature, view.now_ns)
+        if need.blocker is not None:
+            waiting[n] = view.holds.reason(need.blocker, view.now_ns)
+        elif need.plans:
+            choice = held_pick.follow(view.state, n, args.pod, want, asks, view.names, need.plans,
+                                      lambda n=n: placement.pick(view.state, demands, n, policy, host))
+            if isinstance(choice, str):
+                holder = next(iter(need.holders.values()))
+                waiting[n] = f"{view.holds.reason(holder, view.now_ns)}; {choice}"
     if not waiting:
         return fitting, dict(failed)
+    names = args.names
     merged = {n: failed.get(n) or waiting[n] for n in names if n in failed or n in waiting}
     return [n for n in fitting if n not in waiting], merged
 

@@ -144,14 +144,22 @@ def test_the_plan_of_the_single_assumed_pod_steers_the_preference(make):
     assert spec.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b" and spec.envs["VRAMSHARE_MEMORY_LIMIT_MIB"] == "2048"
 
 
-def test_two_assumed_pods_of_one_size_get_best_fit_not_a_guess(make):
+def test_two_assumed_pods_of_one_size_with_different_plans_get_best_fit_not_a_guess(make):
     available = [contract.unit_device_id("GPU-a", i) for i in range(8)] + \
                 [contract.unit_device_id("GPU-b", i) for i in range(4)]
     one = make(Pods([assumed("x", 4, ("GPU-a",))]), gpus=TWO)
     assert {i.split("::")[0] for i in one.preferred(MEM, available, [], 4)} == {"GPU-a"}  # steered
-    both = make(Pods([assumed("x", 4, ("GPU-a",)), assumed("y", 4, ("GPU-a",))]), gpus=TWO)
+    both = make(Pods([assumed("x", 4, ("GPU-a",)), assumed("y", 4, ("GPU-a", "GPU-b"))]), gpus=TWO)
     assert {i.split("::")[0] for i in both.preferred(MEM, available, [], 4)} == {"GPU-b"}  # best fit
     assert make(gpus=TWO).preferred(MEM, available, [], 4) == both.preferred(MEM, available, [], 4)
+
+
+def test_two_assumed_pods_of_one_size_on_one_plan_are_steered_to_it(make):
+    """The extender's narrower hold assumes same-size pods together only on the same GPUs."""
+    available = [contract.unit_device_id("GPU-a", i) for i in range(8)] + \
+                [contract.unit_device_id("GPU-b", i) for i in range(4)]
+    both = make(Pods([assumed("x", 4, ("GPU-a",)), assumed("y", 4, ("GPU-a",))]), gpus=TWO)
+    assert {i.split("::")[0] for i in both.preferred(MEM, available, [], 4)} == {"GPU-a"}
 
 
 def test_must_include_is_kept_and_the_size_is_exact(make):

@@ -6,7 +6,8 @@ total, MIG, whole GPUs), created in few distinct seconds (creation-time ties), b
 naive planner whose plans are often wrong or ambiguous, admitted by the kubelet's device manager model
 (``vramshare.standins.devicemanager``: its own accounting, the plugin's preference as a hint), deleted,
 re-Allocated late, GPUs turning unhealthy and back (the kubelet hands out healthy IDs only), with plugin
-restarts with and without PodResources. The plugin's real core runs
+restarts with and without PodResources; and bursts of same-size replicas assumed together on one plan (the
+extender's narrower hold), each of which must land on exactly that plan. The plugin's real core runs
 in-process (Allocator, steering, :func:`deviceplugin.reconcile.plan`); only gRPC and HTTP are left out,
 and they have their own tests. A failure prints its seed and step.
 """
@@ -233,6 +234,69 @@ def check(world: World, where: str) -> None:
             assert state == contract.STATE_ALLOCATED, f"{where}: admitted pod {key} is {state}"
 
 
+def assumed_plans(world: World, units: int) -> set[tuple]:
+    """The plans of the node's assumed pods for containers asking ``units`` of gpu-memory."""
+    out = set()
+    for pod in world.pods.values():
+        ann = pod["metadata"]["annotations"]
+        if ann.get(NAMES.allocation_state) != contract.STATE_ASSUMED:
+            continue
+        plan = json.loads(ann[NAMES.assignment])
+        for c in [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]:
+            if c["resources"]["limits"].get(MEM) == str(units):
+                out.add(tuple(sorted((g["uuid"], g["mib"]) for g in plan.get(c["name"], []))))
+    return out
+
+
+def replicas(world: World, rng: random.Random, made: int, step: int, where: str) -> int:
+    """The narrower hold: 2-3 same-size replicas assumed together, all planned on the same GPU(s) with
+    room for all (as the extender plans them), bound in any order and admitted in the kubelet's order.
+    Whichever the kubelet admits first, each must land on exactly the plan's GPUs and devices per GPU.
+    Skipped where an assumed pod of that size has another plan (the hold would keep these away)."""
+    units, count, k = rng.choice([2, 4, 6]), rng.choice([1, 1, 2]), rng.randint(2, 3)
+    per = units // count
+    snap = world.state.snapshot
+    world.dm.update_allocated_devices()
+    in_use = world.dm.allocated_devices.get(MEM, set())
+    free: dict[str, int] = {}
+    for d in snap.devices[MEM]:
+        if d.healthy and d.id not in in_use:
+            free[d.gpu_uuid] = free.get(d.gpu_uuid, 0) + 1
+    room = sorted(g for g, n in free.items() if n >= k * per)
+    if len(room) < count:
+        return made
+    gpus = rng.sample(room, count)
+    plan = [{"uuid": g, "mib": per * 1024} for g in gpus]
+    mine = tuple(sorted((g["uuid"], g["mib"]) for g in plan))
+    if assumed_plans(world, units) - {mine}:
+        return made
+    batch = []
+    for _ in range(k):
+        pod = {"metadata": {"name": f"p{made}", "namespace": "default", "uid": f"uid-{made}",
+                            "annotations": {NAMES.assignment: json.dumps({"c": plan}), NAMES.assume_time: str(step),
+                                            NAMES.allocation_state: contract.STATE_ASSUMED},
+                            "creationTimestamp": f"2026-11-30T12:00:0{rng.randrange(2)}Z", "resourceVersion": "0"},
+               "spec": {"nodeName": NODE, "containers": [{"name": "c", "resources": {"limits": {MEM: str(units)}}}]},
+               "status": {"phase": "Pending"}}
+        if count > 1:
+            pod["metadata"]["annotations"][NAMES.gpu_count] = str(count)
+        made += 1
+        batch.append(pod)
+    rng.shuffle(batch)  # binds complete in any order
+    for pod in batch:
+        world.pods[("default", pod["metadata"]["name"])] = pod
+        world.bump(pod)
+    devices = {d.id: d for d in snap.devices[MEM]}
+    for pod in admission_order(batch, rng):
+        world.dm.admit(pod)  # room for all: admission cannot fail
+        ids = world.dm.pods[pod["metadata"]["uid"]].containers["c"][MEM].device_ids
+        got: dict[str, int] = {}
+        for i in ids:
+            got[devices[i].gpu_uuid] = got.get(devices[i].gpu_uuid, 0) + 1
+        assert got == {g: per for g in gpus}, f"{where}: replica {pod['metadata']['name']} got {got}, plan {gpus}"
+    return made
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_books_equal_reality_after_every_step(seed: int, tmp_path) -> None:
     rng = random.Random(seed)
@@ -240,7 +304,8 @@ def test_books_equal_reality_after_every_step(seed: int, tmp_path) -> None:
     world = World(rng, str(tmp_path), config)
     made = 0
     for step in range(STEPS):
-        action = rng.choices(["batch", "delete", "late", "restart", "podresources", "xid"], [5, 2, 1, 1, 1, 1])[0]
+        action = rng.choices(["batch", "replicas", "delete", "late", "restart", "podresources", "xid"],
+                             [5, 2, 2, 1, 1, 1, 1])[0]
         where = f"seed {seed} step {step} ({action})"
         if action == "batch":
             batch = []
@@ -262,6 +327,8 @@ def test_books_equal_reality_after_every_step(seed: int, tmp_path) -> None:
                     world.dm.admit(pod)
                 except AdmissionError:
                     world.pods.pop(("default", pod["metadata"]["name"]))  # the pod fails; its controller deletes it
+        elif action == "replicas":
+            made = replicas(world, rng, made, step, where)
         elif action == "delete" and world.dm.holdings():
             ns, name = rng.choice(sorted(world.dm.holdings()))
             pod = world.pods.pop((ns, name))

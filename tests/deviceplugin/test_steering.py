@@ -1,5 +1,6 @@
-"""Steering GetPreferredAllocation by the extender's plan (pure): only the single assumed pod of this size
-signature on this node steers; two such pods, or a plan that no longer fits, mean best fit (no guess).
+"""Steering GetPreferredAllocation by the extender's plan (pure): the assumed pods of this size signature on
+this node steer when they are one pod or all share one plan; pods with different plans, or a plan that no
+longer fits, mean best fit (no guess).
 And reading/writing the assignment annotation."""
 from __future__ import annotations
 
@@ -47,10 +48,61 @@ def test_a_gpu_count_pod_steers_to_every_planned_gpu():
     assert steer([pod("tp2", {"c": 22}, gpus=("GPU-a", "GPU-b"))], 22).targets == {"GPU-a": 11, "GPU-b": 11}
 
 
-def test_two_assumed_pods_of_one_size_are_not_guessed_between():
+def test_two_assumed_pods_of_one_size_with_different_plans_are_not_guessed_between():
     s = steer([pod("one", {"c": 22}, gpus=("GPU-a", "GPU-b")), pod("two", {"c": 22}, gpus=("GPU-b",))], 22)
     assert s.targets is None
-    assert "2 assumed pods of this size: default/one, default/two" in s.reason
+    assert "2 assumed pods of this size with different plans: default/one, default/two" in s.reason
+    s = steer([pod("one", {"c": 4}, gpus=("GPU-a",)), pod("two", {"c": 4}, gpus=("GPU-b",))], 4)
+    assert s.targets is None and "different plans" in s.reason
+
+
+def test_assumed_pods_of_one_size_that_share_the_plan_steer_to_it():
+    """The narrower hold: the extender assumes same-size pods together only on the same GPUs, so
+    whichever of them the kubelet admits, the answer is the same GPU set."""
+    same = [pod(n, {"c": 22}, gpus=("GPU-a", "GPU-b")) for n in ("one", "two", "three")]
+    s = steer(same, 22)
+    assert s.targets == {"GPU-a": 11, "GPU-b": 11} and s.pod == "default/one, default/three, default/two"
+    assert steer([pod(n, {"c": 4}, gpus=("GPU-b",)) for n in ("x", "y")], 4).targets == {"GPU-b": 4}
+
+
+def test_a_shared_plan_still_respects_the_available_devices():
+    same = [pod(n, {"c": 4}, gpus=("GPU-b",)) for n in ("x", "y")]
+    s = steer(same, 4, free={"GPU-a": 80, "GPU-b": 3})
+    assert s.targets is None and "no longer fits" in s.reason
+    # and the caller still takes must_include first, then the shared plan's GPU
+    from deviceplugin import allocation
+    gpu_of = {f"GPU-{g}::{i}": f"GPU-{g}" for g in "ab" for i in range(8)}
+    ids = allocation.preferred(sorted(gpu_of), ["GPU-a::0"], 4, gpu_of, steer(same, 4).targets)
+    assert ids[0] == "GPU-a::0" and [gpu_of[i] for i in ids[1:]] == ["GPU-b"] * 3
+
+
+def test_same_gpus_with_other_devices_per_gpu_is_a_different_plan():
+    one = pod("one", {"c": 8}, gpus=("GPU-a", "GPU-b"))
+    two = pod("two", {"c": 8}, gpus=("GPU-a", "GPU-b"))
+    two["metadata"]["annotations"][NAMES.assignment] = json.dumps(
+        {"c": [{"uuid": "GPU-a", "mib": 6144}, {"uuid": "GPU-b", "mib": 2048}]})
+    assert steer([one, two], 8).targets is None
+
+
+def test_one_pod_whose_containers_of_a_size_differ_still_makes_several_pods_ambiguous():
+    p = pod("two", {"a": 4, "b": 4})
+    p["metadata"]["annotations"][NAMES.assignment] = json.dumps(
+        {"a": [{"uuid": "GPU-a", "mib": 4096}], "b": [{"uuid": "GPU-b", "mib": 4096}]})
+    assert steer([p, pod("q", {"c": 4}, gpus=("GPU-a",))], 4).targets is None
+
+
+def test_whole_gpu_and_mig_plans_of_two_pods_always_differ():
+    m = [pod(n, {"c": 1}, gpus=(g,), resource="vramshare.io/mig-1g.10gb")
+         for n, g in (("m1", "MIG-1"), ("m2", "MIG-2"))]
+    assert steer(m, 1, resource="vramshare.io/mig-1g.10gb").targets is None
+
+
+def test_init_containers_steer_too():
+    p = pod("init", {"c": 4})
+    p["spec"]["initContainers"] = [{"name": "i", "resources": {"limits": {MEM: "2"}}}]
+    p["metadata"]["annotations"][NAMES.assignment] = json.dumps(
+        {"c": [{"uuid": "GPU-a", "mib": 4096}], "i": [{"uuid": "GPU-a", "mib": 2048}]})
+    assert steer([p], 2).targets == {"GPU-a": 2}
 
 
 @pytest.mark.parametrize("other", [

@@ -87,44 +87,70 @@ def filter_names(acct: accounting.Accounting, pod: dict, nodes: list[str]) -> wi
     return verbs.filter_pod(acct.view(Policy.BINPACK), wire.ExtenderArgs(pod=pod, node_names=nodes))
 
 
-def test_filter_passes_over_a_node_where_a_same_size_pod_is_assumed() -> None:
+def test_filter_passes_a_held_node_only_where_the_pod_can_take_the_held_gpu() -> None:
+    """The narrower hold: a same-size pod may join an assumed one on its very GPU, nowhere else."""
     clock = Clock()
     acct = make(clock)
     first = b.pod("first", 8)
     acct.apply_pod("ADDED", b.assigned(first, "n1", [("GPU-n1-0", 8192)], T0))
-    out = filter_names(acct, b.pod("second", 8), ["n1", "n2"])
-    assert out.passed == ["n2"] and "held for pod default/first" in out.failed["n1"]
+    assert filter_names(acct, b.pod("second", 8), ["n1", "n2"]).passed == ["n1", "n2"]  # GPU 0: 14 GiB free
+    acct.apply_pod("ADDED", b.assigned(b.pod("second", 8), "n1", [("GPU-n1-0", 8192)], T0))
+    out = filter_names(acct, b.pod("third", 8), ["n1", "n2"])  # GPU 0 has 6 GiB left, GPU 1 22: held
+    assert out.passed == ["n2"] and "held for pod default/" in out.failed["n1"]
+    assert "of the held plan has 6144 MiB free, needs 8192" in out.failed["n1"]
     assert "n1" not in out.unresolvable
     assert filter_names(acct, b.pod("other", 4), ["n1", "n2"]).passed == ["n1", "n2"]  # other sizes: no hold
     split = b.pod("split", 8, count=2)  # 2 x 4 units: the kubelet asks 8 devices, as for "first"
-    assert filter_names(acct, split, ["n1"]).passed == []
+    assert filter_names(acct, split, ["n1"]).passed == []  # two GPUs can never be the held one
     acct.apply_pod("MODIFIED", allocated(first, "n1", [("GPU-n1-0", 8192)], T0))  # reconciled
-    assert filter_names(acct, b.pod("second", 8), ["n1", "n2"]).passed == ["n1", "n2"]
+    acct.apply_pod("MODIFIED", allocated(b.pod("second", 8), "n1", [("GPU-n1-0", 8192)], T0))
+    assert filter_names(acct, b.pod("third", 8), ["n1", "n2"]).passed == ["n1", "n2"]
+    assert filter_names(acct, split, ["n1"]).passed == ["n1"]
+
+
+def test_same_size_pods_assumed_on_different_gpus_hold_every_other_one() -> None:
+    """Two same-size pods on different GPUs (an older extender, a restart): steering is already
+    ambiguous there, so no third pod of that size joins either plan."""
+    acct = make(Clock())
+    acct.apply_pod("ADDED", b.assigned(b.pod("a", 4), "n1", [("GPU-n1-0", 4096)], T0))
+    acct.apply_pod("ADDED", b.assigned(b.pod("b", 4), "n1", [("GPU-n1-1", 4096)], T0))
+    assert filter_names(acct, b.pod("c", 4), ["n1"]).passed == []
+
+
+def test_whole_gpus_and_mig_instances_are_never_shared_so_the_hold_is_as_before() -> None:
+    acct = make(Clock())
+    acct.apply_node("ADDED", b.gpu_node("x", b.a100(mode="exclusive"), b.a100(mode="exclusive")))
+    acct.apply_node("ADDED", b.gpu_node("m", b.a100(mig=(("1g.10gb", 9728), ("1g.10gb", 9728)))))
+    acct.apply_pod("ADDED", b.assigned(b.pod("w1", whole=1), "x", [("GPU-x-0", 81920)], T0))
+    assert filter_names(acct, b.pod("w2", whole=1), ["x"]).passed == []
+    acct.apply_pod("ADDED", b.assigned(b.pod("m1", mig={"1g.10gb": 1}), "m", [("MIG-m-0-0", 9728)], T0))
+    out = filter_names(acct, b.pod("m2", mig={"1g.10gb": 1}), ["m"])
+    assert out.passed == [] and "held for pod default/m1" in out.failed["m"]
 
 
 @pytest.mark.parametrize("end", ["deleted", "timeout", "succeeded"])
 def test_a_hold_ends_on_deletion_finish_or_timeout(end: str) -> None:
     clock = Clock()
     acct = make(clock, hold_s=30)
-    first = b.assigned(b.pod("first", 8), "n1", [("GPU-n1-0", 8192)], T0)
+    first = b.assigned(b.pod("first", 16), "n1", [("GPU-n1-0", 16384)], T0)
     acct.apply_pod("ADDED", first)
-    assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == []
+    assert filter_names(acct, b.pod("second", 16), ["n1"]).passed == []  # its GPU has no room for two
     if end == "deleted":
         acct.apply_pod("DELETED", first)
     elif end == "succeeded":
         acct.apply_pod("MODIFIED", {**first, "status": {"phase": "Succeeded"}})
     else:
         clock.now += 29 * SEC
-        assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == []
+        assert filter_names(acct, b.pod("second", 16), ["n1"]).passed == []
         clock.now += 2 * SEC
         acct.expire()
-    assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == ["n1"]
+    assert filter_names(acct, b.pod("second", 16), ["n1"]).passed == ["n1"]
 
 
 def test_hold_off_with_zero_timeout() -> None:
     acct = make(Clock(), hold_s=0)
-    acct.apply_pod("ADDED", b.assigned(b.pod("first", 8), "n1", [("GPU-n1-0", 8192)], T0))
-    assert filter_names(acct, b.pod("second", 8), ["n1"]).passed == ["n1"]
+    acct.apply_pod("ADDED", b.assigned(b.pod("first", 16), "n1", [("GPU-n1-0", 16384)], T0))
+    assert filter_names(acct, b.pod("second", 16), ["n1"]).passed == ["n1"]
 
 
 def test_the_signature_is_what_the_kubelet_asks_per_container() -> None:
@@ -141,9 +167,10 @@ def test_the_signature_is_what_the_kubelet_asks_per_container() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None:
-    """Random binds (through reserve), random admission order with the kubelet picking any GPU with
-    room, reports in any order, deletions and relists: after every step, once every report is in,
-    the books equal what the pods really hold, and reality never exceeds a GPU."""
+    """Random binds (through reserve, same-size pods joining a held plan as the binder does), random
+    admission order with the kubelet picking any GPU with room, reports in any order, deletions and
+    relists: after every step no two plans of one size are held on a node, and once every report is
+    in, the books equal what the pods really hold, and reality never exceeds a GPU."""
     rng = random.Random(seed)
     clock = Clock()
     acct = make(clock)
@@ -158,10 +185,17 @@ def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None
             name, gib = f"p{step}", rng.choice([2, 4, 8, 10])
             key, node = f"default/{name}", rng.choice(["n1", "n2"])
             free = [u for u in acct.state.node_usage(node) if u.slot.capacity - u.used >= gib * 1024]
+            sig = frozenset({(N.gpu_memory, gib)})
+            need = acct.hold_required(key, node, sig)  # the narrower hold, as the binder applies it
+            if need.blocker is not None:
+                continue
+            held = need.plans.get((N.gpu_memory, gib))
+            if held is not None:  # same size assumed here: only its GPU, if it still has room
+                free = [u for u in free if u.slot.uuid == held[0][0]]
             if not free:
                 continue
             gpu = free[0].slot.uuid
-            acct.reserve(key, node, [(gpu, gib * 1024)], clock.now)
+            acct.reserve(key, node, [(gpu, gib * 1024)], clock.now, sig, {(N.gpu_memory, gib): ((gpu, gib * 1024),)})
             pod = b.assigned(b.pod(name, gib), node, [(gpu, gib * 1024)], clock.now)
             pods[key] = pod
             acct.apply_pod("ADDED", pod)
@@ -182,6 +216,12 @@ def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None
             acct.replace_pods(list(pods.values()), clock.now)
         for g in cap:
             assert sum(m for gg, m in real.values() if gg == g) <= cap[g]
+        plans: dict[tuple[str, tuple[str, int]], set] = {}  # never two plans for one size on one node
+        live = [h for h in acct.holds._by_pod.values() if clock.now < h.until_ns]  # noqa: SLF001 - the invariant
+        for h in live:  # is about the holds themselves (one that timed out gives way on purpose)
+            for e in h.signature:
+                plans.setdefault((h.node, e), set()).add((h.plans or {}).get(e))
+        assert all(len(v) == 1 and None not in v for v in plans.values()), plans
     for key, pod in list(pods.items()):  # settle: every admitted pod reported, the rest never admitted
         if key in real:
             gpu, mib = real[key]
