@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 from typing import Any, Callable
@@ -32,6 +31,7 @@ from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.reconcile_loop import Reconciler
+from deviceplugin.serve import serve
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config
 from vramshare.inventory import GpuMode
@@ -241,32 +241,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides)
                if args.config else None)
-    return _serve(daemon, watcher)
-
-
-def _serve(daemon: DevicePluginDaemon, watcher: ConfigWatcher | None) -> int:
-    """Signals: SIGTERM/SIGINT stop; SIGHUP re-reads the config and restarts every server (as NVIDIA's)."""
-    stop = threading.Event()
-
-    def on_hup(*_: object) -> None:
-        if watcher is not None:
-            watcher.reload("SIGHUP")
-        daemon.lifecycle.request_restart("SIGHUP")
-
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, on_hup)
-    daemon.start()
-    if watcher is not None:
-        watcher.start()  # thread "config-watch": file changes (ConfigMap ..data swaps) and SIGHUP
-    try:
-        while not stop.is_set() and not daemon.wait(0.5):
-            pass
-    finally:
-        if watcher is not None:
-            watcher.stop()
-        daemon.close()
-    if daemon.failed:
-        print(f"vramshare device-plugin: {daemon.failed}", file=sys.stderr)
-        return 1
-    return 0
+    # SIGHUP also restarts every gRPC server, as NVIDIA's plugin does.
+    return serve(daemon, watcher, "device-plugin", lambda: daemon.lifecycle.request_restart("SIGHUP"))

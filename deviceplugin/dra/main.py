@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import threading
 from typing import Any, Callable, Mapping
@@ -29,6 +28,7 @@ from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import SlicePublisher
 from deviceplugin.metrics import MetricsServer
 from deviceplugin.node_state import NodeState, Snapshot
+from deviceplugin.serve import serve
 from vramshare import contract, kube, logs
 from vramshare.config import Config, ConfigError, load_config
 from vramshare.inventory import GpuMode
@@ -224,21 +224,4 @@ def run(args: argparse.Namespace) -> int:
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ)
                if args.config else None)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGHUP, lambda *_: watcher.reload("SIGHUP") if watcher else None)
-    daemon.start()
-    if watcher is not None:
-        watcher.start()
-    try:
-        while not stop.is_set() and not daemon.wait(0.5):
-            pass
-    finally:
-        if watcher is not None:
-            watcher.stop()
-        daemon.close()
-    if daemon.failed:
-        print(f"vramshare dra-plugin: {daemon.failed}", file=sys.stderr)
-        return 1
-    return 0
+    return serve(daemon, watcher, "dra-plugin")
