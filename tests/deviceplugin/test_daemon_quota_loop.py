@@ -3,7 +3,6 @@ the pods and NVML to read per-process memory. With the simulated backend it stay
 from __future__ import annotations
 
 import tempfile
-import threading
 from typing import Iterator
 
 import pytest

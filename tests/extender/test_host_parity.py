@@ -6,7 +6,6 @@ counts them), and FGD's stranding term was zero live.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import errors
-from .errors import ApiError
 from .patches import apply_patch
 from .resources import PODS, ResourceType
 from .selectors import Selector
