@@ -156,12 +156,6 @@ class QuotaConfig:
     idle_seconds: float = 300.0  # no requests and flat use this long: the tenant is warm (0 = never)
     classes: tuple[QuotaClass, ...] = ()  # issue 14; every pod none selects is in the ``default`` class
 
-    def class_named(self, name: str) -> QuotaClass | None:
-        """The class of that name; ``default`` is the global keys' class (always there)."""
-        if name == DEFAULT_CLASS:
-            return QuotaClass(DEFAULT_CLASS, allow_pod_selection=True)
-        return next((c for c in self.classes if c.name == name), None)
-
 
 @dataclass(frozen=True)
 class DraConfig:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from vramshare.config import (DEFAULT_CLASS, ClassMatch, LabelExpression, OverLimitAction, QuotaClass,
                               QuotaConfig)
@@ -66,21 +66,31 @@ def term_matches(term: ClassMatch, pod: PodMeta) -> bool:
     return all(_expression(e, labels) for e in term.match_expressions)
 
 
-def resolve(pod: PodMeta, quota: QuotaConfig) -> Resolution:
+DEFAULT = QuotaClass(DEFAULT_CLASS, allow_pod_selection=True)
+
+
+def class_named(classes: Sequence[QuotaClass], name: str) -> QuotaClass | None:
+    """The class of that name; ``default`` (the global keys) always exists."""
+    if name == DEFAULT_CLASS:
+        return DEFAULT
+    return next((c for c in classes if c.name == name), None)
+
+
+def resolve(pod: PodMeta, classes: Sequence[QuotaClass]) -> Resolution:
     """The pod's class, in the order of the module docstring."""
     note = ""
     if pod.requested_class:
-        wanted = quota.class_named(pod.requested_class)
+        wanted = class_named(classes, pod.requested_class)
         if wanted is None:
             note = f"annotation names unknown class {pod.requested_class!r}"
         elif not wanted.allow_pod_selection:
             note = f"class {pod.requested_class!r} does not allow pod selection"
         else:
             return Resolution(wanted, "annotation")
-    for qc in quota.classes:
+    for qc in classes:
         if any(term_matches(t, pod) for t in qc.match):
             return Resolution(qc, "match", note)
-    return Resolution(quota.class_named(DEFAULT_CLASS), "default", note)  # type: ignore[arg-type]
+    return Resolution(DEFAULT, "default", note)
 
 
 @dataclass(frozen=True)
@@ -106,17 +116,23 @@ class ClassTerms:
         return max(self.floor_of(request_mib), c)
 
 
-def terms(qc: QuotaClass, quota: QuotaConfig, action: OverLimitAction) -> ClassTerms:
-    """``qc`` with every omitted key taken from the global quota keys (``action``: enforcement's)."""
-    floor_f = qc.floor_fraction if qc.floor_mib is None else None
-    ceil_f = qc.ceiling_fraction if qc.ceiling_mib is None else None
+def terms(qc: QuotaClass, base: ClassTerms) -> ClassTerms:
+    """``qc`` with every omitted key taken from ``base`` (the default class: the global keys)."""
+    floor_given = qc.floor_fraction is not None or qc.floor_mib is not None
+    ceiling_given = qc.ceiling_fraction is not None or qc.ceiling_mib is not None
     return ClassTerms(
         name=qc.name,
-        floor_fraction=quota.floor_fraction if floor_f is None and qc.floor_mib is None else floor_f,
-        floor_mib=qc.floor_mib,
-        ceiling_fraction=quota.ceiling_fraction if ceil_f is None and qc.ceiling_mib is None else ceil_f,
-        ceiling_mib=qc.ceiling_mib,
-        margin_mib=quota.margin_mib if qc.margin_mib is None else qc.margin_mib,
-        idle_seconds=quota.idle_seconds if qc.idle_seconds is None else qc.idle_seconds,
+        floor_fraction=qc.floor_fraction if floor_given else base.floor_fraction,
+        floor_mib=qc.floor_mib if floor_given else base.floor_mib,
+        ceiling_fraction=qc.ceiling_fraction if ceiling_given else base.ceiling_fraction,
+        ceiling_mib=qc.ceiling_mib if ceiling_given else base.ceiling_mib,
+        margin_mib=base.margin_mib if qc.margin_mib is None else qc.margin_mib,
+        idle_seconds=base.idle_seconds if qc.idle_seconds is None else qc.idle_seconds,
         lending_priority=qc.lending_priority,
-        over_limit_action=qc.over_limit_action or action)
+        over_limit_action=qc.over_limit_action or base.over_limit_action)
+
+
+def default_terms(quota: QuotaConfig, action: OverLimitAction) -> ClassTerms:
+    """The ``default`` class: the global ``quota.*`` keys and ``enforcement.overLimitAction``."""
+    return ClassTerms(DEFAULT_CLASS, quota.floor_fraction, None, quota.ceiling_fraction, None, quota.margin_mib,
+                      quota.idle_seconds, 0, action)
