@@ -33,8 +33,8 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Mapping[str, Mapp
             continue
         uid = c.pod_uids[0]
         pod = pods.get(uid) or {}
-        names = c.pod_names[0] if c.pod_names else (pod.get("metadata") or {}).get("name", "")
-        out.append(Tenant(key=TenantKey(c.namespace, names, tenant_container(c.name), pod_uid=uid),
+        pod_name = c.pod_names[0] if c.pod_names else (pod.get("metadata") or {}).get("name", "")
+        out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),
                           gpus=tuple(sorted(c.gpus.items())), metrics_url=_metrics_url(pod) if pod else None,
                           container_ids=frozenset(_container_ids(pod).values()) if pod else frozenset(),
                           meta=pod_meta(pod, names) if pod else PodMeta(c.namespace)))

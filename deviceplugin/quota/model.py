@@ -35,7 +35,8 @@ class Tenant:
     metrics_url: str | None = None  # its vLLM /metrics endpoint, when it has one
     container_ids: frozenset[str] = frozenset()  # runtime IDs (no scheme), to match cgroups
     quota_dir: str | None = None  # where its quota.json lives, when not <root>/<pod-uid>/<container>
-    meta: PodMeta | None = None  # what quota-class selection reads (labels, priorityClassName, annotation)
+    # what quota-class selection reads (labels, priorityClassName, annotation); not part of its identity
+    meta: PodMeta | None = field(default=None, compare=False)
 
 
 class Phase(str, enum.Enum):
