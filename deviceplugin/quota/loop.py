@@ -148,6 +148,8 @@ class QuotaLoop:
         self._class: dict[TenantKey, str] = {}  # each tenant's quota class as of the latest tick
         self._orphans: dict[TenantKey, str] = {}  # tenants whose class a reload removed: held until the next
         self._views: dict[tuple[TenantKey, str], TenantView] = {}
+        self.capacities: dict[str, int] = {}  # per GPU, what the latest tick divided (after foreign memory)
+        self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
@@ -301,6 +303,7 @@ class QuotaLoop:
                 log.warning("GPU not in inventory, its tenants keep their quotas", gpu=gpu)
                 continue
             cap = capacities[gpu] - seen.foreign.get(gpu, 0)
+            self.capacities[gpu] = cap
             used_of = {ts.key: ts.used_mib for ts in states}
             req_of = {ts.key: ts.request_mib for ts in states}
             for d in rebalance(GpuState(gpu, cap, tuple(states)), st.params):
@@ -309,6 +312,8 @@ class QuotaLoop:
                                             f"config, limits kept until the next valid config")
                 decided[(d.key, gpu)] = d
                 report.decisions.append(d)
+                if d.changed:
+                    self.class_counts[(self._class.get(d.key, DEFAULT_CLASS), "changes")] += 1
                 last = self._views.get((d.key, gpu))
                 why = d.reason if d.changed or last is None else last.reason
                 self._views[(d.key, gpu)] = TenantView(self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS),
@@ -363,6 +368,7 @@ class QuotaLoop:
         if breach is None:
             return
         report.breaches.append(breach)
+        self.class_counts[(self._class.get(key, DEFAULT_CLASS), "breaches")] += 1
         log.warning("container above its memory limit", pod=f"{key.namespace}/{key.pod}", container=key.container,
                     gpu=gpu, used_mib=breach.used_mib, limit_mib=breach.limit_mib, seconds=round(breach.seconds),
                     action=action.value, quota_class=self._class.get(key, DEFAULT_CLASS))

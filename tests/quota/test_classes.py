@@ -293,3 +293,19 @@ def test_default_class_is_todays_behaviour():
     s = LoopSettings.from_config(parse_config("quota: {floorFraction: 0.3, marginMiB: 7}").quota)
     t = s.default_terms()
     assert (t.floor_of(1000), t.ceiling_of(1000), t.margin_mib, t.lending_priority) == (300, 1500, 7, 0)
+
+
+def test_metrics_carry_the_class(tmp_path):
+    from deviceplugin.quota.service import QuotaCollector
+    loop, src = _loop(tmp_path, TWO, {PROD: 20000, BATCH: 1000})
+    loop.run_once()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in QuotaCollector(loop).collect()
+               for s in m.samples}
+    base = (("container", "vllm"), ("gpu", "GPU-0"), ("namespace", "dev"), ("pod", "eval"))
+    batch = tuple(sorted(base + (("class", "batch"),)))
+    assert samples[("vramshare_quota_floor_mib", batch)] == 4096
+    assert samples[("vramshare_quota_request_mib", batch)] == 40960
+    assert samples[("vramshare_quota_used_mib", batch)] == 1000
+    assert ("vramshare_quota_limit_mib", batch) in samples
+    assert samples[("vramshare_quota_gpu_capacity_mib", (("gpu", "GPU-0"),))] == 81920
+    assert samples[("vramshare_quota_class_changes_total", (("class", "batch"),))] >= 1
