@@ -308,4 +308,6 @@ def test_metrics_carry_the_class(tmp_path):
     assert samples[("vramshare_quota_used_mib", batch)] == 1000
     assert ("vramshare_quota_limit_mib", batch) in samples
     assert samples[("vramshare_quota_gpu_capacity_mib", (("gpu", "GPU-0"),))] == 81920
-    assert samples[("vramshare_quota_class_changes_total", (("class", "batch"),))] >= 1
+    by_class = {k[1]: v for k, v in samples.items() if k[0] == "vramshare_quota_class_changes_total"}
+    assert set(by_class) <= {(("class", "batch"),), (("class", "production"),)}
+    assert sum(by_class.values()) == loop.counts["changes"] >= 1
