@@ -297,7 +297,7 @@ def test_default_class_is_todays_behaviour():
 
 def test_metrics_carry_the_class(tmp_path):
     from deviceplugin.quota.service import QuotaCollector
-    loop, src = _loop(tmp_path, TWO, {PROD: 40960, BATCH: 1000})
+    loop, src = _loop(tmp_path, TWO.replace("marginMiB: 0", "marginMiB: 1024"), {PROD: 40960, BATCH: 1000})
     loop.run_once()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in QuotaCollector(loop).collect()
                for s in m.samples}
