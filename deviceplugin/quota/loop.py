@@ -197,7 +197,7 @@ class QuotaLoop:
         st = self.settings
         res = qclasses.resolve(t.meta or qclasses.PodMeta(t.key.namespace), st.classes)
         if res.note and self._class.get(t.key) != res.qclass.name:
-            log.warning("quota-class annotation ignored", pod=f"{t.key.namespace}/{t.key.pod}",
+            log.info("quota-class annotation ignored", pod=f"{t.key.namespace}/{t.key.pod}",
                         container=t.key.container, reason=res.note, quota_class=res.qclass.name)
         self._class[t.key] = res.qclass.name
         base = st.default_terms()
