@@ -287,7 +287,8 @@ def show_quota(out: TextIO, ticks: int = 16, classes: str | None = None) -> None
                     moves.append((abs(d.limit_mib - d.previous_mib), f"{d.key.pod}: {d.reason}"))
             why = max(moves)[1] if moves else "hold"
             _say(out, f"  {tick:>4}  " + "".join(f"{c:<{width}}" for c in cells) + why[:90])
-        _say(out, "  (use/limit after the tick; ! = the use was above the limit in force before the tick)")
+        _say(out, f"  ({'demand' if classes else 'use'}/limit after the tick; ! = the {'demand' if classes else 'use'} "
+                  f"was above the limit in force before the tick)")
         _say(out, "  ticks over the limit: " + ", ".join(f"{n} {over[n]}" for n in QUOTA_TENANTS))
 
 
