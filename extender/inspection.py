@@ -90,7 +90,7 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
             "totalMiB": s.capacity, "usedMiB": use.used, "freeMiB": max(0, s.capacity - use.used),
             "pods": [{"pod": key, "mib": mib, **({"state": states[key]} if key in states else {})}
                      for key, mib in sorted(use.pods.items())],
-            "tenants": tenants.get(s.uuid, []),
+            **({"tenants": tenants[s.uuid]} if s.uuid in tenants else {}),  # issue 14, where the loop mirrored
         })
     doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
     if mode:
