@@ -311,3 +311,35 @@ def test_metrics_carry_the_class(tmp_path):
     by_class = {k[1]: v for k, v in samples.items() if k[0] == "vramshare_quota_class_changes_total"}
     assert set(by_class) <= {(("class", "batch"),), (("class", "production"),)}
     assert sum(by_class.values()) == loop.counts["changes"] >= 1
+
+
+def test_idle_handling_follows_the_class(tmp_path):
+    """Global idleSeconds 10; batch says off: after a quiet minute production is warm, batch is not."""
+    from deviceplugin.quota.model import Phase
+    from deviceplugin.quota.telemetry import VllmSample
+
+    class Quiet:
+        def read_signals(self, url):
+            return VllmSample(running=0, waiting=0)
+
+    now = [0.0]
+    loop, src = _loop(tmp_path, TWO.replace("  stepMiB: 1\n", "  stepMiB: 1\n  idleSeconds: 10\n"),
+                      {PROD: 5000, BATCH: 5000}, signals=Quiet(), clock=lambda: now[0])
+    src.tenants = [Tenant(t.key, t.gpus, metrics_url=f"http://{t.key.pod}", meta=t.meta) for t in src.tenants]
+    for t in range(0, 70, 10):
+        now[0] = float(t)
+        loop.run_once()
+    assert loop.phases() == {PROD: Phase.WARM, BATCH: Phase.HOT}
+
+
+def test_dra_tenants_carry_pod_metadata_too():
+    from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
+    from deviceplugin.dra.tenants import tenants_from_claims
+    names = contract.Names(contract.DEFAULT_DOMAIN)
+    pod = {"metadata": {"name": "p", "namespace": "prod", "uid": "u1", "labels": {"team": "eval"},
+                        "annotations": {names.quota_class: "batch"}}, "spec": {"priorityClassName": "hi"}}
+    claim = PreparedClaim(uid="cu", namespace="prod", name="c", state=PREPARED, cdi_spec="vramshare.io/gpu=c",
+                          pod_uids=("u1",), gpus={"GPU-0": 8192})
+    (t,) = tenants_from_claims([claim], {"u1": pod}, names)
+    assert t.meta == PodMeta.of("prod", {"team": "eval"}, "hi", "batch")
+    assert resolve(t.meta, CLASSES).qclass.name == "batch"
