@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                             tot[f"{cls}_{key}"] += v
                     committed = np.maximum(limits[:, 1:], held[:, :-1]).sum(axis=0)
                     tot["invariant_broken_gpu_minutes"] += int((committed > GPU_MIB).sum())
-            per[name] = {f"{cls}_pct_minutes_over_limit": round(100 * tot[f"{cls}_over_minutes"] / tot[f"{cls}_minutes"], 2)
+            per[name] = {f"{cls}_pct_minutes_over_limit":
+                         round(100 * tot[f"{cls}_over_minutes"] / tot[f"{cls}_minutes"], 2)
                          for cls in ("guaranteed", "best_effort")}
             per[name].update({f"{cls}_over_limit_gib_min": round(tot[f"{cls}_over_mib_min"] / 1024, 1)
                               for cls in ("guaranteed", "best_effort")})
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
            "setup": {"gpu_mib": GPU_MIB, "containers": int(len(demand)), "minutes": int(demand.shape[1]),
                      "seeds": len(seeds), "lag_minutes": 1, "peak_window_minutes": WINDOW,
                      "requests": "equal share (capacity / k)", "guaranteed": "first tenant of each group",
-                     "classes": {"guaranteed": {"floor": GUARANTEED[0], "ceiling": GUARANTEED[1], "rank": GUARANTEED[2]},
+                     "classes": {"guaranteed": {"floor": GUARANTEED[0], "ceiling": GUARANTEED[1],
+                                                "rank": GUARANTEED[2]},
                                  "best_effort": {"floor": BEST_EFFORT[0], "ceiling": "k", "rank": BEST_EFFORT[2]},
                                  "one_class": {"floor": PARAMS.floor_fraction, "ceiling": PARAMS.ceiling_fraction}},
                      "step_mib": STEP, "margin_mib": MARGIN, "trace": "genai/pod_gpu_memory_used_bytes.csv",

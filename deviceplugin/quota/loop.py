@@ -171,7 +171,6 @@ class QuotaLoop:
             for k, c in sorted(self._orphans.items()):
                 log.warning("quota class removed by a reload, tenant keeps its limits until the next valid config",
                             pod=f"{k.namespace}/{k.pod}", container=k.container, quota_class=c)
-        if new != self.settings:
             log.info("quota settings reloaded", step_mib=new.params.step_mib, margin_mib=new.params.margin_mib,
                      floor_fraction=new.params.floor_fraction, idle_s=new.idle_seconds,
                      grace_s=new.grace_seconds, action=new.action.value)
@@ -198,7 +197,7 @@ class QuotaLoop:
         res = qclasses.resolve(t.meta or qclasses.PodMeta(t.key.namespace), st.classes)
         if res.note and self._class.get(t.key) != res.qclass.name:
             log.info("quota-class annotation ignored", pod=f"{t.key.namespace}/{t.key.pod}",
-                        container=t.key.container, reason=res.note, quota_class=res.qclass.name)
+                     container=t.key.container, reason=res.note, quota_class=res.qclass.name)
         self._class[t.key] = res.qclass.name
         base = st.default_terms()
         return base if res.qclass.name == DEFAULT_CLASS else qclasses.terms(res.qclass, base)
@@ -316,8 +315,8 @@ class QuotaLoop:
                     self.class_counts[(self._class.get(d.key, DEFAULT_CLASS), "changes")] += 1
                 last = self._views.get((d.key, gpu))
                 why = d.reason if d.changed or last is None else last.reason
-                self._views[(d.key, gpu)] = TenantView(self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS),
-                                                       req_of[d.key], d.floor_mib, used_of[d.key], why)
+                cls = self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS)
+                self._views[(d.key, gpu)] = TenantView(cls, req_of[d.key], d.floor_mib, used_of[d.key], why)
         self._write(tenants, decided, phases, report)
         alive = {t.key for t in tenants}
         self._limits = {k: v for k, v in self._limits.items() if k[0] in alive}

@@ -48,7 +48,8 @@ quota:
 def test_a_two_class_config_parses():
     q = parse_config(TWO).quota
     prod, batch = q.classes
-    assert (prod.name, prod.floor_fraction, prod.ceiling_fraction, prod.lending_priority) == ("production", 1.0, 1.5, 100)
+    assert (prod.name, prod.floor_fraction, prod.ceiling_fraction, prod.lending_priority) == \
+        ("production", 1.0, 1.5, 100)
     assert prod.match == (ClassMatch(namespaces=("prod",)), ClassMatch(priority_class_names=("inference-critical",)))
     assert (batch.floor_mib, batch.idle_seconds, batch.over_limit_action, batch.allow_pod_selection) == \
         (4096, 0.0, OverLimitAction.EVICT, True)

@@ -274,11 +274,11 @@ def show_quota(out: TextIO, ticks: int = 16, classes: str | None = None) -> None
             report = loop.run_once()
             used = dict(fenced.demand) if classes else {s.pod: s.used_mib for s in replay_last(replay, tenants, tick)}
             cells, moves = [], []
+            ordered = sorted(report.decisions, key=lambda d: QUOTA_TENANTS.index(d.key.pod))
             if tick == 0 and classes:
-                _say(out, "  class " + "".join(f"{loop.classes().get(k, '?') + f' (floor {d.floor_mib / GIB:.0f})':<{width}}"
-                                                for k, d in zip(keys, sorted(report.decisions,
-                                                                             key=lambda d: QUOTA_TENANTS.index(d.key.pod)))))
-            for d in sorted(report.decisions, key=lambda d: QUOTA_TENANTS.index(d.key.pod)):
+                names = [f"{loop.classes().get(d.key, '?')} (floor {d.floor_mib / GIB:.0f})" for d in ordered]
+                _say(out, "  class " + "".join(f"{n:<{width}}" for n in names))
+            for d in ordered:
                 u = used.get(d.key.pod, 0)
                 mark = "!" if u > d.previous_mib else " "
                 over[d.key.pod] += u > d.previous_mib
