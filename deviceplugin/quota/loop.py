@@ -148,6 +148,7 @@ class QuotaLoop:
         self._class: dict[TenantKey, str] = {}  # each tenant's quota class as of the latest tick
         self._orphans: dict[TenantKey, str] = {}  # tenants whose class a reload removed: held until the next
         self._views: dict[tuple[TenantKey, str], TenantView] = {}
+        self._lines: dict[tuple[TenantKey, str], GpuQuota] = {}  # each GPU's line of quota.json as on disk
         self.capacities: dict[str, int] = {}  # per GPU, what the latest tick divided (after foreign memory)
         self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
@@ -245,6 +246,8 @@ class QuotaLoop:
             if on_disk is not None:
                 for g, mib in on_disk.limits().items():
                     self._limits.setdefault((t.key, g), mib)
+                for line in on_disk.gpus:
+                    self._lines.setdefault((t.key, line.uuid), line)
         return self._limits.get((t.key, gpu))
 
     # -- one tick ----------------------------------------------------------------------------
@@ -326,6 +329,7 @@ class QuotaLoop:
         self._class = {k: v for k, v in self._class.items() if k in alive}
         self._orphans = {k: v for k, v in self._orphans.items() if k in alive}
         self._views = {k: v for k, v in self._views.items() if k[0] in alive}
+        self._lines = {k: v for k, v in self._lines.items() if k[0] in alive}
         self._fenced = {k for k in self._fenced if k[0] in alive}
         self._warmth.forget(alive)
         self._watch.forget(alive)
@@ -386,7 +390,9 @@ class QuotaLoop:
             self._fence_first(t, ds, report)
             phase = phases.get(t.key, Phase.HOT)
             if not ds or (all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds)
-                          and self._phases.get(t.key, phase) == phase):
+                          and self._phases.get(t.key, phase) == phase
+                          and all(self._lines.get((t.key, d.gpu_uuid)) in (None, self._entry(t.key, d.gpu_uuid, 0, d))
+                                  for d in ds)):  # a class change moves floor/ceiling without the limit
                 self._phases.setdefault(t.key, phase)
                 continue
             gpus = tuple(self._entry(t.key, g, req, decided.get((t.key, g))) for g, req in t.gpus)
@@ -397,6 +403,7 @@ class QuotaLoop:
                 log.error("quota write failed, will retry", pod=str(t.key), error=str(exc))
                 report.errors.append(str(exc))
                 continue
+            self._lines.update({(t.key, line.uuid): line for line in gpus})
             for d in ds:
                 if self._limits.get((t.key, d.gpu_uuid)) != d.limit_mib:
                     log.info("quota changed", pod=f"{t.key.namespace}/{t.key.pod}", container=t.key.container,

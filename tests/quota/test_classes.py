@@ -344,3 +344,20 @@ def test_dra_tenants_carry_pod_metadata_too():
     (t,) = tenants_from_claims([claim], {"u1": pod}, names)
     assert t.meta == PodMeta.of("prod", {"team": "eval"}, "hi", "batch")
     assert resolve(t.meta, CLASSES).qclass.name == "batch"
+
+
+def test_the_quota_file_takes_the_class_floor_and_ceiling_even_when_the_limit_stays(tmp_path):
+    """Allocate writes the default class's floor and ceiling (it cannot know the pod); the loop's first
+    tick rewrites them with the class's, which the vLLM plugin reads, though the limit did not move."""
+    from deviceplugin.quota.writer import GpuQuota, QuotaFile, container_dir, read_quota, write_quota
+    for key in (PROD, BATCH):
+        write_quota(container_dir(str(tmp_path), key.pod_uid, key.container),
+                    QuotaFile(gpus=(GpuQuota("GPU-0", 40960, 20480, 61440),)))
+    loop, src = _loop(tmp_path, TWO, {PROD: 30000, BATCH: 30000})
+    report = loop.run_once()
+    assert all(not d.changed for d in report.decisions)
+    prod = read_quota(container_dir(str(tmp_path), PROD.pod_uid, PROD.container))
+    batch = read_quota(container_dir(str(tmp_path), BATCH.pod_uid, BATCH.container))
+    assert prod.gpus == (GpuQuota("GPU-0", 40960, 40960, 61440),) and prod.generation == 2
+    assert batch.gpus == (GpuQuota("GPU-0", 40960, 4096, 3 * 40960),)
+    assert loop.run_once().written == []  # and not again
