@@ -33,18 +33,44 @@ def _enforcement(annotation: str | None) -> str | None:
     return mode.value if mode else None
 
 
-def _states(acct: accounting.Accounting, names: contract.Names) -> dict[str, str]:
-    """Pod key -> its containers' warmth from the quota loop's ``quota-mib`` mirror (issue 9)."""
+def _mirrors(acct: accounting.Accounting, names: contract.Names) -> dict[str, Obj]:
+    """Pod key -> its parsed ``quota-mib`` mirror ({container: [{uuid, mib, state, class, ...}]})."""
     out = {}
     for key, pod in acct.pods.items():
         text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.quota_mib)
         try:
             doc = orjson.loads(text) if text else {}
-            states = sorted({e["state"] for entries in doc.values() for e in entries if "state" in e})
-        except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
+        except orjson.JSONDecodeError:
             continue
+        if isinstance(doc, dict) and doc and all(isinstance(v, list) for v in doc.values()):
+            out[key] = doc
+    return out
+
+
+def _states(acct: accounting.Accounting, names: contract.Names) -> dict[str, str]:
+    """Pod key -> its containers' warmth from the quota loop's ``quota-mib`` mirror (issue 9)."""
+    out = {}
+    for key, doc in _mirrors(acct, names).items():
+        states = sorted({e["state"] for entries in doc.values() for e in entries
+                         if isinstance(e, dict) and isinstance(e.get("state"), str)})
         if states:
             out[key] = "/".join(states)
+    return out
+
+
+def _tenants(mirrors: dict[str, Obj]) -> dict[str, list[Obj]]:
+    """GPU uuid -> its tenants (one per pod container) as the quota loop last mirrored them (issue 14):
+    class, request, floor, limit, measured use (at the last change), state and the reason of it."""
+    out: dict[str, list[Obj]] = {}
+    for key, doc in sorted(mirrors.items()):
+        for container, entries in sorted(doc.items()):
+            for e in entries:
+                if not isinstance(e, dict) or not isinstance(e.get("uuid"), str):
+                    continue
+                out.setdefault(e["uuid"], []).append({
+                    "pod": key, "container": container, "class": e.get("class", "default"),
+                    "requestMiB": e.get("req"), "floorMiB": e.get("floor"), "limitMiB": e.get("mib"),
+                    "usedMiB": e.get("used"), "state": e.get("state"), "reason": e.get("why")})
     return out
 
 
@@ -53,6 +79,7 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
         usage = acct.state.node_usage(name)
         mode = _enforcement(acct._annotation.get(name))  # the inventory text accounting keeps per node
         states = _states(acct, acct.names)
+        tenants = _tenants(_mirrors(acct, acct.names))
     gpus: list[Obj] = []
     total = used = 0
     for use in usage:
@@ -63,6 +90,7 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
             "totalMiB": s.capacity, "usedMiB": use.used, "freeMiB": max(0, s.capacity - use.used),
             "pods": [{"pod": key, "mib": mib, **({"state": states[key]} if key in states else {})}
                      for key, mib in sorted(use.pods.items())],
+            **({"tenants": tenants[s.uuid]} if s.uuid in tenants else {}),  # issue 14, where the loop mirrored
         })
     doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
     if mode:
@@ -106,6 +134,20 @@ def format_table(doc: Obj) -> str:
     used = sum(n["usedMiB"] for n in nodes)
     lines.append(f"{len(nodes)} node(s), {sum(len(n['gpus']) for n in nodes)} GPU(s): "
                  f"{_gib(used)} of {_gib(total)} GiB used, {_gib(total - used)} GiB free (memory in GiB)")
+    tenant_rows = [("NODE", "GPU", "POD/CONTAINER", "CLASS", "REQUEST", "FLOOR", "LIMIT", "USED", "STATE",
+                    "ENFORCEMENT", "LAST CHANGE")]
+    for n in nodes:
+        for g in n["gpus"]:
+            for t in g.get("tenants") or []:
+                tenant_rows.append((n["name"], str(g["index"]), f"{t['pod']}/{t['container']}", str(t["class"]),
+                                    *(_gib(t[k]) if isinstance(t.get(k), int) else "-"
+                                      for k in ("requestMiB", "floorMiB", "limitMiB", "usedMiB")),
+                                    t.get("state") or "-", n.get("enforcement") or "-", t.get("reason") or "-"))
+    if len(tenant_rows) > 1:
+        widths = [max(len(r[i]) for r in tenant_rows) for i in range(len(tenant_rows[0]) - 1)]
+        lines.append("")
+        lines.extend("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in tenant_rows)
+        lines.append("tenants: as the quota loop last changed them (memory in GiB; USED measured at that change)")
     modes = {n["name"]: n["enforcement"] for n in nodes if n.get("enforcement")}
     if modes:
         lines.append("GPU memory enforcement: " + ", ".join(f"{n} {m}" for n, m in sorted(modes.items())))

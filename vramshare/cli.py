@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--pods", type=int, default=8, metavar="N", help="pods to submit (default 8)")
     demo.add_argument("--verbose", action="store_true", help="also show every component's log lines")
     demo.add_argument("--quota", action="store_true", help="only the quota loop on one shared GPU (a few seconds)")
+    demo.add_argument("--classes", metavar="CONFIG",
+                      help="with --quota: a v1 config file whose quota keys and quota.classes the loop uses, on a "
+                           "busier day (the three tenants ask more than the GPU holds at midday); tenants: "
+                           "prod/chat-llama3 (priorityClassName inference-critical), batch/job-summarizer "
+                           "(label team=eval), inference/rag-retriever (annotation quota-class: burst)")
     demo.add_argument("--dra", action="store_true",
                       help="the DRA path instead (Kubernetes 1.36+): DRA plugins, ResourceClaims, a stand-in "
                            "for kube-scheduler's DRA allocator and the kubelet's DRA manager")

@@ -94,6 +94,47 @@ class EnforcementConfig:
         return None if self.mode == ENFORCEMENT_AUTO else EnforcementMode(self.mode)
 
 
+DEFAULT_CLASS = "default"  # the class of the global quota keys: every pod no class selects
+
+
+@dataclass(frozen=True)
+class LabelExpression:
+    """One ``matchExpressions`` item of a Kubernetes label selector (In, NotIn, Exists, DoesNotExist)."""
+
+    key: str
+    operator: str
+    values: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ClassMatch:
+    """One selection term of a quota class: every field given must match (AND); a class matches a
+    pod when any of its terms does (OR), as ``nodeSelectorTerms`` do. An empty term matches all."""
+
+    namespaces: tuple[str, ...] = ()
+    match_labels: tuple[tuple[str, str], ...] = ()
+    match_expressions: tuple[LabelExpression, ...] = ()
+    priority_class_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class QuotaClass:
+    """A named set of quota bounds (issue 14). ``None`` fields inherit the global ``quota.*`` keys
+    (the ``default`` class); at most one of each fraction / MiB pair is set."""
+
+    name: str
+    floor_fraction: float | None = None
+    floor_mib: int | None = None
+    ceiling_fraction: float | None = None
+    ceiling_mib: int | None = None
+    margin_mib: int | None = None
+    idle_seconds: float | None = None  # 0: never warm
+    lending_priority: int = 0  # under pressure lower lends first and is cut first; higher is kept longest
+    over_limit_action: "OverLimitAction | None" = None  # None: enforcement.overLimitAction
+    allow_pod_selection: bool = False  # pods may name it with the <domain>/quota-class annotation
+    match: tuple[ClassMatch, ...] = ()
+
+
 @dataclass(frozen=True)
 class QuotaConfig:
     """Bounds for the quota feedback loop; per-pod floors and ceilings as fractions of the request."""
@@ -113,6 +154,7 @@ class QuotaConfig:
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom
     idle_seconds: float = 300.0  # no requests and flat use this long: the tenant is warm (0 = never)
+    classes: tuple[QuotaClass, ...] = ()  # issue 14; every pod none selects is in the ``default`` class
 
 
 @dataclass(frozen=True)
@@ -186,7 +228,13 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure",
                "processAttribution": "process_attribution",
                "peakWindowTicks": "peak_window_ticks", "protectRequests": "protect_requests",
-               "shareSpare": "share_spare", "idleSeconds": "idle_seconds"}
+               "shareSpare": "share_spare", "idleSeconds": "idle_seconds", "classes": "classes"}
+_CLASS_KEYS = {k: k for k in ("name", "floorFraction", "floorMiB", "ceilingFraction", "ceilingMiB", "marginMiB",
+                              "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match")}
+_MATCH_KEYS = {"namespaces": "namespaces", "selector": "selector", "priorityClassNames": "priority_class_names"}
+_SELECTOR_KEYS = {"matchLabels": "match_labels", "matchExpressions": "match_expressions"}
+_EXPRESSION_KEYS = {"key": "key", "operator": "operator", "values": "values"}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ENFORCEMENT_KEYS = {"mode": "mode", "mpsPipeDirectory": "mps_pipe_directory",
                      "mpsShmDirectory": "mps_shm_directory", "overLimitAction": "over_limit_action",
                      "overLimitGraceSeconds": "over_limit_grace_seconds"}
@@ -392,6 +440,7 @@ def config_from_dict(raw: Any) -> Config:
         protect_requests=_typed(q.get("protectRequests", True), bool, "quota.protectRequests"),
         share_spare=_typed(q.get("shareSpare", True), bool, "quota.shareSpare"),
         idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds", minimum=0),
+        classes=_quota_classes(q.get("classes")),
     )
     en = _check_keys(top.get("enforcement"), _ENFORCEMENT_KEYS, "enforcement.")
     modes_ok = [ENFORCEMENT_AUTO] + [m.value for m in EnforcementMode]
@@ -431,6 +480,119 @@ def config_from_dict(raw: Any) -> Config:
         quota=quota,
         enforcement=enforcement,
     )
+
+
+def _strings(value: Any, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+    out = tuple(_typed(v, str, f"{key}[{i}]") for i, v in enumerate(value))
+    for i, v in enumerate(out):
+        if not v:
+            raise ConfigError(f"{key}[{i}]: must not be empty")
+    return out
+
+
+def _selector(raw: Any, where: str) -> tuple[tuple[tuple[str, str], ...], tuple[LabelExpression, ...]]:
+    """A Kubernetes LabelSelector (metav1.LabelSelector), validated as the API server does."""
+    sel = _check_keys(raw, _SELECTOR_KEYS, f"{where}.")
+    labels = sel.get("matchLabels") or {}
+    if not isinstance(labels, dict):
+        raise ConfigError(f"{where}.matchLabels: expected a mapping of label to value, got {labels!r}")
+    pairs = tuple(sorted((_typed(k, str, f"{where}.matchLabels"), _typed(v, str, f"{where}.matchLabels.{k}"))
+                         for k, v in labels.items()))
+    exprs = sel.get("matchExpressions") or []
+    if not isinstance(exprs, list):
+        raise ConfigError(f"{where}.matchExpressions: expected a list, got {exprs!r}")
+    out = []
+    for i, e in enumerate(exprs):
+        at = f"{where}.matchExpressions[{i}]"
+        e = _check_keys(e, _EXPRESSION_KEYS, f"{at}.")
+        key = _typed(e.get("key"), str, f"{at}.key")
+        op = _typed(e.get("operator"), str, f"{at}.operator")
+        values = _strings(e.get("values", []), f"{at}.values")
+        if op in ("In", "NotIn") and not values:
+            raise ConfigError(f"{at}.values: must be non-empty for operator {op}")
+        if op in ("Exists", "DoesNotExist") and values:
+            raise ConfigError(f"{at}.values: must be empty for operator {op}")
+        if op not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            raise ConfigError(f"{at}.operator: {op!r} is not one of In, NotIn, Exists, DoesNotExist")
+        out.append(LabelExpression(key, op, values))
+    return pairs, tuple(out)
+
+
+def _class_match(raw: Any, where: str) -> tuple[ClassMatch, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}: expected a list of terms (namespaces, selector, priorityClassNames), "
+                          f"got {raw!r}")
+    terms = []
+    for i, t in enumerate(raw):
+        at = f"{where}[{i}]"
+        t = _check_keys(t, _MATCH_KEYS, f"{at}.")
+        labels, exprs = _selector(t.get("selector"), f"{at}.selector")
+        terms.append(ClassMatch(namespaces=_strings(t.get("namespaces", []), f"{at}.namespaces"),
+                                match_labels=labels, match_expressions=exprs,
+                                priority_class_names=_strings(t.get("priorityClassNames", []),
+                                                              f"{at}.priorityClassNames")))
+    return tuple(terms)
+
+
+def _one_of(c: Mapping[str, Any], frac: str, mib: str, at: str) -> tuple[float | None, int | None]:
+    if frac in c and mib in c:
+        raise ConfigError(f"{at}.{mib}: set {frac} (of the request) or {mib} (absolute), not both")
+    f = _typed(c[frac], float, f"{at}.{frac}", minimum=0) if frac in c else None
+    m = _typed(c[mib], int, f"{at}.{mib}", minimum=0) if mib in c else None
+    return f, m
+
+
+def _quota_class(raw: Any, at: str) -> QuotaClass:
+    c = _check_keys(raw, _CLASS_KEYS, f"{at}.")
+    if "name" not in c:
+        raise ConfigError(f"{at}.name: every class needs a name")
+    name = _typed(c["name"], str, f"{at}.name")
+    if len(name) > 63 or not _DNS_LABEL.match(name):
+        raise ConfigError(f"{at}.name: {name!r} is not a DNS label (lower case, digits, '-', at most 63)")
+    if name == DEFAULT_CLASS:
+        raise ConfigError(f"{at}.name: 'default' is the class of the global quota keys "
+                          f"(quota.floorFraction, ...); set those instead")
+    floor_f, floor_m = _one_of(c, "floorFraction", "floorMiB", at)
+    ceil_f, ceil_m = _one_of(c, "ceilingFraction", "ceilingMiB", at)
+    if floor_f is not None and floor_f > 1:
+        raise ConfigError(f"{at}.floorFraction: must be <= 1 (a floor above the request cannot be held), "
+                          f"got {floor_f}")
+    if floor_f is not None and ceil_f is not None and ceil_f < floor_f:
+        raise ConfigError(f"{at}.ceilingFraction: must be >= floorFraction {floor_f}, got {ceil_f}")
+    if floor_m is not None and ceil_m is not None and ceil_m < floor_m:
+        raise ConfigError(f"{at}.ceilingMiB: must be >= floorMiB {floor_m}, got {ceil_m}")
+    idle = c.get("idleSeconds")
+    if idle is False or idle == "off":  # YAML 1.1 reads a bare off as false
+        idle = 0.0
+    elif idle is not None:
+        idle = _typed(idle, float, f"{at}.idleSeconds", minimum=0)
+    action = c.get("overLimitAction")
+    return QuotaClass(
+        name=name, floor_fraction=floor_f, floor_mib=floor_m, ceiling_fraction=ceil_f, ceiling_mib=ceil_m,
+        margin_mib=_typed(c["marginMiB"], int, f"{at}.marginMiB", minimum=0) if "marginMiB" in c else None,
+        idle_seconds=idle,
+        lending_priority=_typed(c.get("lendingPriority", 0), int, f"{at}.lendingPriority"),
+        over_limit_action=None if action is None else _enum(action, OverLimitAction, f"{at}.overLimitAction"),
+        allow_pod_selection=_typed(c.get("allowPodSelection", False), bool, f"{at}.allowPodSelection"),
+        match=_class_match(c.get("match"), f"{at}.match"))
+
+
+def _quota_classes(raw: Any) -> tuple[QuotaClass, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ConfigError(f"quota.classes: expected a list of classes, got {type(raw).__name__}")
+    out: list[QuotaClass] = []
+    for i, item in enumerate(raw):
+        qc = _quota_class(item, f"quota.classes[{i}]")
+        if any(o.name == qc.name for o in out):
+            raise ConfigError(f"quota.classes[{i}].name: {qc.name!r} is already the name of an earlier class")
+        out.append(qc)
+    return tuple(out)
 
 
 def _dra_config(raw: Any) -> DraConfig:

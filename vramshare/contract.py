@@ -74,6 +74,11 @@ class Names:
         return f"{self.domain}/quota-mib"
 
     @property
+    def quota_class(self) -> str:
+        """A pod's choice of quota class (issue 14), honoured where the class has allowPodSelection."""
+        return f"{self.domain}/quota-class"
+
+    @property
     def over_limit(self) -> str:
         """Set by the quota loop on a pod whose container stayed above its hard limit (issue 9)."""
         return f"{self.domain}/over-limit"

@@ -91,7 +91,7 @@ class DraPluginDaemon:
         loop = quota_service.build_loop(config, self._api, self.node, capacities,
                                         nvml=getattr(self.backend, "nvml", None),
                                         tenants=ClaimTenantSource(self.preparer.prepared, client.CoreV1Api(self._api),
-                                                                  self.node))
+                                                                  self.node, config.names))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
 

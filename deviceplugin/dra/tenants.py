@@ -16,22 +16,28 @@ from kubernetes import client
 
 from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
 from deviceplugin.dra.preparer import tenant_container
-from deviceplugin.quota.kube import TIMEOUT_S, _container_ids, _metrics_url
+from deviceplugin.quota.classes import PodMeta
+from deviceplugin.quota.kube import TIMEOUT_S, _container_ids, _metrics_url, pod_meta
 from deviceplugin.quota.model import Tenant, TenantKey
+from vramshare import contract
 
 
-def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Mapping[str, Mapping[str, Any]]) -> list[Tenant]:
-    """Pure: prepared claims (+ this node's pods by UID) -> tenants; shared claims are left alone."""
+def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Mapping[str, Mapping[str, Any]],
+                        names: contract.Names | None = None) -> list[Tenant]:
+    """Pure: prepared claims (+ this node's pods by UID) -> tenants; shared claims are left alone.
+    The pod's metadata (labels, priorityClassName, quota-class annotation) picks its quota class."""
+    names = names or contract.Names(contract.DEFAULT_DOMAIN)
     out = []
     for c in sorted(claims, key=lambda c: (c.namespace, c.name)):
         if c.state != PREPARED or len(c.pod_uids) != 1 or not c.gpus:
             continue
         uid = c.pod_uids[0]
         pod = pods.get(uid) or {}
-        names = c.pod_names[0] if c.pod_names else (pod.get("metadata") or {}).get("name", "")
-        out.append(Tenant(key=TenantKey(c.namespace, names, tenant_container(c.name), pod_uid=uid),
+        pod_name = c.pod_names[0] if c.pod_names else (pod.get("metadata") or {}).get("name", "")
+        out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),
                           gpus=tuple(sorted(c.gpus.items())), metrics_url=_metrics_url(pod) if pod else None,
-                          container_ids=frozenset(_container_ids(pod).values()) if pod else frozenset()))
+                          container_ids=frozenset(_container_ids(pod).values()) if pod else frozenset(),
+                          meta=pod_meta(pod, names) if pod else PodMeta(c.namespace)))
     return out
 
 
@@ -39,8 +45,8 @@ class ClaimTenantSource:
     """:class:`deviceplugin.quota.loop.TenantSource` over the preparer's checkpoint."""
 
     def __init__(self, prepared: Callable[[], Mapping[str, PreparedClaim]], v1: client.CoreV1Api | None,
-                 node: str) -> None:
-        self._prepared, self._v1, self._node = prepared, v1, node
+                 node: str, names: contract.Names | None = None) -> None:
+        self._prepared, self._v1, self._node, self._names = prepared, v1, node, names
 
     def list_tenants(self) -> list[Tenant]:
         pods: dict[str, Mapping[str, Any]] = {}
@@ -52,4 +58,4 @@ class ClaimTenantSource:
             finally:
                 resp.release_conn()
             pods = {(p.get("metadata") or {}).get("uid", ""): p for p in items}
-        return tenants_from_claims(self._prepared().values(), pods)
+        return tenants_from_claims(self._prepared().values(), pods, self._names)

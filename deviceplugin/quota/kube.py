@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from deviceplugin.handshake import AssignmentError, parse_assignment
+from deviceplugin.quota.classes import PodMeta
 from deviceplugin.quota.model import Tenant, TenantKey
 from deviceplugin.quota.overlimit import Breach
 from vramshare import contract, logs
@@ -50,6 +51,15 @@ def _container_ids(pod: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def pod_meta(pod: Mapping[str, Any], names: contract.Names) -> PodMeta:
+    """What quota-class selection reads from a pod: namespace, labels, priorityClassName and the
+    ``<domain>/quota-class`` annotation."""
+    meta = pod.get("metadata") or {}
+    labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    return PodMeta.of(meta.get("namespace", ""), labels, (pod.get("spec") or {}).get("priorityClassName"),
+                      (meta.get("annotations") or {}).get(names.quota_class))
+
+
 def tenants_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) -> list[Tenant]:
     """Every container holding our memory, from raw pod JSON. A pod with a bad assignment is logged
     and skipped (its quotas stay as they are), never a reason to drop the other pods."""
@@ -69,11 +79,11 @@ def tenants_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) 
         except (AssignmentError, ValueError, TypeError) as exc:
             log.warning("pod assignment unreadable, its quotas are left alone", pod=f"{ns}/{name}", error=str(exc))
             continue
-        url, cids = _metrics_url(pod), _container_ids(pod)
+        url, cids, meta = _metrics_url(pod), _container_ids(pod), pod_meta(pod, names)
         for c, gpus in assigned.items():
             out.append(Tenant(key=TenantKey(ns, name, c, pod_uid=uid),
                               gpus=tuple((g.uuid, g.mib) for g in gpus), metrics_url=url,
-                              container_ids=frozenset([cids[c]]) if c in cids else frozenset()))
+                              container_ids=frozenset([cids[c]]) if c in cids else frozenset(), meta=meta))
     return out
 
 
@@ -97,9 +107,11 @@ class ApiQuotaMirror:
         self._v1, self._names = v1, names
 
     def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]],
-               states: Mapping[str, str] | None = None) -> None:
-        st = states or {}
-        value = json.dumps({c: [{"uuid": u, "mib": mib, **({"state": st[c]} if c in st else {})}
+               states: Mapping[str, str] | None = None,
+               details: Mapping[str, Mapping[str, Mapping[str, object]]] | None = None) -> None:
+        st, more = states or {}, details or {}
+        value = json.dumps({c: [{"uuid": u, "mib": mib, **({"state": st[c]} if c in st else {}),
+                                 **(more.get(c, {}).get(u) or {})}
                                 for u, mib in sorted(gpus.items())]
                             for c, gpus in sorted(quotas.items())}, separators=(",", ":"))
         body = {"metadata": {"annotations": {self._names.quota_mib: value}}}

@@ -14,14 +14,16 @@ the container's cgroup limits after each written change. Settings reload live (:
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol, Sequence
 
+from deviceplugin.quota import classes as qclasses
 from deviceplugin.quota.attribution import attribute
-from deviceplugin.quota.model import (Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
+from deviceplugin.quota.model import (Bounds, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
                                       TenantState)
 from deviceplugin.quota.overlimit import Breach, OverLimitWatch
 from deviceplugin.quota.policy import rebalance
@@ -30,7 +32,7 @@ from deviceplugin.quota.telemetry import SignalReader, TelemetryError, UsageRead
 from deviceplugin.quota.writer import (GpuQuota, QuotaFile, QuotaFileError, container_dir, read_quota,
                                        write_quota)
 from vramshare import logs
-from vramshare.config import EnforcementConfig, OverLimitAction, QuotaConfig
+from vramshare.config import DEFAULT_CLASS, EnforcementConfig, OverLimitAction, QuotaClass, QuotaConfig
 from vramshare.inventory import EnforcementMode
 
 log = logs.get("vramshare.quota.loop")
@@ -48,9 +50,11 @@ class QuotaMirror(Protocol):
     """Mirrors a pod's quotas into its ``vramshare.io/quota-mib`` annotation."""
 
     def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]],
-               states: Mapping[str, str] | None = None) -> None:
+               states: Mapping[str, str] | None = None,
+               details: Mapping[str, Mapping[str, Mapping[str, object]]] | None = None) -> None:
         """``quotas`` = {container: {gpu uuid: limit MiB}} for every tenant container of the pod;
-        ``states`` = {container: hot / warm / waking / cold}."""
+        ``states`` = {container: hot / warm / waking / cold}; ``details`` = {container: {gpu uuid:
+        {class, req, floor, used, why}}} (what ``vramshare inspect`` shows)."""
         ...
 
 
@@ -80,12 +84,34 @@ class LoopSettings:
     action: OverLimitAction = OverLimitAction.EVENT
     interval_seconds: float | None = None  # None: what ``run`` was started with
     enabled: bool = True  # false: ``run`` pauses (the files keep the last quotas)
+    classes: tuple[QuotaClass, ...] = ()  # quota.classes; pods none selects are in ``default``
 
     @classmethod
     def from_config(cls, quota: QuotaConfig, enforcement: EnforcementConfig | None = None) -> "LoopSettings":
         en = enforcement or EnforcementConfig()
         return cls(PolicyParams.from_config(quota), quota.peak_window_ticks, quota.idle_seconds,
-                   en.over_limit_grace_seconds, en.over_limit_action, quota.interval_seconds, quota.enabled)
+                   en.over_limit_grace_seconds, en.over_limit_action, quota.interval_seconds, quota.enabled,
+                   quota.classes)
+
+    def default_terms(self) -> qclasses.ClassTerms:
+        """The ``default`` class: the global keys (what every tenant got before classes)."""
+        p = self.params
+        return qclasses.ClassTerms(DEFAULT_CLASS, p.floor_fraction, None, p.ceiling_fraction, None, p.margin_mib,
+                                   self.idle_seconds, 0, self.action)
+
+    def class_names(self) -> set[str]:
+        return {DEFAULT_CLASS} | {c.name for c in self.classes}
+
+
+@dataclass(frozen=True)
+class TenantView:
+    """One tenant on one GPU as the latest tick saw it (metrics, the quota-mib mirror, inspect)."""
+
+    qclass: str
+    request_mib: int
+    floor_mib: int
+    used_mib: int | None
+    reason: str  # of the last change of its limit (or of this tick's decision when none changed yet)
 
 
 @dataclass
@@ -119,6 +145,12 @@ class QuotaLoop:
         self._phases: dict[TenantKey, Phase] = {}  # as last written to the tenant's file
         self._fenced: set[tuple[TenantKey, str]] = set()  # cgroup limits set by this process
         self._watch = OverLimitWatch(self.settings.grace_seconds)
+        self._class: dict[TenantKey, str] = {}  # each tenant's quota class as of the latest tick
+        self._orphans: dict[TenantKey, str] = {}  # tenants whose class a reload removed: held until the next
+        self._views: dict[tuple[TenantKey, str], TenantView] = {}
+        self._lines: dict[tuple[TenantKey, str], GpuQuota] = {}  # each GPU's line of quota.json as on disk
+        self.capacities: dict[str, int] = {}  # per GPU, what the latest tick divided (after foreign memory)
+        self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
@@ -131,6 +163,15 @@ class QuotaLoop:
         """Take a new (already validated) config from the next tick on; the mode needs a restart."""
         new = LoopSettings.from_config(quota, enforcement)
         if new != self.settings:
+            # a tenant whose class is gone keeps its limits until the next valid config (issue 14):
+            # dropping it into another class's bounds mid-flight is a change nobody asked for; the
+            # next reload after that re-resolves it
+            names = new.class_names()
+            self._orphans = {k: c for k, c in self._class.items()
+                             if c not in names and k not in self._orphans}
+            for k, c in sorted(self._orphans.items()):
+                log.warning("quota class removed by a reload, tenant keeps its limits until the next valid config",
+                            pod=f"{k.namespace}/{k.pod}", container=k.container, quota_class=c)
             log.info("quota settings reloaded", step_mib=new.params.step_mib, margin_mib=new.params.margin_mib,
                      floor_fraction=new.params.floor_fraction, idle_s=new.idle_seconds,
                      grace_s=new.grace_seconds, action=new.action.value)
@@ -140,6 +181,27 @@ class QuotaLoop:
     def phases(self) -> dict[TenantKey, Phase]:
         """Each tenant's warmth as of the latest tick (metrics, inspect)."""
         return dict(self._phases)
+
+    def classes(self) -> dict[TenantKey, str]:
+        """Each tenant's quota class as of the latest tick (metrics, inspect)."""
+        return dict(self._class)
+
+    def views(self) -> dict[tuple[TenantKey, str], TenantView]:
+        """Per tenant and GPU: class, request, floor, use and the reason of the last change."""
+        return dict(self._views)
+
+    def _terms(self, t: Tenant) -> qclasses.ClassTerms | None:
+        """The tenant's class made concrete; ``None`` for a tenant whose class a reload removed."""
+        if t.key in self._orphans:
+            return None
+        st = self.settings
+        res = qclasses.resolve(t.meta or qclasses.PodMeta(t.key.namespace), st.classes)
+        if res.note and self._class.get(t.key) != res.qclass.name:
+            log.info("quota-class annotation ignored", pod=f"{t.key.namespace}/{t.key.pod}",
+                     container=t.key.container, reason=res.note, quota_class=res.qclass.name)
+        self._class[t.key] = res.qclass.name
+        base = st.default_terms()
+        return base if res.qclass.name == DEFAULT_CLASS else qclasses.terms(res.qclass, base)
 
     def limits(self) -> dict[tuple[TenantKey, str], int]:
         """The limits on disk as this loop knows them: ``{(tenant, gpu uuid): MiB}``."""
@@ -184,6 +246,8 @@ class QuotaLoop:
             if on_disk is not None:
                 for g, mib in on_disk.limits().items():
                     self._limits.setdefault((t.key, g), mib)
+                for line in on_disk.gpus:
+                    self._lines.setdefault((t.key, line.uuid), line)
         return self._limits.get((t.key, gpu))
 
     # -- one tick ----------------------------------------------------------------------------
@@ -218,16 +282,22 @@ class QuotaLoop:
         now, st = self._clock(), self.settings
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
         phases: dict[TenantKey, Phase] = {}
+        base = st.default_terms()
         for t in tenants:
             sig = self._read_signals(t, report)
             used = [seen.used.get((t.key, g)) for g, _ in t.gpus]
             total = sum(u for u in used if u is not None) if any(u is not None for u in used) else None
-            phase = self._warmth.update(t.key, total, sig, now, st.idle_seconds, st.params.step_mib)
+            ct = self._terms(t)
+            idle = (ct or base).idle_seconds
+            phase = self._warmth.update(t.key, total, sig, now, idle, st.params.step_mib)
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
-                per_gpu[gpu].append(TenantState(t.key, req, self._current(t, gpu), u, sig, peak_mib=peak,
-                                                phase=phase if u is not None else Phase.HOT))
-                self._check_limit(t.key, gpu, req, u, now, report)
+                cur = self._current(t, gpu)
+                per_gpu[gpu].append(TenantState(t.key, req, cur, u, sig, peak_mib=peak,
+                                                phase=phase if u is not None else Phase.HOT,
+                                                bounds=self._bounds(ct, req, cur),
+                                                rank=self._rank(t.key, ct)))
+                self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
         for gpu, states in sorted(per_gpu.items()):
@@ -235,19 +305,51 @@ class QuotaLoop:
                 log.warning("GPU not in inventory, its tenants keep their quotas", gpu=gpu)
                 continue
             cap = capacities[gpu] - seen.foreign.get(gpu, 0)
+            self.capacities[gpu] = cap
+            used_of = {ts.key: ts.used_mib for ts in states}
+            req_of = {ts.key: ts.request_mib for ts in states}
             for d in rebalance(GpuState(gpu, cap, tuple(states)), st.params):
+                if d.key in self._orphans:
+                    d = dataclasses.replace(d, reason=f"hold: class {self._orphans[d.key]!r} removed from the "
+                                            f"config, limits kept until the next valid config")
                 decided[(d.key, gpu)] = d
                 report.decisions.append(d)
+                if d.changed:
+                    self.class_counts[(self._class.get(d.key, DEFAULT_CLASS), "changes")] += 1
+                last = self._views.get((d.key, gpu))
+                why = d.reason if d.changed or last is None else last.reason
+                cls = self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS)
+                self._views[(d.key, gpu)] = TenantView(cls, req_of[d.key], d.floor_mib, used_of[d.key], why)
         self._write(tenants, decided, phases, report)
         alive = {t.key for t in tenants}
         self._limits = {k: v for k, v in self._limits.items() if k[0] in alive}
         self._preempt = {k: v for k, v in self._preempt.items() if k in alive}
         self._window = {k: v for k, v in self._window.items() if k[0] in alive}
         self._phases = {k: v for k, v in self._phases.items() if k in alive}
+        self._class = {k: v for k, v in self._class.items() if k in alive}
+        self._orphans = {k: v for k, v in self._orphans.items() if k in alive}
+        self._views = {k: v for k, v in self._views.items() if k[0] in alive}
+        self._lines = {k: v for k, v in self._lines.items() if k[0] in alive}
         self._fenced = {k for k in self._fenced if k[0] in alive}
         self._warmth.forget(alive)
         self._watch.forget(alive)
         return report
+
+    def _bounds(self, ct: qclasses.ClassTerms | None, request: int, current: int | None) -> Bounds | None:
+        """The class's bounds for this request; ``None`` (PolicyParams) for the default class; the
+        limit in force, pinned, for a tenant whose class a reload removed."""
+        if ct is None:
+            pinned = request if current is None else current
+            return Bounds(pinned, pinned, self.settings.params.margin_mib)
+        if ct.name == DEFAULT_CLASS:
+            return None
+        return Bounds(ct.floor_of(request), ct.ceiling_of(request), ct.margin_mib)
+
+    def _rank(self, key: TenantKey, ct: qclasses.ClassTerms | None) -> int:
+        if ct is not None:
+            return ct.lending_priority
+        gone = qclasses.class_named(self.settings.classes, self._orphans.get(key, ""))
+        return gone.lending_priority if gone else 0
 
     def _remember(self, key: TenantKey, gpu: str, used: int | None, ticks: int) -> int | None:
         """The peak of the last ``ticks`` uses seen (the policy's headroom), this one included."""
@@ -259,7 +361,7 @@ class QuotaLoop:
         return max(win) if win else None
 
     def _check_limit(self, key: TenantKey, gpu: str, request: int, used: int | None, now: float,
-                     report: TickReport) -> None:
+                     report: TickReport, action: OverLimitAction) -> None:
         """Nodes where nothing fences: act on a container above its limit past the grace period. A
         container within its request (what the scheduler reserved for it) is never named, even when
         the loop cut its limit below that: memory vLLM allocated up front is not released by a cap."""
@@ -269,12 +371,13 @@ class QuotaLoop:
         if breach is None:
             return
         report.breaches.append(breach)
+        self.class_counts[(self._class.get(key, DEFAULT_CLASS), "breaches")] += 1
         log.warning("container above its memory limit", pod=f"{key.namespace}/{key.pod}", container=key.container,
                     gpu=gpu, used_mib=breach.used_mib, limit_mib=breach.limit_mib, seconds=round(breach.seconds),
-                    action=self.settings.action.value)
+                    action=action.value, quota_class=self._class.get(key, DEFAULT_CLASS))
         if self._actor is not None:
             try:
-                self._actor.act(breach, self.settings.action)
+                self._actor.act(breach, action)
             except Exception as exc:  # the API may be down; the breach is in the log and the metrics
                 log.error("over-limit action failed", pod=f"{key.namespace}/{key.pod}", error=str(exc))
                 report.errors.append(str(exc))
@@ -287,7 +390,9 @@ class QuotaLoop:
             self._fence_first(t, ds, report)
             phase = phases.get(t.key, Phase.HOT)
             if not ds or (all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds)
-                          and self._phases.get(t.key, phase) == phase):
+                          and self._phases.get(t.key, phase) == phase
+                          and all(self._lines.get((t.key, d.gpu_uuid)) in (None, self._entry(t.key, d.gpu_uuid, 0, d))
+                                  for d in ds)):  # a class change moves floor/ceiling without the limit
                 self._phases.setdefault(t.key, phase)
                 continue
             gpus = tuple(self._entry(t.key, g, req, decided.get((t.key, g))) for g, req in t.gpus)
@@ -298,6 +403,7 @@ class QuotaLoop:
                 log.error("quota write failed, will retry", pod=str(t.key), error=str(exc))
                 report.errors.append(str(exc))
                 continue
+            self._lines.update({(t.key, line.uuid): line for line in gpus})
             for d in ds:
                 if self._limits.get((t.key, d.gpu_uuid)) != d.limit_mib:
                     log.info("quota changed", pod=f"{t.key.namespace}/{t.key.pod}", container=t.key.container,
@@ -349,7 +455,9 @@ class QuotaLoop:
                                         if (t.key, g) in self._limits} for t in members}
             try:
                 states = {t.key.container: self._phases[t.key].value for t in members if t.key in self._phases}
-                self._mirror.mirror(members[0].key, quotas, states)  # type: ignore[union-attr]
+                details = {t.key.container: {g: _detail(self._views[(t.key, g)]) for g, _ in t.gpus
+                                             if (t.key, g) in self._views} for t in members}
+                self._mirror.mirror(members[0].key, quotas, states, details)  # type: ignore[union-attr]
             except Exception as exc:  # the file is the contract; the annotation is only a mirror
                 log.warning("quota annotation not mirrored", pod=f"{members[0].key.namespace}/"
                             f"{members[0].key.pod}", error=str(exc))
@@ -365,3 +473,15 @@ class QuotaLoop:
             except Exception:  # never let one bad tick end the loop
                 log.error("quota tick crashed, keeping last quotas", exc_info=True)
             stop.wait(self.settings.interval_seconds or interval_seconds)
+
+
+REASON_CHARS = 120  # the mirrored reason is cut here: annotations count against the pod object's size
+
+
+def _detail(v: TenantView) -> dict[str, object]:
+    """One GPU's extra fields in the ``quota-mib`` mirror (short keys: it is on every pod)."""
+    out: dict[str, object] = {"class": v.qclass, "req": v.request_mib, "floor": v.floor_mib,
+                              "why": v.reason[:REASON_CHARS]}
+    if v.used_mib is not None:
+        out["used"] = v.used_mib
+    return out

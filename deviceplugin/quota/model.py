@@ -9,6 +9,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from deviceplugin.quota.classes import PodMeta
 from vramshare.config import QuotaConfig
 
 
@@ -34,6 +35,8 @@ class Tenant:
     metrics_url: str | None = None  # its vLLM /metrics endpoint, when it has one
     container_ids: frozenset[str] = frozenset()  # runtime IDs (no scheme), to match cgroups
     quota_dir: str | None = None  # where its quota.json lives, when not <root>/<pod-uid>/<container>
+    # what quota-class selection reads (labels, priorityClassName, annotation); not part of its identity
+    meta: PodMeta | None = field(default=None, compare=False)
 
 
 class Phase(str, enum.Enum):
@@ -80,6 +83,7 @@ class TenantState:
     peak_mib: int | None = None  # highest use (or demand) over the recent window: headroom sizing
     demand_mib: int | None = None  # what it would use if unfenced, when a source knows; None = used
     phase: Phase = Phase.HOT
+    rank: int = 0  # its quota class's lendingPriority: under pressure lower ranks lend and are cut first
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ Two layers, each explaining part of :func:`rebalance`:
    alone, which puts fewer tenants over their limit (bench_quota: 7.5% vs 8.9% at k=3) at the cost
    of that guarantee.
    Splitting the shortfall in proportion would put every tenant a little over its limit.
+   Quota classes (issue 14) rank tenants (``TenantState.rank``, the class's ``lendingPriority``):
+   floors are covered first for everybody, then the use passes above run one rank at a time, the
+   highest first, so a higher class is never cut below its use while a lower class keeps more than
+   its floor; within a rank the rule above holds unchanged. With one class this is rule 4 as it was.
+   Without overload, raises go to higher ranks first, so lower ranks are the ones left lending.
 5. Hysteresis: a change smaller than ``step_mib`` that no rule forces is not made.
 
 **Grants** (what may be handed out now): memory is counted as held by a tenant at max(limit,
@@ -124,8 +129,9 @@ def _targets_spare(plans: list[_Plan], cap: int, share_spare: bool) -> None:
         pl.target = pl.need
     free = cap - sum(pl.target for pl in plans)
     waking = [pl for pl in plans if pl.t.phase is Phase.WAKING and not pl.blind]
-    hot = sorted((pl for pl in plans if pl.score), key=lambda pl: (-pl.score, pl.t.key))
-    calm = [pl for pl in plans if not pl.score and pl.t.phase is not Phase.WARM]
+    hot = sorted((pl for pl in plans if pl.score), key=lambda pl: (-pl.t.rank, -pl.score, pl.t.key))
+    calm = sorted((pl for pl in plans if not pl.score and pl.t.phase is not Phase.WARM),
+                  key=lambda pl: (-pl.t.rank, pl.t.key))
     free = _raise(waking, {id(pl): max(pl.need, pl.reserve) for pl in waking}, free)
     free = _raise(hot, {id(pl): min(pl.want, max(pl.reserve, pl.need)) for pl in hot}, free)
     free = _raise(hot, {id(pl): pl.want for pl in hot}, free)
@@ -153,8 +159,21 @@ def _even(plans: list[_Plan], free: int) -> None:
 
 
 def _overload_order(plans: list[_Plan]) -> list[_Plan]:
-    """Blind tenants keep their limit first, waking ones next, then the least beyond its request."""
-    return sorted(plans, key=lambda pl: (not pl.blind, pl.t.phase is not Phase.WAKING, pl.beyond, pl.t.key))
+    """Blind tenants keep their limit first; then by class rank (highest first), and within a rank
+    waking ones first, then the least beyond its request."""
+    return sorted(plans, key=lambda pl: (not pl.blind, -pl.t.rank, pl.t.phase is not Phase.WAKING, pl.beyond,
+                                         pl.t.key))
+
+
+def _bands(order: list[_Plan]) -> list[list[_Plan]]:
+    """``order`` cut into runs of one class rank (blind tenants, first, ride with the top rank)."""
+    out: list[list[_Plan]] = []
+    for pl in order:
+        if out and (pl.blind or out[-1][-1].blind or out[-1][-1].t.rank == pl.t.rank):
+            out[-1].append(pl)
+        else:
+            out.append([pl])
+    return out
 
 
 def _targets_overload(plans: list[_Plan], cap: int, protect_requests: bool) -> None:
@@ -164,9 +183,10 @@ def _targets_overload(plans: list[_Plan], cap: int, protect_requests: bool) -> N
     for pl in plans:
         pl.target = 0
     free = _raise(order, {id(pl): pl.b.floor_mib for pl in order}, cap)
-    if protect_requests:
-        free = _raise(order, {id(pl): min(pl.seen, pl.reserve) for pl in order}, free)
-    free = _raise(order, {id(pl): pl.seen for pl in order}, free)
+    for band in _bands(order):  # one class rank at a time, the highest first (one band without classes)
+        if protect_requests:
+            free = _raise(band, {id(pl): min(pl.seen, pl.reserve) for pl in band}, free)
+        free = _raise(band, {id(pl): pl.seen for pl in band}, free)
     free = _raise(order, {id(pl): min(pl.need, pl.b.clamp(pl.seen + pl.b.margin_mib)) for pl in order}, free)
     _raise(order, {id(pl): pl.need for pl in order}, free)
 
@@ -191,7 +211,8 @@ def _grant(plans: list[_Plan], cap: int) -> None:
     keep = sorted(plans, key=lambda pl: pl.t.key)
     for pl in keep:  # what it already had is not a new promise: served first
         free = _give(pl, min(pl.target, max(pl.cur, pl.held)), free)
-    grow = sorted(plans, key=lambda pl: (pl.t.phase is not Phase.WAKING, -pl.score, pl.beyond, pl.t.key))
+    grow = sorted(plans, key=lambda pl: (-pl.t.rank, pl.t.phase is not Phase.WAKING, -pl.score, pl.beyond,
+                                         pl.t.key))
     for pl in grow:
         free = _give(pl, pl.target, free)
 

@@ -23,7 +23,7 @@ from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader
 from deviceplugin.quota.telemetry import NvmlProcessReader, UsageReader
 from vramshare import logs
-from vramshare.config import Config
+from vramshare.config import DEFAULT_CLASS, Config
 from vramshare.inventory import EnforcementMode
 
 log = logs.get("vramshare.quota.service")
@@ -97,16 +97,36 @@ class QuotaCollector(Collector):
         self._loop = loop
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["namespace", "pod", "container", "gpu"]
+        labels = ["namespace", "pod", "container", "gpu", "class"]
+        classes, views = self._loop.classes(), self._loop.views()
         limit = GaugeMetricFamily("vramshare_quota_limit_mib", "Memory quota in force (MiB)", labels=labels)
         for (key, gpu), mib in sorted(self._loop.limits().items()):
-            limit.add_metric([key.namespace, key.pod, key.container, gpu], mib)
+            limit.add_metric([key.namespace, key.pod, key.container, gpu, classes.get(key, DEFAULT_CLASS)], mib)
         yield limit
+        used = GaugeMetricFamily("vramshare_quota_used_mib", "GPU memory the container uses, as the loop "
+                                 "measured it in its latest tick (MiB)", labels=labels)
+        request = GaugeMetricFamily("vramshare_quota_request_mib", "GPU memory the scheduler reserved for the "
+                                    "container on this GPU (MiB)", labels=labels)
+        floor = GaugeMetricFamily("vramshare_quota_floor_mib", "The least quota its class guarantees (MiB)",
+                                  labels=labels)
+        for (key, gpu), v in sorted(views.items()):
+            lv = [key.namespace, key.pod, key.container, gpu, v.qclass]
+            request.add_metric(lv, v.request_mib)
+            floor.add_metric(lv, v.floor_mib)
+            if v.used_mib is not None:
+                used.add_metric(lv, v.used_mib)
+        yield from (used, request, floor)
+        cap = GaugeMetricFamily("vramshare_quota_gpu_capacity_mib", "GPU memory the quota loop divides among "
+                                "tenants (schedulable MiB less foreign use)", labels=["gpu"])
+        for gpu, mib in sorted(self._loop.capacities.items()):
+            cap.add_metric([gpu], mib)
+        yield cap
         state = GaugeMetricFamily("vramshare_quota_tenant_state", "1 for each tenant's warmth (hot, warm, "
-                                  "waking, cold)", labels=["namespace", "pod", "container", "state"])
+                                  "waking, cold)", labels=["namespace", "pod", "container", "class", "state"])
         for key, phase in sorted(self._loop.phases().items()):
             for p in Phase:
-                state.add_metric([key.namespace, key.pod, key.container, p.value], 1.0 if p is phase else 0.0)
+                state.add_metric([key.namespace, key.pod, key.container, classes.get(key, DEFAULT_CLASS), p.value],
+                                 1.0 if p is phase else 0.0)
         yield state
         for name, help_text in (("ticks", "Quota loop ticks"), ("skipped", "Ticks skipped on bad input"),
                                 ("changes", "Quota changes decided"), ("writes", "quota.json files written"),
@@ -114,6 +134,13 @@ class QuotaCollector(Collector):
                                 ("breaches", "Containers found above their limit past the grace period")):
             c = CounterMetricFamily(f"vramshare_quota_{name}", help_text)
             c.add_metric([], self._loop.counts[name])
+            yield c
+        for what, help_text in (("changes", "Quota changes decided, by quota class"),
+                                ("breaches", "Containers found above their limit past the grace period, by class")):
+            c = CounterMetricFamily(f"vramshare_quota_class_{what}", help_text, labels=["class"])
+            for (cls, kind), n in sorted(self._loop.class_counts.items()):
+                if kind == what:
+                    c.add_metric([cls], n)
             yield c
 
 

@@ -187,3 +187,28 @@ def test_inspect_cluster_and_node(cluster: ApiServerDouble, extender: main.Runni
                                "pods": [{"pod": "default/p", "mib": 20480}]}
     missing = scheduler.get("/inspect/cpu")
     assert missing.status == 404 and b"cpu" in missing.data
+
+
+def test_inspect_shows_the_tenants_the_quota_loop_mirrored(cluster: ApiServerDouble, extender: main.RunningExtender,
+                                                            scheduler: Scheduler) -> None:
+    """Issue 14, end to end: the quota loop's real mirror (official client) patches the pod, the extender's
+    watch sees it, and /inspect lists the tenant on its GPU with class, request, floor, use and reason."""
+    from deviceplugin.quota.kube import ApiQuotaMirror
+    from deviceplugin.quota.model import TenantKey
+    from vramshare import contract
+    from vramshare.kube import api_client_for
+    from kubernetes import client
+    pod = cluster.create_pod(b.pod("p", 20))
+    scheduler.bind(pod, "n1")
+    gpu = orjson.loads(scheduler.get("/inspect/n1").data)["gpus"][1]["uuid"]
+    mirror = ApiQuotaMirror(client.CoreV1Api(api_client_for(cluster.url)), contract.Names())
+    mirror.mirror(TenantKey("default", "p", "main"), {"main": {gpu: 16384}}, {"main": "hot"},
+                  {"main": {gpu: {"class": "batch", "req": 20480, "floor": 6758, "used": 15000,
+                                  "why": "cut -4096: GPU over-committed"}}})
+
+    def tenants() -> list:
+        return orjson.loads(scheduler.get("/inspect/n1").data)["gpus"][1].get("tenants", [])
+    assert eventually(lambda: tenants() != [])
+    assert tenants() == [{"pod": "default/p", "container": "main", "class": "batch", "requestMiB": 20480,
+                          "floorMiB": 6758, "limitMiB": 16384, "usedMiB": 15000, "state": "hot",
+                          "reason": "cut -4096: GPU over-committed"}]

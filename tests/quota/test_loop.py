@@ -53,9 +53,10 @@ class Mirror:
     def __init__(self):
         self.calls = []
 
-    def mirror(self, key, quotas, states=None):
+    def mirror(self, key, quotas, states=None, details=None):
         self.calls.append((key.pod, quotas))
         self.states = states
+        self.details = details
 
 
 def make(tmp_path, usage, signals=None, mirror=None, tenants=None):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import io
 
+import pytest
+
 from deviceplugin.quota.loop import QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.simulated_usage import UsageReplay, find_trace, genai_series
@@ -45,3 +47,26 @@ def test_the_genai_trace_replays_when_present():
         pytest.skip("GenAI trace not in this checkout ($VRAMSHARE_TRACES)")
     series = genai_series(path, 3, every=60)
     assert len(series) == 3 and all(len(s) == 25 for s in series) and max(map(max, series)) > 1000
+
+
+@pytest.mark.parametrize("example, classes", [
+    ("production-batch.yaml", ["production (floor 26)", "batch (floor 9)", "default (floor 13)"]),
+    ("opt-in-burst.yaml", ["production (floor 26)", "default (floor 13)", "burst (floor 4)"]),
+])
+def test_demo_quota_with_the_readme_class_examples(example, classes):
+    """The README's worked examples of quota classes run as documented (issue 14)."""
+    import io
+    import os
+
+    from vramshare.standins.demo import show_quota
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples", "quota-classes", example)
+    out = io.StringIO()
+    show_quota(out, classes=path)
+    text = out.getvalue()
+    row = next(line for line in text.splitlines() if line.startswith("  class "))
+    assert [c for c in classes if c in row] == classes
+    assert "ticks over the limit" in text
+    # the production tenant is never below its floor (26 GiB) in any tick
+    for line in text.splitlines():
+        if line.strip()[:2].strip().isdigit():
+            assert float(line.split()[1].split("/")[1]) >= 26.0, line

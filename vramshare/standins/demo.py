@@ -27,7 +27,8 @@ from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.simulated_backend import SimulatedBackend
 from deviceplugin.simulated_usage import BUILTIN, UsageReplay
-from vramshare.config import Config
+from deviceplugin.quota.classes import PodMeta
+from vramshare.config import Config, load_config
 from vramshare.inventory import GpuMode
 from extender import inspection
 from extender.main import start_for_url
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if not getattr(args, "verbose", False):  # the narration says what happened; logs on request
         logging.getLogger().setLevel(logging.WARNING)
     if getattr(args, "quota", False):
-        show_quota(out)
+        show_quota(out, classes=getattr(args, "classes", None))
         return 0
     pods = PODS[: max(1, min(args.pods, len(PODS)))]
     # The directory outlives the daemons: removing sockets under a running plugin makes it re-register.
@@ -199,51 +200,96 @@ class _Tenants:
         return self.tenants
 
 
-def show_quota(out: TextIO, ticks: int = 16) -> None:
+# What the tenants' pods look like to quota-class selection (``--classes``): one per way of choosing.
+QUOTA_META = {"chat-llama3": PodMeta.of("prod", {"app": "chat"}, "inference-critical"),
+              "job-summarizer": PodMeta.of("batch", {"app": "summarizer", "team": "eval"}),
+              "rag-retriever": PodMeta.of("inference", {"app": "rag"}, requested_class="burst")}
+PRESSURE = 1.35  # --classes: the built-in day x this, so the GPU is over-committed around midday
+
+
+class _Fenced:
+    """The replay as a ``driver``-mode node sees it: a container holds at most its limit in force
+    (allocations beyond the hard limit fail); what it wanted beyond that is demand the limit denied."""
+
+    name = "fenced-replay"
+
+    def __init__(self, replay: UsageReplay, limits: Any, requests: dict[str, int]) -> None:
+        self._replay, self._limits, self._requests = replay, limits, requests
+        self.demand: dict[str, int] = {}
+
+    def read_usage(self) -> list[Any]:
+        import dataclasses
+        limits = {(k.pod, gpu): mib for (k, gpu), mib in self._limits().items()}
+        out = []
+        for smp in self._replay.read_usage():
+            self.demand[smp.pod] = smp.used_mib
+            cap = limits.get((smp.pod, smp.gpu_uuid), self._requests.get(smp.pod or ""))  # Allocate: the request
+            out.append(smp if cap is None else dataclasses.replace(smp, used_mib=min(smp.used_mib, cap)))
+        return out
+
+
+def show_quota(out: TextIO, ticks: int = 16, classes: str | None = None) -> None:
     """The real quota loop (policy, writer, warmth) on the demo node's first H100, fed a replay of
     per-container use (a built-in day of three servers; ``simulated_usage.genai_series`` replays the
-    GenAI trace the same way). Prints one row a tick: each tenant's use / limit and state."""
+    GenAI trace the same way). Prints one row a tick: each tenant's use / limit and state.
+    ``classes``: a v1 config file whose quota keys and classes apply, on a day that over-commits the GPU."""
     backend = SimulatedBackend.demo()
     discovered = backend.discover()
-    cfg = Config()
+    cfg = load_config(classes) if classes else Config()
     chosen = enforcement.detect(backend, cfg, discovered)
     inv = build_inventory(discovered, enforcement.pin(cfg, chosen))
     gpu = next(g for g in inv.gpus if g.mode is GpuMode.SHARED)
     cap = inv.capacity_mib(gpu)
-    series = [list(s) for s in BUILTIN]  # a readable day; UsageReplay also replays the GenAI trace
+    series = [[int(v * (PRESSURE if classes else 1)) for v in s] for s in BUILTIN]  # UsageReplay also replays GenAI
     request = (cap // len(QUOTA_TENANTS)) // 1024 * 1024
-    keys = [TenantKey("inference", name, "server", pod_uid=f"uid-{name}") for name in QUOTA_TENANTS]
-    tenants = [Tenant(k, ((gpu.uuid, request),), metrics_url=str(k)) for k in keys]
+    keys = [TenantKey(QUOTA_META[name].namespace if classes else "inference", name, "server", pod_uid=f"uid-{name}")
+            for name in QUOTA_TENANTS]
+    tenants = [Tenant(k, ((gpu.uuid, request),), metrics_url=str(k), meta=QUOTA_META[k.pod] if classes else None)
+               for k in keys]
     replay = UsageReplay(series)
     params = PolicyParams.from_config(cfg.quota)
     clock = [0.0]
     with tempfile.TemporaryDirectory(prefix="vramshare-quota-") as root:
-        loop = QuotaLoop(_Tenants(tenants), lambda: {gpu.uuid: cap}, [replay], params, root, signals=replay,
-                         settings=LoopSettings(params, peak_window_ticks=3, idle_seconds=180, grace_seconds=3600),
-                         mode=chosen.mode, clock=lambda: clock[0])
+        settings = LoopSettings(params, peak_window_ticks=3, idle_seconds=180, grace_seconds=3600,
+                                classes=cfg.quota.classes)
+        holder: list[QuotaLoop] = []
+        fenced = _Fenced(replay, lambda: holder[0].limits(), {k.pod: request for k in keys})
+        loop = QuotaLoop(_Tenants(tenants), lambda: {gpu.uuid: cap}, [fenced if classes else replay], params, root,
+                         signals=replay, settings=settings, mode=chosen.mode, clock=lambda: clock[0])
+        holder.append(loop)
         replay.bind(lambda: loop.tenants_now)
         _say(out, f"Quota loop on one shared GPU ({gpu.model}, {cap / GIB:.0f} GiB schedulable), three tenants "
                   f"requesting {request / GIB:.0f} GiB each; use replayed from a day of three servers "
-                  f"(one tick = 90 minutes).")
+                  f"(one tick = 90 minutes{f', demand x {PRESSURE}' if classes else ''}).")
         _say(out, f"Enforcement here: {chosen.mode.value} ({chosen.reason}). On an R615+ node with cgroup v2 "
                   f"it would be driver: Allocate sets NVIDIA_GPU_MEMORY_REQUEST/LIMIT and the loop moves each "
-                  f"container's hard limit with nvmlDeviceSetMemoryLimits_v1.")
+                  f"container's hard limit with nvmlDeviceSetMemoryLimits_v1."
+             + (" Replayed as driver mode would fence it: a container holds at most its limit, the columns "
+                "show demand/limit." if classes else ""))
+        over: dict[str, int] = {name: 0 for name in QUOTA_TENANTS}
         width = 24
         _say(out, "  tick  " + "".join(f"{n:<{width}}" for n in QUOTA_TENANTS) + "why (largest move)")
         for tick in range(ticks):
             clock[0] = tick * 60.0
             report = loop.run_once()
-            used = {s.pod: s.used_mib for s in replay_last(replay, tenants, tick)}
+            used = dict(fenced.demand) if classes else {s.pod: s.used_mib for s in replay_last(replay, tenants, tick)}
             cells, moves = [], []
-            for d in sorted(report.decisions, key=lambda d: QUOTA_TENANTS.index(d.key.pod)):
+            ordered = sorted(report.decisions, key=lambda d: QUOTA_TENANTS.index(d.key.pod))
+            if tick == 0 and classes:
+                names = [f"{loop.classes().get(d.key, '?')} (floor {d.floor_mib / GIB:.0f})" for d in ordered]
+                _say(out, "  class " + "".join(f"{n:<{width}}" for n in names))
+            for d in ordered:
                 u = used.get(d.key.pod, 0)
                 mark = "!" if u > d.previous_mib else " "
+                over[d.key.pod] += u > d.previous_mib
                 cells.append(f"{u / GIB:5.1f}/{d.limit_mib / GIB:4.1f} GiB {d.phase.value:<6}{mark}")
                 if d.changed:
                     moves.append((abs(d.limit_mib - d.previous_mib), f"{d.key.pod}: {d.reason}"))
             why = max(moves)[1] if moves else "hold"
             _say(out, f"  {tick:>4}  " + "".join(f"{c:<{width}}" for c in cells) + why[:90])
-        _say(out, "  (use/limit after the tick; ! = the use was above the limit in force before the tick)")
+        _say(out, f"  ({'demand' if classes else 'use'}/limit after the tick; ! = the {'demand' if classes else 'use'} "
+                  f"was above the limit in force before the tick)")
+        _say(out, "  ticks over the limit: " + ", ".join(f"{n} {over[n]}" for n in QUOTA_TENANTS))
 
 
 def replay_last(replay: UsageReplay, tenants: list[Tenant], tick: int) -> list[Any]:
