@@ -97,8 +97,11 @@ def populate(nodes: int, rng: random.Random, policy: Policy) -> accounting.Accou
                 serial += 1
                 pod = pod_obj(f"p{serial}", gib)
                 asg = {"vllm": [{"uuid": f"GPU-{name}-{g}", "mib": gib * 1024}]}
+                # Running pods: the device plugin has reported their GPUs (allocated), so they hold
+                # no same-size hold on their node (only pods being bound do, for about a second).
                 pod["metadata"]["annotations"].update({NAMES.assignment: orjson.dumps(asg).decode(),
-                                                       NAMES.assume_time: "1"})
+                                                       NAMES.assume_time: "1",
+                                                       NAMES.allocation_state: "allocated"})
                 pod["spec"]["nodeName"] = name
                 acct.apply_pod("ADDED", pod)  # also feeds FGD's workload window
                 used += gib * 1024

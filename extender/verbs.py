@@ -108,7 +108,7 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, want: podspec.PodDemand,
     policy = policy_for(want.policy, view.policy).value
     demands = translate.demands_of(list(asks))
     waiting: dict[str, str] = {}
-    for n in fitting:
+    for n in view.holds.nodes_among(fitting):
         need = view.holds.required(n, args.pod_key, signature, view.now_ns)
         if need.blocker is not None:
             waiting[n] = view.holds.reason(need.blocker, view.now_ns)
