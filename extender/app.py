@@ -13,6 +13,8 @@ candidates.
 """
 from __future__ import annotations
 
+import operator
+
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -116,7 +118,7 @@ class Extender:
             return wire.encode_host_priorities(dra)
         with self.acct.lock:
             scores = verbs.prioritize_pod(self.acct.view(self.policy), args)
-            best = max(scores, key=lambda s: s[1], default=None)
+            best = max(scores, key=operator.itemgetter(1), default=None)
             if best is not None and best[1] > 0:
                 self._expect(args, best[0])
         return wire.encode_host_priorities(scores)

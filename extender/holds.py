@@ -103,11 +103,17 @@ class Required:
     holders: dict[Element, Hold] = field(default_factory=dict)
 
 
+#: Every this many new holds, the expired ones are dropped (also done by the accounting's expiry loop):
+#: filter walks the held nodes, so stale entries would cost every cycle.
+PURGE_EVERY = 64
+
+
 class Holds:
     def __init__(self, timeout_ns: int) -> None:
         self.timeout_ns = timeout_ns
         self._by_pod: dict[str, Hold] = {}
         self._by_node: dict[str, dict[str, Hold]] = {}
+        self._puts = 0
 
     def __len__(self) -> int:
         return len(self._by_pod)
@@ -138,6 +144,9 @@ class Holds:
     def _put(self, h: Hold) -> None:
         self._by_pod[h.pod] = h
         self._by_node.setdefault(h.node, {})[h.pod] = h
+        self._puts += 1
+        if self._puts % PURGE_EVERY == 0:  # expected holds of pods never bound must not pile up
+            self.expire(h.since_ns)
 
     def release_expected(self, pod: str) -> None:
         h = self._by_pod.get(pod)

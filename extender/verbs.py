@@ -10,6 +10,8 @@ even when empty. Every other miss is an ordinary ``FailedNodes`` entry, which pr
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -120,9 +122,12 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, want: podspec.PodDemand,
                 waiting[n] = f"{view.holds.reason(holder, view.now_ns)}; {choice}"
     if not waiting:
         return fitting, dict(failed)
-    names = args.names
-    merged = {n: failed.get(n) or waiting[n] for n in names if n in failed or n in waiting}
-    return [n for n in fitting if n not in waiting], merged
+    kept = [n not in waiting for n in fitting]
+    passed = list(itertools.compress(fitting, kept))
+    # kube-scheduler sends exactly this list to prioritize: remember its rows, as filter_nodes did for
+    # the list before the holds (rows_of finds it then without hashing 5,000 names again).
+    view.state.remember_rows(passed, view.state.rows_of(fitting)[np.array(kept, bool)])
+    return passed, {**failed, **waiting}
 
 
 def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]:
