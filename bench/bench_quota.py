@@ -62,6 +62,7 @@ TRACE = next((p for p in (os.path.join(os.environ.get("VRAMSHARE_TRACES", "/none
 GPU_MIB = 80 * 1024
 MIB = 1 << 20
 WINDOW = 10  # minutes of use the loop remembers for the peak (quota.peakWindowTicks x one-minute ticks)
+FORECAST_WINDOW = 60  # minutes of use behind the forecast rows (the loop's default quota.peakWindowTicks)
 PARAMS = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024)
 # an 80 GiB GPU split k ways: the ceiling lets one tenant take most of it when the others are quiet
 WIDE = {2: PolicyParams(floor_fraction=0.1, ceiling_fraction=2.0, step_mib=512, margin_mib=1024),
@@ -116,13 +117,16 @@ def run_new(demand: np.ndarray, params: PolicyParams = PARAMS) -> tuple[np.ndarr
     k = len(demand)
     keys = [TenantKey("bench", f"t{i}", "c", pod_uid=f"u{i}") for i in range(k)]
     req = GPU_MIB // k
+    rows = demand.tolist()
+    forecast = params.headroom == "forecast"
 
     def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
         lo = max(0, t - WINDOW)
         states = tuple(TenantState(keys[i], req, int(limits[i, t - 1]), int(held[i, t - 1]),
                                    Signals(preemptions=1 if demand[i, t - 1] > limits[i, t - 1] else 0),
                                    peak_mib=int(demand[i, lo:t].max()),
-                                   demand_mib=int(demand[i, t - 1]))
+                                   demand_mib=int(demand[i, t - 1]),
+                                   recent_mib=tuple(rows[i][max(0, t - FORECAST_WINDOW):t]) if forecast else None)
                        for i in range(k))
         return np.array([d.limit_mib for d in rebalance(GpuState("GPU-bench", GPU_MIB, states), params)])
     return _world(demand, decide)
@@ -205,6 +209,9 @@ POLICIES: dict[str, Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]] 
     "new": lambda d, k: run_new(d),
     "new-wide-bounds": lambda d, k: run_new(d, WIDE[k]),
     "new-fewest-over": lambda d, k: run_new(d, dataclasses.replace(WIDE[k], protect_requests=False)),
+    "forecast": lambda d, k: run_new(d, dataclasses.replace(WIDE[k], headroom="forecast")),
+    "forecast-fewest-over": lambda d, k: run_new(d, dataclasses.replace(WIDE[k], headroom="forecast",
+                                                                        protect_requests=False)),
     "old": lambda d, k: run_old(d),
     "clairvoyant": lambda d, k: run_clairvoyant(d),
     "naive-1.1": lambda d, k: run_naive(d),

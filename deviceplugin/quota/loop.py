@@ -226,7 +226,8 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 per_gpu[gpu].append(TenantState(t.key, req, self._current(t, gpu), u, sig, peak_mib=peak,
-                                                phase=phase if u is not None else Phase.HOT))
+                                                phase=phase if u is not None else Phase.HOT,
+                                                recent_mib=tuple(self._window.get((t.key, gpu), ()))))
                 self._check_limit(t.key, gpu, req, u, now, report)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
