@@ -19,6 +19,8 @@ tenant's request is an equal share of the GPU. Compared, on the same groupings:
   (:mod:`deviceplugin.quota.headroom`: a forecast from the last ``FORECAST_WINDOW`` minutes and a
   knapsack that maximises the expected number of tenants within their limit), with and without
   ``protectRequests``;
+* ``clairvoyant-release``: the same foresight, but memory a co-tenant held at t-1 is not free at t
+  (the invariant every causal row keeps): the best any policy bound by that rule could do;
 * ``naive-1.1``: last minute's demand x 1.1, scaled down in proportion when the GPU cannot hold it;
   ``naive-1.1-spare-even``: the same, what is left split evenly (the issue's 16.5% definition);
 * ``static-equal``: capacity / k for ever.
@@ -164,6 +166,21 @@ def run_clairvoyant(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _world(demand, decide)
 
 
+def run_clairvoyant_release(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knows minute t's demands but keeps the invariant: memory a co-tenant held at t-1 is not free
+    at t. Covers the tenants whose rise above what they hold is cheapest, whole. What foresight alone
+    is worth, separated from the release rule that binds every causal policy here."""
+    def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
+        d, h = demand[:, t], held[:, t - 1]
+        out, free = h.copy(), GPU_MIB - int(h.sum())
+        for i in np.argsort(np.maximum(0, d - h), kind="stable"):
+            rise = max(0, int(d[i] - h[i]))
+            if rise <= free:
+                out[i], free = max(int(h[i]), int(d[i])), free - rise
+        return out
+    return _world(demand, decide)
+
+
 def run_naive(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
         want = demand[:, t - 1] * 1.1
@@ -234,6 +251,7 @@ POLICIES: dict[str, Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]] 
                                                                         protect_requests=False)),
     "old": lambda d, k: run_old(d),
     "clairvoyant": lambda d, k: run_clairvoyant(d),
+    "clairvoyant-release": lambda d, k: run_clairvoyant_release(d),
     "naive-1.1": lambda d, k: run_naive(d),
     "naive-1.1-spare-even": lambda d, k: run_naive_spare(d),
     "static-equal": lambda d, k: run_static(d),

@@ -176,10 +176,12 @@ def _targets_overload(plans: list[_Plan], cap: int, protect_requests: bool) -> N
 def _targets_forecast(plans: list[_Plan], cap: int, p: PolicyParams) -> bool | None:
     """``headroom: forecast``: limits chosen by :mod:`quota.headroom` to minimise the expected number
     of tenants over their limit next tick, paying only for memory above what each holds (held memory
-    is not free). Blind, warm and waking tenants, and those without a window yet, keep rule 2/3's
-    target first. Returns whether someone is left below its use, or None when even the least
-    options do not fit (then rule 4 decides)."""
-    fixed = [pl for pl in plans if pl.blind or pl.t.phase is not Phase.HOT or not pl.t.recent_mib]
+    is not free). Blind, warm and waking tenants keep rule 2/3's target first. Returns whether
+    someone is left below its use, or None (rules 3/4 decide) while a serving tenant has no window
+    of two uses yet (nothing to forecast from) or when even the least options do not fit."""
+    if any(not pl.blind and pl.t.phase is Phase.HOT and len(pl.t.recent_mib or ()) < 2 for pl in plans):
+        return None
+    fixed = [pl for pl in plans if pl.blind or pl.t.phase is not Phase.HOT]
     for pl in fixed:
         pl.target = max(pl.need, pl.reserve) if pl.t.phase is Phase.WAKING and not pl.blind else pl.need
     free = cap - sum(max(pl.target, pl.held) for pl in fixed)
