@@ -31,7 +31,7 @@ Two layers, each explaining part of :func:`rebalance`:
 With ``headroom: forecast`` (:mod:`deviceplugin.quota.headroom`), rules 2-4 for serving tenants are
 replaced by one choice: limits that maximise the expected number of tenants within their limit next
 tick, from each tenant's window of uses, paying only for memory nobody holds (bench_quota, k=3:
-6.66% vs 7.49% without protected requests, 8.21% vs 8.89% with them).
+6.61% vs 7.49% without protected requests, 8.21% vs 8.89% with them).
 
 **Grants** (what may be handed out now): memory is counted as held by a tenant at max(limit,
 measured use). A shrink the tenant has not yet honoured (its use is still above its new limit:
