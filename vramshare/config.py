@@ -153,8 +153,12 @@ class QuotaConfig:
     peak_window_ticks: int = 60  # ticks of use remembered: headroom reaches the window's peak
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom
+    headroom: str = "peak"  # "peak" (use + margin up to the window's peak) or "forecast" (quota/headroom.py)
     idle_seconds: float = 300.0  # no requests and flat use this long: the tenant is warm (0 = never)
     classes: tuple[QuotaClass, ...] = ()  # issue 14; every pod none selects is in the ``default`` class
+
+
+QUOTA_HEADROOM_RULES = ("peak", "forecast")
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,8 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "stepMiB": "step_mib", "marginMiB": "margin_mib", "kvPressure": "kv_pressure",
                "processAttribution": "process_attribution",
                "peakWindowTicks": "peak_window_ticks", "protectRequests": "protect_requests",
-               "shareSpare": "share_spare", "idleSeconds": "idle_seconds", "classes": "classes"}
+               "shareSpare": "share_spare", "idleSeconds": "idle_seconds", "classes": "classes",
+               "headroom": "headroom"}
 _CLASS_KEYS = {k: k for k in ("name", "floorFraction", "floorMiB", "ceilingFraction", "ceilingMiB", "marginMiB",
                               "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match")}
 _MATCH_KEYS = {"namespaces": "namespaces", "selector": "selector", "priorityClassNames": "priority_class_names"}
@@ -441,7 +446,10 @@ def config_from_dict(raw: Any) -> Config:
         share_spare=_typed(q.get("shareSpare", True), bool, "quota.shareSpare"),
         idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds", minimum=0),
         classes=_quota_classes(q.get("classes")),
+        headroom=_typed(q.get("headroom", "peak"), str, "quota.headroom"),
     )
+    if quota.headroom not in QUOTA_HEADROOM_RULES:
+        raise ConfigError(f"quota.headroom: {quota.headroom!r} is not one of {', '.join(QUOTA_HEADROOM_RULES)}")
     en = _check_keys(top.get("enforcement"), _ENFORCEMENT_KEYS, "enforcement.")
     modes_ok = [ENFORCEMENT_AUTO] + [m.value for m in EnforcementMode]
     mode = _typed(en.get("mode", ENFORCEMENT_AUTO), str, "enforcement.mode")

@@ -296,7 +296,8 @@ class QuotaLoop:
                 per_gpu[gpu].append(TenantState(t.key, req, cur, u, sig, peak_mib=peak,
                                                 phase=phase if u is not None else Phase.HOT,
                                                 bounds=self._bounds(ct, req, cur),
-                                                rank=self._rank(t.key, ct)))
+                                                rank=self._rank(t.key, ct),
+                                                recent_mib=tuple(self._window.get((t.key, gpu), ()))))
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}

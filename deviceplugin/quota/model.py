@@ -84,6 +84,7 @@ class TenantState:
     demand_mib: int | None = None  # what it would use if unfenced, when a source knows; None = used
     phase: Phase = Phase.HOT
     rank: int = 0  # its quota class's lendingPriority: under pressure lower ranks lend and are cut first
+    recent_mib: tuple[int, ...] | None = None  # uses over the loop's window, oldest first: the forecast's input
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,15 @@ class PolicyParams:
     kv_pressure: float = 0.90  # kv_cache_usage_perc at or above this counts as pressure
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom (measured better)
+    headroom: str = "peak"  # "peak": use + margin up to the window's peak; "forecast": see quota/headroom.py
 
     @classmethod
     def from_config(cls, cfg: QuotaConfig) -> "PolicyParams":
         """The bounds under ``quota:`` in the v1 config."""
         return cls(floor_fraction=cfg.floor_fraction, ceiling_fraction=cfg.ceiling_fraction,
                    step_mib=cfg.step_mib, margin_mib=cfg.margin_mib, kv_pressure=cfg.kv_pressure,
-                   protect_requests=cfg.protect_requests, share_spare=cfg.share_spare)
+                   protect_requests=cfg.protect_requests, share_spare=cfg.share_spare,
+                   headroom=cfg.headroom)
 
     def floor_of(self, request_mib: int) -> int:
         """Rounded down, as in the first quota file the device plugin writes at Allocate."""
