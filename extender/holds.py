@@ -204,13 +204,6 @@ class Holds:
     def held_pods(self) -> list[str]:
         return list(self._by_pod)
 
-    def nodes_among(self, names: list[str]) -> list[str]:
-        """The nodes of ``names`` holding any pod, in ``names`` order: filter looks only at these (a few
-        among thousands), never at every candidate."""
-        if not self._by_node:
-            return []
-        if len(self._by_node) * 4 < len(names):
-            wanted = set(names)
-            held = {n for n in self._by_node if n in wanted}
-            return [n for n in names if n in held] if held else []
-        return [n for n in names if n in self._by_node]
+    def held_nodes(self) -> list[str]:
+        """The nodes holding any pod (a few among thousands): filter looks only at these."""
+        return list(self._by_node)
