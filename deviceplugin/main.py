@@ -31,7 +31,7 @@ from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.reconcile_loop import Reconciler
-from deviceplugin.serve import serve
+from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config
 from vramshare.inventory import GpuMode
@@ -155,23 +155,12 @@ class DevicePluginDaemon:
             log.info("CDI device names resolve", devices=len(wanted))
 
     def _spawn(self, name: str, body: Callable[[], None]) -> None:
-        def guarded() -> None:
-            try:
-                body()
-            except BaseException as exc:  # noqa: BLE001 - logged, then the daemon stops
-                self.failed = f"thread {name} crashed: {exc}"
-                log.error("thread crashed", thread=name, error=str(exc), exc_info=True)
-                self._stop.set()
-                self.lifecycle.wake()
-            else:
-                if not self._stop.is_set():
-                    self.failed = f"thread {name} ended unexpectedly"
-                    log.error("thread ended unexpectedly", thread=name)
-                    self._stop.set()
-                    self.lifecycle.wake()
-        thread = threading.Thread(target=guarded, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._threads.append(spawn(name, body, self._stop, self._fail, runs_until_stop=True))
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        self._stop.set()
+        self.lifecycle.wake()
 
     def reload(self, config: Config) -> None:
         """A new config from the config watcher: device lists follow at once (ListAndWatch resends);

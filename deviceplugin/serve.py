@@ -12,6 +12,9 @@ import threading
 from typing import Callable, Protocol
 
 from deviceplugin.config_watch import ConfigWatcher
+from vramshare import logs
+
+log = logs.get(__name__)
 
 
 class Daemon(Protocol):
@@ -20,6 +23,26 @@ class Daemon(Protocol):
     def start(self) -> None: ...
     def wait(self, timeout: float) -> bool: ...
     def close(self) -> None: ...
+
+
+def spawn(name: str, body: Callable[[], None], stop: threading.Event, fail: Callable[[str], None], *,
+          runs_until_stop: bool = False) -> threading.Thread:
+    """Run ``body`` on a daemon thread named ``name``; a crash (or, with ``runs_until_stop``, an end
+    before ``stop``) is logged and handed to ``fail`` with the reason, which stops the daemon."""
+    def guarded() -> None:
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - logged, then the daemon stops
+            log.error("thread crashed", thread=name, error=str(exc), exc_info=True)
+            fail(f"thread {name} crashed: {exc}")
+            return
+        if runs_until_stop and not stop.is_set():
+            log.error("thread ended unexpectedly", thread=name)
+            fail(f"thread {name} ended unexpectedly")
+
+    thread = threading.Thread(target=guarded, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def serve(daemon: Daemon, watcher: ConfigWatcher | None, command: str,

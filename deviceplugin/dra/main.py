@@ -28,7 +28,7 @@ from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import SlicePublisher
 from deviceplugin.metrics import MetricsServer
 from deviceplugin.node_state import NodeState, Snapshot
-from deviceplugin.serve import serve
+from deviceplugin.serve import serve, spawn
 from vramshare import contract, kube, logs
 from vramshare.config import Config, ConfigError, load_config
 from vramshare.inventory import GpuMode
@@ -159,17 +159,12 @@ class DraPluginDaemon:
             self._metrics_server.start()
 
     def _spawn(self, name: str, body: Callable[[], None]) -> None:
-        def guarded() -> None:
-            try:
-                body()
-            except BaseException as exc:  # noqa: BLE001 - logged, then the daemon stops
-                self.failed = f"thread {name} crashed: {exc}"
-                log.error("thread crashed", thread=name, error=str(exc), exc_info=True)
-                self._stop.set()
-                self._dirty.set()
-        thread = threading.Thread(target=guarded, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        self._threads.append(spawn(name, body, self._stop, self._fail))
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        self._stop.set()
+        self._dirty.set()
 
     def reload(self, config: Config) -> None:
         self.state.on_config(config)

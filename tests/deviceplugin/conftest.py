@@ -17,6 +17,8 @@ from deviceplugin.main import DevicePluginDaemon
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare.config import Config
+from vramshare.kube import api_client_for
+from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.standins.kubelet import FakeKubelet
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "inventories")
@@ -25,6 +27,23 @@ MIXED = os.path.join(FIXTURES, "mixed.yaml")  # H100 81559 MiB numa 0; A100 MIG 
 MEM = "vramshare.io/gpu-memory"
 GPU = "vramshare.io/gpu"
 MIG_RESOURCES = ["vramshare.io/mig-1g.10gb", "vramshare.io/mig-2g.20gb", "vramshare.io/mig-3g.40gb"]
+NODE = "gpu-1"  # the node of the tests that need the API server double
+TWO_GPUS = {"gpus": [
+    {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "numaNode": 0, "uuid": "GPU-aaaa"},
+    {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "numaNode": 1, "uuid": "GPU-bbbb"}]}
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServerDouble]:
+    with ApiServerDouble() as double:
+        double.create_node({"metadata": {"name": NODE}})
+        yield double
+
+
+@pytest.fixture
+def http(api):
+    with api_client_for(api.url) as client:
+        yield client
 
 
 @pytest.fixture

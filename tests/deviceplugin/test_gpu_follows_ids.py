@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
-
-import pytest
 
 from deviceplugin.inventory_file import load
 from deviceplugin.main import DevicePluginDaemon
@@ -19,30 +16,12 @@ from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare import contract
 from vramshare.config import Config
 from vramshare.inventory import NodeInventory
-from vramshare.kube import api_client_for
 from vramshare.standins.apiserver import ApiServerDouble
 
-from .conftest import MEM, MIXED
+from .conftest import MEM, MIXED, NODE
 
 NAMES = contract.Names()
-NODE = "gpu-1"
 H100, A100 = load(MIXED)
-TWO_GPUS = {"gpus": [
-    {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "numaNode": 0, "uuid": "GPU-aaaa"},
-    {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "numaNode": 1, "uuid": "GPU-bbbb"}]}
-
-
-@pytest.fixture
-def api() -> Iterator[ApiServerDouble]:
-    with ApiServerDouble() as double:
-        double.create_node({"metadata": {"name": NODE}})
-        yield double
-
-
-@pytest.fixture
-def http(api):
-    with api_client_for(api.url) as client:
-        yield client
 
 
 def bound_pod(api: ApiServerDouble, name: str, containers: dict[str, int], plan: dict[str, list[tuple[str, int]]]
