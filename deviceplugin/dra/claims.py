@@ -49,6 +49,14 @@ class ClaimRef:
     uid: str
 
 
+def base_request(name: str) -> str:
+    """``<request>`` of a ``<request>/<subrequest>`` result name (``firstAvailable``), else the name:
+    resourceclaim.BaseRequestRef, which kubeletplugin's ``stripSubrequestNames`` applies to every
+    ``Device.request_names`` it answers, because the kubelet matches a container's
+    ``resources.claims[].request`` (a base name) against them exactly."""
+    return name.split("/", 1)[0]
+
+
 def quantity_mib(value: Any, where: str) -> int:
     """A quantity in whole MiB, rounded up (the allocator already rounded to our step)."""
     try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from deviceplugin.dra.claims import ClaimRef
+from deviceplugin.dra.claims import ClaimRef, base_request
 from deviceplugin.dra.preparer import ClaimPreparer
 from protos.dra.v1 import api_pb2 as v1
 from protos.dra.v1 import api_pb2_grpc as v1_grpc
@@ -55,8 +55,11 @@ def _servicer(pb: Any, base: type) -> type:
                     log.error("prepare failed", claim=f"{c.namespace}/{c.name}", uid=c.uid, error=str(exc))
                     out[c.uid] = pb.NodePrepareResourceResponse(error=f"prepare failed: {exc}")
                     continue
+                # request names without their subrequest, as kubeletplugin's NodePrepareResources
+                # (stripSubrequestNames) answers: the kubelet matches them to containers exactly
                 out[c.uid] = pb.NodePrepareResourceResponse(error=result.error, devices=[
-                    pb.Device(request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
+                    pb.Device(request_names=[base_request(r) for r in d.request_names],
+                              pool_name=d.pool, device_name=d.device,
                               cdi_device_ids=list(d.cdi_ids)) for d in result.devices])
             return pb.NodePrepareResourcesResponse(claims=out)
 

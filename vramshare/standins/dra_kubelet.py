@@ -13,6 +13,12 @@ Reproduces, in order:
   group claims by driver from the allocation results, call ``NodePrepareResources`` per driver with
   a timeout, and fail when a claim is missing from the response or carries an error (the kubelet
   retries such pods); claims already prepared are not sent again (the kubelet's claim info cache);
+- ``GetResources`` (pkg/kubelet/cm/dra/manager.go, with ``ClaimInfo.cdiDevicesAsList`` of
+  claiminfo.go): a container gets, for each claim it names in ``resources.claims``, only the CDI
+  devices of the request it names (all of the claim's devices when it names none); a device whose
+  ``request_names`` is empty goes to every container of the claim. Matching is by the exact name
+  the driver answered: the kubelet never strips a ``<request>/<subrequest>`` answer, so a driver
+  that forgets ``stripSubrequestNames`` (kubeletplugin/draplugin.go) gives the container no device;
 - ``UnprepareResources``: once no running pod of this node references a claim, call
   ``NodeUnprepareResources`` for it and forget it.
 """
@@ -59,7 +65,8 @@ class DraKubelet:
     node: str
     registry_dir: str
     plugins: dict[str, RegisteredPlugin] = field(default_factory=dict)
-    prepared: dict[str, dict[str, Any]] = field(default_factory=dict)  # claim UID -> {driver, ref, pods, cdi}
+    # claim UID -> {driver, ref, pods, devices: [(request_names, cdi_ids)]}: the kubelet's claim info cache
+    prepared: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # -- registration -------------------------------------------------------------------------
     def sync_plugins(self) -> list[str]:
@@ -121,8 +128,8 @@ class DraKubelet:
                 resp.release_conn()
         return out
 
-    def prepare_pod(self, pod: Mapping[str, Any]) -> list[str]:
-        """Prepare every claim of ``pod``; returns the CDI names for its containers."""
+    def prepare_pod(self, pod: Mapping[str, Any]) -> dict[str, list[str]]:
+        """Prepare every claim of ``pod``; returns each container's CDI names (:meth:`container_cdi`)."""
         pod_uid = pod["metadata"]["uid"]
         by_driver: dict[str, list[dict[str, Any]]] = {}
         for claim in self._claims_of(pod):
@@ -154,13 +161,37 @@ class DraKubelet:
                     raise PrepareError(f"NodePrepareResources of {driver} failed for claim {uid}: {answer.error}")
                 self.prepared[uid] = {"driver": driver, "pods": {pod_uid},
                                       "ref": (c["metadata"]["namespace"], c["metadata"]["name"]),
-                                      "cdi": [i for d in answer.devices for i in d.cdi_device_ids]}
-        names: list[str] = []
-        for claim in self._claims_of(pod):
-            for cdi_id in self.prepared[claim["metadata"]["uid"]]["cdi"]:
-                if cdi_id not in names:
-                    names.append(cdi_id)
-        return names
+                                      "devices": [(tuple(d.request_names), tuple(d.cdi_device_ids))
+                                                  for d in answer.devices]}
+        spec = pod.get("spec") or {}
+        return {c["name"]: self.container_cdi(pod, c)
+                for c in list(spec.get("initContainers") or ()) + list(spec.get("containers") or ())}
+
+    def container_cdi(self, pod: Mapping[str, Any], container: Mapping[str, Any]) -> list[str]:
+        """The CDI devices the runtime gets for ``container``, as ``Manager.GetResources`` builds them:
+        pod claims in ``spec.resourceClaims`` order, then the container's references to each, each
+        adding ``cdiDevicesAsList(claim.Request)`` (a device matches when the container names no
+        request, the device names none, or its ``request_names`` contain the name exactly)."""
+        statuses = {s["name"]: s.get("resourceClaimName") for s in (pod.get("status") or {}).get(
+            "resourceClaimStatuses") or ()}
+        ns = pod["metadata"]["namespace"]
+        by_ref = {info["ref"]: info for info in self.prepared.values()}
+        out: list[str] = []
+        for pc in (pod.get("spec") or {}).get("resourceClaims") or ():
+            name = pc.get("resourceClaimName") or statuses.get(pc["name"])
+            if not name:
+                continue
+            for ref in (container.get("resources") or {}).get("claims") or ():
+                if ref.get("name") != pc["name"]:
+                    continue
+                info = by_ref.get((ns, name))
+                if info is None:
+                    raise PrepareError(f"internal error: unable to get claim info for ResourceClaim {name}")
+                request = ref.get("request") or ""
+                for request_names, cdi_ids in info["devices"]:
+                    if not request or not request_names or request in request_names:
+                        out.extend(cdi_ids)
+        return out
 
     def unprepare_pod(self, pod: Mapping[str, Any]) -> list[str]:
         """The pod is gone: unprepare its claims no other pod still uses; returns their UIDs."""
