@@ -101,9 +101,15 @@ class DraPluginDaemon:
                 if r.gpu.uuid not in self.refused}
 
     def desired(self) -> list[dict[str, Any]]:
+        """The devices to publish; one the API server would refuse is left out (and logged), not the slice."""
         snap = self.state.snapshot
-        return slices.desired_devices(snap.inventory, snap.config.names, self.node,
-                                      taints=snap.config.dra.device_taints, refused=self.refused)
+        ok, invalid = slices.publishable(slices.desired_devices(snap.inventory, snap.config.names, self.node,
+                                                                taints=snap.config.dra.device_taints,
+                                                                refused=self.refused))
+        for name, errors in invalid:
+            log.error("device not published: the API server would refuse it", node=self.node, device=name,
+                      errors="; ".join(errors))
+        return ok
 
     def _read_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         try:
