@@ -103,3 +103,58 @@ def test_a_container_naming_a_first_available_request_gets_its_gpu(env):
         assert per_container["side"] == []
         env_vllm = cdi_registry.Registry([str(tmp / "cdi")]).inject(per_container["vllm"]).env
         assert env_vllm["VRAMSHARE_MEMORY_LIMIT_MIB"] == str(20 * 1024)
+
+
+# -- ResourceSlice wiping (pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go wipeResourceSlices) -------
+def _slice(node: str, domain: str = "vramshare.io") -> dict:
+    from deviceplugin.dra import slices
+    from vramshare.contract import Names
+    return slices.resource_slices(node, None, [], 1, Names(domain))[0]
+
+
+def _slice_keys(api) -> set[tuple[str, str]]:
+    return {(s["spec"]["nodeName"], s["spec"]["driver"]) for s in api.objects(RESOURCESLICES)}
+
+
+def test_the_kubelet_stand_in_wipes_slices_as_upstream_does():
+    """At start: every slice of the node, every driver (NewDRAPluginManager -> wipeResourceSlices(ctx, "")).
+    After the last plugin of a driver goes: that driver's slices of the node, wipingDelay (30 s) later,
+    unless it registers again first (DRAPluginManager.sync)."""
+    from vramshare.standins.dra_kubelet import WIPING_DELAY_SECONDS
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        resource = client.ResourceV1Api(http)
+        for node, domain in [(NODE, "vramshare.io"), (NODE, "other.io"), ("gpu-node-2", "vramshare.io")]:
+            resource.create_resource_slice(_slice(node, domain))
+        kubelet = DraKubelet(http, NODE, "/nonexistent")
+        assert kubelet.start() == 2
+        assert _slice_keys(api) == {("gpu-node-2", DRIVER)}
+        assert api.count("DELETE", r"/resourceslices$") == 1  # one DeleteCollection, by field selector
+        for node, domain in [(NODE, "vramshare.io"), (NODE, "other.io")]:
+            resource.create_resource_slice(_slice(node, domain))
+        kubelet.pending_wipes[DRIVER] = 100.0 + WIPING_DELAY_SECONDS  # as sync_plugins sets it on deregistration
+        assert kubelet.run_pending_wipes(now=100.0 + WIPING_DELAY_SECONDS - 1) == []
+        assert kubelet.run_pending_wipes(now=100.0 + WIPING_DELAY_SECONDS) == [DRIVER]
+        assert _slice_keys(api) == {("gpu-node-2", DRIVER), (NODE, "gpu.other.io")}
+
+
+def test_a_kubelet_restart_or_a_deregistration_wipe_is_republished_at_once(env):
+    """Issue 17 item 5: the publisher re-applied only on its 300 s resync. It watches its slices (as
+    upstream's resourceslice controller does) and publishes again on registration."""
+    api, http, tmp, sockets = env
+    with _daemon(env) as daemon:  # resync 300 s: only the watch can bring the slices back in time
+        assert api.wait_for(lambda a: len(a.objects(RESOURCESLICES)) == 1, timeout=20)
+        kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
+        for _ in range(3):  # a kubelet (re)start wipes, then registers the running plugin
+            assert kubelet.start() == 1
+            assert api.wait_for(lambda a: len(a.objects(RESOURCESLICES)) == 1, timeout=10)
+        patches = api.count("PATCH", r"/resourceslices/")
+        assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+        assert api.wait_for(lambda a: a.count("PATCH", r"/resourceslices/") > patches, timeout=10)
+        assert daemon.slice_watch.deletions >= 3
+    # the plugin is gone: the kubelet's pending wipe fires 30 s later and nothing publishes
+    assert kubelet.sync_plugins() == [] and DRIVER in kubelet.pending_wipes
+    assert kubelet.run_pending_wipes(now=kubelet.pending_wipes[DRIVER]) == [DRIVER]
+    assert api.objects(RESOURCESLICES) == []
+    with _daemon(env):  # it comes back: published before any registration
+        assert api.wait_for(lambda a: len(a.objects(RESOURCESLICES)) == 1, timeout=20)
+        assert kubelet.sync_plugins() == [DRIVER] and DRIVER not in kubelet.pending_wipes

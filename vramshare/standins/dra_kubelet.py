@@ -8,6 +8,11 @@ Reproduces, in order:
   ``DRAPlugin``, a non-empty ``supported_versions`` containing a service this kubelet speaks, the
   first of ``v1.DRAPlugin`` then ``v1beta1.DRAPlugin``), then ``NotifyRegistrationStatus`` with
   the verdict; a socket that disappears unregisters the driver;
+- ResourceSlice wiping (pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go ``wipeResourceSlices``): at
+  kubelet start every ResourceSlice of the node is deleted (``DeleteCollection`` with field selector
+  ``spec.nodeName=<node>``, all drivers: no driver is usable until it registers again), and when the
+  last plugin of a driver goes, that driver's slices of the node are deleted after ``wipingDelay``
+  unless it registers again first (``sync``: ``pendingWipes`` added, or cancelled when usable);
 - ``PrepareResources`` (pkg/kubelet/cm/dra/manager.go): for each of the pod's claims, read the claim
   (name from ``pod.status.resourceClaimStatuses``), require the pod in ``status.reservedFor``,
   group claims by driver from the allocation results, call ``NodePrepareResources`` per driver with
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -44,6 +50,7 @@ log = logs.get(__name__)
 
 KUBELET_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")  # preference order of kubelet 1.34+
 PREPARE_TIMEOUT_SECONDS = 45.0  # pkg/kubelet/cm/dra: the per-call timeout for driver RPCs
+WIPING_DELAY_SECONDS = 30.0  # pkg/kubelet/cm/dra manager.go: how long a gone driver's slices stay
 _API = {"v1.DRAPlugin": (v1, v1_grpc), "v1beta1.DRAPlugin": (v1beta1, v1beta1_grpc)}
 
 
@@ -68,21 +75,56 @@ class DraKubelet:
     # claim UID -> {driver, ref, pods, devices: [(request_names, cdi_ids)]}: the kubelet's claim info cache
     prepared: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    # driver -> time.monotonic() at which its slices are wiped (DRAPluginManager.pendingWipes)
+    pending_wipes: dict[str, float] = field(default_factory=dict)
+
+    # -- start and ResourceSlice wiping -------------------------------------------------------
+    def start(self) -> int:
+        """What a (re)starting kubelet does first: wipe every ResourceSlice of this node, of every
+        driver (NewDRAPluginManager -> ``wipeResourceSlices(ctx, "")``); returns how many went."""
+        return self.wipe_resource_slices("")
+
+    def wipe_resource_slices(self, driver: str) -> int:
+        """``wipeResourceSlices``: DeleteCollection of the node's slices, of ``driver`` only when given."""
+        selector = f"spec.nodeName={self.node}" + (f",spec.driver={driver}" if driver else "")
+        resp = client.ResourceV1Api(self.api).delete_collection_resource_slice(field_selector=selector,
+                                                                               _preload_content=False)
+        try:
+            gone = len(json.loads(resp.data).get("items") or ())
+        finally:
+            resp.release_conn()
+        log.info("resource slices wiped", node=self.node, driver=driver or "*", count=gone)
+        return gone
+
+    def run_pending_wipes(self, now: float | None = None) -> list[str]:
+        """Fire the wipes whose delay has passed (the TimedWorkerQueue); returns their drivers."""
+        now = time.monotonic() if now is None else now
+        due = sorted(d for d, at in self.pending_wipes.items() if at <= now)
+        for driver in due:
+            del self.pending_wipes[driver]
+            self.wipe_resource_slices(driver)
+        return due
+
     # -- registration -------------------------------------------------------------------------
-    def sync_plugins(self) -> list[str]:
-        """One reconciler pass: register new sockets, drop vanished ones; returns newly registered drivers."""
+    def sync_plugins(self, now: float | None = None) -> list[str]:
+        """One reconciler pass: register new sockets, drop vanished ones; returns newly registered drivers.
+        A driver left without a plugin gets a pending wipe ``WIPING_DELAY_SECONDS`` from ``now``; one
+        that registers again has its pending wipe cancelled (``DRAPluginManager.sync``)."""
+        now = time.monotonic() if now is None else now
         sockets = {os.path.join(self.registry_dir, n) for n in sorted(os.listdir(self.registry_dir))
                    if n.endswith(".sock") and not n.startswith(".")} if os.path.isdir(self.registry_dir) else set()
         for driver, plugin in list(self.plugins.items()):
             if plugin.registration_socket not in sockets:
                 log.info("dra plugin unregistered", driver=driver)
                 del self.plugins[driver]
+                self.pending_wipes.setdefault(driver, now + WIPING_DELAY_SECONDS)
         known = {p.registration_socket for p in self.plugins.values()}
         added = []
         for path in sorted(sockets - known):
             plugin = self._register(path)
             if plugin is not None:
                 self.plugins[plugin.driver] = plugin
+                self.pending_wipes.pop(plugin.driver, None)
                 added.append(plugin.driver)
         return added
 
