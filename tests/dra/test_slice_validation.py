@@ -174,3 +174,12 @@ def test_the_api_server_double_refuses_an_invalid_slice_as_the_real_one_does():
         assert (f'ResourceSlice.resource.k8s.io "{obj["metadata"]["name"]}" is invalid: '
                 '[spec.devices[0].capacity[memory].requestPolicy.validRange.step') in json.loads(refused.value.body)["message"]
         assert api.objects(RESOURCESLICES) == []
+
+
+def test_a_resource_domain_too_long_for_a_dra_driver_name_is_refused_at_load():
+    """The driver ``gpu.<domain>`` must be a CSI-style name of at most 63 characters
+    (validation.go validateDriverName); a longer one would have every slice refused."""
+    domain = "a" * 30 + "." + "b" * 29  # 60 characters: gpu.<domain> is 64
+    with pytest.raises(ConfigError, match="too long for DRA"):
+        config_from_dict({"version": "v1", "resourceDomain": domain, "dra": {"gpus": "all"}})
+    config_from_dict({"version": "v1", "resourceDomain": domain})  # no DRA: no driver name to publish
