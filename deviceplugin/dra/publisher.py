@@ -139,13 +139,23 @@ class SliceWatch:
                     rv = self._relist()
                 rv = self._watch(rv)
                 delay = 0.2
-            except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
-                if stop.is_set() or self._stopping.is_set():
+            except ApiException as exc:
+                if exc.status == 403:  # an older RBAC without watch: the resync is all we have
+                    log.error("cannot watch resource slices; wiped slices return only at the resync "
+                              "(grant watch on resourceslices)", error=str(exc.reason))
                     return
-                log.warning("slice watch broken, relisting", error=f"{type(exc).__name__}: {exc}")
                 rv = None
-                stop.wait(delay)
+                self._broken(stop, exc, delay)
                 delay = min(5.0, delay * 2)
+            except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
+                rv = None
+                self._broken(stop, exc, delay)
+                delay = min(5.0, delay * 2)
+
+    def _broken(self, stop: threading.Event, exc: Exception, delay: float) -> None:
+        if not (stop.is_set() or self._stopping.is_set()):
+            log.warning("slice watch broken, relisting", error=f"{type(exc).__name__}: {exc}")
+            stop.wait(delay)
 
     def stop(self) -> None:
         self._stopping.set()
