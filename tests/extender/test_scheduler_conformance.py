@@ -1,4 +1,5 @@
-"""The preempt verb as kube-scheduler calls it and reads the answer.
+"""The extender verbs as kube-scheduler calls them and reads the answers (pkg/scheduler/extender.go):
+preempt (below) and filter (at the end).
 
 The request is what ``HTTPExtender.ProcessPreemption`` (pkg/scheduler/extender.go) marshals:
 ``ExtenderPreemptionArgs`` with Go field names and no omitempty, so the unused map is ``null``;
@@ -119,3 +120,44 @@ def test_every_preempt_answer_is_one_kube_scheduler_accepts(pods, gib, mine, pro
     read = scheduler_reads(resp.status, resp.body, snapshot)
     lower = {pod["metadata"]["uid"] for pod, _, p in placed if p < mine}
     assert set(read) <= set(victims) and all(set(uids) <= lower for uids in read.values())
+
+
+# -- filter, as HTTPExtender.Filter sends it and reads the answer ------------------------------------
+def scheduler_reads_filter(status: int, body: bytes, sent: list[str]) -> tuple[list[str], dict[str, str]]:
+    """HTTPExtender.Filter (nodeCacheCapable): ``Error`` fails the call; a ``NodeNames`` entry not in the
+    input fails it ("claims a filtered node ... not found in the input node list"); FailedNodes and
+    FailedAndUnresolvableNodes go to the diagnosis."""
+    if status != 200:
+        raise SchedulerError(f"Failed filter with extender, code {status}")
+    result = json.loads(body)
+    if _field(result, "Error"):
+        raise SchedulerError(_field(result, "Error"))
+    names = _field(result, "NodeNames")
+    for name in names or []:
+        if name not in sent:
+            raise SchedulerError(f"extender claims a filtered node {name!r} which is not found in the input node list")
+    failed = {**(_field(result, "FailedNodes") or {}), **(_field(result, "FailedAndUnresolvableNodes") or {})}
+    return list(names or []), failed
+
+
+@settings(max_examples=80, deadline=None)
+@given(held=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 22)), max_size=8),
+       sent=st.lists(st.sampled_from(["n0", "n1", "n2", "plain", "unknown"]), max_size=6),
+       gib=st.integers(0, 30), count=st.integers(1, 2))
+def test_every_filter_answer_is_one_kube_scheduler_accepts(held, sent, gib, count):
+    """Any cluster, any node list (with nodes the extender does not know, repeated names): the
+    passed names are input names, and every input node is judged (passed or failed, never both)."""
+    acct = accounting.Accounting(Config(), clock=lambda: T)
+    for n in range(3):
+        acct.apply_node("ADDED", b.gpu_node(f"n{n}", b.l4(), b.l4()))
+    acct.apply_node("ADDED", b.plain_node("plain"))
+    for i, (slot, size) in enumerate(held):
+        node, gpu = f"n{slot % 3}", slot // 3
+        acct.apply_pod("ADDED", b.assigned(b.pod(f"h{i}", size, uid=f"uid-h{i}"), node,
+                                           [(b.uuid_of(node, gpu), size * 1024)], T))
+    ext = app.Extender(acct, None, None, metrics.ExtenderMetrics(acct), Policy.BINPACK)  # type: ignore[arg-type]
+    body = orjson.dumps({"Pod": b.pod("p", gib, count=count), "Nodes": None, "NodeNames": sent})
+    resp = ext.handle("POST", "/filter", body)
+    passed, failed = scheduler_reads_filter(resp.status, resp.body, sent)
+    assert not set(passed) & set(failed)
+    assert set(passed) | set(failed) == set(sent)
