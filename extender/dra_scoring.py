@@ -227,7 +227,6 @@ class DraWatch:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._open: dict[str, Any] = {}
-        self.lists = {kind: 0 for kind, _ in self.KINDS}  # how often each kind was listed
 
     def start(self) -> None:
         for kind, plural in self.KINDS:
@@ -237,7 +236,6 @@ class DraWatch:
 
     def _relist(self, kind: str, plural: str) -> str:
         doc = self._kube.list(plural)
-        self.lists[kind] += 1
         self.dra.replace(kind, doc.get("items") or ())
         return str((doc.get("metadata") or {}).get("resourceVersion", ""))
 
