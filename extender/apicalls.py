@@ -34,16 +34,29 @@ class Kube:
 
     def __init__(self, api: client.ApiClient, request_timeout: float = 10.0) -> None:
         self.core = client.CoreV1Api(api)
+        # resource.k8s.io/v1 (DRA) exists in clients >= 34 only; the project allows older ones
+        self.resource = client.ResourceV1Api(api) if hasattr(client, "ResourceV1Api") else None
         self.timeout = request_timeout
 
-    # -- list + watch (the cache) ---------------------------------------------------------
+    # -- list + watch (the cache, the DRA watch) --------------------------------------------
     def _list(self, plural: str, **kwargs: Any) -> Any:
+        """The list call of ``plural``, raw: no model class is ever built (their names change between
+        client versions: 37.x calls ResourceClaim ``ResourceV1ResourceClaim``), so no version breaks it."""
         if plural == "nodes":
             return self.core.list_node(_preload_content=False, **kwargs)
-        return self.core.list_pod_for_all_namespaces(_preload_content=False, **kwargs)
+        if plural == "pods":
+            return self.core.list_pod_for_all_namespaces(_preload_content=False, **kwargs)
+        if plural in ("resourceslices", "resourceclaims"):
+            if self.resource is None:
+                raise ApiException(status=NOT_FOUND, reason="this kubernetes client has no resource.k8s.io/v1")
+            if plural == "resourceslices":
+                return self.resource.list_resource_slice(_preload_content=False, **kwargs)
+            return self.resource.list_resource_claim_for_all_namespaces(_preload_content=False, **kwargs)
+        raise ValueError(f"no list call for {plural!r}")
 
     def list(self, plural: str) -> Obj:
-        """A full list of ``nodes`` or ``pods`` (all namespaces), with ``metadata.resourceVersion``."""
+        """A full list of ``nodes``, ``pods``, ``resourceslices`` or ``resourceclaims`` (all namespaces),
+        with ``metadata.resourceVersion``."""
         return _read(self._list(plural, _request_timeout=self.timeout))
 
     def watch(self, plural: str, resource_version: str, timeout_seconds: int,

@@ -310,6 +310,11 @@ class ClusterState(SlotTable):
     def has_pod(self, key: str) -> bool:
         return key in self._pods
 
+    def pod_host(self, key: str) -> HostDemand | None:
+        """The CPU and memory booked for a pod (what a what-if must put back with its GPUs)."""
+        pod = self._pods.get(key)
+        return pod.host if pod else None
+
     def pod_node(self, key: str) -> str | None:
         pod = self._pods.get(key)
         return pod.node if pod else None

@@ -18,15 +18,14 @@ scores out; :class:`DraWatch` keeps the objects current from the API server.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
 from typing import Any, Iterable, Mapping, Sequence
 
-from kubernetes import client, watch
+from kubernetes import client
 
-from extender import cluster, placement
+from extender import apicalls, cluster, placement
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
 from vramshare import contract, logs, quantity
 
@@ -112,6 +111,24 @@ class DraCluster:
         self._capacity: dict[str, int] = {}  # slot uuid -> MiB, of the state built
         self._unaccounted: set[str] = set()  # claims the built state could not hold (transient views)
 
+    def replace(self, kind: str, objs: Iterable[Obj]) -> None:
+        """A fresh list of ``kind``: it is the whole truth, so whatever it lacks (deleted while the watch
+        was down) goes, and the state is rebuilt on the next score."""
+        table: dict[str, Obj] = {}
+        for obj in objs:
+            meta = obj.get("metadata") or {}
+            if kind == "ResourceSlice":
+                if (obj.get("spec") or {}).get("driver") == self.names.dra_driver:
+                    table[meta["name"]] = obj
+            else:
+                table[f"{meta.get('namespace')}/{meta['name']}"] = obj
+        with self._lock:
+            if kind == "ResourceSlice":
+                self.slices = table
+            else:
+                self.claims = table
+            self._state = None
+
     def put(self, kind: str, obj: Obj, deleted: bool = False) -> None:
         """A watched object changed. A claim is applied to the built state in place (claims churn
         with every pod); a slice invalidates it (slices change with health and config only)."""
@@ -192,54 +209,106 @@ class DraCluster:
 
 
 class DraWatch:
-    """List+watch of ResourceSlices and ResourceClaims into a :class:`DraCluster` (two threads)."""
+    """List+watch of ResourceSlices and ResourceClaims into a :class:`DraCluster` (two threads).
 
-    def __init__(self, api: client.ApiClient, dra: DraCluster, timeout_s: int = 300) -> None:
-        self._resource = client.ResourceV1Api(api)
+    Raw JSON through :class:`extender.apicalls.Kube` (no client model classes, whose names differ
+    between client versions). A list replaces that kind's whole view, so an object deleted while the
+    watch was down is dropped; a watch the server ends resumes from the last resourceVersion without
+    a list; only a 410 or a failure relists, and failures back off (1 s doubling to 60 s)."""
+
+    KINDS = (("ResourceSlice", "resourceslices"), ("ResourceClaim", "resourceclaims"))
+
+    def __init__(self, api: client.ApiClient, dra: DraCluster, timeout_s: int = 300,
+                 backoff_s: float = 1.0, max_backoff_s: float = 60.0) -> None:
+        self._kube = apicalls.Kube(api)
         self.dra = dra
         self._timeout = timeout_s
+        self._backoff, self._max_backoff = backoff_s, max_backoff_s
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._open: dict[str, Any] = {}
 
     def start(self) -> None:
-        for kind, lister in (("ResourceSlice", self._resource.list_resource_slice),
-                             ("ResourceClaim", self._resource.list_resource_claim_for_all_namespaces)):
-            t = threading.Thread(target=self._run, args=(kind, lister), name=f"dra-watch-{kind}", daemon=True)
+        for kind, plural in self.KINDS:
+            t = threading.Thread(target=self._run, args=(kind, plural), name=f"dra-watch-{kind}", daemon=True)
             self._threads.append(t)
             t.start()
 
-    def _run(self, kind: str, lister: Any) -> None:
+    def _relist(self, kind: str, plural: str) -> str:
+        doc = self._kube.list(plural)
+        self.dra.replace(kind, doc.get("items") or ())
+        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
+
+    def _watch(self, kind: str, plural: str, rv: str) -> str:
+        """Apply events until the server ends the stream; the resourceVersion to resume from."""
+        try:
+            for ev in self._kube.watch(plural, rv, self._timeout, on_open=lambda resp: self._opened(kind, resp)):
+                typ, obj = str(ev.get("type")), ev.get("object") or {}
+                if typ == "ERROR":
+                    if obj.get("code") == apicalls.GONE:
+                        raise _Gone(str(obj.get("message", "")))
+                    raise RuntimeError(f"watch error: {obj.get('code')} {obj.get('message', '')}")
+                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+                if typ != "BOOKMARK":
+                    self.dra.put(kind, obj, deleted=typ == "DELETED")
+        finally:
+            self._open.pop(kind, None)
+        return rv
+
+    def _opened(self, kind: str, resp: Any) -> None:
+        self._open[kind] = resp
+        if self._stop.is_set():  # stop() ran while this stream was opening: it saw nothing to shut
+            _shut(resp)
+
+    def _run(self, kind: str, plural: str) -> None:
+        rv: str | None = None
+        delay = self._backoff
         while not self._stop.is_set():
             try:
-                listed = lister(_preload_content=False)
-                try:
-                    doc = json.loads(listed.data)
-                finally:
-                    listed.release_conn()
-                for obj in doc.get("items") or ():
-                    self.dra.put(kind, obj)
-                w = watch.Watch()
-                for ev in w.stream(lister, resource_version=doc["metadata"]["resourceVersion"],
-                                   timeout_seconds=self._timeout):
-                    if self._stop.is_set():
-                        w.stop()
-                        break
-                    obj = ev["raw_object"]
-                    self.dra.put(kind, obj, deleted=ev["type"] == "DELETED")
-            except client.ApiException as exc:
+                if rv is None:
+                    rv = self._relist(kind, plural)
+                rv = self._watch(kind, plural, rv)
+                delay = self._backoff
+            except _Gone:
+                log.info("dra watch expired, relisting", kind=kind)
+                rv = None
+                self._stop.wait(delay)  # even a 410 never relists back to back
+                delay = min(self._max_backoff, delay * 2)
+            except apicalls.ApiException as exc:
                 if exc.status in (403, 404):  # no resource.k8s.io/v1 here (before 1.34), or no RBAC for it
                     log.info("DRA scoring off: cannot list", kind=kind, status=exc.status)
                     return
-                log.warning("dra watch restarts", kind=kind, error=str(exc))
-                self._stop.wait(1.0)
-            except Exception as exc:  # noqa: BLE001 - relist after any failure
-                log.warning("dra watch restarts", kind=kind, error=str(exc))
-                self._stop.wait(1.0)
+                rv = None
+                self._failed(kind, exc, delay)
+                delay = min(self._max_backoff, delay * 2)
+            except Exception as exc:  # noqa: BLE001 - a broken stream or an API outage: back off, relist
+                rv = None
+                self._failed(kind, exc, delay)
+                delay = min(self._max_backoff, delay * 2)
+
+    def _failed(self, kind: str, exc: Exception, delay: float) -> None:
+        if not self._stop.is_set():
+            log.warning("dra watch broken, relisting", kind=kind, error=f"{type(exc).__name__}: {exc}",
+                        retry_seconds=delay)
+            self._stop.wait(delay)
 
     def stop(self) -> None:
         self._stop.set()
+        for resp in list(self._open.values()):
+            _shut(resp)
         for t in self._threads:
             t.join(timeout=5)
+
+
+def _shut(resp: Any) -> None:
+    try:
+        resp.shutdown()
+    except Exception:  # noqa: BLE001 - already closed is fine
+        pass
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion is too old (410): only a fresh list is safe."""
 
 
 def scores_for(dra: DraCluster | None, pod: Obj, node_names: Iterable[str],

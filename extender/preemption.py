@@ -34,6 +34,7 @@ class _Candidate:
     uid: str
     priority: int
     holdings: tuple[tuple[str, int], ...]  # (slot uuid, MiB) on this node
+    host: cluster.HostDemand = cluster.HostDemand()  # its CPU and memory, put back with its GPUs
 
     @property
     def mib(self) -> int:
@@ -60,16 +61,21 @@ def _candidates(acct: accounting.Accounting, node: str, preemptor_priority: int,
         uid = str((pod.get("metadata") or {}).get("uid", ""))
         prio = priority_of(pod)
         if prio < preemptor_priority or uid in proposed:
-            out.append(_Candidate(key, uid, prio, tuple(pairs)))
+            out.append(_Candidate(key, uid, prio, tuple(pairs), acct.state.pod_host(key) or cluster.HostDemand()))
     return out
 
 
-def _fits(state: cluster.ClusterState, demands: list[cluster.Demand], node: str) -> bool:
-    fitting, _ = placement.filter_nodes(state, demands, [node])
+def _fits(state: cluster.ClusterState, demands: list[cluster.Demand], node: str, host: cluster.HostDemand) -> bool:
+    fitting, _ = placement.filter_nodes(state, demands, [node], host)
     return bool(fitting)
 
 
-def _victims(state: cluster.ClusterState, demands: list[cluster.Demand], node: str,
+def _put_back(state: cluster.ClusterState, c: _Candidate, node: str) -> None:
+    """Restore a candidate exactly as it was booked: its GPUs and its CPU and memory (it runs)."""
+    state.add_pod(c.key, node, c.holdings, c.host, strict_host=False, force=True)
+
+
+def _victims(state: cluster.ClusterState, demands: list[cluster.Demand], node: str, host: cluster.HostDemand,
              order: Sequence[_Candidate]) -> list[_Candidate] | None:
     """Evict along ``order`` until the pod fits, then reprieve what it does not need; all put back."""
     removed: list[_Candidate] = []
@@ -77,14 +83,14 @@ def _victims(state: cluster.ClusterState, demands: list[cluster.Demand], node: s
         for c in order:
             state.remove_pod(c.key)
             removed.append(c)
-            if _fits(state, demands, node):
+            if _fits(state, demands, node, host):
                 break
         else:
             return None
         victims = list(removed)
         for c in sorted(removed, key=lambda c: (-c.priority, c.mib)):  # reprieve the most important first
-            state.add_pod(c.key, node, c.holdings, force=True)
-            if _fits(state, demands, node):
+            _put_back(state, c, node)
+            if _fits(state, demands, node, host):
                 victims.remove(c)
             else:
                 state.remove_pod(c.key)
@@ -92,19 +98,19 @@ def _victims(state: cluster.ClusterState, demands: list[cluster.Demand], node: s
     finally:
         for c in removed:
             if not state.has_pod(c.key):
-                state.add_pod(c.key, node, c.holdings, force=True)
+                _put_back(state, c, node)
 
 
-def _best_on_node(acct: accounting.Accounting, demands: list[cluster.Demand], node: str,
+def _best_on_node(acct: accounting.Accounting, demands: list[cluster.Demand], host: cluster.HostDemand, node: str,
                   cands: list[_Candidate]) -> list[_Candidate] | None:
-    if _fits(acct.state, demands, node):
+    if _fits(acct.state, demands, node, host):
         return []
     ranked = sorted(cands, key=lambda c: (c.priority, -c.mib, c.key))
     groups = [ranked] + [[c for c in ranked if any(u == s.uuid for u, _ in c.holdings)]
                          for s in acct.slots.get(node, ())]
     best: list[_Candidate] | None = None
     for order in groups:
-        found = _victims(acct.state, demands, node, order) if order else None
+        found = _victims(acct.state, demands, node, host, order) if order else None
         if found is None:
             continue
         rank = (max((c.priority for c in found), default=-2**63), len(found), sum(c.mib for c in found))
@@ -115,12 +121,18 @@ def _best_on_node(acct: accounting.Accounting, demands: list[cluster.Demand], no
 
 
 def preempt_pod(acct: accounting.Accounting, args: wire.PreemptionArgs) -> dict[str, list[str]]:
-    """``{node: victim UIDs}`` for the nodes where evicting those victims makes the pod fit."""
+    """``{node: victim UIDs}`` for the nodes where evicting those victims makes the pod fit.
+
+    Never a node with no victims: kube-scheduler's ``callExtenders`` (pkg/scheduler/framework/
+    preemption) fails the whole preemption of a non-ignorable extender that returns one ("expected
+    at least one victim pod on node"). Where our books say the pod's GPUs already fit, what
+    kube-scheduler proposed stands (its reason is not a GPU); with nothing proposed the node goes."""
     if not podspec.wants_gpu(args.pod, acct.names):
-        return dict(args.victims)
+        return {node: list(uids) for node, uids in args.victims.items() if uids}
     try:
         demands = translate.demands_of(translate.pod_asks(args.pod, acct.names, acct.config.memory_unit_mib))
-    except podspec.PodSpecError:
+        host = translate.pod_host(args.pod)
+    except (podspec.PodSpecError, translate.TranslateError):
         return {}
     mine = priority_of(args.pod)
     keep: dict[str, list[str]] = {}
@@ -128,8 +140,10 @@ def preempt_pod(acct: accounting.Accounting, args: wire.PreemptionArgs) -> dict[
         for node, uids in args.victims.items():
             if node not in acct.slots:
                 continue
-            found = _best_on_node(acct, demands, node, _candidates(acct, node, mine, set(uids)))
-            if found is not None:
+            found = _best_on_node(acct, demands, host, node, _candidates(acct, node, mine, set(uids)))
+            if found:
                 keep[node] = [c.uid for c in found]
+            elif found is not None and uids:
+                keep[node] = list(uids)
     log.debug("preempt", pod=wire.ExtenderArgs(pod=args.pod).pod_key, candidates=len(args.victims), kept=len(keep))
     return keep

@@ -470,8 +470,14 @@ def config_from_dict(raw: Any) -> Config:
         raise ConfigError("quota: floorFraction must be <= 1 <= ceilingFraction")
     if quota.kv_pressure > 1:
         raise ConfigError(f"quota.kvPressure: must be <= 1 (a fraction of the KV cache), got {quota.kv_pressure}")
+    dra = _dra_config(top.get("dra"))
+    if dra.gpus and len(contract.Names(domain).dra_driver) > 63:
+        # the API server refuses a ResourceSlice whose driver is not a CSI-style driver name
+        # (at most 63 characters): every DRA device of the node would be refused
+        raise ConfigError(f"resourceDomain: {domain!r} is too long for DRA: the driver name "
+                          f"{contract.Names(domain).dra_driver!r} must be at most 63 characters")
     return Config(
-        dra=_dra_config(top.get("dra")),
+        dra=dra,
         version=VERSION,
         resource_domain=domain,
         memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB", minimum=1),

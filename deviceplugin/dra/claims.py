@@ -49,6 +49,14 @@ class ClaimRef:
     uid: str
 
 
+def base_request(name: str) -> str:
+    """``<request>`` of a ``<request>/<subrequest>`` result name (``firstAvailable``), else the name:
+    resourceclaim.BaseRequestRef, which kubeletplugin's ``stripSubrequestNames`` applies to every
+    ``Device.request_names`` it answers, because the kubelet matches a container's
+    ``resources.claims[].request`` (a base name) against them exactly."""
+    return name.split("/", 1)[0]
+
+
 def quantity_mib(value: Any, where: str) -> int:
     """A quantity in whole MiB, rounded up (the allocator already rounded to our step)."""
     try:
@@ -78,9 +86,23 @@ def our_shares(claim: Mapping[str, Any], driver: str, pool: str) -> tuple[Share,
     return tuple(out)
 
 
-def resolve(shares: tuple[Share, ...], devices: Mapping[str, DeviceRef], where: str) -> tuple[ResolvedShare, ...]:
-    """Map each share to its GPU; refuse unknown devices, unhealthy ones and over-sized shares."""
+def device_capacity_mib(ref: DeviceRef, unit_mib: int) -> int:
+    """What one device can give: a shared GPU its schedulable memory (whole units, as published),
+    an exclusive GPU its memory, a MIG instance its own."""
+    if ref.mig is not None:
+        return ref.mig.memory_mib
+    if ref.shared:
+        return ref.gpu.units * unit_mib
+    return ref.gpu.memory_mib
+
+
+def resolve(shares: tuple[Share, ...], devices: Mapping[str, DeviceRef], where: str,
+            unit_mib: int) -> tuple[ResolvedShare, ...]:
+    """Map each share to its GPU; refuse unknown devices, unhealthy ones, and shares that do not fit:
+    one larger than its device, or several on one device that add up past it (the allocation results
+    come from another process; an over-size one would write a quota the GPU cannot honour)."""
     out = []
+    per_device: dict[str, int] = {}
     for s in shares:
         ref = devices.get(s.device)
         if ref is None:
@@ -88,12 +110,20 @@ def resolve(shares: tuple[Share, ...], devices: Mapping[str, DeviceRef], where: 
         if not ref.healthy:
             raise ClaimError(f"{where}: device {s.device} (GPU {ref.gpu.uuid}) is unhealthy; delete the pod "
                              "so its claim is allocated on a healthy GPU")
+        capacity = device_capacity_mib(ref, unit_mib)
         if ref.shared:
             if s.share_id is None or s.mib <= 0:
                 raise ClaimError(f"{where}: shared device {s.device} allocated without shareID/consumedCapacity "
                                  "(is the DRAConsumableCapacity feature gate on?)")
+            if s.mib > capacity:
+                raise ClaimError(f"{where}: result for device {s.device} consumes {s.mib} MiB, more than its "
+                                 f"{capacity} MiB")
             whole = s.mib
         else:
-            whole = ref.mig.memory_mib if ref.mig is not None else ref.gpu.memory_mib
+            whole = capacity
+        per_device[s.device] = per_device.get(s.device, 0) + whole
+        if per_device[s.device] > capacity:
+            raise ClaimError(f"{where}: results on device {s.device} add up to {per_device[s.device]} MiB, more "
+                             f"than its {capacity} MiB")
         out.append(ResolvedShare(Share(s.request, s.pool, s.device, s.share_id, whole), ref.uuid, ref.gpu.uuid))
     return tuple(out)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import threading
 from concurrent import futures
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 
-from deviceplugin.dra.claims import ClaimRef
+from deviceplugin.dra.claims import ClaimRef, base_request
 from deviceplugin.dra.preparer import ClaimPreparer
 from protos.dra.v1 import api_pb2 as v1
 from protos.dra.v1 import api_pb2_grpc as v1_grpc
@@ -55,8 +55,11 @@ def _servicer(pb: Any, base: type) -> type:
                     log.error("prepare failed", claim=f"{c.namespace}/{c.name}", uid=c.uid, error=str(exc))
                     out[c.uid] = pb.NodePrepareResourceResponse(error=f"prepare failed: {exc}")
                     continue
+                # request names without their subrequest, as kubeletplugin's NodePrepareResources
+                # (stripSubrequestNames) answers: the kubelet matches them to containers exactly
                 out[c.uid] = pb.NodePrepareResourceResponse(error=result.error, devices=[
-                    pb.Device(request_names=list(d.request_names), pool_name=d.pool, device_name=d.device,
+                    pb.Device(request_names=[base_request(r) for r in d.request_names],
+                              pool_name=d.pool, device_name=d.device,
                               cdi_device_ids=list(d.cdi_ids)) for d in result.devices])
             return pb.NodePrepareResourcesResponse(claims=out)
 
@@ -82,11 +85,12 @@ DRAPluginV1beta1 = _servicer(v1beta1, v1beta1_grpc.DRAPluginServicer)
 class RegistrationServicer(reg_grpc.RegistrationServicer):
     """What the kubelet's plugin watcher asks; ``registered`` is set once it accepted us."""
 
-    def __init__(self, driver: str, endpoint: str) -> None:
+    def __init__(self, driver: str, endpoint: str, on_registered: Callable[[], None] = lambda: None) -> None:
         self.info = reg.PluginInfo(type=PLUGIN_TYPE, name=driver, endpoint=endpoint,
                                    supported_versions=list(SUPPORTED_VERSIONS))
         self.registered = threading.Event()
         self.error = ""
+        self._on_registered = on_registered
 
     def GetInfo(self, request: reg.InfoRequest, context: grpc.ServicerContext) -> reg.PluginInfo:
         return self.info
@@ -97,6 +101,7 @@ class RegistrationServicer(reg_grpc.RegistrationServicer):
             self.error = ""
             self.registered.set()
             log.info("registered with the kubelet", driver=self.info.name, endpoint=self.info.endpoint)
+            self._on_registered()  # a (re)started kubelet wiped our slices: publish again now
         else:
             self.error = request.error
             self.registered.clear()
@@ -119,10 +124,11 @@ def _listen(path: str) -> grpc.Server:
 class KubeletPlugin:
     """Both sockets of one driver: the DRA service first, then registration (the kubelet dials back)."""
 
-    def __init__(self, preparer: ClaimPreparer, driver: str, plugin_dir: str, registry_dir: str) -> None:
+    def __init__(self, preparer: ClaimPreparer, driver: str, plugin_dir: str, registry_dir: str,
+                 on_registered: Callable[[], None] = lambda: None) -> None:
         self.dra_socket = os.path.join(plugin_dir, DRA_SOCKET)
         self.registration_socket = registration_socket(registry_dir, driver)
-        self.registration = RegistrationServicer(driver, self.dra_socket)
+        self.registration = RegistrationServicer(driver, self.dra_socket, on_registered)
         self._preparer = preparer
         self._servers: list[grpc.Server] = []
 

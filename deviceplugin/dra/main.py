@@ -2,7 +2,9 @@
 
 Threads (named, started by :meth:`DraPluginDaemon.start`, stopped by ``close``): ``slice-publisher``
 (applies this node's ResourceSlices as soon as the API server answers, whether or not a kubelet has
-registered the plugin, and again on every health or config change, retrying failures),
+registered the plugin, and again on every health or config change, on every registration and
+whenever ``slice-watch`` sees one deleted: the kubelet wipes them at its start and after a
+deregistration; retrying failures),
 ``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration)
 and ``metrics-http``. Same backends and config file as the device plugin; the config's
 ``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
@@ -25,7 +27,7 @@ from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
-from deviceplugin.dra.publisher import SlicePublisher
+from deviceplugin.dra.publisher import SlicePublisher, SliceWatch
 from deviceplugin.metrics import MetricsServer
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.serve import serve, spawn
@@ -61,14 +63,16 @@ class DraPluginDaemon:
         self._resource = client.ResourceV1Api(api)
         self._api = api
         self.preparer = ClaimPreparer(node_name, lambda: self.state.snapshot.config, self.devices, self._read_claim)
-        self.plugin = KubeletPlugin(self.preparer, config.names.dra_driver, plugin_dir, registry_dir)
+        self._dirty = threading.Event()
+        self.plugin = KubeletPlugin(self.preparer, config.names.dra_driver, plugin_dir, registry_dir,
+                                    on_registered=self._dirty.set)
+        self.slice_watch = SliceWatch(api, node_name, config.names, on_gone=self._dirty.set)
         self.metrics = DraMetrics()
         self.metrics.prepared.set_function(lambda: len(self.preparer.prepared()))
         self._metrics_port = metrics_port
         self._metrics_server: MetricsServer | None = None
         self._retry, self._resync = retry_seconds, resync_seconds
         self._stop = threading.Event()
-        self._dirty = threading.Event()
         self._threads: list[threading.Thread] = []
         self.refused: frozenset[str] = frozenset()
         self.failed: str | None = None
@@ -101,9 +105,15 @@ class DraPluginDaemon:
                 if r.gpu.uuid not in self.refused}
 
     def desired(self) -> list[dict[str, Any]]:
+        """The devices to publish; one the API server would refuse is left out (and logged), not the slice."""
         snap = self.state.snapshot
-        return slices.desired_devices(snap.inventory, snap.config.names, self.node,
-                                      taints=snap.config.dra.device_taints, refused=self.refused)
+        ok, invalid = slices.publishable(slices.desired_devices(snap.inventory, snap.config.names, self.node,
+                                                                taints=snap.config.dra.device_taints,
+                                                                refused=self.refused))
+        for name, errors in invalid:
+            log.error("device not published: the API server would refuse it", node=self.node, device=name,
+                      errors="; ".join(errors))
+        return ok
 
     def _read_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         try:
@@ -148,6 +158,7 @@ class DraPluginDaemon:
     # -- start/stop ------------------------------------------------------------------------------
     def start(self) -> None:
         self._spawn("slice-publisher", self._publish_loop)
+        self._spawn("slice-watch", lambda: self.slice_watch.run(self._stop))
         self.plugin.start()
         health = self.state.snapshot.config.health
         if not health.disabled:
@@ -175,6 +186,7 @@ class DraPluginDaemon:
     def close(self) -> None:
         self._stop.set()
         self._dirty.set()
+        self.slice_watch.stop()
         self.plugin.stop()
         self.backend.close()
         for thread in self._threads:

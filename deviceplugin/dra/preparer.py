@@ -28,7 +28,7 @@ from deviceplugin.allocation import GpuShare
 from deviceplugin.dra import cdi
 from deviceplugin.dra.checkpoint import (PREPARED, PREPARING, Checkpoint, CheckpointError, PreparedClaim,
                                          PreparedDevice, completed)
-from deviceplugin.dra.claims import ClaimError, ClaimRef, our_shares, resolve
+from deviceplugin.dra.claims import ClaimError, ClaimRef, device_capacity_mib, our_shares, resolve
 from deviceplugin.dra.slices import DeviceRef
 from deviceplugin.quota import writer
 from deviceplugin.quota_files import QuotaFiles
@@ -164,11 +164,20 @@ class ClaimPreparer:
         if uid != ref.uid:
             raise ClaimError(f"{where}: UID is {uid}, the kubelet asked for {ref.uid} (claim was recreated)")
         config = self._config()
-        shares = resolve(our_shares(claim, config.names.dra_driver, self.node), self._devices(), where)
+        known = self._devices()
+        shares = resolve(our_shares(claim, config.names.dra_driver, self.node), known, where, config.memory_unit_mib)
         reserved = [r for r in (claim.get("status") or {}).get("reservedFor") or () if r.get("resource") == "pods"]
         pods = tuple(r.get("uid", "") for r in reserved)
-        spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
+        try:  # every name that becomes a path component comes from another process: one component each
+            writer.path_component(ref.uid, f"{where}: claim UID")
+            writer.path_component(tenant_container(ref.name), f"{where}: claim name")
+            for uid in pods:
+                writer.path_component(uid, f"{where}: status.reservedFor[].uid")
+            spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
+        except writer.QuotaPathError as exc:
+            raise ClaimError(str(exc)) from None
         gpu = cdi.gpu_shares(shares)
+        self._check_room(ref.uid, gpu, known, config.memory_unit_mib, where)
         record = PreparedClaim(uid=ref.uid, namespace=ref.namespace, name=ref.name, state=PREPARING,
                                cdi_spec=spec_path, quota_dir=quota_dir if shares else None, pod_uids=pods,
                                pod_names=tuple(r.get("name", "") for r in reserved),
@@ -188,6 +197,21 @@ class ClaimPreparer:
                  gpus=",".join(f"{u}:{m}MiB" for u, m in record.gpus.items()), pods=",".join(pods))
         return tuple(devices)
 
+    def _check_room(self, uid: str, gpu: Sequence[GpuShare], known: Mapping[str, DeviceRef], unit_mib: int,
+                    where: str) -> None:
+        """Refuse a claim that would take a GPU past its memory together with the claims already
+        prepared here (the allocation comes from another process; the quota files must stay honest)."""
+        capacity = {r.uuid: device_capacity_mib(r, unit_mib) for r in known.values()}
+        held: dict[str, int] = {}
+        for other, c in self.checkpoint.claims.items():
+            if other != uid:
+                for u, m in c.gpus.items():
+                    held[u] = held.get(u, 0) + m
+        for g in gpu:
+            if g.uuid in capacity and held.get(g.uuid, 0) + g.mib > capacity[g.uuid]:
+                raise ClaimError(f"{where}: {g.mib} MiB on GPU {g.uuid} with {held.get(g.uuid, 0)} MiB already "
+                                 f"prepared for other claims is more than its {capacity[g.uuid]} MiB")
+
     # -- Unprepare --------------------------------------------------------------------------------
     def unprepare(self, ref: ClaimRef) -> str:
         """Remove what Prepare made; ``""`` on success (also for a claim never prepared here)."""
@@ -199,9 +223,18 @@ class ClaimPreparer:
                 # back to "preparing" first: should we die while removing, a repeated Prepare redoes
                 # the files instead of answering from an entry whose files are gone
                 self._save(self.checkpoint.with_claim(replace(record, state=PREPARING)))
-            self.effects.remove_file(record.cdi_spec)
-            if record.quota_dir:
+            config = self._config()
+            # the checkpoint is a file on the host: remove only what lies inside our own roots
+            if writer.inside(config.dra.cdi_root, record.cdi_spec):
+                self.effects.remove_file(record.cdi_spec)
+            else:
+                log.error("not removing a CDI spec outside the CDI root", claim=f"{ref.namespace}/{ref.name}",
+                          uid=ref.uid, path=record.cdi_spec)
+            if record.quota_dir and writer.inside(config.quota_host_dir, record.quota_dir):
                 self.effects.remove_dir(record.quota_dir)
+            elif record.quota_dir:
+                log.error("not removing a quota directory outside the quota root",
+                          claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, path=record.quota_dir)
             self._save(self.checkpoint.without(ref.uid))
             log.info("claim unprepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
             return ""

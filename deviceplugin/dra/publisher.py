@@ -5,16 +5,21 @@ generation after a restart), applies the desired slices with field manager ``vra
 (``force``: this plugin alone owns its node's pool), and deletes slices the pool no longer needs.
 It also reads the node's device-plugin inventory annotation: a GPU that a device plugin advertises
 is refused here, so a stale config on either side never lets both plugins hand out one GPU.
+:class:`SliceWatch` watches the published slices, as upstream's resourceslice controller does: the
+kubelet deletes them at its start and 30 s after this plugin deregisters
+(pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go ``wipeResourceSlices``), and they must come back at
+once, not at the next resync.
 Uses the official client's ``ResourceV1Api`` with raw JSON responses (the dicts are the contract).
 """
 from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 from deviceplugin.dra import slices
 from vramshare import contract, logs
@@ -104,3 +109,92 @@ class SlicePublisher:
             for old in self._published_slices():
                 _data(self._resource.delete_resource_slice(old["metadata"]["name"], _preload_content=False))
             self._generation, self._devices = None, None
+
+
+class _Gone(Exception):
+    """The watch's resourceVersion is too old (410): relist."""
+
+
+class SliceWatch:
+    """List+watch of this node's slices of our driver; ``on_gone()`` when one of them is deleted, and
+    after every relist (what happened while the watch was down is unknown). Raw JSON, no models."""
+
+    def __init__(self, api: client.ApiClient, node: str, names: contract.Names, on_gone: Callable[[], None],
+                 watch_timeout_s: int = 300) -> None:
+        self._resource = client.ResourceV1Api(api)
+        self._selector = f"spec.nodeName={node},spec.driver={names.dra_driver}"
+        self._on_gone = on_gone
+        self._timeout = watch_timeout_s
+        self._stopping = threading.Event()
+        self._open: Any = None
+        self.deletions = 0  # slices seen deleted (by the kubelet's wipes, mostly)
+
+    def run(self, stop: threading.Event) -> None:
+        """Body of the ``slice-watch`` thread: list, then watch, until ``stop``."""
+        rv: str | None = None
+        delay = 0.2
+        while not stop.is_set() and not self._stopping.is_set():
+            try:
+                if rv is None:
+                    rv = self._relist()
+                rv = self._watch(rv)
+                delay = 0.2
+            except ApiException as exc:
+                if exc.status == 403:  # an older RBAC without watch: the resync is all we have
+                    log.error("cannot watch resource slices; wiped slices return only at the resync "
+                              "(grant watch on resourceslices)", error=str(exc.reason))
+                    return
+                rv = None
+                self._broken(stop, exc, delay)
+                delay = min(5.0, delay * 2)
+            except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
+                rv = None
+                self._broken(stop, exc, delay)
+                delay = min(5.0, delay * 2)
+
+    def _broken(self, stop: threading.Event, exc: Exception, delay: float) -> None:
+        if not (stop.is_set() or self._stopping.is_set()):
+            log.warning("slice watch broken, relisting", error=f"{type(exc).__name__}: {exc}")
+            stop.wait(delay)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        resp = self._open
+        if resp is not None:
+            try:
+                resp.shutdown()
+            except Exception:  # noqa: BLE001 - already closed
+                pass
+
+    def _relist(self) -> str:
+        doc = _data(self._resource.list_resource_slice(field_selector=self._selector, _preload_content=False))
+        self._on_gone()  # whatever happened meanwhile, the publisher compares and re-applies
+        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
+
+    def _watch(self, rv: str) -> str:
+        resp: Any = self._resource.list_resource_slice(
+            field_selector=self._selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
+            timeout_seconds=self._timeout, _preload_content=False)
+        self._open = resp
+        try:
+            if self._stopping.is_set():
+                return rv
+            for line in iter_resp_lines(resp):
+                if not line:
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise _Gone(obj.get("message", ""))
+                    raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message', '')}")
+                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+                if kind == "DELETED":
+                    self.deletions += 1
+                    log.info("resource slice deleted, republishing", slice=(obj.get("metadata") or {}).get("name"))
+                    self._on_gone()
+        finally:
+            self._open = None
+            resp.close()
+            resp.release_conn()
+        return rv

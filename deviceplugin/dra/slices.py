@@ -4,7 +4,8 @@ One pool per node (pool name = node name), split into slices of at most 128 devi
 device carries taints, as the API requires). A shared GPU is one device with
 ``allowMultipleAllocations: true`` and a consumable ``capacity.memory`` whose ``requestPolicy``
 rounds every share up to whole ``memoryUnitMiB`` units (default one unit, validRange min one unit,
-max the GPU's schedulable memory, step one unit: KEP-5075). An exclusive GPU is an ordinary device;
+max the GPU's schedulable memory, step one unit: KEP-5075; ``validValues`` of that one unit when the
+GPU offers only one). An exclusive GPU is an ordinary device;
 every MIG instance is a device of its profile. Unhealthy devices are withdrawn: removed, or tainted
 ``NoSchedule`` when the cluster has DRADeviceTaints (config ``dra.deviceTaints``).
 
@@ -13,10 +14,12 @@ Device names are DNS labels derived from the GPU index (``gpu-0``, ``gpu-0-mig-1
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from deviceplugin.dra import validation
 from vramshare import contract
 from vramshare.inventory import Gpu, GpuMode, MigInstance, NodeInventory
 
@@ -75,17 +78,33 @@ def device_refs(inventory: NodeInventory) -> tuple[DeviceRef, ...]:
     return tuple(out)
 
 
+def _bounded(text: str) -> str:
+    """A string attribute value cut to the API's 64 bytes (on a character boundary)."""
+    data = text.encode("utf-8")[:validation.DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH]
+    return data.decode("utf-8", errors="ignore")
+
+
+def node_attribute(node: str) -> str:
+    """The ``node`` attribute: the node name, or for a name over 64 bytes its first 51 characters and
+    a digest of the whole (still one value per node, within the API's attribute limit)."""
+    if len(node) <= validation.DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH:
+        return node
+    return f"{node[:51]}-{hashlib.sha256(node.encode()).hexdigest()[:12]}"
+
+
 def _attributes(ref: DeviceRef, node: str) -> Obj:
     g = ref.gpu
     attrs: Obj = {
-        "node": {"string": node},  # lets a claim's constraint say "all on one node" (matchAttribute)
-        "model": {"string": g.model},
+        "node": {"string": node_attribute(node)},  # a claim's constraint "all on one node" (matchAttribute)
+        # string attributes hold at most 64 bytes (validation.go validateDeviceAttributeStringValue);
+        # NVML names may run to 96: keep the first 64 rather than lose the device
+        "model": {"string": _bounded(g.model)},
         "uuid": {"string": ref.uuid},
         "mode": {"string": g.mode.value},
         "index": {"int": g.index},
     }
     if ref.mig is not None:
-        attrs["profile"] = {"string": ref.mig.profile}
+        attrs["profile"] = {"string": _bounded(ref.mig.profile)}
         attrs["parentUUID"] = {"string": g.uuid}
     if g.numa_node is not None:
         attrs["numaNode"] = {"int": g.numa_node}  # for clusters before 1.37
@@ -99,14 +118,40 @@ def device_object(ref: DeviceRef, inventory: NodeInventory, node: str) -> Obj:
     if ref.mig is not None:
         dev["capacity"] = {"memory": {"value": mib(ref.mig.memory_mib)}}
     elif ref.shared:
-        total = inventory.capacity_mib(ref.gpu)
-        unit = mib(inventory.unit_mib)
         dev["allowMultipleAllocations"] = True
-        dev["capacity"] = {"memory": {"value": mib(total), "requestPolicy": {
-            "default": unit, "validRange": {"min": unit, "max": mib(total), "step": unit}}}}
+        dev["capacity"] = {"memory": {"value": mib(inventory.capacity_mib(ref.gpu)),
+                                      "requestPolicy": request_policy(ref.gpu.units, inventory.unit_mib)}}
     else:
         dev["capacity"] = {"memory": {"value": mib(ref.gpu.memory_mib)}}
     return dev
+
+
+def request_policy(units: int, unit_mib: int) -> Obj:
+    """Shares of whole units: ``validRange`` {min one unit, max all, step one unit}; a GPU of exactly one
+    unit gets ``validValues: [unit]`` instead, because the API server refuses a range whose
+    ``min + step`` exceeds the capacity (validation.go ``validateRequestPolicyRange``), and that
+    refusal would take every device of the slice with it."""
+    unit = mib(unit_mib)
+    if units <= 1:
+        return {"default": unit, "validValues": [unit]}
+    return {"default": unit, "validRange": {"min": unit, "max": mib(units * unit_mib), "step": unit}}
+
+
+def publishable(devices: Sequence[Obj]) -> tuple[list[Obj], list[tuple[str, list[str]]]]:
+    """Split ``devices`` into those the API server accepts and ``(name, reasons)`` of those it would
+    refuse (:mod:`deviceplugin.dra.validation`): one bad device must not take the slice down."""
+    ok, refused = [], []
+    names: set[Any] = set()
+    for dev in devices:
+        errors = validation.device_errors(dev)
+        if dev.get("name") in names:  # a slice with two devices of one name is refused whole
+            errors = errors + [validation.duplicate("device.name", dev.get("name"))]
+        names.add(dev.get("name"))
+        if errors:
+            refused.append((str(dev.get("name")), errors))
+        else:
+            ok.append(dev)
+    return ok, refused
 
 
 def unhealthy_taint(names: contract.Names) -> Obj:
@@ -142,8 +187,16 @@ def next_generation(previous_generation: int, previous_devices: Sequence[Obj] | 
 
 
 def slice_name(node: str, names: contract.Names, k: int) -> str:
-    """Deterministic slice names ``<node>-<driver>-<k>``, so a restart applies the same objects."""
-    return f"{node}-{names.dra_driver}-{k}"
+    """Deterministic slice names ``<node>-<driver>-<k>``, so a restart applies the same objects.
+
+    An object name is a DNS subdomain of at most 253 characters; a node name near that limit is cut
+    (at a label boundary's alphanumeric end) and a digest of the whole name keeps it unique."""
+    name = f"{node}-{names.dra_driver}-{k}"
+    if len(name) <= 253:
+        return name
+    digest = hashlib.sha256(node.encode()).hexdigest()[:12]
+    tail = f"-{digest}-{names.dra_driver}-{k}"
+    return node[:253 - len(tail)].rstrip(".-") + tail
 
 
 def resource_slices(node: str, node_uid: str | None, devices: Sequence[Obj], generation: int,

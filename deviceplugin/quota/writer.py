@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -94,9 +95,42 @@ def quota_path(directory: str | os.PathLike[str]) -> str:
     return os.path.join(os.fspath(directory), contract.QUOTA_FILE_NAME)
 
 
+class QuotaPathError(ValueError):
+    """A name from another process (a pod UID, a container or claim name) that cannot be one path
+    component under the quota root (``..``, ``/``, an absolute path, empty, too long)."""
+
+
+#: one component: starts with a letter or digit (so never ``.``, ``..`` or hidden), then letters,
+#: digits, ``.``, ``_``, ``-``; Kubernetes UIDs, DNS labels and subdomains all fit
+_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME_MAX = 255  # the longest file name Linux file systems take
+
+
+def path_component(value: object, what: str) -> str:
+    """``value`` if it is a safe single path component, else :class:`QuotaPathError` naming ``what``.
+
+    The one check for every name another process puts into a quota path (the kubelet's pod UIDs and
+    container names, a ResourceClaim's ``reservedFor[].uid``): none may climb out of the quota root."""
+    if not isinstance(value, str) or len(value) > NAME_MAX or not _COMPONENT.match(value):
+        shown = repr(value)[:80]
+        raise QuotaPathError(f"{what} {shown} is not a safe path component (a letter or digit, then letters, "
+                             f"digits, '.', '_', '-'; at most {NAME_MAX} characters)")
+    return value
+
+
 def container_dir(host_root: str, pod_uid: str, container: str) -> str:
-    """``<quotaHostDir>/<pod-uid>/<container>``: the directory mounted at /var/run/vramshare."""
-    return os.path.join(host_root, pod_uid, container)
+    """``<quotaHostDir>/<pod-uid>/<container>``: the directory mounted at /var/run/vramshare.
+    Raises :class:`QuotaPathError` when either name is not one safe path component."""
+    return os.path.join(host_root, path_component(pod_uid, "pod UID"), path_component(container, "container"))
+
+
+def inside(root: str, path: str) -> bool:
+    """Is ``path`` strictly below ``root``, with every directory on the way resolved (a symlinked
+    parent that points elsewhere does not count as inside)? The last component is not followed,
+    so a link inside the root is inside (removing it removes the link, not its target)."""
+    norm = os.path.normpath(path)
+    parent = os.path.realpath(os.path.dirname(norm))
+    return os.path.join(parent, os.path.basename(norm)).startswith(os.path.realpath(root) + os.sep)
 
 
 def read_quota(directory: str | os.PathLike[str]) -> QuotaFile | None:

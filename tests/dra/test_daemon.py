@@ -157,7 +157,7 @@ def test_a_pod_claim_goes_from_template_to_container_environment(env):
             assert placement is not None and placement.node == NODE
             pods.append(api.get_pod("default", f"p{i}"))
         def container_env(pod: dict) -> dict[str, str]:
-            names = kubelet.prepare_pod(pod)  # first: the runtime reads the specs after Prepare wrote them
+            names = kubelet.prepare_pod(pod)["vllm"]  # first: the runtime reads the specs after Prepare wrote them
             registry = cdi_registry.Registry([str(tmp / "cdi")])
             assert registry.errors == {}
             return registry.inject(names).env

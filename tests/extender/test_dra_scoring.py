@@ -15,6 +15,7 @@ from vramshare import contract
 from vramshare.config import Config, DraConfig, Policy
 from vramshare.kube import api_client_for
 from vramshare.standins.apiserver import ApiServerDouble
+from vramshare.standins.apiserver.resources import RESOURCECLAIMS
 
 NAMES = contract.Names()
 DRIVER = NAMES.dra_driver
@@ -131,3 +132,63 @@ def test_claims_applied_in_place_equal_a_fresh_build(ops):
         fresh = cluster_with(*live.slices.values(), *live.claims.values())
         for n in ("n1", "n2"):
             assert [u.used for u in live.state().node_usage(n)] == [u.used for u in fresh.state().node_usage(n)]
+
+
+def _lists(api: ApiServerDouble, plural: str) -> int:
+    """LIST requests (not watches) the double answered for ``plural``."""
+    return len([r for r in api.requests("GET", rf"/{plural}$") if "watch=" not in r.query])
+
+
+def _allocated(resource: client.ResourceV1Api, name: str, gib: int, node: str = "n1") -> None:
+    made = resource.create_namespaced_resource_claim("default", claim(name, gib))
+    body = resource.api_client.sanitize_for_serialization(made)
+    body["status"] = claim(name, gib, allocated=[(node, "gpu-0", gib)])["status"]
+    resource.replace_namespaced_resource_claim_status(name, "default", body)
+
+
+def test_the_dra_watch_follows_events_with_the_installed_client_and_lists_once():
+    """Issue 17 item 13: with kubernetes 37.x (``ResourceV1ResourceClaim``, no ``V1ResourceClaim``)
+    every watch event failed to deserialize and the watch relisted every claim once a second, for ever."""
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        resource = client.ResourceV1Api(http)
+        for s in node_slices("n1", 1):
+            resource.create_resource_slice(s)
+        dra = dra_scoring.DraCluster(NAMES, 1024)
+        watcher = dra_scoring.DraWatch(http, dra, timeout_s=30)
+        watcher.start()
+        try:
+            assert api.wait_for(lambda a: len(dra.slices) == 1 and a.open_watches >= 2, timeout=20)
+            for i in range(3):  # arrive by watch events only
+                _allocated(resource, f"c{i}", 10)
+            assert api.wait_for(lambda a: len(dra.claims) == 3 and all(
+                (c.get("status") or {}).get("allocation") for c in dra.claims.values()), timeout=20)
+            assert [u.used for u in dra.state().node_usage("n1")] == [30 * 1024]
+            resource.delete_namespaced_resource_claim("c0", "default", _preload_content=False).release_conn()
+            assert api.wait_for(lambda a: "default/c0" not in dra.claims, timeout=20)
+            assert (_lists(api, "resourceclaims"), _lists(api, "resourceslices")) == (1, 1)
+        finally:
+            watcher.stop()
+
+
+def test_a_relist_drops_what_was_deleted_while_the_watch_was_down():
+    """Issue 17 item 9: DraWatch never dropped objects deleted during an outage, so a deleted claim
+    stayed charged. A list is the whole truth: it replaces the view."""
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        resource = client.ResourceV1Api(http)
+        for s in node_slices("n1", 1):
+            resource.create_resource_slice(s)
+        _allocated(resource, "held", 40)
+        dra = dra_scoring.DraCluster(NAMES, 1024)
+        watcher = dra_scoring.DraWatch(http, dra, timeout_s=30, backoff_s=0.05)
+        watcher.start()
+        try:
+            assert api.wait_for(lambda a: "default/held" in dra.claims and a.open_watches >= 2, timeout=20)
+            assert [u.used for u in dra.state().node_usage("n1")] == [40 * 1024]
+            api.stop()  # the outage: the claim goes and the history with it
+            api.delete(RESOURCECLAIMS, "default", "held")
+            api.compact()
+            api.start()
+            assert api.wait_for(lambda a: "default/held" not in dra.claims, timeout=20)
+            assert [u.used for u in dra.state().node_usage("n1")] == [0]
+        finally:
+            watcher.stop()

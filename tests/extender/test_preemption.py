@@ -102,7 +102,10 @@ def test_victims_always_make_room_and_only_lower_priority_go(drawn: list[tuple[i
     free_all = {b.uuid_of("n", g): 22528 - sum(s * 1024 for gg, s, p in pods if gg == g and p >= mine)
                 for g in range(4)}
     possible = max(free_all.values()) >= gib * 1024
-    assert ("n" in out) == possible
+    fits_now = max(22528 - sum(s * 1024 for gg, s, _ in pods if gg == g) for g in range(4)) >= gib * 1024
+    # a node where the pod already fits has no victim to name, and a node without victims is an
+    # error to kube-scheduler (callExtenders): it is left out
+    assert ("n" in out) == (possible and not fits_now)
     if "n" in out:
         victims = set(out["n"])
         assert victims <= set(lower)
@@ -113,3 +116,63 @@ def test_victims_always_make_room_and_only_lower_priority_go(drawn: list[tuple[i
             i = int(v.split("-")[1])
             g = b.uuid_of("n", pods[i][0])
             assert 22528 - held[g] - pods[i][1] * 1024 < gib * 1024
+
+
+def _host_node(name: str) -> dict:
+    node = b.gpu_node(name, b.l4(), b.l4())
+    node["status"]["allocatable"].update({"cpu": "16", "memory": "64Gi"})
+    return node
+
+
+def _host_pod(name: str, gib: int, priority: int = 0) -> dict:
+    p = prio(b.pod(name, gib, uid=f"uid-{name}"), priority)
+    p["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "4", "memory": "16Gi"}
+    return p
+
+
+def test_a_what_if_puts_its_victims_back_with_their_cpu_and_memory() -> None:
+    """Issue 17 item 9: _victims put candidates back with the default HostDemand(), so every preempt
+    call erased the node's booked CPU and memory (12,000m / 48 GiB went to 0 / 0)."""
+    acct = accounting.Accounting(Config(), clock=lambda: T)
+    acct.apply_node("ADDED", _host_node("n1"))
+    for name, gpu, gib in [("a", 0, 10), ("c", 0, 12), ("b", 1, 10)]:
+        acct.apply_pod("ADDED", b.assigned(_host_pod(name, gib), "n1", [(b.uuid_of("n1", gpu), gib * 1024)], T))
+    row = acct.state.row("n1")
+    booked = (int(acct.state.cpu_used[row]), int(acct.state.mem_used[row]))
+    assert booked == (12_000, 48 * 1024)
+    gpus = usage(acct)
+    for _ in range(3):
+        out = preemption.preempt_pod(acct, wire.PreemptionArgs(pod=big(), victims={"n1": ["uid-a", "uid-b"]},
+                                                               pdb_violations={}))
+        assert out == {"n1": ["uid-b"]}
+        assert (int(acct.state.cpu_used[row]), int(acct.state.mem_used[row])) == booked
+        assert usage(acct) == gpus
+
+
+def test_the_preemptors_cpu_counts_in_the_what_if() -> None:
+    """A victim set that frees the GPU but leaves no CPU for the preemptor makes no room."""
+    acct = accounting.Accounting(Config(), clock=lambda: T)
+    acct.apply_node("ADDED", _host_node("n1"))
+    acct.apply_pod("ADDED", b.assigned(_host_pod("a", 20), "n1", [(b.uuid_of("n1", 0), 20 * 1024)], T))
+    hog = _host_pod("hog", 0, priority=1000)  # no GPU, 12 CPUs, never a victim
+    hog["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "12"
+    acct.apply_pod("ADDED", dict(hog, spec={**hog["spec"], "nodeName": "n1"}))
+    want = _host_pod("big", 20, priority=100)
+    want["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "4"  # 16 - 12 (hog) = 4 once a goes: fits
+    assert preemption.preempt_pod(acct, wire.PreemptionArgs(pod=want, victims={"n1": []}, pdb_violations={})) \
+        == {"n1": ["uid-a"]}
+    want["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "5"
+    assert preemption.preempt_pod(acct, wire.PreemptionArgs(pod=want, victims={"n1": []}, pdb_violations={})) == {}
+
+
+def test_no_node_is_answered_without_victims() -> None:
+    """kube-scheduler's callExtenders: an empty victim list from a non-ignorable extender fails the
+    preemption ("expected at least one victim pod on node")."""
+    acct = cluster()
+    small = prio(b.pod("small", 2), 100)  # fits n1's GPU 1 (12 GiB free) as it is
+    out = preemption.preempt_pod(acct, wire.PreemptionArgs(pod=small, victims={"n1": [], "n2": ["uid-d"]},
+                                                           pdb_violations={}))
+    assert out == {"n2": ["uid-d"]}  # n1 fits already: nothing to evict; n2 fits too: kube-scheduler's reason stands
+    plain = b.pod("plain")  # not a GPU pod: kube-scheduler's proposal passes, empty nodes do not
+    assert preemption.preempt_pod(acct, wire.PreemptionArgs(pod=plain, victims={"n1": [], "n2": ["uid-d"]},
+                                                            pdb_violations={})) == {"n2": ["uid-d"]}

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 kubelet, cdi_root = kubelets[placement.node]
                 pod = api.get_pod("default", c.pod)
                 try:
-                    names = kubelet.prepare_pod(pod)
+                    names = kubelet.prepare_pod(pod)["server"]
                 except PrepareError as exc:
                     _say(out, f"  {c.pod:<16} {ask:<12} prepare failed: {exc}")
                     continue

@@ -140,6 +140,10 @@ class ApiServerDouble:
     def delete_node(self, name: str) -> Obj:
         return copy.deepcopy(self._store.delete(NODES, None, name))
 
+    def delete(self, rtype: ResourceType, namespace: str | None, name: str) -> Obj:
+        """Remove any object now (e.g. while the server is stopped: what a client misses in an outage)."""
+        return copy.deepcopy(self._store.delete(rtype, namespace, name))
+
     def set_pod_phase(self, namespace: str, name: str, phase: str) -> Obj:
         """Play the kubelet: move a pod to Running, Succeeded, Failed..."""
         def set_phase(pod: Obj) -> None:

@@ -57,6 +57,17 @@ def invalid(plural: str, name: str, message: str) -> ApiError:
     return ApiError(422, "Invalid", f'{plural} "{name}" is invalid: {message}', _details(plural, name))
 
 
+def invalid_fields(kind: str, group: str, name: str, field_errors: list[str]) -> ApiError:
+    """A 422 as ``apierrors.NewInvalid`` builds it: ``<Kind>.<group> "<name>" is invalid: <aggregate>``
+    (one error as is, several as ``[e1, e2]``), with one cause per field error."""
+    aggregate = field_errors[0] if len(field_errors) == 1 else "[" + ", ".join(field_errors) + "]"
+    qualified = f"{kind}.{group}" if group else kind
+    details = {"name": name, "group": group, "kind": kind,
+               "causes": [{"reason": "FieldValueInvalid", "message": e.split(": ", 1)[-1], "field": e.split(": ", 1)[0]}
+                          for e in field_errors]}
+    return ApiError(422, "Invalid", f'{qualified} "{name}" is invalid: {aggregate}', details)
+
+
 def expired(message: str) -> ApiError:
     """What a watch from a compacted resourceVersion gets (sent as an ERROR event, code 410)."""
     return ApiError(410, "Expired", message)

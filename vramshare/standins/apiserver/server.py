@@ -165,6 +165,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._list(where, query)
         if verb == "GET" and where.name is not None and where.subresource in (None, "status"):
             return self._send_json(200, store.get(rtype, where.namespace, where.name))
+        if verb == "DELETE" and where.name is None:
+            return self._delete_collection(where, query, dry_run)
         if verb == "POST" and where.name is None:
             if rtype.namespaced and where.namespace is None:
                 raise errors.method_not_allowed(verb, self.path)
@@ -259,6 +261,26 @@ class _Handler(BaseHTTPRequestHandler):
                                  precondition_uid=pre.get("uid"), precondition_rv=pre.get("resourceVersion"),
                                  graceful=self.server.graceful_pod_deletion, dry_run=dry_run)
         self._send_json(201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201})
+
+    def _delete_collection(self, where: Route, query: dict[str, str], dry_run: bool) -> None:
+        """DELETE on a collection (``DeleteCollection``): every object the selectors match goes; the
+        answer is the list of what was deleted, as the generic registry's ``DeleteCollection`` returns."""
+        if where.rtype is PODS and self.server.graceful_pod_deletion:
+            raise errors.method_not_allowed("DELETE", self.path)  # not modelled: graceful pod deletion
+        selector = parse_selector(where.rtype.plural, query.get("fieldSelector"), query.get("labelSelector"))
+        items, _ = self.server.store.list_objects(where.rtype, where.namespace, selector)
+        gone = []
+        for obj in items:
+            meta = obj["metadata"]
+            try:
+                gone.append(self.server.store.delete(where.rtype, meta.get("namespace"), meta["name"],
+                                                     dry_run=dry_run))
+            except ApiError as exc:
+                if exc.code != 404:  # deleted meanwhile: fine
+                    raise
+        self._send_json(200, {"kind": where.rtype.list_kind, "apiVersion": where.rtype.api_version,
+                              "metadata": {"resourceVersion": str(self.server.store.resource_version)},
+                              "items": gone})
 
     def _delete(self, where: Route, query: dict[str, str], body_bytes: bytes, dry_run: bool) -> None:
         options = _json(body_bytes) if body_bytes.strip() else {}

@@ -14,9 +14,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from deviceplugin.dra.validation import validate_resource_slice
+
 from . import errors
 from .patches import apply_patch
-from .resources import PODS, ResourceType
+from .resources import PODS, RESOURCESLICES, ResourceType
 from .selectors import Selector
 
 Obj = dict[str, Any]
@@ -124,6 +126,7 @@ class Store:
                 meta.pop(server_owned, None)
             if rtype is PODS:
                 _default_pod(new, keep_status)
+            _validate(rtype, new, None)
             if dry_run:
                 meta["resourceVersion"] = str(self._rv)
                 return new
@@ -284,6 +287,7 @@ class Store:
                 _check_pod_spec_change(old, new)
         nmeta = new["metadata"]
         nmeta["resourceVersion"] = ometa["resourceVersion"]
+        _validate(rtype, new, old)
         if new == old or dry_run:
             return old if new == old else new  # a no-op write bumps nothing and wakes no watch
         return self._commit(rtype, _key(rtype, ometa.get("namespace"), name), new, old, "MODIFIED")
@@ -303,6 +307,16 @@ class Store:
 
 def _key(rtype: ResourceType, namespace: str | None, name: str) -> Key:
     return (rtype, (namespace or "") if rtype.namespaced else "", name)
+
+
+def _validate(rtype: ResourceType, new: Obj, old: Obj | None) -> None:
+    """The API server's validation of the kinds our daemons write where it refuses more than the
+    schema: ResourceSlices (pkg/apis/resource/validation ``ValidateResourceSlice[Update]``, ported in
+    :mod:`deviceplugin.dra.validation`); a refusal is a 422 naming every field error."""
+    if rtype is RESOURCESLICES:
+        found = validate_resource_slice(new, old)
+        if found:
+            raise errors.invalid_fields(rtype.kind, "resource.k8s.io", new["metadata"]["name"], found)
 
 
 def _default_pod(pod: Obj, keep_status: bool) -> None:
