@@ -57,6 +57,8 @@ class DevicePluginDaemon:
         names = config.names
         self.metrics = metrics or PluginMetrics()
         self.metrics.attach(lambda: self.state.snapshot)
+        for mode, why in self.enforcement.skipped:
+            self.metrics.enforcement_unavailable.labels(mode.value, why).set(1)
         self.feeds = DeviceFeeds(self.state)
         self.pod_resources = KubeletPodResources(pod_resources_socket, names) if pod_resources_socket else None
         self.pods = NodePodCache(api, node_name, names) if api else None

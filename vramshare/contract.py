@@ -135,6 +135,8 @@ ENV_QUOTA_FILE = "VRAMSHARE_QUOTA_FILE"
 CONTAINER_QUOTA_DIR = "/var/run/vramshare"
 QUOTA_FILE_NAME = "quota.json"
 HOST_QUOTA_ROOT = "/var/lib/vramshare/quota"
+#: the host's cgroup v2 tree, where driver mode finds other containers' cgroups (mounted at the same path)
+HOST_CGROUP_ROOT = "/sys/fs/cgroup"
 
 # kubelet paths and protocol constants
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
