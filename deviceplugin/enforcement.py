@@ -39,7 +39,7 @@ MIN_DRIVER_MAJOR = 615
 #: NVML's other root-only calls). Nothing else: no privileged mode, no host PID namespace.
 HOST_CGROUP_ROOT = contract.HOST_CGROUP_ROOT
 DRIVER_CAPABILITY = "SYS_ADMIN"
-_CAP_BITS = {"SYS_ADMIN": 21}  # linux/capability.h
+CAP_BITS = {"SYS_ADMIN": 21}  # linux/capability.h
 #: the node label that opts a node into the driver-enforcement DaemonSet variant
 DRIVER_NODE_LABEL = ("vramshare.io/enforcement", "driver")
 _DRIVER_VARIANT_HINT = ("run the driver-enforcement variant on this node: deploy/components/driver-enforcement "
@@ -157,7 +157,7 @@ def host_access_problem(cgroup_root: str = HOST_CGROUP_ROOT, proc_status: str = 
     :data:`DRIVER_CAPABILITY`, or ``cgroup_root`` shows its own cgroup namespace instead of the host's
     tree (no ``kubepods*`` cgroup: the host cgroup filesystem is not mounted there)."""
     caps = _capabilities(proc_status)
-    bit = _CAP_BITS[DRIVER_CAPABILITY]
+    bit = CAP_BITS[DRIVER_CAPABILITY]
     if caps is None or not caps >> bit & 1:
         return (f"this container lacks CAP_{DRIVER_CAPABILITY}, which nvmlDeviceSetMemoryLimits_v1 needs "
                 f"(NVIDIA documents it as privileged): {_DRIVER_VARIANT_HINT}")
