@@ -19,6 +19,7 @@ variant on nodes labelled ``vramshare.io/enforcement=driver``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import pathlib
 import shutil
@@ -38,8 +39,9 @@ from vramshare.inventory import EnforcementMode
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BASE, DRA = DEPLOY / "daemonset", DEPLOY / "daemonset" / "dra"
-DRIVER_OVERLAY = DEPLOY / "overlays" / "driver-enforcement"
-INSTALLS = {"default": BASE, "driver-enforcement": DRIVER_OVERLAY, "dra": DRA}
+OVERLAYS = DEPLOY / "overlays"
+INSTALLS = {"default": BASE, "driver-enforcement": OVERLAYS / "driver-enforcement",
+            "mps-enforcement": OVERLAYS / "mps-enforcement", "dra": DRA}
 RW, RO = False, True  # hostPath mounts: readOnly
 
 
@@ -79,7 +81,14 @@ def device_plugin_needs(cfg: config.Config, mode: EnforcementMode) -> HostAccess
     if mode is EnforcementMode.DRIVER:
         paths[enforcement.HOST_CGROUP_ROOT] = RO  # CgroupFinder searches it; the driver moves the limits
         caps.add(enforcement.DRIVER_CAPABILITY)  # nvmlDeviceSetMemoryLimits_v1
+    if mode is EnforcementMode.MPS:  # _mps_problem looks for the control pipe and the shared memory
+        paths[_mps_root(cfg)] = RO
     return HostAccess(paths, frozenset(caps), host_pid=cfg.quota.process_attribution)
+
+
+def _mps_root(cfg: config.Config) -> str:
+    """The one directory holding the MPS daemon's pipe and shared-memory directories."""
+    return os.path.commonpath([cfg.enforcement.mps_pipe_directory, cfg.enforcement.mps_shm_directory])
 
 
 def dra_plugin_needs(cfg: config.Config) -> HostAccess:
@@ -142,16 +151,23 @@ DRIVER_NODE = GPU_NODE | {enforcement.DRIVER_NODE_LABEL[0]: enforcement.DRIVER_N
 
 
 def _advertised_mode(ds: dict[str, Any], cfg: config.Config, tmp_path: pathlib.Path) -> EnforcementMode:
-    """The mode this DaemonSet's plugin advertises on an R615, cgroup v2 node with one shared H100 and no
-    MPS daemon (the node where every mode is possible), found by the plugin's own probe run inside what
-    the pod is granted: the capabilities it adds (none: CapEff 0), and /sys/fs/cgroup as the host's tree
-    if it mounts it, else the container's own cgroup namespace. Its env (VRAMSHARE_*) overrides the config."""
+    """The mode this DaemonSet's plugin advertises on a node where every mode is possible (R615, cgroup
+    v2, one shared H100, an MPS control daemon running), found by the plugin's own probe run inside what
+    the pod is granted: the capabilities it adds (none: CapEff 0); /sys/fs/cgroup as the host's tree if
+    it mounts it, else the container's own cgroup namespace; the MPS daemon's directories if it mounts
+    them. ``cfg`` carries the pod's VRAMSHARE_* env."""
     got = granted(ds)
     root = tmp_path / ds["metadata"]["name"]
     (root / "cgroup").mkdir(parents=True)
     (root / "cgroup" / "cgroup.controllers").write_text("cpu memory dmem\n")
     if contract.HOST_CGROUP_ROOT in got.paths:
         (root / "cgroup" / "kubepods.slice").mkdir()
+    seen = root / "container-view"  # what the container sees of the host's MPS directories
+    pipe, shm = (seen / d.lstrip("/") for d in (cfg.enforcement.mps_pipe_directory, cfg.enforcement.mps_shm_directory))
+    if any(_mps_root(cfg) == p or _mps_root(cfg).startswith(p.rstrip("/") + "/") for p in got.paths):
+        pipe.mkdir(parents=True)
+        os.mkfifo(pipe / enforcement.MPS_CONTROL_PIPE)
+        shm.mkdir(parents=True)
     cap_eff = sum(1 << enforcement.CAP_BITS[c] for c in got.capabilities if c in enforcement.CAP_BITS)
     (root / "status").write_text(f"CapEff:\t{cap_eff:016x}\n")
     nvml = FakeNvml([H100_80GB])
@@ -160,7 +176,8 @@ def _advertised_mode(ds: dict[str, Any], cfg: config.Config, tmp_path: pathlib.P
     # the root cgroup) succeeds in the unprivileged pod too, so the plugin must check its grants itself.
     nvml.privileged = True
     nvml.nvmlInit()
-    facts = enforcement.probe(nvml, cfg.enforcement, cgroup_root=str(root / "cgroup"), shared_uuids=[H100_80GB.uuid],
+    seen_cfg = dataclasses.replace(cfg.enforcement, mps_pipe_directory=str(pipe), mps_shm_directory=str(shm))
+    facts = enforcement.probe(nvml, seen_cfg, cgroup_root=str(root / "cgroup"), shared_uuids=[H100_80GB.uuid],
                               proc_status=str(root / "status"))
     return enforcement.choose(cfg.enforcement.requested(), facts).mode
 
@@ -189,7 +206,7 @@ def _squeezed(node: Any) -> Any:
 
 
 # -- what each node's plugin is granted is what its mode needs ----------------------------------------
-@pytest.mark.parametrize("install", ["default", "driver-enforcement"])
+@pytest.mark.parametrize("install", ["default", "driver-enforcement", "mps-enforcement"])
 @pytest.mark.parametrize("node", ["gpu", "driver"])
 def test_each_gpu_node_runs_one_device_plugin_granted_exactly_what_its_mode_needs(
         install: str, node: str, tmp_path: pathlib.Path) -> None:
@@ -199,8 +216,9 @@ def test_each_gpu_node_runs_one_device_plugin_granted_exactly_what_its_mode_need
     [ds] = [ds for ds in _daemonsets(objs, "vramshare-device-plugin") if _schedules_on(ds, labels)]  # one per node
     cfg = _config(objs, ds)
     mode = _advertised_mode(ds, cfg, tmp_path)
-    assert mode is (EnforcementMode.DRIVER if install == "driver-enforcement" and node == "driver"
-                    else EnforcementMode.COOPERATIVE)  # the label alone grants nothing
+    expected = {("driver-enforcement", "driver"): EnforcementMode.DRIVER, ("mps-enforcement", "gpu"): EnforcementMode.MPS,
+                ("mps-enforcement", "driver"): EnforcementMode.MPS}  # the label alone grants nothing
+    assert mode is expected.get((install, node), EnforcementMode.COOPERATIVE)
     assert granted(ds) == device_plugin_needs(cfg, mode)
     pod = ds["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
@@ -229,6 +247,8 @@ def test_the_needs_follow_the_config() -> None:
     assert set(cdi_names.DEFAULT_ROOTS) <= set(needs.paths) and needs.host_pid
     driver = device_plugin_needs(config.Config(), EnforcementMode.DRIVER)
     assert driver.paths[contract.HOST_CGROUP_ROOT] is RO and driver.capabilities == {"SYS_ADMIN"}
+    mps = device_plugin_needs(config.Config(), EnforcementMode.MPS)
+    assert mps.paths["/run/nvidia/mps"] is RO and not mps.capabilities
 
 
 # -- the variant is the default DaemonSet plus exactly the driver grants -------------------------------
