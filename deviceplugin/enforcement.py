@@ -136,8 +136,7 @@ def probe(nvml: Any | None, cfg: EnforcementConfig, *, cgroup_root: str = HOST_C
     except Exception as exc:  # noqa: BLE001 - any NVML failure means "no driver facts"
         return NodeFacts(None, cgroup_v2, f"driver version unreadable: {exc}", mps)
     host = host_access_problem(cgroup_root, proc_status)
-    limits = "not probed: " + host if host else _limits_problem(nvml, shared_uuids)
-    return NodeFacts(version, cgroup_v2, limits, mps, host)
+    return NodeFacts(version, cgroup_v2, _limits_problem(nvml, shared_uuids), mps, host)
 
 
 def _capabilities(proc_status: str) -> int | None:
