@@ -285,3 +285,11 @@ def test_the_variant_s_mode_is_explicit_so_a_node_that_cannot_honour_it_says_why
     [ds] = _daemonsets(objs, "vramshare-device-plugin-driver")
     assert _config(objs, ds).enforcement.requested() is EnforcementMode.DRIVER
     assert _config(objs).enforcement.requested() is None  # the default DaemonSet: auto
+
+
+@pytest.mark.parametrize("install", ["driver-enforcement", "mps-enforcement"])
+@pytest.mark.parametrize("version", ["1.31", "1.35"])
+def test_the_components_render_valid_daemonsets(install: str, version: str) -> None:
+    import kubernetes_validate
+    for ds in _daemonsets(_render(install), "vramshare-"):
+        kubernetes_validate.validate(ds, version, strict=True)
