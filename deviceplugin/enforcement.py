@@ -31,6 +31,19 @@ from vramshare.inventory import EnforcementMode, GpuMode
 log = logs.get("vramshare.enforcement")
 
 MIN_DRIVER_MAJOR = 615
+#: What driver mode needs from the host, beyond the NVIDIA runtime's NVML (deploy/components/
+#: driver-enforcement grants exactly this; tests/deploy/test_host_access.py checks it against these):
+#: the host's cgroup v2 tree, to find other containers' cgroups (``nvml_limits.CgroupFinder``), read-only
+#: at the same path; and the capability the driver checks for ``nvmlDeviceSetMemoryLimits_v1``, which
+#: NVIDIA documents as privileged (the kernel module's administrator check is CAP_SYS_ADMIN, as for
+#: NVML's other root-only calls). Nothing else: no privileged mode, no host PID namespace.
+HOST_CGROUP_ROOT = contract.HOST_CGROUP_ROOT
+DRIVER_CAPABILITY = "SYS_ADMIN"
+CAP_BITS = {"SYS_ADMIN": 21}  # linux/capability.h
+#: the node label that opts a node into the driver-enforcement DaemonSet variant
+DRIVER_NODE_LABEL = ("vramshare.io/enforcement", "driver")
+_DRIVER_VARIANT_HINT = ("run the driver-enforcement variant on this node: deploy/components/driver-enforcement "
+                        f"and the node label {DRIVER_NODE_LABEL[0]}={DRIVER_NODE_LABEL[1]}")
 MPS_CONTAINER_PIPE_DIR = "/mps/pipe"  # where a client finds the daemon's pipes
 MPS_CONTAINER_SHM_DIR = "/dev/shm"  # the MPS server's shared memory, as NVIDIA mounts it
 MPS_CONTROL_PIPE = "control"  # nvidia-cuda-mps-control creates this named pipe in its pipe directory
@@ -48,6 +61,7 @@ class NodeFacts:
     cgroup_v2: bool = False
     memory_limits_problem: str | None = "not probed"  # NVML memory limits unusable: why
     mps_problem: str | None = "not probed"  # no MPS control daemon to talk to: why
+    host_access_problem: str | None = None  # the plugin lacks the host cgroups or the privilege: why
 
     def driver_problem(self) -> str | None:
         """Why ``driver`` mode is impossible here, or ``None``."""
@@ -61,7 +75,7 @@ class NodeFacts:
             return f"driver {self.driver_version} is older than R{MIN_DRIVER_MAJOR} (no per-cgroup memory limits)"
         if not self.cgroup_v2:
             return "the node runs cgroup v1; driver memory limits need cgroup v2"
-        return self.memory_limits_problem
+        return self.host_access_problem or self.memory_limits_problem
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,8 @@ class Chosen:
 
     mode: EnforcementMode
     reason: str
+    #: the better modes auto passed over, each with why (the metric vramshare_enforcement_unavailable)
+    skipped: tuple[tuple[EnforcementMode, str], ...] = ()
 
 
 def choose(requested: EnforcementMode | None, facts: NodeFacts) -> Chosen:
@@ -89,8 +105,10 @@ def choose(requested: EnforcementMode | None, facts: NodeFacts) -> Chosen:
     if driver is None:
         return Chosen(EnforcementMode.DRIVER, f"auto: driver {facts.driver_version} with cgroup v2")
     if mps is None:
-        return Chosen(EnforcementMode.MPS, f"auto: no driver limits ({driver}); MPS control daemon found")
-    return Chosen(EnforcementMode.COOPERATIVE, f"auto: no driver limits ({driver}); no MPS ({mps})")
+        return Chosen(EnforcementMode.MPS, f"auto: no driver limits ({driver}); MPS control daemon found",
+                      ((EnforcementMode.DRIVER, driver),))
+    return Chosen(EnforcementMode.COOPERATIVE, f"auto: no driver limits ({driver}); no MPS ({mps})",
+                  ((EnforcementMode.DRIVER, driver), (EnforcementMode.MPS, mps)))
 
 
 # -- the probe (adapter) --------------------------------------------------------------------------
@@ -98,14 +116,16 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def probe(nvml: Any | None, cfg: EnforcementConfig, *, cgroup_root: str = "/sys/fs/cgroup",
-          shared_uuids: Sequence[str] = ()) -> NodeFacts:
+def probe(nvml: Any | None, cfg: EnforcementConfig, *, cgroup_root: str = HOST_CGROUP_ROOT,
+          shared_uuids: Sequence[str] = (), proc_status: str = "/proc/self/status") -> NodeFacts:
     """Read the facts :func:`choose` needs. ``nvml`` is pynvml (initialised) or ``None`` (no GPU).
 
     The memory-limit probe reads the limits of the cgroup root on each shared GPU and writes the same
     values back (a no-op that needs the privilege the loop will need), so a driver without the call
     (FunctionNotFound), a MIG GPU or vGPU (NotSupported) or a missing privilege (NoPermission) is
-    found at start rather than at the first quota move.
+    found at start rather than at the first quota move. Before it, :func:`host_access_problem` checks
+    what the deployment must grant (the capability, the host cgroup tree): an unprivileged install
+    answers with the reason and the fix rather than advertising a mode whose first move would fail.
     """
     cgroup_v2 = os.path.exists(os.path.join(cgroup_root, "cgroup.controllers"))
     mps = _mps_problem(cfg)
@@ -115,7 +135,39 @@ def probe(nvml: Any | None, cfg: EnforcementConfig, *, cgroup_root: str = "/sys/
         version = _text(nvml.nvmlSystemGetDriverVersion())
     except Exception as exc:  # noqa: BLE001 - any NVML failure means "no driver facts"
         return NodeFacts(None, cgroup_v2, f"driver version unreadable: {exc}", mps)
-    return NodeFacts(version, cgroup_v2, _limits_problem(nvml, shared_uuids), mps)
+    host = host_access_problem(cgroup_root, proc_status)
+    return NodeFacts(version, cgroup_v2, _limits_problem(nvml, shared_uuids), mps, host)
+
+
+def _capabilities(proc_status: str) -> int | None:
+    """The effective capability set of this process (``CapEff`` of /proc/self/status), or None."""
+    try:
+        with open(proc_status, encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_access_problem(cgroup_root: str = HOST_CGROUP_ROOT, proc_status: str = "/proc/self/status") -> str | None:
+    """Why this process cannot fence other containers in driver mode as deployed, or ``None``: it lacks
+    :data:`DRIVER_CAPABILITY`, or ``cgroup_root`` shows its own cgroup namespace instead of the host's
+    tree (no ``kubepods*`` cgroup: the host cgroup filesystem is not mounted there)."""
+    caps = _capabilities(proc_status)
+    bit = CAP_BITS[DRIVER_CAPABILITY]
+    if caps is None or not caps >> bit & 1:
+        return (f"this container lacks CAP_{DRIVER_CAPABILITY}, which nvmlDeviceSetMemoryLimits_v1 needs "
+                f"(NVIDIA documents it as privileged): {_DRIVER_VARIANT_HINT}")
+    try:
+        tops = os.listdir(cgroup_root)
+    except OSError as exc:
+        return f"cannot read {cgroup_root}: {exc}: {_DRIVER_VARIANT_HINT}"
+    if not any(name.startswith("kubepods") for name in tops):
+        return (f"{cgroup_root} holds no kubepods cgroup, so it is this container's own cgroup namespace, not "
+                f"the host's cgroup tree the fence searches: {_DRIVER_VARIANT_HINT}")
+    return None
 
 
 def _limits_problem(nvml: Any, shared_uuids: Sequence[str]) -> str | None:
@@ -202,6 +254,9 @@ def detect(backend: Any, config: Config, discovered: Sequence[Any]) -> Chosen:
     chosen = choose(config.enforcement.requested(), facts)
     log.info("gpu memory enforcement", mode=chosen.mode.value, reason=chosen.reason,
              driver=facts.driver_version or "none", cgroup_v2=facts.cgroup_v2)
+    if facts.host_access_problem and facts.driver_version is not None and chosen.mode is not EnforcementMode.DRIVER:
+        log.warning("driver enforcement not advertised: the plugin lacks what it needs from the host",
+                    mode=chosen.mode.value, reason=facts.host_access_problem)
     return chosen
 
 

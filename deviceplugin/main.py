@@ -29,6 +29,7 @@ from deviceplugin.metrics import MetricsServer, PluginMetrics
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.podresources import KubeletPodResources
+from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.reconcile_loop import Reconciler
 from deviceplugin.serve import serve, spawn
@@ -53,10 +54,13 @@ class DevicePluginDaemon:
         discovered = backend.discover()
         self.enforcement = enforcement.detect(backend, config, discovered)  # raises EnforcementRefused
         config = enforcement.pin(config, self.enforcement)
+        rights.check(config, api)  # overLimitAction: evict needs the eviction right; raises RightRefused
         self.state = NodeState(discovered, config)
         names = config.names
         self.metrics = metrics or PluginMetrics()
         self.metrics.attach(lambda: self.state.snapshot)
+        for mode, why in self.enforcement.skipped:
+            self.metrics.enforcement_unavailable.labels(mode.value, why).set(1)
         self.feeds = DeviceFeeds(self.state)
         self.pod_resources = KubeletPodResources(pod_resources_socket, names) if pod_resources_socket else None
         self.pods = NodePodCache(api, node_name, names) if api else None
@@ -164,7 +168,10 @@ class DevicePluginDaemon:
 
     def reload(self, config: Config) -> None:
         """A new config from the config watcher: device lists follow at once (ListAndWatch resends);
-        servers restart only when the set of resources changes. ``quotaHostDir`` and ``enforcement.mode`` need a restart."""
+        servers restart only when the set of resources changes. ``quotaHostDir`` and ``enforcement.mode`` need a restart.
+        A config that turns on ``overLimitAction: evict`` without the eviction right is refused whole
+        (:class:`rights.RightRefused`, a ConfigError: the watcher keeps the last good config)."""
+        rights.check(config, self._api, running=self.state.snapshot.config)
         self.state.on_config(enforcement.pin(config, self.enforcement))
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -225,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                                     node_name=args.node_name or "", api=api,
                                     pod_resources_socket=args.pod_resources_socket,
                                     metrics_port=args.metrics_port, metrics=metrics)
-    except (BackendError, enforcement.EnforcementRefused) as exc:
+    except (BackendError, enforcement.EnforcementRefused, rights.RightRefused) as exc:
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides)

@@ -65,6 +65,9 @@ class PluginMetrics:
                                      ["resource", "result"], registry=self.registry)
         self.backend_errors = Counter(_PREFIX + "backend_errors", "GPU backend (NVML) errors",
                                       ["backend"], registry=self.registry)
+        self.enforcement_unavailable = Gauge(
+            contract.METRICS_PREFIX + "enforcement_unavailable", "1 for each better enforcement mode the node "
+            "passed over at start (enforcement.mode auto), with why", ["mode", "reason"], registry=self.registry)
         self.steered = Counter(_PREFIX + "preferred_allocations", "GetPreferredAllocation answers by how "
                                "they were chosen (steered by the plan of the assumed pods of that size, or best-fit)",
                                ["resource", "how"], registry=self.registry)

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from vramshare import logs
+from vramshare import contract, logs
 
 log = logs.get("vramshare.nvml_limits")
 MIB = 1 << 20
@@ -36,7 +36,7 @@ class CgroupLimits:
 class CgroupFinder:
     """Container runtime ID -> its cgroup v2 path (``/kubepods.slice/...``), cached while it exists."""
 
-    def __init__(self, root: str = "/sys/fs/cgroup") -> None:
+    def __init__(self, root: str = contract.HOST_CGROUP_ROOT) -> None:
         self.root = root
         self._cache: dict[str, str] = {}
         self._lock = threading.Lock()

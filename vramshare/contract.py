@@ -42,7 +42,11 @@ class Names:
     def inventory(self) -> str:
         return f"{self.domain}/gpu-inventory"
 
-    # -- pod annotations: written by users
+    # -- pod annotations: written by users (USER_ANNOTATIONS, below, lists every one of them)
+    def user_annotations(self) -> tuple[str, ...]:
+        """Every pod annotation a user may write, as full keys (``vramshare.io/gpu-count``, ...)."""
+        return tuple(f"{self.domain}/{name}" for name in USER_ANNOTATIONS)
+
     @property
     def gpu_count(self) -> str:
         return f"{self.domain}/gpu-count"
@@ -102,6 +106,15 @@ class Names:
         return resource.startswith(f"{self.domain}/")
 
 
+#: The pod annotations users write themselves, under the domain; every other ``<domain>/*`` annotation
+#: is written by vramshare only. The one list: deploy/daemonset/admission-policies.yaml exempts exactly
+#: these from its protection (tests/security/test_admission_policies.py evaluates its CEL against this
+#: tuple) and every one README tells users to write must be here (tests/test_readme_pod.py).
+#: gpu-count, gpu-models: placement; policy: scoring override; quota-class: the pod's choice of quota
+#: class (issue 14); model: the model a pod serves (issue 23, cold starts).
+USER_ANNOTATIONS: tuple[str, ...] = ("gpu-count", "gpu-models", "policy", "quota-class", "model")
+
+
 # allocation-state values: the extender writes "assumed" with its plan at bind; the device plugin's
 # reconciler writes "allocated" with the pod's actual GPUs (from the kubelet's PodResources) after admission
 STATE_ASSUMED = "assumed"
@@ -122,6 +135,8 @@ ENV_QUOTA_FILE = "VRAMSHARE_QUOTA_FILE"
 CONTAINER_QUOTA_DIR = "/var/run/vramshare"
 QUOTA_FILE_NAME = "quota.json"
 HOST_QUOTA_ROOT = "/var/lib/vramshare/quota"
+#: the host's cgroup v2 tree, where driver mode finds other containers' cgroups (mounted at the same path)
+HOST_CGROUP_ROOT = "/sys/fs/cgroup"
 
 # kubelet paths and protocol constants
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"

@@ -30,6 +30,7 @@ from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import SlicePublisher, SliceWatch
 from deviceplugin.metrics import MetricsServer
 from deviceplugin.node_state import NodeState, Snapshot
+from deviceplugin.quota import rights
 from deviceplugin.serve import serve, spawn
 from vramshare import contract, kube, logs
 from vramshare.config import Config, ConfigError, load_config
@@ -57,6 +58,7 @@ class DraPluginDaemon:
                  plugin_dir: str, registry_dir: str, metrics_port: int = 0, retry_seconds: float = 5.0,
                  resync_seconds: float = 300.0) -> None:
         self.backend = backend
+        rights.check(config, api)  # overLimitAction: evict needs the eviction right; raises RightRefused
         self.state = NodeState(backend.discover(), config, dra=True)
         self.node = node_name
         self.publisher = SlicePublisher(api, node_name, config.names)
@@ -178,6 +180,7 @@ class DraPluginDaemon:
         self._dirty.set()
 
     def reload(self, config: Config) -> None:
+        rights.check(config, self._api, running=self.state.snapshot.config)  # RightRefused: the reload is refused
         self.state.on_config(config)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         daemon = DraPluginDaemon(_backend(args, PluginMetrics()), config, api, args.node_name,
                                  plugin_dir=plugin_dir, registry_dir=args.registry_dir,
                                  metrics_port=args.metrics_port)
-    except BackendError as exc:
+    except (BackendError, rights.RightRefused) as exc:
         print(f"vramshare dra-plugin: {exc}", file=sys.stderr)
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ)

@@ -22,7 +22,7 @@ from deviceplugin.quota.model import Phase
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader
 from deviceplugin.quota.telemetry import NvmlProcessReader, UsageReader
-from vramshare import logs
+from vramshare import contract, logs
 from vramshare.config import DEFAULT_CLASS, Config
 from vramshare.inventory import EnforcementMode
 
@@ -31,7 +31,7 @@ log = logs.get("vramshare.quota.service")
 
 def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callable[[], Mapping[str, int]],
                *, nvml: Any | None = None, dcgm_url: str | None = None,
-               mode: EnforcementMode = EnforcementMode.COOPERATIVE, cgroup_root: str = "/sys/fs/cgroup",
+               mode: EnforcementMode = EnforcementMode.COOPERATIVE, cgroup_root: str = contract.HOST_CGROUP_ROOT,
                process_attribution: bool | None = None, usage: list[UsageReader] | None = None,
                tenants: Any | None = None) -> QuotaLoop:
     """A loop reading per-container use, then dcgm-exporter at ``dcgm_url`` (when given), and vLLM metrics.

@@ -222,12 +222,40 @@ def granted_rights(role: dict[str, Any]) -> set[tuple[str, str]]:
     return {(r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]}
 
 
+#: rights the node plugins' code calls that only an opt-in component grants (issue 17: the eviction
+#: right only where overLimitAction: evict is configured): right -> deploy/components/<name>
+OPT_IN = {("pods/eviction", "create"): "over-limit-evict"}
+COMPONENTS = ROOT / "deploy" / "components"
+
+
+def _component_docs(name: str) -> list[tuple[str, int, dict[str, Any]]]:
+    return [(str(p.relative_to(COMPONENTS)), i, d) for p in sorted((COMPONENTS / name).glob("*.yaml"))
+            if p.name != "kustomization.yaml" for i, d in enumerate(yaml.safe_load_all(p.read_text())) if d]
+
+
 def test_device_plugin_rbac_is_exactly_what_its_code_calls():
     used = used_rights(ROOT / "deviceplugin")
     assert used, "no Kubernetes API call found in deviceplugin/: the scan is broken"
     granted = granted_rights(_one("ClusterRole", "vramshare-device-plugin"))
     assert granted - used == set(), "granted but never called: remove from rbac-device-plugin.yaml"
-    assert used - granted == set(), "called but not granted: add to rbac-device-plugin.yaml"
+    assert used - granted == set(OPT_IN), "called but not granted: add to rbac-device-plugin.yaml"
+
+
+def test_the_eviction_right_is_only_in_its_opt_in_component():
+    """Issue 17 item 15: the default ClusterRoles granted pods/eviction create whatever overLimitAction said."""
+    for _, _, doc in ALL_DOCS:
+        if doc.get("kind") in {"ClusterRole", "Role"}:
+            assert not set(OPT_IN) & granted_rights(doc), f"{doc['metadata']['name']} grants an opt-in right"
+    for right, component in OPT_IN.items():
+        docs = _component_docs(component)
+        [role] = [d for _, _, d in docs if d["kind"] == "ClusterRole"]
+        assert granted_rights(role) == {right}
+        [binding] = [d for _, _, d in docs if d["kind"] == "ClusterRoleBinding"]
+        assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        assert {s["name"] for s in binding["subjects"]} == {"vramshare-device-plugin", "vramshare-dra-plugin"}
+        for _, _, doc in docs:
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(doc, version, strict=True)
     assert {g for rule in _one("ClusterRole", "vramshare-device-plugin")["rules"] for g in rule["apiGroups"]} == {""}
 
 
@@ -323,7 +351,7 @@ def test_dra_plugin_rbac_is_exactly_what_its_code_calls():
     role = _one("ClusterRole", "vramshare-dra-plugin", DRA_DOCS)
     granted = granted_rights(role)
     assert granted - used == set(), "granted but never called: remove from dra/rbac-dra-plugin.yaml"
-    assert used - granted == set(), "called but not granted: add to dra/rbac-dra-plugin.yaml"
+    assert used - granted == set(OPT_IN), "called but not granted: add to dra/rbac-dra-plugin.yaml"
     for rule in role["rules"]:
         want = {"resource.k8s.io" if r.startswith("resource") else "" for r in rule["resources"]}
         assert set(rule["apiGroups"]) == want, rule

@@ -48,12 +48,36 @@ def test_asked_modes_that_the_node_honours():
     assert choose(EnforcementMode.COOPERATIVE, DRIVER_OK).mode is EnforcementMode.COOPERATIVE  # never refused
 
 
+CAP_SYS_ADMIN = 1 << 21
+AS_DEPLOYED_BY_DEFAULT = 0  # capabilities: drop: [ALL]
+
+
+def _status(tmp_path, cap_eff: int) -> str:
+    """A /proc/self/status with the given effective capability set."""
+    path = tmp_path / f"status-{cap_eff:x}"
+    path.write_text(f"Name:\tvramshare\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff:016x}\n")
+    return str(path)
+
+
 @pytest.fixture
-def cgroup_v2(tmp_path):
+def own_cgroup_ns(tmp_path):
+    """/sys/fs/cgroup as an unprivileged container sees it: cgroup v2, its own namespace (no kubepods)."""
     root = tmp_path / "cgroup"
     root.mkdir()
     (root / "cgroup.controllers").write_text("cpu memory dmem\n")
     return str(root)
+
+
+@pytest.fixture
+def cgroup_v2(own_cgroup_ns):
+    """The host's cgroup v2 tree, as the driver-enforcement variant mounts it."""
+    os.makedirs(os.path.join(own_cgroup_ns, "kubepods.slice"))
+    return own_cgroup_ns
+
+
+@pytest.fixture
+def privileged(tmp_path):
+    return _status(tmp_path, CAP_SYS_ADMIN | 0x1)
 
 
 def _nvml(version: str, gpus=(H100_80GB,)) -> FakeNvml:
@@ -63,20 +87,23 @@ def _nvml(version: str, gpus=(H100_80GB,)) -> FakeNvml:
     return nv
 
 
-def test_probe_on_an_r615_node_with_cgroup_v2(cgroup_v2):
-    facts = probe(_nvml("615.20.01"), EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid])
+def test_probe_on_an_r615_node_with_cgroup_v2(cgroup_v2, privileged):
+    facts = probe(_nvml("615.20.01"), EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid],
+                proc_status=privileged)
     assert facts.driver_problem() is None and choose(None, facts).mode is EnforcementMode.DRIVER
 
 
-def test_probe_finds_each_driver_failure(cgroup_v2, tmp_path):
-    old = probe(_nvml("580.95.05"), EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid])
+def test_probe_finds_each_driver_failure(cgroup_v2, tmp_path, privileged):
+    old = probe(_nvml("580.95.05"), EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid],
+                proc_status=privileged)
     assert "older than R615" in old.driver_problem() and "FunctionNotFound" in old.memory_limits_problem
     mig = probe(_nvml("615.20.01", (A100_80GB_MIG,)), EnforcementConfig(), cgroup_root=cgroup_v2,
-                shared_uuids=[A100_80GB_MIG.uuid])
+                shared_uuids=[A100_80GB_MIG.uuid], proc_status=privileged)
     assert "NotSupported" in mig.driver_problem()
     unprivileged = _nvml("615.20.01")
     unprivileged.privileged = False
-    denied = probe(unprivileged, EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid])
+    denied = probe(unprivileged, EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid],
+                proc_status=privileged)
     assert "NoPermission" in denied.driver_problem() and "privileged" in denied.driver_problem()
     v1 = probe(_nvml("615.20.01"), EnforcementConfig(), cgroup_root=str(tmp_path), shared_uuids=[H100_80GB.uuid])
     assert "cgroup v1" in v1.driver_problem()
@@ -84,9 +111,10 @@ def test_probe_finds_each_driver_failure(cgroup_v2, tmp_path):
         choose(EnforcementMode.DRIVER, denied)
 
 
-def test_probe_writes_the_root_limits_back_unchanged(cgroup_v2):
+def test_probe_writes_the_root_limits_back_unchanged(cgroup_v2, privileged):
     nv = _nvml("615.20.01")
-    probe(nv, EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid])
+    probe(nv, EnforcementConfig(), cgroup_root=cgroup_v2, shared_uuids=[H100_80GB.uuid],
+                proc_status=privileged)
     assert nv.limits[(H100_80GB.uuid, "/")] == (0, nv.NVML_DEVICE_MEMORY_LIMIT_MAX)
 
 
@@ -99,6 +127,41 @@ def test_mps_is_found_by_its_control_pipe_and_shared_memory(tmp_path):
     assert "shared-memory" in probe(None, cfg, cgroup_root=str(tmp_path)).mps_problem
     shm.mkdir()
     assert choose(None, probe(None, cfg, cgroup_root=str(tmp_path))).mode is EnforcementMode.MPS
+
+
+# -- issue 17 item 7: driver mode as deployed ---------------------------------------------------------
+@pytest.mark.parametrize("lacks", ["capability", "host-cgroups", "both"])
+def test_a_plugin_without_the_privilege_or_the_host_cgroups_does_not_advertise_driver(
+        lacks, tmp_path, own_cgroup_ns, privileged):
+    """The default DaemonSet drops every capability and sees its own cgroup namespace: on an R615 node
+    auto must not pick driver (its first limit move would fail), and an explicit driver is refused."""
+    cgroups = own_cgroup_ns if lacks in ("host-cgroups", "both") else str(tmp_path / "host")
+    if lacks == "capability":
+        os.makedirs(os.path.join(cgroups, "kubepods.slice"))
+        (tmp_path / "host" / "cgroup.controllers").write_text("cpu memory dmem\n")
+    status = privileged if lacks == "host-cgroups" else _status(tmp_path, AS_DEPLOYED_BY_DEFAULT)
+    facts = probe(_nvml("615.20.01"), EnforcementConfig(), cgroup_root=cgroups, shared_uuids=[H100_80GB.uuid],
+                  proc_status=status)
+    chosen = choose(None, facts)
+    assert chosen.mode is EnforcementMode.COOPERATIVE
+    [(mode, why), _mps] = chosen.skipped
+    assert mode is EnforcementMode.DRIVER and "deploy/components/driver-enforcement" in why
+    assert ("CAP_SYS_ADMIN" if lacks != "host-cgroups" else "no kubepods cgroup") in why
+    with pytest.raises(EnforcementRefused, match="enforcement.mode driver refused: .*driver-enforcement"):
+        choose(EnforcementMode.DRIVER, facts)
+
+
+def test_the_fallback_and_its_reason_are_in_the_metrics(tmp_path):
+    lacking = NodeFacts("615.20.01", True, "not probed", "no MPS control pipe", "this container lacks CAP_SYS_ADMIN")
+    daemon = DevicePluginDaemon(_backend(lacking), Config(), str(tmp_path))
+    try:
+        scrape = generate_latest(daemon.metrics.registry).decode()
+        assert 'vramshare_enforcement_mode{mode="cooperative"} 1.0' in scrape
+        assert 'vramshare_enforcement_unavailable{mode="driver",reason="this container lacks CAP_SYS_ADMIN"} 1.0' in scrape
+    finally:
+        daemon.close()
+    with pytest.raises(EnforcementRefused, match="lacks CAP_SYS_ADMIN"):
+        DevicePluginDaemon(_backend(lacking), Config(enforcement=EnforcementConfig(mode="driver")), str(tmp_path))
 
 
 def _pinned(mode: EnforcementMode) -> Config:

@@ -179,3 +179,23 @@ def test_a_pod_claim_goes_from_template_to_container_environment(env):
         assert daemon.preparer.prepared() == {} and not list((tmp / "cdi").iterdir())
         claims = api.objects(RESOURCECLAIMS)
         assert len(claims) == 3 and all(c["status"]["allocation"] for c in claims)
+
+
+def test_evict_without_the_eviction_right_is_refused_at_start_and_on_reload(env):
+    """Issue 17 item 15: the DRA plugin's quota loop evicts only with deploy/components/over-limit-evict."""
+    from deviceplugin.quota import rights
+    from vramshare.config import EnforcementConfig, OverLimitAction
+    api, http, tmp, sockets = env
+    api.access.deny("create", "pods", "eviction")
+    base = dra_config(tmp)
+    evict = dataclasses.replace(base, enforcement=EnforcementConfig(over_limit_action=OverLimitAction.EVICT))
+    with pytest.raises(rights.RightRefused, match="over-limit-evict"):
+        DraPluginDaemon(SimulatedBackend.demo(), evict, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
+                        registry_dir=f"{sockets}/registry")
+    daemon = start(env)
+    try:
+        with pytest.raises(rights.RightRefused):
+            daemon.reload(evict)
+        assert daemon.state.snapshot.config.enforcement.over_limit_action is OverLimitAction.EVENT
+    finally:
+        daemon.close()

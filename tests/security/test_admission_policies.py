@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given, settings, strategies as st
 
 from tests.extender import builders as b
-from tests.security.admission import ROOT, Request, admit, load
+from tests.security.admission import ROOT, Request, _eval as cel_eval, admit, load
 from vramshare import contract
 
 N = contract.Names()
@@ -65,13 +65,41 @@ def test_the_names_in_the_policies_are_the_deployed_ones() -> None:
     sched = yaml.safe_load(yaml.safe_load((ROOT / "deploy/daemonset/scheduler-config.yaml").read_text())
                            ["data"]["scheduler-config.yaml"])
     assert sched["profiles"][0]["schedulerName"] == "vramshare-scheduler"
-    # The annotations users write (contract "written by users") are exactly the exempt ones.
+
+
+def _user_owned(resource: str) -> list[str]:
+    """The policy's ``userOwned`` variable, evaluated by CEL as the API server would for ``resource``."""
     policies, _ = load()
-    var = next(v for v in policies["vramshare-protect-annotations"]["spec"]["variables"] if v["name"] == "userOwned")
-    for name in (N.gpu_count, N.gpu_models, N.policy):
-        assert f"'{name}'" in var["expression"]
-    for name in (N.assignment, N.assume_time, N.allocation_state, N.quota_mib):
-        assert f"'{name}'" not in var["expression"]
+    spec = policies["vramshare-protect-annotations"]["spec"]
+    ctx = Request("CREATE", resource, USER, bound("n1")).context()
+    ctx["variables"] = {}
+    for var in spec["variables"]:
+        ctx["variables"][var["name"]] = cel_eval(var["expression"], ctx)
+        if var["name"] == "userOwned":
+            return list(ctx["variables"]["userOwned"])
+    raise AssertionError("vramshare-protect-annotations has no userOwned variable")
+
+
+def test_the_users_annotations_are_exactly_the_contracts_one_list() -> None:
+    """Issue 17: the exempt list was spelled by hand (three names) and refused README's quota-class."""
+    assert sorted(_user_owned("pods")) == sorted(N.user_annotations())
+    assert _user_owned("nodes") == []
+    written_by_vramshare = {N.assignment, N.assume_time, N.allocation_state, N.quota_mib, N.over_limit, N.inventory}
+    assert not written_by_vramshare & set(N.user_annotations())
+
+
+@pytest.mark.parametrize("key", N.user_annotations())
+def test_users_set_change_and_remove_each_of_their_annotations(key: str) -> None:
+    pod = gpu_pod()
+    pod["metadata"]["annotations"] = {key: "1"}
+    assert admit(Request("CREATE", "pods", USER, pod)) == []
+    assert admit(Request("UPDATE", "pods", USER, with_ann(pod, **{key: "2"}), pod)) == []
+    assert admit(Request("UPDATE", "pods", USER, with_ann(pod, **{key: None}), pod)) == []
+
+
+def test_a_refusal_names_what_users_may_write() -> None:
+    [msg] = admit(Request("CREATE", "pods", USER, with_ann(gpu_pod(), assignment="{}")))
+    assert msg.endswith("users may set only " + ", ".join(N.user_annotations()))
 
 
 # -- 1. GPU pods go through the vramshare scheduler ------------------------------------------------
@@ -225,7 +253,7 @@ def test_only_device_plugins_write_the_node_inventory() -> None:
     assert admit(Request("UPDATE", "nodes", "system:node:n1", kubelet, node)) == []
 
 
-KEYS = st.sampled_from([N.gpu_count, N.gpu_models, N.policy, N.assignment, N.assume_time, N.allocation_state,
+KEYS = st.sampled_from([*N.user_annotations(), N.assignment, N.assume_time, N.allocation_state,
                         N.quota_mib, f"{N.domain}/future-key", "example.com/a", "app.kubernetes.io/b"])
 ANNS = st.dictionaries(KEYS, st.sampled_from(["1", "2", "x"]), max_size=6)
 
@@ -233,7 +261,7 @@ ANNS = st.dictionaries(KEYS, st.sampled_from(["1", "2", "x"]), max_size=6)
 @settings(max_examples=150, deadline=None)
 @given(old=ANNS, new=ANNS, who=st.sampled_from([USER, EXT, DP, "system:node:n1"]))
 def test_annotation_writes_follow_one_rule(old: dict[str, str], new: dict[str, str], who: str) -> None:
-    """Oracle: a change to a vramshare.io/* key outside the user-owned three is allowed to the
+    """Oracle: a change to a vramshare.io/* key outside the users' list is allowed to the
     extender and the device plugin only (the device plugin also only on its node, and only ours)."""
     before = bound("n1")
     before["metadata"]["annotations"] = dict(old)
@@ -241,7 +269,7 @@ def test_annotation_writes_follow_one_rule(old: dict[str, str], new: dict[str, s
     after["metadata"]["annotations"] = dict(new)
     changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
     ours = {k for k in changed if k.startswith(f"{N.domain}/")}
-    protected = ours - {N.gpu_count, N.gpu_models, N.policy}
+    protected = ours - set(N.user_annotations())
     if who == DP:
         allowed = changed == ours
     elif who == EXT:

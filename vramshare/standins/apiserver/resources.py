@@ -43,8 +43,11 @@ RESOURCECLAIMS = ResourceType("/apis/resource.k8s.io/v1", "resourceclaims", "Res
 RESOURCECLAIMTEMPLATES = ResourceType("/apis/resource.k8s.io/v1", "resourceclaimtemplates", "ResourceClaimTemplate",
                                       namespaced=True)
 DEVICECLASSES = ResourceType("/apis/resource.k8s.io/v1", "deviceclasses", "DeviceClass", namespaced=False)
+# POST-only: the answer is computed (access.py), never stored
+SELFSUBJECTACCESSREVIEWS = ResourceType("/apis/authorization.k8s.io/v1", "selfsubjectaccessreviews",
+                                        "SelfSubjectAccessReview", namespaced=False)
 RESOURCE_TYPES: tuple[ResourceType, ...] = (NODES, PODS, EVENTS, EVENTS_V1, CONFIGMAPS, BINDINGS, RESOURCESLICES,
-                                            RESOURCECLAIMS, RESOURCECLAIMTEMPLATES, DEVICECLASSES)
+                                            RESOURCECLAIMS, RESOURCECLAIMTEMPLATES, DEVICECLASSES, SELFSUBJECTACCESSREVIEWS)
 
 
 @dataclass(frozen=True)

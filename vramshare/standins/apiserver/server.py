@@ -21,7 +21,8 @@ from vramshare import logs
 from . import errors
 from .errors import ApiError
 from .patches import is_apply
-from .resources import BINDINGS, PODS, Route, route
+from .access import AccessRules
+from .resources import BINDINGS, PODS, SELFSUBJECTACCESSREVIEWS, Route, route
 from .selectors import parse_selector
 from .store import Store
 from .traffic import FaultPlan, RequestLog, RequestRecord
@@ -37,9 +38,11 @@ class ApiHttpServer(ThreadingHTTPServer):
     request_queue_size = 512  # a storm of concurrent clients must not hit a tiny listen backlog
 
     def __init__(self, store: Store, hub: WatchHub, request_log: RequestLog, faults: FaultPlan,
-                 graceful_pod_deletion: bool, host: str = "127.0.0.1", port: int = 0) -> None:
+                 graceful_pod_deletion: bool, host: str = "127.0.0.1", port: int = 0,
+                 access: AccessRules | None = None) -> None:
         super().__init__((host, port), _Handler)
         self.store, self.hub, self.request_log, self.faults = store, hub, request_log, faults
+        self.access = access if access is not None else AccessRules()
         self.graceful_pod_deletion = graceful_pod_deletion
         self._connections: set[socket.socket] = set()
         self._connections_changed = threading.Condition()
@@ -155,6 +158,10 @@ class _Handler(BaseHTTPRequestHandler):
         dry_run = query.get("dryRun") == "All"
         if rtype.namespaced and where.name is not None and where.namespace is None:
             raise ApiError(404, "NotFound", f"{rtype.plural} need a namespace in the path")
+        if rtype is SELFSUBJECTACCESSREVIEWS:
+            if verb != "POST" or where.name is not None:
+                raise errors.method_not_allowed(verb, self.path)
+            return self._send_json(201, self.server.access.review(_json(body_bytes)))
         if rtype is BINDINGS:
             if verb != "POST" or where.name is not None or where.namespace is None:
                 raise errors.method_not_allowed(verb, self.path)
