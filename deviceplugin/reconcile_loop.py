@@ -5,7 +5,13 @@ plugin first learns what the kubelet already handed out), then every ``interval`
 after each Allocate. The decisions are :func:`deviceplugin.reconcile.plan`'s; this module only does
 the I/O and says what happened. Without PodResources (no socket configured, or it does not answer)
 it refuses to guess: the pods keep the extender's plan as ``assumed``, the metric
-``vramshare_deviceplugin_pod_resources_up`` is 0 and the log says why. Allocate never depends on it.
+``vramshare_deviceplugin_pod_resources_up`` is 0 and the log says why. While it is down Allocate
+grants only what the books will still be right about (:attr:`Reconciler.recording` is False, see
+:mod:`deviceplugin.allocator`).
+
+PodResources lists one entry per device ID; :func:`deviceplugin.reconcile.plan` groups them. It has no
+pod UID: the stamps and owners of the allocation directories (:meth:`QuotaFiles.allocations`) decide
+whose a listed allocation is, and each new attribution is recorded (:meth:`QuotaFiles.attribute`).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from deviceplugin import reconcile
+from deviceplugin import quota_files, reconcile
 from deviceplugin.kube_adapter import Conflict, DirectoryError, Gone
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
@@ -66,6 +72,7 @@ class Reconciler:
         self._lock = threading.Lock()
         self._owners: dict[str, reconcile.Owner] = {}
         self._said_unavailable = False
+        self._up = False  # the last round had PodResources' answer
         self._warned: set[str] = set()
         self.alloc_dir_ttl_s = ALLOC_DIR_TTL_S
         self.rounds = 0
@@ -74,6 +81,11 @@ class Reconciler:
         """Allocation key (quota directory name under ``_alloc``) -> the pod container holding it."""
         with self._lock:
             return dict(self._owners)
+
+    @property
+    def recording(self) -> bool:
+        """Whether the last round read PodResources (the actual GPUs of each pod get recorded)."""
+        return self._up
 
     def wake(self) -> None:
         self._wake.set()
@@ -94,6 +106,7 @@ class Reconciler:
         except PodResourcesError as exc:
             self._unavailable(str(exc))
             return
+        self._up = True
         out.pod_resources = True
         if self._said_unavailable:
             log.info("PodResources answers again, reconciling")
@@ -101,8 +114,19 @@ class Reconciler:
         snap = self._state.snapshot
         devices = {d.id: d for devs in snap.devices.values() for d in devs}
         pods = self._pods.pods() if self._pods is not None else []
-        plan = reconcile.plan(held, pods, devices, snap.config.names, self._node, snap.inventory.unit_mib)
+        keys = {quota_files.allocation_key(ids) for e in reconcile.group(held).values() for ids in e.values()}
+        plan = reconcile.plan(held, pods, devices, snap.config.names, self._node, snap.inventory.unit_mib,
+                              self._quota.allocations(keys))
+        for key, (uid, stamp) in sorted(plan.attributions.items()):
+            try:
+                self._quota.attribute(key, uid, stamp)
+            except (OSError, ValueError) as exc:
+                log.warning("cannot record whose allocation this is", pod_uid=uid, allocation=key, error=str(exc))
         out.waiting, out.in_sync = plan.waiting, plan.in_sync
+        for key, why in sorted(plan.waiting.items()):
+            if why != reconcile.NOT_CACHED and "admission in progress" not in why and f"{key}\0{why}" not in self._warned:
+                self._warned.add(f"{key}\0{why}")
+                log.warning("pod not reconciled", pod=key, reason=why)
         for key, hidden in plan.unlisted.items():
             if key in self._warned:
                 continue
@@ -143,7 +167,7 @@ class Reconciler:
                 continue
             try:
                 changed += self._quota.link(uid, container, key)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: a UID or name that would leave the root
                 log.warning("cannot link quota directory", pod_uid=uid, container=container, error=str(exc))
         try:
             gone = self._quota.prune_allocations(plan.held_keys, self.alloc_dir_ttl_s)
@@ -157,6 +181,7 @@ class Reconciler:
         return changed
 
     def _unavailable(self, why: str) -> None:
+        self._up = False
         self._metrics.reconciled("unavailable", False)
         if not self._said_unavailable:
             log.warning("PodResources unavailable: pods keep the extender's plan (assumed), nothing is guessed; "
