@@ -31,7 +31,8 @@ log = logs.get(__name__)
 
 DEBOUNCE_S = 0.05  # after an Allocate the kubelet records the devices a moment later
 FOLLOW_UP_S, FOLLOW_UPS = 0.2, 5  # re-rounds while a just-allocated pod is still mid-admission
-ALLOC_DIR_TTL_S = 600.0  # an allocation directory nobody holds is removed after this long untouched
+ALLOC_DIR_TTL_S = 600.0
+UNCONFIRMED = "cannot confirm"  # an allocation directory nobody holds is removed after this long untouched
 
 
 class HeldSource(Protocol):
@@ -46,6 +47,8 @@ class PodView(Protocol):
 
 class Patcher(Protocol):
     def apply(self, patch: reconcile.Patch) -> Mapping[str, Any]: ...
+
+    def uid_of(self, namespace: str, name: str) -> str | None: ...
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Reconciler:
         keys = {quota_files.allocation_key(ids) for e in reconcile.group(held).values() for ids in e.values()}
         plan = reconcile.plan(held, pods, devices, snap.config.names, self._node, snap.inventory.unit_mib,
                               self._quota.allocations(keys))
+        self._confirm(plan)
         for key, (uid, stamp) in sorted(plan.attributions.items()):
             try:
                 self._quota.attribute(key, uid, stamp)
@@ -138,6 +142,31 @@ class Reconciler:
         for patch in plan.patches if self._patcher is not None else ():
             self._apply(patch, out)
         self._metrics.reconciled("error" if out.failed else "ok", True)
+
+    def _confirm(self, plan: reconcile.Plan) -> None:
+        """Before a new allocation is tied to a pod UID for good, ask the API server whose the name is
+        *now* (the cache may still show a pod deleted and recreated since; PodResources has no UID).
+        A UID the API no longer has under that name gets nothing this round: no record, link or patch."""
+        if self._patcher is None or not plan.attributions:
+            return
+        wrong: dict[str, str] = {}
+        for key, (uid, _) in sorted(plan.attributions.items()):
+            owner = plan.owners.get(key)
+            if owner is None or uid in wrong:
+                continue
+            try:
+                now = self._patcher.uid_of(owner.namespace, owner.pod)
+            except DirectoryError as exc:
+                wrong[uid] = f"{UNCONFIRMED} pod UID {uid} with the API server ({exc}); next round retries"
+                continue
+            if now != uid:
+                wrong[uid] = (f"the API server has {owner.namespace}/{owner.pod} as {now or 'nothing'}, not {uid} "
+                              "(the pod cache is behind a delete and re-create); next round decides again")
+        if not wrong:
+            return
+        reconcile.drop_unconfirmed(plan, wrong)
+        for why in sorted(set(wrong.values())):
+            log.warning("allocation not tied to a pod yet", reason=why)
 
     def _apply(self, patch: reconcile.Patch, out: Round) -> None:
         key = patch.pod.key
@@ -173,8 +202,8 @@ class Reconciler:
             gone = self._quota.prune_allocations(plan.held_keys, self.alloc_dir_ttl_s)
             if gone:
                 log.info("removed quota directories no container holds", count=gone)
-            if any(why == reconcile.NOT_CACHED for why in plan.waiting.values()):
-                return changed  # a pod the cache has not seen may still own a link: prune next round
+            if any(why == reconcile.NOT_CACHED or why.startswith(UNCONFIRMED) for why in plan.waiting.values()):
+                return changed  # a pod the cache has not seen (or not confirmed) may still own a link: prune next round
             self._quota.prune_links(set(plan.links))
         except OSError as exc:
             log.warning("cannot prune quota directories", error=str(exc))

@@ -193,6 +193,45 @@ def test_issue17_item2_a_pod_recreated_under_its_name_never_takes_the_old_pods_g
         assert actual(api, "web-0")[1] == {"c": [{"uuid": "GPU-bbbb", "mib": 1024}]}
 
 
+class _Api:
+    """The API server as the reconciler's patcher sees it: the name's UID now, patches recorded."""
+
+    def __init__(self, uid: str) -> None:
+        self.uid, self.patches = uid, []
+
+    def uid_of(self, namespace: str, name: str) -> str | None:
+        return self.uid
+
+    def apply(self, patch: Any) -> dict:
+        self.patches.append(patch)
+        return {}
+
+
+def test_issue17_item2_a_pod_cache_behind_a_forced_recreate_ties_nothing_to_the_old_uid(tmp_path):
+    """Old code linked the stale cache's UID (a pod force-deleted and made again, the watch not there yet)
+    to the new pod's allocation, and recorded it as the old pod's."""
+    root = str(tmp_path / "q")
+    config = Config(quota_host_dir=root)
+    state = NodeState([DiscoveredGpu(0, "GPU-aaaa", "H100", 16 * 1024)], config)
+    quota = QuotaFiles(root, config.quota)
+    ids = units("GPU-aaaa", 3)
+    Allocator(state, quota, PluginMetrics(), "n1").allocate(MEM, ids)  # the new pod's container
+    stale = {"metadata": {"name": "web-0", "namespace": "ns", "uid": "uid-old", "resourceVersion": "1",
+                          "annotations": {}},
+             "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": {MEM: "1"}}}]}}
+    api = _Api("uid-new")
+    pods = _Pods([stale])
+    rec = Reconciler(state, "n1", quota, PluginMetrics(), _Listing([Held("ns", "web-0", "c", MEM, tuple(ids))]),
+                     pods, api)
+    rec.run_once()
+    assert not os.path.lexists(os.path.join(root, "uid-old")), "the old UID was linked to the new pod's allocation"
+    assert api.patches == []
+    pods._pods = [{**stale, "metadata": {**stale["metadata"], "uid": "uid-new"}}]  # the watch catches up
+    rec.run_once()
+    assert os.path.realpath(os.path.join(root, "uid-new", "c")) == os.path.realpath(quota.allocation_dir(ids))
+    assert [p.pod.uid for p in api.patches] == ["uid-new"]
+
+
 # -- item 11 (node part): UIDs never leave the quota root --------------------------------------------------
 class _Listing:
     def __init__(self, held: list[Held]) -> None:
