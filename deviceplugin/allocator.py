@@ -109,6 +109,7 @@ class Allocator:
         with self._lock:
             try:
                 self._quota.write_initial(quota_dir, shares)
+                self._quota.stamp(quota_dir)  # PodResources has no UID: whose this Allocate is, is decided later
             except (OSError, ValueError) as exc:
                 why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
                 raise Refusal(RefusalKind.PRECONDITION, f"cannot write quota file under {quota_dir}: {why}") from None

@@ -88,14 +88,18 @@ class QuotaFiles:
         """Create ``directory`` and its first ``quota.json``; return the directory (the mount source).
 
         A repeated Allocate of the same IDs rewrites the grant (the generation still grows), so a
-        directory left by an earlier holder of the same IDs never carries its old limits; the stamp
-        is renewed, so no earlier attribution applies to this Allocate. ``_alloc`` and ``directory``
-        must be real directories inside the root (``OSError`` otherwise: Allocate refuses, saying why)."""
+        directory left by an earlier holder of the same IDs never carries its old limits. ``_alloc``
+        and ``directory`` must be real directories inside the root (``OSError`` otherwise: Allocate
+        refuses, saying why)."""
         self._real_dir(os.path.join(self.root, ALLOC_DIR), "quota allocation root")
         self._real_dir(directory, "quota directory")
         writer.write_quota(directory, initial_quota(shares, self.quota), root=self.root)
-        self._write_small(directory, STAMP_FILE, str(time.time_ns()))
         return directory
+
+    def stamp(self, directory: str) -> None:
+        """Record that an Allocate made ``directory`` now: a new stamp, so no earlier attribution of
+        these IDs applies to this one (:meth:`allocations`)."""
+        self._write_small(directory, STAMP_FILE, str(time.time_ns()))
 
     @staticmethod
     def _write_small(directory: str, name: str, text: str) -> None:
