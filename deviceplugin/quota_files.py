@@ -193,6 +193,22 @@ class QuotaFiles:
                 pass
         return removed
 
+    def link_targets(self) -> set[str]:
+        """Allocation keys some ``<uid>/<container>`` link still leads to (never pruned under it)."""
+        out: set[str] = set()
+        for uid in _listdir(self.root):
+            pod_dir = os.path.join(self.root, uid)
+            if uid.startswith("_") or os.path.islink(pod_dir) or not os.path.isdir(pod_dir):
+                continue
+            for container in _listdir(pod_dir):
+                try:
+                    target = os.readlink(os.path.join(pod_dir, container))
+                except OSError:
+                    continue
+                if os.path.dirname(target) == os.path.join("..", ALLOC_DIR):
+                    out.add(os.path.basename(target))
+        return out
+
     def prune_allocations(self, held: AbstractSet[str], min_age_s: float) -> int:
         """Remove allocation directories no container holds any more (by PodResources) and untouched for
         ``min_age_s`` (an Allocate the kubelet has not listed yet is younger); returns how many."""
@@ -212,3 +228,10 @@ class QuotaFiles:
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
         return removed
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []

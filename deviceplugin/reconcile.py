@@ -50,6 +50,7 @@ from vramshare.podspec import PodSpecError, pod_demand
 
 
 NOT_CACHED = "not in the pod cache yet"
+REFUSED = "nothing is linked or recorded for it"  # a UID or name that would leave the quota root
 CLOCK_SKEW_S = 5.0  # how far the node's clock may be behind the API server's (creationTimestamp)
 
 
@@ -284,7 +285,7 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
         try:
             safe_component(uid, "pod UID")
         except UnsafePathError as exc:
-            out.waiting[key] = f"{exc}: nothing is linked or recorded for it"
+            out.waiting[key] = f"{exc}: {REFUSED}"
             continue
         created, terminating = created_s(meta), bool(meta.get("deletionTimestamp"))
         mine: list[Entry] = []

@@ -130,7 +130,7 @@ class Reconciler:
         for key, why in sorted(plan.waiting.items()):
             if why != reconcile.NOT_CACHED and "admission in progress" not in why and f"{key}\0{why}" not in self._warned:
                 self._warned.add(f"{key}\0{why}")
-                log.warning("pod not reconciled", pod=key, reason=why)
+                (log.warning if reconcile.REFUSED in why else log.info)("pod not reconciled", pod=key, reason=why)
         for key, hidden in plan.unlisted.items():
             if key in self._warned:
                 continue
@@ -199,12 +199,13 @@ class Reconciler:
             except (OSError, ValueError) as exc:  # ValueError: a UID or name that would leave the root
                 log.warning("cannot link quota directory", pod_uid=uid, container=container, error=str(exc))
         try:
-            gone = self._quota.prune_allocations(plan.held_keys, self.alloc_dir_ttl_s)
+            # links first, then directories, and never a directory a link still leads to: a link whose
+            # pod the cache has not seen (or not confirmed) stays, and so does what it points at
+            if not any(why == reconcile.NOT_CACHED or why.startswith(UNCONFIRMED) for why in plan.waiting.values()):
+                self._quota.prune_links(set(plan.links))
+            gone = self._quota.prune_allocations(plan.held_keys | self._quota.link_targets(), self.alloc_dir_ttl_s)
             if gone:
                 log.info("removed quota directories no container holds", count=gone)
-            if any(why == reconcile.NOT_CACHED or why.startswith(UNCONFIRMED) for why in plan.waiting.values()):
-                return changed  # a pod the cache has not seen (or not confirmed) may still own a link: prune next round
-            self._quota.prune_links(set(plan.links))
         except OSError as exc:
             log.warning("cannot prune quota directories", error=str(exc))
         return changed
