@@ -368,3 +368,17 @@ def test_issue17_item14_a_generation_of_int64_max_is_never_written_past_int64(tm
     assert json.loads((d / contract.QUOTA_FILE_NAME).read_text())["generation"] <= 2**63 - 1
     written = writer.write_quota(str(d), writer.QuotaFile(generation=2**70))
     assert written.generation <= 2**63 - 1
+
+
+def test_issue17_item14_the_quota_loops_write_never_follows_a_link_out_of_the_quota_root(tmp_path):
+    """A ``<uid>/<container>`` link planted to lead outside the root: the writer refuses, the target stays
+    empty (old code wrote ``quota.json`` there)."""
+    root = tmp_path / "q"
+    outside = tmp_path / "elsewhere"
+    (root / "uid-1").mkdir(parents=True)
+    outside.mkdir()
+    os.symlink(str(outside), str(root / "uid-1" / "c"))
+    with pytest.raises(ValueError):
+        writer.write_quota(writer.container_dir(str(root), "uid-1", "c"),
+                           writer.QuotaFile(gpus=(writer.GpuQuota("GPU-a", 10, 0, 10),)), root=str(root))
+    assert os.listdir(outside) == []
