@@ -100,7 +100,6 @@ class Allocator:
             why = steering.tie(self._pods.pods(), snap.config.names, self._node, resource, got,
                                snap.inventory.unit_mib)
             if why is not None:
-                self._metrics.steering(resource, "refused-unrecorded")
                 raise Refusal(RefusalKind.UNAVAILABLE,
                               f"PodResources is down, so where this container runs cannot be recorded, and {why}: "
                               "refusing rather than granting GPUs the scheduler's books would not show; "
