@@ -16,6 +16,17 @@ Figures (aims: 0, 0, 0):
 * ``mismatched_gpus_after_settle``: GPUs whose books differ from what the containers really got, once
   callers stop, unbound pods are deleted and every bound pod is admitted and reported.
 
+With ``--nodes plugin`` (the default, issue 17) every node runs the device plugin's real core
+(bench/soak_nodes.py): the kubelet's device manager model admits, the plugin's Allocator grants, and its
+Reconciler reads PodResources exactly as a real kubelet answers it (one entry per device ID and NUMA node,
+no pod UID), records the pods and links the quota directories; pods are deleted and *recreated under the
+same name* (a StatefulSet; the kubelet still runs the old one for a termination grace, so List names the
+pod twice), and PodResources goes down now and then. Further figures (aims: 0): ``dangling_links``,
+``links_to_other_pods``, ``pods_recorded_on_other_gpus`` (a pod recorded on GPUs its UID does not hold:
+another pod's, or the previous pod's of its name), ``links_missing_after_settle``; and what the refusal of
+unexplained Allocates while PodResources is down cost (``refused_while_pod_resources_down``).
+``--nodes model`` keeps the older in-harness kubelet (bench/soak_harness.py).
+
 Also: admissions that failed because a node had too few free devices (the extender sent a pod where
 there was no room), steering misses (the GPU a pod got is not the one assigned; the hold's baseline
 shows why it exists). Run twice in one process: ``hold`` (the default config) and ``no_hold``
@@ -41,8 +52,10 @@ import urllib3
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.soak_harness import N, ExtenderProcess, KubeletSim, bind_body, post  # noqa: E402
+from bench.soak_nodes import PluginNodeSim  # noqa: E402
+from deviceplugin.backend import DiscoveredGpu  # noqa: E402
 from vramshare import inventory  # noqa: E402
-from vramshare.standins.apiserver import ApiServerDouble  # noqa: E402
+from vramshare.standins.apiserver import PODS, ApiServerDouble  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak.json")
 UNIT = 1024
@@ -65,13 +78,19 @@ def pod_obj(name: str, gib: int, count: int) -> dict[str, Any]:
             "status": {"phase": "Pending"}}
 
 
+def _mark_deleted(pod: dict[str, Any]) -> None:
+    """A graceful DELETE of a bound pod: the API keeps it with a deletionTimestamp until its kubelet is done."""
+    pod["metadata"]["deletionTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace, hold: bool) -> None:
         self.args, self.hold = args, hold
         self.rng = random.Random(args.seed)
         self.counts: dict[str, int] = {k: 0 for k in (
             "created", "bound", "bind_errors", "held", "filter_none", "not_synced", "duplicates_sent",
-            "late_duplicates_sent", "duplicate_changed_something", "deleted", "finished", "kills", "down")}
+            "late_duplicates_sent", "duplicate_changed_something", "deleted", "finished", "kills", "down",
+            "recreated_same_name", "force_deleted")}
         self.lock = threading.Lock()
         self.bind_error_kinds: dict[str, int] = {}
         self.over_assigned: set[str] = set()
@@ -176,22 +195,56 @@ class Soak:
         except (urllib3.exceptions.HTTPError, RuntimeError, ValueError):
             pass
 
-    def churn(self, api: ApiServerDouble, kubelet: KubeletSim) -> None:
+    def churn(self, api: ApiServerDouble, kubelet: Any, queue: list[dict], cv: threading.Condition) -> None:
         rng = random.Random(self.args.seed + 1)
+        recreate: dict[str, dict] = {}  # name -> the pod a StatefulSet makes again once the name is free
+
+        def again(name: str, spec: dict) -> None:
+            p = api.create_pod(spec)
+            self.bump("recreated_same_name")
+            with cv:
+                queue.append(p)
+                cv.notify()
+
         while not self.stop.wait(self.args.churn_interval_s):
-            with kubelet.lock:
-                running = [k for k, r in kubelet.real.items() if r]
+            for name in [n for n in recreate if api.get_pod("default", n) is None]:
+                again(name, recreate.pop(name))
+            if hasattr(kubelet, "running_names"):
+                running = kubelet.running_names()
+            else:
+                with kubelet.lock:
+                    running = [k for k, r in kubelet.real.items() if r]
+            running = [k for k in running if k.split("/", 1)[1] not in recreate]
             if not running:
                 continue
             key = rng.choice(sorted(running))
             name = key.split("/", 1)[1]
             try:
-                if rng.random() < 0.2:
+                roll = rng.random()
+                if roll < 0.2:
                     api.set_pod_phase("default", name, "Succeeded")
                     self.bump("finished")
+                    continue
+                old = api.get_pod("default", name)
+                if old is None or old["metadata"].get("deletionTimestamp"):
+                    continue
+                same = roll < 0.2 + self.args.recreate_share
+                if same:
+                    c = old["spec"]["containers"][0]["resources"]["limits"][N.gpu_memory]
+                    count = int((old["metadata"].get("annotations") or {}).get(N.gpu_count, "1"))
+                    spec = pod_obj(name, int(c), count)
+                if same and rng.random() < self.args.force_share:  # kubectl delete --force: the API forgets it now
+                    api.delete_pod("default", name)
+                    self.bump("force_deleted")
+                    again(name, spec)
+                    continue
+                if self.args.nodes_sim == "plugin":  # graceful: the kubelet stops it, then removes it
+                    api.update(PODS, "default", name, _mark_deleted)
                 else:
                     api.delete_pod("default", name)
-                    self.bump("deleted")
+                self.bump("deleted")
+                if same:
+                    recreate[name] = spec
             except Exception:  # noqa: BLE001 - already gone
                 pass
 
@@ -237,8 +290,11 @@ class Soak:
         a = self.args
         with ApiServerDouble() as api:
             capacity: dict[str, dict[str, int]] = {}
+            discovered: dict[str, list[DiscoveredGpu]] = {}
             for i in range(a.nodes):
                 model, mib, gpus = ("NVIDIA A100-SXM4-80GB", 81920, 4) if i % 2 == 0 else ("NVIDIA L4", 23034, 4)
+                discovered[f"node-{i:02d}"] = [DiscoveredGpu(g, f"GPU-node-{i:02d}-{g}", model, mib, numa_node=g // 2)
+                                               for g in range(gpus)]
                 node = api.create_node(node_obj(f"node-{i:02d}", model, mib, gpus))
                 inv = inventory.NodeInventory.from_json(node["metadata"]["annotations"][N.inventory])
                 capacity[f"node-{i:02d}"] = {g.uuid: g.units for g in inv.gpus}
@@ -249,12 +305,17 @@ class Soak:
             ext = ExtenderProcess(api.url, config)
             ext.start()
             assert ext.wait_ready(), "extender did not start"
-            kubelet = KubeletSim(api, capacity, UNIT, (a.admit_min_s, a.admit_max_s), a.seed)
+            kubelet: Any
+            if a.nodes_sim == "plugin":
+                kubelet = PluginNodeSim(api, capacity, discovered, UNIT, (a.admit_min_s, a.admit_max_s), a.seed,
+                                        outage_per_s=a.outage_per_s)
+            else:
+                kubelet = KubeletSim(api, capacity, UNIT, (a.admit_min_s, a.admit_max_s), a.seed)
             kubelet.start()
             queue: list[dict] = []
             cv = threading.Condition()
             actors = [threading.Thread(target=self.creator, args=(api, queue, cv)),
-                      threading.Thread(target=self.churn, args=(api, kubelet)),
+                      threading.Thread(target=self.churn, args=(api, kubelet, queue, cv)),
                       threading.Thread(target=self.killer, args=(ext,)),
                       threading.Thread(target=self.sampler, args=(api, ext, capacity_mib))]
             actors += [threading.Thread(target=self.caller, args=(ext, api, nodes, queue, cv, s))
@@ -277,6 +338,9 @@ class Soak:
             unbound = [p for p in api.pods() if not p["spec"].get("nodeName")]
             for p in unbound:
                 api.delete_pod("default", p["metadata"]["name"])
+            plugin = isinstance(kubelet, PluginNodeSim)
+            if plugin:
+                kubelet.end_outages()  # PodResources back everywhere: what was not recorded gets recorded
             t1 = time.monotonic()
             while kubelet.pending_admissions() and time.monotonic() - t1 < 30:
                 time.sleep(0.05)
@@ -291,6 +355,26 @@ class Soak:
             settle_s = time.monotonic() - t1
             kubelet.stop_event.set()
             kubelet.join(5)
+            node_figures: dict[str, Any] = {}
+            if plugin:
+                kubelet.settle_rounds()
+                st = kubelet.stats
+                missing = kubelet.missing_links()
+                node_figures = {
+                    "dangling_links": len(st.dangling_links), "links_to_other_pods": len(st.links_to_other_pods),
+                    "pods_recorded_on_other_gpus": len(st.pods_recorded_on_other_gpus),
+                    "links_missing_after_settle": len(missing),
+                    "examples": {"dangling": sorted(st.dangling_links)[:3], "other": sorted(st.links_to_other_pods)[:3],
+                                 "recorded": sorted(st.pods_recorded_on_other_gpus)[:3], "missing": missing[:3]},
+                    "recreated_same_name": self.counts["recreated_same_name"],
+                    "rounds_listing_a_name_twice": st.names_listed_twice,
+                    "rounds_a_pod_waited_for_an_earlier_pods_devices": st.same_name_waits,
+                    "reconcile_rounds": st.rounds,
+                    "pod_resources_outages": st.pod_resources_outages,
+                    "admitted_while_pod_resources_down": st.admitted_while_down,
+                    "refused_while_pod_resources_down": st.refused_unrecorded,
+                }
+                kubelet.cleanup()
             ext.kill()
         lat = sorted(kubelet.stats.admit_latency_s)
         return {
@@ -311,6 +395,7 @@ class Soak:
             "mismatch_examples": dict(list(mismatched.items())[:5]),
             "over_capacity_examples": self.over_examples[:3],
             "pods_unbound_at_end_of_storm": len(unbound),
+            "nodes": node_figures,
             "storm_seconds": round(storm_s, 1), "settle_seconds": round(settle_s, 1),
         }
 
@@ -331,6 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--admit-min-s", type=float, default=0.05)
     ap.add_argument("--admit-max-s", type=float, default=0.5)
     ap.add_argument("--only", choices=["hold", "no_hold"])
+    ap.add_argument("--nodes-sim", choices=["plugin", "model"], default="plugin",
+                    help="plugin: the device plugin's real core per node (issue 17); model: the older harness")
+    ap.add_argument("--recreate-share", type=float, default=0.3,
+                    help="share of churn that deletes a pod and recreates it under its name at once")
+    ap.add_argument("--force-share", type=float, default=0.0,
+                    help="share of same-name recreations done with a forced delete (the kubelet still runs the "
+                         "old pod, PodResources lists the name twice)")
+    ap.add_argument("--outage-per-s", type=float, default=0.02, help="PodResources outages per node per second")
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
         args.pods, args.max_seconds, args.kill_every_s = 300, 90, 4
@@ -349,10 +443,11 @@ def main(argv: list[str] | None = None) -> int:
         | {f"{name}.pods_bound": r["counts"]["bound"] for name, r in runs.items()}
         | {f"{name}.kills": r["counts"]["kills"] for name, r in runs.items()}
         | {f"{name}.steering_misses": r["kubelet"]["steering_misses"] for name, r in runs.items()}
-        | {f"{name}.admission_failures": r["kubelet"]["admission_failures"] for name, r in runs.items()},
+        | {f"{name}.admission_failures": r["kubelet"]["admission_failures"] for name, r in runs.items()}
+        | {f"{name}.{k}": v for name, r in runs.items() for k, v in r["nodes"].items() if k != "examples"},
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w", encoding="utf-8") as fh:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)
     print(json.dumps(doc["summary"], indent=2))
     return 0

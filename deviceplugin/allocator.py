@@ -8,6 +8,12 @@ nothing Allocate needs. Which pod holds what is learnt afterwards from the kubel
 (:mod:`deviceplugin.reconcile`). The extender's plan only *steers* GetPreferredAllocation, from the
 watch-fed pod cache (:mod:`deviceplugin.steering`). Every failure is a :class:`~allocation.Refusal`
 with a reason, never a fake grant.
+
+While PodResources is down (``recording`` says so) nobody can record where a pod really runs, so the
+books keep the extender's plan: an Allocate is then granted only when :func:`steering.tie` finds that
+the devices are the plan of whichever assumed pod the kubelet is admitting, and refused otherwise
+(``UNAVAILABLE``, with the reason: the kubelet fails the pod's admission with it and the workload's
+controller makes a new pod), rather than granting GPUs the books will never show (issue 17).
 """
 from __future__ import annotations
 
@@ -36,13 +42,15 @@ class Allocator:
     Allocate (the reconciler wakes up to record the holder once the kubelet lists it)."""
 
     def __init__(self, state: NodeState, quota: QuotaFiles, metrics: PluginMetrics, node_name: str = "",
-                 pods: PodSource | None = None, on_allocated: Callable[[], None] | None = None) -> None:
+                 pods: PodSource | None = None, on_allocated: Callable[[], None] | None = None,
+                 recording: Callable[[], bool] | None = None) -> None:
         self._state = state
         self._quota = quota
         self._metrics = metrics
         self._node = node_name
         self._pods = pods
         self._on_allocated = on_allocated
+        self._recording = recording  # whether PodResources is read (None: no books to keep right)
         self._lock = threading.Lock()  # one quota write per allocation at a time
 
     # -- GetPreferredAllocation ------------------------------------------------------------
@@ -86,12 +94,23 @@ class Allocator:
         snap = self._state.snapshot
         devs = allocation.validate_request(ids, resource, snap.device_map(resource), snap.resource_of)
         shares = allocation.shares_of(devs, resource == snap.config.names.gpu_memory)
+        if self._pods is not None and self._recording is not None and not self._recording():
+            units = resource == snap.config.names.gpu_memory
+            got = {s.uuid: (s.mib // snap.inventory.unit_mib if units else 1) for s in shares}
+            why = steering.tie(self._pods.pods(), snap.config.names, self._node, resource, got,
+                               snap.inventory.unit_mib)
+            if why is not None:
+                raise Refusal(RefusalKind.UNAVAILABLE,
+                              f"PodResources is down, so where this container runs cannot be recorded, and {why}: "
+                              "refusing rather than granting GPUs the scheduler's books would not show; "
+                              "the pod's controller retries")
         quota_dir = self._quota.allocation_dir(ids)
         with self._lock:
             try:
                 self._quota.write_initial(quota_dir, shares)
+                self._quota.stamp(quota_dir)  # PodResources has no UID: whose this Allocate is, is decided later
             except (OSError, ValueError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
                 raise Refusal(RefusalKind.PRECONDITION, f"cannot write quota file under {quota_dir}: {why}") from None
         where = {"gpu": ",".join(s.uuid for s in shares), "mib": ",".join(str(s.mib) for s in shares),
                  "quota_dir": quota_dir}

@@ -75,6 +75,22 @@ class PodPatcher:
             raise DirectoryError(f"patch pod {pod.key}: {_why(exc)}") from exc
 
 
+    def uid_of(self, namespace: str, name: str) -> str | None:
+        """The UID the API server has for ``namespace/name`` now (``None``: no such pod); one GET, made
+        only when the reconciler is about to tie a new allocation to a pod (PodResources names pods,
+        not UIDs, and the pod cache may be behind a delete and re-create)."""
+        try:
+            resp: Any = self._v1.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                     _request_timeout=TIMEOUT_S)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise DirectoryError(f"get pod {namespace}/{name}: {_why(exc)}") from exc
+        except (HTTPError, ValueError) as exc:
+            raise DirectoryError(f"get pod {namespace}/{name}: {_why(exc)}") from exc
+        return str((read_json(resp).get("metadata") or {}).get("uid") or "") or None
+
+
 class InventoryPublisher:
     """Keeps the node's inventory annotation equal to the latest :meth:`publish`ed JSON."""
 

@@ -68,7 +68,8 @@ class DevicePluginDaemon:
         self.reconciler = Reconciler(self.state, node_name, quota, self.metrics, self.pod_resources, self.pods,
                                      PodPatcher(api, names) if api else None)
         self.allocator = Allocator(self.state, quota, self.metrics, node_name, self.pods,
-                                   on_allocated=self.reconciler.wake)
+                                   on_allocated=self.reconciler.wake,
+                                   recording=lambda: self.reconciler.recording)
         self._reconcile_seconds = reconcile_seconds
         self._startup_sync_seconds = startup_sync_seconds
         self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,

@@ -22,10 +22,16 @@ class PodResourcesError(Exception):
 
 
 def held(response: pr.ListPodResourcesResponse, names: contract.Names) -> list[Held]:
-    """Every container's devices of our resources, one :class:`Held` per container and resource."""
-    return [Held(pod.namespace, pod.name, container.name, devs.resource_name, tuple(devs.device_ids))
-            for pod in response.pod_resources for container in pod.containers for devs in container.devices
-            if names.is_ours(devs.resource_name) and devs.device_ids]
+    """Every ``ContainerDevices`` of our resources as a :class:`Held`, as the kubelet lists them.
+
+    A real kubelet answers one entry per device ID, and one per NUMA node of its topology
+    (``container_manager.go containerDevicesFromResourceDeviceInstances``), so a container holding 22
+    units comes as 22 entries; :func:`deviceplugin.reconcile.group` puts them back together per
+    container and resource. ``entry`` is the pod's place in the answer: List names pods, not UIDs,
+    and may list one name twice (a pod recreated under its name while the old one terminates)."""
+    return [Held(pod.namespace, pod.name, container.name, devs.resource_name, tuple(devs.device_ids), i)
+            for i, pod in enumerate(response.pod_resources) for container in pod.containers
+            for devs in container.devices if names.is_ours(devs.resource_name) and devs.device_ids]
 
 
 class KubeletPodResources:

@@ -8,14 +8,24 @@ same IDs (a late re-Allocate, a plugin restart) finds the same one. The containe
 links ``<quotaHostDir>/<pod-uid>/<container>`` to it (a relative symlink), which is the path the quota
 loop writes (:func:`deviceplugin.quota.writer.container_dir`): the loop needs no change and no guess.
 Every write goes through the one atomic writer (:func:`deviceplugin.quota.writer.write_quota`).
+
+Because PodResources names pods and not UIDs, each Allocate also leaves a stamp (``allocated``: node
+clock, nanoseconds) and the reconciler records which pod UID it attributed that very stamp to
+(``owner``: "<uid> <stamp>"); a later Allocate of the same IDs makes a new stamp, which nobody owns
+yet (:class:`deviceplugin.reconcile.Allocation`). Nothing here opens anything but a regular file, or
+follows a link out of the root: ``_alloc`` and its directories must be real directories, and every
+UID and container name is checked by :func:`deviceplugin.quota.writer.safe_component`.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
+import stat
+import tempfile
 import time
-from typing import AbstractSet, Sequence
+from dataclasses import dataclass
+from typing import AbstractSet, Iterable, Sequence
 
 from deviceplugin.allocation import GpuShare
 from deviceplugin.quota import writer
@@ -25,6 +35,18 @@ from vramshare.config import QuotaConfig
 log = logs.get(__name__)
 
 ALLOC_DIR = "_alloc"
+STAMP_FILE = "allocated"  # written by Allocate: when (node clock, ns)
+OWNER_FILE = "owner"  # written by the reconciler: "<pod uid> <stamp it was attributed for>"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What the node knows of one allocation directory (:class:`QuotaFiles`):
+    ``stamp_ns``, when Allocate last wrote it (node wall clock; None unknown, e.g. an older plugin's),
+    and ``owner``, the pod UID the reconciler attributed that very Allocate to ("" none yet)."""
+
+    stamp_ns: int | None = None
+    owner: str = ""
 
 
 def allocation_key(device_ids: Sequence[str]) -> str:
@@ -52,22 +74,89 @@ class QuotaFiles:
     def container_dir(self, pod_uid: str, container: str) -> str:
         return writer.container_dir(self.root, pod_uid, container)
 
+    def _real_dir(self, path: str, what: str) -> None:
+        """``path`` is absent or a real directory (not a link, FIFO or file); else ``OSError``."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(f"{what} {path} is not a directory (mode {stat.filemode(st.st_mode)}); "
+                          "refusing to write through it")
+
     def write_initial(self, directory: str, shares: Sequence[GpuShare]) -> str:
         """Create ``directory`` and its first ``quota.json``; return the directory (the mount source).
 
         A repeated Allocate of the same IDs rewrites the grant (the generation still grows), so a
-        directory left by an earlier holder of the same IDs never carries its old limits."""
-        writer.write_quota(directory, initial_quota(shares, self.quota))
+        directory left by an earlier holder of the same IDs never carries its old limits. ``_alloc``
+        and ``directory`` must be real directories inside the root (``OSError`` otherwise: Allocate
+        refuses, saying why)."""
+        self._real_dir(os.path.join(self.root, ALLOC_DIR), "quota allocation root")
+        self._real_dir(directory, "quota directory")
+        writer.write_quota(directory, initial_quota(shares, self.quota), root=self.root)
         return directory
+
+    def stamp(self, directory: str) -> None:
+        """Record that an Allocate made ``directory`` now: a new stamp, so no earlier attribution of
+        these IDs applies to this one (:meth:`allocations`)."""
+        self._write_small(directory, STAMP_FILE, str(time.time_ns()))
+
+    @staticmethod
+    def _write_small(directory: str, name: str, text: str) -> None:
+        """Atomically replace ``<directory>/<name>`` (a link or FIFO there is replaced, never followed)."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, os.path.join(directory, name))
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    @staticmethod
+    def _read_small(directory: str, name: str) -> str | None:
+        try:
+            text = writer.read_regular(os.path.join(directory, name))
+        except (writer.QuotaFileError, OSError):
+            return None
+        return None if text is None else text.strip()
+
+    # -- who each allocation belongs to (PodResources has no UID) -------------------------------
+    def allocations(self, keys: Iterable[str]) -> dict[str, Allocation]:
+        """Stamp and owner of each existing allocation directory among ``keys``; an owner recorded for
+        another stamp (the IDs were allocated again since) is no owner."""
+        out: dict[str, Allocation] = {}
+        for key in keys:
+            d = os.path.join(self.root, ALLOC_DIR, key)
+            if not os.path.isdir(d) or os.path.islink(d):
+                continue
+            stamp_text = self._read_small(d, STAMP_FILE)
+            stamp = int(stamp_text) if stamp_text and stamp_text.isdigit() else None
+            owner = ""
+            owner_text = self._read_small(d, OWNER_FILE)
+            if owner_text:
+                uid, _, for_stamp = owner_text.partition(" ")
+                if for_stamp == str(stamp or 0):
+                    owner = uid
+            out[key] = Allocation(stamp, owner)
+        return out
+
+    def attribute(self, key: str, uid: str, stamp_ns: int | None) -> None:
+        """Record that the Allocate stamped ``stamp_ns`` of allocation ``key`` is pod ``uid``'s."""
+        d = os.path.join(self.root, ALLOC_DIR, key)
+        self._real_dir(d, "quota directory")
+        self._write_small(d, OWNER_FILE, f"{writer.safe_component(uid, 'pod UID')} {stamp_ns or 0}")
 
     # -- links, kept by the reconciler --------------------------------------------------------
     def link(self, pod_uid: str, container: str, key: str) -> bool:
         """Point ``<root>/<uid>/<container>`` at ``_alloc/<key>``; True when it changed. A real
         directory there (written by an older plugin version) is left alone."""
-        path = self.container_dir(pod_uid, container)
-        target = os.path.join("..", ALLOC_DIR, key) if os.sep not in container else None
-        if target is None:
-            return False
+        path = self.container_dir(pod_uid, container)  # UnsafePathError (a ValueError) for .., / or ""
+        target = os.path.join("..", ALLOC_DIR, writer.safe_component(key, "allocation key"))
         if os.path.islink(path):
             if os.readlink(path) == target:
                 return False
@@ -91,7 +180,7 @@ class QuotaFiles:
             return 0
         for uid in uids:
             pod_dir = os.path.join(self.root, uid)
-            if uid == ALLOC_DIR or not os.path.isdir(pod_dir) or os.path.islink(pod_dir):
+            if uid in (ALLOC_DIR, "_claims") or not os.path.isdir(pod_dir) or os.path.islink(pod_dir):
                 continue
             for container in os.listdir(pod_dir):
                 path = os.path.join(pod_dir, container)
@@ -103,6 +192,22 @@ class QuotaFiles:
             except OSError:
                 pass
         return removed
+
+    def link_targets(self) -> set[str]:
+        """Allocation keys some ``<uid>/<container>`` link still leads to (never pruned under it)."""
+        out: set[str] = set()
+        for uid in _listdir(self.root):
+            pod_dir = os.path.join(self.root, uid)
+            if uid.startswith("_") or os.path.islink(pod_dir) or not os.path.isdir(pod_dir):
+                continue
+            for container in _listdir(pod_dir):
+                try:
+                    target = os.readlink(os.path.join(pod_dir, container))
+                except OSError:
+                    continue
+                if os.path.dirname(target) == os.path.join("..", ALLOC_DIR):
+                    out.add(os.path.basename(target))
+        return out
 
     def prune_allocations(self, held: AbstractSet[str], min_age_s: float) -> int:
         """Remove allocation directories no container holds any more (by PodResources) and untouched for
@@ -123,3 +228,10 @@ class QuotaFiles:
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
         return removed
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []

@@ -10,6 +10,24 @@ device IDs. From it and this node's pods (the watch-fed cache) :func:`plan` comp
 * the owner of each allocation-keyed quota directory (:func:`deviceplugin.quota_files.allocation_key`
   of the container's IDs), so the quota loop finds ``<pod-uid>/<container>`` and nothing is guessed.
 
+PodResources answers one ``ContainerDevices`` per device ID (and per NUMA node of its topology:
+``container_manager.go containerDevicesFromResourceDeviceInstances``), so :func:`group` first puts a
+container's entries back together per resource: the allocation key is that of the whole set, exactly
+the IDs its Allocate carried.
+
+PodResources names pods, not UIDs (``server_v1.go List``). A pod deleted and recreated under its name
+(a StatefulSet) can be listed with the old pod's devices, or twice, while the cache already has the new
+UID. So an allocation is never tied to a UID by the name alone (:func:`whose`): the node stamps every
+Allocate (:class:`Allocation`, node clock) and remembers the UID each stamp was attributed to. A listed
+allocation is the cached pod's when it was attributed to that UID, or attributed to nobody yet and the
+pod is not terminating; it is an *earlier* pod's when it was made before this pod was created (allowing
+:data:`CLOCK_SKEW_S` between the node and the API server) or attributed to another UID. An earlier
+pod's allocation keeps its links (its container may still run and mount its directory) and gives the
+new pod nothing; a name listed with two candidate entries waits. An owner that is gone from the API is
+overruled only by an allocation made clearly after the new pod was created (it could not be the old
+pod's). Pod UIDs and container names are checked (:func:`deviceplugin.quota.writer.safe_component`)
+before they name anything under the quota root.
+
 A device the kubelet lists for both an init container and an app container (the kubelet reuses init
 devices, ``devicesToReuse`` in its device manager) is counted once, for the app container. A pod whose
 containers do not yet hold everything they ask for is mid-admission and waits for the next round, as
@@ -17,29 +35,84 @@ does a pod the cache has not seen (no UID or resourceVersion to patch with).
 """
 from __future__ import annotations
 
+import calendar
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from deviceplugin.devices import PluginDevice
 from deviceplugin.handshake import (AssignedGpu, AssignmentError, PodRef, encode_assignment, parse_all,
                                     requested, resources_of, same_assignment)
-from deviceplugin.quota_files import allocation_key
+from deviceplugin.quota.writer import UnsafePathError, safe_component
+from deviceplugin.quota_files import Allocation, allocation_key
 from vramshare import contract
 from vramshare.podspec import PodSpecError, pod_demand
 
 
 NOT_CACHED = "not in the pod cache yet"
+REFUSED = "nothing is linked or recorded for it"  # a UID or name that would leave the quota root
+CLOCK_SKEW_S = 5.0  # how far the node's clock may be behind the API server's (creationTimestamp)
 
 
 @dataclass(frozen=True)
 class Held:
-    """One container's devices of one resource, as PodResources ``List`` reports them."""
+    """One ``ContainerDevices`` of PodResources ``List``: some device IDs of one container and resource.
+
+    ``entry`` is the pod's place in the answer, so two pods listed under one name stay apart."""
 
     namespace: str
     pod: str
     container: str
     resource: str
     device_ids: tuple[str, ...]
+    entry: int = 0
+
+
+Entry = dict[tuple[str, str], tuple[str, ...]]  # (container, resource) -> sorted device IDs
+
+
+def group(held: Iterable[Held]) -> dict[tuple[str, str, int], Entry]:
+    """(namespace, name, entry) -> (container, resource) -> the union of their device IDs, sorted.
+
+    Undoes upstream's one-entry-per-device-and-NUMA-node answer; a device listed under two NUMA
+    nodes counts once."""
+    out: dict[tuple[str, str, int], dict[tuple[str, str], set[str]]] = {}
+    for h in held:
+        if h.device_ids:
+            out.setdefault((h.namespace, h.pod, h.entry), {}).setdefault((h.container, h.resource), set()).update(
+                h.device_ids)
+    return {k: {cr: tuple(sorted(ids)) for cr, ids in v.items()} for k, v in out.items()}
+
+
+def created_s(meta: Mapping[str, Any]) -> float | None:
+    """``metadata.creationTimestamp`` (RFC 3339, whole seconds) as epoch seconds, None when absent."""
+    text = str(meta.get("creationTimestamp") or "")
+    try:
+        return float(calendar.timegm(time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
+
+
+MINE, THEIRS, UNSURE = "mine", "theirs", "unsure"
+
+
+def whose(a: Allocation | None, uid: str, created: float | None, terminating: bool, alive: set[str],
+          skew_s: float = CLOCK_SKEW_S) -> str:
+    """Whether a listed allocation is the cached pod ``uid``'s (:data:`MINE`), an earlier pod's of that
+    name (:data:`THEIRS`), or cannot be told yet (:data:`UNSURE`). See the module docstring."""
+    if a is None or (a.stamp_ns is None and not a.owner):
+        return MINE  # nothing recorded (a directory of an older plugin): the name decides, as before
+    if a.owner == uid:
+        return MINE
+    stamp = a.stamp_ns / 1e9 if a.stamp_ns is not None else None
+    if stamp is not None and created is not None and stamp < created - skew_s:
+        return THEIRS  # made before this pod existed: a pod deleted and recreated under this name
+    if a.owner:
+        if (a.owner not in alive and stamp is not None and created is not None
+                and stamp > created + 1 + skew_s):
+            return MINE  # attributed to a pod the API no longer has, but made after this one was created
+        return THEIRS
+    return UNSURE if terminating else MINE  # a terminating pod is never admitted again
 
 
 @dataclass(frozen=True)
@@ -70,6 +143,7 @@ class Plan:
     unlisted: dict[str, dict[str, int]] = field(default_factory=dict)  # pod -> init devices List omits
     in_sync: int = 0  # pods whose annotations already say what they hold
     held_keys: set[str] = field(default_factory=set)  # allocation keys of every listed container
+    attributions: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # key -> (uid, stamp) to record
 
 
 def _share_of(device_id: str, resource: str, devices: Mapping[str, PluginDevice], names: contract.Names,
@@ -148,33 +222,98 @@ def unlisted_init_devices(pod: Mapping[str, Any], names: contract.Names) -> dict
     return out
 
 
+def drop_unconfirmed(out: Plan, wrong: Mapping[str, str]) -> None:
+    """Take back this round's new attributions to the pod UIDs in ``wrong`` (UID -> why), and their
+    links, owners and patches: the API server has another pod (or none) under that name now."""
+    for key, (uid, _) in list(out.attributions.items()):
+        if uid in wrong:
+            del out.attributions[key]
+            owner = out.owners.pop(key, None)
+            if owner is not None:
+                out.waiting[f"{owner.namespace}/{owner.pod}"] = wrong[uid]
+    out.links = {k: v for k, v in out.links.items() if k[0] not in wrong}
+    out.patches = [p for p in out.patches if p.pod.uid not in wrong]
+
+
+def _keep_earlier(out: Plan, entry: Entry, allocs: Mapping[str, Allocation], ns: str, name: str) -> None:
+    """An earlier pod's listed allocations keep the links of the UID they were attributed to: its
+    container may still be running (terminating) and mounts that directory."""
+    for (container, _), ids in sorted(entry.items()):
+        alloc = allocation_key(ids)
+        a = allocs.get(alloc)
+        if a is None or not a.owner:
+            continue
+        try:
+            safe_component(a.owner, "pod UID")
+            safe_component(container, "container name")
+        except UnsafePathError:
+            continue
+        out.owners.setdefault(alloc, Owner(a.owner, ns, name, container))
+        out.links.setdefault((a.owner, container), alloc)
+
+
 def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mapping[str, PluginDevice],
-         names: contract.Names, node: str, unit_mib: int) -> Plan:
-    """Patches and quota-directory owners from PodResources ``held`` and this node's ``pods``."""
-    by_pod: dict[tuple[str, str], list[Held]] = {}
-    for h in held:
-        if names.is_ours(h.resource) and h.device_ids:
-            by_pod.setdefault((h.namespace, h.pod), []).append(h)
+         names: contract.Names, node: str, unit_mib: int, allocations: Mapping[str, Allocation] | None = None,
+         skew_s: float = CLOCK_SKEW_S) -> Plan:
+    """Patches, quota-directory owners and links from PodResources ``held`` and this node's ``pods``.
+
+    ``allocations``: what the node recorded per allocation key (stamps and owners); without it the
+    name decides, as PodResources alone would."""
+    allocs = allocations or {}
+    by_name: dict[tuple[str, str], list[Entry]] = {}
+    for (ns, name, _), entry in sorted(group(h for h in held if names.is_ours(h.resource)).items()):
+        by_name.setdefault((ns, name), []).append(entry)
     known: dict[tuple[str, str], Mapping[str, Any]] = {}
+    alive: set[str] = set()
     for p in pods:
         meta = p.get("metadata") or {}
+        alive.add(str(meta.get("uid") or ""))
         if (p.get("spec") or {}).get("nodeName") == node:
             known[(meta.get("namespace", "default"), meta.get("name", ""))] = p
     out = Plan()
-    out.held_keys = {allocation_key(h.device_ids) for hs in by_pod.values() for h in hs}
-    for (ns, name), hs in sorted(by_pod.items()):
+    out.held_keys = {allocation_key(ids) for es in by_name.values() for e in es for ids in e.values()}
+    for (ns, name), entries in sorted(by_name.items()):
         key = f"{ns}/{name}"
         pod = known.get((ns, name))
         if pod is None:
             out.waiting[key] = NOT_CACHED
+            for e in entries:
+                _keep_earlier(out, e, allocs, ns, name)
             continue
         meta = pod.get("metadata") or {}
         uid = str(meta.get("uid") or "")
-        for h in sorted(hs, key=lambda h: (h.container, h.resource)):
-            owner = Owner(uid, ns, name, h.container)
+        try:
+            safe_component(uid, "pod UID")
+        except UnsafePathError as exc:
+            out.waiting[key] = f"{exc}: {REFUSED}"
+            continue
+        created, terminating = created_s(meta), bool(meta.get("deletionTimestamp"))
+        mine: list[Entry] = []
+        for e in entries:
+            verdicts = {whose(allocs.get(allocation_key(ids)), uid, created, terminating, alive, skew_s)
+                        for ids in e.values()}
+            if verdicts == {MINE}:
+                mine.append(e)
+            elif verdicts == {THEIRS}:
+                _keep_earlier(out, e, allocs, ns, name)
+        if len(mine) != 1:
+            out.waiting[key] = (f"PodResources lists {key} {len(mine)} times with devices that may be pod {uid}'s; "
+                                "waiting until one is left" if mine else
+                                f"PodResources lists {key} only with devices of an earlier pod of that name "
+                                f"(not pod {uid}); waiting for the kubelet to admit {uid}")
+            continue
+        hs = [Held(ns, name, c, r, ids) for (c, r), ids in sorted(mine[0].items())]
+        for h in hs:
             alloc = allocation_key(h.device_ids)
-            out.owners[alloc] = owner
+            try:
+                safe_component(h.container, "container name")
+            except UnsafePathError:
+                continue  # the kubelet validated it; never joined into a path unchecked all the same
+            out.owners[alloc] = Owner(uid, ns, name, h.container)
             out.links.setdefault((uid, h.container), alloc)
+            a = allocs.get(alloc)
+            if a is not None and a.owner != uid:
+                out.attributions[alloc] = (uid, a.stamp_ns)
         why = _missing(pod, hs, names)
         if why is not None:
             out.waiting[key] = why
@@ -199,3 +338,33 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
         ref = PodRef(ns, name, uid, str(meta.get("resourceVersion") or ""))
         out.patches.append(Patch(ref, encode_assignment(actual)))
     return out
+
+
+def drop_unconfirmed(out: Plan, wrong: Mapping[str, str]) -> None:
+    """Take back this round's new attributions to the pod UIDs in ``wrong`` (UID -> why), and their
+    links, owners and patches: the API server has another pod (or none) under that name now."""
+    for key, (uid, _) in list(out.attributions.items()):
+        if uid in wrong:
+            del out.attributions[key]
+            owner = out.owners.pop(key, None)
+            if owner is not None:
+                out.waiting[f"{owner.namespace}/{owner.pod}"] = wrong[uid]
+    out.links = {k: v for k, v in out.links.items() if k[0] not in wrong}
+    out.patches = [p for p in out.patches if p.pod.uid not in wrong]
+
+
+def _keep_earlier(out: Plan, entry: Entry, allocs: Mapping[str, Allocation], ns: str, name: str) -> None:
+    """An earlier pod's listed allocations keep the links of the UID they were attributed to: its
+    container may still be running (terminating) and mounts that directory."""
+    for (container, _), ids in sorted(entry.items()):
+        alloc = allocation_key(ids)
+        a = allocs.get(alloc)
+        if a is None or not a.owner:
+            continue
+        try:
+            safe_component(a.owner, "pod UID")
+            safe_component(container, "container name")
+        except UnsafePathError:
+            continue
+        out.owners.setdefault(alloc, Owner(a.owner, ns, name, container))
+        out.links.setdefault((a.owner, container), alloc)

@@ -5,7 +5,13 @@ plugin first learns what the kubelet already handed out), then every ``interval`
 after each Allocate. The decisions are :func:`deviceplugin.reconcile.plan`'s; this module only does
 the I/O and says what happened. Without PodResources (no socket configured, or it does not answer)
 it refuses to guess: the pods keep the extender's plan as ``assumed``, the metric
-``vramshare_deviceplugin_pod_resources_up`` is 0 and the log says why. Allocate never depends on it.
+``vramshare_deviceplugin_pod_resources_up`` is 0 and the log says why. While it is down Allocate
+grants only what the books will still be right about (:attr:`Reconciler.recording` is False, see
+:mod:`deviceplugin.allocator`).
+
+PodResources lists one entry per device ID; :func:`deviceplugin.reconcile.plan` groups them. It has no
+pod UID: the stamps and owners of the allocation directories (:meth:`QuotaFiles.allocations`) decide
+whose a listed allocation is, and each new attribution is recorded (:meth:`QuotaFiles.attribute`).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol
 
-from deviceplugin import reconcile
+from deviceplugin import quota_files, reconcile
 from deviceplugin.kube_adapter import Conflict, DirectoryError, Gone
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
@@ -25,7 +31,8 @@ log = logs.get(__name__)
 
 DEBOUNCE_S = 0.05  # after an Allocate the kubelet records the devices a moment later
 FOLLOW_UP_S, FOLLOW_UPS = 0.2, 5  # re-rounds while a just-allocated pod is still mid-admission
-ALLOC_DIR_TTL_S = 600.0  # an allocation directory nobody holds is removed after this long untouched
+ALLOC_DIR_TTL_S = 600.0
+UNCONFIRMED = "cannot confirm"  # an allocation directory nobody holds is removed after this long untouched
 
 
 class HeldSource(Protocol):
@@ -40,6 +47,8 @@ class PodView(Protocol):
 
 class Patcher(Protocol):
     def apply(self, patch: reconcile.Patch) -> Mapping[str, Any]: ...
+
+    def uid_of(self, namespace: str, name: str) -> str | None: ...
 
 
 @dataclass
@@ -66,6 +75,7 @@ class Reconciler:
         self._lock = threading.Lock()
         self._owners: dict[str, reconcile.Owner] = {}
         self._said_unavailable = False
+        self._up = False  # the last round had PodResources' answer
         self._warned: set[str] = set()
         self.alloc_dir_ttl_s = ALLOC_DIR_TTL_S
         self.rounds = 0
@@ -74,6 +84,11 @@ class Reconciler:
         """Allocation key (quota directory name under ``_alloc``) -> the pod container holding it."""
         with self._lock:
             return dict(self._owners)
+
+    @property
+    def recording(self) -> bool:
+        """Whether the last round read PodResources (the actual GPUs of each pod get recorded)."""
+        return self._up
 
     def wake(self) -> None:
         self._wake.set()
@@ -94,6 +109,7 @@ class Reconciler:
         except PodResourcesError as exc:
             self._unavailable(str(exc))
             return
+        self._up = True
         out.pod_resources = True
         if self._said_unavailable:
             log.info("PodResources answers again, reconciling")
@@ -101,8 +117,20 @@ class Reconciler:
         snap = self._state.snapshot
         devices = {d.id: d for devs in snap.devices.values() for d in devs}
         pods = self._pods.pods() if self._pods is not None else []
-        plan = reconcile.plan(held, pods, devices, snap.config.names, self._node, snap.inventory.unit_mib)
+        keys = {quota_files.allocation_key(ids) for e in reconcile.group(held).values() for ids in e.values()}
+        plan = reconcile.plan(held, pods, devices, snap.config.names, self._node, snap.inventory.unit_mib,
+                              self._quota.allocations(keys))
+        self._confirm(plan)
+        for key, (uid, stamp) in sorted(plan.attributions.items()):
+            try:
+                self._quota.attribute(key, uid, stamp)
+            except (OSError, ValueError) as exc:
+                log.warning("cannot record whose allocation this is", pod_uid=uid, allocation=key, error=str(exc))
         out.waiting, out.in_sync = plan.waiting, plan.in_sync
+        for key, why in sorted(plan.waiting.items()):
+            if why != reconcile.NOT_CACHED and "admission in progress" not in why and f"{key}\0{why}" not in self._warned:
+                self._warned.add(f"{key}\0{why}")
+                (log.warning if reconcile.REFUSED in why else log.info)("pod not reconciled", pod=key, reason=why)
         for key, hidden in plan.unlisted.items():
             if key in self._warned:
                 continue
@@ -114,6 +142,31 @@ class Reconciler:
         for patch in plan.patches if self._patcher is not None else ():
             self._apply(patch, out)
         self._metrics.reconciled("error" if out.failed else "ok", True)
+
+    def _confirm(self, plan: reconcile.Plan) -> None:
+        """Before a new allocation is tied to a pod UID for good, ask the API server whose the name is
+        *now* (the cache may still show a pod deleted and recreated since; PodResources has no UID).
+        A UID the API no longer has under that name gets nothing this round: no record, link or patch."""
+        if self._patcher is None or not plan.attributions:
+            return
+        wrong: dict[str, str] = {}
+        for key, (uid, _) in sorted(plan.attributions.items()):
+            owner = plan.owners.get(key)
+            if owner is None or uid in wrong:
+                continue
+            try:
+                now = self._patcher.uid_of(owner.namespace, owner.pod)
+            except DirectoryError as exc:
+                wrong[uid] = f"{UNCONFIRMED} pod UID {uid} with the API server ({exc}); next round retries"
+                continue
+            if now != uid:
+                wrong[uid] = (f"the API server has {owner.namespace}/{owner.pod} as {now or 'nothing'}, not {uid} "
+                              "(the pod cache is behind a delete and re-create); next round decides again")
+        if not wrong:
+            return
+        reconcile.drop_unconfirmed(plan, wrong)
+        for why in sorted(set(wrong.values())):
+            log.warning("allocation not tied to a pod yet", reason=why)
 
     def _apply(self, patch: reconcile.Patch, out: Round) -> None:
         key = patch.pod.key
@@ -143,20 +196,22 @@ class Reconciler:
                 continue
             try:
                 changed += self._quota.link(uid, container, key)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: a UID or name that would leave the root
                 log.warning("cannot link quota directory", pod_uid=uid, container=container, error=str(exc))
         try:
-            gone = self._quota.prune_allocations(plan.held_keys, self.alloc_dir_ttl_s)
+            # links first, then directories, and never a directory a link still leads to: a link whose
+            # pod the cache has not seen (or not confirmed) stays, and so does what it points at
+            if not any(why == reconcile.NOT_CACHED or why.startswith(UNCONFIRMED) for why in plan.waiting.values()):
+                self._quota.prune_links(set(plan.links))
+            gone = self._quota.prune_allocations(plan.held_keys | self._quota.link_targets(), self.alloc_dir_ttl_s)
             if gone:
                 log.info("removed quota directories no container holds", count=gone)
-            if any(why == reconcile.NOT_CACHED for why in plan.waiting.values()):
-                return changed  # a pod the cache has not seen may still own a link: prune next round
-            self._quota.prune_links(set(plan.links))
         except OSError as exc:
             log.warning("cannot prune quota directories", error=str(exc))
         return changed
 
     def _unavailable(self, why: str) -> None:
+        self._up = False
         self._metrics.reconciled("unavailable", False)
         if not self._said_unavailable:
             log.warning("PodResources unavailable: pods keep the extender's plan (assumed), nothing is guessed; "

@@ -52,16 +52,11 @@ def _of_this_resource(plan: dict[str, int], known: Mapping[str, int]) -> dict[st
     return {t: n for t, n in plan.items() if t in known}
 
 
-def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str, size: int,
-          unit_mib: int, free_per_target: Mapping[str, int]) -> Steer:
-    """The plan every assumed pod with a container of this size agrees on, else ``None``.
-
-    With a single such pod, its containers are tried in the kubelet's order (init containers, then
-    app containers); the first whose planned GPUs still have the devices free (``free_per_target``:
-    available devices per GPU or per device UUID) is the one being admitted. With several, all their
-    containers of this size must name the same GPUs and devices per GPU.
-    """
-    candidates: list[tuple[str, list[dict[str, int]]]] = []
+def _candidates(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str, size: int,
+                unit_mib: int) -> list[tuple[str, list[dict[str, int]]]]:
+    """(namespace/name, the plans of its containers asking ``size`` of ``resource``, kubelet order) of
+    every pod assumed on ``node`` with such a container."""
+    out: list[tuple[str, list[dict[str, int]]]] = []
     for pod in pods:
         if not _assumed_here(pod, node, names):
             continue
@@ -79,7 +74,43 @@ def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, r
             except AssignmentError:
                 continue
         if plans:
-            candidates.append((f"{demand.namespace}/{demand.name}", plans))
+            out.append((f"{demand.namespace}/{demand.name}", plans))
+    return out
+
+
+def tie(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str,
+        got: Mapping[str, int], unit_mib: int) -> str | None:
+    """``None`` when the devices an Allocate names (``got``: GPU UUID -> units, or MIG/whole-GPU UUID
+    -> 1) are the plan of whichever assumed pod the kubelet is admitting, else why not.
+
+    Used while PodResources is down (issue 17): then nobody can record where a pod really runs, so
+    the books stay right only if the pod's own plan already says it. With one candidate pod, one of
+    its containers of this size must plan exactly ``got``; with several, all their plans of this
+    size must be one plan, and that plan ``got``."""
+    size = sum(got.values())
+    candidates = _candidates(pods, names, node, resource, size, unit_mib)
+    want = dict(got)
+    if not candidates:
+        return f"no pod assumed on this node plans {size} {resource}"
+    keys = ", ".join(sorted(k for k, _ in candidates))
+    plans = [{t: n for t, n in p.items() if n} for _, ps in candidates for p in ps]
+    if len(candidates) > 1 and len({frozenset(p.items()) for p in plans}) > 1:
+        return f"{len(candidates)} assumed pods of this size with different plans ({keys})"
+    if not any(p == want for p in plans):
+        return f"the plan of {keys} is not these devices ({', '.join(f'{t}: {n}' for t, n in sorted(want.items()))})"
+    return None
+
+
+def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, resource: str, size: int,
+          unit_mib: int, free_per_target: Mapping[str, int]) -> Steer:
+    """The plan every assumed pod with a container of this size agrees on, else ``None``.
+
+    With a single such pod, its containers are tried in the kubelet's order (init containers, then
+    app containers); the first whose planned GPUs still have the devices free (``free_per_target``:
+    available devices per GPU or per device UUID) is the one being admitted. With several, all their
+    containers of this size must name the same GPUs and devices per GPU.
+    """
+    candidates = _candidates(pods, names, node, resource, size, unit_mib)
     if not candidates:
         return Steer(None, reason="no assumed pod of this size on the node")
     keys = ", ".join(sorted(k for k, _ in candidates))

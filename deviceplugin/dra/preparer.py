@@ -169,12 +169,12 @@ class ClaimPreparer:
         reserved = [r for r in (claim.get("status") or {}).get("reservedFor") or () if r.get("resource") == "pods"]
         pods = tuple(r.get("uid", "") for r in reserved)
         try:  # every name that becomes a path component comes from another process: one component each
-            writer.path_component(ref.uid, f"{where}: claim UID")
-            writer.path_component(tenant_container(ref.name), f"{where}: claim name")
+            writer.safe_component(ref.uid, f"{where}: claim UID")
+            writer.safe_component(tenant_container(ref.name), f"{where}: claim name")
             for uid in pods:
-                writer.path_component(uid, f"{where}: status.reservedFor[].uid")
+                writer.safe_component(uid, f"{where}: status.reservedFor[].uid")
             spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
-        except writer.QuotaPathError as exc:
+        except writer.UnsafePathError as exc:
             raise ClaimError(str(exc)) from None
         gpu = cdi.gpu_shares(shares)
         self._check_room(ref.uid, gpu, known, config.memory_unit_mib, where)
@@ -225,12 +225,12 @@ class ClaimPreparer:
                 self._save(self.checkpoint.with_claim(replace(record, state=PREPARING)))
             config = self._config()
             # the checkpoint is a file on the host: remove only what lies inside our own roots
-            if writer.inside(config.dra.cdi_root, record.cdi_spec):
+            if writer.inside(config.dra.cdi_root, record.cdi_spec, follow_last=False):
                 self.effects.remove_file(record.cdi_spec)
             else:
                 log.error("not removing a CDI spec outside the CDI root", claim=f"{ref.namespace}/{ref.name}",
                           uid=ref.uid, path=record.cdi_spec)
-            if record.quota_dir and writer.inside(config.quota_host_dir, record.quota_dir):
+            if record.quota_dir and writer.inside(config.quota_host_dir, record.quota_dir, follow_last=False):
                 self.effects.remove_dir(record.quota_dir)
             elif record.quota_dir:
                 log.error("not removing a quota directory outside the quota root",

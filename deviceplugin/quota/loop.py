@@ -399,7 +399,8 @@ class QuotaLoop:
             gpus = tuple(self._entry(t.key, g, req, decided.get((t.key, g))) for g, req in t.gpus)
             try:
                 written = write_quota(self._dir(t),
-                                      QuotaFile(gpus=gpus, state=phase.value, enforcement=self.mode.value))
+                                      QuotaFile(gpus=gpus, state=phase.value, enforcement=self.mode.value),
+                                      root=self._root)  # a link out of the quota root is never written through
             except (OSError, ValueError) as exc:
                 log.error("quota write failed, will retry", pod=str(t.key), error=str(exc))
                 report.errors.append(str(exc))

@@ -12,13 +12,24 @@ generation counter. Why the care:
 * the generation must only ever grow, even across daemon restarts and between the two writers, so
   the writer takes an exclusive ``flock`` on the directory, reads the generation on disk and writes
   ``max(requested, on_disk + 1)``. A reader can then ignore any file whose generation it has seen.
+  The generation is an int64 on every reader's side: it saturates at :data:`GENERATION_MAX` (logged)
+  rather than overflow, and a file claiming more (or less than 0) is corrupt;
+* the writer runs under a lock on the Allocate path, so nothing it opens may block or lead elsewhere
+  (issue 17): ``quota.json`` is opened ``O_NOFOLLOW | O_NONBLOCK`` and read only when ``fstat`` says it
+  is a regular file (a FIFO or a link there is treated as corrupt and replaced by the rename, never
+  read or written through), and with ``root`` given the directory must resolve inside that root;
+* every path component that comes from another process (a pod UID, a container or claim name) passes
+  :func:`safe_component` where the path is built: it names one entry of its directory, never ``..``,
+  ``/`` or an absolute path, so nothing is created or removed outside the quota root. The DRA side
+  (claim UIDs, ``reservedFor`` pod UIDs) uses the same helper.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
-import re
+import stat
 import tempfile
 import threading
 import time
@@ -31,8 +42,46 @@ log = logs.get("vramshare.quota.writer")
 _LOCAL_LOCK = threading.Lock()  # flock is per open file description; this keeps threads orderly too
 
 
+GENERATION_MAX = 2**63 - 1  # readers hold the generation in an int64 (Go, C, numpy): never more
+MAX_COMPONENT = 253  # a DNS subdomain (object names) is at most 253; a UID is 36; a file name at most 255
+
+
 class QuotaFileError(ValueError):
     """A quota file that could not be parsed; the message says what is wrong with it."""
+
+
+class UnsafePathError(QuotaFileError):
+    """A path component from another process that would leave its directory; the message says which."""
+
+
+def safe_component(value: object, what: str) -> str:
+    """``value`` when it names exactly one entry of a directory, else :class:`UnsafePathError`.
+
+    For every pod UID, container name, claim UID or name joined under the quota root: refuses the
+    empty string, ``.``, ``..`` and any other name starting with a dot (hidden entries are the writer's
+    temporary files), anything with ``/`` or a NUL (so no absolute path and no climbing), anything not a
+    string, and anything longer than :data:`MAX_COMPONENT` characters."""
+    if not isinstance(value, str):
+        raise UnsafePathError(f"{what} {value!r} is not a string")
+    if value in ("", ".", "..") or value.startswith("."):
+        raise UnsafePathError(f"{what} {value!r} does not name a directory entry (empty, or starts with a dot)")
+    if "/" in value or "\0" in value or (os.sep != "/" and os.sep in value):
+        raise UnsafePathError(f"{what} {value!r} contains a path separator or NUL")
+    if len(value) > MAX_COMPONENT:
+        raise UnsafePathError(f"{what} is {len(value)} characters long (at most {MAX_COMPONENT})")
+    return value
+
+
+def inside(root: str, path: str, *, follow_last: bool = True) -> bool:
+    """Whether ``path`` lies strictly below ``root`` with every directory on the way resolved.
+
+    ``follow_last`` (for writing into ``path``): the last component is resolved too, so a planted link
+    pointing elsewhere is outside. Without it (for removing ``path``): a link inside the root is inside,
+    since removing it removes the link, not its target."""
+    norm = os.path.normpath(path)
+    real = os.path.realpath(norm) if follow_last else \
+        os.path.join(os.path.realpath(os.path.dirname(norm)), os.path.basename(norm))
+    return real.startswith(os.path.realpath(root) + os.sep)
 
 
 @dataclass(frozen=True)
@@ -85,66 +134,63 @@ def parse_quota(text: str) -> QuotaFile:
         gpus = tuple(GpuQuota(uuid=str(g["uuid"]), limit_mib=int(g["limitMiB"]),
                               floor_mib=int(g["floorMiB"]), ceiling_mib=int(g["ceilingMiB"]))
                      for g in doc["gpus"])
-        return QuotaFile(gpus=gpus, generation=int(doc["generation"]), updated=str(doc["updated"]),
-                         state=str(doc.get("state") or ""), enforcement=str(doc.get("enforcement") or ""))
+        generation = int(doc["generation"])
+        out = QuotaFile(gpus=gpus, generation=generation, updated=str(doc["updated"]),
+                        state=str(doc.get("state") or ""), enforcement=str(doc.get("enforcement") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         raise QuotaFileError(f"bad or missing field: {exc!r}") from exc
+    if not 0 <= generation <= GENERATION_MAX:
+        raise QuotaFileError(f"generation {generation} is outside 0..{GENERATION_MAX} (an int64)")
+    return out
 
 
 def quota_path(directory: str | os.PathLike[str]) -> str:
     return os.path.join(os.fspath(directory), contract.QUOTA_FILE_NAME)
 
 
-class QuotaPathError(ValueError):
-    """A name from another process (a pod UID, a container or claim name) that cannot be one path
-    component under the quota root (``..``, ``/``, an absolute path, empty, too long)."""
-
-
-#: one component: starts with a letter or digit (so never ``.``, ``..`` or hidden), then letters,
-#: digits, ``.``, ``_``, ``-``; Kubernetes UIDs, DNS labels and subdomains all fit
-_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-NAME_MAX = 255  # the longest file name Linux file systems take
-
-
-def path_component(value: object, what: str) -> str:
-    """``value`` if it is a safe single path component, else :class:`QuotaPathError` naming ``what``.
-
-    The one check for every name another process puts into a quota path (the kubelet's pod UIDs and
-    container names, a ResourceClaim's ``reservedFor[].uid``): none may climb out of the quota root."""
-    if not isinstance(value, str) or len(value) > NAME_MAX or not _COMPONENT.match(value):
-        shown = repr(value)[:80]
-        raise QuotaPathError(f"{what} {shown} is not a safe path component (a letter or digit, then letters, "
-                             f"digits, '.', '_', '-'; at most {NAME_MAX} characters)")
-    return value
-
-
 def container_dir(host_root: str, pod_uid: str, container: str) -> str:
     """``<quotaHostDir>/<pod-uid>/<container>``: the directory mounted at /var/run/vramshare.
-    Raises :class:`QuotaPathError` when either name is not one safe path component."""
-    return os.path.join(host_root, path_component(pod_uid, "pod UID"), path_component(container, "container"))
+
+    Raises :class:`UnsafePathError` when the UID or the name would leave ``host_root``."""
+    return os.path.join(host_root, safe_component(pod_uid, "pod UID"), safe_component(container, "container name"))
 
 
-def inside(root: str, path: str) -> bool:
-    """Is ``path`` strictly below ``root``, with every directory on the way resolved (a symlinked
-    parent that points elsewhere does not count as inside)? The last component is not followed,
-    so a link inside the root is inside (removing it removes the link, not its target)."""
-    norm = os.path.normpath(path)
-    parent = os.path.realpath(os.path.dirname(norm))
-    return os.path.join(parent, os.path.basename(norm)).startswith(os.path.realpath(root) + os.sep)
+MAX_QUOTA_BYTES = 1 << 20  # a quota file is a few hundred bytes; never read an unbounded one
+
+
+def read_regular(path: str, dir_fd: int | None = None) -> str | None:
+    """The text of ``path`` when it is a regular file; ``None`` when absent. Never blocks (a FIFO),
+    never follows a link; anything but a regular file raises :class:`QuotaFileError`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise QuotaFileError(f"{path} is a symbolic link, not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise QuotaFileError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_size > MAX_QUOTA_BYTES:
+            raise QuotaFileError(f"{path} is {st.st_size} bytes (at most {MAX_QUOTA_BYTES})")
+        return os.read(fd, MAX_QUOTA_BYTES + 1).decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
 
 
 def read_quota(directory: str | os.PathLike[str]) -> QuotaFile | None:
-    """The quota file in ``directory``; ``None`` when there is none. Raises :class:`QuotaFileError`."""
-    try:
-        with open(quota_path(directory), encoding="utf-8") as fh:
-            return parse_quota(fh.read())
-    except FileNotFoundError:
-        return None
+    """The quota file in ``directory``; ``None`` when there is none. Raises :class:`QuotaFileError`
+    (also for a FIFO, device or link in its place: it is never opened blocking nor followed)."""
+    text = read_regular(quota_path(directory))
+    return None if text is None else parse_quota(text)
 
 
-def _generation_on_disk(directory: str) -> int:
+def _generation_on_disk(dir_fd: int, directory: str) -> int:
     try:
-        current = read_quota(directory)
+        text = read_regular(contract.QUOTA_FILE_NAME, dir_fd=dir_fd)
+        current = None if text is None else parse_quota(text)
     except QuotaFileError as exc:
         # A corrupt file cannot hold us back; the new one replaces it with a fresh generation.
         log.warning("quota file unreadable, replacing it", dir=directory, error=str(exc))
@@ -152,7 +198,8 @@ def _generation_on_disk(directory: str) -> int:
     return current.generation if current else 0
 
 
-def write_quota(directory: str | os.PathLike[str], quota: QuotaFile, *, durable: bool = False) -> QuotaFile:
+def write_quota(directory: str | os.PathLike[str], quota: QuotaFile, *, durable: bool = False,
+                root: str | None = None) -> QuotaFile:
     """Atomically write ``quota`` as ``<directory>/quota.json`` and return what was written.
 
     The generation written is ``max(quota.generation, generation on disk + 1)``, so it grows by at
@@ -160,19 +207,25 @@ def write_quota(directory: str | os.PathLike[str], quota: QuotaFile, *, durable:
     The directory is created (0755) when missing; the file is 0644 so a non-root container can read
     it. Raises ``ValueError`` for a GPU entry without floor <= limit <= ceiling (the vLLM plugin
     refuses such a file, so it must never reach the disk) and ``OSError`` when the directory cannot
-    be written (the caller logs and keeps its state).
+    be written (the caller logs and keeps its state). With ``root``, a directory that resolves
+    outside it (a planted link) raises :class:`UnsafePathError` before anything is created.
     """
     for g in quota.gpus:
         if not 0 <= g.floor_mib <= g.limit_mib <= g.ceiling_mib:
             raise ValueError(f"quota for {g.uuid}: need 0 <= floor <= limit <= ceiling, "
                              f"got {g.floor_mib}/{g.limit_mib}/{g.ceiling_mib}")
     d = os.fspath(directory)
+    if root is not None and not inside(root, d):
+        raise UnsafePathError(f"{d} resolves to {os.path.realpath(d)}, outside the quota root {root}")
     os.makedirs(d, mode=0o755, exist_ok=True)
     with _LOCAL_LOCK:
-        dir_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
-            generation = max(quota.generation, _generation_on_disk(d) + 1)
+            generation = max(quota.generation, _generation_on_disk(dir_fd, d) + 1)
+            if generation > GENERATION_MAX:
+                log.error("quota generation exhausted, kept at the int64 maximum", dir=d, generation=GENERATION_MAX)
+                generation = GENERATION_MAX
             final = replace(quota, generation=generation,
                             updated=quota.updated or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             data = json.dumps(final.to_json(), separators=(",", ":"), sort_keys=True).encode()

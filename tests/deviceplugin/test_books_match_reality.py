@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import reconcile
+from deviceplugin import podresources, reconcile
 from deviceplugin.allocator import Allocator
 from deviceplugin.backend import DiscoveredGpu, DiscoveredMig, HealthEvent
 from deviceplugin.metrics import PluginMetrics
@@ -31,7 +31,7 @@ from vramshare import contract
 from vramshare.config import Config
 from vramshare.inventory import GpuMode
 from vramshare.standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
-from vramshare.standins.kubelet import admission_order
+from vramshare.standins.kubelet import admission_order, list_response
 
 NAMES = contract.Names()
 MEM, WHOLE = NAMES.gpu_memory, NAMES.gpu
@@ -70,7 +70,8 @@ class World:
             self.dm.register(resource, FnEndpoint(
                 lambda a, m, s, r=resource: self.allocator.preferred(r, a, m, s),
                 lambda ids, r=resource: self.allocator.allocate(r, ids)))
-            self.dm.update_devices(resource, [(d.id, d.healthy) for d in devs])
+            self.dm.update_devices(resource, [(d.id, d.healthy, (d.numa_node,) if d.numa_node is not None else ())
+                                              for d in devs])
         self.reconcile()  # start-up round, before serving
 
     def pods_list(self) -> list[dict]:
@@ -79,8 +80,8 @@ class World:
     def reconcile(self) -> reconcile.Plan | None:
         if not self.pod_resources:
             return None
-        held = [reconcile.Held(ns, name, c, r, tuple(ids)) for ns, name, cs in self.dm.pod_resources()
-                for c, grants in cs for r, ids in grants]
+        # the kubelet's own answer (one entry per device ID), through the plugin's own reading of it
+        held = podresources.held(list_response(self.dm.pod_resources()), NAMES)
         snap = self.state.snapshot
         devices = {d.id: d for ds in snap.devices.values() for d in ds}
         plan = reconcile.plan(held, self.pods_list(), devices, NAMES, NODE, snap.inventory.unit_mib)

@@ -114,3 +114,22 @@ def test_quota_directories_are_owned_by_the_container_holding_the_ids():
 def test_other_resources_and_empty_holdings_are_ignored():
     out = plan([reconcile.Held("ns", "p", "c", "nvidia.com/gpu", ("GPU-0",)), held("p", "c", MEM)], [])
     assert out.patches == [] and out.waiting == {} and out.owners == {}
+
+
+def test_upstream_entries_one_per_device_and_numa_node_are_grouped_per_container_and_resource():
+    """container_manager.go containerDevicesFromResourceDeviceInstances lists each ID on its own (twice for a
+    device on two NUMA nodes): the key and the assignment are those of the whole set, counted once."""
+    ids = [f"GPU-a::{i}" for i in range(5)]
+    hs = [held("p", "c", MEM, d) for d in ids] + [held("p", "c", MEM, "GPU-a::0")]  # GPU-a::0 on two nodes
+    out = plan(hs, [pod("p", {"c": {MEM: 5}})])
+    key = allocation_key(ids)
+    assert out.links == {("uid-p", "c"): key} and out.held_keys == {key}
+    assert json.loads(out.patches[0].assignment) == {"c": [{"uuid": "GPU-a", "mib": 5120}]}
+
+
+def test_a_name_listed_twice_is_never_merged_into_one_pod():
+    """server_v1.go List has no UID: two entries of one name (the old pod terminating) stay apart."""
+    hs = [reconcile.Held("ns", "p", "c", MEM, ("GPU-a::0",), 0), reconcile.Held("ns", "p", "c", MEM, ("GPU-b::0",), 1)]
+    out = plan(hs, [pod("p", {"c": {MEM: 1}})])
+    assert out.patches == [] and out.links == {} and "2 times" in out.waiting["ns/p"]
+    assert out.held_keys == {allocation_key(["GPU-a::0"]), allocation_key(["GPU-b::0"])}  # neither is pruned

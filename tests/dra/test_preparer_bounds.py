@@ -76,9 +76,9 @@ def test_unprepare_never_removes_anything_outside_its_roots(tmp_path):
 
 @pytest.mark.parametrize("bad", ["..", ".", "/abs", "", "a/b", "a\x00b", "-x" * 200])
 def test_container_dir_takes_one_safe_component_each(bad):
-    with pytest.raises(writer.QuotaPathError):
+    with pytest.raises(writer.UnsafePathError):
         writer.container_dir("/q", bad, "c")
-    with pytest.raises(writer.QuotaPathError):
+    with pytest.raises(writer.UnsafePathError):
         writer.container_dir("/q", "uid", bad)
     assert writer.container_dir("/q", "0b7e2c4e-1111-2222-3333-444455556666", "vllm") == \
         "/q/0b7e2c4e-1111-2222-3333-444455556666/vllm"
@@ -89,8 +89,9 @@ def test_inside_resolves_parents_but_not_the_last_component(tmp_path):
     (root / "a").mkdir(parents=True)
     (tmp_path / "out").mkdir()
     os.symlink(tmp_path / "out", root / "link")
-    assert writer.inside(str(root), str(root / "a"))
-    assert writer.inside(str(root), str(root / "link"))  # the link itself is inside: removing it is safe
-    assert not writer.inside(str(root), str(root / "link" / "x"))  # through it is not
-    assert not writer.inside(str(root), str(root / ".." / "out"))
-    assert not writer.inside(str(root), str(root))
+    assert writer.inside(str(root), str(root / "a"), follow_last=False)
+    assert writer.inside(str(root), str(root / "link"), follow_last=False)  # removing the link is safe
+    assert not writer.inside(str(root), str(root / "link"))  # writing through it is not
+    assert not writer.inside(str(root), str(root / "link" / "x"), follow_last=False)  # nor through it
+    assert not writer.inside(str(root), str(root / ".." / "out"), follow_last=False)
+    assert not writer.inside(str(root), str(root), follow_last=False)

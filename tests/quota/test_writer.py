@@ -70,3 +70,20 @@ def test_unwritable_directory_raises_oserror(tmp_path):
     blocker.write_text("")
     with pytest.raises(OSError):
         write_quota(blocker / "sub", Q)
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "../x", "/abs", "a/b", "a\0b", "x" * 254, None, 7])
+def test_safe_component_refuses_what_would_leave_its_directory(bad):
+    """Issue 17 item 11: pod UIDs, container and claim names never climb out of the quota root."""
+    from deviceplugin.quota.writer import UnsafePathError, container_dir, safe_component
+    with pytest.raises(UnsafePathError):
+        safe_component(bad, "pod UID")
+    if isinstance(bad, str):
+        with pytest.raises(UnsafePathError):
+            container_dir("/q", bad, "c")
+
+
+def test_safe_component_keeps_uids_and_names():
+    from deviceplugin.quota.writer import container_dir, safe_component
+    assert safe_component("0f8e3a52-1b7c-4c1e-9d2a-5b0e6c7d8e9f", "pod UID") == "0f8e3a52-1b7c-4c1e-9d2a-5b0e6c7d8e9f"
+    assert container_dir("/q", "uid-1", "claim-gpu") == "/q/uid-1/claim-gpu"

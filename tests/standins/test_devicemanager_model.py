@@ -120,7 +120,8 @@ def test_the_checkpoint_survives_a_kubelet_restart():
     before = held(dm, "a")
     dm.restore(dm.checkpoint())
     assert held(dm, "a") == before and dm.endpoints == {}
-    assert dm.pod_resources() == [("ns", "a", [("c", [(R, sorted(before))])])]
+    [(ns, name, [(c, entries)])] = dm.pod_resources()  # one entry per device ID (no topology here)
+    assert (ns, name, c) == ("ns", "a", "c") and sorted(entries) == [(R, d, None) for d in sorted(before)]
 
 
 def test_admission_is_by_creation_second_with_ties_in_random_order():

@@ -24,14 +24,23 @@ It reproduces what decides which device IDs a container gets, from kubernetes
   re-allocated (``needsReAllocate``: the late re-Allocate after a lost ``podDevices`` entry).
 * ``readCheckpoint``: a kubelet restart keeps ``podDevices`` (``kubelet_internal_checkpoint``).
 
-``pod_resources`` answers as ``v1.PodResourcesLister/List`` does (podresources ``v1`` server
-``List``): active pods, app containers and restartable init containers, their device IDs per resource.
+``pod_resources`` answers as ``v1.PodResourcesLister/List`` does (``pkg/kubelet/apis/podresources/
+server_v1.go List``): active pods in no promised order (``GetActivePods`` walks a Go map), per pod its
+restartable init containers then its app containers, and per container **one entry per device ID, one
+per NUMA node of that device's topology** (``pkg/kubelet/cm/container_manager.go
+containerDevicesFromResourceDeviceInstances`` over ``pod_devices.go getContainerDevices``, the NUMA
+nodes recorded at Allocate as ``allocDevicesWithNUMA``), in Go map order (random here). No pod UID:
+a pod deleted and recreated under the same name may be listed twice while the old one terminates.
+``get_pod_resources`` is ``Get``: the pod the pod manager knows by that name (the newest).
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+
+NO_TOPOLOGY = -1  # devicemanager ``nodeWithoutTopology``: a device the plugin reported without NUMA nodes
 
 
 class AdmissionError(Exception):
@@ -69,6 +78,62 @@ class Grant:
 
     device_ids: frozenset[str]
     response: Any = None
+    numa: dict[int, list[str]] = field(default_factory=dict)  # ``allocDevicesWithNUMA``: node -> IDs
+
+
+DeviceEntry = tuple[str, str, "int | None"]  # one ContainerDevices: (resource, device ID, NUMA node or None)
+
+
+def devices_per_numa(ids: Iterable[str], topology: Mapping[str, Sequence[int]],
+                     rng: random.Random) -> dict[int, list[str]]:
+    """``allocateContainerResources``' ``allocDevicesWithNUMA``: each device under every NUMA node of
+    its topology when it was allocated, or under ``nodeWithoutTopology``; Go set order (random)."""
+    out: dict[int, list[str]] = {}
+    order = sorted(ids)
+    rng.shuffle(order)
+    for dev in order:
+        nodes = list(topology.get(dev) or ())
+        for node in nodes or [NO_TOPOLOGY]:
+            out.setdefault(node, []).append(dev)
+    return out
+
+
+def _go_keys(keys: Iterable[Any], rng: random.Random) -> list[Any]:
+    out = sorted(keys)
+    rng.shuffle(out)
+    return out
+
+
+def container_devices(grants: Mapping[str, Grant], rng: random.Random) -> list[DeviceEntry]:
+    """A container's ``ContainerDevices``, as the kubelet builds them for PodResources.
+
+    ``pod_devices.go getContainerDevices`` turns ``deviceIds`` (NUMA node -> IDs) into a device ->
+    topology map, where a device seen under a second node gets that node *and* the ones seen before;
+    ``container_manager.go containerDevicesFromResourceDeviceInstances`` then answers one entry per
+    device without topology, else one per NUMA node of its topology, each naming that one device.
+    Every map walk is in Go order: random."""
+    instances: dict[str, dict[str, list[int] | None]] = {}
+    for resource in _go_keys(grants, rng):  # getContainerDevices
+        per_numa = grants[resource].numa
+        if not per_numa:
+            continue
+        devs: dict[str, list[int] | None] = {}
+        for numa in _go_keys(per_numa, rng):
+            for dev in per_numa[numa]:
+                topology = None
+                if numa != NO_TOPOLOGY:
+                    topology = [numa] + list(devs.get(dev) or [])
+                devs[dev] = topology
+        instances[resource] = devs
+    out: list[DeviceEntry] = []
+    for resource in _go_keys(instances, rng):  # containerDevicesFromResourceDeviceInstances
+        for dev in _go_keys(instances[resource], rng):
+            topology = instances[resource][dev]
+            if topology is None:
+                out.append((resource, dev, None))
+                continue
+            out.extend((resource, dev, node) for node in topology)
+    return out
 
 
 @dataclass
@@ -78,6 +143,7 @@ class PodEntry:
     name: str
     pod: Mapping[str, Any]
     containers: dict[str, dict[str, Grant]] = field(default_factory=dict)  # container -> resource -> grant
+    seq: int = 0  # order the pod manager learnt of it (``GetPodByName`` answers the newest)
 
 
 def _limits(container: Mapping[str, Any]) -> dict[str, int]:
@@ -105,11 +171,13 @@ class DeviceManager:
         self.endpoints: dict[str, Endpoint] = {}
         self.all_devices: dict[str, set[str]] = {}
         self.healthy_devices: dict[str, set[str]] = {}
+        self.topology: dict[str, dict[str, tuple[int, ...]]] = {}  # resource -> device -> NUMA nodes
         self.allocated_devices: dict[str, set[str]] = {}
         self.pods: dict[str, PodEntry] = {}  # podDevices, by pod UID
         self.active: set[str] = set()  # UIDs of pods the kubelet runs (activePods)
         self._reuse: dict[str, dict[str, set[str]]] = {}  # devicesToReuse, for the pod being admitted
         self.allocate_calls = 0
+        self._seq = 0
 
     # -- plugin side ----------------------------------------------------------------------------
     def register(self, resource: str, endpoint: Endpoint) -> None:
@@ -120,11 +188,13 @@ class DeviceManager:
         self.endpoints.pop(resource, None)
         self.healthy_devices[resource] = set()
 
-    def update_devices(self, resource: str, devices: Iterable[tuple[str, bool]]) -> None:
-        """``genericDeviceUpdateCallback``: the message replaces the whole set."""
+    def update_devices(self, resource: str, devices: Iterable[tuple[Any, ...]]) -> None:
+        """``genericDeviceUpdateCallback``: the message replaces the whole set. Each device is
+        ``(id, healthy)`` or ``(id, healthy, NUMA nodes)`` (``Device.Topology.Nodes``)."""
         devs = list(devices)
-        self.all_devices[resource] = {d for d, _ in devs}
-        self.healthy_devices[resource] = {d for d, ok in devs if ok}
+        self.all_devices[resource] = {d[0] for d in devs}
+        self.healthy_devices[resource] = {d[0] for d in devs if d[1]}
+        self.topology[resource] = {d[0]: tuple(d[2]) for d in devs if len(d) > 2 and d[2]}
 
     # -- pods -----------------------------------------------------------------------------------
     def admit(self, pod: Mapping[str, Any]) -> None:
@@ -133,7 +203,9 @@ class DeviceManager:
         meta = pod["metadata"]
         uid = meta["uid"]
         self.active.add(uid)
-        self.pods.setdefault(uid, PodEntry(uid, meta.get("namespace", "default"), meta["name"], pod))
+        if uid not in self.pods:
+            self._seq += 1
+            self.pods[uid] = PodEntry(uid, meta.get("namespace", "default"), meta["name"], pod, seq=self._seq)
         spec = pod.get("spec") or {}
         try:
             for c in list(spec.get("initContainers") or []) + list(spec.get("containers") or []):
@@ -167,12 +239,17 @@ class DeviceManager:
         """A grant made outside :meth:`admit` (a raw Allocate in a test), kept like any other."""
         uid = next((u for u, e in self.pods.items() if (e.namespace, e.name) == (namespace, name)),
                    f"{namespace}/{name}")
+        if uid not in self.pods:
+            self._seq += 1
         entry = self.pods.setdefault(uid, PodEntry(uid, namespace, name, {
-            "metadata": {"uid": uid, "namespace": namespace, "name": name}, "spec": {"containers": []}}))
+            "metadata": {"uid": uid, "namespace": namespace, "name": name}, "spec": {"containers": []}},
+            seq=self._seq))
         spec_containers = entry.pod["spec"].setdefault("containers", [])
         if all(c.get("name") != container for c in spec_containers):
             spec_containers.append({"name": container})
-        entry.containers.setdefault(container, {})[resource] = Grant(frozenset(device_ids), response)
+        ids = frozenset(device_ids)
+        entry.containers.setdefault(container, {})[resource] = Grant(
+            ids, response, devices_per_numa(ids, self.topology.get(resource, {}), self.rng))
         self.active.add(uid)
         self._rebuild_allocated()
 
@@ -199,7 +276,8 @@ class DeviceManager:
             except Exception as exc:  # noqa: BLE001 - any plugin error fails the pod
                 self._rebuild_allocated()
                 raise AdmissionError(f"Allocate failed for {resource}: {exc}") from exc
-            self.pods[uid].containers.setdefault(cname, {})[resource] = Grant(frozenset(ids), response)
+            self.pods[uid].containers.setdefault(cname, {})[resource] = Grant(
+                frozenset(ids), response, devices_per_numa(ids, self.topology.get(resource, {}), self.rng))
 
     def _devices_to_allocate(self, uid: str, cname: str, resource: str, required: int,
                              reusable: set[str]) -> set[str]:
@@ -296,32 +374,39 @@ class DeviceManager:
 
     def checkpoint(self) -> dict[str, PodEntry]:
         """``writeCheckpoint``: what survives a kubelet restart."""
-        return {uid: PodEntry(e.uid, e.namespace, e.name, e.pod, {c: dict(g) for c, g in e.containers.items()})
+        return {uid: PodEntry(e.uid, e.namespace, e.name, e.pod, {c: dict(g) for c, g in e.containers.items()}, e.seq)
                 for uid, e in self.pods.items()}
 
     def restore(self, checkpoint: Mapping[str, PodEntry]) -> None:
         """``readCheckpoint`` after a kubelet restart: podDevices back, endpoints gone until Register."""
-        self.pods = {uid: PodEntry(e.uid, e.namespace, e.name, e.pod, {c: dict(g) for c, g in e.containers.items()})
+        self.pods = {uid: PodEntry(e.uid, e.namespace, e.name, e.pod, {c: dict(g) for c, g in e.containers.items()}, e.seq)
                      for uid, e in checkpoint.items()}
         self.endpoints = {}
         self.healthy_devices = {}
         self._rebuild_allocated()
 
     # -- what PodResources says and what containers hold --------------------------------------------
-    def pod_resources(self) -> list[tuple[str, str, list[tuple[str, list[tuple[str, list[str]]]]]]]:
-        """``List``: (namespace, name, [(container, [(resource, device IDs)])]) for active pods."""
-        out = []
-        for uid in sorted(self.active):
-            entry = self.pods.get(uid)
-            if entry is None:
-                continue
-            spec = entry.pod.get("spec") or {}
-            listed = [c["name"] for c in spec.get("initContainers") or [] if _restartable(c)]
-            listed += [c["name"] for c in spec.get("containers") or []]
-            containers = [(c, sorted((r, sorted(g.device_ids)) for r, g in entry.containers.get(c, {}).items()))
-                          for c in listed]
-            out.append((entry.namespace, entry.name, containers))
-        return out
+    def _listed(self, entry: PodEntry) -> tuple[str, str, list[tuple[str, list[DeviceEntry]]]]:
+        """``getContainerResources`` for the restartable init containers, then the app containers."""
+        spec = entry.pod.get("spec") or {}
+        names = [c["name"] for c in spec.get("initContainers") or [] if _restartable(c)]
+        names += [c["name"] for c in spec.get("containers") or []]
+        return entry.namespace, entry.name, [(c, container_devices(entry.containers.get(c, {}), self.rng))
+                                             for c in names]
+
+    def pod_resources(self) -> list[tuple[str, str, list[tuple[str, list[DeviceEntry]]]]]:
+        """``List``: (namespace, name, [(container, [(resource, device ID, NUMA node or None)])]) for the
+        active pods, in Go map order; one entry per device ID and NUMA node, as upstream answers."""
+        self.update_allocated_devices()  # server_v1.go List: p.devicesProvider.UpdateAllocatedDevices()
+        return [self._listed(self.pods[uid]) for uid in _go_keys(self.active, self.rng) if uid in self.pods]
+
+    def get_pod_resources(self, namespace: str, name: str) -> tuple[str, str, list[tuple[str, list[DeviceEntry]]]]:
+        """``Get``: the pod the pod manager knows by that name (``GetPodByName``: the newest); raises
+        ``KeyError`` with upstream's message when there is none."""
+        found = [e for e in self.pods.values() if (e.namespace, e.name) == (namespace, name)]
+        if not found:
+            raise KeyError(f"pod {name} in namespace {namespace} not found")
+        return self._listed(max(found, key=lambda e: e.seq))
 
     def holdings(self) -> dict[tuple[str, str], dict[str, dict[str, frozenset[str]]]]:
         """(namespace, name) -> container -> resource -> device IDs, active pods only (the truth)."""

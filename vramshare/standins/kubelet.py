@@ -178,8 +178,9 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
                     conn.devices = list(response.devices)
                     conn.updates += 1
                     if self._plugins.get(conn.resource) is conn:  # genericDeviceUpdateCallback
-                        self.manager.update_devices(conn.resource, [(d.ID, d.health == "Healthy")
-                                                                    for d in conn.devices])
+                        self.manager.update_devices(conn.resource, [
+                            (d.ID, d.health == "Healthy", tuple(n.ID for n in d.topology.nodes))
+                            for d in conn.devices])
                     self._cond.notify_all()
         except grpc.RpcError:
             pass
@@ -187,7 +188,8 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
             conn.connected = False
             conn.devices = [dp.Device(ID=d.ID, health="Unhealthy", topology=d.topology) for d in conn.devices]
             if self._plugins.get(conn.resource) is conn:
-                self.manager.update_devices(conn.resource, [(d.ID, False) for d in conn.devices])
+                self.manager.update_devices(conn.resource, [(d.ID, False, tuple(n.ID for n in d.topology.nodes))
+                                                            for d in conn.devices])
             self._cond.notify_all()
 
     def _disconnect(self, conn: PluginConnection) -> None:
@@ -306,24 +308,48 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
             self._pr_server = None
 
     # -- v1.PodResourcesLister -------------------------------------------------------------------
+    # The answers copy ``pkg/kubelet/apis/podresources/server_v1.go`` (List, Get) and
+    # ``pkg/kubelet/cm/container_manager.go containerDevicesFromResourceDeviceInstances``: one
+    # ContainerDevices per device ID (and per NUMA node of its topology), no pod UID, Go map order.
     def List(self, request: pr.ListPodResourcesRequest, context: grpc.ServicerContext) -> pr.ListPodResourcesResponse:
         with self._cond:
-            pods = [pr.PodResources(name=name, namespace=ns, containers=[
-                pr.ContainerResources(name=c, devices=[pr.ContainerDevices(resource_name=r, device_ids=ids)
-                                                       for r, ids in grants])
-                for c, grants in containers]) for ns, name, containers in self.manager.pod_resources()]
-        return pr.ListPodResourcesResponse(pod_resources=pods)
+            listed = self.manager.pod_resources()
+        return list_response(listed)
 
     def GetAllocatableResources(self, request: pr.AllocatableResourcesRequest,
                                 context: grpc.ServicerContext) -> pr.AllocatableResourcesResponse:
+        """``GetAllocatableDevices``: the healthy devices through the same per-device conversion."""
         with self._cond:
-            devs = [pr.ContainerDevices(resource_name=r, device_ids=[d.ID for d in p.devices if d.health == "Healthy"])
-                    for r, p in self._plugins.items()]
+            devs = [container_device(r, d.ID, n) for r, p in self._plugins.items() for d in p.devices
+                    if d.health == "Healthy" for n in ([x.ID for x in d.topology.nodes] or [None])]
         return pr.AllocatableResourcesResponse(devices=devs)
 
     def Get(self, request: pr.GetPodResourcesRequest, context: grpc.ServicerContext) -> pr.GetPodResourcesResponse:
-        found = [p for p in self.List(pr.ListPodResourcesRequest(), context).pod_resources
-                 if p.name == request.pod_name and p.namespace == request.pod_namespace]
-        if not found:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found")
-        return pr.GetPodResourcesResponse(pod_resources=found[0])
+        """``Get``: ``GetPodByName``; an unknown pod is a plain Go error (gRPC ``Unknown``) with
+        upstream's message."""
+        with self._cond:
+            try:
+                found = self.manager.get_pod_resources(request.pod_namespace, request.pod_name)
+            except KeyError as exc:
+                context.abort(grpc.StatusCode.UNKNOWN, str(exc.args[0]))
+        return pr.GetPodResourcesResponse(pod_resources=pod_resources_message(found))
+
+
+def container_device(resource: str, device_id: str, numa: int | None) -> pr.ContainerDevices:
+    """One ``ContainerDevices``: one device ID, and its one NUMA node when it has a topology."""
+    if numa is None:
+        return pr.ContainerDevices(resource_name=resource, device_ids=[device_id])
+    return pr.ContainerDevices(resource_name=resource, device_ids=[device_id],
+                               topology=pr.TopologyInfo(nodes=[pr.NUMANode(ID=numa)]))
+
+
+def pod_resources_message(listed: tuple[str, str, list[tuple[str, list[tuple[str, str, int | None]]]]]) -> pr.PodResources:
+    ns, name, containers = listed
+    return pr.PodResources(name=name, namespace=ns, containers=[
+        pr.ContainerResources(name=c, devices=[container_device(*e) for e in entries]) for c, entries in containers])
+
+
+def list_response(listed: Iterable[tuple[str, str, list[tuple[str, list[tuple[str, str, int | None]]]]]]
+                  ) -> pr.ListPodResourcesResponse:
+    """What ``List`` answers for :meth:`DeviceManager.pod_resources` (tests build it without a socket)."""
+    return pr.ListPodResourcesResponse(pod_resources=[pod_resources_message(p) for p in listed])

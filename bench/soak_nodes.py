@@ -1,0 +1,429 @@
+"""The soak's nodes with the device plugin's real core in the loop (issue 17): kubelet model, Allocate,
+PodResources in upstream's shape, reconcile, quota links. Never imported by a daemon.
+
+Per node: the kubelet's device manager model (:mod:`vramshare.standins.devicemanager`: its own device
+accounting, the plugin's preference as a hint, admission in creation order with ties random, a pod kept
+*active* for a random termination grace after the API forgets it, so a pod recreated under its name is
+listed twice), the plugin's :class:`~deviceplugin.allocator.Allocator` (the GPU follows the device IDs,
+a quota directory per allocation, steering from the pods), and its
+:class:`~deviceplugin.reconcile_loop.Reconciler`, which reads PodResources exactly as a real kubelet
+answers it (``List`` in upstream's shape through :func:`deviceplugin.podresources.held`: one entry per
+device ID and NUMA node, no UID), patches the pods through the API server double, links the quota
+directories and prunes. PodResources goes down on a node now and then: the reconciler then records
+nothing and Allocate refuses what no single plan explains (what that costs is counted).
+
+Checked every few ticks, from the truth (the kubelet model's grants per pod UID):
+
+* ``dangling_links``: quota links ``<root>/<uid>/<container>`` that do not resolve;
+* ``links_to_other_pods``: links of a running pod UID to an allocation that is not its own;
+* ``pods_recorded_on_other_gpus``: pods recorded ``allocated`` with GPUs or sizes their UID's containers
+  do not hold (another pod's, or a previous pod's of the same name);
+* ``links_missing_after_settle``: running containers without a link to their own directory at the end.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from deviceplugin import podresources
+from deviceplugin.allocator import Allocator
+from deviceplugin.backend import DiscoveredGpu
+from deviceplugin.kube_adapter import Conflict, Gone
+from deviceplugin.metrics import PluginMetrics
+from deviceplugin.node_state import NodeState
+from deviceplugin.podresources import PodResourcesError
+from deviceplugin.quota_files import QuotaFiles, allocation_key
+from deviceplugin.reconcile import Held, Patch
+from deviceplugin.reconcile_loop import Reconciler
+from vramshare import contract
+from vramshare.config import Config
+from vramshare.standins.apiserver import PODS, ApiServerDouble
+from vramshare.standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
+from vramshare.standins.kubelet import admission_order, list_response
+
+N = contract.Names()
+Obj = dict[str, Any]
+REFUSED_UNRECORDED = "PodResources is down"
+
+
+@dataclass
+class Stats:
+    admitted: int = 0
+    admission_failures: int = 0
+    refused_unrecorded: int = 0  # Allocates refused while PodResources was down (item 12's cost)
+    steering_misses: int = 0  # pods whose actual GPUs differ from their plan
+    ambiguous: int = 0
+    unsteered: int = 0
+    pod_resources_outages: int = 0
+    admitted_while_down: int = 0
+    names_listed_twice: int = 0  # reconcile rounds where List named a pod twice (the old one terminating)
+    same_name_waits: int = 0  # rounds where a pod waited because List showed only an earlier pod's devices
+    rounds: int = 0
+    dangling_links: set[str] = field(default_factory=set)
+    links_to_other_pods: set[str] = field(default_factory=set)
+    pods_recorded_on_other_gpus: set[str] = field(default_factory=set)
+    admit_latency_s: list[float] = field(default_factory=list)
+
+
+class _View:
+    """The plugin's pod cache: this node's pods of the tick's snapshot, our own patches seen at once."""
+
+    def __init__(self) -> None:
+        self.snapshot: list[Obj] = []
+
+    def pods(self) -> list[Obj]:
+        return self.snapshot
+
+    def written(self, pod: Mapping[str, Any]) -> None:
+        uid = pod["metadata"]["uid"]
+        self.snapshot = [p if p["metadata"]["uid"] != uid else dict(pod) for p in self.snapshot]
+
+
+class _Patcher:
+    """The reconciler's two API calls against the double: the merge patch with its resourceVersion, and
+    the pod's UID by name."""
+
+    def __init__(self, api: ApiServerDouble) -> None:
+        self.api = api
+
+    def apply(self, patch: Patch) -> Obj:
+        ref = patch.pod
+
+        def change(obj: Obj) -> None:
+            meta = obj["metadata"]
+            if meta["uid"] != ref.uid or (ref.resource_version and meta["resourceVersion"] != ref.resource_version):
+                raise Conflict(f"patch pod {ref.key}: HTTP 409")
+            meta.setdefault("annotations", {}).update({N.assignment: patch.assignment, N.allocation_state: patch.state})
+        try:
+            return self.api.update(PODS, ref.namespace, ref.name, change)
+        except Conflict:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the double's 404
+            raise Gone(f"patch pod {ref.key}: {type(exc).__name__}") from None
+
+    def uid_of(self, namespace: str, name: str) -> str | None:
+        pod = self.api.get_pod(namespace, name)
+        return pod["metadata"]["uid"] if pod else None
+
+
+class _PodResources:
+    """``List`` of this node's kubelet, upstream's shape, through the plugin's own reading of it."""
+
+    def __init__(self, node: "Node") -> None:
+        self.node = node
+
+    def list(self) -> list[Held]:
+        if not self.node.pr_up:
+            raise PodResourcesError("PodResources List: UNAVAILABLE (the kubelet double's socket is down)")
+        listed = self.node.dm.pod_resources()
+        names = [(ns, name) for ns, name, _ in listed]
+        if len(names) != len(set(names)):
+            self.node.listed_twice = True
+        return podresources.held(list_response(listed), N)
+
+
+@dataclass
+class Node:
+    name: str
+    root: str
+    dm: DeviceManager
+    view: _View
+    state: NodeState
+    quota: QuotaFiles
+    allocator: Allocator
+    reconciler: Reconciler
+    pr_up: bool = True
+    down_until: float = 0.0
+    wake: bool = False
+    next_round: float = 0.0
+    listed_twice: bool = False
+
+
+class PluginNodeSim(threading.Thread):
+    """All nodes' kubelets and device plugins; the same surface as ``soak_harness.KubeletSim``."""
+
+    def __init__(self, api: ApiServerDouble, capacity: dict[str, dict[str, int]], gpus: dict[str, list[DiscoveredGpu]],
+                 unit_mib: int, admit_delay_s: tuple[float, float], seed: int, grace_s: tuple[float, float] = (0.0, 2.0),
+                 outage_per_s: float = 0.02, outage_s: tuple[float, float] = (1.0, 4.0), tick_s: float = 0.02,
+                 round_every_s: float = 1.0) -> None:
+        super().__init__(name="plugin-node-sim", daemon=True)
+        self.api, self.unit, self.capacity = api, unit_mib, capacity
+        self.delay, self.grace, self.tick = admit_delay_s, grace_s, tick_s
+        self.outage_per_s, self.outage_s, self.round_every = outage_per_s, outage_s, round_every_s
+        self.rng = random.Random(seed)
+        self.dir = tempfile.mkdtemp(prefix="vramshare-soak-nodes-")
+        self.nodes = {n: self._node(n, gs) for n, gs in gpus.items()}
+        self.stats = Stats()
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.outages = True
+        self.seen_bound: dict[str, float] = {}  # uid -> first seen bound
+        self.due: dict[str, float] = {}
+        # (node, uid) -> (when the kubelet lets it go, the API pod to remove then: "" when none)
+        self.leaving: dict[tuple[str, str], tuple[float, str]] = {}
+        self.failed: set[str] = set()
+        self.real: dict[str, dict[str, int]] = {}  # uid -> gpu -> units (what containers hold)
+
+    def _node(self, name: str, gpus: list[DiscoveredGpu]) -> Node:
+        root = os.path.join(self.dir, name)
+        config = Config(quota_host_dir=root, memory_unit_mib=self.unit, reserved_mib_per_gpu=0)
+        state = NodeState(gpus, config)
+        quota = QuotaFiles(root, config.quota)
+        view = _View()
+        dm = DeviceManager(random.Random(self.rng.random()))
+        node = Node(name, root, dm, view, state, quota, None, None)  # type: ignore[arg-type]
+        node.reconciler = Reconciler(state, name, quota, PluginMetrics(), _PodResources(node), view, _Patcher(self.api))
+        node.reconciler.alloc_dir_ttl_s = 5.0  # prune early, so a wrong prune would show within the run
+
+        def woken() -> None:
+            node.wake = True
+        node.allocator = Allocator(state, quota, PluginMetrics(), name, view, on_allocated=woken,
+                                   recording=lambda: node.reconciler.recording)
+        for resource, devs in state.snapshot.devices.items():
+            dm.register(resource, FnEndpoint(lambda a, m, s, r=resource: node.allocator.preferred(r, a, m, s),
+                                             lambda ids, r=resource: node.allocator.allocate(r, ids)))
+            dm.update_devices(resource, [(d.id, d.healthy, (d.numa_node,) if d.numa_node is not None else ())
+                                         for d in devs])
+        node.reconciler.run_once()
+        return node
+
+    # -- the surface bench_soak reads ----------------------------------------------------------------
+    def reality_mib(self) -> dict[str, int]:
+        with self.lock:
+            out = {g: 0 for gpus in self.capacity.values() for g in gpus}
+            for r in self.real.values():
+                for g, u in r.items():
+                    out[g] += u * self.unit
+            return out
+
+    def pending_admissions(self) -> int:
+        with self.lock:
+            return len(self.seen_bound)
+
+    def running_names(self) -> list[str]:
+        with self.lock:
+            return sorted({f"{e.namespace}/{e.name}" for n in self.nodes.values() for u, e in n.dm.pods.items()
+                           if u in n.dm.active and u in self.real and (n.name, u) not in self.leaving})
+
+    def end_outages(self) -> None:
+        with self.lock:
+            self.outages = False
+            for n in self.nodes.values():
+                n.pr_up, n.wake = True, True
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.tick):
+            self.step()
+
+    # -- one tick ------------------------------------------------------------------------------------
+    def step(self) -> None:
+        pods = self.api.pods()
+        now = time.monotonic()
+        by_uid = {p["metadata"]["uid"]: p for p in pods}
+        with self.lock:
+            for n in self.nodes.values():
+                n.view.snapshot = [p for p in pods if p["spec"].get("nodeName") == n.name
+                                   and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+                self._outage(n, now)
+                self._terminate(n, by_uid, now)
+                self._admit(n, now)
+                if n.wake or now >= n.next_round:
+                    n.wake, n.next_round = False, now + self.round_every
+                    n.listed_twice = False
+                    out = n.reconciler.run_once()
+                    self.stats.rounds += 1
+                    self.stats.names_listed_twice += n.listed_twice
+                    self.stats.same_name_waits += sum("earlier pod" in why for why in out.waiting.values())
+                    if out.waiting or out.failed:
+                        n.next_round = min(n.next_round, now + 0.2)
+            for key in [k for k in self.seen_bound if k not in by_uid]:
+                self.seen_bound.pop(key, None)
+                self.due.pop(key, None)
+            if self.rng.random() < 0.1:
+                self.check(pods)
+
+    def _outage(self, n: Node, now: float) -> None:
+        if not self.outages:
+            return
+        if n.pr_up and self.rng.random() < self.outage_per_s * self.tick:
+            n.pr_up, n.down_until = False, now + self.rng.uniform(*self.outage_s)
+            self.stats.pod_resources_outages += 1
+        elif not n.pr_up and now >= n.down_until:
+            n.pr_up, n.wake = True, True
+
+    def _terminate(self, n: Node, by_uid: Mapping[str, Obj], now: float) -> None:
+        """How pods leave the kubelet. Finished (Succeeded/Failed): at once, the containers have exited.
+        Deleted gracefully (a ``deletionTimestamp``): the kubelet stops the containers over a random grace,
+        lets the devices go, then removes the API object (what a kubelet's status manager does), and only
+        then may a StatefulSet make the pod again. Force-deleted (the API forgot it at once): the kubelet
+        still runs it for the grace, PodResources still lists it, under a name a new pod may already have."""
+        for uid in list(n.dm.active):
+            p = by_uid.get(uid)
+            if (n.name, uid) in self.leaving:
+                continue
+            if p is not None and (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                self.leaving[(n.name, uid)] = (now, "")
+            elif p is None:
+                self.leaving[(n.name, uid)] = (now + self.rng.uniform(*self.grace), "")
+            elif p["metadata"].get("deletionTimestamp"):
+                self.leaving[(n.name, uid)] = (now + self.rng.uniform(*self.grace), p["metadata"]["name"])
+        for (node, uid), (at, finish) in list(self.leaving.items()):
+            if node == n.name and at <= now:
+                del self.leaving[(node, uid)]
+                n.dm.remove_pod(uid)
+                self.real.pop(uid, None)
+                n.wake = True
+                if finish:
+                    self._finish_deletion(finish, uid)
+        for p in n.view.snapshot:  # deleted before the kubelet admitted it: nothing to stop
+            uid = p["metadata"]["uid"]
+            if p["metadata"].get("deletionTimestamp") and uid not in n.dm.pods:
+                self._finish_deletion(p["metadata"]["name"], uid)
+
+    def _finish_deletion(self, name: str, uid: str) -> None:
+        live = self.api.get_pod("default", name)
+        if live is not None and live["metadata"]["uid"] == uid:
+            try:
+                self.api.delete_pod("default", name)
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+
+    def _admit(self, n: Node, now: float) -> None:
+        ready = []
+        for p in n.view.snapshot:
+            uid = p["metadata"]["uid"]
+            if uid in n.dm.pods or uid in self.failed or p["metadata"].get("deletionTimestamp"):
+                continue
+            if uid not in self.seen_bound:
+                self.seen_bound[uid] = now
+                self.due[uid] = now + self.rng.uniform(*self.delay)
+            if self.due[uid] <= now:
+                ready.append(p)
+        for p in admission_order(ready, self.rng):
+            uid, meta = p["metadata"]["uid"], p["metadata"]
+            waited = now - self.seen_bound.pop(uid, now)
+            self.due.pop(uid, None)
+            try:
+                n.dm.admit(p)
+            except AdmissionError as exc:
+                self.stats.admission_failures += 1
+                self.stats.refused_unrecorded += REFUSED_UNRECORDED in str(exc)
+                self.failed.add(uid)
+                try:
+                    self.api.update(PODS, meta.get("namespace", "default"), meta["name"], _fail_if(uid))
+                except Exception:  # noqa: BLE001 - deleted meanwhile
+                    pass
+                continue
+            self.stats.admitted += 1
+            self.stats.admitted_while_down += not n.pr_up
+            self.stats.admit_latency_s.append(waited)
+            got = self._gpus_of(n, uid)
+            self.real[uid] = {g: sum(m for m in mib.values()) // self.unit for g, mib in _per_gpu(got).items()}
+            own = {e["uuid"]: e["mib"] // self.unit for es in json.loads(
+                (meta.get("annotations") or {}).get(N.assignment, "{}")).values() for e in es}
+            if self.real[uid] != own:
+                self.stats.steering_misses += 1
+
+    def _gpus_of(self, n: Node, uid: str) -> dict[str, dict[str, int]]:
+        """Per container, GPU -> MiB the kubelet model's grants stand for (the truth)."""
+        devices = {d.id: d for ds in n.state.snapshot.devices.values() for d in ds}
+        out: dict[str, dict[str, int]] = {}
+        entry = n.dm.pods.get(uid)
+        for c, grants in (entry.containers.items() if entry else ()):
+            for g in grants.values():
+                for i in g.device_ids:
+                    d = devices[i]
+                    out.setdefault(c, {})[d.gpu_uuid] = out.setdefault(c, {}).get(d.gpu_uuid, 0) + d.mib
+        return out
+
+    # -- the checks ----------------------------------------------------------------------------------
+    def check(self, pods: list[Obj]) -> None:
+        for n in self.nodes.values():
+            for uid in _listdir(n.root):
+                if uid.startswith("_"):
+                    continue
+                for c in _listdir(os.path.join(n.root, uid)):
+                    link = os.path.join(n.root, uid, c)
+                    if not os.path.islink(link):
+                        continue
+                    if not os.path.exists(link):
+                        self.stats.dangling_links.add(link)
+                        continue
+                    entry = n.dm.pods.get(uid)
+                    if entry is None or uid not in n.dm.active:
+                        continue  # a pod the kubelet let go: pruned next round
+                    grants = entry.containers.get(c, {})
+                    mine = {allocation_key(sorted(g.device_ids)) for g in grants.values()}
+                    if os.path.basename(os.path.realpath(link)) not in mine:
+                        self.stats.links_to_other_pods.add(f"{n.name}/{uid}/{c}")
+        for p in pods:
+            meta = p["metadata"]
+            ann = meta.get("annotations") or {}
+            n = self.nodes.get(p["spec"].get("nodeName") or "")
+            if n is None or ann.get(N.allocation_state) != contract.STATE_ALLOCATED:
+                continue
+            uid = meta["uid"]
+            if uid not in n.dm.active:
+                continue
+            recorded = {c: {e["uuid"]: e["mib"] for e in es} for c, es in json.loads(ann[N.assignment]).items()}
+            if recorded != self._gpus_of(n, uid):
+                self.stats.pods_recorded_on_other_gpus.add(f"{meta.get('namespace', 'default')}/{meta['name']}/{uid}")
+
+    def missing_links(self) -> list[str]:
+        """Running containers whose ``<uid>/<container>`` does not lead to their own directory."""
+        out = []
+        with self.lock:
+            for n in self.nodes.values():
+                for uid in n.dm.active:
+                    entry = n.dm.pods.get(uid)
+                    for c, grants in (entry.containers.items() if entry else ()):
+                        spec = entry.pod.get("spec") or {}
+                        if c not in {x["name"] for x in spec.get("containers") or []}:
+                            continue
+                        link = os.path.join(n.root, uid, c)
+                        keys = {allocation_key(sorted(g.device_ids)) for g in grants.values()}
+                        if not os.path.exists(link) or os.path.basename(os.path.realpath(link)) not in keys:
+                            out.append(f"{n.name}/{uid}/{c}")
+        return out
+
+    def settle_rounds(self) -> None:
+        """A reconcile round on every node now (PodResources up)."""
+        with self.lock:
+            pods = self.api.pods()
+            for n in self.nodes.values():
+                n.view.snapshot = [p for p in pods if p["spec"].get("nodeName") == n.name
+                                   and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+                n.reconciler.run_once()
+            self.check(self.api.pods())
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _per_gpu(per_container: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for c, gpus in per_container.items():
+        for g, mib in gpus.items():
+            out.setdefault(g, {})[c] = mib
+    return out
+
+
+def _fail_if(uid: str):  # type: ignore[no-untyped-def]
+    def change(obj: Obj) -> None:
+        if obj["metadata"]["uid"] == uid:
+            obj.setdefault("status", {})["phase"] = "Failed"
+    return change
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
