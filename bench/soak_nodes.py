@@ -287,9 +287,28 @@ class PluginNodeSim(threading.Thread):
             if p["metadata"].get("deletionTimestamp") and uid not in n.dm.pods:
                 self._finish_deletion(p["metadata"]["name"], uid)
 
+    def _report_containers(self, meta: Mapping[str, Any], uid: str, state: str) -> None:
+        """The kubelet's status manager: containers ``running`` once started, ``terminated`` before it
+        deletes the object (``status_manager.go``: ``canBeDeleted`` needs them stopped)."""
+        def change(obj: Obj) -> None:
+            if obj["metadata"]["uid"] != uid:
+                return
+            status = obj.setdefault("status", {})
+            if state == "running":
+                status["phase"] = "Running"
+            status["containerStatuses"] = [
+                {"name": c["name"], "ready": state == "running",
+                 "state": {state: {"exitCode": 0, "reason": "Completed"} if state == "terminated" else {}}}
+                for c in obj["spec"].get("containers", [])]
+        try:
+            self.api.update(PODS, meta.get("namespace", "default"), meta["name"], change)
+        except Exception:  # noqa: BLE001 - deleted meanwhile
+            pass
+
     def _finish_deletion(self, name: str, uid: str) -> None:
         live = self.api.get_pod("default", name)
         if live is not None and live["metadata"]["uid"] == uid:
+            self._report_containers(live["metadata"], uid, "terminated")
             try:
                 self.api.delete_pod("default", name)
             except Exception:  # noqa: BLE001 - gone meanwhile
@@ -323,6 +342,7 @@ class PluginNodeSim(threading.Thread):
                 continue
             self.stats.admitted += 1
             self.stats.admitted_while_down += not n.pr_up
+            self._report_containers(meta, uid, "running")
             self.stats.admit_latency_s.append(waited)
             got = self._gpus_of(n, uid)
             self.real[uid] = {g: sum(m for m in mib.values()) // self.unit for g, mib in _per_gpu(got).items()}

@@ -6,7 +6,12 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
 * GPU capacity comes from each node's inventory annotation (per GPU, never total/count). A node whose
   annotation cannot be read keeps its last good slots and logs why; the other nodes are untouched.
 * A pod holds memory from the moment the binder reserves it until it is deleted or reaches Succeeded or
-  Failed: then it frees at once (HAMi#2923).
+  Failed: then it frees at once (HAMi#2923), unless its containers may still run. A pod whose deletion
+  the kubelet finished shows every container terminated (the kubelet's status manager deletes the
+  object only then, ``status_manager.go canBeDeleted``); a force-deleted pod (``kubectl delete --force``)
+  vanishes from the API while its kubelet still runs it for its termination grace, holding its devices.
+  Such a departing pod's GPUs stay booked, under a key of its own, for ``terminationGracePeriodSeconds``
+  plus :data:`DEPARTING_MARGIN_S` (the soak found GPUs planned twice without this).
 * Usage is rebuilt from the pods' assignment annotations alone, so a restarted extender sees what the
   old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``,
   counted from its assume-time, or from when we first saw it if that time lies in the future (a
@@ -43,6 +48,30 @@ log = logs.get("vramshare.extender.accounting")
 Obj = Mapping[str, Any]
 TERMINAL_PHASES = ("Succeeded", "Failed")
 _FORGET_LIMIT = 10_000
+DEPARTING_MARGIN_S = 5  # beyond the pod's grace: the kubelet's sync period to notice and kill
+DEFAULT_GRACE_S = 30  # the API server's default terminationGracePeriodSeconds
+MAX_GRACE_S = 3600  # a pod's grace as the extender believes it (the API allows more; nothing waits longer)
+
+
+def may_still_run(pod: Obj) -> bool:
+    """Whether a deleted pod's containers may still run on its node, from the kubelet's container
+    statuses: yes unless every one has terminated. A pod the kubelet finished deleting shows them all
+    terminated (``status_manager.go canBeDeleted``); one removed by ``--grace-period=0 --force`` shows
+    what ran. Without any status (a pod no kubelet reported on) there is nothing to say it runs."""
+    status = pod.get("status") or {}
+    if status.get("phase") in TERMINAL_PHASES:
+        return False
+    statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    return bool(statuses) and not all(
+        isinstance(c, Mapping) and "terminated" in (c.get("state") or {}) for c in statuses)
+
+
+def grace_seconds(pod: Obj) -> int:
+    """The termination grace the kubelet gives the pod's containers (spec, default 30 s), bounded."""
+    raw = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        return DEFAULT_GRACE_S
+    return min(max(raw, 0), MAX_GRACE_S)
 
 
 @dataclass(frozen=True)
@@ -77,6 +106,7 @@ class Accounting:
         self._annotation: dict[str, str] = {}
         self._node_of_uuid: dict[str, str] = {}
         self._held: dict[str, _Hold] = {}
+        self._departing: dict[str, int] = {}  # "<pod key>@<uid>" -> when its booking ends (ns)
         self._forgotten: dict[str, int] = {}
         self.holds = holds.Holds(int(config.extender.hold_timeout_seconds * 1e9))
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
@@ -149,6 +179,9 @@ class Accounting:
         self.state.remove_node(name)
         for key in [k for k, h in self._held.items() if h.node == name]:
             self._release(key)
+        for ghost in [g for g in self._departing if self.state.pod_node(g) in (name, None)]:
+            del self._departing[ghost]
+            self.state.remove_pod(ghost)
         log.info("node gone", node=name)
 
     def replace_nodes(self, items: Iterable[Obj]) -> None:
@@ -167,6 +200,8 @@ class Accounting:
         with self.lock:
             phase = (pod.get("status") or {}).get("phase")
             if event == "DELETED" or phase in TERMINAL_PHASES:
+                if event == "DELETED" and may_still_run(pod):
+                    self._keep_departing(key, pod)
                 if self.pods.pop(key, None) is not None or key in self._held:
                     log.info("pod freed", pod=key, reason="deleted" if event == "DELETED" else phase)
                 self._release(key)
@@ -285,6 +320,24 @@ class Accounting:
     def _expired(self, assume_ns: int) -> bool:
         return self.clock() - assume_ns > self.config.extender.assume_timeout_seconds * 1e9
 
+    def _keep_departing(self, key: str, pod: Obj) -> None:
+        """A deleted pod the device plugin reported allocated, whose containers may still run: book its
+        GPUs under its own key until its grace has passed (see the module's rules)."""
+        hold = self._held.get(key)
+        allocations = self.state.pod_allocations(key)
+        if hold is None or not hold.allocated or not allocations:
+            return
+        uid = (pod.get("metadata") or {}).get("uid") or "?"
+        ghost = f"{key}@{uid}"
+        until = self.clock() + (grace_seconds(pod) + DEPARTING_MARGIN_S) * 1_000_000_000
+        host = self.state.pod_host(key) or cluster.HostDemand()
+        self.state.remove_pod(key)
+        self.state.add_pod(ghost, hold.node, allocations, host, strict_host=False, force=True)
+        self._departing[ghost] = until
+        log.warning("pod deleted while its containers may still run; its GPUs stay booked",
+                    pod=key, uid=uid, node=hold.node, mib=sum(a for _, a in allocations),
+                    seconds=(until - self.clock()) // 1_000_000_000)
+
     def _release(self, key: str) -> None:
         self._held.pop(key, None)
         self.holds.release(key)
@@ -327,6 +380,12 @@ class Accounting:
                     gone.append(key)
                     log.warning("assumed pod expired", pod=key, node=hold.node,
                                 timeout_s=self.config.extender.assume_timeout_seconds)
+            now = self.clock()
+            for ghost, until in list(self._departing.items()):
+                if now >= until:
+                    del self._departing[ghost]
+                    self.state.remove_pod(ghost)
+                    log.info("departing pod's GPUs freed", pod=ghost)
             for key in self.holds.expire(self.clock()):
                 log.info("hold ended by timeout", pod=key,
                          timeout_s=self.config.extender.hold_timeout_seconds)

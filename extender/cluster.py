@@ -319,6 +319,11 @@ class ClusterState(SlotTable):
         pod = self._pods.get(key)
         return pod.node if pod else None
 
+    def pod_allocations(self, key: str) -> tuple[tuple[str, int], ...]:
+        """The (GPU uuid, MiB) a pod is booked for; empty for an unknown pod."""
+        pod = self._pods.get(key)
+        return pod.allocations if pod else ()
+
     def node_usage(self, name: str) -> list[SlotUsage]:
         row = self._rows.get(name)
         if row is None:

@@ -1,0 +1,104 @@
+"""A force-deleted pod's GPUs stay booked while its kubelet may still run it (extender/accounting.py).
+
+``kubectl delete --grace-period=0 --force`` removes the API object at once; the kubelet still stops the
+containers over the pod's termination grace and holds its devices meanwhile. The soak with forced
+same-name recreations found GPUs planned twice without this rule (6 GPUs over capacity in the books).
+"""
+from __future__ import annotations
+
+from extender import accounting, cluster
+from vramshare import contract
+from vramshare.config import Config, ExtenderConfig, Policy
+from tests.extender import builders as b
+
+SEC = 1_000_000_000
+T0 = 1_700_000_000 * SEC
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _acct(clock: Clock) -> accounting.Accounting:
+    a = accounting.Accounting(Config(extender=ExtenderConfig(policy=Policy.BINPACK)), clock)
+    a.apply_node("ADDED", b.gpu_node("n1", b.l4()))
+    return a
+
+
+def _running(p: dict, grace: int | None = None, state: str = "running") -> dict:
+    obj = b.assigned(p, "n1", [("GPU-n1-0", 20480)], T0, state=contract.STATE_ALLOCATED)
+    obj = {**obj, "status": {"phase": "Running", "containerStatuses": [
+        {"name": c["name"], "state": {state: {}}} for c in obj["spec"]["containers"]]}}
+    if grace is not None:
+        obj["spec"] = {**obj["spec"], "terminationGracePeriodSeconds": grace}
+    return obj
+
+
+def used(acct: accounting.Accounting) -> int:
+    return acct.state.node_usage("n1")[0].used
+
+
+def test_a_force_deleted_running_pod_keeps_its_gpu_for_its_grace() -> None:
+    clock = Clock()
+    acct = _acct(clock)
+    p = _running(b.pod("p", 20), grace=10)
+    acct.apply_pod("ADDED", p)
+    acct.apply_pod("DELETED", p)                 # the API forgot it; its containers still run
+    assert used(acct) == 20480
+    try:                                         # a recreated pod of the same name cannot take it twice
+        acct.reserve("default/p", "n1", [("GPU-n1-0", 20480)], T0)
+        raise AssertionError("the GPU was booked twice")
+    except cluster.OverCommit:
+        pass
+    clock.now += (10 + accounting.DEPARTING_MARGIN_S - 1) * SEC
+    acct.expire()
+    assert used(acct) == 20480
+    clock.now += 2 * SEC
+    acct.expire()
+    assert used(acct) == 0
+
+
+def test_a_pod_the_kubelet_finished_frees_at_once() -> None:
+    clock = Clock()
+    acct = _acct(clock)
+    p = _running(b.pod("p", 20))
+    acct.apply_pod("ADDED", p)
+    acct.apply_pod("DELETED", _running(b.pod("p", 20), state="terminated"))
+    assert used(acct) == 0
+
+
+def test_an_assumed_or_unreported_pod_frees_at_once() -> None:
+    clock = Clock()
+    acct = _acct(clock)
+    p = b.assigned(b.pod("p", 20), "n1", [("GPU-n1-0", 20480)], T0)  # assumed: nothing runs yet
+    acct.apply_pod("ADDED", p)
+    acct.apply_pod("DELETED", {**p, "status": {"containerStatuses": [{"name": "c", "state": {"waiting": {}}}]}})
+    assert used(acct) == 0
+    bare = b.assigned(b.pod("q", 20), "n1", [("GPU-n1-0", 20480)], T0, state=contract.STATE_ALLOCATED)
+    acct.apply_pod("ADDED", bare)
+    acct.apply_pod("DELETED", bare)              # no kubelet status at all: nothing says it runs
+    assert used(acct) == 0
+
+
+def test_grace_is_bounded_and_defaults_like_the_api_server() -> None:
+    assert accounting.grace_seconds({"spec": {}}) == accounting.DEFAULT_GRACE_S == 30
+    assert accounting.grace_seconds({"spec": {"terminationGracePeriodSeconds": 10**12}}) == accounting.MAX_GRACE_S
+    assert accounting.grace_seconds({"spec": {"terminationGracePeriodSeconds": -5}}) == 0
+    assert accounting.grace_seconds({"spec": {"terminationGracePeriodSeconds": "30"}}) == 30
+    assert not accounting.may_still_run({"status": {"phase": "Succeeded", "containerStatuses": [
+        {"name": "c", "state": {"running": {}}}]}})
+
+
+def test_a_departing_pod_goes_with_its_node() -> None:
+    clock = Clock()
+    acct = _acct(clock)
+    p = _running(b.pod("p", 20))
+    acct.apply_pod("ADDED", p)
+    acct.apply_pod("DELETED", p)
+    acct.apply_node("DELETED", b.gpu_node("n1", b.l4()))
+    acct.apply_node("ADDED", b.gpu_node("n1", b.l4()))
+    assert used(acct) == 0
