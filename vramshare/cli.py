@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from vramshare import __version__, contract, logs
+from vramshare.errors import UsageError
 
 _DESCRIPTION = """\
 vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
@@ -37,6 +38,9 @@ def _default_trace(name: str) -> str | None:
         if root and os.path.exists(path):
             return os.path.normpath(path)
     return None
+
+
+DEMO_PODS = 8  # the demo's pod shapes (vramshare.standins.demo.PODS; a test keeps the two equal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Start an API server stand-in, a simulated GPU node with the device "
                                       "plugin and a fake kubelet, and the extender; submit inference pods; "
                                       "show where each landed and why. Ends by itself.")
-    demo.add_argument("--pods", type=int, default=8, metavar="N", help="pods to submit (default 8)")
+    demo.add_argument("--pods", type=int, metavar="N",
+                      help=f"pods to submit, 1 to {DEMO_PODS} (default all {DEMO_PODS}; the DRA demo has fewer)")
     demo.add_argument("--verbose", action="store_true", help="also show every component's log lines")
     demo.add_argument("--quota", action="store_true", help="only the quota loop on one shared GPU (a few seconds)")
     demo.add_argument("--classes", metavar="CONFIG",
@@ -168,11 +173,36 @@ _COMMANDS = {
 }
 
 
+def refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
+    """A flag the chosen mode ignores is refused, never silently dropped."""
+    if args.command == "demo":
+        if args.classes is not None and not args.quota:
+            raise UsageError("--classes applies only to the quota demo: run 'vramshare demo --quota --classes FILE'")
+        if args.quota and args.dra:
+            raise UsageError("--quota and --dra are two different demos: run 'vramshare demo --quota' or "
+                             "'vramshare demo --dra'")
+        if args.quota and args.pods is not None:
+            raise UsageError("--pods does not apply to the quota demo (three tenants on one GPU): drop --pods")
+        if args.pods is not None and args.pods < 1:
+            raise UsageError(f"--pods {args.pods}: submit at least 1 pod")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.setup(args.log_level, args.log_json)
-    module = importlib.import_module(_COMMANDS[args.command])
-    return int(module.run(args) or 0)
+    try:
+        refuse_flags_that_do_not_apply(args)
+        logs.setup(args.log_level, args.log_json)
+        module = importlib.import_module(_COMMANDS[args.command])
+        return int(module.run(args) or 0)
+    except UsageError as exc:
+        print(f"vramshare {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)  # one line
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`vramshare demo | head`): stop quietly. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again (Python docs, signal module, "Note on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
 
 
 if __name__ == "__main__":
