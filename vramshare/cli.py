@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Sequence
 
-from vramshare import __version__, contract, logs
+from vramshare import __version__, contract, logs, traces
 from vramshare.errors import UsageError
 
 _DESCRIPTION = """\
@@ -25,19 +25,10 @@ vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
   simulate       replay a production trace through the extender's placement code, compare policies
   demo           everything on loopback with simulated GPUs: no cluster and no GPU needed
   inspect        print per-GPU usage from a running extender's /inspect endpoint
+  traces         download the public traces simulate and the benchmarks replay, or show where they are
 
 Run 'vramshare <command> --help' for the options of one command.
 """
-
-
-def _default_trace(name: str) -> str | None:
-    """Where the Alibaba openb trace lies in a checkout (../shared/traces/openb) or $VRAMSHARE_TRACES."""
-    roots = [os.environ.get("VRAMSHARE_TRACES", ""), os.path.join(os.getcwd(), "..", "shared", "traces", "openb")]
-    for root in roots:
-        path = os.path.join(root, name)
-        if root and os.path.exists(path):
-            return os.path.normpath(path)
-    return None
 
 
 DEMO_PODS = 8  # the demo's pod shapes (vramshare.standins.demo.PODS; a test keeps the two equal)
@@ -115,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Replay the Alibaba GPU-sharing trace (openb) through the extender's "
                                      "own filter, score and GPU-pick code and report GPU allocation and "
                                      "fragmentation as the arrived workload grows to 130% of capacity.")
-    sim.add_argument("--nodes", metavar="CSV", default=_default_trace("openb_node_list_gpu_node.csv"),
-                     help="node list CSV (default: ../shared/traces/openb/openb_node_list_gpu_node.csv)")
-    sim.add_argument("--pods", metavar="CSV", default=_default_trace("openb_pod_list_default.csv"),
-                     help="pod list CSV (default: ../shared/traces/openb/openb_pod_list_default.csv)")
+    sim.add_argument("--nodes", metavar="CSV", default=traces.find(traces.OPENB_NODES),
+                     help=f"node list CSV (default: {traces.OPENB_NODES} under ${traces.ENV}, a checkout's "
+                          "../shared/traces or the folder 'vramshare traces download' fills)")
+    sim.add_argument("--pods", metavar="CSV", default=traces.find(traces.openb_pods()),
+                     help=f"pod list CSV (default: {traces.openb_pods()}, found as --nodes is)")
     sim.add_argument("--policy", action="append", metavar="P",
                      help="policy to run; repeat for several (default: all). Ours: fgd, binpack, spread; "
                           "baselines: random, bestfit, gpupacking, dotprod, fgd-paper")
@@ -151,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the DRA path instead (Kubernetes 1.36+): DRA plugins, ResourceClaims, a stand-in "
                            "for kube-scheduler's DRA allocator and the kubelet's DRA manager")
 
+    tr = sub.add_parser("traces", help="download the public traces, or show where they are found",
+                        description=f"The traces 'simulate' and the benchmarks replay (Alibaba's openb and GenAI "
+                                    f"traces, ServeGen) live in one folder: ${traces.ENV}, else a checkout's "
+                                    f"../shared/traces, else {traces.download_dir({})}.")
+    tr.add_argument("action", choices=["download", "where"],
+                    help="download: fetch them (needs the internet); where: show which files are found")
+    tr.add_argument("--dest", metavar="DIR", help=f"folder to fill (default ${traces.ENV}, else the cache folder)")
+    tr.add_argument("--mirror", metavar="URL", help="fetch URL/<host>/<path> instead of https://<host>/<path>")
+
     insp = sub.add_parser("inspect", help="show per-GPU usage from a running extender",
                           description="Fetch /inspect from the extender and print total, used and free "
                                       "memory and the pods of every GPU.")
@@ -170,6 +171,7 @@ _COMMANDS = {
     "simulate": "extender.simulation.main",
     "demo": "vramshare.standins.demo",
     "inspect": "extender.inspection",
+    "traces": "vramshare.traces_download",
 }
 
 

@@ -18,6 +18,7 @@ from extender.simulation.kube_model import Profile, ProfileError
 from extender.simulation.replay import RunResult, replay, replay_as_scheduler
 from extender.simulation.trace import load_nodes, load_pods
 from extender.workload import typical_workload
+from vramshare import traces
 
 OURS = ["fgd", "binpack", "spread"]
 BASELINES = ["fgd-paper", "bestfit", "gpupacking", "dotprod", "random"]
@@ -31,8 +32,9 @@ def _say(message: str) -> None:
 def run(args: argparse.Namespace) -> int:
     for what, path in (("--nodes", args.nodes), ("--pods", args.pods)):
         if not path or not os.path.exists(path):
-            print(f"vramshare simulate: {what} {path or '(none)'}: trace file not found; pass the openb CSV "
-                  "or set VRAMSHARE_TRACES to the folder holding it", file=sys.stderr)
+            print(f"vramshare simulate: {what} {path or '(none)'}: not found; pass the openb CSV, or: "
+                  f"{traces.not_found(traces.OPENB_NODES if what == '--nodes' else traces.openb_pods())}",
+                  file=sys.stderr)
             return 2
     chosen = args.policy or OURS[:1] + BASELINES + OURS[1:]
     known = policy_catalog.names()
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             results[policy].append(result)
             _say(f"{policy} seed {seed}: allocated {report.alloc_at(result, 100):.2f}% at 100% arrived, "
                  f"unallocated {100 - report.alloc_at(result, 130):.2f}% at 130% ({result.seconds:.0f}s)")
-    meta = {"nodes": args.nodes, "pods": args.pods, "view": args.view, "seeds": args.seeds, "order": order,
+    meta = {"nodes": traces.shown(args.nodes), "pods": traces.shown(args.pods), "view": args.view, "seeds": args.seeds, "order": order,
             "first_seed": FIRST_SEED, "tie_break": "first best node in a per-seed random node order"}
     if profile is not None:
         meta["tie_break"] = "as kube-scheduler with the extender: one 10 per cycle (CRC-32 node order), random among equal totals"
