@@ -25,6 +25,7 @@ vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
   simulate       replay a production trace through the extender's placement code, compare policies
   demo           everything on loopback with simulated GPUs: no cluster and no GPU needed
   inspect        print per-GPU usage from a running extender's /inspect endpoint
+  install        print every manifest an install needs, for '| kubectl apply -f -'
   traces         download the public traces simulate and the benchmarks replay, or show where they are
 
 Run 'vramshare <command> --help' for the options of one command.
@@ -143,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the DRA path instead (Kubernetes 1.36+): DRA plugins, ResourceClaims, a stand-in "
                            "for kube-scheduler's DRA allocator and the kubelet's DRA manager")
 
+    inst = sub.add_parser("install", help="print every manifest an install needs: | kubectl apply -f -",
+                          description="Render deploy/ (the kustomize base, its components) with the image, namespace, "
+                                      "mutual-TLS Secrets, kube-scheduler's tag for the cluster's version and the "
+                                      "chosen paths. 'vramshare install | kubectl apply -f -' installs or upgrades; "
+                                      "the same command '| kubectl delete -f -' uninstalls.")
+    from vramshare import install
+    install.add_arguments(inst)
+
     tr = sub.add_parser("traces", help="download the public traces, or show where they are found",
                         description=f"The traces 'simulate' and the benchmarks replay (Alibaba's openb and GenAI "
                                     f"traces, ServeGen) live in one folder: ${traces.ENV}, else a checkout's "
@@ -172,6 +181,7 @@ _COMMANDS = {
     "demo": "vramshare.standins.demo",
     "inspect": "extender.inspection",
     "traces": "vramshare.traces_download",
+    "install": "vramshare.install",
 }
 
 
