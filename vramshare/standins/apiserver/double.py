@@ -14,7 +14,7 @@ from typing import Callable
 from vramshare import logs
 
 from .resources import EVENTS, NODES, PODS, ResourceType
-from .server import ApiHttpServer
+from .server import ApiHttpServer, version_info
 from .store import Obj, Store
 from .traffic import Fault, FaultPlan, RequestLog, RequestRecord
 from .watch import WatchHub
@@ -30,7 +30,8 @@ class ApiServerDouble:
     """
 
     def __init__(self, *, history_limit: int = 10_000, graceful_pod_deletion: bool = False,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, kubernetes_version: str = "v1.33.2") -> None:
+        self.kubernetes_version = kubernetes_version  # what GET /version answers
         self._store = Store(history_limit)
         self._hub = WatchHub(self._store)
         self._log = RequestLog()
@@ -47,6 +48,7 @@ class ApiServerDouble:
         self._hub.resume()
         self._server = ApiHttpServer(self._store, self._hub, self._log, self._faults, self._graceful,
                                      *self._address)
+        self._server.version_info = version_info(self.kubernetes_version)
         self._address = (self._address[0], self._server.server_address[1])  # a later start keeps the URL
         self._serve()
         log.info("apiserver_double_started", url=self.url)

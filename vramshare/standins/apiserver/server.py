@@ -41,6 +41,7 @@ class ApiHttpServer(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)
         self.store, self.hub, self.request_log, self.faults = store, hub, request_log, faults
         self.graceful_pod_deletion = graceful_pod_deletion
+        self.version_info: dict[str, str] = version_info("v1.33.2")
         self._connections: set[socket.socket] = set()
         self._connections_changed = threading.Condition()
         self._closing = False
@@ -75,6 +76,16 @@ class ApiHttpServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("connection_error", client=str(client_address), exc_info=True)
+
+
+def version_info(git_version: str) -> dict[str, str]:
+    """``GET /version`` as the API server answers it (k8s.io/apimachinery/pkg/version.Info; the python
+    client's VersionInfo requires every one of these fields)."""
+    major, minor = git_version.lstrip("v").split(".")[:2]
+    return {"major": major, "minor": minor, "gitVersion": git_version,
+            "gitCommit": "0000000000000000000000000000000000000000", "gitTreeState": "clean",
+            "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24.4", "compiler": "gc",
+            "platform": "linux/amd64"}
 
 
 def _cut(conn: socket.socket) -> None:
@@ -139,6 +150,8 @@ class _Handler(BaseHTTPRequestHandler):
             if fault is not None and not fault.after_commit:
                 raise fault.error()
             self._lost_answer = fault.error() if fault is not None else None
+            if url.path in ("/version", "/version/") and verb == "GET":
+                return self._send_json(200, self.server.version_info)
             self._dispatch(verb, route(url.path), query, body_bytes)
         except ApiError as error:
             self._send_json(error.code, error.status_body())
