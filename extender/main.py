@@ -63,7 +63,11 @@ class RunningExtender:
         self.stop()
 
 
-METRICS_ROUTES = frozenset({("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/readyz")})
+# The plain-HTTP listener: Prometheus, the probes, and the read-only /inspect that `vramshare inspect`
+# reaches through the API server's service proxy (the admin's RBAC: get services/proxy) or a port-forward,
+# so no scheduler key leaves the cluster. The verbs stay on the mutual-TLS port.
+METRICS_ROUTES = frozenset({("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/inspect"),
+                            ("GET", "/inspect/*")})
 
 
 def tls_files(config: Config) -> tls.TlsFiles | None:
@@ -86,7 +90,7 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
     """Start cache and HTTP server(s); returns at once (use ``wait_ready`` for the initial lists).
 
     With TLS files in ``config`` the verbs and /inspect need a client certificate signed by the client
-    CA; ``metrics_at`` adds a plain-HTTP listener serving /metrics and the probes only (Prometheus).
+    CA; ``metrics_at`` adds a plain-HTTP listener serving /metrics, the probes and /inspect only.
     ``dra`` also scores pods whose ResourceClaims use our DeviceClasses (resource.k8s.io/v1, 1.36+).
     Raises ``OSError``/``ssl.SSLError`` when the TLS files do not load.
     """

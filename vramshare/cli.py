@@ -163,10 +163,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     insp = sub.add_parser("inspect", help="show per-GPU usage from a running extender",
                           description="Fetch /inspect from the extender and print total, used and free "
-                                      "memory and the pods of every GPU.")
+                                      "memory and the pods of every GPU. By default through the API server's "
+                                      "service proxy with your kubeconfig (RBAC: get services/proxy on "
+                                      "vramshare-extender); also 'kubectl vramshare inspect'.")
     insp.add_argument("node", nargs="?", help="one node (default: the whole cluster)")
-    insp.add_argument("--extender", default="http://127.0.0.1:8888", metavar="URL",
-                      help="extender base URL (default http://127.0.0.1:8888)")
+    insp.add_argument("--namespace", default="vramshare-system", metavar="NS",
+                      help="where vramshare runs (default vramshare-system)")
+    insp.add_argument("--service", default="vramshare-extender", metavar="NAME",
+                      help="the extender's Service (default vramshare-extender)")
+    insp.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
+                      help="kubeconfig (default $KUBECONFIG, ~/.kube/config)")
+    insp.add_argument("--extender", metavar="URL",
+                      help="reach the extender directly instead: http://127.0.0.1:9402 after 'kubectl -n "
+                           "vramshare-system port-forward svc/vramshare-extender 9402', or its https port with "
+                           "--cacert/--cert/--key")
     insp.add_argument("--cacert", metavar="PEM", help="CA of the extender's serving certificate (https)")
     insp.add_argument("--cert", metavar="PEM", help="client certificate the extender trusts (https)")
     insp.add_argument("--key", metavar="PEM", help="key of --cert")

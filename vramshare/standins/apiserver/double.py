@@ -13,7 +13,7 @@ from typing import Callable
 
 from vramshare import logs
 
-from .resources import EVENTS, NODES, PODS, ResourceType
+from .resources import BY_KIND, EVENTS, NODES, PODS, ResourceType
 from .server import ApiHttpServer, version_info
 from .store import Obj, Store
 from .traffic import Fault, FaultPlan, RequestLog, RequestRecord
@@ -109,6 +109,13 @@ class ApiServerDouble:
     # -- objects -----------------------------------------------------------------------------------
     def create_node(self, node: Obj) -> Obj:
         return copy.deepcopy(self._store.create(NODES, None, node, keep_status=True))
+
+    def create(self, obj: Obj) -> Obj:
+        """Any object of a served kind as given, status included (an installed cluster's Deployments,
+        Services, Endpoints, Secrets, ...)."""
+        rtype = BY_KIND[(obj["apiVersion"], obj["kind"])]
+        namespace = (obj.get("metadata") or {}).get("namespace") if rtype.namespaced else None
+        return copy.deepcopy(self._store.create(rtype, namespace, obj, keep_status=True))
 
     def create_pod(self, pod: Obj) -> Obj:
         """Create a pod; unlike a POST, a given ``status`` is kept (set-up may start pods Running)."""

@@ -12,13 +12,14 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+import urllib.parse
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
 from vramshare import logs
 
-from . import errors
+from . import errors, proxy
 from .errors import ApiError
 from .patches import is_apply
 from .resources import BINDINGS, PODS, Route, route
@@ -152,6 +153,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._lost_answer = fault.error() if fault is not None else None
             if url.path in ("/version", "/version/") and verb == "GET":
                 return self._send_json(200, self.server.version_info)
+            if proxy.PATH.match(urllib.parse.unquote(url.path)):
+                return self._send_raw(*proxy.forward(self.server.store, verb, url.path, url.query, body_bytes,
+                                                     dict(self.headers.items())))
             self._dispatch(verb, route(url.path), query, body_bytes)
         except ApiError as error:
             self._send_json(error.code, error.status_body())
@@ -288,6 +292,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                               "details": {"name": where.name, "kind": where.rtype.plural,
                                           "uid": gone["metadata"]["uid"]}})
+
+    def _send_raw(self, code: int, headers: dict[str, str], data: bytes) -> None:
+        self.send_response(code)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _send_json(self, code: int, body: Any) -> None:
         if self._lost_answer is not None and code < 400:  # an after-commit fault: the work is done, the answer lost
