@@ -25,6 +25,7 @@ vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
   simulate       replay a production trace through the extender's placement code, compare policies
   demo           everything on loopback with simulated GPUs: no cluster and no GPU needed
   inspect        print per-GPU usage from a running extender's /inspect endpoint
+  check          check a cluster before or after installing: one line per check with the fix
   install        print every manifest an install needs, for '| kubectl apply -f -'
   traces         download the public traces simulate and the benchmarks replay, or show where they are
 
@@ -149,8 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
                                       "mutual-TLS Secrets, kube-scheduler's tag for the cluster's version and the "
                                       "chosen paths. 'vramshare install | kubectl apply -f -' installs or upgrades; "
                                       "the same command '| kubectl delete -f -' uninstalls.")
-    from vramshare import install
+    from vramshare import check_cmd, install
     install.add_arguments(inst)
+
+    chk = sub.add_parser("check", help="check a cluster before or after installing (✓ / ✗ with the fix)",
+                         description="Before (--pre) or after an install: the API server and its version, "
+                                     "admission policies, the node-name claim, DRA (--dra), each GPU node's "
+                                     "device plugin and enforcement mode, the extender (ready, reachable, "
+                                     "certificates), the scheduler profile, pods refused by our admission "
+                                     "policies. One line each; exit status 1 when any is ✗.")
+    check_cmd.add_arguments(chk)
 
     tr = sub.add_parser("traces", help="download the public traces, or show where they are found",
                         description=f"The traces 'simulate' and the benchmarks replay (Alibaba's openb and GenAI "
@@ -192,6 +201,7 @@ _COMMANDS = {
     "inspect": "extender.inspection",
     "traces": "vramshare.traces_download",
     "install": "vramshare.install",
+    "check": "vramshare.check_cmd",
 }
 
 
