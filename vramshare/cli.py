@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     ex.add_argument("--client-ca", metavar="PEM", help="CA whose client certificates may call the verbs and "
                     "/inspect (kube-scheduler's tlsConfig certFile); probes need none")
+    ex.add_argument("--leader-elect", action="store_true",
+                    help="run as one of several replicas: elect a leader over the Lease vramshare-extender in "
+                         "$POD_NAMESPACE (identity $POD_NAME); a standby hands the verbs to the leader")
+    ex.add_argument("--advertise-url", metavar="URL",
+                    help="where this replica's verbs answer, for the others (default https://$POD_IP:<port>)")
+    ex.add_argument("--peer-cert", metavar="PEM", help="client certificate a standby calls the leader with "
+                    "(one the client CA trusts: the scheduler's, Secret vramshare-scheduler-tls)")
+    ex.add_argument("--peer-key", metavar="PEM", help="key of --peer-cert")
     ex.add_argument("--metrics-listen", metavar="HOST:PORT",
                     help="plain-HTTP listener for /metrics, /healthz and /readyz only (for Prometheus)")
 
