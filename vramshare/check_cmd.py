@@ -65,6 +65,7 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
     for name in ("vramshare-extender-tls", "vramshare-scheduler-tls"):
         s.secrets[name] = _json(core.read_namespaced_secret, name, namespace)
     s.scheduler_config = _json(core.read_namespaced_config_map, "vramshare-scheduler-config", namespace)
+    s.lease = _json(client.CoordinationV1Api(api).read_namespaced_lease, "vramshare-extender", namespace)
     s.events = _items(_json(core.list_event_for_all_namespaces, field_selector="reason=FailedCreate")) or []
     return s
 

@@ -57,6 +57,7 @@ class Snapshot:
     readyz: tuple[int, str] | None = None  # the extender's /readyz through the service proxy
     secrets: dict[str, Obj | None] = field(default_factory=dict)
     scheduler_config: Obj | None = None
+    lease: Obj | None = None  # the extender replicas' Lease (vramshare-extender)
     events: list[Obj] = field(default_factory=list)
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc))
 
@@ -105,6 +106,7 @@ def postinstall(s: Snapshot, dra: bool) -> list[Line]:
     out += _workload(s.daemonsets.get("vramshare-device-plugin"), "DaemonSet", "vramshare-device-plugin", ns)
     out += _nodes(s.nodes, ns)
     out += _workload(s.deployments.get("vramshare-extender"), "Deployment", "vramshare-extender", ns)
+    out += _leader(s, ns)
     out += _reachable(s, ns)
     out += _certificates(s, ns)
     out += _profile(s, ns)
@@ -130,6 +132,9 @@ def _workload(obj: Obj | None, kind: str, name: str, ns: str) -> list[Line]:
     else:
         want = int((obj.get("spec") or {}).get("replicas", 1))
         ready = int(st.get("readyReplicas") or 0)
+    if kind == "Deployment" and 0 < ready < want:  # leader-elected replicas: one works, the spare is missing
+        return [Line(WARN, f"{kind} {name}: {ready} of {want} ready (working, without its hot standby)",
+                     f"kubectl -n {ns} describe {kind.lower()} {name}")]
     if ready < want or want == 0:
         return [Line(FAIL, f"{kind} {name}: {ready} of {want} ready",
                      f"kubectl -n {ns} describe {kind.lower()} {name}; kubectl -n {ns} logs {kind.lower()}/{name}")]
@@ -166,6 +171,17 @@ def _nodes(nodes: list[Obj], ns: str) -> list[Line]:
         out.append(Line(OK, f"node {name}: device plugin registered ({', '.join(f'{v} x {k}' for k, v in sorted(ours.items()))}), "
                             f"enforcement {mode or '?'}: {why}"))
     return out
+
+
+def _leader(s: Snapshot, ns: str) -> list[Line]:
+    dep = s.deployments.get("vramshare-extender")
+    if dep is None or int((dep.get("spec") or {}).get("replicas", 1)) < 2:
+        return []
+    holder = ((s.lease or {}).get("spec") or {}).get("holderIdentity")
+    if not holder:
+        return [Line(FAIL, "extender replicas have no leader (Lease vramshare-extender): verbs answer 'no leader'",
+                     f"kubectl -n {ns} logs deployment/vramshare-extender | grep -i lease")]
+    return [Line(OK, f"extender leader: {holder} (Lease vramshare-extender); the other replica is its hot standby")]
 
 
 def _reachable(s: Snapshot, ns: str) -> list[Line]:

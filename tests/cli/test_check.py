@@ -33,6 +33,9 @@ def _installed(api: ApiServerDouble, ext: extender_main.RunningExtender, version
     side = int(ext.metrics_server.url.rsplit(":", 1)[1])
     api.create({"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "vramshare-extender", "namespace": NS},
                 "subsets": [{"addresses": [{"ip": "127.0.0.1"}], "ports": [{"name": "metrics", "port": side}]}]})
+    api.create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": "vramshare-extender", "namespace": NS},
+                "spec": {"holderIdentity": "vramshare-extender-7d9-abc", "leaseDurationSeconds": 15}})
     node = b.gpu_node("gpu-a", b.a100())
     node["metadata"]["labels"] = {"nvidia.com/gpu.present": "true"}
     api.create_node(node)
@@ -62,7 +65,8 @@ def test_a_healthy_install_passes(cluster, capsys):
     for want in ("✓ API server reachable: Kubernetes v1.33.2", "✓ node gpu-a: device plugin registered",
                  "enforcement ?", "✓ extender ready and reachable", "✓ serving certificate (vramshare-extender-tls) "
                  "valid for 364 more days", "✓ scheduler profile vramshare-scheduler", "admission policies installed and bound",
-                 "✓ Deployment vramshare-extender: 1 of 1 ready"):
+                 "✓ Deployment vramshare-extender: 2 of 2 ready",
+                 "✓ extender leader: vramshare-extender-7d9-abc (Lease vramshare-extender)"):
         assert want in text, text
     assert lines[-1].endswith("0 failed, ready")
 
@@ -90,11 +94,14 @@ BROKEN = {
     "dra too old": ("v1.35.0", {"flags": ["--dra"]}, ["✗ DRA with consumable capacity needs Kubernetes 1.36+"]),
     "node without plugin": ("v1.33.2", {"node": "bare"}, ["✗ node gpu-b: no GPU inventory published",
                                                           "fix: kubectl -n vramshare-system get pods -o wide --field-selector spec.nodeName=gpu-b"]),
-    "extender down": ("v1.33.2", {"extender_ready": 0}, ["✗ Deployment vramshare-extender: 0 of 1 ready -- fix: kubectl"]),
+    "extender down": ("v1.33.2", {"extender_ready": 0}, ["✗ Deployment vramshare-extender: 0 of 2 ready -- fix: kubectl"]),
     "no endpoints": ("v1.33.2", {"endpoints": False}, ["✗ Service vramshare-extender has no ready endpoints"]),
     "expired certificates": ("v1.33.2", {"tls": _expired}, ["✗ serving certificate (vramshare-extender-tls): expired",
                                                             "fix: vramshare install --tls generate"]),
     "no profile": ("v1.33.2", {"profile": False}, ["✗ scheduler profile vramshare-scheduler not found"]),
+    "no standby": ("v1.33.2", {"extender_ready": 1}, ["! Deployment vramshare-extender: 1 of 2 ready (working, "
+                                                      "without its hot standby)"]),
+    "no leader": ("v1.33.2", {"leader": False}, ["✗ extender replicas have no leader"]),
     "refused pods": ("v1.33.2", {"refused": True}, ["✗ 1 pod creation(s) refused by vramshare's admission policy",
                                                     "fix: GPU pods use schedulerName: vramshare-scheduler"]),
 }
@@ -116,6 +123,9 @@ def test_each_broken_cluster_gets_its_line(tmp_path, capsys, case):
                        lambda d: d["status"].update(readyReplicas=how["extender_ready"]))
         if how.get("endpoints") is False:
             api.update(BY_KIND[("v1", "Endpoints")], NS, "vramshare-extender", lambda e: e.update(subsets=[]))
+        if how.get("leader") is False:
+            api.update(BY_KIND[("coordination.k8s.io/v1", "Lease")], NS, "vramshare-extender",
+                       lambda lease: lease["spec"].update(holderIdentity=""))
         if how.get("profile") is False:
             api.update(BY_KIND[("v1", "ConfigMap")], NS, "vramshare-scheduler-config",
                        lambda c: c.update(data={}))
