@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from extender import policy_catalog
 from extender.simulation import report
@@ -19,6 +20,7 @@ from extender.simulation.replay import RunResult, replay, replay_as_scheduler
 from extender.simulation.trace import load_nodes, load_pods
 from extender.workload import typical_workload
 from vramshare import traces
+from vramshare.errors import UsageError
 
 OURS = ["fgd", "binpack", "spread"]
 BASELINES = ["fgd-paper", "bestfit", "gpupacking", "dotprod", "random"]
@@ -27,6 +29,16 @@ FIRST_SEED = 42  # the paper's tune seeds are 42..51
 
 def _say(message: str) -> None:
     print(f"[simulate {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _load(loader: Any, path: str, flag: str, columns: str) -> Any:
+    """A trace file that is not one is the user's to fix: one line naming it and the columns wanted."""
+    try:
+        return loader(path)
+    except KeyError as exc:
+        raise UsageError(f"{flag} {path}: not an openb CSV (missing column {exc}; want {columns})") from None
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise UsageError(f"{flag} {path}: not an openb CSV ({exc})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ProfileError) as exc:
             print(f"vramshare simulate: --as-scheduler {args.as_scheduler}: {exc}", file=sys.stderr)
             return 2
-    nodes, pods = load_nodes(args.nodes), load_pods(args.pods)
+    nodes, pods = _load(load_nodes, args.nodes, "--nodes", "sn,cpu_milli,memory_mib,gpu,model"), \
+        _load(load_pods, args.pods, "--pods", "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec")
     typical = typical_workload(p.shape(args.view) for p in pods)
     _say(f"{len(nodes)} nodes, {sum(n.gpus for n in nodes)} GPUs, {len(pods)} tasks; policies {', '.join(chosen)}; "
          f"{args.seeds} seed(s); {args.view} view; order {order}")

@@ -83,3 +83,17 @@ def test_quota_reasons_are_cut_at_a_word_and_say_their_unit():
     assert len(short) <= demo.REASON_WIDTH and short.endswith(" ...")
     assert long.startswith(short[:-len(" ...")] + " "), "cut at a word boundary"
     assert demo.short_reason("hold") == "hold"
+
+
+@pytest.mark.parametrize("content, says", [("a,b\n1,2\n", "missing column 'sn'"), ("sn,gpu\nx,notanumber\n", "not an openb CSV")])
+def test_simulate_with_a_file_that_is_no_trace(capsys, tmp_path, content, says):
+    bad = tmp_path / "nodes.csv"
+    bad.write_text(content)
+    line = _one_line_error(capsys, ["simulate", "--nodes", str(bad), "--pods", str(bad), "--policy", "fgd",
+                                    "--out", str(tmp_path / "out")])
+    assert says in line and "--nodes" in line
+
+
+def test_inspect_with_a_missing_certificate_file(capsys):
+    line = _one_line_error(capsys, ["inspect", "--extender", "https://127.0.0.1:1", "--cacert", "/nonexistent.pem"])
+    assert "--cacert" in line and "No such file" in line
