@@ -36,8 +36,8 @@ NODE_SCOPE_BINDING = "vramshare-device-plugin-node-scope"
 
 
 def deploy_dir() -> pathlib.Path:
-    """``deploy/`` of this checkout (``pip install -e .`` from a clone)."""
-    return pathlib.Path(__file__).resolve().parents[1] / "deploy"
+    """The manifests: ``vramshare/deploy`` (a link to the checkout's ``deploy/``, a copy in a wheel)."""
+    return pathlib.Path(__file__).resolve().parent / "deploy"
 
 
 @dataclass(frozen=True)
