@@ -115,7 +115,8 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
                           expiry_interval_s=expiry_interval_s)
     extender = app.Extender(acct, binder.Binder(acct, kube_api, chosen, clock), watcher, stats, chosen)
     files = tls_files(config)
-    server = http_server.ExtenderHTTPServer(extender, host, port, tls=tls.Reloader(files) if files else None)
+    reloader = tls.Reloader(files, lambda result: stats.tls_reloads.labels(result).inc()) if files else None
+    server = http_server.ExtenderHTTPServer(extender, host, port, tls=reloader)
     side = (http_server.ExtenderHTTPServer(extender, *metrics_at, routes=METRICS_ROUTES, workers=2,
                                            max_body_bytes=0, max_connections=64, reserve=0)
             if metrics_at is not None else None)
