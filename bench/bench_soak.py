@@ -40,7 +40,7 @@ import urllib3
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.soak_harness import N, ExtenderProcess, KubeletSim, bind_body, post  # noqa: E402
+from bench.soak_harness import N, ExtenderProcess, KubeletSim, ReplicatedExtender, bind_body, post  # noqa: E402
 from vramshare import inventory  # noqa: E402
 from vramshare.standins.apiserver import ApiServerDouble  # noqa: E402
 
@@ -79,6 +79,7 @@ class Soak:
         self.over_examples: list[dict[str, Any]] = []
         self.over_with_unbound: set[str] = set()
         self.stop = threading.Event()
+        self.bound_at: list[float] = []
 
     def bump(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -159,6 +160,8 @@ class Soak:
                 self._why(res["Error"])
                 return False
             self.bump("bound")
+            with self.lock:
+                self.bound_at.append(time.monotonic())
             if rng.random() < 0.1:  # a late retry of a bind that already succeeded: must change nothing
                 self.bump("late_duplicates_sent")
                 again = post(http, ext.url, "bind", body)
@@ -246,7 +249,8 @@ class Soak:
             nodes = sorted(capacity)
             config = ("version: v1\nextender:\n  policy: fgd\n  assumeTimeoutSeconds: 5\n"
                       f"  holdTimeoutSeconds: {30 if self.hold else 0}\n")
-            ext = ExtenderProcess(api.url, config)
+            ext: Any = (ReplicatedExtender(api, config, a.replicas, a.seed) if a.replicas > 1
+                        else ExtenderProcess(api.url, config))
             ext.start()
             assert ext.wait_ready(), "extender did not start"
             kubelet = KubeletSim(api, capacity, UNIT, (a.admit_min_s, a.admit_max_s), a.seed)
@@ -291,7 +295,12 @@ class Soak:
             settle_s = time.monotonic() - t1
             kubelet.stop_event.set()
             kubelet.join(5)
-            ext.kill()
+            if isinstance(ext, ReplicatedExtender):
+                kill_times = list(ext.kill_times)
+                ext.shutdown()
+            else:
+                kill_times = []
+                ext.kill()
         lat = sorted(kubelet.stats.admit_latency_s)
         return {
             "config": {"hold_timeout_s": 30 if self.hold else 0},
@@ -312,6 +321,11 @@ class Soak:
             "over_capacity_examples": self.over_examples[:3],
             "pods_unbound_at_end_of_storm": len(unbound),
             "storm_seconds": round(storm_s, 1), "settle_seconds": round(settle_s, 1),
+            "replicas": a.replicas,
+            "leader_kills": len(kill_times),
+            # the scheduling gap after each kill: from the kill to the next successful bind
+            "gaps_after_kills_s": [round(next((b for b in sorted(self.bound_at) if b > k), t0 + storm_s) - k, 2)
+                                   for k in kill_times],
         }
 
 
@@ -331,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--admit-min-s", type=float, default=0.05)
     ap.add_argument("--admit-max-s", type=float, default=0.5)
     ap.add_argument("--only", choices=["hold", "no_hold"])
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="extender replicas; 2+: leader election, the kill is a SIGKILL of the leader, pods "
+                         "reach a random ready replica (kube-proxy), each killed replica comes back as a new pod")
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
         args.pods, args.max_seconds, args.kill_every_s = 300, 90, 4
@@ -351,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         | {f"{name}.steering_misses": r["kubelet"]["steering_misses"] for name, r in runs.items()}
         | {f"{name}.admission_failures": r["kubelet"]["admission_failures"] for name, r in runs.items()},
     }
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w", encoding="utf-8") as fh:
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)
     print(json.dumps(doc["summary"], indent=2))
     return 0
