@@ -145,7 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for r in replicas:
                 r.kill()
-    return {"nodes": args.nodes, "pods_bound": len(binds), "killed": killed,
+    return {"summary": {"gap_s": None if gap is None else round(gap, 2), "gpus_over_capacity": len(over),
+                        "pods_bound": len(binds)},
+            "nodes": args.nodes, "pods_bound": len(binds), "killed": killed,
             "kill_after_s": args.kill_after_s, "lease_duration_s": 15,
             "binds_before_kill": len(binds) - len(around), "binds_after_kill": len(around),
             "gap_s": None if gap is None else round(gap, 2), "gpus_over_capacity": len(over),
@@ -160,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=90.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--quick", action="store_true", help="16 nodes, 200 pods (bench/run_all.py --quick)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.nodes, args.pods = 16, 200
     result = run(args)
     print(json.dumps(result, indent=2))
     with open(args.out, "w", encoding="utf-8") as fh:
