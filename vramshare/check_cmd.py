@@ -17,13 +17,19 @@ from vramshare.errors import UsageError
 Obj = dict[str, Any]
 
 
+_FORBIDDEN: list[str] = []  # what the last read was not allowed to see (names, for the snapshot)
+
+
 def _json(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Obj | None:
-    """The raw JSON of one client call; ``None`` for 404 (not there) and 403 (not ours to read)."""
+    """The raw JSON of one client call; ``None`` for 404 (not there) and 403 (not ours to read: noted)."""
     from kubernetes.client.exceptions import ApiException
     try:
         resp = call(*args, _preload_content=False, _request_timeout=20, **kwargs)
     except ApiException as exc:
-        if exc.status in (403, 404):
+        if exc.status == 403:
+            _FORBIDDEN.append(str(args[0]) if args and isinstance(args[0], str) else call.__name__)
+            return None
+        if exc.status == 404:
             return None
         raise
     try:
@@ -36,6 +42,7 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
     s = checks.Snapshot(namespace=namespace)
+    _FORBIDDEN.clear()
     try:
         s.version = str(client.VersionApi(api).get_code(_request_timeout=10).git_version)
     except (ApiException, OSError, ValueError, Exception) as exc:  # noqa: BLE001 - urllib3 wraps socket errors
@@ -66,6 +73,7 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
         s.secrets[name] = _json(core.read_namespaced_secret, name, namespace)
     s.scheduler_config = _json(core.read_namespaced_config_map, "vramshare-scheduler-config", namespace)
     s.lease = _json(client.CoordinationV1Api(api).read_namespaced_lease, "vramshare-extender", namespace)
+    s.forbidden = set(_FORBIDDEN)
     s.events = _items(_json(core.list_event_for_all_namespaces, field_selector="reason=FailedCreate")) or []
     return s
 

@@ -140,3 +140,13 @@ def test_each_broken_cluster_gets_its_line(tmp_path, capsys, case):
     for want in wants:
         assert want in text, text
     assert rc == (0 if all(w.startswith("!") for w in wants if w[0] in "✓✗!") else 1), text
+
+
+def test_a_secret_the_user_may_not_read_is_said_so(cluster, capsys):
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    api.fail_next("GET", r"/secrets/vramshare-extender-tls$", code=403)
+    rc, lines = _check(capsys, kubeconfig)
+    text = "\n".join(lines)
+    assert "! Secret vramshare-system/vramshare-extender-tls not checked: your user may not read it" in text
+    assert rc == 0, text
