@@ -115,3 +115,16 @@ def test_two_replicas_one_set_of_books_and_scheduling_goes_on_when_the_leader_st
                     r.stop()
                 except Exception:  # noqa: BLE001 - already stopped
                     pass
+
+
+def test_a_leader_restarted_in_its_pod_takes_its_lease_back_at_once():
+    """A crashed container restarts under the same pod name (identity): no wait for the lease to run out;
+    only a lost pod (a new name) costs the lease duration."""
+    clocks = [Clock(), Clock(), Clock()]
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        a, b_ = _electors(http, clocks)
+        a.step()
+        b_.step()
+        restarted = leader.LeaseElector(http, NS, "vramshare-extender", "a", "https://a:8888", clock=clocks[2])
+        restarted.step()
+        assert restarted.is_leader() and not b_.is_leader()
