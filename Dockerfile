@@ -14,6 +14,8 @@ COPY deviceplugin/ deviceplugin/
 COPY extender/ extender/
 COPY protos/ protos/
 COPY vllm_patches/ vllm_patches/
+# the manifests `vramshare install` renders (vramshare/deploy links here; the wheel carries a copy)
+COPY deploy/ deploy/
 RUN python -m pip install --no-cache-dir "setuptools>=68" wheel \
  && python -m pip wheel --no-cache-dir --wheel-dir /wheels .
 

@@ -25,8 +25,9 @@ from extender.simulation.main import FIRST_SEED  # noqa: E402
 from extender.simulation.replay import replay  # noqa: E402
 from extender.simulation.trace import load_nodes, load_pods  # noqa: E402
 from extender.workload import typical_workload  # noqa: E402
+from vramshare import traces  # noqa: E402
 
-TRACES = os.environ.get("VRAMSHARE_TRACES", os.path.join(ROOT, "..", "shared", "traces", "openb"))
+TRACES = os.path.dirname(traces.find(traces.OPENB_NODES) or traces.OPENB_NODES)  # $VRAMSHARE_TRACES/openb
 POLICIES = ["dra-random", "dra-fgd", "fgd"]
 
 

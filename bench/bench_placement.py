@@ -32,8 +32,9 @@ from extender.placement import filter_nodes, score_nodes  # noqa: E402
 from extender.simulation import main as simulate  # noqa: E402
 from extender.simulation import report  # noqa: E402
 from extender.simulation.main import BASELINES, OURS  # noqa: E402
+from vramshare import traces  # noqa: E402
 
-TRACES = os.environ.get("VRAMSHARE_TRACES", os.path.join(ROOT, "..", "shared", "traces", "openb"))
+TRACES = os.path.dirname(traces.find(traces.OPENB_NODES) or traces.OPENB_NODES)  # $VRAMSHARE_TRACES/openb
 OTHERS = ["fgd", "fgd-paper", "bestfit"]
 
 

@@ -1,6 +1,6 @@
 """Quota policies replayed on real per-container GPU memory demand (the issue 9 protocol).
 
-Trace: ``shared/traces/genai/pod_gpu_memory_used_bytes.csv`` (72 containers, one sample a minute).
+Trace: ``$VRAMSHARE_TRACES/genai/pod_gpu_memory_used_bytes.csv`` (``vramshare traces download``) (72 containers, one sample a minute).
 For each seed the 57 containers with a (nearly) full day are shuffled and packed ``k`` to an
 80 GiB GPU (``k`` = 2 and 3; 20 seeds = 20 random groupings). Each minute every tenant has a demand;
 its limit for minute t is set beforehand from what was seen at t-1 (one minute's lag). Every
@@ -61,12 +61,9 @@ from deviceplugin.quota.model import (GpuState, PolicyParams, Signals, Tenant, T
                                       TenantState)
 from deviceplugin.quota.policy import rebalance  # noqa: E402
 from deviceplugin.quota.telemetry import UsageSample  # noqa: E402
+from vramshare import traces  # noqa: E402
 
-_TRACE_NAME = os.path.join("genai", "pod_gpu_memory_used_bytes.csv")
-TRACE = next((p for p in (os.path.join(os.environ.get("VRAMSHARE_TRACES", "/nonexistent"), _TRACE_NAME),
-                          os.path.join(HERE, "..", "..", "shared", "traces", _TRACE_NAME),
-                          os.path.join("/work", "shared", "traces", _TRACE_NAME)) if os.path.exists(p)),
-             os.path.join(HERE, "..", "..", "shared", "traces", _TRACE_NAME))
+TRACE = traces.find(traces.GENAI_MEMORY) or traces.GENAI_MEMORY  # $VRAMSHARE_TRACES/genai/...
 GPU_MIB = 80 * 1024
 MIB = 1 << 20
 WINDOW = 10  # minutes of use the loop remembers for the peak (quota.peakWindowTicks x one-minute ticks)

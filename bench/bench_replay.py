@@ -48,13 +48,13 @@ from extender.simulation.replay import (MAX_PODS, RunResult, Tracker, kube_model
                                         replay_as_scheduler)
 from extender.simulation.trace import GPU_MIB, REFERENCE_MIB, SHARE_UNITS, TraceNode, TracePod, load_nodes, load_pods  # noqa: E402
 from extender.workload import TargetWorkload, typical_workload  # noqa: E402
-from vramshare import contract, inventory  # noqa: E402
+from vramshare import contract, inventory, traces  # noqa: E402
 from vramshare.config import Config, Policy  # noqa: E402
 from vramshare.standins.apiserver import PODS, ApiServerDouble  # noqa: E402
 from vramshare.standins.scheduler import ProfileDriver  # noqa: E402
 
 NAMES = contract.Names()
-TRACES = os.environ.get("VRAMSHARE_TRACES", os.path.join(ROOT, "..", "shared", "traces", "openb"))
+TRACES = os.path.dirname(traces.find(traces.OPENB_NODES) or traces.OPENB_NODES)  # $VRAMSHARE_TRACES/openb
 SCHEDULER_CONFIG = os.path.join(ROOT, "deploy", "daemonset", "scheduler-config.yaml")
 RESULTS = os.path.join(ROOT, "bench", "results", "replay.json")
 NAMESPACE = "replay"

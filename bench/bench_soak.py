@@ -51,7 +51,7 @@ import urllib3
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.soak_harness import N, ExtenderProcess, KubeletSim, bind_body, post  # noqa: E402
+from bench.soak_harness import N, ExtenderProcess, KubeletSim, ReplicatedExtender, bind_body, post  # noqa: E402
 from bench.soak_nodes import PluginNodeSim  # noqa: E402
 from deviceplugin.backend import DiscoveredGpu  # noqa: E402
 from vramshare import inventory  # noqa: E402
@@ -98,6 +98,7 @@ class Soak:
         self.over_examples: list[dict[str, Any]] = []
         self.over_with_unbound: set[str] = set()
         self.stop = threading.Event()
+        self.bound_at: list[float] = []
 
     def bump(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -178,6 +179,8 @@ class Soak:
                 self._why(res["Error"])
                 return False
             self.bump("bound")
+            with self.lock:
+                self.bound_at.append(time.monotonic())
             if rng.random() < 0.1:  # a late retry of a bind that already succeeded: must change nothing
                 self.bump("late_duplicates_sent")
                 again = post(http, ext.url, "bind", body)
@@ -302,7 +305,8 @@ class Soak:
             nodes = sorted(capacity)
             config = ("version: v1\nextender:\n  policy: fgd\n  assumeTimeoutSeconds: 5\n"
                       f"  holdTimeoutSeconds: {30 if self.hold else 0}\n")
-            ext = ExtenderProcess(api.url, config)
+            ext: Any = (ReplicatedExtender(api, config, a.replicas, a.seed) if a.replicas > 1
+                        else ExtenderProcess(api.url, config))
             ext.start()
             assert ext.wait_ready(), "extender did not start"
             kubelet: Any
@@ -375,7 +379,12 @@ class Soak:
                     "refused_while_pod_resources_down": st.refused_unrecorded,
                 }
                 kubelet.cleanup()
-            ext.kill()
+            if isinstance(ext, ReplicatedExtender):
+                kill_times = list(ext.kill_times)
+                ext.shutdown()
+            else:
+                kill_times = []
+                ext.kill()
         lat = sorted(kubelet.stats.admit_latency_s)
         return {
             "config": {"hold_timeout_s": 30 if self.hold else 0},
@@ -397,6 +406,11 @@ class Soak:
             "pods_unbound_at_end_of_storm": len(unbound),
             "nodes": node_figures,
             "storm_seconds": round(storm_s, 1), "settle_seconds": round(settle_s, 1),
+            "replicas": a.replicas,
+            "leader_kills": len(kill_times),
+            # the scheduling gap after each kill: from the kill to the next successful bind
+            "gaps_after_kills_s": [round(next((b for b in sorted(self.bound_at) if b > k), t0 + storm_s) - k, 2)
+                                   for k in kill_times],
         }
 
 
@@ -424,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="share of same-name recreations done with a forced delete (the kubelet still runs the "
                          "old pod, PodResources lists the name twice)")
     ap.add_argument("--outage-per-s", type=float, default=0.02, help="PodResources outages per node per second")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="extender replicas; 2+: leader election, the kill is a SIGKILL of the leader, pods "
+                         "reach a random ready replica (kube-proxy), each killed replica comes back as a new pod")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:

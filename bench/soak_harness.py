@@ -257,3 +257,89 @@ def bind_body(pod: Obj, node: str) -> Obj:
     meta = pod["metadata"]
     return {"PodName": meta["name"], "PodNamespace": meta.get("namespace", "default"), "PodUID": meta["uid"],
             "Node": node}
+
+
+class Replica(ExtenderProcess):
+    """An extender process that takes part in the leader election (``--leader-elect``) under its own
+    name; each start is a new pod (a new name), as a Deployment's replacement would be."""
+
+    def __init__(self, api_url: str, config_yaml: str, name: str) -> None:
+        super().__init__(api_url, config_yaml)
+        self.base, self.generation = name, 0
+        self.name = name
+        self.cmd += ["--leader-elect", "--advertise-url", self.url]
+
+    def start(self) -> None:
+        if self.proc is None:
+            atexit.register(self.kill)
+        self.generation += 1
+        self.name = f"{self.base}-{self.generation}"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "POD_NAME": self.name, "POD_NAMESPACE": "vramshare-system"}
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class ReplicatedExtender:
+    """Two or more :class:`Replica` behind a "Service": :attr:`url` is a Ready replica at random (as
+    kube-proxy picks among ready endpoints); :meth:`kill` SIGKILLs the Lease's holder, :meth:`start`
+    brings every dead replica back as a new pod. Duck-types :class:`ExtenderProcess` for the soak."""
+
+    def __init__(self, api: ApiServerDouble, config_yaml: str, replicas: int, seed: int = 0) -> None:
+        self.api = api
+        self.members = [Replica(api.url, config_yaml, f"extender-{chr(97 + i)}") for i in range(replicas)]
+        self.rng = random.Random(seed)
+        self._ready: dict[str, bool] = {}
+        self._stop = threading.Event()
+        self.kill_times: list[float] = []
+        self._probe = threading.Thread(target=self._probe_loop, name="soak-endpoints", daemon=True)
+
+    def _probe_loop(self) -> None:  # the readiness probe and the Endpoints controller, every 100 ms
+        while not self._stop.wait(0.1):
+            for m in self.members:
+                self._ready[m.url] = m.alive() and m.ready()
+
+    @property
+    def url(self) -> str:
+        ready = [m.url for m in self.members if self._ready.get(m.url)]
+        return self.rng.choice(ready) if ready else self.members[0].url
+
+    def leader(self) -> Replica | None:
+        from vramshare.standins.apiserver import LEASES
+        leases = self.api.objects(LEASES, "vramshare-system")
+        holder = leases[0]["spec"].get("holderIdentity") if leases else None
+        return next((m for m in self.members if m.name == holder and m.alive()), None)
+
+    def start(self) -> None:
+        for m in self.members:
+            if not m.alive():
+                m.start()
+        if not self._probe.is_alive() and not self._stop.is_set():
+            self._probe.start()
+
+    def kill(self) -> None:
+        victim = self.leader()
+        if victim is not None:
+            self._ready[victim.url] = False
+            victim.kill()
+            self.kill_times.append(time.monotonic())
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        for m in self.members:
+            m.kill()
+
+    def wait_ready(self, timeout: float = 60) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(m.alive() and m.ready() for m in self.members) and self.leader() is not None:
+                return True
+            time.sleep(0.05)
+        return False
+
+    def books(self) -> dict[str, tuple[int, int]] | None:
+        lead = self.leader()
+        return lead.books() if lead is not None else None

@@ -42,9 +42,11 @@ class ConfigWatcher:
 
     def __init__(self, path: str, on_change: Callable[[vconfig.Config], None], *,
                  initial: vconfig.Config | None = None, environ: Mapping[str, str] | None = None,
-                 overrides: Mapping[str, Any] | None = None, poll_seconds: float = 2.0) -> None:
+                 overrides: Mapping[str, Any] | None = None, poll_seconds: float = 2.0,
+                 on_refused: Callable[[str, str], None] | None = None) -> None:
         self.path = path
         self.on_change = on_change
+        self.on_refused = on_refused  # (path, error): an Event and a metric (deviceplugin.config_refusal)
         self.environ = environ
         self.overrides = dict(overrides or {})
         self.poll_seconds = poll_seconds
@@ -80,6 +82,8 @@ class ConfigWatcher:
         except vconfig.ConfigError as exc:
             log.warning("config refused; keeping the last good config", path=self.path, reason=reason,
                         error=str(exc))
+            if self.on_refused is not None:
+                self.on_refused(self.path, str(exc))
             return False
         with self._lock:
             if new == self._current:

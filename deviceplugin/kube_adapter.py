@@ -20,6 +20,7 @@ from urllib3.exceptions import HTTPError
 
 from deviceplugin.reconcile import Patch
 from vramshare import contract, logs
+from vramshare.retry import Backoff
 
 log = logs.get(__name__)
 
@@ -111,7 +112,7 @@ class InventoryPublisher:
 
     def run(self, stop: threading.Event) -> None:
         """Body of the ``inventory-publisher`` thread."""
-        backoff = 0.5
+        backoff = Backoff(0.5, 30.0)
         while not stop.is_set():
             self._wake.wait()
             if stop.is_set():
@@ -125,12 +126,12 @@ class InventoryPublisher:
                 self._v1.patch_node(self._node, {"metadata": {"annotations": {self._key: wanted}}},
                                     _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=TIMEOUT_S)
             except (ApiException, HTTPError) as exc:
-                log.warning("publish inventory failed", node=self._node, error=_why(exc), retry_in_s=backoff)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                wait = backoff.next()
+                log.warning("publish inventory failed", node=self._node, error=_why(exc), retry_in_s=round(wait, 2))
+                stop.wait(wait)
                 self._wake.set()
                 continue
-            backoff = 0.5
+            backoff.reset()
             self._written = wanted
             self.patches += 1
             log.info("published inventory", node=self._node, annotation=self._key, bytes=len(wanted))

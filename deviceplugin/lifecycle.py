@@ -24,6 +24,7 @@ from deviceplugin.metrics import PluginMetrics
 from protos.deviceplugin.v1beta1 import api_pb2 as pb
 from protos.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from vramshare import contract, logs
+from vramshare.retry import Backoff
 
 log = logs.get(__name__)
 
@@ -120,7 +121,7 @@ class PluginLifecycle:
         self._registered = False
         self._retry_at = 0.0  # next Register attempt after a failed one
         self._restart_at = 0.0  # next restart attempt after a failed one
-        self._backoff = 1.0
+        self._backoff = Backoff(1.0, MAX_RETRY_S)
         self.generation = 0  # completed (re)starts
         self._rounds = threading.Condition()
         self.registered_rounds = 0  # times every endpoint registered successfully
@@ -162,10 +163,10 @@ class PluginLifecycle:
             self._close()
             self._registered = False
             self._restart_reason = reason
-            self._restart_at = time.monotonic() + self._backoff
+            wait = self._backoff.next()
+            self._restart_at = time.monotonic() + wait
             log.error("starting servers failed", reason=reason, error=f"{type(exc).__name__}: {exc}",
-                      retry_in_s=self._backoff)
-            self._backoff = min(self._backoff * 2, MAX_RETRY_S)
+                      retry_in_s=round(wait, 2))
             with self._rounds:
                 self.failed_starts += 1
                 self._rounds.notify_all()
@@ -219,14 +220,14 @@ class PluginLifecycle:
         except grpc.RpcError as exc:
             self._metrics.registration(endpoint.rm.resource, ok=False)
             self._registered = False
-            self._retry_at = time.monotonic() + self._backoff
+            wait = self._backoff.next()
+            self._retry_at = time.monotonic() + wait
             log.warning("register failed", resource=endpoint.rm.resource, code=str(exc.code()),
-                        error=exc.details() or "", retry_in_s=self._backoff)
-            self._backoff = min(self._backoff * 2, MAX_RETRY_S)
+                        error=exc.details() or "", retry_in_s=round(wait, 2))
             return
         self._registered = True
         self._registered_at = time.monotonic()
-        self._backoff = 1.0
+        self._backoff.reset()
         with self._rounds:
             self.registered_rounds += 1
             self._rounds.notify_all()

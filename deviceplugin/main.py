@@ -21,6 +21,7 @@ from typing import Any, Callable
 from deviceplugin import allocation, cdi_names, enforcement
 from deviceplugin.allocator import Allocator
 from deviceplugin.backend import BackendError, GpuBackend
+from deviceplugin.config_refusal import RefusalReporter
 from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.kube_adapter import InventoryPublisher, PodPatcher
 from deviceplugin.lifecycle import PluginLifecycle
@@ -236,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     except (BackendError, enforcement.EnforcementRefused, rights.RightRefused) as exc:
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 1
-    watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides)
+    watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides,
+                             on_refused=RefusalReporter(metrics, api, args.node_name or ""))
                if args.config else None)
     # SIGHUP also restarts every gRPC server, as NVIDIA's plugin does.
     return serve(daemon, watcher, "device-plugin", lambda: daemon.lifecycle.request_restart("SIGHUP"))

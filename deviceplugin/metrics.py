@@ -78,6 +78,9 @@ class PluginMetrics:
         self.pod_resources_up = Gauge(_PREFIX + "pod_resources_up", "1 when the kubelet's PodResources List "
                                       "answered in the last round; 0: pods' actual GPUs are unknown and "
                                       "nothing is guessed", registry=self.registry)
+        self.config_reloads = Counter(_PREFIX + "config_reloads", "Config reloads refused (the last good "
+                                      "config stays; a Warning Event VramshareConfigRefused names the key)",
+                                      ["result"], registry=self.registry)
         self._attached = False
         if snapshot is not None:
             self.attach(snapshot)

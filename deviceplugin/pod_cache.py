@@ -17,6 +17,7 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from deviceplugin.kube_adapter import TIMEOUT_S, read_json
 from vramshare import contract, logs
+from vramshare.retry import Backoff
 
 log = logs.get(__name__)
 
@@ -68,21 +69,20 @@ class NodePodCache:
     def run(self, stop: threading.Event) -> None:
         """Body of the ``pod-watch`` thread: list, then watch, until ``stop``."""
         rv: str | None = None
-        delay = 0.2
+        delay = Backoff(0.2, 5.0)
         while not stop.is_set():
             try:
                 if rv is None:
                     rv = self._relist()
                 rv = self._watch(rv)
-                delay = 0.2
+                delay.reset()
             except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
                 if stop.is_set():
                     return
                 log.warning("pod watch broken, relisting", error=f"{type(exc).__name__}: {exc}")
                 rv = None
                 if not isinstance(exc, _Gone):
-                    stop.wait(delay)
-                    delay = min(5.0, delay * 2)
+                    stop.wait(delay.next())
 
     def stop(self) -> None:
         self._stopping.set()  # a watch opened after this line sees it and ends at once

@@ -9,16 +9,16 @@ it stays flat, which is what the warmth tracker needs to tell hot from warm tena
 from __future__ import annotations
 
 import csv
-import os
 import threading
 from collections import defaultdict
 from typing import Callable, Sequence
 
 from deviceplugin.quota.model import Tenant, TenantKey
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
+from vramshare import traces
 
 MIB = 1 << 20
-GENAI_TRACE = os.path.join("genai", "pod_gpu_memory_used_bytes.csv")
+GENAI_TRACE = traces.GENAI_MEMORY
 
 # A day compressed into 16 ticks, MiB: a chat server with a midday peak, a batch job that goes idle,
 # a RAG server that bursts late. Used when the GenAI trace is not at hand.
@@ -55,12 +55,9 @@ def genai_series(path: str, count: int, every: int = 1, start: int = 0, *, by_sw
 
 
 def find_trace(name: str = GENAI_TRACE) -> str | None:
-    """The trace under ``$VRAMSHARE_TRACES`` or a checkout's ``../shared/traces``; ``None`` if absent."""
-    for root in (os.environ.get("VRAMSHARE_TRACES", ""), os.path.join(os.getcwd(), "..", "shared", "traces")):
-        path = os.path.join(root, name)
-        if root and os.path.exists(path):
-            return os.path.normpath(path)
-    return None
+    """The trace where :func:`vramshare.traces.find` finds it (``$VRAMSHARE_TRACES``, a checkout's
+    ``../shared/traces``, the download folder); ``None`` if absent."""
+    return traces.find(name)
 
 
 class UsageReplay:

@@ -13,12 +13,14 @@ candidates.
 """
 from __future__ import annotations
 
+import http.client
 import operator
+import ssl
 
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import orjson
 
@@ -49,6 +51,10 @@ class Extender:
                  stats: metrics.ExtenderMetrics, policy: Policy) -> None:
         self.acct, self.binder, self.cache, self.stats, self.policy = acct, bind, watcher, stats, policy
         self.dra: dra_scoring.DraCluster | None = None  # set when DRA pods are scored (Kubernetes 1.36+)
+        # With two replicas (extender.leader): the standby hands each verb to the leader, so one set of
+        # books decides every placement; ``peer_tls`` is the client context it calls the leader with.
+        self.leader: Any = None
+        self.peer_tls: ssl.SSLContext | None = None
         self._post: dict[str, Callable[[bytes], bytes]] = {
             "/filter": self._filter, "/prioritize": self._prioritize, "/bind": self._bind,
             "/preempt": self._preempt,
@@ -57,6 +63,8 @@ class Extender:
     def handle(self, method: str, path: str, body: bytes) -> Response:
         path = path.split("?", 1)[0].rstrip("/") or "/"
         if method == "POST" and path in self._post:
+            if self.leader is not None and not self.leader.is_leader():
+                return self._forward(path, body)
             if self.cache is not None and not self.cache.ready.is_set():
                 self.stats.observe(path[1:], "not_ready", 0.0)
                 log.warning("verb refused: cache not synced", verb=path[1:])
@@ -77,6 +85,28 @@ class Extender:
                     return Response(404, orjson.dumps({"error": f"node {node} has no vramshare GPUs"}))
                 return Response(200, orjson.dumps(doc))
         return Response(404, orjson.dumps({"error": f"no route {method} {path}"}))
+
+    def _forward(self, path: str, body: bytes) -> Response:
+        """A standby's answer: the leader's, or an Error kube-scheduler retries (no leader right now)."""
+        url = self.leader.leader_url()
+        if not url or url == getattr(self.leader, "url", None):
+            self.stats.observe(path[1:], "no_leader", 0.0)
+            return Response(200, self._error(path[1:], "no extender leader yet (election in progress); retry"))
+        parts = urllib.parse.urlsplit(url)
+        conn: Any = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=5, context=self.peer_tls)
+                     if parts.scheme == "https" else http.client.HTTPConnection(parts.hostname, parts.port, timeout=5))
+        try:
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+            self.stats.observe(path[1:], "forwarded", 0.0)
+            return Response(resp.status, data)
+        except (OSError, http.client.HTTPException) as exc:
+            self.stats.observe(path[1:], "no_leader", 0.0)
+            log.warning("leader unreachable", verb=path[1:], leader=url, error=str(exc))
+            return Response(200, self._error(path[1:], f"extender leader {url} unreachable ({exc}); retry"))
+        finally:
+            conn.close()
 
     def _verb(self, verb: str, fn: Callable[[bytes], bytes], body: bytes) -> Response:
         start = time.perf_counter()

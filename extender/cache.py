@@ -13,6 +13,7 @@ from typing import Any
 
 from extender import accounting, apicalls, metrics
 from vramshare import logs
+from vramshare.retry import Backoff
 
 __all__ = ["Cache", "Gone"]
 
@@ -79,7 +80,7 @@ class Cache:
                 if self._stop.is_set():
                     return
         rv: str | None = None
-        delay = self.backoff_s
+        delay = Backoff(self.backoff_s, self.max_backoff_s)
         while not self._stop.is_set():
             try:
                 if rv is None:
@@ -89,7 +90,7 @@ class Cache:
                         self.ready.set()
                         log.info("cache ready", nodes=len(self.acct.slots), pods=len(self.acct.pods))
                 rv = self._watch(resource, rv)
-                delay = self.backoff_s
+                delay.reset()
             except Gone:
                 log.info("watch expired, relisting", resource=resource)
                 self.stats.resyncs.labels(resource).inc()
@@ -102,8 +103,7 @@ class Cache:
                 self.stats.resyncs.labels(resource).inc()
                 rv = None
                 if not gone:
-                    self._stop.wait(delay)
-                    delay = min(self.max_backoff_s, delay * 2)
+                    self._stop.wait(delay.next())
 
     # -- watch ------------------------------------------------------------------------------------
     def _watch(self, resource: str, rv: str) -> str:

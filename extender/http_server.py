@@ -22,7 +22,8 @@ accepting, lets requests in flight finish (bounded by ``grace_s``), then closes 
 Hostile callers (issue 11). With ``tls`` (:mod:`extender.tls`) every connection is TLS and asks for a
 client certificate; only the ``public`` routes (the probes) answer a connection without a verified
 one, every other route is refused with 403 right after the request head, before any body is read.
-``routes`` limits what a listener serves at all (the metrics listener: /metrics and the probes).
+``routes`` limits what a listener serves at all (the metrics listener: /metrics, the probes and the
+read-only /inspect; ``/x/*`` admits every ``/x/<name>``).
 Memory is bounded whatever a caller sends: a body larger than ``max_body_bytes`` is refused with 413
 from its declared ``Content-Length`` alone (its bytes are never read), the bodies being buffered at
 once share ``max_buffered_bytes`` (503 beyond), and a request head is read at most
@@ -446,7 +447,8 @@ class ExtenderHTTPServer:
     def _refusal(self, conn: _Conn, head: http1.RequestHead) -> tuple[int, str] | None:
         """Why a request is refused from its head alone (before any of its body is read), or None."""
         key = (head.method, _route(head.target))
-        if self.routes is not None and key not in self.routes:
+        if self.routes is not None and key not in self.routes and \
+                (head.method, key[1].rsplit("/", 1)[0] + "/*") not in self.routes:  # "/inspect/*": one node
             return 404, f"no route {head.method} {_route(head.target)} on this port"
         if self.tls is not None and not conn.authenticated and key not in self.public:
             return 403, ("a client certificate signed by the extender's client CA is required "

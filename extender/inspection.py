@@ -173,12 +173,77 @@ def client_context(cacert: str | None, cert: str | None, key: str | None) -> ssl
     return ctx
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """``vramshare inspect [NODE] --extender URL``."""
-    out = out or sys.stdout
+def fetch_via_proxy(api: Any, namespace: str, service: str, node: str | None = None) -> Obj:
+    """/inspect through the API server's service proxy (``services/http:<svc>:metrics/proxy/inspect``):
+    the admin's own kubeconfig and RBAC (``get`` on ``services/proxy``), no key of ours on a laptop."""
+    from kubernetes import client
+    path = "inspect" + (f"/{urllib.parse.quote(node)}" if node else "")
+    resp = client.CoreV1Api(api).connect_get_namespaced_service_proxy_with_path(
+        f"http:{service}:metrics", namespace, path, _preload_content=False, _request_timeout=30)
     try:
-        doc = fetch(args.extender, args.node, context=client_context(
-            getattr(args, "cacert", None), getattr(args, "cert", None), getattr(args, "key", None)))
+        return orjson.loads(resp.data)
+    finally:
+        resp.release_conn()
+
+
+def _via_proxy(args: argparse.Namespace) -> Obj:
+    from kubernetes.client.exceptions import ApiException
+    from vramshare import kube
+    from vramshare.errors import UsageError
+    ns, svc = args.namespace, args.service
+    try:
+        api = kube.user_client(getattr(args, "kubeconfig", None))
+    except Exception as exc:  # noqa: BLE001 - the kubernetes loader raises many kinds; all mean "no config"
+        raise UsageError(f"cannot load a kubeconfig ({exc}): pass --kubeconfig FILE, or --extender URL") from None
+    if api is None:
+        raise UsageError("no kubeconfig ($KUBECONFIG, ~/.kube/config): pass --kubeconfig FILE, or --extender URL "
+                         "(e.g. after kubectl -n vramshare-system port-forward svc/vramshare-extender 9402)")
+    try:
+        with api:
+            return fetch_via_proxy(api, ns, svc, args.node)
+    except ApiException as exc:
+        if exc.status == 403:
+            raise UsageError(f"the API server refused (403): your user needs 'get' on services/proxy "
+                             f"(resourceNames {svc}) in {ns}; README, 'Inspect from a laptop'") from None
+        detail = _detail(exc.body or b"")
+        if _from_extender(exc.body or b""):  # the extender answered (an unknown node): its own words
+            raise UsageError(f"extender: {exc.status} {detail}") from None
+        raise UsageError(f"{exc.status} {detail or exc.reason} (service {ns}/{svc}): is vramshare installed and "
+                         "the extender ready? run 'vramshare check'") from None
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot reach the API server ({exc}); check the kubeconfig's context") from None
+
+
+def _from_extender(body: bytes | str) -> bool:
+    """The extender's error shape ({"error": ...}), not the API server's Status."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(doc, dict) and "error" in doc and doc.get("kind") != "Status"
+
+
+def _detail(body: bytes | str) -> str:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode(errors="replace") if isinstance(body, bytes) else body
+    return str(doc.get("message") or doc.get("error") or "") if isinstance(doc, dict) else ""
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """``vramshare inspect [NODE]``: through the API server's service proxy, or ``--extender URL``."""
+    out = out or sys.stdout
+    if not getattr(args, "extender", None):
+        print(format_table(_via_proxy(args)), file=out)
+        return 0
+    from vramshare.errors import UsageError
+    try:
+        context = client_context(getattr(args, "cacert", None), getattr(args, "cert", None), getattr(args, "key", None))
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--cacert/--cert/--key: {exc}") from None
+    try:
+        doc = fetch(args.extender, args.node, context=context)
     except urllib.error.HTTPError as exc:
         with exc:
             body = exc.read()

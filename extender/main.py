@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import ipaddress
 import signal
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Callable
 
 from kubernetes import client
 
-from extender import accounting, apicalls, app, binder, cache, dra_scoring, http_server, metrics, tls
+from extender import accounting, apicalls, app, binder, cache, dra_scoring, http_server, leader, metrics, tls
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, Policy, load_config
 
@@ -40,11 +41,17 @@ class RunningExtender:
     metrics_server: http_server.ExtenderHTTPServer | None = None
     _metrics_thread: threading.Thread | None = None
     dra_watch: dra_scoring.DraWatch | None = None
+    elector: leader.LeaseElector | None = None
+    _elector_stop: threading.Event | None = None
+    _elector_thread: threading.Thread | None = None
 
     def wait_ready(self, timeout: float = 10.0) -> bool:
         return self.cache.ready.wait(timeout)
 
     def stop(self) -> None:
+        if self._elector_stop is not None and self._elector_thread is not None:
+            self._elector_stop.set()  # a clean stop releases the Lease: the standby takes over at once
+            self._elector_thread.join()
         self.server.close()
         self._thread.join()
         if self.metrics_server is not None and self._metrics_thread is not None:
@@ -63,7 +70,11 @@ class RunningExtender:
         self.stop()
 
 
-METRICS_ROUTES = frozenset({("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/readyz")})
+# The plain-HTTP listener: Prometheus, the probes, and the read-only /inspect that `vramshare inspect`
+# reaches through the API server's service proxy (the admin's RBAC: get services/proxy) or a port-forward,
+# so no scheduler key leaves the cluster. The verbs stay on the mutual-TLS port.
+METRICS_ROUTES = frozenset({("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/inspect"),
+                            ("GET", "/inspect/*")})
 
 
 def tls_files(config: Config) -> tls.TlsFiles | None:
@@ -82,12 +93,18 @@ def _serve(server: http_server.ExtenderHTTPServer, name: str) -> threading.Threa
 def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: int = 0, *,
           policy: Policy | None = None, clock: Callable[[], int] = time.time_ns,
           watch_timeout_s: int = 300, expiry_interval_s: float | None = None,
-          metrics_at: tuple[str, int] | None = None, dra: bool = False) -> RunningExtender:
+          metrics_at: tuple[str, int] | None = None, dra: bool = False,
+          elect: tuple[str, str, str] | None = None, peer_tls: ssl.SSLContext | None = None,
+          election: leader.Settings = leader.Settings(),
+          election_clock: Callable[[], float] = time.monotonic) -> RunningExtender:
     """Start cache and HTTP server(s); returns at once (use ``wait_ready`` for the initial lists).
 
     With TLS files in ``config`` the verbs and /inspect need a client certificate signed by the client
-    CA; ``metrics_at`` adds a plain-HTTP listener serving /metrics and the probes only (Prometheus).
+    CA; ``metrics_at`` adds a plain-HTTP listener serving /metrics, the probes and /inspect only.
     ``dra`` also scores pods whose ResourceClaims use our DeviceClasses (resource.k8s.io/v1, 1.36+).
+    ``elect`` = (namespace, identity, the URL this replica's verbs answer on): two or more replicas
+    elect a leader over the Lease ``vramshare-extender``; a standby hands verbs to it (``peer_tls``:
+    its client certificate for that call).
     Raises ``OSError``/``ssl.SSLError`` when the TLS files do not load.
     """
     chosen = policy or config.extender.policy
@@ -98,7 +115,8 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
                           expiry_interval_s=expiry_interval_s)
     extender = app.Extender(acct, binder.Binder(acct, kube_api, chosen, clock), watcher, stats, chosen)
     files = tls_files(config)
-    server = http_server.ExtenderHTTPServer(extender, host, port, tls=tls.Reloader(files) if files else None)
+    reloader = tls.Reloader(files, lambda result: stats.tls_reloads.labels(result).inc()) if files else None
+    server = http_server.ExtenderHTTPServer(extender, host, port, tls=reloader)
     side = (http_server.ExtenderHTTPServer(extender, *metrics_at, routes=METRICS_ROUTES, workers=2,
                                            max_body_bytes=0, max_connections=64, reserve=0)
             if metrics_at is not None else None)
@@ -115,7 +133,17 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
                     "the port can bind pods; set extender.tlsCertFile/tlsKeyFile/clientCAFile", url=server.url)
     log.info("extender started", url=server.url, policy=chosen.value, client_auth=files is not None,
              metrics_url=side.url if side else None, assume_timeout_s=config.extender.assume_timeout_seconds)
-    return RunningExtender(server.url, extender, acct, watcher, server, thread, None, side, side_thread, dra_watch)
+    running = RunningExtender(server.url, extender, acct, watcher, server, thread, None, side, side_thread, dra_watch)
+    if elect is not None:
+        namespace, identity, url = elect
+        running.elector = leader.LeaseElector(api, namespace, "vramshare-extender", identity, url or server.url,
+                                              election, clock=election_clock)
+        extender.leader, extender.peer_tls = running.elector, peer_tls
+        running._elector_stop = threading.Event()
+        running._elector_thread = threading.Thread(target=running.elector.run, args=(running._elector_stop,),
+                                                   name="extender-leader-election", daemon=True)
+        running._elector_thread.start()
+    return running
 
 
 def start_for_url(api_url: str, config: Config | None = None, **kwargs: object) -> RunningExtender:
@@ -164,12 +192,25 @@ def run(args: argparse.Namespace) -> int:
     if api is None:
         log.error("refusing to start", error="no kubeconfig and not in a cluster: the extender needs the API")
         return 2
+    elect, peer = None, None
+    if getattr(args, "leader_elect", False):
+        import os
+        import socket
+        identity = os.environ.get("POD_NAME") or socket.gethostname()
+        url = args.advertise_url or f"{'https' if files else 'http'}://{os.environ.get('POD_IP', host)}:{port}"
+        elect = (os.environ.get("POD_NAMESPACE", "vramshare-system"), identity, url)
+        if files is not None and args.peer_cert:
+            # the leader's serving certificate names the Service, not the pod IP: verify the chain
+            # (our CA signs only our components), not the name
+            peer = ssl.create_default_context(cafile=files.client_ca)
+            peer.check_hostname = False
+            peer.load_cert_chain(args.peer_cert, args.peer_key)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     with api:
         running = start(api, config, host, port, policy=Policy(args.policy) if args.policy else None,
-                        metrics_at=metrics_at, dra=True)
+                        metrics_at=metrics_at, dra=True, elect=elect, peer_tls=peer)
         if running.wait_ready(60):
             # The cache of thousands of nodes and pods lives for the process: move it out of the
             # collector's reach, so a full collection (hundreds of ms at 5,000 nodes) never lands in a

@@ -59,6 +59,9 @@ class ExtenderMetrics:
         self.resyncs = Counter("vramshare_extender_cache_resyncs",
                                "Full relists of a resource after 410 Gone or a broken watch", ["resource"],
                                registry=self.registry)
+        self.tls_reloads = Counter("vramshare_extender_tls_reloads", "Changed TLS files: reloaded, or refused "
+                                   "(they do not load; the previous certificates stay in force)", ["result"],
+                                   registry=self.registry)
         self.registry.register(_CacheCollector(acct))
 
     def observe(self, verb: str, outcome: str, seconds: float) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import ssl
+from typing import Callable
 from dataclasses import dataclass
 
 from vramshare import logs
@@ -55,10 +56,11 @@ def server_context(files: TlsFiles) -> ssl.SSLContext:
 class Reloader:
     """Hand out the current context; rebuild it when the files change, keep the last good one otherwise."""
 
-    def __init__(self, files: TlsFiles) -> None:
+    def __init__(self, files: TlsFiles, on_result: Callable[[str], None] | None = None) -> None:
         self.files = files
         self._stamp = files.stamp()
         self.context = server_context(files)
+        self.on_result = on_result  # "reloaded" / "refused": vramshare_extender_tls_reloads_total
 
     def check(self) -> bool:
         """Reload when a file changed; True when a new context is in force. Never raises."""
@@ -70,7 +72,11 @@ class Reloader:
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("tls files changed but do not load; keeping the previous certificates",
                         cert=self.files.cert, error=str(exc))
+            if self.on_result is not None:
+                self.on_result("refused")
             return False
         self._stamp, self.context = stamp, context
+        if self.on_result is not None:
+            self.on_result("reloaded")
         log.info("tls certificates reloaded", cert=self.files.cert, client_ca=self.files.client_ca)
         return True

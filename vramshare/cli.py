@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Sequence
 
-from vramshare import __version__, contract, logs
+from vramshare import __version__, contract, logs, traces
+from vramshare.errors import UsageError
 
 _DESCRIPTION = """\
 vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
@@ -24,19 +25,15 @@ vramshare shares NVIDIA GPUs between Kubernetes pods by memory.
   simulate       replay a production trace through the extender's placement code, compare policies
   demo           everything on loopback with simulated GPUs: no cluster and no GPU needed
   inspect        print per-GPU usage from a running extender's /inspect endpoint
+  check          check a cluster before or after installing: one line per check with the fix
+  install        print every manifest an install needs, for '| kubectl apply -f -'
+  traces         download the public traces simulate and the benchmarks replay, or show where they are
 
 Run 'vramshare <command> --help' for the options of one command.
 """
 
 
-def _default_trace(name: str) -> str | None:
-    """Where the Alibaba openb trace lies in a checkout (../shared/traces/openb) or $VRAMSHARE_TRACES."""
-    roots = [os.environ.get("VRAMSHARE_TRACES", ""), os.path.join(os.getcwd(), "..", "shared", "traces", "openb")]
-    for root in roots:
-        path = os.path.join(root, name)
-        if root and os.path.exists(path):
-            return os.path.normpath(path)
-    return None
+DEMO_PODS = 8  # the demo's pod shapes (vramshare.standins.demo.PODS; a test keeps the two equal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     ex.add_argument("--client-ca", metavar="PEM", help="CA whose client certificates may call the verbs and "
                     "/inspect (kube-scheduler's tlsConfig certFile); probes need none")
+    ex.add_argument("--leader-elect", action="store_true",
+                    help="run as one of several replicas: elect a leader over the Lease vramshare-extender in "
+                         "$POD_NAMESPACE (identity $POD_NAME); a standby hands the verbs to the leader")
+    ex.add_argument("--advertise-url", metavar="URL",
+                    help="where this replica's verbs answer, for the others (default https://$POD_IP:<port>)")
+    ex.add_argument("--peer-cert", metavar="PEM", help="client certificate a standby calls the leader with "
+                    "(one the client CA trusts: the scheduler's, Secret vramshare-scheduler-tls)")
+    ex.add_argument("--peer-key", metavar="PEM", help="key of --peer-cert")
     ex.add_argument("--metrics-listen", metavar="HOST:PORT",
                     help="plain-HTTP listener for /metrics, /healthz and /readyz only (for Prometheus)")
 
@@ -111,10 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Replay the Alibaba GPU-sharing trace (openb) through the extender's "
                                      "own filter, score and GPU-pick code and report GPU allocation and "
                                      "fragmentation as the arrived workload grows to 130% of capacity.")
-    sim.add_argument("--nodes", metavar="CSV", default=_default_trace("openb_node_list_gpu_node.csv"),
-                     help="node list CSV (default: ../shared/traces/openb/openb_node_list_gpu_node.csv)")
-    sim.add_argument("--pods", metavar="CSV", default=_default_trace("openb_pod_list_default.csv"),
-                     help="pod list CSV (default: ../shared/traces/openb/openb_pod_list_default.csv)")
+    sim.add_argument("--nodes", metavar="CSV", default=traces.find(traces.OPENB_NODES),
+                     help=f"node list CSV (default: {traces.OPENB_NODES} under ${traces.ENV}, a checkout's "
+                          "../shared/traces or the folder 'vramshare traces download' fills)")
+    sim.add_argument("--pods", metavar="CSV", default=traces.find(traces.openb_pods()),
+                     help=f"pod list CSV (default: {traces.openb_pods()}, found as --nodes is)")
     sim.add_argument("--policy", action="append", metavar="P",
                      help="policy to run; repeat for several (default: all). Ours: fgd, binpack, spread; "
                           "baselines: random, bestfit, gpupacking, dotprod, fgd-paper")
@@ -134,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Start an API server stand-in, a simulated GPU node with the device "
                                       "plugin and a fake kubelet, and the extender; submit inference pods; "
                                       "show where each landed and why. Ends by itself.")
-    demo.add_argument("--pods", type=int, default=8, metavar="N", help="pods to submit (default 8)")
+    demo.add_argument("--pods", type=int, metavar="N",
+                      help=f"pods to submit, 1 to {DEMO_PODS} (default all {DEMO_PODS}; the DRA demo has fewer)")
     demo.add_argument("--verbose", action="store_true", help="also show every component's log lines")
     demo.add_argument("--quota", action="store_true", help="only the quota loop on one shared GPU (a few seconds)")
     demo.add_argument("--classes", metavar="CONFIG",
@@ -146,12 +153,47 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the DRA path instead (Kubernetes 1.36+): DRA plugins, ResourceClaims, a stand-in "
                            "for kube-scheduler's DRA allocator and the kubelet's DRA manager")
 
+    inst = sub.add_parser("install", help="print every manifest an install needs: | kubectl apply -f -",
+                          description="Render deploy/ (the kustomize base, its components) with the image, namespace, "
+                                      "mutual-TLS Secrets, kube-scheduler's tag for the cluster's version and the "
+                                      "chosen paths. 'vramshare install | kubectl apply -f -' installs or upgrades; "
+                                      "the same command '| kubectl delete -f -' uninstalls.")
+    from vramshare import check_cmd, install
+    install.add_arguments(inst)
+
+    chk = sub.add_parser("check", help="check a cluster before or after installing (✓ / ✗ with the fix)",
+                         description="Before (--pre) or after an install: the API server and its version, "
+                                     "admission policies, the node-name claim, DRA (--dra), each GPU node's "
+                                     "device plugin and enforcement mode, the extender (ready, reachable, "
+                                     "certificates), the scheduler profile, pods refused by our admission "
+                                     "policies. One line each; exit status 1 when any is ✗.")
+    check_cmd.add_arguments(chk)
+
+    tr = sub.add_parser("traces", help="download the public traces, or show where they are found",
+                        description=f"The traces 'simulate' and the benchmarks replay (Alibaba's openb and GenAI "
+                                    f"traces, ServeGen) live in one folder: ${traces.ENV}, else a checkout's "
+                                    f"../shared/traces, else {traces.download_dir({})}.")
+    tr.add_argument("action", choices=["download", "where"],
+                    help="download: fetch them (needs the internet); where: show which files are found")
+    tr.add_argument("--dest", metavar="DIR", help=f"folder to fill (default ${traces.ENV}, else the cache folder)")
+    tr.add_argument("--mirror", metavar="URL", help="fetch URL/<host>/<path> instead of https://<host>/<path>")
+
     insp = sub.add_parser("inspect", help="show per-GPU usage from a running extender",
                           description="Fetch /inspect from the extender and print total, used and free "
-                                      "memory and the pods of every GPU.")
+                                      "memory and the pods of every GPU. By default through the API server's "
+                                      "service proxy with your kubeconfig (RBAC: get services/proxy on "
+                                      "vramshare-extender); also 'kubectl vramshare inspect'.")
     insp.add_argument("node", nargs="?", help="one node (default: the whole cluster)")
-    insp.add_argument("--extender", default="http://127.0.0.1:8888", metavar="URL",
-                      help="extender base URL (default http://127.0.0.1:8888)")
+    insp.add_argument("--namespace", default="vramshare-system", metavar="NS",
+                      help="where vramshare runs (default vramshare-system)")
+    insp.add_argument("--service", default="vramshare-extender", metavar="NAME",
+                      help="the extender's Service (default vramshare-extender)")
+    insp.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
+                      help="kubeconfig (default $KUBECONFIG, ~/.kube/config)")
+    insp.add_argument("--extender", metavar="URL",
+                      help="reach the extender directly instead: http://127.0.0.1:9402 after 'kubectl -n "
+                           "vramshare-system port-forward svc/vramshare-extender 9402', or its https port with "
+                           "--cacert/--cert/--key")
     insp.add_argument("--cacert", metavar="PEM", help="CA of the extender's serving certificate (https)")
     insp.add_argument("--cert", metavar="PEM", help="client certificate the extender trusts (https)")
     insp.add_argument("--key", metavar="PEM", help="key of --cert")
@@ -165,14 +207,42 @@ _COMMANDS = {
     "simulate": "extender.simulation.main",
     "demo": "vramshare.standins.demo",
     "inspect": "extender.inspection",
+    "traces": "vramshare.traces_download",
+    "install": "vramshare.install",
+    "check": "vramshare.check_cmd",
 }
+
+
+def refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
+    """A flag the chosen mode ignores is refused, never silently dropped."""
+    if args.command == "demo":
+        if args.classes is not None and not args.quota:
+            raise UsageError("--classes applies only to the quota demo: run 'vramshare demo --quota --classes FILE'")
+        if args.quota and args.dra:
+            raise UsageError("--quota and --dra are two different demos: run 'vramshare demo --quota' or "
+                             "'vramshare demo --dra'")
+        if args.quota and args.pods is not None:
+            raise UsageError("--pods does not apply to the quota demo (three tenants on one GPU): drop --pods")
+        if args.pods is not None and args.pods < 1:
+            raise UsageError(f"--pods {args.pods}: submit at least 1 pod")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.setup(args.log_level, args.log_json)
-    module = importlib.import_module(_COMMANDS[args.command])
-    return int(module.run(args) or 0)
+    try:
+        refuse_flags_that_do_not_apply(args)
+        logs.setup(args.log_level, args.log_json)
+        module = importlib.import_module(_COMMANDS[args.command])
+        return int(module.run(args) or 0)
+    except UsageError as exc:
+        print(f"vramshare {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)  # one line
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`vramshare demo | head`): stop quietly. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again (Python docs, signal module, "Note on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # what a shell reports for a process ended by SIGPIPE (128 + 13)
 
 
 if __name__ == "__main__":

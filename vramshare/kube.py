@@ -21,6 +21,15 @@ def api_client(kubeconfig: str | None) -> client.ApiClient | None:
     return None
 
 
+def user_client(kubeconfig: str | None) -> client.ApiClient | None:
+    """An admin's client, as kubectl finds it: ``kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``, else
+    the in-cluster service account, else ``None``."""
+    path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    if os.path.isfile(path):
+        return kconfig.new_client_from_config(config_file=path)
+    return api_client(None)
+
+
 def api_client_for(host: str) -> client.ApiClient:
     """A client for a plain-HTTP API endpoint (the local API server stand-in used by tests and the demo)."""
     cfg = client.Configuration()

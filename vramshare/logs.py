@@ -60,9 +60,18 @@ def get(name: str) -> Logger:
     return Logger(name)
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record comes, so a command run in-process after
+    stderr was swapped (a test's capture, since closed) never writes to a dead stream."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def handler(as_json: bool = False) -> logging.Handler:
     """A stderr handler with this module's format (fields kept)."""
-    out = logging.StreamHandler(sys.stderr)
+    out = _Stderr(sys.stderr)
     out.setFormatter(_Formatter(as_json))
     return out
 

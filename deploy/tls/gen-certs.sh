@@ -1,7 +1,8 @@
 #!/bin/sh
 # Certificates for the extender's mutual TLS, as two Secrets on stdout:
 #   vramshare-extender-tls   tls.crt/tls.key: serving certificate of
-#                            vramshare-extender.vramshare-system.svc; ca.crt: the CA whose client
+#                            vramshare-extender.vramshare-system.svc (and localhost/127.0.0.1, for
+#                            `vramshare inspect` through kubectl port-forward); ca.crt: the CA whose client
 #                            certificates may call the verbs
 #   vramshare-scheduler-tls  tls.crt/tls.key: kube-scheduler's client certificate; ca.crt: the CA
 #                            that signed the extender's serving certificate (mounted by both
@@ -38,7 +39,7 @@ leaf() {  # leaf NAME CN EXTENSIONS
 leaf server "$SVC.$NS.svc" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature
 extendedKeyUsage=serverAuth
-subjectAltName=DNS:$SVC,DNS:$SVC.$NS,DNS:$SVC.$NS.svc,DNS:$SVC.$NS.svc.cluster.local"
+subjectAltName=DNS:$SVC,DNS:$SVC.$NS,DNS:$SVC.$NS.svc,DNS:$SVC.$NS.svc.cluster.local,DNS:localhost,IP:127.0.0.1"
 leaf client "vramshare-scheduler" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature
 extendedKeyUsage=clientAuth"

@@ -90,6 +90,11 @@ def start(loop: QuotaLoop, cfg: Config, stop: threading.Event) -> threading.Thre
     return t
 
 
+# The tenant's pod, not the scraped one: Prometheus adds namespace/pod/container to every target (the
+# device plugin's own), so plain names would collide and come out as exported_namespace etc. (issue 22).
+TENANT_LABELS = ("tenant_namespace", "tenant_pod", "tenant_container")
+
+
 class QuotaCollector(Collector):
     """``vramshare_quota_*`` metrics from the loop's latest tick, computed at scrape time."""
 
@@ -97,7 +102,7 @@ class QuotaCollector(Collector):
         self._loop = loop
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["namespace", "pod", "container", "gpu", "class"]
+        labels = [*TENANT_LABELS, "gpu", "class"]
         classes, views = self._loop.classes(), self._loop.views()
         limit = GaugeMetricFamily("vramshare_quota_limit_mib", "Memory quota in force (MiB)", labels=labels)
         for (key, gpu), mib in sorted(self._loop.limits().items()):
@@ -122,7 +127,7 @@ class QuotaCollector(Collector):
             cap.add_metric([gpu], mib)
         yield cap
         state = GaugeMetricFamily("vramshare_quota_tenant_state", "1 for each tenant's warmth (hot, warm, "
-                                  "waking, cold)", labels=["namespace", "pod", "container", "class", "state"])
+                                  "waking, cold)", labels=[*TENANT_LABELS, "class", "state"])
         for key, phase in sorted(self._loop.phases().items()):
             for p in Phase:
                 state.add_metric([key.namespace, key.pod, key.container, classes.get(key, DEFAULT_CLASS), p.value],

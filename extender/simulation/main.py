@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from extender import policy_catalog
 from extender.simulation import report
@@ -18,6 +19,8 @@ from extender.simulation.kube_model import Profile, ProfileError
 from extender.simulation.replay import RunResult, replay, replay_as_scheduler
 from extender.simulation.trace import load_nodes, load_pods
 from extender.workload import typical_workload
+from vramshare import traces
+from vramshare.errors import UsageError
 
 OURS = ["fgd", "binpack", "spread"]
 BASELINES = ["fgd-paper", "bestfit", "gpupacking", "dotprod", "random"]
@@ -28,11 +31,22 @@ def _say(message: str) -> None:
     print(f"[simulate {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def _load(loader: Any, path: str, flag: str, columns: str) -> Any:
+    """A trace file that is not one is the user's to fix: one line naming it and the columns wanted."""
+    try:
+        return loader(path)
+    except KeyError as exc:
+        raise UsageError(f"{flag} {path}: not an openb CSV (missing column {exc}; want {columns})") from None
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise UsageError(f"{flag} {path}: not an openb CSV ({exc})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     for what, path in (("--nodes", args.nodes), ("--pods", args.pods)):
         if not path or not os.path.exists(path):
-            print(f"vramshare simulate: {what} {path or '(none)'}: trace file not found; pass the openb CSV "
-                  "or set VRAMSHARE_TRACES to the folder holding it", file=sys.stderr)
+            print(f"vramshare simulate: {what} {path or '(none)'}: not found; pass the openb CSV, or: "
+                  f"{traces.not_found(traces.OPENB_NODES if what == '--nodes' else traces.openb_pods())}",
+                  file=sys.stderr)
             return 2
     chosen = args.policy or OURS[:1] + BASELINES + OURS[1:]
     known = policy_catalog.names()
@@ -51,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ProfileError) as exc:
             print(f"vramshare simulate: --as-scheduler {args.as_scheduler}: {exc}", file=sys.stderr)
             return 2
-    nodes, pods = load_nodes(args.nodes), load_pods(args.pods)
+    nodes, pods = _load(load_nodes, args.nodes, "--nodes", "sn,cpu_milli,memory_mib,gpu,model"), \
+        _load(load_pods, args.pods, "--pods", "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec")
     typical = typical_workload(p.shape(args.view) for p in pods)
     _say(f"{len(nodes)} nodes, {sum(n.gpus for n in nodes)} GPUs, {len(pods)} tasks; policies {', '.join(chosen)}; "
          f"{args.seeds} seed(s); {args.view} view; order {order}")
@@ -66,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             results[policy].append(result)
             _say(f"{policy} seed {seed}: allocated {report.alloc_at(result, 100):.2f}% at 100% arrived, "
                  f"unallocated {100 - report.alloc_at(result, 130):.2f}% at 130% ({result.seconds:.0f}s)")
-    meta = {"nodes": args.nodes, "pods": args.pods, "view": args.view, "seeds": args.seeds, "order": order,
+    meta = {"nodes": traces.shown(args.nodes), "pods": traces.shown(args.pods), "view": args.view, "seeds": args.seeds, "order": order,
             "first_seed": FIRST_SEED, "tie_break": "first best node in a per-seed random node order"}
     if profile is not None:
         meta["tie_break"] = "as kube-scheduler with the extender: one 10 per cycle (CRC-32 node order), random among equal totals"

@@ -21,6 +21,15 @@ def _names(registry: CollectorRegistry) -> set[str]:
     return {m.name + s for m in registry.collect() for s in _SUFFIXES.get(m.type, ("",))}
 
 
+def _labels(registry: CollectorRegistry) -> dict[str, set[str]]:
+    """Series name -> the label names its samples carry (from a collect with data in it)."""
+    out: dict[str, set[str]] = {}
+    for m in registry.collect():
+        for s in m.samples:
+            out.setdefault(s.name, set()).update(s.labels)
+    return out
+
+
 def exported(tmp_path) -> set[str]:
     from deviceplugin.metrics import PluginMetrics
     from deviceplugin.quota.loop import QuotaLoop
@@ -71,8 +80,54 @@ def test_the_dashboard_covers_what_an_admin_asked_for():
     for needle in ("vramshare_quota_gpu_capacity_mib", "vramshare_quota_request_mib", "vramshare_quota_limit_mib",
                    "vramshare_quota_used_mib", "vramshare_quota_class_breaches_total",
                    "vramshare_quota_class_changes_total", "vramshare_extender_request_seconds_bucket",
-                   "vramshare_extender_requests_total", "by (instance, gpu)", "by (instance)"):
+                   "vramshare_extender_requests_total", "by (node, gpu)", "by (node)"):
         assert needle in text, needle
     assert {v["name"] for v in doc["templating"]["list"]} == {"datasource", "node", "class"}
     ids = [p["id"] for p in doc["panels"]]
     assert len(ids) == len(set(ids))
+
+
+# Labels Prometheus puts on every sample of a pod target (kubernetes_sd pod role with prometheus-operator's
+# PodMonitor) plus the `node` our PodMonitor adds (deploy/monitoring/podmonitors.yaml).
+TARGET_LABELS = {"instance", "job", "namespace", "pod", "container", "endpoint", "node", "component"}
+
+
+def test_tenant_labels_do_not_collide_with_target_labels(tmp_path):
+    """A tenant's namespace/pod/container would be renamed exported_* by Prometheus (issue 22)."""
+    from deviceplugin.quota.loop import QuotaLoop
+    from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
+    from deviceplugin.quota.service import register_metrics
+    from deviceplugin.quota.telemetry import UsageSample
+
+    class Node:
+        name = "fake"
+
+        def list_tenants(self):
+            return [Tenant(TenantKey("llm", "chat", "vllm", pod_uid="u"), (("GPU-0", 20000),))]
+
+        def read_usage(self):
+            return [UsageSample("GPU-0", 19800, pod_uid="u")]
+
+    node = Node()
+    loop = QuotaLoop(node, lambda: {"GPU-0": 40000}, [node], PolicyParams(), str(tmp_path))
+    loop.run_once()
+    reg = CollectorRegistry()
+    register_metrics(loop, reg)
+    labels = _labels(reg)
+    assert labels["vramshare_quota_limit_mib"] >= {"tenant_namespace", "tenant_pod", "tenant_container", "gpu"}
+    for name, have in labels.items():
+        assert not have & TARGET_LABELS, f"{name} exports {sorted(have & TARGET_LABELS)}: collides with target labels"
+
+
+def test_the_dashboard_groups_by_the_node_label_and_tenant_labels():
+    doc = json.loads(DASHBOARD.read_text())
+    text = "\n".join(_queries(doc))
+    assert "instance" not in text, "per node is the node label (the PodMonitor's), not the scrape target"
+    for grouping in re.findall(r"\b(?:by|on) \(([^)]*)\)", text):
+        for label in (x.strip() for x in grouping.split(",")):
+            assert label in TARGET_LABELS | {"gpu", "class", "state", "le", "verb", "outcome", "result", "mode",
+                                             "tenant_namespace", "tenant_pod", "tenant_container"}, label
+    legends = [t.get("legendFormat", "") for p in doc["panels"] for t in p.get("targets", [])]
+    assert not any(re.search(r"\{\{(namespace|pod|container)\}\}/", lf) for lf in legends if "vllm" not in lf)
+    podmonitor = (ROOT / "deploy" / "monitoring" / "podmonitors.yaml").read_text()
+    assert "targetLabel: node" in podmonitor and "__meta_kubernetes_pod_node_name" in podmonitor

@@ -31,9 +31,8 @@ import pytest
 import yaml
 
 from deviceplugin import cdi_names, enforcement
-from tests.deploy import kustomize
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml
-from vramshare import config, contract
+from vramshare import config, contract, kustomize
 from vramshare.inventory import EnforcementMode
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -122,9 +121,9 @@ def granted(ds: dict[str, Any]) -> HostAccess:
 
 
 def _render(install: str) -> list[dict[str, Any]]:
-    objs = kustomize.build(INSTALLS[install])
+    objs = kustomize.build(str(INSTALLS[install]))
     if install == "dra":  # the DRA path is applied after the base's namespace and ConfigMap
-        objs += [o for o in kustomize.build(BASE) if o["kind"] == "ConfigMap"]
+        objs += [o for o in kustomize.build(str(BASE)) if o["kind"] == "ConfigMap"]
     return objs
 
 
@@ -191,7 +190,7 @@ def test_the_python_render_is_kustomizes(install: str) -> None:
     done = subprocess.run([kubectl, "kustomize", str(INSTALLS[install])], capture_output=True, text=True, timeout=60,
                           check=True)
     theirs = {kustomize.key(o): _squeezed(o) for o in yaml.safe_load_all(done.stdout) if o}
-    ours = {kustomize.key(o): _squeezed(o) for o in kustomize.build(INSTALLS[install])}
+    ours = {kustomize.key(o): _squeezed(o) for o in kustomize.build(str(INSTALLS[install]))}
     assert ours == theirs
 
 

@@ -155,3 +155,35 @@ def test_a_failing_handler_does_not_end_the_thread(cm):
     finally:
         w.stop()
     assert calls == [2, 3]
+
+
+def test_a_refused_reload_is_an_event_on_the_node_and_a_metric(cm):
+    """Issue 22: not only a log line. The Event goes through the official client to the API double."""
+    from prometheus_client import generate_latest
+
+    from deviceplugin.config_refusal import REASON, RefusalReporter
+    from deviceplugin.metrics import PluginMetrics
+    from vramshare.kube import api_client_for
+    from vramshare.standins.apiserver import ApiServerDouble
+
+    metrics = PluginMetrics()
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        w, changes = watcher(cm, on_refused=RefusalReporter(metrics, http, "gpu-node-1"))
+        cm.publish("version: v1\nmemoryUnitMiB: lots\n")
+        assert w.check() is False and changes == []
+        [event] = api.events("default")
+    assert event["type"] == "Warning" and event["reason"] == REASON
+    assert event["involvedObject"]["kind"] == "Node" and event["involvedObject"]["name"] == "gpu-node-1"
+    assert "memoryUnitMiB: expected int" in event["message"] and "last good config stays" in event["message"]
+    text = generate_latest(metrics.registry).decode()
+    assert 'vramshare_deviceplugin_config_reloads_total{result="refused"} 1.0' in text
+
+
+def test_a_refusal_without_an_api_server_is_still_counted(cm):
+    from deviceplugin.config_refusal import RefusalReporter
+    from deviceplugin.metrics import PluginMetrics
+    metrics = PluginMetrics()
+    w, _ = watcher(cm, on_refused=RefusalReporter(metrics, None, ""))
+    cm.publish("version: v1\nmemoryUnitMiB: -1\n")
+    assert w.check() is False
+    assert metrics.config_reloads.labels("refused")._value.get() == 1

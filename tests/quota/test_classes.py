@@ -302,7 +302,7 @@ def test_metrics_carry_the_class(tmp_path):
     loop.run_once()
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in QuotaCollector(loop).collect()
                for s in m.samples}
-    base = (("container", "vllm"), ("gpu", "GPU-0"), ("namespace", "dev"), ("pod", "eval"))
+    base = (("gpu", "GPU-0"), ("tenant_container", "vllm"), ("tenant_namespace", "dev"), ("tenant_pod", "eval"))
     batch = tuple(sorted(base + (("class", "batch"),)))
     assert samples[("vramshare_quota_floor_mib", batch)] == 4096
     assert samples[("vramshare_quota_request_mib", batch)] == 40960

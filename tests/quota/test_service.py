@@ -42,8 +42,8 @@ def test_metrics_show_limits_and_counters(tmp_path):
     text = generate_latest(reg).decode()
     limit = loop.limits()[(KEY, "GPU-0")]
     assert limit > 20000  # grew: use + margin was above the request
-    assert (f'vramshare_quota_limit_mib{{class="default",container="vllm",gpu="GPU-0",namespace="llm",pod="chat"}} '
-            f'{limit}.0') in text
+    assert (f'vramshare_quota_limit_mib{{class="default",gpu="GPU-0",tenant_container="vllm",tenant_namespace="llm",'
+            f'tenant_pod="chat"}} {limit}.0') in text
     assert "vramshare_quota_ticks_total 1.0" in text
     assert "vramshare_quota_changes_total 1.0" in text
 

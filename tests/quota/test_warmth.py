@@ -98,7 +98,7 @@ def test_the_loop_writes_the_state_and_exports_it(tmp_path):
     assert doc.state == "warm" and doc.limits()["GPU-0"] == 5000
     assert read_quota(container_dir(str(tmp_path), BUSY.pod_uid, "vllm")).state == "hot"
     text = {(m.name, tuple(s.labels.items())): s.value for m in QuotaCollector(loop).collect() for s in m.samples}
-    assert text[("vramshare_quota_tenant_state", (("namespace", "llm"), ("pod", "idle"), ("container", "vllm"),
+    assert text[("vramshare_quota_tenant_state", (("tenant_namespace", "llm"), ("tenant_pod", "idle"), ("tenant_container", "vllm"),
                                                   ("class", "default"), ("state", "warm")))] == 1.0
     vllm.by_url["http://idle"] = VllmSample(waiting=2, running=1)  # traffic again
     clock[0] = 60.0

@@ -165,7 +165,8 @@ def test_certificates_rotate_without_a_restart(tmp_path: Path) -> None:
     live.mkdir()
     for name, src in (("tls.crt", old.server_cert), ("tls.key", old.server_key), ("ca.crt", old.ca)):
         (live / name).write_bytes(src.read_bytes())
-    reloader = Reloader(TlsFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt")))
+    results: list[str] = []
+    reloader = Reloader(TlsFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt")), results.append)
     assert not reloader.check()
     before = reloader.context
     for name, src in (("tls.crt", new.server_cert), ("tls.key", new.server_key), ("ca.crt", new.ca)):
@@ -176,6 +177,7 @@ def test_certificates_rotate_without_a_restart(tmp_path: Path) -> None:
     os.utime(live / "tls.key", (2e9, 2e9))
     good = reloader.context
     assert not reloader.check() and reloader.context is good
+    assert results == ["reloaded", "refused"]  # vramshare_extender_tls_reloads_total{result} (issue 22)
 
 
 # -- body size and memory --------------------------------------------------------------------------

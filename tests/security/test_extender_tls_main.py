@@ -57,7 +57,10 @@ def test_the_extender_serves_verbs_to_the_scheduler_only(tmp_path: Path) -> None
             assert ext.metrics_server is not None
             side = ext.metrics_server.url
             assert _open(side + "/metrics", None)[0] == 200
-            assert _open(side + "/inspect", None)[0] == 404
+            # read-only /inspect on the plain port: what `vramshare inspect` reaches through the API
+            # server's service proxy (the admin's RBAC) without any scheduler key (issue 22)
+            assert _open(side + "/inspect", None)[0] == 200 and _open(side + "/inspect/n1", None)[0] == 200
+            assert _open(side + "/inspect/n1/x", None)[0] == 404
             assert _open(side + "/bind", None, args)[0] == 404
 
 

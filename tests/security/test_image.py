@@ -90,6 +90,16 @@ def test_the_installed_package_is_not_the_source_tree(venv: pathlib.Path, tmp_pa
     assert str(ROOT) not in out and str(venv) in out and "demo-node.yaml" in out
 
 
+def test_the_installed_package_renders_an_install(venv: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """`vramshare install` from a wheel (no clone): the manifests travel in the package (issue 22)."""
+    out = _run([str(venv / "bin/vramshare"), "install", "--kubernetes-version", "1.33.2"],
+               env=_clean_env(venv, tmp_path), cwd=tmp_path)
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"Namespace", "DaemonSet", "Deployment", "Secret", "ValidatingAdmissionPolicy"} <= kinds
+    assert "registry.k8s.io/kube-scheduler:v1.33.2" in out
+
+
 def _wait(proc: subprocess.Popen[str], ok: object, what: str, limit: float = 30.0) -> None:
     deadline = time.monotonic() + limit
     while not ok():  # type: ignore[operator]

@@ -352,9 +352,9 @@ def test_graceful_deletion_keeps_bound_pods_until_the_kubelet_finishes() -> None
 
 def test_unknown_resource_is_not_found(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
     with pytest.raises(ApiException) as missing:
-        v1.list_namespaced_service("default")
+        v1.list_namespaced_persistent_volume_claim("default")
     assert missing.value.status == 404
-    assert double.count("GET", r"/services$") == 1
+    assert double.count("GET", r"/persistentvolumeclaims$") == 1
 
 
 def test_after_commit_fault_loses_only_the_answer(double: ApiServerDouble, v1: client.CoreV1Api) -> None:

@@ -16,6 +16,7 @@ import argparse
 import logging
 import sys
 import tempfile
+import textwrap
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -28,7 +29,9 @@ from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.simulated_backend import SimulatedBackend
 from deviceplugin.simulated_usage import BUILTIN, UsageReplay
 from deviceplugin.quota.classes import PodMeta
-from vramshare.config import Config, load_config
+from vramshare.config import Config, ConfigError, load_config
+from vramshare.errors import UsageError
+from vramshare.standins.demo_args import pod_count
 from vramshare.inventory import GpuMode
 from extender import inspection
 from extender.main import start_for_url
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if getattr(args, "quota", False):
         show_quota(out, classes=getattr(args, "classes", None))
         return 0
-    pods = PODS[: max(1, min(args.pods, len(PODS)))]
+    pods = PODS[:pod_count(getattr(args, "pods", None), len(PODS))]
     # The directory outlives the daemons: removing sockets under a running plugin makes it re-register.
     with tempfile.TemporaryDirectory(prefix="vramshare-demo-") as root, ExitStack() as stack:
         _say(out, "vramshare demo: an API server stand-in, 2 simulated GPU nodes with the device plugin and a "
@@ -171,6 +174,17 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
+def quota_config(path: str | None) -> Config:
+    """``--classes FILE`` as a v1 config; a file that is missing or wrong is the user's to fix."""
+    if not path:
+        return Config()
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise UsageError(f"--classes {path}: {exc}; give a v1 config with quota.classes "
+                         "(examples: deploy/examples/quota-classes/)") from None
+
+
 def _used(ext: Any, node: str) -> int:
     doc = inspection.render(ext.acct, node)
     return int(doc["usedMiB"]) if doc else 0
@@ -204,6 +218,7 @@ class _Tenants:
 QUOTA_META = {"chat-llama3": PodMeta.of("prod", {"app": "chat"}, "inference-critical"),
               "job-summarizer": PodMeta.of("batch", {"app": "summarizer", "team": "eval"}),
               "rag-retriever": PodMeta.of("inference", {"app": "rag"}, requested_class="burst")}
+REASON_WIDTH = 110  # the why column: shortened at a word boundary, never mid-word
 PRESSURE = 1.35  # --classes: the built-in day x this, so the GPU is over-committed around midday
 
 
@@ -235,7 +250,7 @@ def show_quota(out: TextIO, ticks: int = 16, classes: str | None = None) -> None
     ``classes``: a v1 config file whose quota keys and classes apply, on a day that over-commits the GPU."""
     backend = SimulatedBackend.demo()
     discovered = backend.discover()
-    cfg = load_config(classes) if classes else Config()
+    cfg = quota_config(classes)
     chosen = enforcement.detect(backend, cfg, discovered)
     inv = build_inventory(discovered, enforcement.pin(cfg, chosen))
     gpu = next(g for g in inv.gpus if g.mode is GpuMode.SHARED)
@@ -268,7 +283,7 @@ def show_quota(out: TextIO, ticks: int = 16, classes: str | None = None) -> None
                 "show demand/limit." if classes else ""))
         over: dict[str, int] = {name: 0 for name in QUOTA_TENANTS}
         width = 24
-        _say(out, "  tick  " + "".join(f"{n:<{width}}" for n in QUOTA_TENANTS) + "why (largest move)")
+        _say(out, "  tick  " + "".join(f"{n:<{width}}" for n in QUOTA_TENANTS) + "why (largest move, in MiB)")
         for tick in range(ticks):
             clock[0] = tick * 60.0
             report = loop.run_once()
@@ -286,10 +301,16 @@ def show_quota(out: TextIO, ticks: int = 16, classes: str | None = None) -> None
                 if d.changed:
                     moves.append((abs(d.limit_mib - d.previous_mib), f"{d.key.pod}: {d.reason}"))
             why = max(moves)[1] if moves else "hold"
-            _say(out, f"  {tick:>4}  " + "".join(f"{c:<{width}}" for c in cells) + why[:90])
+            _say(out, f"  {tick:>4}  " + "".join(f"{c:<{width}}" for c in cells)
+                 + short_reason(why))
         _say(out, f"  ({'demand' if classes else 'use'}/limit after the tick; ! = the {'demand' if classes else 'use'} "
                   f"was above the limit in force before the tick)")
         _say(out, "  ticks over the limit: " + ", ".join(f"{n} {over[n]}" for n in QUOTA_TENANTS))
+
+
+def short_reason(why: str) -> str:
+    """The why column: at most REASON_WIDTH characters, shortened at a word boundary (never mid-word)."""
+    return textwrap.shorten(why, REASON_WIDTH, placeholder=" ...")
 
 
 def replay_last(replay: UsageReplay, tenants: list[Tenant], tick: int) -> list[Any]:

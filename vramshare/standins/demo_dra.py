@@ -32,6 +32,7 @@ from vramshare.config import Config, DraConfig
 from vramshare.kube import api_client_for
 from vramshare.standins.apiserver import RESOURCECLAIMS, RESOURCESLICES, ApiServerDouble
 from vramshare.standins.cdi_registry import Registry
+from vramshare.standins.demo_args import pod_count
 from vramshare.standins.dra_kubelet import DraKubelet, PrepareError
 from vramshare.standins.dra_scheduler import DraScheduler
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if not getattr(args, "verbose", False):
         logging.getLogger().setLevel(logging.WARNING)
-    pods = PODS[: max(1, min(getattr(args, "pods", len(PODS)), len(PODS)))]
+    pods = PODS[:pod_count(getattr(args, "pods", None), len(PODS))]
     work = tempfile.mkdtemp(prefix="vsdra", dir="/tmp")  # short: unix socket paths
     try:
         with ExitStack() as stack:

@@ -20,8 +20,10 @@ Never on a production code path. The real ``kubernetes`` client runs against it 
         resp.data; resp.release_conn()
         assert api.count("POST", r"/binding$") == 1
 
-Serves nodes (+status), pods (+status, +binding), namespaced ``bindings``, core and events.k8s.io
-Events, ConfigMaps, and resource.k8s.io/v1 ResourceSlices, ResourceClaims (+status),
+Serves ``GET /version``, the service proxy (``services/[scheme:]name[:port]/proxy/...``, to the
+Service's Endpoints), nodes (+status), pods (+status, +binding), namespaced ``bindings``, core and events.k8s.io
+Events, ConfigMaps, Namespaces, Secrets, Services, Endpoints, apps/v1 Deployments and DaemonSets,
+ValidatingAdmissionPolicies (+Bindings), coordination.k8s.io Leases, and resource.k8s.io/v1 ResourceSlices, ResourceClaims (+status),
 ResourceClaimTemplates and DeviceClasses: list (limit/continue), get, create (generateName, dryRun),
 update, patch (merge, strategic merge, JSON patch, server-side apply with one field manager per
 object), delete (preconditions; optional graceful deletion of bound pods), with 409 Conflict on
@@ -36,9 +38,12 @@ objects/nodes/pods/events/delete_pod/delete_node/set_pod_phase/bind_pod/update/r
 """
 from .double import ApiServerDouble
 from .errors import ApiError
-from .resources import (CONFIGMAPS, DEVICECLASSES, EVENTS, EVENTS_V1, NODES, PODS, RESOURCECLAIMS,
-                        RESOURCECLAIMTEMPLATES, RESOURCESLICES, ResourceType)
+from .resources import (CONFIGMAPS, DAEMONSETS, DEPLOYMENTS, DEVICECLASSES, ENDPOINTS, EVENTS, EVENTS_V1, LEASES,
+                        NAMESPACES, NODES, PODS, RESOURCECLAIMS, RESOURCECLAIMTEMPLATES, RESOURCESLICES, SECRETS,
+                        SERVICES, VALIDATINGADMISSIONPOLICIES, VALIDATINGADMISSIONPOLICYBINDINGS, ResourceType)
 from .traffic import RequestRecord
 
 __all__ = ["ApiServerDouble", "ApiError", "RequestRecord", "ResourceType", "NODES", "PODS", "EVENTS", "EVENTS_V1",
-           "CONFIGMAPS", "RESOURCESLICES", "RESOURCECLAIMS", "RESOURCECLAIMTEMPLATES", "DEVICECLASSES"]
+           "CONFIGMAPS", "RESOURCESLICES", "RESOURCECLAIMS", "RESOURCECLAIMTEMPLATES", "DEVICECLASSES", "NAMESPACES",
+           "SECRETS", "SERVICES", "ENDPOINTS", "DEPLOYMENTS", "DAEMONSETS", "VALIDATINGADMISSIONPOLICIES",
+           "VALIDATINGADMISSIONPOLICYBINDINGS", "LEASES"]

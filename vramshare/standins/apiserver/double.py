@@ -14,8 +14,8 @@ from typing import Callable
 from vramshare import logs
 
 from .access import AccessRules
-from .resources import EVENTS, NODES, PODS, ResourceType
-from .server import ApiHttpServer
+from .resources import BY_KIND, EVENTS, NODES, PODS, ResourceType
+from .server import ApiHttpServer, version_info
 from .store import Obj, Store
 from .traffic import Fault, FaultPlan, RequestLog, RequestRecord
 from .watch import WatchHub
@@ -31,7 +31,8 @@ class ApiServerDouble:
     """
 
     def __init__(self, *, history_limit: int = 10_000, graceful_pod_deletion: bool = False,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, kubernetes_version: str = "v1.33.2") -> None:
+        self.kubernetes_version = kubernetes_version  # what GET /version answers
         self._store = Store(history_limit)
         self._hub = WatchHub(self._store)
         self._log = RequestLog()
@@ -49,6 +50,7 @@ class ApiServerDouble:
         self._hub.resume()
         self._server = ApiHttpServer(self._store, self._hub, self._log, self._faults, self._graceful,
                                      *self._address, access=self.access)
+        self._server.version_info = version_info(self.kubernetes_version)
         self._address = (self._address[0], self._server.server_address[1])  # a later start keeps the URL
         self._serve()
         log.info("apiserver_double_started", url=self.url)
@@ -109,6 +111,13 @@ class ApiServerDouble:
     # -- objects -----------------------------------------------------------------------------------
     def create_node(self, node: Obj) -> Obj:
         return copy.deepcopy(self._store.create(NODES, None, node, keep_status=True))
+
+    def create(self, obj: Obj) -> Obj:
+        """Any object of a served kind as given, status included (an installed cluster's Deployments,
+        Services, Endpoints, Secrets, ...)."""
+        rtype = BY_KIND[(obj["apiVersion"], obj["kind"])]
+        namespace = (obj.get("metadata") or {}).get("namespace") if rtype.namespaced else None
+        return copy.deepcopy(self._store.create(rtype, namespace, obj, keep_status=True))
 
     def create_pod(self, pod: Obj) -> Obj:
         """Create a pod; unlike a POST, a given ``status`` is kept (set-up may start pods Running)."""

@@ -43,11 +43,28 @@ RESOURCECLAIMS = ResourceType("/apis/resource.k8s.io/v1", "resourceclaims", "Res
 RESOURCECLAIMTEMPLATES = ResourceType("/apis/resource.k8s.io/v1", "resourceclaimtemplates", "ResourceClaimTemplate",
                                       namespaced=True)
 DEVICECLASSES = ResourceType("/apis/resource.k8s.io/v1", "deviceclasses", "DeviceClass", namespaced=False)
+# What an install consists of (``vramshare check`` reads them; the extender's replicas share a Lease)
+NAMESPACES = ResourceType("/api/v1", "namespaces", "Namespace", namespaced=False, subresources=("status",))
+SECRETS = ResourceType("/api/v1", "secrets", "Secret", namespaced=True)
+SERVICES = ResourceType("/api/v1", "services", "Service", namespaced=True, subresources=("status",))
+ENDPOINTS = ResourceType("/api/v1", "endpoints", "Endpoints", namespaced=True)
+DEPLOYMENTS = ResourceType("/apis/apps/v1", "deployments", "Deployment", namespaced=True, subresources=("status",))
+DAEMONSETS = ResourceType("/apis/apps/v1", "daemonsets", "DaemonSet", namespaced=True, subresources=("status",))
+VALIDATINGADMISSIONPOLICIES = ResourceType("/apis/admissionregistration.k8s.io/v1", "validatingadmissionpolicies",
+                                           "ValidatingAdmissionPolicy", namespaced=False, subresources=("status",))
+VALIDATINGADMISSIONPOLICYBINDINGS = ResourceType("/apis/admissionregistration.k8s.io/v1",
+                                                 "validatingadmissionpolicybindings",
+                                                 "ValidatingAdmissionPolicyBinding", namespaced=False)
+LEASES = ResourceType("/apis/coordination.k8s.io/v1", "leases", "Lease", namespaced=True)
 # POST-only: the answer is computed (access.py), never stored
 SELFSUBJECTACCESSREVIEWS = ResourceType("/apis/authorization.k8s.io/v1", "selfsubjectaccessreviews",
                                         "SelfSubjectAccessReview", namespaced=False)
 RESOURCE_TYPES: tuple[ResourceType, ...] = (NODES, PODS, EVENTS, EVENTS_V1, CONFIGMAPS, BINDINGS, RESOURCESLICES,
-                                            RESOURCECLAIMS, RESOURCECLAIMTEMPLATES, DEVICECLASSES, SELFSUBJECTACCESSREVIEWS)
+                                            RESOURCECLAIMS, RESOURCECLAIMTEMPLATES, DEVICECLASSES, NAMESPACES,
+                                            SECRETS, SERVICES, ENDPOINTS, DEPLOYMENTS, DAEMONSETS,
+                                            VALIDATINGADMISSIONPOLICIES, VALIDATINGADMISSIONPOLICYBINDINGS, LEASES,
+                                            SELFSUBJECTACCESSREVIEWS)
+BY_KIND = {(t.api_version, t.kind): t for t in RESOURCE_TYPES if t.kind != "Binding"}
 
 
 @dataclass(frozen=True)

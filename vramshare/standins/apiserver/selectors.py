@@ -36,8 +36,19 @@ _SLICE_FIELDS: dict[str, Callable[[Obj], str]] = {
     "spec.driver": lambda o: (o.get("spec") or {}).get("driver") or "",
     "spec.pool.name": lambda o: ((o.get("spec") or {}).get("pool") or {}).get("name") or "",
 }
+# core v1 Events (pkg/apis/core/v1/conversion.go, AddFieldLabelConversionFunc for Event)
+_EVENT_FIELDS: dict[str, Callable[[Obj], str]] = {
+    **_COMMON_FIELDS,
+    **{f"involvedObject.{k}": (lambda o, k=k: str((o.get("involvedObject") or {}).get(k) or ""))
+       for k in ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")},
+    "reason": lambda o: o.get("reason") or "",
+    "reportingComponent": lambda o: o.get("reportingComponent") or "",
+    "source": lambda o: (o.get("source") or {}).get("component") or "",
+    "type": lambda o: o.get("type") or "",
+}
 FIELDS_BY_PLURAL: dict[str, dict[str, Callable[[Obj], str]]] = {"pods": _POD_FIELDS, "nodes": _NODE_FIELDS,
-                                                                "resourceslices": _SLICE_FIELDS}
+                                                                "resourceslices": _SLICE_FIELDS,
+                                                                "events": _EVENT_FIELDS}
 
 
 @dataclass(frozen=True)

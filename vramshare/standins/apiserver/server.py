@@ -12,13 +12,14 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+import urllib.parse
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
 from vramshare import logs
 
-from . import errors
+from . import errors, proxy
 from .errors import ApiError
 from .patches import is_apply
 from .access import AccessRules
@@ -44,6 +45,7 @@ class ApiHttpServer(ThreadingHTTPServer):
         self.store, self.hub, self.request_log, self.faults = store, hub, request_log, faults
         self.access = access if access is not None else AccessRules()
         self.graceful_pod_deletion = graceful_pod_deletion
+        self.version_info: dict[str, str] = version_info("v1.33.2")
         self._connections: set[socket.socket] = set()
         self._connections_changed = threading.Condition()
         self._closing = False
@@ -78,6 +80,16 @@ class ApiHttpServer(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("connection_error", client=str(client_address), exc_info=True)
+
+
+def version_info(git_version: str) -> dict[str, str]:
+    """``GET /version`` as the API server answers it (k8s.io/apimachinery/pkg/version.Info; the python
+    client's VersionInfo requires every one of these fields)."""
+    major, minor = git_version.lstrip("v").split(".")[:2]
+    return {"major": major, "minor": minor, "gitVersion": git_version,
+            "gitCommit": "0000000000000000000000000000000000000000", "gitTreeState": "clean",
+            "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.24.4", "compiler": "gc",
+            "platform": "linux/amd64"}
 
 
 def _cut(conn: socket.socket) -> None:
@@ -142,6 +154,11 @@ class _Handler(BaseHTTPRequestHandler):
             if fault is not None and not fault.after_commit:
                 raise fault.error()
             self._lost_answer = fault.error() if fault is not None else None
+            if url.path in ("/version", "/version/") and verb == "GET":
+                return self._send_json(200, self.server.version_info)
+            if proxy.PATH.match(urllib.parse.unquote(url.path)):
+                return self._send_raw(*proxy.forward(self.server.store, verb, url.path, url.query, body_bytes,
+                                                     dict(self.headers.items())))
             self._dispatch(verb, route(url.path), query, body_bytes)
         except ApiError as error:
             self._send_json(error.code, error.status_body())
@@ -304,6 +321,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                               "details": {"name": where.name, "kind": where.rtype.plural,
                                           "uid": gone["metadata"]["uid"]}})
+
+    def _send_raw(self, code: int, headers: dict[str, str], data: bytes) -> None:
+        self.send_response(code)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _send_json(self, code: int, body: Any) -> None:
         if self._lost_answer is not None and code < 400:  # an after-commit fault: the work is done, the answer lost

@@ -1,0 +1,42 @@
+"""A refused config reload is seen where admins look, not only in a log line: a Warning Event on the
+node (``kubectl describe node``, ``kubectl get events``) and ``vramshare_deviceplugin_config_reloads_total
+{result="refused"}`` (alert on it). The last good config stays in force either way (config_watch)."""
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from deviceplugin.metrics import PluginMetrics
+from vramshare import logs
+
+log = logs.get(__name__)
+REASON = "VramshareConfigRefused"
+TIMEOUT_S = 5.0
+
+
+class RefusalReporter:
+    """``ConfigWatcher(on_refused=...)``: count the refusal and post the Event (best effort)."""
+
+    def __init__(self, metrics: PluginMetrics, api: Any, node: str) -> None:
+        self._metrics, self._node = metrics, node
+        self._v1 = None
+        if api is not None and node:
+            from kubernetes import client
+            self._v1 = client.CoreV1Api(api)
+
+    def __call__(self, path: str, error: str) -> None:
+        self._metrics.config_reloads.labels("refused").inc()
+        if self._v1 is None:
+            return
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {"apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": REASON,
+                "message": f"config {path} refused, the last good config stays in force: {error}"[:1024],
+                # node events live in "default", as the kubelet's do
+                "metadata": {"generateName": f"{self._node}.", "namespace": "default"},
+                "involvedObject": {"kind": "Node", "name": self._node, "uid": self._node, "apiVersion": "v1"},
+                "source": {"component": "vramshare-device-plugin", "host": self._node},
+                "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+        try:
+            self._v1.create_namespaced_event("default", body, _preload_content=False, _request_timeout=TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the refusal is logged and counted; the Event is best effort
+            log.warning("config refusal event not posted", node=self._node, error=f"{type(exc).__name__}: {exc}")

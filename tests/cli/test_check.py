@@ -1,0 +1,152 @@
+"""``vramshare check`` against the API double (issue 22): a healthy install passes with exit 0, and each
+broken cluster gets its ✗ line with the fix and exit 1."""
+from __future__ import annotations
+
+import base64
+import datetime
+
+import pytest
+
+from extender import main as extender_main
+from vramshare import certs, cli, install
+from vramshare.standins.apiserver import ApiServerDouble
+from vramshare.standins.apiserver.resources import BY_KIND
+from tests.extender import builders as b
+from tests.fixtures.kubeconfig import write_kubeconfig
+
+NS = install.NAMESPACE
+
+
+def _installed(api: ApiServerDouble, ext: extender_main.RunningExtender, version: str, dra: bool = False,
+               tls=None) -> None:
+    """What `vramshare install | kubectl apply -f -` leaves, with the controllers' statuses."""
+    objects = install.render(install.Options(kubernetes_version=version, dra=dra),
+                             tls or (lambda ns, days: certs.secrets(certs.generate(ns, days), ns)))
+    for obj in objects:
+        if (obj["apiVersion"], obj["kind"]) not in BY_KIND:
+            continue  # RBAC, NetworkPolicies...: the double does not serve them; check does not read them
+        if obj["kind"] == "DaemonSet":
+            obj["status"] = {"desiredNumberScheduled": 1, "numberReady": 1}
+        if obj["kind"] == "Deployment":
+            obj["status"] = {"readyReplicas": obj["spec"].get("replicas", 1)}
+        api.create(obj)
+    side = int(ext.metrics_server.url.rsplit(":", 1)[1])
+    api.create({"apiVersion": "v1", "kind": "Endpoints", "metadata": {"name": "vramshare-extender", "namespace": NS},
+                "subsets": [{"addresses": [{"ip": "127.0.0.1"}], "ports": [{"name": "metrics", "port": side}]}]})
+    api.create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": "vramshare-extender", "namespace": NS},
+                "spec": {"holderIdentity": "vramshare-extender-7d9-abc", "leaseDurationSeconds": 15}})
+    node = b.gpu_node("gpu-a", b.a100())
+    node["metadata"]["labels"] = {"nvidia.com/gpu.present": "true"}
+    api.create_node(node)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with ApiServerDouble(kubernetes_version="v1.33.2") as api:
+        with extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+            assert ext.wait_ready(10)
+            yield api, ext, str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
+
+
+def _check(capsys, kubeconfig: str, *flags: str) -> tuple[int, list[str]]:
+    rc = cli.main(["check", "--kubeconfig", kubeconfig, *flags])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert all(line[0] in "✓✗!" for line in lines[:-1]), lines
+    return rc, lines
+
+
+def test_a_healthy_install_passes(cluster, capsys):
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    rc, lines = _check(capsys, kubeconfig)
+    assert rc == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    for want in ("✓ API server reachable: Kubernetes v1.33.2", "✓ node gpu-a: device plugin registered",
+                 "enforcement ?", "✓ extender ready and reachable", "✓ serving certificate (vramshare-extender-tls) "
+                 "valid for 364 more days", "✓ scheduler profile vramshare-scheduler", "admission policies installed and bound",
+                 "✓ Deployment vramshare-extender: 2 of 2 ready",
+                 "✓ extender leader: vramshare-extender-7d9-abc (Lease vramshare-extender)"):
+        assert want in text, text
+    assert lines[-1].endswith("0 failed, ready")
+
+
+def test_pre_install_on_a_fresh_cluster(cluster, capsys):
+    _api, _ext, kubeconfig = cluster
+    rc, lines = _check(capsys, kubeconfig, "--pre")
+    assert rc == 0 and len(lines) == 4, lines
+
+
+def test_unreachable_api_server(tmp_path, capsys):
+    kubeconfig = str(write_kubeconfig(tmp_path / "k", "http://127.0.0.1:1"))
+    rc, lines = _check(capsys, kubeconfig, "--pre")
+    assert rc == 1 and lines[0].startswith("✗ API server not reachable") and "fix: check the kubeconfig" in lines[0]
+
+
+def _expired(ns: str, days: int) -> list[dict]:
+    tls = certs.generate(ns, days=1, now=datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=40))
+    return certs.secrets(tls, ns)
+
+
+BROKEN = {
+    "old version": ("v1.29.4", {}, ["✗ ValidatingAdmissionPolicy v1 not available (Kubernetes v1.29.4) -- fix: upgrade"]),
+    "no node claim": ("v1.31.0", {}, ["! no node-name claim before 1.32"]),
+    "dra too old": ("v1.35.0", {"flags": ["--dra"]}, ["✗ DRA with consumable capacity needs Kubernetes 1.36+"]),
+    "node without plugin": ("v1.33.2", {"node": "bare"}, ["✗ node gpu-b: no GPU inventory published",
+                                                          "fix: kubectl -n vramshare-system get pods -o wide --field-selector spec.nodeName=gpu-b"]),
+    "extender down": ("v1.33.2", {"extender_ready": 0}, ["✗ Deployment vramshare-extender: 0 of 2 ready -- fix: kubectl"]),
+    "no endpoints": ("v1.33.2", {"endpoints": False}, ["✗ Service vramshare-extender has no ready endpoints"]),
+    "expired certificates": ("v1.33.2", {"tls": _expired}, ["✗ serving certificate (vramshare-extender-tls): expired",
+                                                            "fix: vramshare install --tls generate"]),
+    "no profile": ("v1.33.2", {"profile": False}, ["✗ scheduler profile vramshare-scheduler not found"]),
+    "no standby": ("v1.33.2", {"extender_ready": 1}, ["! Deployment vramshare-extender: 1 of 2 ready (working, "
+                                                      "without its hot standby)"]),
+    "no leader": ("v1.33.2", {"leader": False}, ["✗ extender replicas have no leader"]),
+    "refused pods": ("v1.33.2", {"refused": True}, ["✗ 1 pod creation(s) refused by vramshare's admission policy",
+                                                    "fix: GPU pods use schedulerName: vramshare-scheduler"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_each_broken_cluster_gets_its_line(tmp_path, capsys, case):
+    version, how, wants = BROKEN[case]
+    with ApiServerDouble(kubernetes_version=version) as api, \
+            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+        assert ext.wait_ready(10)
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
+        if version >= "v1.30":
+            _installed(api, ext, version, tls=how.get("tls"))
+        if how.get("node") == "bare":
+            api.create_node({"metadata": {"name": "gpu-b", "labels": {"nvidia.com/gpu.present": "true"}}})
+        if "extender_ready" in how:
+            api.update(BY_KIND[("apps/v1", "Deployment")], NS, "vramshare-extender",
+                       lambda d: d["status"].update(readyReplicas=how["extender_ready"]))
+        if how.get("endpoints") is False:
+            api.update(BY_KIND[("v1", "Endpoints")], NS, "vramshare-extender", lambda e: e.update(subsets=[]))
+        if how.get("leader") is False:
+            api.update(BY_KIND[("coordination.k8s.io/v1", "Lease")], NS, "vramshare-extender",
+                       lambda lease: lease["spec"].update(holderIdentity=""))
+        if how.get("profile") is False:
+            api.update(BY_KIND[("v1", "ConfigMap")], NS, "vramshare-scheduler-config",
+                       lambda c: c.update(data={}))
+        if how.get("refused"):
+            api.create({"apiVersion": "v1", "kind": "Event", "metadata": {"name": "rs.1", "namespace": "team"},
+                        "reason": "FailedCreate", "type": "Warning",
+                        "involvedObject": {"kind": "ReplicaSet", "namespace": "team", "name": "llm-7d9"},
+                        "message": "Error creating: pods \"llm-7d9-x\" is forbidden: ValidatingAdmissionPolicy "
+                                   "'vramshare-gpu-pods-use-vramshare-scheduler' with binding ... denied request"})
+        rc, lines = _check(capsys, kubeconfig, *how.get("flags", []), *(["--pre"] if version < "v1.30" else []))
+    text = "\n".join(lines)
+    for want in wants:
+        assert want in text, text
+    assert rc == (0 if all(w.startswith("!") for w in wants if w[0] in "✓✗!") else 1), text
+
+
+def test_a_secret_the_user_may_not_read_is_said_so(cluster, capsys):
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    api.fail_next("GET", r"/secrets/vramshare-extender-tls$", code=403)
+    rc, lines = _check(capsys, kubeconfig)
+    text = "\n".join(lines)
+    assert "! Secret vramshare-system/vramshare-extender-tls not checked: your user may not read it" in text
+    assert rc == 0, text

@@ -1,0 +1,260 @@
+"""``vramshare install`` (issue 22): the same objects as the kustomize base plus exactly what the manual
+steps added (Secrets, image, scheduler tag, namespace), valid with ``kubernetes-validate --strict`` for
+every supported Kubernetes minor, kube-scheduler's tag read from the API server, and the kustomize
+subset it renders with doing what kustomize does."""
+from __future__ import annotations
+
+import datetime
+import io
+import ipaddress
+import pathlib
+import shutil
+import ssl
+
+import kubernetes_validate
+import pytest
+import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from vramshare import certs, cli, install, kustomize
+from vramshare.errors import UsageError
+from vramshare.standins.apiserver import ApiServerDouble
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+SUPPORTED = [f"1.{m}" for m in range(install.MIN_KUBERNETES[1], install.DRA_KUBERNETES[1] + 1)]  # 1.30 .. 1.36
+CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")  # not in the upstream schemas: CRDs of add-ons
+BASE_TAG = next(i["newTag"] for i in yaml.safe_load((DEPLOY / "daemonset/kustomization.yaml").read_text())["images"]
+                if i["name"] == install.SCHEDULER_IMAGE)
+
+
+def _tls(ns: str, days: int) -> list[dict]:
+    return certs.secrets(certs.generate(ns, days), ns)
+
+
+def _render(**kw) -> list[dict]:
+    kw.setdefault("kubernetes_version", BASE_TAG)
+    return install.render(install.Options(**kw), _tls)
+
+
+def _by_key(objects: list[dict]) -> dict[tuple, dict]:
+    out = {kustomize.key(o): o for o in objects}
+    assert len(out) == len(objects), "no object twice"
+    return out
+
+
+def test_install_is_the_kustomize_base_plus_the_two_secrets():
+    rendered = _by_key(_render())
+    base = _by_key(kustomize.build(str(DEPLOY / "daemonset")))
+    secrets = {k: o for k, o in rendered.items() if k not in base}
+    assert sorted(k[3] for k in secrets) == ["vramshare-extender-tls", "vramshare-scheduler-tls"]
+    assert all(o["kind"] == "Secret" and o["type"] == "kubernetes.io/tls" for o in secrets.values())
+    assert {k: o for k, o in rendered.items() if k in base} == base
+
+
+def test_install_with_cert_manager_is_the_cert_manager_overlay():
+    assert _by_key(_render(tls="cert-manager")) == _by_key(kustomize.build(str(DEPLOY / "cert-manager")))
+
+
+def test_install_keep_leaves_the_secrets_out_for_an_upgrade():
+    assert _by_key(_render(tls="keep")) == _by_key(kustomize.build(str(DEPLOY / "daemonset")))
+
+
+def test_install_with_dra_adds_the_dra_overlay_and_follows_the_clusters_version():
+    rendered = _by_key(_render(tls="keep", dra=True, kubernetes_version="v1.36.3-gke.100"))
+    expected = _by_key(kustomize.build(str(DEPLOY / "daemonset")) + kustomize.build(str(DEPLOY / "daemonset/dra")))
+    assert rendered.keys() == expected.keys()
+    images = {c["image"] for o in rendered.values() for c in kustomize._containers([o])}
+    assert images == {"registry.k8s.io/kube-scheduler:v1.36.3", install.DEFAULT_IMAGE}
+
+
+def test_the_image_flag_by_tag_and_by_digest():
+    def images(objects):
+        return {c["image"] for o in objects for c in kustomize._containers([o]) if "scheduler" not in c["image"]}
+    assert images(_render(image="my.registry:5000/vs:1.2.3")) == {"my.registry:5000/vs:1.2.3"}
+    assert images(_render(image="my.registry/vs@sha256:" + "a" * 64)) == {"my.registry/vs@sha256:" + "a" * 64}
+    with pytest.raises(UsageError, match="name a tag or digest"):
+        _render(image="my.registry/vs")
+
+
+def test_another_namespace_moves_every_mention():
+    objects = _render(namespace="gpu-share", dra=True, kubernetes_version="1.36.0", monitoring=True)
+    text = yaml.safe_dump_all(objects)
+    assert "vramshare-system" not in text
+    assert "https://vramshare-extender.gpu-share.svc:8888" in text
+    assert "system:serviceaccount:gpu-share:vramshare-extender" in text
+    secret = next(o for o in objects if o["metadata"]["name"] == certs.EXTENDER_SECRET)
+    import base64
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    assert "vramshare-extender.gpu-share.svc" in cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+
+
+@pytest.mark.parametrize("version, bound", [("1.30.4", False), ("1.31.0", False), ("1.32.0", True)])
+def test_the_node_scope_binding_only_where_the_node_claim_exists(version, bound):
+    names = {o["metadata"]["name"] for o in _render(kubernetes_version=version, tls="keep")}
+    assert (install.NODE_SCOPE_BINDING in names) is bound
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--kubernetes-version", "1.29.9"], "needs 1.30 or newer"),
+    (["--kubernetes-version", "1.35", "--dra"], "--dra needs Kubernetes 1.36"),
+    (["--kubernetes-version", "1.36", "--dra-gpus", "all"], "--dra-gpus applies only with --dra"),
+    (["--kubernetes-version", "one"], "expected e.g. 1.33"),
+    (["--kubernetes-version", "1.33", "--component", "nope"], "--component nope: not one of"),
+])
+def test_install_refuses_in_one_line(capsys, argv, says):
+    assert cli.main(["install", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+def _variants() -> list[tuple[str, str, list[dict]]]:
+    out = [(v, "default", _render(kubernetes_version=v)) for v in SUPPORTED]
+    out.append(("1.36", "dra+monitoring+dashboard+namespace",
+                _render(kubernetes_version="1.36", dra=True, dra_gpus=("all",), monitoring=True,
+                        dashboard_namespace="monitoring", namespace="gpu-share")))
+    return out
+
+
+VARIANTS = _variants()
+
+
+@pytest.mark.parametrize("version, what, objects", VARIANTS, ids=[f"{v}-{w}" for v, w, _ in VARIANTS])
+def test_every_rendered_object_is_valid_strict(version, what, objects):
+    for obj in objects:
+        if obj["apiVersion"].startswith(CRD_GROUPS):
+            assert obj["kind"] in {"Issuer", "Certificate", "PodMonitor"}
+            continue
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_printed_stream_parses_back_to_the_objects_and_the_config_still_loads():
+    from vramshare import config
+    objects = _render(kubernetes_version="1.36", dra=True, dra_gpus=("all",))
+    out = io.StringIO()
+    install.dump(objects, out, header="h")
+    back = [d for d in yaml.safe_load_all(out.getvalue()) if d]
+    assert back == objects
+    cm = next(o for o in back if o["metadata"]["name"] == "vramshare-config")
+    assert config.parse_config(cm["data"]["config.yaml"]).dra.gpus == ("all",)
+
+
+def test_the_scheduler_tag_is_read_from_the_api_server(tmp_path, capsys):
+    with ApiServerDouble(kubernetes_version="v1.34.1") as api:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "double",
+            "clusters": [{"name": "double", "cluster": {"server": api.url}}],
+            "users": [{"name": "admin", "user": {}}],
+            "contexts": [{"name": "double", "context": {"cluster": "double", "user": "admin"}}]}))
+        assert cli.main(["install", "--kubeconfig", str(kubeconfig), "--tls", "keep"]) == 0
+    out = capsys.readouterr().out
+    assert "image: registry.k8s.io/kube-scheduler:v1.34.1" in out and "Kubernetes v1.34.1" in out
+
+
+def test_offline_without_a_version_says_which_flag(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert cli.main(["install"]) == 2
+    assert "--kubernetes-version" in capsys.readouterr().err
+
+
+# -- the certificates ---------------------------------------------------------------------------
+def test_generated_certificates_chain_name_the_service_and_localhost():
+    tls = certs.generate("vramshare-system", days=30)
+    ca = x509.load_pem_x509_certificate(tls.ca)
+    server = x509.load_pem_x509_certificate(tls.server.cert)
+    client = x509.load_pem_x509_certificate(tls.client.cert)
+    for leaf, usage in ((server, ExtendedKeyUsageOID.SERVER_AUTH), (client, ExtendedKeyUsageOID.CLIENT_AUTH)):
+        leaf.verify_directly_issued_by(ca)
+        assert list(leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == [usage]
+        assert leaf.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc) < datetime.timedelta(days=31)
+    sans = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(certs.service_names("vramshare-system")) | {"localhost"} == set(sans.get_values_for_type(x509.DNSName))
+    assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        (pathlib.Path(d) / "c").write_bytes(tls.server.cert)
+        (pathlib.Path(d) / "k").write_bytes(tls.server.key)
+        ctx.load_cert_chain(str(pathlib.Path(d) / "c"), str(pathlib.Path(d) / "k"))  # key matches the cert
+
+
+# -- components flow through (issue 17 adds opt-in ones) ------------------------------------------
+def test_a_component_under_deploy_is_offered_and_applied(tmp_path, capsys):
+    shutil.copytree(DEPLOY, tmp_path / "deploy")
+    comp = tmp_path / "deploy" / "components" / "privileged-enforcement"
+    comp.mkdir(parents=True)
+    (comp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component",
+        "patches": [{"patch": yaml.safe_dump({
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "vramshare-device-plugin", "namespace": "vramshare-system"},
+            "spec": {"template": {"spec": {"containers": [
+                {"name": "device-plugin", "securityContext": {"privileged": True}}]}}}})}]}))
+    assert cli.main(["install", "--kubernetes-version", "1.33", "--tls", "keep", "--manifests",
+                     str(tmp_path / "deploy"), "--component", "privileged-enforcement"]) == 0
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    ds = next(o for o in objects if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "vramshare-device-plugin")
+    [c] = ds["spec"]["template"]["spec"]["containers"]
+    assert c["securityContext"]["privileged"] is True and c["image"] == install.DEFAULT_IMAGE
+    assert "readOnlyRootFilesystem" in c["securityContext"], "merged, not replaced"
+
+
+# -- the kustomize subset ------------------------------------------------------------------------
+def _write(d: pathlib.Path, name: str, doc) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / name).write_text(yaml.safe_dump_all(doc) if isinstance(doc, list) else yaml.safe_dump(doc))
+
+
+DEPLOYMENT = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "n"},
+              "spec": {"template": {"spec": {"containers": [
+                  {"name": "a", "image": "reg/x:1", "env": [{"name": "A", "value": "1"}], "args": ["--x"]},
+                  {"name": "b", "image": "reg/y@sha256:00"}]}}}}
+
+
+def test_kustomize_strategic_merge_json6902_images_and_components(tmp_path):
+    _write(tmp_path / "base", "d.yaml", DEPLOYMENT)
+    _write(tmp_path / "base", "kustomization.yaml", {"resources": ["d.yaml"]})
+    _write(tmp_path / "comp", "kustomization.yaml", {"kind": "Component", "patches": [{"patch": yaml.safe_dump(
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "n"},
+         "spec": {"template": {"spec": {"containers": [
+             {"name": "a", "env": [{"name": "B", "value": "2"}], "args": ["--y"]},
+             {"name": "b", "$patch": "delete"}]}}}})}]})
+    _write(tmp_path / "top", "kustomization.yaml", {
+        "resources": ["../base"], "components": ["../comp"],
+        "patches": [{"target": {"kind": "Deployment", "name": "d"},
+                     "patch": yaml.safe_dump([{"op": "add", "path": "/spec/replicas", "value": 2}])}],
+        "images": [{"name": "reg/x", "newName": "mine/x", "newTag": "2"}]})
+    [d] = kustomize.build(str(tmp_path / "top"))
+    [c] = d["spec"]["template"]["spec"]["containers"]
+    assert c == {"name": "a", "image": "mine/x:2", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}],
+                 "args": ["--y"]}  # named lists merge by name, plain lists are replaced
+    assert d["spec"]["replicas"] == 2
+
+
+def test_kustomize_refuses_what_it_cannot_reproduce(tmp_path):
+    _write(tmp_path / "a", "kustomization.yaml", {"resources": [], "namePrefix": "x-"})
+    with pytest.raises(kustomize.KustomizeError, match="namePrefix not supported"):
+        kustomize.build(str(tmp_path / "a"))
+    _write(tmp_path / "b", "kustomization.yaml", {"configMapGenerator": [{"name": "c", "literals": ["a=b"]}]})
+    with pytest.raises(kustomize.KustomizeError, match="disableNameSuffixHash"):
+        kustomize.build(str(tmp_path / "b"))
+    _write(tmp_path / "c", "kustomization.yaml", {"resources": ["missing.yaml"]})
+    with pytest.raises(kustomize.KustomizeError, match="does not exist"):
+        kustomize.build(str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("overlay", sorted(p.parent.relative_to(DEPLOY).as_posix()
+                                           for p in DEPLOY.rglob("kustomization.yaml")))
+def test_every_kustomization_in_deploy_renders(overlay):
+    doc = yaml.safe_load((DEPLOY / overlay / "kustomization.yaml").read_text())
+    if doc.get("kind") == "Component":
+        objects = kustomize.build(str(DEPLOY / "daemonset"))
+        kustomize.apply_component(str(DEPLOY / overlay), objects)
+    else:
+        objects = kustomize.build(str(DEPLOY / overlay))
+    assert objects

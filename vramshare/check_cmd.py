@@ -1,0 +1,114 @@
+"""``vramshare check``: read the cluster with the admin's kubeconfig, judge it (:mod:`vramshare.checks`).
+
+``--pre`` before an install (API, version, admission policies, node claim, DRA); without it, also what
+an install should have made true. Exit status 0 when no line is ✗, 1 otherwise (for scripts).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, TextIO
+
+import orjson
+
+from vramshare import checks, install
+from vramshare.errors import UsageError
+
+Obj = dict[str, Any]
+
+
+_FORBIDDEN: list[str] = []  # what the last read was not allowed to see (names, for the snapshot)
+
+
+def _json(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Obj | None:
+    """The raw JSON of one client call; ``None`` for 404 (not there) and 403 (not ours to read: noted)."""
+    from kubernetes.client.exceptions import ApiException
+    try:
+        resp = call(*args, _preload_content=False, _request_timeout=20, **kwargs)
+    except ApiException as exc:
+        if exc.status == 403:
+            _FORBIDDEN.append(str(args[0]) if args and isinstance(args[0], str) else call.__name__)
+            return None
+        if exc.status == 404:
+            return None
+        raise
+    try:
+        return orjson.loads(resp.data)
+    finally:
+        resp.release_conn()
+
+
+def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    s = checks.Snapshot(namespace=namespace)
+    _FORBIDDEN.clear()
+    try:
+        s.version = str(client.VersionApi(api).get_code(_request_timeout=10).git_version)
+    except (ApiException, OSError, ValueError, Exception) as exc:  # noqa: BLE001 - urllib3 wraps socket errors
+        s.version_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return s
+    adm = client.AdmissionregistrationV1Api(api)
+    s.admission_policies = _items(_json(adm.list_validating_admission_policy))
+    s.admission_bindings = _items(_json(adm.list_validating_admission_policy_binding))
+    if dra:
+        s.device_classes = _items(_json(client.ResourceV1Api(api).list_device_class))
+    if pre:
+        return s
+    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+    s.nodes = _items(_json(core.list_node)) or []
+    for name in ("vramshare-device-plugin", "vramshare-dra-plugin"):
+        s.daemonsets[name] = _json(apps.read_namespaced_daemon_set, name, namespace)
+    for name in ("vramshare-extender", "vramshare-scheduler", "vramshare-dra-scheduler"):
+        s.deployments[name] = _json(apps.read_namespaced_deployment, name, namespace)
+    s.endpoints = _json(core.read_namespaced_endpoints, "vramshare-extender", namespace)
+    try:
+        resp = core.connect_get_namespaced_service_proxy_with_path(
+            "http:vramshare-extender:metrics", namespace, "readyz", _preload_content=False, _request_timeout=10)
+        s.readyz = (resp.status, resp.data.decode(errors="replace"))
+        resp.release_conn()
+    except ApiException as exc:
+        s.readyz = None if exc.status == 403 else (exc.status, str(exc.body or exc.reason))
+    for name in ("vramshare-extender-tls", "vramshare-scheduler-tls"):
+        s.secrets[name] = _json(core.read_namespaced_secret, name, namespace)
+    s.scheduler_config = _json(core.read_namespaced_config_map, "vramshare-scheduler-config", namespace)
+    s.lease = _json(client.CoordinationV1Api(api).read_namespaced_lease, "vramshare-extender", namespace)
+    s.forbidden = set(_FORBIDDEN)
+    s.events = _items(_json(core.list_event_for_all_namespaces, field_selector="reason=FailedCreate")) or []
+    return s
+
+
+def _items(doc: Obj | None) -> list[Obj] | None:
+    return None if doc is None else list(doc.get("items") or [])
+
+
+def judge(s: checks.Snapshot, dra: bool, pre: bool) -> list[checks.Line]:
+    lines = checks.preinstall(s, dra, install.MIN_KUBERNETES, install.NODE_CLAIM_KUBERNETES, install.DRA_KUBERNETES)
+    if s.version is not None and not pre:
+        lines += checks.postinstall(s, dra)
+    return lines
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    from vramshare import kube  # the kubernetes client loads in seconds: not for 'vramshare --help'
+    try:
+        api = kube.user_client(args.kubeconfig)
+    except Exception as exc:  # noqa: BLE001 - the kubernetes loader raises many kinds; all mean "no config"
+        raise UsageError(f"cannot load a kubeconfig ({exc}): pass --kubeconfig FILE") from None
+    if api is None:
+        raise UsageError("no kubeconfig ($KUBECONFIG, ~/.kube/config): pass --kubeconfig FILE")
+    with api:
+        lines = judge(read(api, args.namespace, args.dra, args.pre), args.dra, args.pre)
+    for line in lines:
+        print(line, file=out)
+    failed = sum(line.mark == checks.FAIL for line in lines)
+    print(f"{len(lines)} checks: {failed} failed" + ("" if failed else ", ready") , file=out)
+    return 1 if failed else 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pre", action="store_true", help="before installing: only what the cluster must offer")
+    p.add_argument("--dra", action="store_true", help="also the DRA path (Kubernetes 1.36+)")
+    p.add_argument("--namespace", default=install.NAMESPACE, metavar="NS", help=f"default {install.NAMESPACE}")
+    p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig (default $KUBECONFIG, ~/.kube/config)")

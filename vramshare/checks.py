@@ -1,0 +1,305 @@
+"""What ``vramshare check`` judges, from a snapshot of the cluster (pure: no I/O).
+
+Each check is one :class:`Line`: ✓ (fine), ✗ (broken, with the fix; the command exits 1) or ! (works,
+with a limit worth knowing). The adapter (:mod:`vramshare.check_cmd`) reads the snapshot with the
+admin's kubeconfig; anything it could not read is ``None`` here and judged as such.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from vramshare import contract
+from vramshare.inventory import InventoryError, NodeInventory
+
+Obj = dict[str, Any]
+OK, FAIL, WARN = "✓", "✗", "!"
+NAMES = contract.Names()
+GPU_NODE_LABEL = "nvidia.com/gpu.present"  # NVIDIA GPU feature discovery / the GPU operator
+CERT_WARN_DAYS = 30
+CERT_FAIL_DAYS = 7
+ENFORCEMENT_WHY = {
+    "driver": "driver memory limits (R615+, cgroup v2): allocations beyond a container's limit fail",
+    "mps": "an MPS control daemon: a fixed per-container limit",
+    "cooperative": "no driver limits (needs R615+ and cgroup v2) and no MPS daemon: the quota file is the "
+                   "contract, over-limit containers get events",
+}
+
+
+@dataclass(frozen=True)
+class Line:
+    mark: str
+    what: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.mark} {self.what}" + (f" -- fix: {self.fix}" if self.fix else "")
+
+
+@dataclass
+class Snapshot:
+    """What the adapter read. ``None``: could not be read (missing, or forbidden)."""
+
+    version: str | None = None
+    version_error: str = ""
+    namespace: str = "vramshare-system"
+    admission_policies: list[Obj] | None = None  # None: the API is not served
+    admission_bindings: list[Obj] | None = None
+    device_classes: list[Obj] | None = None  # None: resource.k8s.io/v1 not served
+    nodes: list[Obj] = field(default_factory=list)
+    daemonsets: dict[str, Obj | None] = field(default_factory=dict)
+    deployments: dict[str, Obj | None] = field(default_factory=dict)
+    endpoints: Obj | None = None
+    readyz: tuple[int, str] | None = None  # the extender's /readyz through the service proxy
+    secrets: dict[str, Obj | None] = field(default_factory=dict)
+    scheduler_config: Obj | None = None
+    lease: Obj | None = None  # the extender replicas' Lease (vramshare-extender)
+    forbidden: set[str] = field(default_factory=set)  # names (or list calls) the user may not read
+    events: list[Obj] = field(default_factory=list)
+    now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc))
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.lstrip("v").split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()))
+
+
+def _v(t: tuple[int, int]) -> str:
+    return f"{t[0]}.{t[1]}"
+
+
+def preinstall(s: Snapshot, dra: bool, minimum: tuple[int, int], node_claim: tuple[int, int],
+               dra_min: tuple[int, int]) -> list[Line]:
+    if s.version is None:
+        return [Line(FAIL, f"API server not reachable ({s.version_error})",
+                     "check the kubeconfig's current context (kubectl cluster-info)")]
+    out = [Line(OK, f"API server reachable: Kubernetes {s.version}")]
+    v = _minor(s.version)
+    if v < minimum or s.admission_policies is None:
+        out.append(Line(FAIL, f"ValidatingAdmissionPolicy v1 not available (Kubernetes {s.version})",
+                        f"upgrade the control plane to {_v(minimum)} or newer"))
+    else:
+        out.append(Line(OK, "admission policies available (admissionregistration.k8s.io/v1)"))
+    if v >= node_claim:
+        out.append(Line(OK, f"service-account tokens carry the node-name claim ({_v(node_claim)}+): "
+                            "each device plugin may write only its own node"))
+    else:
+        out.append(Line(WARN, f"no node-name claim before {_v(node_claim)}: device plugins are not node-scoped",
+                        "vramshare install leaves the node-scope binding out; upgrade for node scoping"))
+    if dra:
+        if v < dra_min or s.device_classes is None:
+            out.append(Line(FAIL, f"DRA with consumable capacity needs Kubernetes {_v(dra_min)}+ "
+                                  f"(resource.k8s.io/v1 {'not served' if s.device_classes is None else 'served'})",
+                            "upgrade the control plane, or install without --dra"))
+        else:
+            out.append(Line(OK, f"DRA available (resource.k8s.io/v1; DRAConsumableCapacity on by default from "
+                                f"{_v(dra_min)}: a control plane that turned it off leaves shared claims unplaced)"))
+    return out
+
+
+def postinstall(s: Snapshot, dra: bool) -> list[Line]:
+    out: list[Line] = [Line(WARN, f"not allowed to read {what}: what depends on it is judged as missing",
+                            "run check as a cluster admin (README, 'Inspect from a laptop')")
+                       for what in sorted(s.forbidden - {"vramshare-extender-tls", "vramshare-scheduler-tls"})]
+    ns = s.namespace
+    out += _workload(s.daemonsets.get("vramshare-device-plugin"), "DaemonSet", "vramshare-device-plugin", ns)
+    out += _nodes(s.nodes, ns)
+    out += _workload(s.deployments.get("vramshare-extender"), "Deployment", "vramshare-extender", ns)
+    out += _leader(s, ns)
+    out += _reachable(s, ns)
+    out += _certificates(s, ns)
+    out += _profile(s, ns)
+    if dra:
+        out += _workload(s.daemonsets.get("vramshare-dra-plugin"), "DaemonSet", "vramshare-dra-plugin", ns)
+        out += _workload(s.deployments.get("vramshare-dra-scheduler"), "Deployment", "vramshare-dra-scheduler", ns)
+        ours = sorted(c["metadata"]["name"] for c in s.device_classes or [] if "vramshare" in c["metadata"]["name"])
+        out.append(Line(OK, f"DeviceClasses: {', '.join(ours)}") if ours else
+                   Line(FAIL, "no vramshare DeviceClasses", "vramshare install --dra ... | kubectl apply -f -"))
+    out += _admission(s)
+    return out
+
+
+def _workload(obj: Obj | None, kind: str, name: str, ns: str) -> list[Line]:
+    if obj is None:
+        return [Line(FAIL, f"{kind} {ns}/{name} not found", "vramshare install ... | kubectl apply -f -")]
+    st = obj.get("status") or {}
+    if kind == "DaemonSet":
+        want, ready = int(st.get("desiredNumberScheduled") or 0), int(st.get("numberReady") or 0)
+        if want == 0:
+            return [Line(FAIL, f"{kind} {name}: scheduled on no node",
+                         f"label GPU nodes {GPU_NODE_LABEL}=true (GPU feature discovery does) or check its nodeSelector")]
+    else:
+        want = int((obj.get("spec") or {}).get("replicas", 1))
+        ready = int(st.get("readyReplicas") or 0)
+    if kind == "Deployment" and 0 < ready < want:  # leader-elected replicas: one works, the spare is missing
+        return [Line(WARN, f"{kind} {name}: {ready} of {want} ready (working, without its hot standby)",
+                     f"kubectl -n {ns} describe {kind.lower()} {name}")]
+    if ready < want or want == 0:
+        return [Line(FAIL, f"{kind} {name}: {ready} of {want} ready",
+                     f"kubectl -n {ns} describe {kind.lower()} {name}; kubectl -n {ns} logs {kind.lower()}/{name}")]
+    return [Line(OK, f"{kind} {name}: {ready} of {want} ready")]
+
+
+def _nodes(nodes: list[Obj], ns: str) -> list[Line]:
+    gpu_nodes = [n for n in nodes if (n["metadata"].get("labels") or {}).get(GPU_NODE_LABEL) == "true"
+                 or NAMES.inventory in (n["metadata"].get("annotations") or {})]
+    if not gpu_nodes:
+        return [Line(FAIL, f"no GPU node (label {GPU_NODE_LABEL}=true or a published inventory)",
+                     "install NVIDIA GPU feature discovery or label the GPU nodes")]
+    out = []
+    for node in sorted(gpu_nodes, key=lambda n: n["metadata"]["name"]):
+        name = node["metadata"]["name"]
+        text = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
+        fix = f"kubectl -n {ns} get pods -o wide --field-selector spec.nodeName={name}, then its logs"
+        if not text:
+            out.append(Line(FAIL, f"node {name}: no GPU inventory published (device plugin not running there)", fix))
+            continue
+        try:
+            inv = NodeInventory.from_json(text)
+        except InventoryError as exc:
+            out.append(Line(FAIL, f"node {name}: inventory does not parse ({exc})", fix))
+            continue
+        alloc = (node.get("status") or {}).get("allocatable") or {}
+        ours = {k: v for k, v in alloc.items() if k.startswith(NAMES.domain + "/") and str(v) not in ("0", "")}
+        if not ours:
+            out.append(Line(FAIL, f"node {name}: {len(inv.gpus)} GPU(s) published but no {NAMES.domain}/ resource "
+                                  "allocatable (the kubelet has not registered the device plugin)", fix))
+            continue
+        mode = inv.enforcement.value if inv.enforcement else None
+        why = ENFORCEMENT_WHY.get(mode or "", "mode not published (an older device plugin)")
+        out.append(Line(OK, f"node {name}: device plugin registered ({', '.join(f'{v} x {k}' for k, v in sorted(ours.items()))}), "
+                            f"enforcement {mode or '?'}: {why}"))
+    return out
+
+
+def _leader(s: Snapshot, ns: str) -> list[Line]:
+    dep = s.deployments.get("vramshare-extender")
+    if dep is None or int((dep.get("spec") or {}).get("replicas", 1)) < 2:
+        return []
+    holder = ((s.lease or {}).get("spec") or {}).get("holderIdentity")
+    if not holder:
+        return [Line(FAIL, "extender replicas have no leader (Lease vramshare-extender): verbs answer 'no leader'",
+                     f"kubectl -n {ns} logs deployment/vramshare-extender | grep -i lease")]
+    return [Line(OK, f"extender leader: {holder} (Lease vramshare-extender); the other replica is its hot standby")]
+
+
+def _reachable(s: Snapshot, ns: str) -> list[Line]:
+    subsets = (s.endpoints or {}).get("subsets") or []
+    if not any(sub.get("addresses") for sub in subsets):
+        return [Line(FAIL, "Service vramshare-extender has no ready endpoints (kube-scheduler cannot reach it)",
+                     f"kubectl -n {ns} describe deployment vramshare-extender")]
+    if s.readyz is None:
+        return [Line(WARN, "extender /readyz not checked through the API server's service proxy",
+                     "your user needs get on services/proxy (README, 'Inspect from a laptop')")]
+    code, body = s.readyz
+    if code != 200:
+        return [Line(FAIL, f"extender not ready through its Service: {code} {body.strip()[:120]}",
+                     f"kubectl -n {ns} logs deployment/vramshare-extender")]
+    return [Line(OK, "extender ready and reachable through its Service (/readyz 200)")]
+
+
+def _pem_cert(secret: Obj | None, key: str) -> Any:
+    from cryptography import x509
+    data = ((secret or {}).get("data") or {}).get(key)
+    return x509.load_pem_x509_certificate(base64.b64decode(data)) if data else None
+
+
+def _certificates(s: Snapshot, ns: str) -> list[Line]:
+    from cryptography import x509
+    out = []
+    rotate = "vramshare install --tls generate ... | kubectl apply -f - (or let cert-manager renew), then restart the schedulers"
+    server_name = f"vramshare-extender.{ns}.svc"
+    for secret_name, role in (("vramshare-extender-tls", "serving"), ("vramshare-scheduler-tls", "client")):
+        secret = s.secrets.get(secret_name)
+        if secret is None and secret_name in s.forbidden:
+            out.append(Line(WARN, f"Secret {ns}/{secret_name} not checked: your user may not read it",
+                            "run check as a cluster admin, or grant get on that Secret"))
+            continue
+        if secret is None:
+            out.append(Line(FAIL, f"Secret {ns}/{secret_name} missing (the extender's mutual TLS)", rotate))
+            continue
+        try:
+            cert, ca = _pem_cert(secret, "tls.crt"), _pem_cert(secret, "ca.crt")
+        except ValueError as exc:
+            out.append(Line(FAIL, f"Secret {secret_name}: tls.crt or ca.crt does not parse ({exc})", rotate))
+            continue
+        if cert is None or ca is None:
+            out.append(Line(FAIL, f"Secret {secret_name}: tls.crt and ca.crt needed", rotate))
+            continue
+        days = (cert.not_valid_after_utc - s.now).days
+        problems = []
+        if role == "serving":
+            try:
+                sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+            except x509.ExtensionNotFound:
+                sans = []
+            if server_name not in sans:
+                problems.append(f"does not name {server_name}")
+        # who must trust it: the extender trusts clients by its ca.crt, kube-scheduler the server by its own
+        peer = s.secrets.get("vramshare-extender-tls" if role == "client" else "vramshare-scheduler-tls") or secret
+        try:
+            cert.verify_directly_issued_by(_pem_cert(peer, "ca.crt") or ca)
+        except Exception:  # noqa: BLE001 - any failure means "not signed by that CA"
+            problems.append("not signed by the CA the extender trusts" if role == "client"
+                            else "not signed by the CA kube-scheduler trusts")
+        if days < 0:
+            problems.append(f"expired {-days} days ago")
+        if problems or days < CERT_FAIL_DAYS:
+            out.append(Line(FAIL, f"{role} certificate ({secret_name}): {', '.join(problems) or f'expires in {days} days'}",
+                            rotate))
+        elif days < CERT_WARN_DAYS:
+            out.append(Line(WARN, f"{role} certificate ({secret_name}) expires in {days} days", rotate))
+        else:
+            out.append(Line(OK, f"{role} certificate ({secret_name}) valid for {days} more days"))
+    return out
+
+
+def _profile(s: Snapshot, ns: str) -> list[Line]:
+    out = _workload(s.deployments.get("vramshare-scheduler"), "Deployment", "vramshare-scheduler", ns)
+    data = (s.scheduler_config or {}).get("data") or {}
+    text = data.get("scheduler-config.yaml") or next(iter(data.values()), None)
+    fix = "vramshare install ... | kubectl apply -f - (ConfigMap vramshare-scheduler-config)"
+    if not text:
+        return out + [Line(FAIL, "scheduler profile vramshare-scheduler not found (ConfigMap vramshare-scheduler-config)", fix)]
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        return out + [Line(FAIL, f"scheduler profile does not parse ({exc})", fix)]
+    profiles = {p.get("schedulerName") for p in doc.get("profiles") or []}
+    urls = [e.get("urlPrefix", "") for e in doc.get("extenders") or []]
+    want = f"https://vramshare-extender.{ns}.svc:"
+    if "vramshare-scheduler" not in profiles or not any(u.startswith(want) for u in urls):
+        return out + [Line(FAIL, f"scheduler profile: profiles {sorted(p or '' for p in profiles)}, extenders {urls} "
+                                 f"(want vramshare-scheduler calling {want}8888)", fix)]
+    return out + [Line(OK, "scheduler profile vramshare-scheduler calls the extender over mutual TLS")]
+
+
+def _admission(s: Snapshot) -> list[Line]:
+    out = []
+    ours = sorted(p["metadata"]["name"] for p in s.admission_policies or [] if p["metadata"]["name"].startswith("vramshare"))
+    bound = {b.get("spec", {}).get("policyName") for b in s.admission_bindings or []}
+    unbound = [p for p in ours if p not in bound]
+    if not ours:
+        out.append(Line(FAIL, "vramshare's admission policies are not installed",
+                        "vramshare install ... | kubectl apply -f -"))
+    elif unbound:
+        out.append(Line(FAIL, f"admission policies without a binding: {', '.join(unbound)}",
+                        "vramshare install ... | kubectl apply -f -"))
+    else:
+        out.append(Line(OK, f"{len(ours)} admission policies installed and bound"))
+    refused = [e for e in s.events if e.get("reason") == "FailedCreate" and "ValidatingAdmissionPolicy 'vramshare"
+               in (e.get("message") or "")]
+    if refused:
+        first = refused[0]
+        obj = first.get("involvedObject") or first.get("regarding") or {}
+        out.append(Line(FAIL, f"{len(refused)} pod creation(s) refused by vramshare's admission policy, e.g. "
+                              f"{obj.get('kind', '')} {obj.get('namespace', '')}/{obj.get('name', '')}: "
+                              f"{(first.get('message') or '').strip()[:160]}",
+                        "GPU pods use schedulerName: vramshare-scheduler and set no nodeName (README, 'Security')"))
+    else:
+        out.append(Line(OK, "no pod creation refused by vramshare's admission policies"))
+    return out

@@ -1,0 +1,264 @@
+"""``vramshare install``: every object an install needs, for ``| kubectl apply -f -``.
+
+It renders the kustomize base in ``deploy/`` (through :mod:`vramshare.kustomize`, so whatever the base
+and its components say flows through unchanged) and then does the five manual steps of a kustomize
+install: the image, the namespace, the mutual-TLS Secrets (made in place, or cert-manager objects),
+kube-scheduler's tag from the cluster's version, and the optional paths (DRA, monitoring). The
+rendering is pure (:func:`render`); reading the cluster's version and printing are the CLI's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, TextIO
+
+import yaml
+
+from vramshare import __version__, kustomize
+from vramshare.errors import UsageError
+
+Obj = dict[str, Any]
+
+NAMESPACE = "vramshare-system"
+IMAGE_NAME = "ghcr.io/vramshare/vramshare"
+DEFAULT_IMAGE = f"{IMAGE_NAME}:{__version__}"
+SCHEDULER_IMAGE = "registry.k8s.io/kube-scheduler"
+# What the manifests need of the cluster (README, "Run it on a real cluster"; tests/test_repository.py
+# keeps the README's statements equal to these):
+MIN_KUBERNETES = (1, 30)  # ValidatingAdmissionPolicy v1 (admission-policies.yaml)
+NODE_CLAIM_KUBERNETES = (1, 32)  # the service-account token's node-name claim (the node-scope binding)
+DRA_KUBERNETES = (1, 36)  # DRA consumable capacity on by default (deploy/daemonset/dra/)
+NODE_SCOPE_BINDING = "vramshare-device-plugin-node-scope"
+
+
+def deploy_dir() -> pathlib.Path:
+    """The manifests: ``vramshare/deploy`` (a link to the checkout's ``deploy/``, a copy in a wheel)."""
+    return pathlib.Path(__file__).resolve().parent / "deploy"
+
+
+@dataclass(frozen=True)
+class Options:
+    kubernetes_version: str  # the API server's gitVersion, e.g. v1.33.2 (its -eks-... suffix is dropped)
+    image: str = DEFAULT_IMAGE
+    namespace: str = NAMESPACE
+    tls: str = "generate"  # generate | cert-manager | keep (upgrades: the Secrets in the cluster stay)
+    cert_days: int = 365
+    dra: bool = False
+    dra_gpus: tuple[str, ...] = ()
+    monitoring: bool = False  # PodMonitors (prometheus-operator)
+    dashboard_namespace: str | None = None  # the Grafana dashboard ConfigMap, in Grafana's namespace
+    components: tuple[str, ...] = field(default_factory=tuple)  # deploy/components/<name>
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    m = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:[-+].*)?", text.strip())
+    if not m:
+        raise UsageError(f"Kubernetes version {text!r}: expected e.g. 1.33 or v1.33.2")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def scheduler_tag(version: str) -> str:
+    """kube-scheduler's image tag for an API server's version: ``v1.33.2`` (vendor suffixes dropped)."""
+    major, minor, patch = parse_version(version)
+    return f"v{major}.{minor}.{patch}"
+
+
+def components(root: pathlib.Path | None = None) -> dict[str, pathlib.Path]:
+    """The opt-in kustomize Components under deploy/ (``kind: Component``), by directory name."""
+    root = root or deploy_dir()
+    out = {}
+    for path in sorted(root.rglob("kustomization.yaml")):
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        if doc.get("kind") == "Component":
+            out[path.parent.name] = path.parent
+    return out
+
+
+def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
+           root: pathlib.Path | None = None) -> list[Obj]:
+    """The objects to apply. ``tls(namespace, days)`` makes the two Secrets (``opts.tls == "generate"``)."""
+    root = root or deploy_dir()
+    version = parse_version(opts.kubernetes_version)
+    if version[:2] < MIN_KUBERNETES:
+        raise UsageError(f"the cluster runs Kubernetes {opts.kubernetes_version}; vramshare needs "
+                         f"{_v(MIN_KUBERNETES)} or newer (ValidatingAdmissionPolicy v1)")
+    if opts.dra and version[:2] < DRA_KUBERNETES:
+        raise UsageError(f"--dra needs Kubernetes {_v(DRA_KUBERNETES)} or newer (DRA consumable capacity); the "
+                         f"cluster runs {opts.kubernetes_version}: drop --dra")
+    if opts.dra_gpus and not opts.dra:
+        raise UsageError("--dra-gpus applies only with --dra")
+    if opts.tls not in ("generate", "cert-manager", "keep"):
+        raise UsageError(f"--tls {opts.tls}: one of generate, cert-manager, keep")
+    base = root / ("cert-manager" if opts.tls == "cert-manager" else "daemonset")
+    try:
+        objects = _build(base)
+        known = components(root)
+        for name in opts.components:
+            if name not in known:
+                raise UsageError(f"--component {name}: not one of {', '.join(known) or '(none in deploy/)'}")
+            kustomize.apply_component(str(known[name]), objects)
+        if opts.dra:
+            objects += _build(root / "daemonset" / "dra")
+        if opts.monitoring:
+            objects += _build(root / "monitoring")
+        if opts.dashboard_namespace:
+            for obj in _build(root / "grafana"):
+                obj["metadata"]["namespace"] = opts.dashboard_namespace
+                objects.append(obj)
+        kustomize.set_images(objects, [_image_entry(opts.image), {"name": SCHEDULER_IMAGE,
+                                                                  "newTag": scheduler_tag(opts.kubernetes_version)}])
+    except kustomize.KustomizeError as exc:
+        raise UsageError(f"{exc}") from None
+    if version[:2] < NODE_CLAIM_KUBERNETES:  # no node-name claim: the binding would refuse every plugin write
+        objects = [o for o in objects if o["metadata"].get("name") != NODE_SCOPE_BINDING]
+    if opts.dra_gpus:
+        _set_dra_gpus(objects, opts.dra_gpus)
+    if opts.namespace != NAMESPACE:
+        objects = [_renamed(o, NAMESPACE, opts.namespace) for o in objects]
+    if opts.tls == "generate":
+        if tls is None:
+            raise UsageError("--tls generate needs the cryptography package: pip install cryptography, "
+                             "or use --tls cert-manager")
+        objects += tls(opts.namespace, opts.cert_days)
+    return kustomize.order(objects)
+
+
+def _v(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+def _build(directory: pathlib.Path) -> list[Obj]:
+    if not directory.is_dir():
+        raise UsageError(f"{directory}: not found; vramshare install renders deploy/ of a clone "
+                         "(pip install -e .), or pass --manifests DIR")
+    return kustomize.build(str(directory))
+
+
+def _image_entry(ref: str) -> Obj:
+    name, tag, digest = kustomize.split_image(ref)
+    if not name or not (tag or digest):
+        raise UsageError(f"--image {ref}: name a tag or digest, e.g. my.registry/vramshare:{__version__}")
+    entry: Obj = {"name": IMAGE_NAME, "newName": name}
+    if digest:
+        entry["digest"] = digest
+    else:
+        entry["newTag"] = tag
+    return entry
+
+
+def _set_dra_gpus(objects: list[Obj], gpus: tuple[str, ...]) -> None:
+    """dra.gpus in the config ConfigMap: the GPUs the DRA plugin serves and the device plugin leaves."""
+    cm = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "vramshare-config")
+    text = cm["data"]["config.yaml"]
+    value = "all" if gpus == ("all",) else "[" + ", ".join(f'"{g}"' for g in gpus) + "]"
+    new, n = re.subn(r"(?m)^(dra:\n(?:[ ]+#.*\n)*[ ]+gpus:) \[\]$", rf"\g<1> {value}", text)
+    if n != 1:
+        raise UsageError("--dra-gpus: the config in deploy/daemonset/configmap.yaml has no 'dra: gpus: []' to set")
+    cm["data"]["config.yaml"] = new
+
+
+def _renamed(value: Any, old: str, new: str) -> Any:
+    """Every mention of the namespace (metadata, subjects, service-account names in CEL, the
+    extender's URL in the scheduler profile, certificate names) moved to ``new``."""
+    if isinstance(value, dict):
+        return {k: _renamed(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_renamed(v, old, new) for v in value]
+    if isinstance(value, str):
+        return re.sub(rf"(?<![\w-]){re.escape(old)}(?![\w-])", new, value)
+    return value
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the config, CEL, the scheduler profile) as readable ``|`` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value and not any(line != line.rstrip() for line in value.splitlines()) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump(objects: list[Obj], out: TextIO, header: str = "") -> None:
+    if header:
+        out.write("".join(f"# {line}\n" for line in header.splitlines()))
+    for obj in objects:
+        out.write("---\n")
+        out.write(yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True))
+
+
+# -- the command ----------------------------------------------------------------------------------
+def cluster_version(kubeconfig: str | None) -> str:
+    """The API server's gitVersion through the user's kubeconfig (GET /version)."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    from vramshare import kube
+    try:
+        api = kube.user_client(kubeconfig)
+    except Exception as exc:  # noqa: BLE001 - the kubernetes loader raises many kinds; all mean "no config"
+        raise UsageError(f"cannot load a kubeconfig ({exc}); pass --kubernetes-version 1.33 when offline") from None
+    if api is None:
+        raise UsageError("no kubeconfig found ($KUBECONFIG, ~/.kube/config): pass --kubeconfig FILE, or "
+                         "--kubernetes-version 1.33 to render offline")
+    try:
+        with api:
+            return str(client.VersionApi(api).get_code(_request_timeout=10).git_version)
+    except (ApiException, OSError, Exception) as exc:  # noqa: BLE001 - urllib3 wraps socket errors its own way
+        raise UsageError(f"cannot read the cluster's version ({type(exc).__name__}: {exc}); pass "
+                         "--kubernetes-version 1.33 to render offline") from None
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    version = args.kubernetes_version or cluster_version(args.kubeconfig)
+    try:
+        from vramshare import certs
+
+        def tls(ns: str, days: int) -> list[Obj]:
+            return certs.secrets(certs.generate(ns, days), ns)
+    except ImportError:
+        tls = None  # type: ignore[assignment]
+    opts = Options(kubernetes_version=version, image=args.image, namespace=args.namespace, tls=args.tls,
+                   cert_days=args.cert_days, dra=args.dra,
+                   dra_gpus=tuple(g for g in (args.dra_gpus or "").split(",") if g),
+                   monitoring=args.monitoring, dashboard_namespace=args.dashboard,
+                   components=tuple(args.component or ()))
+    root = pathlib.Path(args.manifests) if args.manifests else None
+    objects = render(opts, tls, root)
+    dump(objects, out, header=f"vramshare {__version__}, Kubernetes {version}: "
+                              f"vramshare install ... | kubectl apply -f -\n"
+                              f"{len(objects)} objects; uninstall: the same command | kubectl delete -f -")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image", default=DEFAULT_IMAGE, metavar="REF",
+                   help=f"the vramshare image, with a tag or @sha256 digest (default {DEFAULT_IMAGE})")
+    p.add_argument("--namespace", default=NAMESPACE, metavar="NS", help=f"namespace (default {NAMESPACE})")
+    p.add_argument("--kubernetes-version", metavar="V",
+                   help="the cluster's version (e.g. 1.33.2) for kube-scheduler's tag; default: read from the "
+                        "API server with the kubeconfig")
+    p.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
+                   help="kubeconfig to read the version with (default $KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--tls", choices=["generate", "cert-manager", "keep"], default="generate",
+                   help="the extender's mutual-TLS Secrets: generate them now (default; a new CA each run, so "
+                        "restart the schedulers after re-applying), cert-manager objects, or keep the "
+                        "Secrets already in the cluster (upgrades)")
+    p.add_argument("--cert-days", type=int, default=365, metavar="N", help="validity of generated certificates")
+    p.add_argument("--dra", action="store_true",
+                   help=f"also the DRA path (Kubernetes {_v(DRA_KUBERNETES)}+): DeviceClasses, DRA plugin, DRA scheduler")
+    p.add_argument("--dra-gpus", metavar="LIST", help="with --dra: the GPUs DRA serves, 'all' or indexes/UUIDs "
+                                                      "separated by commas (config dra.gpus)")
+    p.add_argument("--monitoring", action="store_true",
+                   help="PodMonitors for prometheus-operator (deploy/monitoring/): every metric gets a node label")
+    p.add_argument("--dashboard", metavar="GRAFANA_NS",
+                   help="the Grafana dashboard ConfigMap (sidecar label grafana_dashboard) in this namespace")
+    p.add_argument("--component", action="append", metavar="NAME",
+                   help="an opt-in kustomize Component under deploy/ (repeatable)")
+    p.add_argument("--manifests", metavar="DIR", help="the deploy/ folder to render (default: this checkout's)")
