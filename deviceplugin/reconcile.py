@@ -338,33 +338,3 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
         ref = PodRef(ns, name, uid, str(meta.get("resourceVersion") or ""))
         out.patches.append(Patch(ref, encode_assignment(actual)))
     return out
-
-
-def drop_unconfirmed(out: Plan, wrong: Mapping[str, str]) -> None:
-    """Take back this round's new attributions to the pod UIDs in ``wrong`` (UID -> why), and their
-    links, owners and patches: the API server has another pod (or none) under that name now."""
-    for key, (uid, _) in list(out.attributions.items()):
-        if uid in wrong:
-            del out.attributions[key]
-            owner = out.owners.pop(key, None)
-            if owner is not None:
-                out.waiting[f"{owner.namespace}/{owner.pod}"] = wrong[uid]
-    out.links = {k: v for k, v in out.links.items() if k[0] not in wrong}
-    out.patches = [p for p in out.patches if p.pod.uid not in wrong]
-
-
-def _keep_earlier(out: Plan, entry: Entry, allocs: Mapping[str, Allocation], ns: str, name: str) -> None:
-    """An earlier pod's listed allocations keep the links of the UID they were attributed to: its
-    container may still be running (terminating) and mounts that directory."""
-    for (container, _), ids in sorted(entry.items()):
-        alloc = allocation_key(ids)
-        a = allocs.get(alloc)
-        if a is None or not a.owner:
-            continue
-        try:
-            safe_component(a.owner, "pod UID")
-            safe_component(container, "container name")
-        except UnsafePathError:
-            continue
-        out.owners.setdefault(alloc, Owner(a.owner, ns, name, container))
-        out.links.setdefault((a.owner, container), alloc)
