@@ -22,8 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import threading
+import time
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import Callable, Iterable
 
 from vramshare import contract
 from vramshare.inventory import MAX_MODELS, EngineState, NodeInventory, ResidentModel
@@ -151,3 +153,43 @@ def publishable(inventory: NodeInventory, scan: Scan,
                 engines: Iterable[tuple[contract.ModelRef, str, EngineState]] = ()) -> NodeInventory:
     """The inventory with its ``models`` section (additive within v1)."""
     return replace(inventory, models=with_engines(scan.models, engines))
+
+
+class ResidencyReporter:
+    """The node agent's thread: re-scan the cache every ``scan_interval_s``, merge the engines every
+    ``engines_interval_s``, and call ``on_change`` with the models when they differ from the last."""
+
+    def __init__(self, cache_dir: str | None, on_change: Callable[[tuple[ResidentModel, ...]], None],
+                 engines: Callable[[], Iterable[tuple[contract.ModelRef, str, str]]] = lambda: (),
+                 scan_interval_s: float = 60.0, engines_interval_s: float = 5.0, max_entries: int = 200_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cache_dir, self._on_change, self._engines = cache_dir, on_change, engines
+        self.scan_interval_s, self.engines_interval_s = scan_interval_s, engines_interval_s
+        self.max_entries, self._clock = max_entries, clock
+        self.last_scan: Scan = Scan(())
+        self._scanned_at: float | None = None
+        self.models: tuple[ResidentModel, ...] = ()
+
+    def run_once(self) -> tuple[ResidentModel, ...]:
+        now = self._clock()
+        if self.cache_dir and (self._scanned_at is None or now - self._scanned_at >= self.scan_interval_s):
+            self.last_scan, self._scanned_at = scan_cache(self.cache_dir, self.max_entries), now
+        engines = []
+        for ref, gpu, state in self._engines():
+            try:
+                engines.append((ref, gpu, EngineState(state)))
+            except ValueError:
+                continue
+        models = with_engines(self.last_scan.models, engines)
+        if models != self.models:
+            self.models = models
+            self._on_change(models)
+        return models
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.run_once()
+            except Exception as exc:  # noqa: BLE001 - a bad scan keeps the last report
+                log.warning("model residency report failed, keeping the last", error=str(exc))
+            stop.wait(self.engines_interval_s)

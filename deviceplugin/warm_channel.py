@@ -85,9 +85,19 @@ class WarmChannels:
         return ok
 
     # -- the selector thread ---------------------------------------------------------------------------
-    def serve(self, stop: threading.Event, timeout: float = 0.2) -> None:
+    def serve(self, stop: threading.Event, dirs: Callable[[], Mapping[TenantKey, str]] | None = None,
+              timeout: float = 0.2, sync_every_s: float = 1.0) -> None:
+        """Until ``stop``: accept and read; every ``sync_every_s`` listen in ``dirs()`` (the loop's tenants)."""
+        last = -sync_every_s
         while not stop.is_set():
+            if dirs is not None and self._clock() - last >= sync_every_s:
+                last = self._clock()
+                try:
+                    self.sync(dirs())
+                except Exception as exc:  # noqa: BLE001 - the next round retries
+                    log.warning("warm channel: sync failed", error=str(exc))
             self.poll(timeout)
+        self.close()
 
     def poll(self, timeout: float = 0.0) -> None:
         """Accept and read what is ready (one round); the serve loop and the tests call it."""

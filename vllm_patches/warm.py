@@ -88,8 +88,16 @@ class WarmTier:
             log.info("warm tier: engine cannot sleep, kept awake (today's behaviour)", engine=self.name, reason=why)
         self.channel.send(contract.WarmMessage.of(contract.WARM_HELLO, engine=self.name, canSleep=ok,
                                                   weightsBytes=int(self.engine.weights_bytes()),
-                                                  reason=why or None, state=self.state))
+                                                  reason=why or None, state=self.state, model=self._model()))
         self._publish()
+
+    def _model(self) -> str | None:
+        """The model it serves, when the engine can say and it parses (``<name>[@<revision>]``)."""
+        name = getattr(self.engine, "model_name", lambda: None)()
+        try:
+            return str(contract.parse_model_ref(name)) if name else None
+        except contract.ModelRefError:
+            return None
 
     # -- from the agent ------------------------------------------------------------------------------
     def deliver(self, msg: contract.WarmMessage) -> Callable[[], None] | None:

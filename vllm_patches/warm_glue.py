@@ -34,6 +34,7 @@ from .warm import SocketChannel, WarmTier, start_reader
 
 log = logs.get(__name__)
 
+ENV_MODEL = "VRAMSHARE_MODEL"
 JOB = object()  # the request type of our jobs on vLLM's input queue
 _ATTR = "_vramshare_warm"
 
@@ -54,6 +55,15 @@ class VllmEngine:
         if not getattr(self.core.vllm_config.model_config, "enable_sleep_mode", False):
             return False, "vLLM started without --enable-sleep-mode"
         return True, ""
+
+    def model_name(self) -> str | None:
+        """``VRAMSHARE_MODEL`` (the pod's ``vramshare.io/model`` annotation through the downward API),
+        else the model vLLM was started with and its revision."""
+        if os.environ.get(ENV_MODEL):
+            return os.environ[ENV_MODEL]
+        mc = self.core.vllm_config.model_config
+        rev = getattr(mc, "revision", None)
+        return f"{mc.model}@{rev}" if rev else str(mc.model)
 
     def weights_bytes(self) -> int:
         try:

@@ -194,7 +194,8 @@ WARM_VERSION = 1
 WARM_MAX_LINE = 1024
 #: engine -> agent
 WARM_HELLO = "hello"  # engine, canSleep, weightsBytes (what a wake brings back), state (awake | sleeping |
-#                      waking: an engine reconnecting to a restarted agent), reason when it cannot sleep
+#                      waking: an engine reconnecting to a restarted agent), model (<name>[@<revision>], what
+#                      the node reports as resident), reason when it cannot sleep
 WARM_SLEPT = "slept"  # seq (of the sleep it answers), freedBytes
 WARM_WAKE = "wake"  # seq (the engine's own, increasing), needBytes: a request arrived while asleep
 WARM_AWAKE = "awake"  # seq (of the wake), seconds (wake latency, request arrival to serving)
@@ -205,7 +206,7 @@ WARM_GRANT = "grant"  # seq (of the wake), bytes: the memory is free (measured) 
 WARM_OPS = (WARM_HELLO, WARM_SLEPT, WARM_WAKE, WARM_AWAKE, WARM_REFUSED, WARM_SLEEP, WARM_GRANT)
 _WARM_FIELDS: dict[str, type | tuple[type, ...]] = {
     "engine": str, "seq": int, "level": int, "canSleep": bool, "weightsBytes": int, "freedBytes": int,
-    "needBytes": int, "bytes": int, "seconds": (int, float), "reason": str, "state": str}
+    "needBytes": int, "bytes": int, "seconds": (int, float), "reason": str, "state": str, "model": str}
 
 
 class WarmMessageError(ValueError):

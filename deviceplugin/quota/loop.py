@@ -425,6 +425,10 @@ class QuotaLoop:
         if self._mirror is not None:
             self._mirror_pods(tenants, changed_pods, report)
 
+    def quota_dir(self, t: Tenant) -> str:
+        """Where ``t``'s quota.json (and the warm tier's socket) live."""
+        return self._dir(t)
+
     def _dir(self, t: Tenant) -> str:
         """The tenant's quota directory: its own when the source names one (an allocation-keyed dir),
         else ``<quotaHostDir>/<pod-uid>/<container>``."""

@@ -45,6 +45,7 @@ class EngineView:
     """What the broker knows of one tenant's engine (metrics, inspect)."""
 
     can_sleep: bool = False
+    model: str = ""  # what the engine serves, as it said (<name>[@<revision>])
     reason: str = ""  # why it cannot sleep, as the engine said
     weights_bytes: int = 0
     state: Sleep = Sleep.AWAKE
@@ -78,6 +79,7 @@ class WarmBroker:
             if op == contract.WARM_HELLO:
                 e.can_sleep = bool(msg.get("canSleep", False))
                 e.reason = str(msg.get("reason", "") or "")
+                e.model = str(msg.get("model", "") or "")
                 e.weights_bytes = int(msg.get("weightsBytes", 0) or 0)  # type: ignore[arg-type]
                 # a reconnecting engine (a new process, or a restarted agent) says where it is
                 try:
@@ -174,6 +176,19 @@ class WarmBroker:
         """A wake waits for memory: the loop should tick again within ``fast_tick_s``."""
         with self._lock:
             return any(e.state is Sleep.WAKING for e in self._engines.values())
+
+    def engines(self, gpus_of: Mapping[TenantKey, Iterable[str]]) -> list[tuple[contract.ModelRef, str, str]]:
+        """``(model, gpu uuid, "awake" | "sleeping")`` of every engine that named a valid model: what the
+        node reports as resident (a waking engine counts as awake)."""
+        out = []
+        for key, e in self.views().items():
+            try:
+                ref = contract.parse_model_ref(e.model)
+            except contract.ModelRefError:
+                continue
+            state = "sleeping" if e.state is Sleep.SLEEPING else "awake"
+            out.extend((ref, gpu, state) for gpu in gpus_of.get(key, ()))
+        return out
 
     def views(self) -> dict[TenantKey, EngineView]:
         with self._lock:
