@@ -1,4 +1,4 @@
-"""The warm tier inside vLLM 0.32 (issue 23): the engine boundary on ``EngineCore`` and three hooks.
+"""The warm tier inside vLLM 0.32 (issue 23): the engine boundary on ``EngineCore`` and four hooks.
 
 * ``EngineCore.__init__`` (engine-core process, or in-process engine): after vLLM's own init, attach a
   :class:`~vllm_patches.warm.WarmTier` whose channel is the warm socket next to the quota file, and start
@@ -8,6 +8,7 @@
   asleep wakes the engine (after the agent's grant) and is then added: never refused. vLLM's own
   ``sleep`` pauses the scheduler and queues new adds; ours wakes before the add, so nothing sits in a
   paused queue.
+* ``EngineCore.shutdown``: stop the reader thread and close the socket.
 * ``EngineCoreProc._handle_client_request``: runs the tier's jobs (a ``sleep`` from the agent) on the
   engine-core thread. The reader thread puts ``(JOB, callable)`` on vLLM's ``input_queue``, which the
   busy loop drains even when idle (``_process_input_queue`` blocks on it), so the engine is never
@@ -119,9 +120,23 @@ def attach(core: Any, settings: QuotaSettings) -> WarmTier | None:
     holder.append(tier)
     setattr(core, _ATTR, tier)
     tier.hello()
-    start_reader(tier, channel, lambda job: run_on_engine(core, tier, job), threading.Event())
+    stop = threading.Event()
+    setattr(core, _ATTR + "_stop", (stop, channel))
+    start_reader(tier, channel, lambda job: run_on_engine(core, tier, job), stop)
     log.info("warm tier attached", engine=engine, path=path)
     return tier
+
+
+def detach(core: Any) -> None:
+    """Stop the reader thread and close the socket (engine shutdown, tests)."""
+    found = getattr(core, _ATTR + "_stop", None)
+    if found is not None:
+        stop, channel = found
+        stop.set()
+        channel.close()
+    for attr in (_ATTR, _ATTR + "_stop"):
+        if hasattr(core, attr):
+            delattr(core, attr)
 
 
 def run_on_engine(core: Any, tier: WarmTier, job: Callable[[], None]) -> None:
@@ -162,7 +177,14 @@ def install(settings: QuotaSettings) -> bool:
             return original(self, request_type, request)
         return _handle_client_request
 
+    def make_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+        def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+            detach(self)
+            return original(self, *args, **kwargs)
+        return shutdown
+
     ok = _wrap(core_mod.EngineCore, "__init__", make_init)
+    ok = _wrap(core_mod.EngineCore, "shutdown", make_shutdown) and ok
     ok = _wrap(core_mod.EngineCore, "add_request", make_add) and ok
     ok = _wrap(core_mod.EngineCoreProc, "_handle_client_request", make_handle) and ok
     return ok
