@@ -105,6 +105,8 @@ class DevicePluginDaemon:
             self.warm = WarmBroker(send=lambda key, msg: channels.send(key, msg) if channels else False,
                                    params=PolicyParams.from_config(config.quota))
             channels = WarmChannels(self.warm)
+            from deviceplugin.warm_channel import WarmCollector
+            self.metrics.registry.register(WarmCollector(self.warm))
         loop = quota_service.build_loop(config, self._api, self._node_name, self._shared_capacities,
                                         nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
                                         usage=[replay] if replay is not None else None, warm=self.warm)

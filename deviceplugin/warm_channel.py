@@ -184,3 +184,36 @@ class WarmChannels:
 
 def _path(directory: str) -> str:
     return os.path.join(directory, contract.WARM_SOCKET_NAME)
+
+
+class WarmCollector:
+    """The broker's view on the node agent's ``/metrics`` (issue 23): per tenant, the engine's warm-tier
+    state, the MiB it lends while asleep, its last wake latency and its sleeps and wakes."""
+
+    def __init__(self, broker: WarmBroker) -> None:
+        self._broker = broker
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's Collector protocol
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["namespace", "pod", "container"]
+        state = GaugeMetricFamily("vramshare_warm_engine_state", "1 for the engine's warm-tier state "
+                                  "(awake, sleeping, waking); only engines that can sleep", labels=labels + ["state"])
+        lent = GaugeMetricFamily("vramshare_warm_lent_bytes", "GPU memory a sleeping engine's tenant lends "
+                                 "(its request minus its limit)", labels=labels)
+        wake = GaugeMetricFamily("vramshare_warm_wake_seconds", "The engine's last wake: request to serving",
+                                 labels=labels)
+        sleeps = CounterMetricFamily("vramshare_warm_sleeps", "Sleeps the engine confirmed", labels=labels)
+        wakes = CounterMetricFamily("vramshare_warm_wakes", "Wakes the engine confirmed", labels=labels)
+        for key, e in sorted(self._broker.views().items()):
+            if not e.can_sleep:
+                continue
+            lv = [key.namespace, key.pod, key.container]
+            for s in ("awake", "sleeping", "waking"):
+                state.add_metric(lv + [s], 1.0 if e.state.value == s else 0.0)
+            lent.add_metric(lv, float(e.lent_mib) * (1 << 20))
+            if e.last_wake_s is not None:
+                wake.add_metric(lv, e.last_wake_s)
+            sleeps.add_metric(lv, float(e.sleeps))
+            wakes.add_metric(lv, float(e.wakes))
+        yield from (state, lent, wake, sleeps, wakes)

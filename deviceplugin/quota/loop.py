@@ -325,6 +325,8 @@ class QuotaLoop:
                 why = d.reason if d.changed or last is None else last.reason
                 cls = self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS)
                 self._views[(d.key, gpu)] = TenantView(cls, req_of[d.key], d.floor_mib, used_of[d.key], why)
+        if self.warm is not None:
+            self.warm.note(decided)  # what sleeping engines lend, for the mirror written next
         self._write(tenants, decided, phases, report)
         alive = {t.key for t in tenants}
         if self.warm is not None:  # after the files: a grant follows the quota that carries it
@@ -467,8 +469,9 @@ class QuotaLoop:
                                         if (t.key, g) in self._limits} for t in members}
             try:
                 states = {t.key.container: self._phases[t.key].value for t in members if t.key in self._phases}
-                details = {t.key.container: {g: _detail(self._views[(t.key, g)]) for g, _ in t.gpus
-                                             if (t.key, g) in self._views} for t in members}
+                warm = self.warm.views() if self.warm is not None else {}
+                details = {t.key.container: {g: {**_detail(self._views[(t.key, g)]), **_warm_detail(warm.get(t.key))}
+                                             for g, _ in t.gpus if (t.key, g) in self._views} for t in members}
                 self._mirror.mirror(members[0].key, quotas, states, details)  # type: ignore[union-attr]
             except Exception as exc:  # the file is the contract; the annotation is only a mirror
                 log.warning("quota annotation not mirrored", pod=f"{members[0].key.namespace}/"
@@ -501,6 +504,18 @@ class QuotaLoop:
 
 
 REASON_CHARS = 120  # the mirrored reason is cut here: annotations count against the pod object's size
+
+
+def _warm_detail(e: object) -> dict[str, object]:
+    """The warm tier's fields of the mirror (issue 23): engine state, MiB lent while asleep, last wake (s)."""
+    if e is None or not getattr(e, "can_sleep", False):
+        return {}
+    out: dict[str, object] = {"sleep": e.state.value}  # type: ignore[attr-defined]
+    if e.lent_mib:  # type: ignore[attr-defined]
+        out["lent"] = e.lent_mib  # type: ignore[attr-defined]
+    if e.last_wake_s is not None:  # type: ignore[attr-defined]
+        out["wakeS"] = round(e.last_wake_s, 3)  # type: ignore[attr-defined]
+    return out
 
 
 def _detail(v: TenantView) -> dict[str, object]:

@@ -138,6 +138,18 @@ class WarmBroker:
             return dataclasses.replace(t, phase=Phase.WARM, bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
         return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
 
+    def note(self, decided: Mapping[tuple[TenantKey, str], Decision]) -> None:
+        """Record what each sleeping engine lends under this tick's decisions (its reserve minus its new
+        limit): called before the files and the mirror are written, so both show it."""
+        with self._lock:
+            lent: dict[TenantKey, int] = {}
+            for (key, gpu), d in decided.items():
+                e = self._engines.get(key)
+                if e is not None and e.state is Sleep.SLEEPING:
+                    lent[key] = lent.get(key, 0) + max(0, self._reserve.get((key, gpu), 0) - d.limit_mib)
+            for key, e in self._engines.items():
+                e.lent_mib = lent.get(key, 0) if e.state is Sleep.SLEEPING else 0
+
     def after_tick(self, phases: Mapping[TenantKey, Phase],
                    decided: Mapping[tuple[TenantKey, str], Decision]) -> list[tuple[TenantKey, contract.WarmMessage]]:
         """Send ``sleep`` to idle engines that can sleep and ``grant`` to waking engines whose decision
@@ -151,8 +163,6 @@ class WarmBroker:
         with self._lock:
             for key, e in self._engines.items():
                 ds = per_key.get(key, [])
-                if e.state is Sleep.SLEEPING:
-                    e.lent_mib = sum(max(0, reserve(key, d.gpu_uuid) - d.limit_mib) for d in ds)
                 if e.state is Sleep.WAKING and ds and all(d.limit_mib >= reserve(key, d.gpu_uuid) for d in ds):
                     out.append((key, contract.WarmMessage.of(
                         contract.WARM_GRANT, seq=e.wake_seq, bytes=sum(d.limit_mib for d in ds) * MIB)))

@@ -95,6 +95,16 @@ class FakeEngine:
         self.gpu.used[SLEEPY] = 17000
 
 
+class Mirror:
+    """The quota-mib annotation mirror (the API edge): keeps the last details per pod."""
+
+    def __init__(self):
+        self.details = {}
+
+    def mirror(self, key, quotas, states=None, details=None):
+        self.details[key.pod] = details
+
+
 class Clock:
     def __init__(self):
         self.t = 1000.0
@@ -111,7 +121,7 @@ def rig(tmp_path):
     channels = WarmChannels(broker)
     holder.append(channels)
     loop = QuotaLoop(Tenants(), lambda: {"GPU-0": CAP}, [Usage(gpu)], P, str(tmp_path), signals=Signals(gpu),
-                     settings=LoopSettings(params=P, idle_seconds=30.0), clock=clock, warm=broker)
+                     settings=LoopSettings(params=P, idle_seconds=30.0), clock=clock, warm=broker, mirror=Mirror())
     broker.poke = loop.poke
     loop.run_once()  # writes the quota dirs
     dirs = {k: container_dir(str(tmp_path), k.pod_uid, k.container) for k in (SLEEPY, BUSY)}
@@ -195,6 +205,15 @@ def test_idle_engine_sleeps_and_its_memory_is_lent(rig):
     assert limit(tmp_path, SLEEPY) <= 1000 + P.margin_mib + P.step_mib  # residual + margin, not the class floor
     assert gpu.used[BUSY] > 20000  # the co-tenant is using what was lent
     assert broker.views()[SLEEPY].lent_mib >= 20000 - 2600
+    seen = loop._mirror.details["sleepy"]["vllm"]["GPU-0"]  # what vramshare inspect shows
+    assert seen["sleep"] == "sleeping" and seen["lent"] >= 17000
+    from prometheus_client import CollectorRegistry, generate_latest
+    from deviceplugin.warm_channel import WarmCollector
+    reg = CollectorRegistry()
+    reg.register(WarmCollector(broker))
+    text = generate_latest(reg).decode()
+    assert 'vramshare_warm_engine_state{container="vllm",namespace="llm",pod="sleepy",state="sleeping"} 1.0' in text
+    assert 'vramshare_warm_lent_bytes{container="vllm",namespace="llm",pod="sleepy"}' in text
 
 
 def test_request_during_sleep_waits_for_co_tenants_to_release_then_is_served(rig):

@@ -1,0 +1,54 @@
+"""The engine's warm-tier gauges (issue 23), served by the plugin's collector next to vLLM's /metrics:
+``vramshare_vllm_sleep_state{engine,state}`` (the cross-team name), last wake seconds, bytes freed."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vllm_patches import metrics
+from vllm_patches.warm import WarmTier
+
+
+class Engine:
+    def can_sleep(self):
+        return True, ""
+
+    def weights_bytes(self):
+        return 1 << 30
+
+    def idle(self):
+        return True
+
+    def sleep(self):
+        return 5 << 30
+
+    def wake_up(self):
+        pass
+
+
+class Channel:
+    def send(self, msg):
+        return False
+
+    def recv(self, timeout):
+        return None
+
+
+def test_sleep_state_gauges(tmp_path):
+    reg = CollectorRegistry()
+    reg.register(metrics.StateCollector(str(tmp_path)))
+    assert b"vramshare_vllm_sleep_state" not in generate_latest(reg)  # no warm tier: nothing new
+    tier = WarmTier(Engine(), Channel(), "0", grant_timeout_s=0.0,
+                    publish=lambda st: metrics.publish_warm(str(tmp_path), "0", st))
+    tier.hello()
+    from vramshare import contract
+    tier.on_sleep(contract.WarmMessage.of(contract.WARM_SLEEP, seq=1))
+    text = generate_latest(reg).decode()
+    assert 'vramshare_vllm_sleep_state{engine="0",state="sleeping"} 1.0' in text
+    assert 'vramshare_vllm_sleep_state{engine="0",state="awake"} 0.0' in text
+    assert 'vramshare_vllm_sleep_freed_bytes{engine="0"} 5.36870912e+09' in text
+    tier.before_request()  # no agent: wakes anyway, the request is served
+    text = generate_latest(reg).decode()
+    assert 'vramshare_vllm_sleep_state{engine="0",state="awake"} 1.0' in text
+    assert 'vramshare_vllm_wake_seconds{engine="0"}' in text
+    # the engine-cap gauges still read their own files only
+    assert metrics.read_states(str(tmp_path)) == {}
