@@ -113,6 +113,7 @@ def run_seed(seed: int, args: argparse.Namespace, costs: cs.Costs, loads: np.nda
         "best_overcommit_within_target": best["overcommit"] if best else None,
         "deployments_per_gpu_gain_vs_keep": round(best["deployments_per_gpu"] / keep["deployments_per_gpu"], 3) if best else None,
     }
+    out["awake_memory"] = cs.awake_profile(deps, args.idle_s, horizon)
     out["overcommittable_deployments"] = sum(d.overcommit for d in deps)
     out["evaluated_from_s"] = train
     out["seconds"] = round(time.monotonic() - t0, 1)
@@ -134,7 +135,7 @@ def plot(result: dict, path: str) -> None:
     ax[0].set_yscale("log")
     ax[0].set_ylabel("first token after idleness, p99 (s, log)")
     ax[0].tick_params(axis="x", labelsize=8)
-    ax[0].set_title("First request after idleness")
+    ax[0].set_title("First request after idleness", pad=22)
     for key in ("keep", "warm"):
         ax[1].bar(labels[key], first[key]["idle_gpu_gib_hours"], color={"keep": "C0", "warm": "C2"}[key])
     ax[1].set_ylabel("GPU GiB-hours held by idle pods (14 days)")
@@ -147,6 +148,11 @@ def plot(result: dict, path: str) -> None:
         ax[2].annotate(f"x{r['overcommit']:g}", (r["deployments_per_gpu"], r["ttft_first_p99_s"]), fontsize=7)
     ax[2].plot([first["keep"]["deployments_per_gpu"]], [first["keep"]["ttft_first_p99_s"]], "s", color="C0", label="(b) keep")
     ax[2].axhline(result["params"]["target_p99_s"], ls="--", color="gray", label="p99 target")
+    keep_dpg = first["keep"]["deployments_per_gpu"]
+    ax[2].axvline(2 * keep_dpg, ls=":", color="C3", label="2x (b): the issue's target")
+    if first["awake_memory"].get("bound_x"):
+        ax[2].axvline(first["awake_memory"]["bound_x"] * keep_dpg, ls="-.", color="C1",
+                      label="bound: all slices / peak awake")
     ax[2].set_yscale("log")
     ax[2].set_xlabel("deployments per GPU")
     ax[2].set_ylabel("first token p99 (s, log)")

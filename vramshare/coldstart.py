@@ -167,6 +167,34 @@ def busy_intervals(segments: np.ndarray, idle_s: float) -> np.ndarray:
     return np.stack([segments[starts, 0], segments[ends, 1] + idle_s], axis=1)
 
 
+def awake_profile(deps: Sequence[Deployment], idle_s: float, horizon: float) -> dict:
+    """GPU memory held by awake replicas over time (every replica sleeps ``idle_s`` after its last request):
+    its peak, time-weighted p99 and mean, against the sum of all slices. ``bound_x`` = total / peak is the
+    most deployments per GPU any placement reaches against keeping every slice, without a wake ever
+    waiting, even one that knew the future and moved replicas freely."""
+    ev: list[tuple[float, float]] = []
+    for d in deps:
+        for s, e in busy_intervals(d.segments, idle_s):
+            if s < horizon:
+                ev += [(float(s), d.slice_bytes), (float(min(e, horizon)), -d.slice_bytes)]
+    total = float(sum(d.slice_bytes for d in deps))
+    if not ev:
+        return {"total_gib": total / GIB, "peak_gib": 0.0, "p99_gib": 0.0, "mean_gib": 0.0, "bound_x": None}
+    ev.sort()
+    t = np.array([x for x, _ in ev])
+    level = np.cumsum([y for _, y in ev])
+    dur = np.diff(np.append(t, horizon))
+    order = np.argsort(level)
+    cum = np.cumsum(dur[order]) / max(dur.sum(), 1e-9)
+    p99 = float(level[order][min(len(order) - 1, int(np.searchsorted(cum, 0.99)))])
+    peak = float(level.max())
+    half = float(dur[level > total / 2].sum() / max(dur.sum(), 1e-9))
+    return {"total_gib": round(total / GIB, 1), "peak_gib": round(peak / GIB, 1), "p99_gib": round(p99 / GIB, 1),
+            "mean_gib": round(float((level * dur).sum() / max(dur.sum(), 1e-9)) / GIB, 1),
+            "bound_x": round(total / peak, 3) if peak > 0 else None,
+            "time_above_half_pct": round(100.0 * half, 2)}
+
+
 # -- placement --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Placement:
