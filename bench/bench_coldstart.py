@@ -178,7 +178,10 @@ def main() -> int:
     ap.add_argument("--overcommit", type=float, nargs="*", default=[1.0, 1.5, 2.0, 2.5, 3.0, 4.0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--name", default="coldstart")
+    ap.add_argument("--quick", action="store_true", help="1 seed, 2 days (smoke run; bench/run_all.py --quick)")
     args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.days, args.name = 1, 2.0, f"{args.name}-quick"
     costs = cs.Costs()
     loads = genai_loads_s()
     per_seed = [run_seed(seed, args, costs, loads) for seed in range(args.seeds)]

@@ -92,7 +92,11 @@ def main() -> int:
     ap.add_argument("--trace", default="default")
     ap.add_argument("--max-steps", type=float, nargs="*", default=[0.9, 3.0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "residency.json"))
+    ap.add_argument("--quick", action="store_true", help="1 seed (smoke run; bench/run_all.py --quick)")
     args = ap.parse_args()
+    if args.quick:
+        args.seeds = 1
+        args.out = args.out.replace(".json", "-quick.json")
     cfg = residency.ResidencyConfig()
     nodes = load_nodes(os.path.join(TRACES, "openb_node_list_gpu_node.csv"))
     pods = load_pods(os.path.join(TRACES, f"openb_pod_list_{args.trace}.csv"))
