@@ -68,7 +68,7 @@ def test_the_names_in_the_policies_are_the_deployed_ones() -> None:
     # The annotations users write (contract "written by users") are exactly the exempt ones.
     policies, _ = load()
     var = next(v for v in policies["vramshare-protect-annotations"]["spec"]["variables"] if v["name"] == "userOwned")
-    for name in (N.gpu_count, N.gpu_models, N.policy):
+    for name in (N.gpu_count, N.gpu_models, N.policy, N.model):
         assert f"'{name}'" in var["expression"]
     for name in (N.assignment, N.assume_time, N.allocation_state, N.quota_mib):
         assert f"'{name}'" not in var["expression"]
@@ -198,6 +198,7 @@ def test_users_cannot_change_or_remove_handshake_annotations(key: str, value: st
 def test_users_write_their_own_annotations() -> None:
     pod = gpu_pod(count=2, models="NVIDIA H100 80GB HBM3", policy="binpack")
     assert admit(Request("CREATE", "pods", USER, pod)) == []
+    assert admit(Request("CREATE", "pods", USER, with_ann(pod, model="org/llama@main"))) == []  # issue 23
     assert admit(Request("UPDATE", "pods", USER, with_ann(pod, policy="spread"), pod)) == []
 
 
@@ -225,7 +226,7 @@ def test_only_device_plugins_write_the_node_inventory() -> None:
     assert admit(Request("UPDATE", "nodes", "system:node:n1", kubelet, node)) == []
 
 
-KEYS = st.sampled_from([N.gpu_count, N.gpu_models, N.policy, N.assignment, N.assume_time, N.allocation_state,
+KEYS = st.sampled_from([N.gpu_count, N.gpu_models, N.policy, N.model, N.assignment, N.assume_time, N.allocation_state,
                         N.quota_mib, f"{N.domain}/future-key", "example.com/a", "app.kubernetes.io/b"])
 ANNS = st.dictionaries(KEYS, st.sampled_from(["1", "2", "x"]), max_size=6)
 
@@ -241,7 +242,7 @@ def test_annotation_writes_follow_one_rule(old: dict[str, str], new: dict[str, s
     after["metadata"]["annotations"] = dict(new)
     changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
     ours = {k for k in changed if k.startswith(f"{N.domain}/")}
-    protected = ours - {N.gpu_count, N.gpu_models, N.policy}
+    protected = ours - {N.gpu_count, N.gpu_models, N.policy, N.model}
     if who == DP:
         allowed = changed == ours
     elif who == EXT:
