@@ -175,7 +175,7 @@ def main() -> int:
     ap.add_argument("--sleepy", type=float, default=0.5,
                     help="asleep share over the training days from which a deployment may be overcommitted")
     ap.add_argument("--target-p99-s", type=float, default=5.0)
-    ap.add_argument("--overcommit", type=float, nargs="*", default=[1.0, 1.5, 2.0, 2.5, 3.0, 4.0])
+    ap.add_argument("--overcommit", type=float, nargs="*", default=[1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--name", default="coldstart")
     ap.add_argument("--quick", action="store_true", help="1 seed, 2 days (smoke run; bench/run_all.py --quick)")

@@ -59,6 +59,9 @@ class Costs:
     #: a wake that finds no memory sends to sleep early the co-tenants (overcommitted ones only) that had
     #: no request for this long, instead of waiting out their idle timer: design choice
     displace_idle_s: float = 30.0
+    #: a wake that found no memory waits this long for a co-tenant to sleep, then its replica restarts on
+    #: any GPU with room (a cold start from the node's files): design choice
+    max_wait_s: float = 10.0
     #: restart from the node's disk cache after a sleeper was dropped: engine start (process, compile
     #: cache hit, CUDA graphs; assumption) + weights from local NVMe (4 GiB/s; assumption)
     engine_start_s: float = 20.0
@@ -362,7 +365,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
     queue: dict[int, list[_Pod]] = {}
     lru: dict[int, OrderedDict[int, _Pod]] = {}  # per node: sleepers, least recently slept first
     host: dict[int, float] = {}
-    events: list[tuple[float, int, int, float]] = []  # (time, 0 sleep | 1 wake, pod, interval end)
+    events: list[tuple[float, int, int, float]] = []  # (time, 0 sleep | 1 wake | 2 patience, pod, end)
     for p in pods:
         on_gpu[p.gpu].add(p.idx)
         for s, e in busy_intervals(p.dep.segments, idle_s):
@@ -463,6 +466,24 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
             firsts, p.pending = p.pending, []
             start(p, now, firsts, p.resume == "zero")
 
+    def give_up_waiting(p: _Pod, now: float) -> None:
+        """``p`` waited ``max_wait_s``: restart it on any GPU with room now, else look again later."""
+        if p.state != "queued":
+            return
+        target = next((g for g in sorted(range(gpus), key=lambda g: held[g])
+                       if g != p.gpu and fits(g, p) and not queue.get(g)), None) if relocate else None
+        if target is None:
+            heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
+            return
+        queue[p.gpu].remove(p)
+        for s in p.pending:
+            if _counted(s, count_from):
+                res.wait_s.append(now - s)
+        firsts, p.pending = p.pending, []
+        move(p, target)
+        res.relocations += 1
+        start(p, now, firsts, True)
+
     # every pod starts loaded and asleep (deployed, then idle); past a node's host budget, dropped
     for p in pods:
         set_held(p, costs.residual_bytes)
@@ -472,6 +493,9 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
     while events:
         now, kind, i, end = heapq.heappop(events)
         p = pods[i]
+        if kind == 2:  # waited long enough for memory on its own GPU
+            give_up_waiting(p, now)
+            continue
         if kind == 0:  # idle timer ran out: sleep, lend what it held
             if p.state == "awake" and now >= p.sleep_at:
                 gpu = p.gpu
@@ -506,6 +530,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         leave_host(p)
         p.resume, p.state, p.pending = ("zero" if cold else "asleep"), "queued", [now]
         queue.setdefault(p.gpu, []).append(p)
+        heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
     for p in pods:
         account(p, horizon)
         for s in p.pending if p.state == "queued" else ():  # still waiting at the end: censored at the horizon

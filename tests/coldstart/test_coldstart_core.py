@@ -86,3 +86,16 @@ def test_host_ram_budget_drops_the_least_recently_slept():
     cl = cs.Cluster(1, 80 * GIB, host_bytes_per_node=30 * GIB)
     r = cs.warm_tier(deps, cl, pl, 300, 5000, COSTS, count_from=0)
     assert r.evictions >= 1 and r.full_loads >= 1
+
+
+def test_a_long_wait_restarts_the_replica_where_there_is_room():
+    # GPU 0: a and b busy, c wakes and finds no memory; GPU 1: three sleepers, so moving c there now
+    # would leave none of them room to wake (the reserve): c waits max_wait_s, then restarts there
+    busy = [dep(n, [[0, 3000]], slice_gib=39) for n in ("a", "b")]
+    c = dep("c", [[1000, 1001]], slice_gib=39)
+    sleepers = [dep(f"s{i}", [[5000 + 1000 * i, 5001 + 1000 * i]], slice_gib=39) for i in range(3)]
+    gpu_of = {"a": 0, "b": 0, "c": 0, "s0": 1, "s1": 1, "s2": 1}
+    r = cs.warm_tier(busy + [c] + sleepers, cs.Cluster(2, 80 * GIB), cs.Placement(gpu_of, 2), 300, 10_000,
+                     COSTS, count_from=0)
+    assert r.relocations == 1 and r.waited_for_memory == 1
+    assert max(r.ttft_s) == pytest.approx(COSTS.max_wait_s + COSTS.restart_s(27.5 * GIB) + COSTS.base_ttft_s)
