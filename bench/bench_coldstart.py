@@ -120,6 +120,22 @@ def run_seed(seed: int, args: argparse.Namespace, costs: cs.Costs, loads: np.nda
     return out
 
 
+def summary(per_seed: list[dict]) -> dict:
+    """The headline figures, mean over seeds (what bench/run_all.py puts in SUMMARY.md)."""
+    def mean(get) -> float | None:
+        vals = [get(r) for r in per_seed if get(r) is not None]
+        return round(float(np.mean(vals)), 3) if vals else None
+    out: dict = {}
+    for pol in ("zero", "keep", "warm"):
+        for key in ("avoided_full_load_pct", "cold_starts_per_hour", "ttft_first_p50_s", "ttft_first_p99_s",
+                    "idle_gpu_gib_hours", "waited_for_memory"):
+            out[f"{pol}.{key}"] = mean(lambda r, p=pol, k=key: r[p][k] if r[p] else None)
+    for key in ("idle_memory_vs_keep_pct", "best_overcommit_within_target", "deployments_per_gpu_gain_vs_keep"):
+        out[f"targets.{key}"] = mean(lambda r, k=key: r["targets"][k])
+    out["bound_x_any_placement"] = mean(lambda r: r["awake_memory"]["bound_x"])
+    return out
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -193,6 +209,7 @@ def main() -> int:
                    "costs_units": "*_bytes in GiB, *_bytes_per_s in GiB/s, *_s in seconds",
                    "genai_loads": {"n": len(loads), "p50_s": round(float(np.percentile(loads, 50)), 2),
                                    "p99_s": round(float(np.percentile(loads, 99)), 2)}},
+        "summary": summary(per_seed),
         "per_seed": per_seed,
     }
     os.makedirs(args.out, exist_ok=True)
