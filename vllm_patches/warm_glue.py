@@ -88,6 +88,11 @@ class VllmEngine:
         return max(0, after - before) if before is not None and after is not None else 0
 
     def wake_up(self) -> None:
+        # the grant follows the quota file that restored the limit: read it now, so the KV cap is back
+        # before the first request is scheduled (instead of at the watcher's next poll)
+        ec = getattr(getattr(self.core, "scheduler", None), "_vramshare", None)
+        if ec is not None:
+            ec.watcher.poll_once()
         self.core.wake_up(None)
 
 
