@@ -52,3 +52,20 @@ def test_sleep_state_gauges(tmp_path):
     assert 'vramshare_vllm_wake_seconds{engine="0"}' in text
     # the engine-cap gauges still read their own files only
     assert metrics.read_states(str(tmp_path)) == {}
+
+
+def test_vllm_adapter_reads_the_restored_quota_before_waking():
+    """``VllmEngine`` on an object shaped like vLLM 0.32's ``EngineCore`` (the boundary): the quota file
+    is polled before ``wake_up`` so the KV cap is back before the first request."""
+    from types import SimpleNamespace
+
+    from vllm_patches.warm_glue import VllmEngine
+
+    calls = []
+    watcher = SimpleNamespace(poll_once=lambda: calls.append("poll"))
+    core = SimpleNamespace(scheduler=SimpleNamespace(_vramshare=SimpleNamespace(watcher=watcher),
+                                                     has_requests=lambda: False),
+                           wake_up=lambda tags: calls.append(("wake_up", tags)))
+    eng = VllmEngine(core)
+    eng.wake_up()
+    assert calls == ["poll", ("wake_up", None)] and eng.idle()
