@@ -330,7 +330,7 @@ class QuotaLoop:
         self._write(tenants, decided, phases, report)
         alive = {t.key for t in tenants}
         if self.warm is not None:  # after the files: a grant follows the quota that carries it
-            self.warm.after_tick(phases, decided)
+            self.warm.after_tick(phases, decided, now)
             self.warm.forget(alive)
         self._limits = {k: v for k, v in self._limits.items() if k[0] in alive}
         self._preempt = {k: v for k, v in self._preempt.items() if k in alive}

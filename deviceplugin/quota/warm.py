@@ -51,6 +51,7 @@ class EngineView:
     state: Sleep = Sleep.AWAKE
     sleep_seq: int = 0  # the last sleep sent
     sleep_pending: bool = False
+    sleep_sent_at: float | None = None
     wake_seq: int | None = None  # the wake being served
     wake_since: float | None = None
     freed_bytes: int = 0  # what the last sleep gave back
@@ -66,6 +67,7 @@ class WarmBroker:
     send: Callable[[TenantKey, contract.WarmMessage], bool]
     poke: Callable[[], None] = lambda: None
     fast_tick_s: float = 0.2
+    sleep_answer_s: float = 60.0  # an engine sleeps in seconds; no answer by then: the message was lost
     params: PolicyParams = field(default_factory=PolicyParams)
     _reserve: dict[tuple[TenantKey, str], int] = field(default_factory=dict)
     _engines: dict[TenantKey, EngineView] = field(default_factory=dict)
@@ -151,10 +153,11 @@ class WarmBroker:
                 e.lent_mib = lent.get(key, 0) if e.state is Sleep.SLEEPING else 0
 
     def after_tick(self, phases: Mapping[TenantKey, Phase],
-                   decided: Mapping[tuple[TenantKey, str], Decision]) -> list[tuple[TenantKey, contract.WarmMessage]]:
+                   decided: Mapping[tuple[TenantKey, str], Decision],
+                   now: float | None = None) -> list[tuple[TenantKey, contract.WarmMessage]]:
         """Send ``sleep`` to idle engines that can sleep and ``grant`` to waking engines whose decision
         reached their reserve (the request within their bounds) on every GPU they hold; returns what
-        was sent."""
+        was sent. A sleep unanswered for ``sleep_answer_s`` (by ``now``) may be sent again."""
         reserve = (lambda key, gpu: self._reserve.get((key, gpu), 0))
         per_key: dict[TenantKey, list[Decision]] = {}
         for (key, _), d in decided.items():
@@ -162,6 +165,10 @@ class WarmBroker:
         out: list[tuple[TenantKey, contract.WarmMessage]] = []
         with self._lock:
             for key, e in self._engines.items():
+                if (e.sleep_pending and now is not None and e.sleep_sent_at is not None
+                        and now - e.sleep_sent_at > self.sleep_answer_s):
+                    log.warning("engine did not answer a sleep; asking again when idle", tenant=str(key))
+                    e.sleep_pending = False
                 ds = per_key.get(key, [])
                 if e.state is Sleep.WAKING and ds and all(d.limit_mib >= reserve(key, d.gpu_uuid) for d in ds):
                     out.append((key, contract.WarmMessage.of(
@@ -169,7 +176,7 @@ class WarmBroker:
                 elif (e.state is Sleep.AWAKE and e.can_sleep and not e.sleep_pending
                       and phases.get(key) is Phase.WARM):
                     e.sleep_seq += 1
-                    e.sleep_pending = True
+                    e.sleep_pending, e.sleep_sent_at = True, now
                     out.append((key, contract.WarmMessage.of(contract.WARM_SLEEP, seq=e.sleep_seq, level=1)))
         sent = []
         for key, msg in out:

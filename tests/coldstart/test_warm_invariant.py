@@ -81,3 +81,14 @@ def test_lent_memory_is_granted_once_and_only_when_released(cap, n_others, data)
         if waking_since is not None and tick - waking_since > 8:
             # co-tenants released long ago and the books are at the requests: the grant must have come
             assert False, f"wake pending since tick {waking_since}: limits {limits}, used {used}"
+
+
+def test_an_unanswered_sleep_is_asked_again():
+    sent = []
+    broker = WarmBroker(send=lambda k, m: sent.append(m) or True, params=P)
+    broker.receive(SLEEPER, contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True), 0)
+    broker.after_tick({SLEEPER: Phase.WARM}, {}, now=0.0)
+    broker.after_tick({SLEEPER: Phase.WARM}, {}, now=30.0)  # pending: not repeated
+    broker.after_tick({SLEEPER: Phase.WARM}, {}, now=61.0)  # lost: asked again
+    broker.after_tick({SLEEPER: Phase.WARM}, {}, now=62.0)
+    assert [m.get("seq") for m in sent] == [1, 2]
