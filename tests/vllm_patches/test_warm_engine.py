@@ -107,6 +107,7 @@ def test_sleep_wake_on_cuda(rig: dict[str, Any]) -> None:
         pytest.skip("needs a CUDA GPU")
     from vllm import LLM, SamplingParams
 
+    write_quota(str(rig["qdir"] / "quota.json"), 2048, 10)  # CUDA runtime overhead does not fit in 40 MiB
     kw = {**ENGINE_KW, "dtype": "bfloat16"}
     llm = LLM(model=rig["model"], enable_sleep_mode=True, gpu_memory_utilization=0.2, **kw)
     broker, channels = rig["broker"], rig["channels"]
