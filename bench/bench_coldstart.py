@@ -172,7 +172,7 @@ def plot(result: dict, path: str) -> None:
     ax[2].set_yscale("log")
     ax[2].set_xlabel("deployments per GPU")
     ax[2].set_ylabel("first token p99 (s, log)")
-    ax[2].legend(fontsize=8)
+    ax[2].legend(fontsize=8, loc="upper left")
     ax[2].set_title("Deployments that fit at the p99 target")
     fig.suptitle(f"ServeGen, {len(first and result['per_seed'])} seed(s), idle timer {result['params']['idle_s']:.0f} s, seed 0 shown")
     fig.tight_layout()
