@@ -13,6 +13,7 @@ daemon, so the DaemonSet restarts it rather than leaving a plugin that looks ali
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
@@ -82,6 +83,9 @@ class DevicePluginDaemon:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.failed: str | None = None
+        self.models: tuple = ()  # issue 23: resident models, published in the inventory's ``models``
+        self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
+        self._quota_loop: Any = None
         self.state.add_listener(self._changed)
 
     def _shared_capacities(self) -> dict[str, int]:
@@ -99,19 +103,58 @@ class DevicePluginDaemon:
             log.info("quota loop off: it reads per-container GPU memory from NVML", backend=self.backend.name)
             return
         from deviceplugin.quota import service as quota_service
+        channels = None
+        if config.warm_tier.enabled:  # issue 23: the warm tier's broker and its sockets
+            from deviceplugin.quota.model import PolicyParams
+            from deviceplugin.quota.warm import WarmBroker
+            from deviceplugin.warm_channel import WarmChannels
+            self.warm = WarmBroker(send=lambda key, msg: channels.send(key, msg) if channels else False,
+                                   params=PolicyParams.from_config(config.quota))
+            channels = WarmChannels(self.warm)
+            from deviceplugin.warm_channel import WarmCollector
+            self.metrics.registry.register(WarmCollector(self.warm))
         loop = quota_service.build_loop(config, self._api, self._node_name, self._shared_capacities,
                                         nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
-                                        usage=[replay] if replay is not None else None)
+                                        usage=[replay] if replay is not None else None, warm=self.warm)
+        self._quota_loop = loop
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
+        if channels is not None:
+            self.warm.poke = loop.poke
+            self._spawn("warm-channel", lambda: channels.serve(
+                self._stop, lambda: {t.key: loop.quota_dir(t) for t in loop.tenants_now}))
+
+    def _start_residency(self) -> None:
+        """Issue 23: which models this node can start fast (cache files, engines), in the inventory."""
+        wt = self.state.snapshot.config.warm_tier
+        if self.publisher is None or not (wt.model_cache_dir or wt.enabled):
+            return
+        from deviceplugin.residency import ResidencyReporter
+
+        def engines() -> list:
+            loop = self._quota_loop
+            if self.warm is None or loop is None:
+                return []
+            return self.warm.engines({t.key: [g for g, _ in t.gpus] for t in loop.tenants_now})
+
+        def changed(models: tuple) -> None:
+            self.models = models
+            self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))  # type: ignore[union-attr]
+
+        reporter = ResidencyReporter(wt.model_cache_dir, changed, engines, wt.scan_interval_seconds,
+                                     max_entries=wt.max_cache_entries)
+        self._spawn("model-residency", lambda: reporter.run(self._stop))
+
+    def _inventory_json(self, inventory: Any) -> str:
+        return dataclasses.replace(inventory, models=self.models).to_json() if self.models else inventory.to_json()
 
     def _managers(self) -> list[ResourceManager]:
         return [NodeResourceManager(r, self.state, self.feeds, self.allocator) for r in self.state.snapshot.devices]
 
     def _changed(self, old: Snapshot, new: Snapshot) -> None:
         if self.publisher is not None and new.inventory != old.inventory:
-            self.publisher.publish(new.inventory.to_json())
+            self.publisher.publish(self._inventory_json(new.inventory))
         if set(new.devices) != set(old.devices):
             self.lifecycle.request_restart("resources changed")
 
@@ -136,9 +179,10 @@ class DevicePluginDaemon:
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
         if self.publisher is not None:
-            self.publisher.publish(self.state.snapshot.inventory.to_json())
+            self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))
             self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
         self._start_quota_loop()
+        self._start_residency()
         if self._metrics_port:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
             self._metrics_server.start()

@@ -115,10 +115,12 @@ class Accounting:
         # node is away, so they are charged again when it returns), and the node of each.
         self._host_pods: dict[str, dict[str, cluster.HostDemand]] = {}
         self._host_node: dict[str, str] = {}
+        self.models: dict[str, tuple] = {}  # node -> resident models it reports (issue 23)
 
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
-                          self.holds if len(self.holds) else None, self.clock())
+                          self.holds if len(self.holds) else None, self.clock(), self.models,
+                          self.config.warm_tier.residency_max_steps)
 
     # -- nodes ----------------------------------------------------------------------------
     def apply_node(self, event: str, node: Obj) -> None:
@@ -153,6 +155,7 @@ class Accounting:
                 for key, need in self._host_pods.get(name, {}).items():
                     self.state.add_pod(key, name, (), need, strict_host=False)
             self._annotation[name] = text or ""
+            self.models[name] = translate.node_models(node, self.names)
             self._node_of_uuid.update((s.uuid, name) for s in slots)
             log.info("node inventory", node=name, gpus=len(slots), capacity_mib=sum(s.capacity for s in slots))
             for key in list(self.unaccounted):  # pods that named a node or GPU we did not know yet
@@ -173,6 +176,7 @@ class Accounting:
         for s in self.slots.pop(name):
             self._node_of_uuid.pop(s.uuid, None)
         self._annotation.pop(name, None)
+        self.models.pop(name, None)
         self._host.pop(name, None)
         for key in self._host_pods.get(name, {}):
             self.state.remove_pod(key)

@@ -70,12 +70,27 @@ def _tenants(mirrors: dict[str, Obj]) -> dict[str, list[Obj]]:
                 out.setdefault(e["uuid"], []).append({
                     "pod": key, "container": container, "class": e.get("class", "default"),
                     "requestMiB": e.get("req"), "floorMiB": e.get("floor"), "limitMiB": e.get("mib"),
-                    "usedMiB": e.get("used"), "state": e.get("state"), "reason": e.get("why")})
+                    "usedMiB": e.get("used"), "state": e.get("state"), "reason": e.get("why"),
+                    **{k: e[m] for k, m in (("sleep", "sleep"), ("lentMiB", "lent"), ("wakeSeconds", "wakeS"))
+                       if m in e}})  # the warm tier (issue 23), where the engine can sleep
     return out
+
+
+def _models(models: Any) -> tuple[list[Obj], dict[str, list[Obj]]]:
+    """The node's resident models (issue 23): files in its cache, and engines per GPU uuid."""
+    files, engines = [], {}
+    for m in models or ():
+        ref = f"{m.name}@{m.revision}" if m.revision else m.name
+        if m.bytes:
+            files.append({"model": ref, "bytes": m.bytes})
+        for gpu, state in m.engines:
+            engines.setdefault(gpu, []).append({"model": ref, "state": state.value})
+    return files, engines
 
 
 def _node(acct: accounting.Accounting, name: str) -> Obj:
     with acct.lock:  # one node at a time: consistent per node, and filter never waits for the whole walk
+        files, engines = _models(acct.models.get(name))
         usage = acct.state.node_usage(name)
         mode = _enforcement(acct._annotation.get(name))  # the inventory text accounting keeps per node
         states = _states(acct, acct.names)
@@ -91,10 +106,13 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
             "pods": [{"pod": key, "mib": mib, **({"state": states[key]} if key in states else {})}
                      for key, mib in sorted(use.pods.items())],
             **({"tenants": tenants[s.uuid]} if s.uuid in tenants else {}),  # issue 14, where the loop mirrored
+            **({"engines": engines[s.uuid]} if s.uuid in engines else {}),  # issue 23: models awake/asleep here
         })
     doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
     if mode:
         doc["enforcement"] = mode
+    if files:
+        doc["models"] = files
     return doc
 
 
@@ -125,6 +143,8 @@ def format_table(doc: Obj) -> str:
         for g in n["gpus"]:
             pods = ", ".join(f"{p['pod']} ({_gib(p['mib'])}{', ' + p['state'] if p.get('state') else ''})"
                              for p in g["pods"]) or "-"
+            if g.get("engines"):
+                pods += "; engines: " + ", ".join(f"{e['model']} {e['state']}" for e in g["engines"])
             kind = g["kind"] + ("" if g["healthy"] else " UNHEALTHY")
             rows.append((n["name"], str(g["index"]), g["model"], kind, _gib(g["totalMiB"]), _gib(g["usedMiB"]),
                          _gib(g["freeMiB"]), pods))
@@ -142,18 +162,35 @@ def format_table(doc: Obj) -> str:
                 tenant_rows.append((n["name"], str(g["index"]), f"{t['pod']}/{t['container']}", str(t["class"]),
                                     *(_gib(t[k]) if isinstance(t.get(k), int) else "-"
                                       for k in ("requestMiB", "floorMiB", "limitMiB", "usedMiB")),
-                                    t.get("state") or "-", n.get("enforcement") or "-", t.get("reason") or "-"))
+                                    _state(t), n.get("enforcement") or "-", t.get("reason") or "-"))
     if len(tenant_rows) > 1:
         widths = [max(len(r[i]) for r in tenant_rows) for i in range(len(tenant_rows[0]) - 1)]
         lines.append("")
         lines.extend("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in tenant_rows)
         lines.append("tenants: as the quota loop last changed them (memory in GiB; USED measured at that change)")
+    for n in nodes:
+        if n.get("models"):
+            lines.append(f"{n['name']}: model files cached: " + ", ".join(
+                f"{m['model']} ({m['bytes'] / (1 << 30):.1f} GiB)" for m in n["models"]))
     modes = {n["name"]: n["enforcement"] for n in nodes if n.get("enforcement")}
     if modes:
         lines.append("GPU memory enforcement: " + ", ".join(f"{n} {m}" for n, m in sorted(modes.items())))
     for pod, why in (doc.get("unaccounted") or {}).items():
         lines.append(f"warning: {pod} not accounted: {why}")
     return "\n".join(lines)
+
+
+def _state(t: Obj) -> str:
+    """The tenant's warmth, and its engine's warm-tier state where it can sleep (lent GiB, last wake)."""
+    text = t.get("state") or "-"
+    if t.get("sleep"):
+        text += f" ({t['sleep']}"
+        if isinstance(t.get("lentMiB"), int):
+            text += f", lent {_gib(t['lentMiB'])}"
+        if isinstance(t.get("wakeSeconds"), (int, float)):
+            text += f", last wake {t['wakeSeconds']:.2f}s"
+        text += ")"
+    return text
 
 
 def fetch(base_url: str, node: str | None = None, timeout: float = 10.0,

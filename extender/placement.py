@@ -83,7 +83,8 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
 
 
 def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str], policy: str,
-                host: HostDemand = HostDemand(), rng: np.random.Generator | None = None) -> list[tuple[str, int]]:
+                host: HostDemand = HostDemand(), rng: np.random.Generator | None = None,
+                bonus: np.ndarray | None = None) -> list[tuple[str, int]]:
     """Integer 0..10 per input name: one best fitting node gets 10, names that do not fit get 0.
 
     Raw scores are min-max scaled over the fitting nodes, so the extender's weight decides how much
@@ -94,6 +95,11 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
     picks (``rank_rows`` argmax, same tie order), not merely one within a twentieth of the range of it;
     and it never breaks a tie at random (in the simulator a random choice among equally good nodes
     costs FGD five points of allocation against always filling the same nodes first).
+
+    ``bonus`` (per input name, in steps of the policy's score: the residency term of issue 23,
+    :mod:`extender.residency`) is added to the raw scores of the nodes that fit, before scaling; a
+    policy's step is its ``score_step`` (fgd: 1, its scores are whole steps), else a tenth of the raw
+    range (one point of the 0..10 scale). It never reaches a node that does not fit.
     """
     rows, known = _rows(state, node_names)
     out = np.full(len(node_names), MIN_EXTENDER_PRIORITY, np.int64)
@@ -101,7 +107,13 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
         ask = Ask(state, tuple(demands), rows, host, rng)
         ok = ask.best_fit.ok
         if ok.any():
-            raw = policy_catalog.get(policy).scores(ask.subset(ok))
+            pol = policy_catalog.get(policy)
+            raw = pol.scores(ask.subset(ok))
+            if bonus is not None:
+                add = np.asarray(bonus, np.float64)[known][ok]
+                if add.any():
+                    step = getattr(pol, "score_step", None) or (float(raw.max() - raw.min()) / 10 or 1.0)
+                    raw = raw + np.clip(add, 0.0, None) * step
             lo, hi = float(raw.min()), float(raw.max())
             scaled = np.full(len(raw), MAX_EXTENDER_PRIORITY, np.int64) if hi <= lo else \
                 np.rint((raw - lo) / (hi - lo) * (MAX_EXTENDER_PRIORITY - MIN_EXTENDER_PRIORITY)).astype(np.int64)

@@ -100,6 +100,7 @@ class FragmentationGradient:
     """
 
     name = "fgd"
+    score_step = 1.0  # raw scores are whole steps of NODE_STEP GPU (a residency bonus is in these units)
 
     def _single_slot(self, ask: Ask) -> bool:
         d = ask.demands

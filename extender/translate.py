@@ -69,6 +69,18 @@ def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
         raise TranslateError(f"node {meta.get('name', '?')}: annotation {names.inventory}: {exc}") from None
 
 
+def node_models(node: Obj, names: contract.Names) -> tuple[inventory.ResidentModel, ...]:
+    """The models the node reports resident (issue 23); ``()`` when none or the inventory is unreadable
+    (a hint: it never keeps a node from being scheduled on)."""
+    text = ((node.get("metadata") or {}).get("annotations") or {}).get(names.inventory)
+    if not text:
+        return ()
+    try:
+        return inventory.NodeInventory.from_json(text).models
+    except inventory.InventoryError:
+        return ()
+
+
 _MIB = 1 << 20
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from extender import cluster, held_pick, placement, translate, wire
+from extender import cluster, held_pick, placement, residency, translate, wire
 from vramshare import contract, logs, podspec
 from vramshare.config import Policy
 
@@ -41,6 +41,8 @@ class View:
     policy: Policy
     holds: "Holds | None" = None  # live same-size holds (None: none at all, the common case)
     now_ns: int = 0
+    models: Mapping[str, Sequence] | None = None  # node -> resident models (issue 23), None: no report
+    residency_max_steps: float = 0.9  # the residency bonus's bound, in steps of the policy's score
 
 
 def policy_for(pod_policy: str | None, default: Policy) -> Policy:
@@ -155,4 +157,11 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
         return [(n, 0) for n in names]
     # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
     # (0 where the pod does not fit or the node is unknown): already the wire's HostPriorityList.
-    return placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host)
+    bonus = None
+    if want.model_error:
+        log.info("model annotation ignored", pod=want.key, reason=want.model_error)
+    if want.model is not None and view.models:
+        cfg = residency.ResidencyConfig(max_steps=view.residency_max_steps)
+        bonus = residency.bonus(want.model, [view.models.get(n, ()) for n in names], cfg)
+    return placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host,
+                                 bonus=bonus)

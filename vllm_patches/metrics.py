@@ -66,10 +66,10 @@ def ensure_state_dir(env: MutableMapping[str, str]) -> str:
     return path
 
 
-def publish(state_dir: str, engine: str, state: Mapping[str, Any]) -> None:
+def publish(state_dir: str, engine: str, state: Mapping[str, Any], prefix: str = "engine-") -> None:
     """Write one engine's state atomically (write + rename), tagged with the writer's pid."""
     doc = {"pid": os.getpid(), **state}
-    final = os.path.join(state_dir, f"engine-{engine}.json")
+    final = os.path.join(state_dir, f"{prefix}{engine}.json")
     fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".engine-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as fh:
@@ -79,6 +79,20 @@ def publish(state_dir: str, engine: str, state: Mapping[str, Any]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+WARM_PREFIX = "warm-"
+# The warm tier (issue 23, vllm_patches/warm.py) publishes its own small file per engine (warm-<engine>.json)
+SLEEP_STATE = ("vramshare_vllm_sleep_state", "1 for the engine's warm-tier state: awake, sleeping or waking")
+WARM_METRICS: dict[str, tuple[str, str]] = {
+    "wake_seconds": ("vramshare_vllm_wake_seconds", "Latency of the last wake: request arrival to serving (s)"),
+    "sleep_freed_bytes": ("vramshare_vllm_sleep_freed_bytes", "GPU bytes the last sleep gave back"),
+}
+
+
+def publish_warm(state_dir: str, engine: str, state: Mapping[str, Any]) -> None:
+    """The warm tier's state of one engine (atomic, like :func:`publish`, in its own file)."""
+    publish(state_dir, f"{WARM_PREFIX}{engine}", state, prefix="")
 
 
 def _alive(pid: int) -> bool:
@@ -91,10 +105,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_states(state_dir: str) -> dict[str, dict[str, Any]]:
+def read_states(state_dir: str, prefix: str = "engine-") -> dict[str, dict[str, Any]]:
     """``{engine: state}`` for every live writer; unreadable or stale files are skipped."""
     out: dict[str, dict[str, Any]] = {}
-    for path in sorted(glob.glob(os.path.join(state_dir, "engine-*.json"))):
+    for path in sorted(glob.glob(os.path.join(state_dir, f"{prefix}*.json"))):
         try:
             with open(path) as fh:
                 doc = json.load(fh)
@@ -102,7 +116,7 @@ def read_states(state_dir: str) -> dict[str, dict[str, Any]]:
             continue
         if not isinstance(doc, dict) or not _alive(int(doc.get("pid", -1))):
             continue
-        engine = os.path.basename(path)[len("engine-"):-len(".json")]
+        engine = os.path.basename(path)[len(prefix):-len(".json")]
         out[engine] = doc
     return out
 
@@ -127,6 +141,19 @@ class StateCollector(Collector):
             if isinstance(state.get("release_mode"), str):
                 mode.add_metric([engine, state["release_mode"]], 1.0)
         yield mode
+        warm = read_states(self.state_dir, WARM_PREFIX)
+        if warm:
+            sleep = GaugeMetricFamily(SLEEP_STATE[0], SLEEP_STATE[1], labels=["engine", "state"])
+            for engine, state in warm.items():
+                for name in ("awake", "sleeping", "waking"):
+                    sleep.add_metric([engine, name], 1.0 if state.get("sleep_state") == name else 0.0)
+            yield sleep
+            for key, (name, help_text) in WARM_METRICS.items():
+                family = GaugeMetricFamily(name, help_text, labels=["engine"])
+                for engine, state in warm.items():
+                    if isinstance(state.get(key), (int, float)) and not isinstance(state.get(key), bool):
+                        family.add_metric([engine], float(state[key]))
+                yield family
 
 
 _mp_gauges: dict[str, Gauge] = {}

@@ -71,6 +71,9 @@ def register() -> None:
         release.ensure_ipc_name(os.environ)  # before any child process is spawned
 
         _installed = vllm_glue.install(found)
+        from . import warm_glue  # the warm tier (issue 23): its hooks live in their own module
+
+        _installed["warm_tier"] = warm_glue.install_guarded(found)
         # The collector serves the engine core's published state from this process's default
         # registry; harmless in processes that do not serve /metrics.
         metrics.register_collector(metrics.ensure_state_dir(os.environ))

@@ -78,6 +78,23 @@ ENFORCEMENT_AUTO = "auto"
 
 
 @dataclass(frozen=True)
+class WarmTierConfig:
+    """Issue 23: engines that sleep and lend their memory; where models' files are. Off by default."""
+
+    # the quota loop asks idle engines that can sleep (vLLM with --enable-sleep-mode, on CUDA) to sleep,
+    # through a unix socket (contract.WARM_SOCKET_NAME) the node agent serves in each quota directory
+    enabled: bool = False
+    # host directory the node agent scans for model files (Hugging Face cache or <name>/<revision>) and
+    # publishes in the inventory's ``models``; None: no scan
+    model_cache_dir: str | None = None
+    scan_interval_seconds: float = 60.0
+    max_cache_entries: int = 200_000  # directory entries read per scan at most (a huge cache is cut there)
+    # the extender's residency bonus is worth at most this many steps of the policy's score (fgd: 0.16
+    # GPU of fragmentation each); below 1 it only breaks near-ties (bench/bench_residency.py)
+    residency_max_steps: float = 0.9
+
+
+@dataclass(frozen=True)
 class EnforcementConfig:
     """How each container's GPU memory is fenced. ``mode`` auto picks the best the node supports;
     a named mode that the node cannot honour stops the device plugin with the reason."""
@@ -191,6 +208,7 @@ class Config:
     quota: QuotaConfig = field(default_factory=QuotaConfig)
     enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
     dra: DraConfig = field(default_factory=DraConfig)
+    warm_tier: WarmTierConfig = field(default_factory=WarmTierConfig)
 
     @property
     def names(self) -> contract.Names:
@@ -215,10 +233,12 @@ _TOP_KEYS = {
     "gpuModes": "gpu_modes", "deviceListStrategy": "device_list_strategy",
     "quotaHostDir": "quota_host_dir",
     "health": "health", "extender": "extender", "quota": "quota", "enforcement": "enforcement",
-    "dra": "dra",
+    "dra": "dra", "warmTier": "warm_tier",
 }
 _REMOVED_KEYS = {"mpsEnforcement": "replaced by enforcement.mode: mps (which also mounts the MPS pipe and "
                                    "shared-memory directories a client needs; the old switch did not)"}
+_WARM_KEYS = {"enabled": "enabled", "modelCacheDir": "model_cache_dir", "scanIntervalSeconds": "scan_interval_seconds",
+              "maxCacheEntries": "max_cache_entries", "residencyMaxSteps": "residency_max_steps"}
 _DRA_KEYS = {"gpus": "gpus", "deviceTaints": "device_taints", "cdiRoot": "cdi_root", "stateDir": "state_dir"}
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
                 "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
@@ -478,6 +498,7 @@ def config_from_dict(raw: Any) -> Config:
                           f"{contract.Names(domain).dra_driver!r} must be at most 63 characters")
     return Config(
         dra=dra,
+        warm_tier=_warm_config(top.get("warmTier")),
         version=VERSION,
         resource_domain=domain,
         memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB", minimum=1),
@@ -622,6 +643,23 @@ def _dra_config(raw: Any) -> DraConfig:
         device_taints=_typed(r.get("deviceTaints", False), bool, "dra.deviceTaints"),
         cdi_root=_absolute(_typed(r.get("cdiRoot", d.cdi_root), str, "dra.cdiRoot"), "dra.cdiRoot"),
         state_dir=_absolute(_typed(r.get("stateDir", d.state_dir), str, "dra.stateDir"), "dra.stateDir"),
+    )
+
+
+def _warm_config(raw: Any) -> WarmTierConfig:
+    r = _check_keys(raw, _WARM_KEYS, "warmTier.")
+    d = WarmTierConfig()
+    cache = r.get("modelCacheDir")
+    return WarmTierConfig(
+        enabled=_typed(r.get("enabled", d.enabled), bool, "warmTier.enabled"),
+        model_cache_dir=None if cache is None else _absolute(_typed(cache, str, "warmTier.modelCacheDir"),
+                                                             "warmTier.modelCacheDir"),
+        scan_interval_seconds=_typed(r.get("scanIntervalSeconds", d.scan_interval_seconds), float,
+                                     "warmTier.scanIntervalSeconds", minimum=1),
+        max_cache_entries=_typed(r.get("maxCacheEntries", d.max_cache_entries), int, "warmTier.maxCacheEntries",
+                                 minimum=1),
+        residency_max_steps=_typed(r.get("residencyMaxSteps", d.residency_max_steps), float,
+                                   "warmTier.residencyMaxSteps", minimum=0),
     )
 
 

@@ -6,6 +6,8 @@ spelled here once; a rename is a protocol change.
 """
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 DEFAULT_DOMAIN = "vramshare.io"
@@ -59,6 +61,12 @@ class Names:
     def policy(self) -> str:
         """Per-pod override of the extender's scoring policy."""
         return f"{self.domain}/policy"
+
+    @property
+    def model(self) -> str:
+        """The model a pod serves, ``<name>[@<revision>]`` (issue 23; user-writable, optional): read by
+        :func:`parse_model_ref`, the one codec. Without it placement and the warm tier act as before."""
+        return f"{self.domain}/model"
 
     # -- pod annotations: the extender's plan at bind, overwritten by the device plugin with what was allocated
     @property
@@ -115,6 +123,52 @@ class Names:
 USER_ANNOTATIONS: tuple[str, ...] = ("gpu-count", "gpu-models", "policy", "quota-class", "model")
 
 
+# -- the model annotation codec (issue 23) ------------------------------------------------------------
+MAX_MODEL_NAME = 200  # Hugging Face repo ids are at most 96 chars per part; a path-like name fits
+MAX_MODEL_REVISION = 128
+_MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
+_MODEL_REV_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class ModelRefError(ValueError):
+    """A ``model`` annotation (or a cache directory name) that does not name a model; says what to write."""
+
+
+@dataclass(frozen=True, order=True)
+class ModelRef:
+    """A model's identity: ``name`` (``org/name`` or a plain name) and optional ``revision`` (a commit
+    hash, tag or branch). ``""`` revision means "any revision" when matched against what a node holds."""
+
+    name: str
+    revision: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.revision}" if self.revision else self.name
+
+    def matches(self, held: "ModelRef") -> bool:
+        """Does a node's copy ``held`` serve this ask? Same name, and same revision when one is asked."""
+        return self.name == held.name and (not self.revision or self.revision == held.revision)
+
+
+def parse_model_ref(text: object) -> ModelRef:
+    """``<name>[@<revision>]`` -> :class:`ModelRef`; raises :class:`ModelRefError` naming what is wrong.
+
+    Names are path-like (``meta-llama/Llama-3.1-8B-Instruct``): letters, digits, ``.``, ``_``, ``-``
+    in ``/``-separated parts, no ``..`` part (the name becomes a cache path on the node)."""
+    if not isinstance(text, str):
+        raise ModelRefError(f"model: expected a string, got {type(text).__name__}")
+    name, sep, rev = text.strip().partition("@")
+    if not name:
+        raise ModelRefError(f"model {text!r}: empty name (want <name>[@<revision>])")
+    if len(name) > MAX_MODEL_NAME or not _MODEL_NAME_RE.fullmatch(name) or ".." in name.split("/"):
+        raise ModelRefError(f"model {text!r}: name must be letters, digits, '.', '_', '-' in '/'-separated "
+                            f"parts, at most {MAX_MODEL_NAME} characters")
+    if sep and (not rev or len(rev) > MAX_MODEL_REVISION or not _MODEL_REV_RE.fullmatch(rev)):
+        raise ModelRefError(f"model {text!r}: revision after '@' must be letters, digits, '.', '_', '-', "
+                            f"at most {MAX_MODEL_REVISION} characters")
+    return ModelRef(name, rev)
+
+
 # allocation-state values: the extender writes "assumed" with its plan at bind; the device plugin's
 # reconciler writes "allocated" with the pod's actual GPUs (from the kubelet's PodResources) after admission
 STATE_ASSUMED = "assumed"
@@ -137,6 +191,82 @@ QUOTA_FILE_NAME = "quota.json"
 HOST_QUOTA_ROOT = "/var/lib/vramshare/quota"
 #: the host's cgroup v2 tree, where driver mode finds other containers' cgroups (mounted at the same path)
 HOST_CGROUP_ROOT = "/sys/fs/cgroup"
+
+# -- the warm tier's fast channel (issue 23) --------------------------------------------------------------
+#: A unix stream socket the node agent listens on in each container's quota directory (the container sees
+#: it at ``/var/run/vramshare/warm.sock``: connecting to a socket works on the read-only mount). One JSON
+#: object per line, at most :data:`WARM_MAX_LINE` bytes, ``"v": 1``. The engine (vLLM plugin) connects and
+#: says ``hello``; the agent answers ``sleep`` when the quota loop found the tenant idle; a first request
+#: makes the engine send ``wake`` and wait for ``grant`` before it takes its memory back.
+WARM_SOCKET_NAME = "warm.sock"
+WARM_VERSION = 1
+WARM_MAX_LINE = 1024
+#: engine -> agent
+WARM_HELLO = "hello"  # engine, canSleep, weightsBytes (what a wake brings back), state (awake | sleeping |
+#                      waking: an engine reconnecting to a restarted agent), model (<name>[@<revision>], what
+#                      the node reports as resident), reason when it cannot sleep
+WARM_SLEPT = "slept"  # seq (of the sleep it answers), freedBytes
+WARM_WAKE = "wake"  # seq (the engine's own, increasing), needBytes: a request arrived while asleep
+WARM_AWAKE = "awake"  # seq (of the wake), seconds (wake latency, request arrival to serving)
+WARM_REFUSED = "refused"  # seq (of the sleep), reason (busy, not supported, failed)
+#: agent -> engine
+WARM_SLEEP = "sleep"  # seq (the agent's, increasing), level (1)
+WARM_GRANT = "grant"  # seq (of the wake), bytes: the memory is free (measured) and the quota restored
+WARM_OPS = (WARM_HELLO, WARM_SLEPT, WARM_WAKE, WARM_AWAKE, WARM_REFUSED, WARM_SLEEP, WARM_GRANT)
+_WARM_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "engine": str, "seq": int, "level": int, "canSleep": bool, "weightsBytes": int, "freedBytes": int,
+    "needBytes": int, "bytes": int, "seconds": (int, float), "reason": str, "state": str, "model": str}
+
+
+class WarmMessageError(ValueError):
+    """A line on the warm channel that is not a message of this version; the reader drops it and logs."""
+
+
+@dataclass(frozen=True)
+class WarmMessage:
+    op: str
+    fields: tuple[tuple[str, object], ...] = ()
+
+    def get(self, key: str, default: object = None) -> object:
+        return dict(self.fields).get(key, default)
+
+    @classmethod
+    def of(cls, op: str, **fields: object) -> "WarmMessage":
+        return cls(op, tuple(sorted((k, v) for k, v in fields.items() if v is not None)))
+
+
+def encode_warm(msg: WarmMessage) -> bytes:
+    """One line (``\n`` ended); raises :class:`WarmMessageError` for what :func:`decode_warm` refuses."""
+    line = json.dumps({"v": WARM_VERSION, "op": msg.op, **dict(msg.fields)}, separators=(",", ":"))
+    decode_warm(line)  # one definition of what is valid
+    return (line + "\n").encode()
+
+
+def decode_warm(line: str | bytes) -> WarmMessage:
+    """A message from one line; unknown fields are ignored (additive within v1), bad ones refused."""
+    if len(line) > WARM_MAX_LINE:
+        raise WarmMessageError(f"warm message longer than {WARM_MAX_LINE} bytes")
+    try:
+        doc = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WarmMessageError(f"warm message is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("v") != WARM_VERSION:
+        raise WarmMessageError(f"warm message: want an object with \"v\": {WARM_VERSION}")
+    op = doc.get("op")
+    if op not in WARM_OPS:
+        raise WarmMessageError(f"warm message: unknown op {op!r}")
+    fields = {}
+    for key, kind in _WARM_FIELDS.items():
+        if key not in doc:
+            continue
+        value = doc[key]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise WarmMessageError(f"warm message {op}: {key} has the wrong type ({value!r})")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= 1 << 53:
+            raise WarmMessageError(f"warm message {op}: {key} out of range ({value!r})")
+        fields[key] = value
+    return WarmMessage.of(op, **fields)
+
 
 # kubelet paths and protocol constants
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"

@@ -72,6 +72,36 @@ class Gpu:
         return replace(self, healthy=healthy)
 
 
+class EngineState(str, enum.Enum):
+    """A vLLM engine of a model on one GPU of the node (issue 23): serving, or asleep in host RAM."""
+
+    AWAKE = "awake"
+    SLEEPING = "sleeping"
+
+
+@dataclass(frozen=True)
+class ResidentModel:
+    """A model the node can start fast (issue 23): its files in the host cache (``bytes``, 0 when only an
+    engine is known) and the engines that hold it, ``(gpu uuid, state)``. A sleeping engine serves only
+    its own pod, which wakes in place; new replicas profit from the files."""
+
+    name: str
+    revision: str = ""
+    bytes: int = 0
+    engines: tuple[tuple[str, EngineState], ...] = ()
+
+    @property
+    def ref(self) -> contract.ModelRef:
+        return contract.ModelRef(self.name, self.revision)
+
+
+#: bounds of the ``models`` section: a node reports at most this many (largest first), the annotation
+#: stays small (~64 x 300 bytes); a reader drops what is past them
+MAX_MODELS = 64
+MAX_ENGINES_PER_MODEL = 16
+MAX_MODEL_BYTES = 1 << 50  # 1 PiB: no model's files are larger
+
+
 @dataclass(frozen=True)
 class NodeInventory:
     """All GPUs of one node plus the memory unit they are sliced in."""
@@ -80,6 +110,7 @@ class NodeInventory:
     gpus: tuple[Gpu, ...] = field(default_factory=tuple)
     version: str = contract.INVENTORY_VERSION
     enforcement: EnforcementMode | None = None  # optional: absent from older publishers
+    models: tuple[ResidentModel, ...] = ()  # optional (issue 23): absent from older publishers
 
     def gpu(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
@@ -105,7 +136,43 @@ def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
     doc = _inventory_doc(inv)
     if inv.enforcement is not None:
         doc["enforcement"] = inv.enforcement.value
+    if inv.models:
+        doc["models"] = [
+            {"name": m.name, "revision": m.revision, "bytes": m.bytes,
+             "engines": [{"gpu": g, "state": st.value} for g, st in m.engines[:MAX_ENGINES_PER_MODEL]]}
+            for m in inv.models[:MAX_MODELS]
+        ]
     return doc
+
+
+def models_from_list(raw: Any) -> tuple[ResidentModel, ...]:
+    """The optional ``models`` section, read leniently: it is a placement hint, so an entry that is not
+    well formed is dropped (not the node's inventory), and entries past :data:`MAX_MODELS` are ignored."""
+    if not isinstance(raw, list):
+        return ()
+    out: list[ResidentModel] = []
+    for m in raw[:MAX_MODELS]:
+        if not isinstance(m, dict):
+            continue
+        try:
+            ref = contract.parse_model_ref(m.get("name"))
+            rev = m.get("revision") or ""
+            if rev:
+                ref = contract.parse_model_ref(f"{ref.name}@{rev}")
+        except contract.ModelRefError:
+            continue
+        size = m.get("bytes", 0)
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_MODEL_BYTES:
+            continue
+        engines = []
+        for e in (m.get("engines") or [])[:MAX_ENGINES_PER_MODEL] if isinstance(m.get("engines"), list) else ():
+            try:
+                if isinstance(e, dict) and isinstance(e.get("gpu"), str):
+                    engines.append((e["gpu"], EngineState(e.get("state"))))
+            except ValueError:
+                continue
+        out.append(ResidentModel(ref.name, ref.revision, size, tuple(engines)))
+    return tuple(out)
 
 
 def _inventory_doc(inv: NodeInventory) -> dict[str, Any]:
@@ -216,7 +283,8 @@ def inventory_from_dict(data: Any) -> NodeInventory:
             enforcement = EnforcementMode(data["enforcement"])
         except ValueError:  # a newer publisher's mode: unknown here, which is what absent means
             enforcement = None
-    return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version, enforcement=enforcement)
+    return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version, enforcement=enforcement,
+                         models=models_from_list(data.get("models")))
 
 
 def units_for(memory_mib: int, reserved_mib: int, unit_mib: int) -> int:

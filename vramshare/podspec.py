@@ -52,6 +52,10 @@ class PodDemand:
     #: ``spec.initContainers`` in order, sidecars (``restartable``) included; ``containers`` are the app
     #: containers only. How the two combine is the kubelet's rule: see :func:`effective_requests`.
     init_containers: tuple[ContainerDemand, ...] = ()
+    #: The model it serves (annotation ``model``, issue 23): a placement hint only. A value that does not
+    #: parse leaves ``model`` None (scheduling as without it) and says why in ``model_error`` to log.
+    model: contract.ModelRef | None = None
+    model_error: str | None = None
 
     @property
     def key(self) -> str:
@@ -93,8 +97,21 @@ def pod_demand(pod: Mapping[str, Any], names: contract.Names) -> PodDemand:
     containers = [_container_demand(c, names, gpu_count) for c in spec.get("containers") or []]
     inits = [_container_demand(c, names, gpu_count) for c in spec.get("initContainers") or []]
     models = tuple(p.strip() for p in str(ann.get(names.gpu_models, "")).split("|") if p.strip())
+    model, model_error = pod_model(ann, names)
     return PodDemand(ns, name, meta.get("uid", ""), tuple(containers), models, ann.get(names.policy),
-                     tuple(c for c in inits if not c.empty))
+                     tuple(c for c in inits if not c.empty), model, model_error)
+
+
+def pod_model(annotations: Mapping[str, Any], names: contract.Names) -> tuple[contract.ModelRef | None, str | None]:
+    """The pod's ``model`` annotation: ``(ref, None)``, ``(None, None)`` when absent, ``(None, why)`` when
+    it does not parse (a hint that is wrong must not keep a pod from running: it is ignored and logged)."""
+    raw = annotations.get(names.model)
+    if raw is None:
+        return None, None
+    try:
+        return contract.parse_model_ref(raw), None
+    except contract.ModelRefError as exc:
+        return None, str(exc)
 
 
 def _container_demand(c: Mapping[str, Any], names: contract.Names, gpu_count: int) -> ContainerDemand:

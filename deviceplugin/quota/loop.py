@@ -27,6 +27,7 @@ from deviceplugin.quota.model import (Bounds, Decision, GpuState, Phase, PolicyP
                                       TenantState)
 from deviceplugin.quota.overlimit import Breach, OverLimitWatch
 from deviceplugin.quota.policy import rebalance
+from deviceplugin.quota.warm import WarmBroker
 from deviceplugin.quota.warmth import Warmth
 from deviceplugin.quota.telemetry import SignalReader, TelemetryError, UsageReader, UsageSample
 from deviceplugin.quota.writer import (GpuQuota, QuotaFile, QuotaFileError, container_dir, read_quota,
@@ -131,7 +132,7 @@ class QuotaLoop:
                  signals: SignalReader | None = None, mirror: QuotaMirror | None = None, *,
                  settings: LoopSettings | None = None, mode: EnforcementMode = EnforcementMode.COOPERATIVE,
                  fence: Fence | None = None, actor: OverLimitActor | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, warm: WarmBroker | None = None) -> None:
         """``usage`` readers are tried in order (driver limits or NVML first, dcgm-exporter as the
         fallback). ``settings`` (default: ``params`` with default windows) can be swapped live."""
         self._tenants, self._capacities, self._usage = tenants, capacities, list(usage)
@@ -154,6 +155,8 @@ class QuotaLoop:
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
+        self.warm = warm  # the warm tier (issue 23): sleeping engines lend, waking ones are granted first
+        self._poked = threading.Event()
 
     @property
     def _params(self) -> PolicyParams:
@@ -293,11 +296,12 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
-                per_gpu[gpu].append(TenantState(t.key, req, cur, u, sig, peak_mib=peak,
-                                                phase=phase if u is not None else Phase.HOT,
-                                                bounds=self._bounds(ct, req, cur),
-                                                rank=self._rank(t.key, ct),
-                                                recent_mib=tuple(self._window.get((t.key, gpu), ()))))
+                ts = TenantState(t.key, req, cur, u, sig, peak_mib=peak,
+                                 phase=phase if u is not None else Phase.HOT,
+                                 bounds=self._bounds(ct, req, cur),
+                                 rank=self._rank(t.key, ct),
+                                 recent_mib=tuple(self._window.get((t.key, gpu), ())))
+                per_gpu[gpu].append(self.warm.prepare(ts, gpu) if self.warm else ts)
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
@@ -321,8 +325,13 @@ class QuotaLoop:
                 why = d.reason if d.changed or last is None else last.reason
                 cls = self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS)
                 self._views[(d.key, gpu)] = TenantView(cls, req_of[d.key], d.floor_mib, used_of[d.key], why)
+        if self.warm is not None:
+            self.warm.note(decided)  # what sleeping engines lend, for the mirror written next
         self._write(tenants, decided, phases, report)
         alive = {t.key for t in tenants}
+        if self.warm is not None:  # after the files: a grant follows the quota that carries it
+            self.warm.after_tick(phases, decided, now)
+            self.warm.forget(alive)
         self._limits = {k: v for k, v in self._limits.items() if k[0] in alive}
         self._preempt = {k: v for k, v in self._preempt.items() if k in alive}
         self._window = {k: v for k, v in self._window.items() if k[0] in alive}
@@ -419,6 +428,10 @@ class QuotaLoop:
         if self._mirror is not None:
             self._mirror_pods(tenants, changed_pods, report)
 
+    def quota_dir(self, t: Tenant) -> str:
+        """Where ``t``'s quota.json (and the warm tier's socket) live."""
+        return self._dir(t)
+
     def _dir(self, t: Tenant) -> str:
         """The tenant's quota directory: its own when the source names one (an allocation-keyed dir),
         else ``<quotaHostDir>/<pod-uid>/<container>``."""
@@ -457,8 +470,9 @@ class QuotaLoop:
                                         if (t.key, g) in self._limits} for t in members}
             try:
                 states = {t.key.container: self._phases[t.key].value for t in members if t.key in self._phases}
-                details = {t.key.container: {g: _detail(self._views[(t.key, g)]) for g, _ in t.gpus
-                                             if (t.key, g) in self._views} for t in members}
+                warm = self.warm.views() if self.warm is not None else {}
+                details = {t.key.container: {g: {**_detail(self._views[(t.key, g)]), **_warm_detail(warm.get(t.key))}
+                                             for g, _ in t.gpus if (t.key, g) in self._views} for t in members}
                 self._mirror.mirror(members[0].key, quotas, states, details)  # type: ignore[union-attr]
             except Exception as exc:  # the file is the contract; the annotation is only a mirror
                 log.warning("quota annotation not mirrored", pod=f"{members[0].key.namespace}/"
@@ -474,10 +488,35 @@ class QuotaLoop:
                     self.run_once()
             except Exception:  # never let one bad tick end the loop
                 log.error("quota tick crashed, keeping last quotas", exc_info=True)
-            stop.wait(self.settings.interval_seconds or interval_seconds)
+            wait = self.settings.interval_seconds or interval_seconds
+            if self.warm is None:
+                stop.wait(wait)
+                continue
+            if self.warm.wake_pending():
+                wait = min(wait, self.warm.fast_tick_s)  # a wake waits for memory: look again soon
+            deadline = time.monotonic() + wait
+            while not stop.is_set() and not self._poked.is_set() and time.monotonic() < deadline:
+                self._poked.wait(min(0.05, max(0.0, deadline - time.monotonic())))  # stop seen within 50 ms
+            self._poked.clear()
+
+    def poke(self) -> None:
+        """Tick now (a wake request arrived on the warm channel): :meth:`run` stops waiting."""
+        self._poked.set()
 
 
 REASON_CHARS = 120  # the mirrored reason is cut here: annotations count against the pod object's size
+
+
+def _warm_detail(e: object) -> dict[str, object]:
+    """The warm tier's fields of the mirror (issue 23): engine state, MiB lent while asleep, last wake (s)."""
+    if e is None or not getattr(e, "can_sleep", False):
+        return {}
+    out: dict[str, object] = {"sleep": e.state.value}  # type: ignore[attr-defined]
+    if e.lent_mib:  # type: ignore[attr-defined]
+        out["lent"] = e.lent_mib  # type: ignore[attr-defined]
+    if e.last_wake_s is not None:  # type: ignore[attr-defined]
+        out["wakeS"] = round(e.last_wake_s, 3)  # type: ignore[attr-defined]
+    return out
 
 
 def _detail(v: TenantView) -> dict[str, object]:

@@ -33,7 +33,7 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
                *, nvml: Any | None = None, dcgm_url: str | None = None,
                mode: EnforcementMode = EnforcementMode.COOPERATIVE, cgroup_root: str = contract.HOST_CGROUP_ROOT,
                process_attribution: bool | None = None, usage: list[UsageReader] | None = None,
-               tenants: Any | None = None) -> QuotaLoop:
+               tenants: Any | None = None, warm: Any | None = None) -> QuotaLoop:
     """A loop reading per-container use, then dcgm-exporter at ``dcgm_url`` (when given), and vLLM metrics.
 
     ``capacities`` returns ``{gpu uuid: schedulable MiB}`` (units x memoryUnitMiB) for the GPUs in
@@ -69,7 +69,7 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
                      PolicyParams.from_config(cfg.quota), cfg.quota_host_dir,
                      signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names),
                      settings=LoopSettings.from_config(cfg.quota, cfg.enforcement), mode=mode, fence=fence,
-                     actor=ApiOverLimitActor(v1, cfg.names, node))
+                     actor=ApiOverLimitActor(v1, cfg.names, node), warm=warm)
     holder.append(loop)
     for reader in usage:
         if hasattr(reader, "bind"):  # a simulated node's replay reads the tenants of the tick

@@ -112,7 +112,8 @@ def test_configmap_config_parses_and_documents_the_defaults():
 def test_configmap_shows_every_key():
     raw = yaml.safe_load(_config_text())
     sections = {"": (raw, config._TOP_KEYS), "health.": (raw["health"], config._HEALTH_KEYS),
-                "extender.": (raw["extender"], config._EXTENDER_KEYS), "quota.": (raw["quota"], config._QUOTA_KEYS)}
+                "extender.": (raw["extender"], config._EXTENDER_KEYS), "quota.": (raw["quota"], config._QUOTA_KEYS),
+                "warmTier.": (raw["warmTier"], config._WARM_KEYS)}
     for prefix, (given, known) in sections.items():
         missing = sorted(set(known) - set(given))
         assert not missing, f"document {[prefix + k for k in missing]} in configmap.yaml"

@@ -44,3 +44,41 @@ def test_quota_loop_runs_on_nvml_nodes_only(api_url: str, backend_name: str) -> 
         finally:
             daemon.close()
     assert [t.name for t in daemon._threads if t.is_alive()] == []
+
+
+def test_warm_tier_and_residency_start_with_the_loop(api_url: str, tmp_path) -> None:
+    """Issue 23: ``warmTier.enabled`` runs the warm channel beside the quota loop; a model cache dir puts
+    the node's resident models into its inventory annotation (additive: older readers ignore it)."""
+    import dataclasses
+    import json
+    import time
+
+    from vramshare.config import WarmTierConfig
+
+    cache = tmp_path / "hf"
+    snap = cache / "models--org--m" / "snapshots" / "r1"
+    snap.mkdir(parents=True)
+    (snap / "model.safetensors").write_bytes(b"x" * 100)
+    backend = NvmlBackend(nvml=FakeNvml([H100_80GB]))
+    with kube.api_client_for(api_url) as api:
+        config = dataclasses.replace(Config().with_overrides(quota_host_dir=str(tmp_path / "quota")),
+                                     warm_tier=WarmTierConfig(enabled=True, model_cache_dir=str(cache)))
+        daemon = DevicePluginDaemon(backend, config, str(tmp_path), node_name="gpu-1", api=api)
+        try:
+            daemon.start()
+            assert _running(daemon, "warm-channel") and _running(daemon, "model-residency")
+            deadline = time.monotonic() + 10
+            models = None
+            while time.monotonic() < deadline:
+                from kubernetes import client
+                node = client.CoreV1Api(api).read_node("gpu-1")
+                ann = node.metadata.annotations or {}
+                text = ann.get(config.names.inventory)
+                if text and "models" in json.loads(text):
+                    models = json.loads(text)["models"]
+                    break
+                time.sleep(0.1)
+            assert models == [{"name": "org/m", "revision": "r1", "bytes": 100, "engines": []}]
+        finally:
+            daemon.close()
+    assert [t.name for t in daemon._threads if t.is_alive()] == []

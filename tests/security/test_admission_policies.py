@@ -226,6 +226,7 @@ def test_users_cannot_change_or_remove_handshake_annotations(key: str, value: st
 def test_users_write_their_own_annotations() -> None:
     pod = gpu_pod(count=2, models="NVIDIA H100 80GB HBM3", policy="binpack")
     assert admit(Request("CREATE", "pods", USER, pod)) == []
+    assert admit(Request("CREATE", "pods", USER, with_ann(pod, model="org/llama@main"))) == []  # issue 23
     assert admit(Request("UPDATE", "pods", USER, with_ann(pod, policy="spread"), pod)) == []
 
 

@@ -126,7 +126,7 @@ def test_plugin_hooks_installed_once(engine: Any) -> None:
     from vllm_patches import plugin, vllm_glue
 
     assert plugin.installed_hooks() == {"engine_args": True, "worker_memory": True,
-                                        "request_memory": True, "scheduler": True}
+                                        "request_memory": True, "scheduler": True, "warm_tier": True}
     before = (EngineArgs.create_engine_config, Scheduler.__init__)
     plugin.register()
     vllm_glue.install(vllm_glue.QuotaSettings(None, os.environ["VRAMSHARE_QUOTA_FILE"], 1.0, {}))

@@ -1,0 +1,212 @@
+"""The warm tier, loop side (issue 23 item 2): idle -> sleep -> lend; wake request -> take back -> grant.
+
+Pure (no I/O: messages go out through the ``send`` callable the adapter gives it,
+:mod:`deviceplugin.warm_channel`). The quota loop calls it twice per tick:
+
+* :meth:`WarmBroker.prepare` on each tenant state before :func:`~deviceplugin.quota.policy.rebalance`:
+  a *sleeping* engine's tenant is ``WARM`` with floor 0, so the policy shrinks its limit to its measured
+  use (the residual a sleeping engine keeps) plus margin and lends the rest to co-tenants; a *waking*
+  one is ``WAKING`` with its request as demand, so the policy restores it ahead of everybody and shrinks
+  co-tenants that borrowed;
+* :meth:`WarmBroker.after_tick` with the tick's phases and decisions: it sends ``sleep`` to engines the
+  loop found idle (the class's ``idleSeconds``) that said they can sleep, and ``grant`` to a waking
+  engine once the decision gives it its whole reserve on every GPU. The policy's grant layer raises a
+  limit only out of memory nobody holds (measured use), so a grant is never memory a co-tenant has not
+  released: the wake never finds its memory taken, and with books at the requests (no overcommit) it
+  always comes (co-tenants are cut back to their requests first), it only waits.
+
+A wake request pokes the loop (the adapter's ``poke``) so it ticks at once and again every
+``fast_tick_s`` while a wake is pending: the wake path never waits for the regular interval.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from deviceplugin.quota.model import Bounds, Decision, Phase, PolicyParams, TenantKey, TenantState
+from vramshare import contract, logs
+
+log = logs.get(__name__)
+
+MIB = 1 << 20
+
+
+class Sleep(str, enum.Enum):
+    AWAKE = "awake"
+    SLEEPING = "sleeping"
+    WAKING = "waking"
+
+
+@dataclass
+class EngineView:
+    """What the broker knows of one tenant's engine (metrics, inspect)."""
+
+    can_sleep: bool = False
+    model: str = ""  # what the engine serves, as it said (<name>[@<revision>])
+    reason: str = ""  # why it cannot sleep, as the engine said
+    weights_bytes: int = 0
+    state: Sleep = Sleep.AWAKE
+    sleep_seq: int = 0  # the last sleep sent
+    sleep_pending: bool = False
+    sleep_sent_at: float | None = None
+    wake_seq: int | None = None  # the wake being served
+    wake_since: float | None = None
+    freed_bytes: int = 0  # what the last sleep gave back
+    lent_mib: int = 0  # request minus limit while asleep: memory co-tenants may use
+    last_wake_s: float | None = None  # request arrival to serving, as the engine measured it
+    wakes: int = 0
+    sleeps: int = 0
+    refusals: int = 0
+
+
+@dataclass
+class WarmBroker:
+    send: Callable[[TenantKey, contract.WarmMessage], bool]
+    poke: Callable[[], None] = lambda: None
+    fast_tick_s: float = 0.2
+    sleep_answer_s: float = 60.0  # an engine sleeps in seconds; no answer by then: the message was lost
+    params: PolicyParams = field(default_factory=PolicyParams)
+    _reserve: dict[tuple[TenantKey, str], int] = field(default_factory=dict)
+    _engines: dict[TenantKey, EngineView] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # -- messages from the engines (the channel thread) ---------------------------------------------
+    def receive(self, key: TenantKey, msg: contract.WarmMessage, now: float) -> None:
+        with self._lock:
+            e = self._engines.setdefault(key, EngineView())
+            op = msg.op
+            if op == contract.WARM_HELLO:
+                e.can_sleep = bool(msg.get("canSleep", False))
+                e.reason = str(msg.get("reason", "") or "")
+                e.model = str(msg.get("model", "") or "")
+                e.weights_bytes = int(msg.get("weightsBytes", 0) or 0)  # type: ignore[arg-type]
+                # a reconnecting engine (a new process, or a restarted agent) says where it is
+                try:
+                    e.state = Sleep(str(msg.get("state", Sleep.AWAKE.value)))
+                except ValueError:
+                    e.state = Sleep.AWAKE
+                e.sleep_pending, e.wake_seq = False, None
+                log.info("warm channel: engine said hello", tenant=str(key), can_sleep=e.can_sleep,
+                         reason=e.reason or None)
+            elif op == contract.WARM_SLEPT and msg.get("seq") == e.sleep_seq and e.sleep_pending:
+                e.state, e.sleep_pending = Sleep.SLEEPING, False
+                e.freed_bytes = int(msg.get("freedBytes", 0) or 0)  # type: ignore[arg-type]
+                e.sleeps += 1
+                log.info("engine asleep, memory lent", tenant=str(key), freed_mib=e.freed_bytes // MIB)
+            elif op == contract.WARM_REFUSED and msg.get("seq") == e.sleep_seq:
+                e.sleep_pending = False
+                e.refusals += 1
+                log.info("engine did not sleep", tenant=str(key), reason=msg.get("reason"))
+            elif op == contract.WARM_WAKE:
+                e.state, e.wake_seq, e.sleep_pending = Sleep.WAKING, int(msg.get("seq", 0)), False  # type: ignore[arg-type]
+                e.wake_since = now
+                log.info("wake requested: taking memory back", tenant=str(key), seq=e.wake_seq)
+            elif op == contract.WARM_AWAKE:
+                e.state, e.wake_seq, e.wake_since, e.lent_mib = Sleep.AWAKE, None, None, 0
+                e.last_wake_s = float(msg.get("seconds", 0.0) or 0.0)  # type: ignore[arg-type]
+                e.wakes += 1
+            else:
+                return
+        if op == contract.WARM_WAKE:
+            self.poke()
+
+    def forget(self, alive: Iterable[TenantKey]) -> None:
+        keep = set(alive)
+        with self._lock:
+            self._engines = {k: v for k, v in self._engines.items() if k in keep}
+            self._reserve = {k: v for k, v in self._reserve.items() if k[0] in keep}
+
+    def disconnected(self, key: TenantKey) -> None:
+        """The engine's connection closed (process gone): its memory is no longer asleep or waking."""
+        with self._lock:
+            self._engines.pop(key, None)
+
+    # -- the loop's tick --------------------------------------------------------------------------------
+    def prepare(self, t: TenantState, gpu: str) -> TenantState:
+        """The tenant as the policy should see it: asleep -> WARM at floor 0; waking -> WAKING, demand =
+        its request. Awake engines (and tenants without one) are left as the loop saw them."""
+        with self._lock:
+            e = self._engines.get(t.key)
+            state = e.state if e else Sleep.AWAKE
+        b = t.bounds or self.params.bounds_of(t.request_mib)
+        with self._lock:
+            self._reserve[(t.key, gpu)] = b.clamp(t.request_mib)
+        if state is Sleep.AWAKE or t.used_mib is None:
+            return t
+        if state is Sleep.SLEEPING:
+            return dataclasses.replace(t, phase=Phase.WARM, bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
+        return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
+
+    def note(self, decided: Mapping[tuple[TenantKey, str], Decision]) -> None:
+        """Record what each sleeping engine lends under this tick's decisions (its reserve minus its new
+        limit): called before the files and the mirror are written, so both show it."""
+        with self._lock:
+            lent: dict[TenantKey, int] = {}
+            for (key, gpu), d in decided.items():
+                e = self._engines.get(key)
+                if e is not None and e.state is Sleep.SLEEPING:
+                    lent[key] = lent.get(key, 0) + max(0, self._reserve.get((key, gpu), 0) - d.limit_mib)
+            for key, e in self._engines.items():
+                e.lent_mib = lent.get(key, 0) if e.state is Sleep.SLEEPING else 0
+
+    def after_tick(self, phases: Mapping[TenantKey, Phase],
+                   decided: Mapping[tuple[TenantKey, str], Decision],
+                   now: float | None = None) -> list[tuple[TenantKey, contract.WarmMessage]]:
+        """Send ``sleep`` to idle engines that can sleep and ``grant`` to waking engines whose decision
+        reached their reserve (the request within their bounds) on every GPU they hold; returns what
+        was sent. A sleep unanswered for ``sleep_answer_s`` (by ``now``) may be sent again."""
+        reserve = (lambda key, gpu: self._reserve.get((key, gpu), 0))
+        per_key: dict[TenantKey, list[Decision]] = {}
+        for (key, _), d in decided.items():
+            per_key.setdefault(key, []).append(d)
+        out: list[tuple[TenantKey, contract.WarmMessage]] = []
+        with self._lock:
+            for key, e in self._engines.items():
+                if (e.sleep_pending and now is not None and e.sleep_sent_at is not None
+                        and now - e.sleep_sent_at > self.sleep_answer_s):
+                    log.warning("engine did not answer a sleep; asking again when idle", tenant=str(key))
+                    e.sleep_pending = False
+                ds = per_key.get(key, [])
+                if e.state is Sleep.WAKING and ds and all(d.limit_mib >= reserve(key, d.gpu_uuid) for d in ds):
+                    out.append((key, contract.WarmMessage.of(
+                        contract.WARM_GRANT, seq=e.wake_seq, bytes=sum(d.limit_mib for d in ds) * MIB)))
+                elif (e.state is Sleep.AWAKE and e.can_sleep and not e.sleep_pending
+                      and phases.get(key) is Phase.WARM):
+                    e.sleep_seq += 1
+                    e.sleep_pending, e.sleep_sent_at = True, now
+                    out.append((key, contract.WarmMessage.of(contract.WARM_SLEEP, seq=e.sleep_seq, level=1)))
+        sent = []
+        for key, msg in out:
+            if self.send(key, msg):
+                sent.append((key, msg))
+                log.info("warm channel: sent", tenant=str(key), op=msg.op, seq=msg.get("seq"))
+            elif msg.op == contract.WARM_SLEEP:
+                with self._lock:
+                    if key in self._engines:
+                        self._engines[key].sleep_pending = False
+        return sent
+
+    def wake_pending(self) -> bool:
+        """A wake waits for memory: the loop should tick again within ``fast_tick_s``."""
+        with self._lock:
+            return any(e.state is Sleep.WAKING for e in self._engines.values())
+
+    def engines(self, gpus_of: Mapping[TenantKey, Iterable[str]]) -> list[tuple[contract.ModelRef, str, str]]:
+        """``(model, gpu uuid, "awake" | "sleeping")`` of every engine that named a valid model: what the
+        node reports as resident (a waking engine counts as awake)."""
+        out = []
+        for key, e in self.views().items():
+            try:
+                ref = contract.parse_model_ref(e.model)
+            except contract.ModelRefError:
+                continue
+            state = "sleeping" if e.state is Sleep.SLEEPING else "awake"
+            out.extend((ref, gpu, state) for gpu in gpus_of.get(key, ()))
+        return out
+
+    def views(self) -> dict[TenantKey, EngineView]:
+        with self._lock:
+            return {k: dataclasses.replace(v) for k, v in self._engines.items()}

@@ -1,0 +1,101 @@
+"""The cold-start replay core (vramshare/coldstart.py): behaviour on small hand-built deployments."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vramshare import coldstart as cs
+
+GIB = cs.GIB
+COSTS = cs.Costs()
+
+
+def dep(name: str, segments, slice_gib=40, weight_gib=27.5, overcommit=True) -> cs.Deployment:
+    return cs.Deployment(name, weight_gib * GIB, slice_gib * GIB, np.array(segments, float).reshape(-1, 2), overcommit)
+
+
+def test_busy_intervals_merge_below_the_idle_timer():
+    seg = np.array([[0, 10], [100, 110], [1000, 1010]], float)
+    iv = cs.busy_intervals(seg, 300)
+    assert iv.tolist() == [[0, 410], [1000, 1310]]
+
+
+def test_window_arrivals_keep_the_rate():
+    rng = np.random.default_rng(0)
+    n = sum(len(cs.window_arrivals(0.5, "Gamma", 0.3, rng)) for _ in range(200))
+    assert abs(n / (200 * 600) - 0.5) < 0.05
+    busy = cs.window_arrivals(100.0, "Weibull", 0.5, rng)
+    assert len(busy) == 2 and 0 <= busy[0] <= busy[1] <= 600
+
+
+def test_place_today_books_every_slice_and_keeps_the_reserve():
+    deps = [dep(f"d{i}", [[0, 1]]) for i in range(4)]
+    assert cs.place(deps, 80 * GIB).gpus_used == 2
+    over = cs.place(deps, 80 * GIB, overcommit=2.0, residual_bytes=1.5 * GIB)
+    assert over.gpus_used == 1  # 4 x 40 / 2 = 80, and one 40 GiB wake beside 3 residuals fits
+    firm = [dep(f"f{i}", [[0, 1]], overcommit=False) for i in range(2)]
+    mixed = cs.place(firm + deps, 80 * GIB, overcommit=4.0, residual_bytes=1.5 * GIB)
+    for g in set(mixed.gpu_of.values()):  # never two firm 40s plus a wake on one GPU
+        on = [d for d in firm + deps if mixed.gpu_of[d.name] == g]
+        firm_b = sum(d.slice_bytes for d in on if not d.overcommit)
+        big = max((d.slice_bytes for d in on if d.overcommit), default=0)
+        assert firm_b + big <= 80 * GIB + len(on) * 1.5 * GIB
+
+
+def test_warm_tier_wakes_instead_of_loading_and_holds_only_the_residual():
+    deps = [dep("a", [[0, 5], [2000, 2005], [5000, 5001]]), dep("b", [[100, 200], [4000, 4100]])]
+    horizon = 8000.0
+    pl = cs.place(deps, 80 * GIB)
+    warm = cs.warm_tier(deps, cs.Cluster(pl.gpus_used, 80 * GIB), pl, 300, horizon, COSTS, count_from=0)
+    keep = cs.keep_warm(deps, 300, horizon, COSTS, pl.gpus_used, count_from=0)
+    zero = cs.scale_to_zero(deps, 300, horizon, COSTS, np.array([20.0]), np.random.default_rng(0), count_from=0)
+    assert len(warm.ttft_s) == len(keep.ttft_s) == len(zero.ttft_s) == 5
+    assert warm.full_loads == 0 and zero.full_loads == 5
+    assert max(warm.ttft_s) < min(zero.ttft_s)
+    assert warm.ttft_s[0] == pytest.approx(COSTS.wake_s(27.5 * GIB) + COSTS.base_ttft_s)
+    assert warm.idle_bytes_s <= 0.05 * keep.idle_bytes_s
+    assert warm.busy_bytes_s == pytest.approx(keep.busy_bytes_s, rel=0.01)
+
+
+def test_a_wake_without_memory_waits_or_moves_never_fails():
+    # three 39 GiB pods booked on one 80 GiB GPU (overcommit 1.5); a and b busy together, c wakes meanwhile
+    deps = [dep(n, seg, slice_gib=39) for n, seg in (("a", [[0, 3000]]), ("b", [[0, 3000]]), ("c", [[1000, 1001]]))]
+    pl = cs.place(deps, 80 * GIB, overcommit=1.5, residual_bytes=1.5 * GIB)
+    assert pl.gpus_used == 1
+    stuck = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 300, 10_000, COSTS, count_from=0, relocate=False)
+    assert stuck.waited_for_memory == 1 and len(stuck.ttft_s) == 3
+    assert max(stuck.wait_s) == pytest.approx(3300 - 1000)  # until a co-tenant's idle timer ran out
+    spare = cs.Cluster(2, 80 * GIB)
+    moved = cs.warm_tier(deps, spare, cs.Placement(pl.gpu_of, 2), 300, 10_000, COSTS, count_from=0)
+    assert moved.relocations == 1 and moved.full_loads == 1 and len(moved.ttft_s) == 3
+    assert max(moved.ttft_s) == pytest.approx(COSTS.restart_s(27.5 * GIB) + COSTS.base_ttft_s)
+
+
+def test_idle_cotenants_are_sent_to_sleep_before_a_wake_waits():
+    # a and b stop sending at 100 but their idle timers run to 400; c arrives at 200
+    deps = [dep(n, seg, slice_gib=39) for n, seg in (("a", [[0, 100], [350, 351]]), ("b", [[0, 100]]), ("c", [[200, 201]]))]
+    pl = cs.place(deps, 80 * GIB, overcommit=1.5, residual_bytes=1.5 * GIB)
+    r = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 300, 5000, COSTS, count_from=0, relocate=False)
+    assert r.waited_for_memory == 0 and r.displaced >= 1
+    assert len(r.ttft_s) == 4  # a's request at 350 now wakes it: counted as a first request
+
+
+def test_host_ram_budget_drops_the_least_recently_slept():
+    deps = [dep(f"d{i}", [[100 * i, 100 * i + 1]], slice_gib=24, weight_gib=15) for i in range(3)]
+    pl = cs.place(deps, 80 * GIB)
+    cl = cs.Cluster(1, 80 * GIB, host_bytes_per_node=30 * GIB)
+    r = cs.warm_tier(deps, cl, pl, 300, 5000, COSTS, count_from=0)
+    assert r.evictions >= 1 and r.full_loads >= 1
+
+
+def test_a_long_wait_restarts_the_replica_where_there_is_room():
+    # GPU 0: a and b busy, c wakes and finds no memory; GPU 1: three sleepers, so moving c there now
+    # would leave none of them room to wake (the reserve): c waits max_wait_s, then restarts there
+    busy = [dep(n, [[0, 3000]], slice_gib=39) for n in ("a", "b")]
+    c = dep("c", [[1000, 1001]], slice_gib=39)
+    sleepers = [dep(f"s{i}", [[5000 + 1000 * i, 5001 + 1000 * i]], slice_gib=39) for i in range(3)]
+    gpu_of = {"a": 0, "b": 0, "c": 0, "s0": 1, "s1": 1, "s2": 1}
+    r = cs.warm_tier(busy + [c] + sleepers, cs.Cluster(2, 80 * GIB), cs.Placement(gpu_of, 2), 300, 10_000,
+                     COSTS, count_from=0)
+    assert r.relocations == 1 and r.waited_for_memory == 1
+    assert max(r.ttft_s) == pytest.approx(COSTS.max_wait_s + COSTS.restart_s(27.5 * GIB) + COSTS.base_ttft_s)

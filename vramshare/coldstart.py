@@ -1,0 +1,539 @@
+"""Cold starts on shared GPUs: the pure core of the multi-model replay (issue 23). No I/O.
+
+Each model deployment is one replica that serves bursts of requests and sits idle in between. Three ways
+to run it are compared on the same arrivals:
+
+* ``zero``: Knative scale to zero; the first request after ``idle_s`` of quiet pays a full load.
+* ``keep``: a warm pod (``minScale: 1``) that keeps its whole GPU slice while idle.
+* ``warm``: vramshare's warm tier: after ``idle_s`` of quiet the engine sleeps (vLLM sleep level 1: weights
+  to host RAM, KV cache freed), the pod keeps only ``residual`` bytes of GPU memory and the rest is lent
+  to co-tenants; the first request takes the memory back from the co-tenants, wakes the engine (weights
+  over host-to-GPU bandwidth) and is served. Sleeping weights use the node's host RAM; past the node's
+  budget the least recently used sleeper is dropped (level 2 / exit) and its next start loads its files
+  from the node's disk cache (residency: it restarts where its files are).
+
+Placement (:func:`place`) books each pod at its slice divided by the GPU's ``overcommit`` ratio (issue 23
+item 5: an admin's choice per quota class; 1.0 is today's books). A wake that finds no memory on its GPU
+waits (FIFO) until a co-tenant sleeps; it never fails. Every constant is a field of :class:`Costs` with
+its source.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+GIB = 1 << 30
+WINDOW_S = 600.0  # ServeGen: one row per 10-minute window
+#: arrivals closer than this are one stretch of activity (far below any idle timer)
+SEGMENT_GAP_S = 30.0
+#: windows expecting more arrivals than this are one stretch from first to last arrival (gaps > 30 s at
+#: > 3 requests/s have probability far below the sampling noise); below it every arrival is drawn
+FULL_SAMPLING_MAX = 2000
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The replay's constants. Sources: ``shared/reference/coldstart-mig-anchors.md`` unless noted."""
+
+    #: full load = a draw from the GenAI base-model load latencies (p50 22.7 s, p99 51.9 s; Stable
+    #: Diffusion models, a few GB) scaled by ``weight_bytes / load_ref_bytes``. 8 GiB makes a 15 GiB 8B
+    #: model's median 42.6 s, DeepServe's measured Llama3-8B scale-up (42.1 s).
+    load_ref_bytes: float = 8 * GIB
+    #: wake = weights / host-to-GPU bandwidth + fixed part. llm-d fast model actuation: level-1 wake about
+    #: 3 s for 64 GiB, i.e. ~21 GiB/s effective over PCIe Gen5; 20 GiB/s taken.
+    h2d_bytes_per_s: float = 20 * GIB
+    #: fixed part of a wake (re-creating the KV cache pool, remapping cumem): assumption, to be measured
+    wake_fixed_s: float = 0.3
+    #: GPU memory a sleeping engine still holds (CUDA context, graphs, allocator pool): assumption; vLLM
+    #: logs it at sleep ("... GiB memory is still in use"), the gpu test measures it
+    residual_bytes: float = 1.5 * GIB
+    #: taking lent memory back from awake co-tenants before a wake (fast channel + KV shrink): assumption
+    reclaim_s: float = 0.5
+    #: prefill of the first request once weights are on the GPU (same under every policy): assumption
+    base_ttft_s: float = 0.15
+    #: a wake that finds no memory sends to sleep early the co-tenants (overcommitted ones only) that had
+    #: no request for this long, instead of waiting out their idle timer: design choice
+    displace_idle_s: float = 30.0
+    #: a wake that found no memory waits this long for a co-tenant to sleep, then its replica restarts on
+    #: any GPU with room (a cold start from the node's files): design choice
+    max_wait_s: float = 10.0
+    #: restart from the node's disk cache after a sleeper was dropped: engine start (process, compile
+    #: cache hit, CUDA graphs; assumption) + weights from local NVMe (4 GiB/s; assumption)
+    engine_start_s: float = 20.0
+    disk_bytes_per_s: float = 4 * GIB
+
+    def full_load_s(self, weight_bytes: float, genai_draw_s: float) -> float:
+        return genai_draw_s * weight_bytes / self.load_ref_bytes
+
+    def wake_s(self, weight_bytes: float) -> float:
+        return self.wake_fixed_s + weight_bytes / self.h2d_bytes_per_s
+
+    def restart_s(self, weight_bytes: float) -> float:
+        return self.engine_start_s + weight_bytes / self.disk_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One model deployment: its weights, its GPU slice (weights + KV cache) and when it is busy."""
+
+    name: str
+    weight_bytes: float
+    slice_bytes: float
+    segments: np.ndarray  # [k, 2] (first, last) arrival of each stretch of activity, seconds, sorted
+    #: may the books count it below its slice (item 5)? Its quota class's choice; the bench sets it for
+    #: deployments that slept most of a training period (a pod that never sleeps gains nothing from it)
+    overcommit: bool = True
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpu_bytes: float
+    gpus_per_node: int = 8
+    host_bytes_per_node: float = 1536 * GIB  # host RAM for sleeping weights (of 2 TiB on a DGX H100)
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+
+# -- arrivals ---------------------------------------------------------------------------------------------
+def _scale_for_mean(dist: str, shape: float, mean: float) -> float:
+    if dist == "Weibull":
+        return mean / math.gamma(1.0 + 1.0 / shape)
+    return mean / shape  # Gamma (and the default): mean = shape * scale
+
+
+def _draw(dist: str, shape: float, scale: float, n: int, rng: np.random.Generator) -> np.ndarray:
+    if dist == "Weibull":
+        return scale * rng.weibull(shape, n)
+    return rng.gamma(shape, scale, n)
+
+
+def window_arrivals(rate: float, dist: str, shape: float, rng: np.random.Generator,
+                    window_s: float = WINDOW_S) -> np.ndarray:
+    """Arrival offsets in one window: a renewal process at mean ``rate`` with the window's fitted
+    inter-arrival law (ServeGen's ``param1`` is the shape; the scale is set so the mean is ``1/rate``: the
+    published scales are fitted on normalised gaps). Busy windows return only their first and last."""
+    if rate <= 0:
+        return np.zeros(0)
+    if not (shape > 0 and math.isfinite(shape)):
+        dist, shape = "Gamma", 1.0  # no fit published: Poisson
+    shape = max(shape, 0.05)  # shapes below this put all mass at 0 and blow up the variance
+    scale = _scale_for_mean(dist, shape, 1.0 / rate)
+    expected = rate * window_s
+    if expected > FULL_SAMPLING_MAX:
+        first = min(float(_draw(dist, shape, scale, 1, rng)[0]), window_s)
+        last = max(window_s - float(_draw(dist, shape, scale, 1, rng)[0]), first)
+        return np.array([first, last])
+    out: list[np.ndarray] = []
+    t = 0.0
+    while t < window_s:
+        gaps = _draw(dist, shape, scale, int(expected * 1.5) + 16, rng)
+        times = t + np.cumsum(gaps)
+        out.append(times[times < window_s])
+        t = float(times[-1])
+    return np.concatenate(out)
+
+
+def segments_of(arrivals: np.ndarray, gap_s: float = SEGMENT_GAP_S) -> np.ndarray:
+    """``[k, 2]`` (first, last) of the stretches of sorted ``arrivals`` whose gaps are below ``gap_s``."""
+    if len(arrivals) == 0:
+        return np.zeros((0, 2))
+    cut = np.flatnonzero(np.diff(arrivals) >= gap_s)
+    starts = np.concatenate(([0], cut + 1))
+    ends = np.concatenate((cut, [len(arrivals) - 1]))
+    return np.stack([arrivals[starts], arrivals[ends]], axis=1)
+
+
+def client_segments(rows: Iterable[tuple[float, float, str, float]], rng: np.random.Generator,
+                    window_s: float = WINDOW_S) -> np.ndarray:
+    """Stretches of activity of one ServeGen client from its rows ``(window_start, rate, dist, shape)``."""
+    parts = [start + window_arrivals(rate, dist, shape, rng, window_s) for start, rate, dist, shape in rows if rate > 0]
+    return segments_of(np.concatenate(parts)) if parts else np.zeros((0, 2))
+
+
+def busy_intervals(segments: np.ndarray, idle_s: float) -> np.ndarray:
+    """``[m, 2]`` (first request, last request + ``idle_s``): when a replica with an idle timer of
+    ``idle_s`` is up. Stretches closer than ``idle_s`` merge. Each row's start is a first request after
+    idleness."""
+    if len(segments) == 0:
+        return np.zeros((0, 2))
+    cut = np.flatnonzero(segments[1:, 0] - segments[:-1, 1] >= idle_s)
+    starts = np.concatenate(([0], cut + 1))
+    ends = np.concatenate((cut, [len(segments) - 1]))
+    return np.stack([segments[starts, 0], segments[ends, 1] + idle_s], axis=1)
+
+
+def awake_profile(deps: Sequence[Deployment], idle_s: float, horizon: float) -> dict:
+    """GPU memory held by awake replicas over time (every replica sleeps ``idle_s`` after its last request):
+    its peak, time-weighted p99 and mean, against the sum of all slices. ``bound_x`` = total / peak is the
+    most deployments per GPU any placement reaches against keeping every slice, without a wake ever
+    waiting, even one that knew the future and moved replicas freely."""
+    ev: list[tuple[float, float]] = []
+    for d in deps:
+        for s, e in busy_intervals(d.segments, idle_s):
+            if s < horizon:
+                ev += [(float(s), d.slice_bytes), (float(min(e, horizon)), -d.slice_bytes)]
+    total = float(sum(d.slice_bytes for d in deps))
+    if not ev:
+        return {"total_gib": total / GIB, "peak_gib": 0.0, "p99_gib": 0.0, "mean_gib": 0.0, "bound_x": None}
+    ev.sort()
+    t = np.array([x for x, _ in ev])
+    level = np.cumsum([y for _, y in ev])
+    dur = np.diff(np.append(t, horizon))
+    order = np.argsort(level)
+    cum = np.cumsum(dur[order]) / max(dur.sum(), 1e-9)
+    p99 = float(level[order][min(len(order) - 1, int(np.searchsorted(cum, 0.99)))])
+    peak = float(level.max())
+    half = float(dur[level > total / 2].sum() / max(dur.sum(), 1e-9))
+    return {"total_gib": round(total / GIB, 1), "peak_gib": round(peak / GIB, 1), "p99_gib": round(p99 / GIB, 1),
+            "mean_gib": round(float((level * dur).sum() / max(dur.sum(), 1e-9)) / GIB, 1),
+            "bound_x": round(total / peak, 3) if peak > 0 else None,
+            "time_above_half_pct": round(100.0 * half, 2)}
+
+
+# -- placement --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    gpu_of: dict[str, int]  # deployment -> GPU index (node = index // gpus_per_node)
+    gpus_used: int
+
+
+def booked_bytes(d: Deployment, overcommit: float) -> float:
+    """What the books count a pod at: its slice, or its slice / ``overcommit`` where its class allows."""
+    return d.slice_bytes / overcommit if d.overcommit and overcommit > 1.0 else d.slice_bytes
+
+
+def place(deployments: Sequence[Deployment], gpu_bytes: float, overcommit: float = 1.0,
+          residual_bytes: float = 0.0, max_gpus: int = 1 << 16) -> Placement:
+    """First fit decreasing by slice. A GPU admits a pod while (1) the booked amounts
+    (:func:`booked_bytes`) stay within ``gpu_bytes`` and (2) the reserve holds: every pod that may not be
+    overcommitted awake, plus the largest overcommitted one waking, plus the others' residuals, fit. So
+    at least one wake at a time always finds memory; more at once may wait. ``overcommit`` 1.0 is
+    today's books (every slice)."""
+    order = sorted(deployments, key=lambda d: (-d.slice_bytes, d.name))
+    booked: list[float] = []
+    firm: list[float] = []  # slices of pods that are never overcommitted
+    biggest: list[float] = []  # largest overcommitted slice
+    sleepers: list[int] = []
+    gpu_of: dict[str, int] = {}
+    for d in order:
+        b = booked_bytes(d, overcommit)
+        oc = b < d.slice_bytes
+        for g in range(len(booked)):
+            f = firm[g] + (0.0 if oc else d.slice_bytes)
+            big = max(biggest[g], d.slice_bytes if oc else 0.0)
+            n = sleepers[g] + int(oc)
+            if booked[g] + b <= gpu_bytes + 1e-6 and f + big + max(0, n - 1) * residual_bytes <= gpu_bytes + 1e-6:
+                break
+        else:
+            if len(booked) >= max_gpus:
+                raise ValueError(f"{d.name}: no GPU of {max_gpus} has room")
+            booked.append(0.0), firm.append(0.0), biggest.append(0.0), sleepers.append(0)
+            g = len(booked) - 1
+        booked[g] += b
+        if oc:
+            biggest[g] = max(biggest[g], d.slice_bytes)
+            sleepers[g] += 1
+        else:
+            firm[g] += d.slice_bytes
+        gpu_of[d.name] = g
+    return Placement(gpu_of, len(booked))
+
+
+def asleep_fraction(segments: np.ndarray, idle_s: float, until_s: float) -> float:
+    """Share of ``[0, until_s)`` a replica with idle timer ``idle_s`` would have slept."""
+    iv = busy_intervals(segments[segments[:, 0] < until_s] if len(segments) else segments, idle_s)
+    return 1.0 - _busy_s(iv, until_s) / until_s if until_s > 0 else 0.0
+
+
+# -- the three policies -----------------------------------------------------------------------------------
+@dataclass
+class PolicyResult:
+    """Per policy: first requests after idleness and what they cost; memory held while idle."""
+
+    policy: str
+    ttft_s: list[float] = field(default_factory=list)  # first request after idleness, modeled
+    full_loads: int = 0  # first requests that paid a full load (or a restart from disk)
+    wakes: int = 0
+    waited_for_memory: int = 0
+    wait_s: list[float] = field(default_factory=list)
+    reclaims: int = 0  # wakes that took lent memory back from awake co-tenants first
+    evictions: int = 0  # sleepers dropped for host RAM
+    relocations: int = 0  # wakes that found no memory and restarted on another GPU
+    displaced: int = 0  # idle co-tenants sent to sleep early to make room for a wake
+    idle_bytes_s: float = 0.0  # GPU memory x time held by pods with no request for idle_s
+    busy_bytes_s: float = 0.0
+    gpus: int = 0
+
+    def summary(self, hours: float, deployments: int) -> dict:
+        t = np.asarray(self.ttft_s) if self.ttft_s else np.zeros(1)
+        n = len(self.ttft_s)
+        pct = (lambda q: round(float(np.percentile(t, q)), 3))
+        return {
+            "policy": self.policy, "deployments": deployments, "gpus": self.gpus,
+            "deployments_per_gpu": round(deployments / self.gpus, 3) if self.gpus else None,
+            "first_requests_after_idle": n,
+            "avoided_full_load_pct": round(100.0 * (n - self.full_loads) / n, 2) if n else None,
+            "cold_starts_per_hour": round(self.full_loads / hours, 3),
+            "ttft_first_p50_s": pct(50), "ttft_first_p90_s": pct(90), "ttft_first_p99_s": pct(99),
+            "ttft_first_max_s": round(float(t.max()), 3),
+            "wakes": self.wakes, "reclaims_from_cotenants": self.reclaims,
+            "waited_for_memory": self.waited_for_memory,
+            "wait_p99_s": round(float(np.percentile(self.wait_s, 99)), 3) if self.wait_s else 0.0,
+            "evicted_to_zero": self.evictions, "relocated": self.relocations,
+            "displaced_early_sleeps": self.displaced,
+            "idle_gpu_gib_hours": round(self.idle_bytes_s / GIB / 3600, 1),
+            "busy_gpu_gib_hours": round(self.busy_bytes_s / GIB / 3600, 1),
+        }
+
+
+def _counted(start: float, count_from: float) -> bool:
+    """First requests before ``count_from`` are not counted: the trace's first stretch has no known past,
+    and a training period (what decided who is overcommitted) is not evaluated on."""
+    return start >= count_from
+
+
+def _busy_s(iv: np.ndarray, horizon: float) -> float:
+    return float(np.minimum(iv[:, 1], horizon).sum() - iv[:, 0].sum()) if len(iv) else 0.0
+
+
+def scale_to_zero(deps: Sequence[Deployment], idle_s: float, horizon: float, costs: Costs,
+                  genai_s: np.ndarray, rng: np.random.Generator, count_from: float | None = None) -> PolicyResult:
+    """(a) every first request after ``idle_s`` pays a full load (a GenAI draw scaled by weight bytes)."""
+    res = PolicyResult("zero")
+    for d in deps:
+        iv = busy_intervals(d.segments, idle_s)
+        res.busy_bytes_s += d.slice_bytes * _busy_s(iv, horizon)
+        for s, _ in iv:
+            if _counted(s, idle_s if count_from is None else count_from):
+                res.ttft_s.append(costs.full_load_s(d.weight_bytes, float(rng.choice(genai_s))) + costs.base_ttft_s)
+                res.full_loads += 1
+    return res
+
+
+def keep_warm(deps: Sequence[Deployment], idle_s: float, horizon: float, costs: Costs, gpus: int,
+              count_from: float | None = None) -> PolicyResult:
+    """(b) ``minScale: 1``: every pod keeps its slice; the first request after idleness is served at once."""
+    res = PolicyResult("keep", gpus=gpus)
+    for d in deps:
+        iv = busy_intervals(d.segments, idle_s)
+        busy = _busy_s(iv, horizon)
+        res.busy_bytes_s += d.slice_bytes * busy
+        res.idle_bytes_s += d.slice_bytes * (horizon - busy)
+        res.ttft_s.extend(costs.base_ttft_s for s, _ in iv if _counted(s, idle_s if count_from is None else count_from))
+    return res
+
+
+@dataclass
+class _Pod:
+    dep: Deployment
+    gpu: int
+    idx: int = 0
+    state: str = "asleep"  # asleep | awake | zero | queued
+    held: float = 0.0
+    since: float = 0.0  # when the current state began (for idle memory-time)
+    pending: list[float] = field(default_factory=list)  # first-request times waiting for memory
+    sleep_at: float = 0.0
+    resume: str = ""  # the state a queued pod leaves the queue from (asleep or zero)
+
+
+def warm_tier(deps: Sequence[Deployment], cluster: Cluster, placement: Placement, idle_s: float,
+              horizon: float, costs: Costs, count_from: float | None = None, relocate: bool = True) -> PolicyResult:
+    """(c) sleep after ``idle_s``, lend, take back, wake in place. A wake that finds no memory on its GPU
+    is never refused: with ``relocate`` it restarts at once on a GPU with room (its files are in the
+    node's cache: :meth:`Costs.restart_s`, counted as a cold start), else it waits for a co-tenant to
+    sleep."""
+    res = PolicyResult("warm", gpus=placement.gpus_used)
+    pods = [_Pod(d, placement.gpu_of[d.name], i) for i, d in enumerate(deps)]
+    _run(pods, cluster, placement.gpus_used, idle_s, horizon, costs, res,
+         idle_s if count_from is None else count_from, relocate)
+    return res
+
+
+def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: float, costs: Costs,
+         res: PolicyResult, count_from: float, relocate: bool) -> None:
+    per_node = cluster.gpus_per_node
+    held = [0.0] * gpus
+    on_gpu: list[set[int]] = [set() for _ in range(gpus)]
+    queue: dict[int, list[_Pod]] = {}
+    lru: dict[int, OrderedDict[int, _Pod]] = {}  # per node: sleepers, least recently slept first
+    host: dict[int, float] = {}
+    events: list[tuple[float, int, int, float]] = []  # (time, 0 sleep | 1 wake | 2 patience, pod, end)
+    for p in pods:
+        on_gpu[p.gpu].add(p.idx)
+        for s, e in busy_intervals(p.dep.segments, idle_s):
+            if s < horizon:
+                heapq.heappush(events, (float(s), 1, p.idx, float(e)))
+
+    def account(p: _Pod, now: float) -> None:
+        """Charge the memory ``p`` held since its state began (idle unless awake)."""
+        span = max(0.0, min(now, horizon) - min(p.since, horizon))
+        if p.state == "awake":
+            res.busy_bytes_s += p.held * span
+        else:
+            res.idle_bytes_s += p.held * span
+        p.since = now
+
+    def set_held(p: _Pod, amount: float) -> None:
+        held[p.gpu] += amount - p.held
+        p.held = amount
+
+    def to_sleep(p: _Pod, now: float) -> None:
+        node = p.gpu // per_node
+        account(p, now)
+        set_held(p, costs.residual_bytes)
+        p.state = "asleep"
+        lru.setdefault(node, OrderedDict())[p.idx] = p
+        host[node] = host.get(node, 0.0) + p.dep.weight_bytes
+        while host[node] > cluster.host_bytes_per_node and lru[node]:
+            _, q = lru[node].popitem(last=False)
+            account(q, now)
+            host[node] -= q.dep.weight_bytes
+            set_held(q, 0.0)
+            q.state = "zero"
+            res.evictions += 1
+            serve_queue(q.gpu, now)
+
+    def leave_host(p: _Pod) -> None:
+        node = p.gpu // per_node
+        if lru.get(node, {}).pop(p.idx, None) is not None:
+            host[node] -= p.dep.weight_bytes
+
+    def start(p: _Pod, now: float, firsts: list[float], cold: bool) -> None:
+        """Wake (or restart) ``p`` at ``now`` for the first requests ``firsts`` that arrived since."""
+        awake_peers = any(pods[j].state == "awake" for j in on_gpu[p.gpu] if j != p.idx)
+        cost = costs.restart_s(p.dep.weight_bytes) if cold else costs.wake_s(p.dep.weight_bytes)
+        reclaim = costs.reclaim_s if awake_peers else 0.0
+        res.reclaims += int(awake_peers)
+        account(p, now)
+        set_held(p, p.dep.slice_bytes)
+        p.state = "awake"
+        for s in firsts:
+            if _counted(s, count_from):
+                res.ttft_s.append(now - s + reclaim + cost + costs.base_ttft_s)
+                if cold:
+                    res.full_loads += 1
+                else:
+                    res.wakes += 1
+        heapq.heappush(events, (max(p.sleep_at, now + reclaim + cost), 0, p.idx, 0.0))
+
+    def fits(g: int, p: _Pod) -> bool:
+        return held[g] - (p.held if p.gpu == g else 0.0) + p.dep.slice_bytes <= cluster.gpu_bytes + 1e-6
+
+    def reserve_ok(g: int, p: _Pod) -> bool:
+        """After ``p`` moves onto ``g``, one of ``g``'s sleepers can still wake."""
+        asleep = [pods[j].dep.slice_bytes - pods[j].held for j in on_gpu[g] if pods[j].state == "asleep"]
+        return held[g] + p.dep.slice_bytes + max(asleep, default=0.0) <= cluster.gpu_bytes + 1e-6
+
+    def move(p: _Pod, g: int) -> None:
+        leave_host(p)
+        set_held(p, 0.0)
+        on_gpu[p.gpu].discard(p.idx)
+        p.gpu = g
+        on_gpu[g].add(p.idx)
+
+    def displace(gpu: int, now: float) -> None:
+        """Send to sleep now the overcommitted awake co-tenants with no request for ``displace_idle_s``;
+        the rest of their busy interval is re-armed as wakes at their next request."""
+        for j in list(on_gpu[gpu]):
+            q = pods[j]
+            if q.state != "awake" or not q.dep.overcommit:
+                continue
+            seg = q.dep.segments
+            k = int(np.searchsorted(seg[:, 0], now, side="right")) - 1
+            if k < 0 or seg[k, 1] > now - costs.displace_idle_s:
+                continue
+            if k + 1 < len(seg) and seg[k + 1, 0] < q.sleep_at:
+                heapq.heappush(events, (float(seg[k + 1, 0]), 1, j, q.sleep_at))
+            q.sleep_at = now
+            res.displaced += 1
+            to_sleep(q, now)
+
+    def serve_queue(gpu: int, now: float) -> None:
+        line = queue.get(gpu, [])
+        while line and fits(gpu, line[0]):
+            p = line.pop(0)
+            for s in p.pending:
+                if _counted(s, count_from):
+                    res.wait_s.append(now - s)
+            firsts, p.pending = p.pending, []
+            start(p, now, firsts, p.resume == "zero")
+
+    def give_up_waiting(p: _Pod, now: float) -> None:
+        """``p`` waited ``max_wait_s``: restart it on any GPU with room now, else look again later."""
+        if p.state != "queued":
+            return
+        target = next((g for g in sorted(range(gpus), key=lambda g: held[g])
+                       if g != p.gpu and fits(g, p) and not queue.get(g)), None) if relocate else None
+        if target is None:
+            heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
+            return
+        queue[p.gpu].remove(p)
+        for s in p.pending:
+            if _counted(s, count_from):
+                res.wait_s.append(now - s)
+        firsts, p.pending = p.pending, []
+        move(p, target)
+        res.relocations += 1
+        start(p, now, firsts, True)
+
+    # every pod starts loaded and asleep (deployed, then idle); past a node's host budget, dropped
+    for p in pods:
+        set_held(p, costs.residual_bytes)
+        p.state = "awake"
+        to_sleep(p, 0.0)
+
+    while events:
+        now, kind, i, end = heapq.heappop(events)
+        p = pods[i]
+        if kind == 2:  # waited long enough for memory on its own GPU
+            give_up_waiting(p, now)
+            continue
+        if kind == 0:  # idle timer ran out: sleep, lend what it held
+            if p.state == "awake" and now >= p.sleep_at:
+                gpu = p.gpu
+                to_sleep(p, now)
+                serve_queue(gpu, now)
+            continue
+        p.sleep_at = max(p.sleep_at, end)
+        if p.state == "awake":  # still up (a wake ran past the last interval's end): stay up longer
+            heapq.heappush(events, (p.sleep_at, 0, i, 0.0))
+            continue
+        if p.state == "queued":
+            p.pending.append(now)
+            continue
+        cold = p.state == "zero"
+        if fits(p.gpu, p) and not queue.get(p.gpu):
+            leave_host(p)
+            start(p, now, [now], cold)
+            continue
+        displace(p.gpu, now)
+        if fits(p.gpu, p) and not queue.get(p.gpu):
+            leave_host(p)
+            start(p, now, [now], cold)
+            continue
+        res.waited_for_memory += int(_counted(now, count_from))
+        target = next((g for g in sorted(range(gpus), key=lambda g: held[g])
+                       if g != p.gpu and fits(g, p) and reserve_ok(g, p) and not queue.get(g)), None) if relocate else None
+        if target is not None:  # restart where there is room, from the node's file cache
+            move(p, target)
+            res.relocations += 1
+            start(p, now, [now], True)
+            continue
+        leave_host(p)
+        p.resume, p.state, p.pending = ("zero" if cold else "asleep"), "queued", [now]
+        queue.setdefault(p.gpu, []).append(p)
+        heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
+    for p in pods:
+        account(p, horizon)
+        for s in p.pending if p.state == "queued" else ():  # still waiting at the end: censored at the horizon
+            if _counted(s, count_from):
+                res.ttft_s.append(max(horizon, s) - s)
+                res.wait_s.append(max(horizon, s) - s)
