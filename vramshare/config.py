@@ -154,11 +154,16 @@ class QuotaConfig:
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom
     headroom: str = "peak"  # "peak" (use + margin up to the window's peak) or "forecast" (quota/headroom.py)
+    # "releasing": only engines that report a releasing mode (vramshare_vllm_release_mode unmap) are
+    # raised beyond their request, since only their loans come back when a reservation needs them
+    # (issue 19); "any": every tenant may borrow (unsound where a cut frees nothing)
+    loans: str = "releasing"
     idle_seconds: float = 300.0  # no requests and flat use this long: the tenant is warm (0 = never)
     classes: tuple[QuotaClass, ...] = ()  # issue 14; every pod none selects is in the ``default`` class
 
 
 QUOTA_HEADROOM_RULES = ("peak", "forecast")
+QUOTA_LOAN_RULES = ("releasing", "any")
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,7 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "processAttribution": "process_attribution",
                "peakWindowTicks": "peak_window_ticks", "protectRequests": "protect_requests",
                "shareSpare": "share_spare", "idleSeconds": "idle_seconds", "classes": "classes",
-               "headroom": "headroom"}
+               "headroom": "headroom", "loans": "loans"}
 _CLASS_KEYS = {k: k for k in ("name", "floorFraction", "floorMiB", "ceilingFraction", "ceilingMiB", "marginMiB",
                               "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match")}
 _MATCH_KEYS = {"namespaces": "namespaces", "selector": "selector", "priorityClassNames": "priority_class_names"}
@@ -447,7 +452,10 @@ def config_from_dict(raw: Any) -> Config:
         idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds", minimum=0),
         classes=_quota_classes(q.get("classes")),
         headroom=_typed(q.get("headroom", "peak"), str, "quota.headroom"),
+        loans=_typed(q.get("loans", "releasing"), str, "quota.loans"),
     )
+    if quota.loans not in QUOTA_LOAN_RULES:
+        raise ConfigError(f"quota.loans: {quota.loans!r} is not one of {', '.join(QUOTA_LOAN_RULES)}")
     if quota.headroom not in QUOTA_HEADROOM_RULES:
         raise ConfigError(f"quota.headroom: {quota.headroom!r} is not one of {', '.join(QUOTA_HEADROOM_RULES)}")
     en = _check_keys(top.get("enforcement"), _ENFORCEMENT_KEYS, "enforcement.")

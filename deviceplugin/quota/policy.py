@@ -48,10 +48,11 @@ than the capacity: then nobody is raised above its use).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from deviceplugin.quota import headroom
-from deviceplugin.quota.model import Bounds, Decision, GpuState, Phase, PolicyParams, TenantState
+from deviceplugin.quota.model import Bounds, Decision, GpuState, Phase, PolicyParams, Release, TenantState
 
 # pressure points: each point grows the limit by one step this tick
 _P_PREEMPT, _P_WAITING, _P_KV, _P_NEAR = 4, 2, 1, 1
@@ -73,6 +74,7 @@ class _Plan:
     alloc: int = 0
     spare: int = 0  # part of the target that is shared spare memory (rule 3's last line)
     cut_note: str = ""  # why the forecast rule left it below its use (quota/headroom.py)
+    ceiling: int = 0  # its class's ceiling, as the file states it (``b`` may hold loans back below it)
 
     @property
     def reserve(self) -> int:
@@ -88,19 +90,63 @@ class _Plan:
         return max(limit, self.held)
 
 
-def _plan(t: TenantState, p: PolicyParams) -> _Plan:
+def _as_seen(t: TenantState) -> TenantState:
+    """A starting container (issue 19) is planned as a waking one: restored to its request ahead of
+    lenders, granted only what is free; with no sample yet its engine holds nothing."""
+    if not t.starting:
+        return t
+    return dataclasses.replace(t, used_mib=0 if t.used_mib is None else t.used_mib, phase=Phase.WAKING)
+
+
+def _bounds(t: TenantState, p: PolicyParams) -> Bounds:
+    """Its bounds; with ``loans: releasing`` an engine that does not give memory back on a cut is
+    never raised beyond its request: that memory is another's reservation or the extender's to
+    promise, and a loan to it could not be called back when they need it."""
     b = t.bounds or p.bounds_of(t.request_mib)
+    if p.loans == "releasing" and t.signals.release is not Release.RELEASE:
+        b = Bounds(b.floor_mib, max(b.floor_mib, min(b.ceiling_mib, t.request_mib)), b.margin_mib)
+    return b
+
+
+def _held(t: TenantState, cur: int) -> int:
+    """What it holds for the grant layer: its use; a releasing engine that acknowledged the file
+    carrying its limit gives back what is above it at once (down to what it cannot release: its
+    use beyond the KV memory it holds); a throttling one holds at least its KV memory."""
+    used = t.used_mib or 0
+    s = t.signals
+    if s.release is Release.RELEASE and t.shrink_acked and used > cur:
+        fixed = used - s.kv_held_mib if s.kv_held_mib is not None else 0
+        return max(cur, min(used, fixed))
+    if s.release is not Release.RELEASE and s.kv_held_mib is not None:
+        return max(used, s.kv_held_mib)
+    return used
+
+
+def _plan(t: TenantState, p: PolicyParams) -> _Plan:
+    pl = _plan_of(t, p)
+    pl.ceiling = max(pl.b.ceiling_mib, (t.bounds or p.bounds_of(t.request_mib)).ceiling_mib)
+    return pl
+
+
+def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
+    t = _as_seen(t)
+    b = _bounds(t, p)
     cur = b.clamp(t.request_mib if t.current_mib is None else t.current_mib)
     if t.used_mib is None:
         return _Plan(t, b, cur, held=cur, seen=cur, need=cur, want=cur, score=0, why=["no telemetry"], blind=True)
+    held = _held(t, cur)
     seen = max(t.used_mib, t.demand_mib or 0)
     if t.demand_mib is None and t.used_mib >= cur:  # at its (hard) limit: what it wants beyond is unseen,
         seen = t.used_mib + b.margin_mib  # so count one margin more as use, not as headroom
     why: list[str] = []
     if t.phase is Phase.WARM:
         need = b.clamp(t.used_mib + b.margin_mib)
-        return _Plan(t, b, cur, t.used_mib, b.clamp(t.used_mib), need, need, 0, ["idle"], blind=False)
+        return _Plan(t, b, cur, held, b.clamp(t.used_mib), need, need, 0, ["idle"], blind=False)
     need = b.clamp(max(seen + b.margin_mib, t.peak_mib or 0))
+    if t.starting:  # counts at its request until its engine has shown what it uses
+        seen = max(seen, b.clamp(t.request_mib))
+        need = max(b.clamp(t.used_mib + b.margin_mib), seen)
+        why.append("starting: counted at its request")
     s, score = t.signals, 0
     if s.preemptions:
         score += _P_PREEMPT
@@ -118,7 +164,7 @@ def _plan(t: TenantState, p: PolicyParams) -> _Plan:
     if need > b.clamp(seen + b.margin_mib):
         why.append(f"headroom to recent peak {t.peak_mib}")
     want = b.clamp(max(cur, need) + score * p.step_mib) if score else max(cur, need)
-    return _Plan(t, b, cur, t.used_mib, b.clamp(seen), need, max(want, need), score, why, blind=False)
+    return _Plan(t, b, cur, held, b.clamp(seen), need, max(want, need), score, why, blind=False)
 
 
 def _raise(plans: list[_Plan], level: dict[int, int], free: int) -> int:
@@ -310,7 +356,7 @@ def _reason(pl: _Plan, over: bool) -> str:  # noqa: C901 (one line per case, in 
 def rebalance(gpu: GpuState, params: PolicyParams) -> list[Decision]:
     """New limits for every tenant of ``gpu``, in key order, each with a one-line reason."""
     plans = [_plan(t, params) for t in sorted(gpu.tenants, key=lambda t: t.key)]
-    cap = max(0, gpu.capacity_mib)
+    cap = max(0, gpu.capacity_mib - gpu.reserved_mib)  # reservations are never lent
     over = sum(pl.need for pl in plans) > cap
     forecast = _targets_forecast(plans, cap, params) if params.headroom == "forecast" else None
     if forecast is not None:
@@ -323,6 +369,6 @@ def rebalance(gpu: GpuState, params: PolicyParams) -> list[Decision]:
     _grant(plans, cap)
     return [Decision(key=pl.t.key, gpu_uuid=gpu.uuid, limit_mib=pl.alloc,
                      previous_mib=pl.t.request_mib if pl.t.current_mib is None else pl.t.current_mib,
-                     floor_mib=pl.b.floor_mib, ceiling_mib=pl.b.ceiling_mib, reason=_reason(pl, over),
+                     floor_mib=pl.b.floor_mib, ceiling_mib=pl.ceiling, reason=_reason(pl, over),
                      phase=_phase(pl), held_mib=pl.commit(pl.alloc))
             for pl in plans]

@@ -13,7 +13,8 @@ from tests.fixtures.fake_nvml import H100_80GB, FakeNvml, OutOfMemory
 from vramshare.inventory import EnforcementMode
 
 GPU = H100_80GB.uuid
-P = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+P = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False,
+                 loans="any")  # lending mechanics; the loan rule of issue 19 has its own tests
 CID_A, CID_B = "a" * 64, "b" * 64
 A = TenantKey("llm", "a", "vllm", pod_uid="11111111-2222-3333-4444-555555555555")
 B = TenantKey("llm", "b", "vllm", pod_uid="66666666-7777-8888-9999-000000000000")

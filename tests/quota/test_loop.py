@@ -11,7 +11,8 @@ from deviceplugin.quota.scrape import VllmMetricsReader
 from deviceplugin.quota.telemetry import TelemetryError, UsageSample, VllmSample
 from deviceplugin.quota.writer import GpuQuota, QuotaFile, container_dir, read_quota, write_quota
 
-P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024)
+P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024,
+                 loans="any")  # lending mechanics; the loan rule of issue 19 has its own tests
 HOT = TenantKey("llm", "hot", "vllm", pod_uid="uid-hot")
 IDLE = TenantKey("llm", "idle", "vllm", pod_uid="uid-idle")
 
