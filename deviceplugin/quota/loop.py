@@ -23,6 +23,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from deviceplugin.quota import classes as qclasses
 from deviceplugin.quota.attribution import attribute
+from deviceplugin.quota.claims import merge_claims, unowned_quota_files
 from deviceplugin.quota.model import (Bounds, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
                                       TenantState)
 from deviceplugin.quota.overlimit import Breach, OverLimitWatch
@@ -39,7 +40,11 @@ log = logs.get("vramshare.quota.loop")
 
 
 class TenantSource(Protocol):
-    """The containers holding our memory on this node (from the device plugin's allocations)."""
+    """The containers holding our memory on this node (from the device plugin's allocations).
+
+    A source may also have ``list_pending() -> list[Claim]``: the containers promised memory here
+    that are not tenants yet (``kube.ApiTenantSource``: pods bound here, not yet reported allocated,
+    from the same listing); the loop counts them at their request (issue 19)."""
 
     def list_tenants(self) -> list[Tenant]:
         """Raises any exception on failure; the loop logs it and skips the tick."""
@@ -69,7 +74,10 @@ class OverLimitActor(Protocol):
 class Fence(Protocol):
     """Moves a tenant's enforced limits (driver mode): ``fence.DriverFence``."""
 
-    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int]) -> list[str]:
+    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int],
+              hard: Mapping[str, int] | None = None) -> list[str]:
+        """``hard``: per GPU, the hard limit to set where it differs from the decision's limit (a
+        shrink the engine has not acknowledged yet keeps the hard limit it had)."""
         ...
 
 
@@ -85,6 +93,8 @@ class LoopSettings:
     interval_seconds: float | None = None  # None: what ``run`` was started with
     enabled: bool = True  # false: ``run`` pauses (the files keep the last quotas)
     classes: tuple[QuotaClass, ...] = ()  # quota.classes; pods none selects are in ``default``
+    # a container counts at its request until this many ticks have shown its use (its engine starts)
+    startup_ticks: int = 3
 
     @classmethod
     def from_config(cls, quota: QuotaConfig, enforcement: EnforcementConfig | None = None) -> "LoopSettings":
@@ -123,6 +133,11 @@ class TickReport:
     skipped: str | None = None  # why the whole tick was skipped
     errors: list[str] = field(default_factory=list)
     breaches: list[Breach] = field(default_factory=list)
+    reserved: dict[str, int] = field(default_factory=dict)  # per GPU: claims of containers not tenants yet
+    # per GPU: MiB by which limits, held memory and claims exceed the capacity at the node level
+    # (sum over every container with a quota file or a claim of max(limit, held)); held memory that
+    # is already over the capacity (lent before a claim came) is not counted as this tick's fault
+    overcommitted: dict[str, int] = field(default_factory=dict)
 
 
 class QuotaLoop:
@@ -152,6 +167,12 @@ class QuotaLoop:
         self.capacities: dict[str, int] = {}  # per GPU, what the latest tick divided (after foreign memory)
         self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
+        self._sampled: dict[tuple[TenantKey, str], int] = {}  # ticks with a use sample (capped): starting
+        self._gen: dict[TenantKey, int] = {}  # generation of its quota file as last written or read
+        self._applied: dict[TenantKey, int] = {}  # generation its engine reported applied (latest)
+        self._unacked: dict[tuple[TenantKey, str], int] = {}  # highest limit it may still follow
+        self._hard: dict[tuple[TenantKey, str], int] = {}  # hard limits as this process set them
+        self._managed: set[TenantKey] = set()  # its file was written by a quota loop: not a newcomer
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
 
@@ -233,7 +254,11 @@ class QuotaLoop:
             if last is not None:  # a counter below its last value was reset: count it from zero
                 delta = int(s.preemptions_total - last if s.preemptions_total >= last else s.preemptions_total)
             self._preempt[t.key] = s.preemptions_total
-        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running)
+        if s.generation_applied is not None:
+            self._applied[t.key] = s.generation_applied
+        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running,
+                       release_mode=s.release_mode, kv_held_mib=_mib(s.kv_held_bytes),
+                       kv_demand_mib=_mib(s.kv_demand_bytes), generation_applied=s.generation_applied)
 
     def _current(self, t: Tenant, gpu: str) -> int | None:
         """The limit in force: ours, else the file Allocate wrote, else None (= the request)."""
@@ -244,6 +269,9 @@ class QuotaLoop:
                 log.warning("quota file unreadable", pod=str(t.key), gpu=gpu, error=str(exc))
                 on_disk = None
             if on_disk is not None:
+                self._gen.setdefault(t.key, on_disk.generation)
+                if on_disk.state:  # the loop wrote it before (Allocate's first file has no state)
+                    self._managed.add(t.key)
                 for g, mib in on_disk.limits().items():
                     self._limits.setdefault((t.key, g), mib)
                 for line in on_disk.gpus:
@@ -293,14 +321,21 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
+                seen_n = self._sampled[(t.key, gpu)] = min(st.startup_ticks, self._sampled.get((t.key, gpu), 0)
+                                                           + (u is not None))
+                acked, unacked = self._acked(t.key, gpu, cur)
                 per_gpu[gpu].append(TenantState(t.key, req, cur, u, sig, peak_mib=peak,
                                                 phase=phase if u is not None else Phase.HOT,
                                                 bounds=self._bounds(ct, req, cur),
                                                 rank=self._rank(t.key, ct),
-                                                recent_mib=tuple(self._window.get((t.key, gpu), ()))))
+                                                recent_mib=tuple(self._window.get((t.key, gpu), ())),
+                                                demand_mib=_demand(u, sig) if len(t.gpus) == 1 else None,
+                                                starting=seen_n < st.startup_ticks and t.key not in self._managed,
+                                                shrink_acked=acked, unacked_mib=unacked))
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
+        reserved = report.reserved = self._reserved(tenants)
         for gpu, states in sorted(per_gpu.items()):
             if gpu not in capacities:
                 log.warning("GPU not in inventory, its tenants keep their quotas", gpu=gpu)
@@ -309,7 +344,9 @@ class QuotaLoop:
             self.capacities[gpu] = cap
             used_of = {ts.key: ts.used_mib for ts in states}
             req_of = {ts.key: ts.request_mib for ts in states}
-            for d in rebalance(GpuState(gpu, cap, tuple(states)), st.params):
+            out = rebalance(GpuState(gpu, cap, tuple(states), reserved_mib=reserved.get(gpu, 0)), st.params)
+            self._check_node(gpu, cap, out, states, reserved.get(gpu, 0), report)
+            for d in out:
                 if d.key in self._orphans:
                     d = dataclasses.replace(d, reason=f"hold: class {self._orphans[d.key]!r} removed from the "
                                             f"config, limits kept until the next valid config")
@@ -332,6 +369,12 @@ class QuotaLoop:
         self._views = {k: v for k, v in self._views.items() if k[0] in alive}
         self._lines = {k: v for k, v in self._lines.items() if k[0] in alive}
         self._fenced = {k for k in self._fenced if k[0] in alive}
+        self._sampled = {k: v for k, v in self._sampled.items() if k[0] in alive}
+        self._managed &= alive
+        self._gen = {k: v for k, v in self._gen.items() if k in alive}
+        self._applied = {k: v for k, v in self._applied.items() if k in alive}
+        self._unacked = {k: v for k, v in self._unacked.items() if k[0] in alive}
+        self._hard = {k: v for k, v in self._hard.items() if k[0] in alive}
         self._warmth.forget(alive)
         self._watch.forget(alive)
         return report
@@ -405,7 +448,12 @@ class QuotaLoop:
                 report.errors.append(str(exc))
                 continue
             self._lines.update({(t.key, line.uuid): line for line in gpus})
+            self._gen[t.key] = written.generation
+            self._managed.add(t.key)
             for d in ds:
+                if t.key in self._applied:  # it reports generations: it follows the old limit until it acks
+                    self._unacked[(t.key, d.gpu_uuid)] = max(self._unacked.get((t.key, d.gpu_uuid), 0),
+                                                             self._limits.get((t.key, d.gpu_uuid), d.limit_mib))
                 if self._limits.get((t.key, d.gpu_uuid)) != d.limit_mib:
                     log.info("quota changed", pod=f"{t.key.namespace}/{t.key.pod}", container=t.key.container,
                              gpu=d.gpu_uuid, old_mib=d.previous_mib, new_mib=d.limit_mib, reason=d.reason,
@@ -424,20 +472,79 @@ class QuotaLoop:
         return t.quota_dir or container_dir(self._root, t.key.pod_uid, t.key.container)
 
     def _fence_first(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
-        """A tenant this process has not fenced yet (new, or after a restart) gets its limits set."""
-        if self._fence is not None and ds and any((t.key, d.gpu_uuid) not in self._fenced for d in ds):
+        """A tenant this process has not fenced yet (new, or after a restart) gets its limits set; one
+        whose hard limit waits for its engine's acknowledgement gets it lowered once acknowledged."""
+        if self._fence is None or not ds:
+            return
+        if any((t.key, d.gpu_uuid) not in self._fenced for d in ds):
             if all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds):
                 self._apply_fence(t, ds, report)
+        elif any(self._hard.get((t.key, d.gpu_uuid), d.limit_mib) != self._hard_of(t.key, d) for d in ds):
+            self._apply_fence(t, ds, report)
+
+    def _hard_of(self, key: TenantKey, d: Decision) -> int:
+        """The hard limit to set (issue 19, acknowledged shrinks): a shrink is enforced by the driver
+        only once the engine reports it applied the file that carried it (its generation), so the
+        driver never fails an allocation for memory the engine was about to give back. Engines that
+        report no generation are fenced at once, as before."""
+        if key not in self._applied or self._applied[key] >= self._gen.get(key, 0):
+            return d.limit_mib
+        return max(d.limit_mib, self._hard.get((key, d.gpu_uuid), d.limit_mib))
 
     def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         if self._fence is None:
             return
-        errors = self._fence.apply(t, ds, dict(t.gpus))
+        hard = {d.gpu_uuid: self._hard_of(t.key, d) for d in ds}
+        for d in ds:
+            if hard[d.gpu_uuid] > d.limit_mib:
+                log.info("hard limit kept until the engine acknowledges the shrink", pod=str(t.key),
+                         gpu=d.gpu_uuid, limit_mib=d.limit_mib, hard_mib=hard[d.gpu_uuid],
+                         generation=self._gen.get(t.key), applied=self._applied.get(t.key))
+        errors = self._fence.apply(t, ds, dict(t.gpus), hard)
         for e in errors:
             log.error("cgroup memory limit not moved, will retry", pod=f"{t.key.namespace}/{t.key.pod}", error=e)
         report.errors.extend(errors)
         if not errors:
             self._fenced.update((t.key, d.gpu_uuid) for d in ds)
+            self._hard.update({(t.key, g): h for g, h in hard.items()})
+
+    def _acked(self, key: TenantKey, gpu: str, cur: int | None) -> tuple[bool, int | None]:
+        """(its engine applied the file carrying its current limit, the highest limit it may still
+        follow). Engines that report no generation: (False, None): their use shows what they hold."""
+        applied = self._applied.get(key)
+        if applied is None:
+            return False, None
+        if applied >= self._gen.get(key, 0):
+            self._unacked.pop((key, gpu), None)
+            return True, None
+        return False, self._unacked.get((key, gpu))
+
+    def _reserved(self, tenants: list[Tenant]) -> dict[str, int]:
+        """Per GPU, MiB promised to containers that are not tenants yet (``claims``): counted at their
+        request from the moment they exist, so the policy never lends it (issue 19)."""
+        pending_of = getattr(self._tenants, "list_pending", None)
+        pending = list(pending_of()) if pending_of is not None else []
+        files = unowned_quota_files(self._root, [self._dir(t) for t in tenants])
+        out: dict[str, int] = defaultdict(int)
+        for c in merge_claims(pending, files):
+            for gpu, mib in c.gpus:
+                out[gpu] += mib
+        return dict(out)
+
+    def _check_node(self, gpu: str, cap: int, out: Sequence[Decision], states: Sequence[TenantState],
+                    reserved: int, report: TickReport) -> None:
+        """The node-level invariant: every container with a quota file or a claim, at max(limit,
+        held), fits the GPU. Held memory already above it (a loan made before a claim came) only
+        shrinks; anything beyond that is this tick's fault: logged and reported."""
+        committed = sum(d.held_mib for d in out) + reserved
+        held = sum((s.used_mib or 0) for s in states) + reserved
+        excess = committed - max(cap, held)
+        if committed > cap:
+            report.overcommitted[gpu] = committed - cap
+        if excess > 0:
+            self.counts["node_overcommit"] += 1
+            log.error("node-level quota invariant broken", gpu=gpu, committed_mib=committed, capacity_mib=cap,
+                      reserved_mib=reserved)
 
     def _entry(self, key: TenantKey, gpu: str, request: int, d: Decision | None) -> GpuQuota:
         """One GPU's line of the file. A GPU skipped this tick keeps its limit (a multi-GPU file is
@@ -477,6 +584,18 @@ class QuotaLoop:
 
 
 REASON_CHARS = 120  # the mirrored reason is cut here: annotations count against the pod object's size
+
+
+def _mib(value: float | None) -> int | None:
+    return None if value is None else int(value) // (1 << 20)
+
+
+def _demand(used: int | None, sig: Signals) -> int | None:
+    """What it would use if unfenced (issue 19): its use beyond its KV memory plus the KV its
+    engine says it needs (``vramshare_vllm_kv_demand_bytes``); None where the engine does not say."""
+    if used is None or sig.kv_demand_mib is None or sig.kv_held_mib is None:
+        return None
+    return max(used, used - sig.kv_held_mib + sig.kv_demand_mib)
 
 
 def _detail(v: TenantView) -> dict[str, object]:

@@ -125,6 +125,19 @@ class TenantState:
     # a releasing engine acknowledged the file carrying its current limit (generation applied): the
     # memory above that limit, beyond what the engine cannot give back, is free now (issue 20 item 5)
     shrink_acked: bool = False
+    # the highest limit the engine may still follow: one it was given but has not acknowledged a lower
+    # one since (engines that report generations); it may grow to it, so that memory is not free yet
+    unacked_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Memory promised on this node to a container that is not a tenant yet: a pod the extender bound
+    here that the device plugin has not reported allocated, or a quota file no tenant owns (Allocate
+    wrote it, the pod is not linked yet). Counted at its request until it becomes a tenant."""
+
+    name: str  # namespace/pod/container, or the quota directory: for logs
+    gpus: tuple[tuple[str, int], ...]  # (gpu uuid, MiB)
 
 
 @dataclass(frozen=True)

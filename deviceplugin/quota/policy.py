@@ -116,10 +116,12 @@ def _held(t: TenantState, cur: int) -> int:
     s = t.signals
     if s.release is Release.RELEASE and t.shrink_acked and used > cur:
         fixed = used - s.kv_held_mib if s.kv_held_mib is not None else 0
-        return max(cur, min(used, fixed))
-    if s.release is not Release.RELEASE and s.kv_held_mib is not None:
-        return max(used, s.kv_held_mib)
-    return used
+        held = max(cur, min(used, fixed))
+    elif s.release is not Release.RELEASE and s.kv_held_mib is not None:
+        held = max(used, s.kv_held_mib)
+    else:
+        held = used
+    return max(held, t.unacked_mib or 0)  # it may still grow to a limit it has not let go of
 
 
 def _plan(t: TenantState, p: PolicyParams) -> _Plan:

@@ -6,7 +6,7 @@ import pytest
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
-from deviceplugin.quota.loop import QuotaLoop
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.writer import container_dir, read_quota
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml, OutOfMemory
@@ -49,7 +49,8 @@ def make_loop(nv, cgroot, qroot):
                        Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))])
     holder = []
     fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), lambda: holder[0].tenants_now)
-    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence)
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
+                     settings=LoopSettings(params=P, startup_ticks=0))  # not newcomers (test_claims.py)
     holder.append(loop)
     return loop
 
