@@ -93,8 +93,9 @@ class LoopSettings:
     interval_seconds: float | None = None  # None: what ``run`` was started with
     enabled: bool = True  # false: ``run`` pauses (the files keep the last quotas)
     classes: tuple[QuotaClass, ...] = ()  # quota.classes; pods none selects are in ``default``
-    # a container counts at its request until this many ticks have shown its use (its engine starts)
-    startup_ticks: int = 3
+    # a new container (its quota file still Allocate's when first listed) counts at its request for
+    # this many ticks: its engine loads weights and allocates its KV pool in the meantime (issue 19)
+    startup_ticks: int = 30
 
     @classmethod
     def from_config(cls, quota: QuotaConfig, enforcement: EnforcementConfig | None = None) -> "LoopSettings":
@@ -167,12 +168,12 @@ class QuotaLoop:
         self.capacities: dict[str, int] = {}  # per GPU, what the latest tick divided (after foreign memory)
         self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
-        self._sampled: dict[tuple[TenantKey, str], int] = {}  # ticks with a use sample (capped): starting
+        self._first: dict[TenantKey, int] = {}  # tick it was first listed (its age, for ``starting``)
         self._gen: dict[TenantKey, int] = {}  # generation of its quota file as last written or read
         self._applied: dict[TenantKey, int] = {}  # generation its engine reported applied (latest)
         self._unacked: dict[tuple[TenantKey, str], int] = {}  # highest limit it may still follow
         self._hard: dict[tuple[TenantKey, str], int] = {}  # hard limits as this process set them
-        self._managed: set[TenantKey] = set()  # its file was written by a quota loop: not a newcomer
+        self._managed: set[TenantKey] = set()  # its file was written by a quota loop when first listed
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
 
@@ -321,8 +322,6 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
-                seen_n = self._sampled[(t.key, gpu)] = min(st.startup_ticks, self._sampled.get((t.key, gpu), 0)
-                                                           + (u is not None))
                 acked, unacked = self._acked(t.key, gpu, cur)
                 per_gpu[gpu].append(TenantState(t.key, req, cur, u, sig, peak_mib=peak,
                                                 phase=phase if u is not None else Phase.HOT,
@@ -330,7 +329,7 @@ class QuotaLoop:
                                                 rank=self._rank(t.key, ct),
                                                 recent_mib=tuple(self._window.get((t.key, gpu), ())),
                                                 demand_mib=_demand(u, sig) if len(t.gpus) == 1 else None,
-                                                starting=seen_n < st.startup_ticks and t.key not in self._managed,
+                                                starting=self._starting(t.key),
                                                 shrink_acked=acked, unacked_mib=unacked))
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
@@ -369,7 +368,7 @@ class QuotaLoop:
         self._views = {k: v for k, v in self._views.items() if k[0] in alive}
         self._lines = {k: v for k, v in self._lines.items() if k[0] in alive}
         self._fenced = {k for k in self._fenced if k[0] in alive}
-        self._sampled = {k: v for k, v in self._sampled.items() if k[0] in alive}
+        self._first = {k: v for k, v in self._first.items() if k in alive}
         self._managed &= alive
         self._gen = {k: v for k, v in self._gen.items() if k in alive}
         self._applied = {k: v for k, v in self._applied.items() if k in alive}
@@ -449,7 +448,6 @@ class QuotaLoop:
                 continue
             self._lines.update({(t.key, line.uuid): line for line in gpus})
             self._gen[t.key] = written.generation
-            self._managed.add(t.key)
             for d in ds:
                 if t.key in self._applied:  # it reports generations: it follows the old limit until it acks
                     self._unacked[(t.key, d.gpu_uuid)] = max(self._unacked.get((t.key, d.gpu_uuid), 0),
@@ -508,6 +506,12 @@ class QuotaLoop:
             self._fenced.update((t.key, d.gpu_uuid) for d in ds)
             self._hard.update({(t.key, g): h for g, h in hard.items()})
 
+    def _starting(self, key: TenantKey) -> bool:
+        """New on this node: first listed less than ``startup_ticks`` ticks ago with the quota file
+        Allocate wrote (a loop restart finds the files of its old tenants rewritten: not new)."""
+        first = self._first.setdefault(key, self.counts["ticks"])
+        return key not in self._managed and self.counts["ticks"] - first < self.settings.startup_ticks
+
     def _acked(self, key: TenantKey, gpu: str, cur: int | None) -> tuple[bool, int | None]:
         """(its engine applied the file carrying its current limit, the highest limit it may still
         follow). Engines that report no generation: (False, None): their use shows what they hold."""
@@ -517,7 +521,8 @@ class QuotaLoop:
         if applied >= self._gen.get(key, 0):
             self._unacked.pop((key, gpu), None)
             return True, None
-        return False, self._unacked.get((key, gpu))
+        # it follows a file it has not acknowledged: the limit in force, or one before it
+        return False, max(self._unacked.get((key, gpu), 0), cur or 0) or None
 
     def _reserved(self, tenants: list[Tenant]) -> dict[str, int]:
         """Per GPU, MiB promised to containers that are not tenants yet (``claims``): counted at their
@@ -537,7 +542,7 @@ class QuotaLoop:
         held), fits the GPU. Held memory already above it (a loan made before a claim came) only
         shrinks; anything beyond that is this tick's fault: logged and reported."""
         committed = sum(d.held_mib for d in out) + reserved
-        held = sum((s.used_mib or 0) for s in states) + reserved
+        held = sum(max(s.used_mib or 0, s.unacked_mib or 0) for s in states) + reserved
         excess = committed - max(cap, held)
         if committed > cap:
             report.overcommitted[gpu] = committed - cap

@@ -140,6 +140,8 @@ def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
     seen = max(t.used_mib, t.demand_mib or 0)
     if t.demand_mib is None and t.used_mib >= cur:  # at its (hard) limit: what it wants beyond is unseen,
         seen = t.used_mib + b.margin_mib  # so count one margin more as use, not as headroom
+        if not t.starting and t.phase is not Phase.WARM:  # an owner pressing on a fence below its request
+            seen = max(seen, b.clamp(t.request_mib))  # takes its reservation back at once (issue 19)
     why: list[str] = []
     if t.phase is Phase.WARM:
         need = b.clamp(t.used_mib + b.margin_mib)
@@ -147,7 +149,7 @@ def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
     need = b.clamp(max(seen + b.margin_mib, t.peak_mib or 0))
     if t.starting:  # counts at its request until its engine has shown what it uses
         seen = max(seen, b.clamp(t.request_mib))
-        need = max(b.clamp(t.used_mib + b.margin_mib), seen)
+        need = b.clamp(max(t.used_mib + b.margin_mib, seen))
         why.append("starting: counted at its request")
     s, score = t.signals, 0
     if s.preemptions:
