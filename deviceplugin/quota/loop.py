@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from deviceplugin.quota import classes as qclasses
 from deviceplugin.quota.attribution import attribute
 from deviceplugin.quota.claims import merge_claims, unowned_quota_files
-from deviceplugin.quota.model import (Bounds, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
+from deviceplugin.quota.model import (Bounds, Claim, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
                                       TenantState)
 from deviceplugin.quota.overlimit import Breach, OverLimitWatch
 from deviceplugin.quota.policy import rebalance
@@ -37,6 +37,7 @@ from vramshare.config import DEFAULT_CLASS, EnforcementConfig, OverLimitAction, 
 from vramshare.inventory import EnforcementMode
 
 log = logs.get("vramshare.quota.loop")
+_HISTORY = 32  # files remembered per tenant (an engine that lags more is assumed to follow any of them)
 
 
 class TenantSource(Protocol):
@@ -171,8 +172,11 @@ class QuotaLoop:
         self._first: dict[TenantKey, int] = {}  # tick it was first listed (its age, for ``starting``)
         self._gen: dict[TenantKey, int] = {}  # generation of its quota file as last written or read
         self._applied: dict[TenantKey, int] = {}  # generation its engine reported applied (latest)
-        self._unacked: dict[tuple[TenantKey, str], int] = {}  # highest limit it may still follow
+        # per tenant, the files this process wrote lately: (generation, {gpu: limit}), to tell which
+        # limit an engine follows from the generation it reports applied
+        self._history: dict[TenantKey, deque[tuple[int, dict[str, int]]]] = {}
         self._hard: dict[tuple[TenantKey, str], int] = {}  # hard limits as this process set them
+        self._claim_req: dict[str, dict[str, int]] = {}  # unowned quota files: what Allocate granted
         self._managed: set[TenantKey] = set()  # its file was written by a quota loop when first listed
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
@@ -322,7 +326,7 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
-                acked, unacked = self._acked(t.key, gpu, cur)
+                acked, unacked, follows = self._acked(t.key, gpu, req if cur is None else cur)
                 per_gpu[gpu].append(TenantState(t.key, req, cur, u, sig, peak_mib=peak,
                                                 phase=phase if u is not None else Phase.HOT,
                                                 bounds=self._bounds(ct, req, cur),
@@ -330,11 +334,14 @@ class QuotaLoop:
                                                 recent_mib=tuple(self._window.get((t.key, gpu), ())),
                                                 demand_mib=_demand(u, sig) if len(t.gpus) == 1 else None,
                                                 starting=self._starting(t.key),
-                                                shrink_acked=acked, unacked_mib=unacked))
+                                                shrink_acked=acked, unacked_mib=unacked,
+                                                engine_mib=follows))
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
-        reserved = report.reserved = self._reserved(tenants)
+        files = unowned_quota_files(self._root, [self._dir(t) for t in tenants])
+        reserved = report.reserved = self._reserved(files)
+        committed: dict[str, int] = {}
         for gpu, states in sorted(per_gpu.items()):
             if gpu not in capacities:
                 log.warning("GPU not in inventory, its tenants keep their quotas", gpu=gpu)
@@ -344,6 +351,7 @@ class QuotaLoop:
             used_of = {ts.key: ts.used_mib for ts in states}
             req_of = {ts.key: ts.request_mib for ts in states}
             out = rebalance(GpuState(gpu, cap, tuple(states), reserved_mib=reserved.get(gpu, 0)), st.params)
+            committed[gpu] = cap - sum(d.held_mib for d in out)
             self._check_node(gpu, cap, out, states, reserved.get(gpu, 0), report)
             for d in out:
                 if d.key in self._orphans:
@@ -358,6 +366,7 @@ class QuotaLoop:
                 cls = self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS)
                 self._views[(d.key, gpu)] = TenantView(cls, req_of[d.key], d.floor_mib, used_of[d.key], why)
         self._write(tenants, decided, phases, report)
+        self._fit_claims(files, committed, report)
         alive = {t.key for t in tenants}
         self._limits = {k: v for k, v in self._limits.items() if k[0] in alive}
         self._preempt = {k: v for k, v in self._preempt.items() if k in alive}
@@ -372,7 +381,7 @@ class QuotaLoop:
         self._managed &= alive
         self._gen = {k: v for k, v in self._gen.items() if k in alive}
         self._applied = {k: v for k, v in self._applied.items() if k in alive}
-        self._unacked = {k: v for k, v in self._unacked.items() if k[0] in alive}
+        self._history = {k: v for k, v in self._history.items() if k in alive}
         self._hard = {k: v for k, v in self._hard.items() if k[0] in alive}
         self._warmth.forget(alive)
         self._watch.forget(alive)
@@ -448,10 +457,9 @@ class QuotaLoop:
                 continue
             self._lines.update({(t.key, line.uuid): line for line in gpus})
             self._gen[t.key] = written.generation
+            hist = self._history.setdefault(t.key, deque(maxlen=_HISTORY))
+            hist.append((written.generation, {line.uuid: line.limit_mib for line in gpus}))
             for d in ds:
-                if t.key in self._applied:  # it reports generations: it follows the old limit until it acks
-                    self._unacked[(t.key, d.gpu_uuid)] = max(self._unacked.get((t.key, d.gpu_uuid), 0),
-                                                             self._limits.get((t.key, d.gpu_uuid), d.limit_mib))
                 if self._limits.get((t.key, d.gpu_uuid)) != d.limit_mib:
                     log.info("quota changed", pod=f"{t.key.namespace}/{t.key.pod}", container=t.key.container,
                              gpu=d.gpu_uuid, old_mib=d.previous_mib, new_mib=d.limit_mib, reason=d.reason,
@@ -487,7 +495,7 @@ class QuotaLoop:
         report no generation are fenced at once, as before."""
         if key not in self._applied or self._applied[key] >= self._gen.get(key, 0):
             return d.limit_mib
-        return max(d.limit_mib, self._hard.get((key, d.gpu_uuid), d.limit_mib))
+        return max(d.limit_mib, self._hard.get((key, d.gpu_uuid), d.previous_mib))
 
     def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         if self._fence is None:
@@ -512,29 +520,64 @@ class QuotaLoop:
         first = self._first.setdefault(key, self.counts["ticks"])
         return key not in self._managed and self.counts["ticks"] - first < self.settings.startup_ticks
 
-    def _acked(self, key: TenantKey, gpu: str, cur: int | None) -> tuple[bool, int | None]:
-        """(its engine applied the file carrying its current limit, the highest limit it may still
-        follow). Engines that report no generation: (False, None): their use shows what they hold."""
+    def _acked(self, key: TenantKey, gpu: str, cur: int) -> tuple[bool, int | None, int | None]:
+        """For an engine that reports the generation it applied: (it applied the file carrying its
+        current limit, the highest limit it may still grow to, the limit it follows now). Until it
+        acknowledges a shrink the memory cut is not anyone else's; "at its limit" is measured
+        against the limit it follows. Engines that report none: (False, None, None): their use
+        shows what they hold, and they follow the file in force."""
         applied = self._applied.get(key)
         if applied is None:
-            return False, None
+            return False, None, None
+        hist = [(g, lim[gpu]) for g, lim in self._history.get(key, ()) if gpu in lim]
+        follows = next((lim for g, lim in reversed(hist) if g <= applied), None)
         if applied >= self._gen.get(key, 0):
-            self._unacked.pop((key, gpu), None)
-            return True, None
-        # it follows a file it has not acknowledged: the limit in force, or one before it
-        return False, max(self._unacked.get((key, gpu), 0), cur or 0) or None
+            return True, cur, cur
+        later = [lim for g, lim in hist if g > applied]
+        # an older file than the history holds: it may follow any limit this process remembers
+        top = max(later + [cur] + ([follows] if follows is not None else [lim for _, lim in hist]))
+        return False, top, follows
 
-    def _reserved(self, tenants: list[Tenant]) -> dict[str, int]:
+    def _reserved(self, files: list[Claim]) -> dict[str, int]:
         """Per GPU, MiB promised to containers that are not tenants yet (``claims``): counted at their
         request from the moment they exist, so the policy never lends it (issue 19)."""
         pending_of = getattr(self._tenants, "list_pending", None)
         pending = list(pending_of()) if pending_of is not None else []
-        files = unowned_quota_files(self._root, [self._dir(t) for t in tenants])
+        for f in files:  # a file the loop lowered still claims what Allocate granted
+            self._claim_req.setdefault(f.name, dict(f.gpus))
+        files = [Claim(f.name, tuple((g, self._claim_req[f.name].get(g, m)) for g, m in f.gpus)) for f in files]
         out: dict[str, int] = defaultdict(int)
         for c in merge_claims(pending, files):
             for gpu, mib in c.gpus:
                 out[gpu] += mib
         return dict(out)
+
+    def _fit_claims(self, files: list[Claim], free: Mapping[str, int], report: TickReport) -> None:
+        """A quota file no tenant owns yet says what Allocate granted; while co-tenants still hold
+        memory they were lent, that much is not there: the file is lowered to what is free and grows
+        back to the grant as they release (the newcomer's engine reads it from its first start)."""
+        left = dict(free)
+        for f in sorted(files, key=lambda c: c.name):
+            grant = self._claim_req.get(f.name, dict(f.gpus))
+            want = {g: max(0, min(grant.get(g, m), left.get(g, grant.get(g, m)))) for g, m in f.gpus}
+            for g in want:
+                if g in left:
+                    left[g] -= want[g]
+            if want == dict(f.gpus):
+                continue
+            try:
+                q = read_quota(f.name)
+                if q is None:
+                    continue
+                gpus = tuple(GpuQuota(x.uuid, want.get(x.uuid, x.limit_mib), min(x.floor_mib, want.get(x.uuid, x.limit_mib)),
+                                      max(x.ceiling_mib, want.get(x.uuid, x.limit_mib))) for x in q.gpus)
+                write_quota(f.name, QuotaFile(gpus=gpus, state=q.state, enforcement=q.enforcement))
+            except (QuotaFileError, OSError, ValueError) as exc:
+                log.error("claim's quota file not fitted, will retry", dir=f.name, error=str(exc))
+                report.errors.append(str(exc))
+                continue
+            log.info("newcomer's quota fitted to free memory", dir=f.name, limits=want, granted=grant)
+        self._claim_req = {k: v for k, v in self._claim_req.items() if k in {f.name for f in files}}
 
     def _check_node(self, gpu: str, cap: int, out: Sequence[Decision], states: Sequence[TenantState],
                     reserved: int, report: TickReport) -> None:

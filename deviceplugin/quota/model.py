@@ -125,9 +125,12 @@ class TenantState:
     # a releasing engine acknowledged the file carrying its current limit (generation applied): the
     # memory above that limit, beyond what the engine cannot give back, is free now (issue 20 item 5)
     shrink_acked: bool = False
-    # the highest limit the engine may still follow: one it was given but has not acknowledged a lower
-    # one since (engines that report generations); it may grow to it, so that memory is not free yet
+    # the highest limit the engine may still grow to (engines that report generations): the limit in
+    # force, or one before it while it has not acknowledged a lower one; that memory is not free yet
     unacked_mib: int | None = None
+    # the limit its engine last acknowledged (it fences itself there until it applies a newer file):
+    # "at its limit" is measured against this one; None = the limit in force
+    engine_mib: int | None = None
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,8 @@ def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
         return _Plan(t, b, cur, held=cur, seen=cur, need=cur, want=cur, score=0, why=["no telemetry"], blind=True)
     held = _held(t, cur)
     seen = max(t.used_mib, t.demand_mib or 0)
-    if t.demand_mib is None and t.used_mib >= cur:  # at its (hard) limit: what it wants beyond is unseen,
+    fence = cur if t.engine_mib is None else min(cur, b.clamp(t.engine_mib))
+    if t.demand_mib is None and t.used_mib >= fence:  # at its (hard) limit: what it wants beyond is unseen,
         seen = t.used_mib + b.margin_mib  # so count one margin more as use, not as headroom
         if not t.starting and t.phase is not Phase.WARM:  # an owner pressing on a fence below its request
             seen = max(seen, b.clamp(t.request_mib))  # takes its reservation back at once (issue 19)
@@ -306,6 +307,8 @@ def _grant(plans: list[_Plan], cap: int) -> None:
         free = _give(pl, min(pl.target, max(pl.cur, pl.held)), free)
     grow = sorted(plans, key=lambda pl: (-pl.t.rank, pl.t.phase is not Phase.WAKING, -pl.score, pl.beyond,
                                          pl.t.key))
+    for pl in grow:  # reservations come back before anybody borrows more (issue 19)
+        free = _give(pl, min(pl.target, pl.reserve), free)
     for pl in grow:
         free = _give(pl, pl.target, free)
 

@@ -91,7 +91,8 @@ class Vllm:
 def test_the_loop_writes_the_state_and_exports_it(tmp_path):
     clock, src, vllm = [0.0], Source(), Vllm()
     loop = QuotaLoop(src, lambda: {"GPU-0": 40000}, [src], P, str(tmp_path), signals=vllm,
-                     settings=LoopSettings(P, idle_seconds=30), clock=lambda: clock[0])
+                     settings=LoopSettings(P, idle_seconds=30, startup_ticks=0),  # not newcomers (test_node_soundness)
+                     clock=lambda: clock[0])
     for t in range(0, 50, 10):
         clock[0] = float(t)
         loop.run_once()
