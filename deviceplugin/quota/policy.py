@@ -134,8 +134,10 @@ def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
     t = _as_seen(t)
     b = _bounds(t, p)
     cur = b.clamp(t.request_mib if t.current_mib is None else t.current_mib)
-    if t.used_mib is None:
-        return _Plan(t, b, cur, held=cur, seen=cur, need=cur, want=cur, score=0, why=["no telemetry"], blind=True)
+    if t.used_mib is None:  # it holds its limit, or what it last held if a cut was not honoured yet
+        last = t.recent_mib[-1] if t.recent_mib else 0
+        return _Plan(t, b, cur, held=max(cur, last, t.unacked_mib or 0), seen=cur, need=cur, want=cur, score=0,
+                     why=["no telemetry"], blind=True)
     held = _held(t, cur)
     seen = max(t.used_mib, t.demand_mib or 0)
     fence = cur if t.engine_mib is None else min(cur, b.clamp(t.engine_mib))

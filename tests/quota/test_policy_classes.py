@@ -64,7 +64,7 @@ def test_classes_cut_and_lend_in_rank_order_and_keep_the_capacity_invariant(mix,
     for tick, want in enumerate(wants):
         states = tuple(TenantState(KEYS[i], reqs[i], limits[i], None if blind[tick][i] else held[i], sig[tick][i],
                                    bounds=bounds[i], peak_mib=held[i], phase=ph[tick][i], demand_mib=want[i],
-                                   rank=ranks[i])
+                                   rank=ranks[i], recent_mib=(held[i],))  # the loop's window: last use seen
                        for i in range(n))
         out = rebalance(GpuState("GPU-x", cap, states), p)
         used = [held[i] if not blind[tick][i] else (limits[i] if limits[i] is not None else reqs[i])
