@@ -153,7 +153,9 @@ class QuotaConfig:
     peak_window_ticks: int = 60  # ticks of use remembered: headroom reaches the window's peak
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom
-    headroom: str = "peak"  # "peak" (use + margin up to the window's peak) or "forecast" (quota/headroom.py)
+    # "forecast" (quota/headroom.py, the default since issue 19: best on the tuning containers), "learned"
+    # (quota/learned.py) or "peak" (use + margin up to the window's peak)
+    headroom: str = "forecast"
     # "releasing": only engines that report a releasing mode (vramshare_vllm_release_mode unmap) are
     # raised beyond their request, since only their loans come back when a reservation needs them
     # (issue 19); "any": every tenant may borrow (unsound where a cut frees nothing)
@@ -162,7 +164,7 @@ class QuotaConfig:
     classes: tuple[QuotaClass, ...] = ()  # issue 14; every pod none selects is in the ``default`` class
 
 
-QUOTA_HEADROOM_RULES = ("peak", "forecast")
+QUOTA_HEADROOM_RULES = ("peak", "forecast", "learned")
 QUOTA_LOAN_RULES = ("releasing", "any")
 
 
@@ -451,7 +453,7 @@ def config_from_dict(raw: Any) -> Config:
         share_spare=_typed(q.get("shareSpare", True), bool, "quota.shareSpare"),
         idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds", minimum=0),
         classes=_quota_classes(q.get("classes")),
-        headroom=_typed(q.get("headroom", "peak"), str, "quota.headroom"),
+        headroom=_typed(q.get("headroom", "forecast"), str, "quota.headroom"),
         loans=_typed(q.get("loans", "releasing"), str, "quota.loans"),
     )
     if quota.loans not in QUOTA_LOAN_RULES:

@@ -166,7 +166,8 @@ class PolicyParams:
     kv_pressure: float = 0.90  # kv_cache_usage_perc at or above this counts as pressure
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom (measured better)
-    headroom: str = "peak"  # "peak": use + margin up to the window's peak; "forecast": see quota/headroom.py
+    # "forecast" (quota/headroom.py), "learned" (quota/learned.py), "peak": use + margin up to the window's peak
+    headroom: str = "forecast"
     # "releasing": only engines that give memory back on a cut are raised beyond their request (a
     # loan to anyone else may never come back when a reservation needs it); "any": the old rule
     loans: str = "releasing"

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from deviceplugin.quota import headroom
+from deviceplugin.quota import headroom, learned
 from deviceplugin.quota.model import Bounds, Decision, GpuState, Phase, PolicyParams, Release, TenantState
 
 # pressure points: each point grows the limit by one step this tick
@@ -202,8 +202,9 @@ def _targets_spare(plans: list[_Plan], cap: int, share_spare: bool) -> None:
         _even(plans, free)
 
 
-def _even(plans: list[_Plan], free: int) -> None:
-    """What nobody asked for becomes headroom, split evenly up to each ceiling (warm and blind excluded)."""
+def _even(plans: list[_Plan], free: int) -> int:
+    """What nobody asked for becomes headroom, split evenly up to each ceiling (warm and blind
+    excluded); returns what is left."""
     open_ = sorted((pl for pl in plans if not pl.blind and pl.t.phase is not Phase.WARM), key=lambda pl: pl.t.key)
     while free > 0 and open_:
         share = max(1, free // len(open_))
@@ -216,6 +217,7 @@ def _even(plans: list[_Plan], free: int) -> None:
                 open_.remove(pl)
             if free <= 0:
                 break
+    return free
 
 
 def _overload_order(plans: list[_Plan]) -> list[_Plan]:
@@ -270,9 +272,17 @@ def _targets_forecast(plans: list[_Plan], cap: int, p: PolicyParams) -> bool | N
         least = min(pl.held, pl.seen)
         if p.protect_requests:
             least = max(least, min(pl.seen, pl.reserve))
-        sample = headroom.forecast(pl.t.recent_mib or (), pl.seen)
-        opts.append(headroom.options(sample, pl.b.floor_mib, pl.b.ceiling_mib, pl.held, least, pl.seen))
-    picks = headroom.choose(opts, free) if free >= 0 else None
+        if p.headroom == "learned":
+            sample = learned.forecast(pl.t.recent_mib or (), pl.seen)
+        else:
+            sample = headroom.forecast(pl.t.recent_mib or (), pl.seen)
+        o = headroom.options(sample, pl.b.floor_mib, pl.b.ceiling_mib, pl.held, least, pl.seen)
+        opts.append(o)
+    weighed = opts
+    if len({pl.t.rank for pl in free_plans}) > 1:  # class-aware: a higher class's coverage counts more
+        weighed = [[dataclasses.replace(x, p=x.p * _class_weight(pl.t.rank)) for x in o]
+                   for pl, o in zip(free_plans, opts)]
+    picks = headroom.choose(weighed, free) if free >= 0 else None
     if picks is None:
         return None
     for pl, o, j in zip(free_plans, opts, picks):
@@ -283,8 +293,15 @@ def _targets_forecast(plans: list[_Plan], cap: int, p: PolicyParams) -> bool | N
             pl.cut_note = (f"GPU over-committed, the tenants cheapest to satisfy are covered whole; covering "
                            f"its use {pl.seen} would take {cheaper} MiB more than is free")
     if p.share_spare:
-        _even(plans, cap - sum(max(pl.target, pl.held) for pl in plans))
+        free = cap - sum(max(pl.target, pl.held) for pl in plans)
+        _even(plans, free)
     return any(pl.target < pl.seen for pl in plans)
+
+
+def _class_weight(rank: int) -> float:
+    """How much covering a tenant of this class rank counts in the forecast's choice: doubling every
+    100 ranks of lendingPriority (with one class every tenant counts the same)."""
+    return 2.0 ** (max(-1000, min(1000, rank)) / 100)
 
 
 def _hysteresis(plans: list[_Plan], cap: int, step: int) -> None:
@@ -367,7 +384,7 @@ def rebalance(gpu: GpuState, params: PolicyParams) -> list[Decision]:
     plans = [_plan(t, params) for t in sorted(gpu.tenants, key=lambda t: t.key)]
     cap = max(0, gpu.capacity_mib - gpu.reserved_mib)  # reservations are never lent
     over = sum(pl.need for pl in plans) > cap
-    forecast = _targets_forecast(plans, cap, params) if params.headroom == "forecast" else None
+    forecast = _targets_forecast(plans, cap, params) if params.headroom in ("forecast", "learned") else None
     if forecast is not None:
         over = forecast
     elif over:

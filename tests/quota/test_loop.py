@@ -12,7 +12,7 @@ from deviceplugin.quota.telemetry import TelemetryError, UsageSample, VllmSample
 from deviceplugin.quota.writer import GpuQuota, QuotaFile, container_dir, read_quota, write_quota
 
 P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024,
-                 loans="any")  # lending mechanics; the loan rule of issue 19 has its own tests
+                 loans="any", headroom="peak")  # lending mechanics; the loan rule of issue 19 has its own tests
 # these tenants are not newcomers (issue 19's startup rule is tested in test_claims.py)
 SETTINGS = LoopSettings(params=P, startup_ticks=0)
 HOT = TenantKey("llm", "hot", "vllm", pod_uid="uid-hot")
