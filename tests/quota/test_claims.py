@@ -6,7 +6,9 @@ import json
 
 from deviceplugin.quota.claims import merge_claims, unowned_quota_files
 from deviceplugin.quota.kube import pending_from_pods
-from deviceplugin.quota.model import Claim
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+from deviceplugin.quota.model import Claim, PolicyParams, Tenant, TenantKey
+from deviceplugin.quota.telemetry import UsageSample, VllmSample
 from deviceplugin.quota.writer import GpuQuota, QuotaFile, write_quota
 from tests.quota.node_sim import NAMES
 from vramshare import contract
@@ -36,3 +38,33 @@ def test_an_unowned_quota_file_counts_once_even_when_its_pod_is_pending(tmp_path
     assert sorted(c.gpus for c in files) == [(("GPU-0", 8192),), (("GPU-0", 39936),)]
     pending = [Claim("llm/new/vllm", (("GPU-0", 39936),))]  # the same container before it is allocated
     assert sorted(c.gpus for c in merge_claims(pending, files)) == [(("GPU-0", 8192),), (("GPU-0", 39936),)]
+
+
+class _Node:
+    name = "one"
+
+    def __init__(self, demand_bytes):
+        self.demand_bytes = demand_bytes
+
+    def list_tenants(self):
+        return [Tenant(TenantKey("llm", "a", "vllm", "uid-a"), (("GPU-0", 20000),), "http://a:8000/metrics"),
+                Tenant(TenantKey("llm", "b", "vllm", "uid-b"), (("GPU-0", 20000),), "http://b:8000/metrics")]
+
+    def read_usage(self):
+        return [UsageSample("GPU-0", 12000, pod_uid="uid-a"), UsageSample("GPU-0", 2000, pod_uid="uid-b")]
+
+    def read_signals(self, url):
+        demand = self.demand_bytes if "//a:" in url else None
+        return VllmSample(release_mode="unmap", kv_held_bytes=float(10000 << 20), kv_demand_bytes=demand)
+
+
+def test_exported_kv_demand_is_the_policys_demand(tmp_path):
+    """vramshare_vllm_kv_demand_bytes (SIGNALS.md): a's engine holds 10,000 MiB of KV and would hold
+    25,000 unfenced, so a wants 12,000 - 10,000 + 25,000 = 27,000 MiB, beyond its request."""
+    for demand, grows in ((float(25000 << 20), True), (None, False)):
+        node = _Node(demand)
+        root = tmp_path / str(grows)
+        loop = QuotaLoop(node, lambda: {"GPU-0": 40000}, [node], PolicyParams(), str(root), signals=node,
+                         settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
+        a = next(d for d in loop.run_once().decisions if d.key.pod == "a")
+        assert (a.limit_mib >= 27000) is grows, a.reason
