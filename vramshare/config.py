@@ -160,6 +160,7 @@ class QuotaConfig:
     # raised beyond their request, since only their loans come back when a reservation needs them
     # (issue 19); "any": every tenant may borrow (unsound where a cut frees nothing)
     loans: str = "releasing"
+    startup_ticks: int = 30  # a new container counts at its request this many ticks (its engine starts)
     idle_seconds: float = 300.0  # no requests and flat use this long: the tenant is warm (0 = never)
     classes: tuple[QuotaClass, ...] = ()  # issue 14; every pod none selects is in the ``default`` class
 
@@ -240,7 +241,7 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "processAttribution": "process_attribution",
                "peakWindowTicks": "peak_window_ticks", "protectRequests": "protect_requests",
                "shareSpare": "share_spare", "idleSeconds": "idle_seconds", "classes": "classes",
-               "headroom": "headroom", "loans": "loans"}
+               "headroom": "headroom", "loans": "loans", "startupTicks": "startup_ticks"}
 _CLASS_KEYS = {k: k for k in ("name", "floorFraction", "floorMiB", "ceilingFraction", "ceilingMiB", "marginMiB",
                               "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match")}
 _MATCH_KEYS = {"namespaces": "namespaces", "selector": "selector", "priorityClassNames": "priority_class_names"}
@@ -455,6 +456,7 @@ def config_from_dict(raw: Any) -> Config:
         classes=_quota_classes(q.get("classes")),
         headroom=_typed(q.get("headroom", "forecast"), str, "quota.headroom"),
         loans=_typed(q.get("loans", "releasing"), str, "quota.loans"),
+        startup_ticks=_typed(q.get("startupTicks", 30), int, "quota.startupTicks", minimum=0),
     )
     if quota.loans not in QUOTA_LOAN_RULES:
         raise ConfigError(f"quota.loans: {quota.loans!r} is not one of {', '.join(QUOTA_LOAN_RULES)}")

@@ -103,7 +103,7 @@ class LoopSettings:
         en = enforcement or EnforcementConfig()
         return cls(PolicyParams.from_config(quota), quota.peak_window_ticks, quota.idle_seconds,
                    en.over_limit_grace_seconds, en.over_limit_action, quota.interval_seconds, quota.enabled,
-                   quota.classes)
+                   quota.classes, quota.startup_ticks)
 
     def default_terms(self) -> qclasses.ClassTerms:
         """The ``default`` class: the global keys (what every tenant got before classes)."""
