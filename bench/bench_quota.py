@@ -1,38 +1,30 @@
-"""Quota policies replayed on real per-container GPU memory demand (the issue 9 protocol).
+"""Quota policies replayed on real per-container GPU memory demand (issue 9's protocol, issue 19's honesty).
 
-Trace: ``shared/traces/genai/pod_gpu_memory_used_bytes.csv`` (72 containers, one sample a minute).
-For each seed the 57 containers with a (nearly) full day are shuffled and packed ``k`` to an
-80 GiB GPU (``k`` = 2 and 3; 20 seeds = 20 random groupings). Each minute every tenant has a demand;
-its limit for minute t is set beforehand from what was seen at t-1 (one minute's lag). Every
-tenant's request is an equal share of the GPU. Compared, on the same groupings:
+Trace: ``shared/traces/genai/pod_gpu_memory_used_bytes.csv`` (the 57 containers with a (nearly) full
+day, one sample a minute). The *containers* are split in two with a fixed seed (``SPLIT_SEED``): a
+tuning half (the learned forecaster is fitted on it, rules are chosen on it) and a held-back half
+nothing was tuned on; every figure is given per half. Per seed, a half's containers are shuffled and
+packed ``k`` to an 80 GiB GPU (``k`` = 2, 3, 4); every tenant's request is an equal share. Each
+minute every tenant has a demand; its limit for minute t is set from what the node knew at t-1.
 
-* ``new``: :func:`deviceplugin.quota.policy.rebalance` as the daemon runs it. It sees the memory each
-  tenant *holds* (the world below), the demand of t-1 (what vLLM's pressure signals stand for) and
-  the peak demand of the last ``WINDOW`` minutes (the loop keeps that window);
-* ``new-wide-bounds``: the same with floor 0.1 and ceiling k x the request (one tenant may take
-  most of the GPU); ``new-fewest-over``: that, with ``protectRequests: false``;
-* ``old``: the policy before issue 9 (``bench/quota_policy_v0.py``), fed as its bench fed it: demand of
-  t-1 as use, a preemption when that demand was over its limit;
-* ``clairvoyant``: knows minute t's demands and fits as many whole tenants as the GPU holds, smallest
-  first (the reference: no policy without foresight does better on this count);
-* ``forecast``, ``forecast-fewest-over``: wide bounds with ``headroom: forecast``
-  (:mod:`deviceplugin.quota.headroom`: a forecast from the last ``FORECAST_WINDOW`` minutes and a
-  knapsack that maximises the expected number of tenants within their limit), with and without
-  ``protectRequests``;
-* ``clairvoyant-release``: the same foresight, but memory a co-tenant held at t-1 is not free at t
-  (the invariant every causal row keeps): the best any policy bound by that rule could do;
-* ``naive-1.1``: last minute's demand x 1.1, scaled down in proportion when the GPU cannot hold it;
-  ``naive-1.1-spare-even``: the same, what is left split evenly (the issue's 16.5% definition);
-* ``static-equal``: capacity / k for ever.
+Causal rows are fed exactly what the node loop has (:func:`run_new`): held memory under the limit,
+the loop's window of those uses, preemptions when fenced, a releasing engine; in two worlds:
+``@demand``, the engine exports ``vramshare_vllm_kv_demand_bytes`` (last minute's unfenced demand),
+``@held``, it does not. Rows: ``default`` (``PolicyParams()`` as shipped), ``peak`` (the rule that was
+the default), ``learned`` (``headroom: learned``, wide bounds), ``*-fewest-over`` (``protectRequests:
+false``, which breaks the no-one-below-its-request guarantee). References: ``clairvoyant`` (knows
+minute t's demands, fits the most whole tenants), ``clairvoyant-release`` (the same, keeping the rule
+that memory held at t-1 is not free at t), ``naive`` (last minute x 1.1, scaled to fit, the rest
+split evenly: the issue's naive rule), ``static-equal``.
 
-The world: a tenant holds ``min(demand, limit)``; a limit cut below what it holds is honoured by the
-next sample (hard limit and preemption, or kvcached returning pages), not at the decision. Scored per policy:
-% of container-minutes with demand over limit (the headline), over-limit GiB-min, and GPU-minutes
-where the limits plus memory held beyond them add up to more than the GPU (the invariant of issue 9
-item 2: ``sum max(limit, held) <= capacity``), which the new policy must never break. Writes
-``bench/results/quota.json``. The machine running it is shared: the CPU seconds are only indicative.
+The world: a tenant holds ``min(demand, limit)``; a cut is honoured by the next sample. Scored: %
+of container-minutes with demand over limit (the headline; spread = min / median / max over
+groupings), over-limit GiB-min, GPU-minutes where limits plus memory held beyond them exceed the GPU
+(``sum max(limit, held) <= capacity``, never broken by a causal row), limit changes per
+container-hour. ``--fit`` refits ``deviceplugin/quota/learned_model.json`` on the tuning half.
+Writes ``bench/results/quota.json``; the machine is shared, CPU seconds are only indicative.
 
-    nice -n 10 python bench/bench_quota.py [--quick]
+    nice -n 10 python bench/bench_quota.py [--seeds N] [--ks 2,3,4] [--rows ...] [--fit]
 """
 from __future__ import annotations
 
@@ -43,7 +35,6 @@ import json
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from typing import Callable
@@ -54,11 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from deviceplugin.quota.loop import QuotaLoop  # noqa: E402
-from deviceplugin.quota.model import (GpuState, PolicyParams, Signals, Tenant, TenantKey,  # noqa: E402
-                                      TenantState)
+from deviceplugin.quota.model import GpuState, PolicyParams, Signals, TenantKey, TenantState  # noqa: E402
 from deviceplugin.quota.policy import rebalance  # noqa: E402
-from deviceplugin.quota.telemetry import UsageSample  # noqa: E402
 
 _TRACE_NAME = os.path.join("genai", "pod_gpu_memory_used_bytes.csv")
 TRACE = next((p for p in (os.path.join(os.environ.get("VRAMSHARE_TRACES", "/nonexistent"), _TRACE_NAME),
@@ -70,9 +58,6 @@ MIB = 1 << 20
 WINDOW = 10  # minutes of use the loop remembers for the peak (quota.peakWindowTicks x one-minute ticks)
 FORECAST_WINDOW = 60  # minutes of use behind the forecast rows (the loop's default quota.peakWindowTicks)
 PARAMS = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024)
-# an 80 GiB GPU split k ways: the ceiling lets one tenant take most of it when the others are quiet
-WIDE = {2: PolicyParams(floor_fraction=0.1, ceiling_fraction=2.0, step_mib=512, margin_mib=1024),
-        3: PolicyParams(floor_fraction=0.1, ceiling_fraction=3.0, step_mib=512, margin_mib=1024)}
 
 
 def load_demand(path: str) -> np.ndarray:
@@ -211,30 +196,6 @@ def score(demand: np.ndarray, limits: np.ndarray, held: np.ndarray) -> dict[str,
             "invariant_broken_gpu_minutes": int((committed > GPU_MIB).sum()),
             "short_minutes": int(short.sum()),
             "limit_changes": int((np.diff(limits, axis=1) != 0).sum())}
-
-
-def loop_tick_cost(demand: np.ndarray, ticks: int) -> float:
-    """Milliseconds per QuotaLoop.run_once on one GPU with real file writes (adapters included)."""
-    keys = [TenantKey("bench", f"t{i}", "c", pod_uid=f"u{i}") for i in range(len(demand))]
-    tenants = [Tenant(k, (("GPU-bench", GPU_MIB // len(keys)),)) for k in keys]
-    minute = [0]
-
-    class Source:
-        name = "trace"
-
-        def list_tenants(self) -> list[Tenant]:
-            return tenants
-
-        def read_usage(self) -> list[UsageSample]:
-            return [UsageSample("GPU-bench", int(demand[i, minute[0]]), pod_uid=k.pod_uid)
-                    for i, k in enumerate(keys)]
-
-    with tempfile.TemporaryDirectory() as root:
-        loop = QuotaLoop(Source(), lambda: {"GPU-bench": GPU_MIB}, [Source()], PolicyParams(), root)
-        t0 = time.perf_counter()
-        for minute[0] in range(ticks):
-            loop.run_once()
-        return (time.perf_counter() - t0) * 1000 / ticks
 
 
 def _wide(k: int) -> PolicyParams:
