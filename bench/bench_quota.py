@@ -1,38 +1,30 @@
-"""Quota policies replayed on real per-container GPU memory demand (the issue 9 protocol).
+"""Quota policies replayed on real per-container GPU memory demand (issue 9's protocol, issue 19's honesty).
 
-Trace: ``$VRAMSHARE_TRACES/genai/pod_gpu_memory_used_bytes.csv`` (``vramshare traces download``) (72 containers, one sample a minute).
-For each seed the 57 containers with a (nearly) full day are shuffled and packed ``k`` to an
-80 GiB GPU (``k`` = 2 and 3; 20 seeds = 20 random groupings). Each minute every tenant has a demand;
-its limit for minute t is set beforehand from what was seen at t-1 (one minute's lag). Every
-tenant's request is an equal share of the GPU. Compared, on the same groupings:
+Trace: ``$VRAMSHARE_TRACES/genai/pod_gpu_memory_used_bytes.csv`` (``vramshare traces download``; the 57 containers with a (nearly) full
+day, one sample a minute). The *containers* are split in two with a fixed seed (``SPLIT_SEED``): a
+tuning half (the learned forecaster is fitted on it, rules are chosen on it) and a held-back half
+nothing was tuned on; every figure is given per half. Per seed, a half's containers are shuffled and
+packed ``k`` to an 80 GiB GPU (``k`` = 2, 3, 4); every tenant's request is an equal share. Each
+minute every tenant has a demand; its limit for minute t is set from what the node knew at t-1.
 
-* ``new``: :func:`deviceplugin.quota.policy.rebalance` as the daemon runs it. It sees the memory each
-  tenant *holds* (the world below), the demand of t-1 (what vLLM's pressure signals stand for) and
-  the peak demand of the last ``WINDOW`` minutes (the loop keeps that window);
-* ``new-wide-bounds``: the same with floor 0.1 and ceiling k x the request (one tenant may take
-  most of the GPU); ``new-fewest-over``: that, with ``protectRequests: false``;
-* ``old``: the policy before issue 9 (``bench/quota_policy_v0.py``), fed as its bench fed it: demand of
-  t-1 as use, a preemption when that demand was over its limit;
-* ``clairvoyant``: knows minute t's demands and fits as many whole tenants as the GPU holds, smallest
-  first (the reference: no policy without foresight does better on this count);
-* ``forecast``, ``forecast-fewest-over``: wide bounds with ``headroom: forecast``
-  (:mod:`deviceplugin.quota.headroom`: a forecast from the last ``FORECAST_WINDOW`` minutes and a
-  knapsack that maximises the expected number of tenants within their limit), with and without
-  ``protectRequests``;
-* ``clairvoyant-release``: the same foresight, but memory a co-tenant held at t-1 is not free at t
-  (the invariant every causal row keeps): the best any policy bound by that rule could do;
-* ``naive-1.1``: last minute's demand x 1.1, scaled down in proportion when the GPU cannot hold it;
-  ``naive-1.1-spare-even``: the same, what is left split evenly (the issue's 16.5% definition);
-* ``static-equal``: capacity / k for ever.
+Causal rows are fed exactly what the node loop has (:func:`run_new`): held memory under the limit,
+the loop's window of those uses, preemptions when fenced, a releasing engine; in two worlds:
+``@demand``, the engine exports ``vramshare_vllm_kv_demand_bytes`` (last minute's unfenced demand),
+``@held``, it does not. Rows: ``default`` (``PolicyParams()`` as shipped), ``peak`` (the rule that was
+the default), ``learned`` (``headroom: learned``, wide bounds), ``*-fewest-over`` (``protectRequests:
+false``, which breaks the no-one-below-its-request guarantee). References: ``clairvoyant`` (knows
+minute t's demands, fits the most whole tenants), ``clairvoyant-release`` (the same, keeping the rule
+that memory held at t-1 is not free at t), ``naive`` (last minute x 1.1, scaled to fit, the rest
+split evenly: the issue's naive rule), ``static-equal``.
 
-The world: a tenant holds ``min(demand, limit)``; a limit cut below what it holds is honoured by the
-next sample (hard limit and preemption, or kvcached returning pages), not at the decision. Scored per policy:
-% of container-minutes with demand over limit (the headline), over-limit GiB-min, and GPU-minutes
-where the limits plus memory held beyond them add up to more than the GPU (the invariant of issue 9
-item 2: ``sum max(limit, held) <= capacity``), which the new policy must never break. Writes
-``bench/results/quota.json``. The machine running it is shared: the CPU seconds are only indicative.
+The world: a tenant holds ``min(demand, limit)``; a cut is honoured by the next sample. Scored: %
+of container-minutes with demand over limit (the headline; spread = min / median / max over
+groupings), over-limit GiB-min, GPU-minutes where limits plus memory held beyond them exceed the GPU
+(``sum max(limit, held) <= capacity``, never broken by a causal row), limit changes per
+container-hour. ``--fit`` refits ``deviceplugin/quota/learned_model.json`` on the tuning half.
+Writes ``bench/results/quota.json``; the machine is shared, CPU seconds are only indicative.
 
-    nice -n 10 python bench/bench_quota.py [--quick]
+    nice -n 10 python bench/bench_quota.py [--seeds N] [--ks 2,3,4] [--rows ...] [--fit]
 """
 from __future__ import annotations
 
@@ -43,7 +35,6 @@ import json
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from typing import Callable
@@ -54,13 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import quota_policy_v0  # noqa: E402
-
-from deviceplugin.quota.loop import QuotaLoop  # noqa: E402
-from deviceplugin.quota.model import (GpuState, PolicyParams, Signals, Tenant, TenantKey,  # noqa: E402
-                                      TenantState)
+from deviceplugin.quota.model import GpuState, PolicyParams, Signals, TenantKey, TenantState  # noqa: E402
 from deviceplugin.quota.policy import rebalance  # noqa: E402
-from deviceplugin.quota.telemetry import UsageSample  # noqa: E402
 from vramshare import traces  # noqa: E402
 
 TRACE = traces.find(traces.GENAI_MEMORY) or traces.GENAI_MEMORY  # $VRAMSHARE_TRACES/genai/...
@@ -69,9 +55,6 @@ MIB = 1 << 20
 WINDOW = 10  # minutes of use the loop remembers for the peak (quota.peakWindowTicks x one-minute ticks)
 FORECAST_WINDOW = 60  # minutes of use behind the forecast rows (the loop's default quota.peakWindowTicks)
 PARAMS = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024)
-# an 80 GiB GPU split k ways: the ceiling lets one tenant take most of it when the others are quiet
-WIDE = {2: PolicyParams(floor_fraction=0.1, ceiling_fraction=2.0, step_mib=512, margin_mib=1024),
-        3: PolicyParams(floor_fraction=0.1, ceiling_fraction=3.0, step_mib=512, margin_mib=1024)}
 
 
 def load_demand(path: str) -> np.ndarray:
@@ -118,35 +101,32 @@ def _world(demand: np.ndarray, decide: Callable[[int, np.ndarray, np.ndarray], n
     return limits, held
 
 
-def run_new(demand: np.ndarray, params: PolicyParams = PARAMS) -> tuple[np.ndarray, np.ndarray]:
+def run_new(demand: np.ndarray, params: PolicyParams = PARAMS, world: str = "demand") -> tuple[np.ndarray, np.ndarray]:
+    """The policy fed exactly what the node loop has (issue 19): each tenant's use = what it *held*
+    under its limit last minute, the loop's window of those uses (``FORECAST_WINDOW`` minutes; its
+    peak is the window's peak), the vLLM signals a fenced engine shows (preemptions when its demand
+    was above its limit), a releasing engine (``vramshare_vllm_release_mode`` unmap: a cut is honoured
+    by the next sample, as the world below has it). ``world``: ``demand``, the engine exports
+    ``vramshare_vllm_kv_demand_bytes`` (what it would hold unfenced: last minute's demand);
+    ``held``, it does not (the loop sees only held memory and the preemptions)."""
     k = len(demand)
     keys = [TenantKey("bench", f"t{i}", "c", pod_uid=f"u{i}") for i in range(k)]
     req = GPU_MIB // k
-    rows = demand.tolist()
-    forecast = params.headroom == "forecast"
+    dem = demand.tolist()
+    sig_fenced = Signals(preemptions=1, release_mode="unmap")
+    sig_calm = Signals(preemptions=0, release_mode="unmap")
 
     def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
-        lo = max(0, t - WINDOW)
-        states = tuple(TenantState(keys[i], req, int(limits[i, t - 1]), int(held[i, t - 1]),
-                                   Signals(preemptions=1 if demand[i, t - 1] > limits[i, t - 1] else 0),
-                                   peak_mib=int(demand[i, lo:t].max()),
-                                   demand_mib=int(demand[i, t - 1]),
-                                   recent_mib=tuple(rows[i][max(0, t - FORECAST_WINDOW):t]) if forecast else None)
-                       for i in range(k))
-        return np.array([d.limit_mib for d in rebalance(GpuState("GPU-bench", GPU_MIB, states), params)])
-    return _world(demand, decide)
-
-
-def run_old(demand: np.ndarray, params: PolicyParams = PARAMS) -> tuple[np.ndarray, np.ndarray]:
-    k = len(demand)
-    keys = [TenantKey("bench", f"t{i}", "c", pod_uid=f"u{i}") for i in range(k)]
-    req = GPU_MIB // k
-
-    def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
-        states = tuple(TenantState(keys[i], req, int(limits[i, t - 1]), int(demand[i, t - 1]),
-                                   Signals(preemptions=1 if demand[i, t - 1] > limits[i, t - 1] else 0))
-                       for i in range(k))
-        return np.array([d.limit_mib for d in quota_policy_v0.rebalance(GpuState("GPU-bench", GPU_MIB, states), params)])
+        lo = max(0, t - FORECAST_WINDOW)
+        states = []
+        for i in range(k):
+            win = held[i, lo:t].tolist()
+            fenced = dem[i][t - 1] > limits[i, t - 1]
+            states.append(TenantState(keys[i], req, int(limits[i, t - 1]), int(held[i, t - 1]),
+                                      sig_fenced if fenced else sig_calm, peak_mib=max(win),
+                                      demand_mib=dem[i][t - 1] if world == "demand" else None,
+                                      recent_mib=tuple(win)))
+        return np.array([d.limit_mib for d in rebalance(GpuState("GPU-bench", GPU_MIB, tuple(states)), params)])
     return _world(demand, decide)
 
 
@@ -215,119 +195,161 @@ def score(demand: np.ndarray, limits: np.ndarray, held: np.ndarray) -> dict[str,
             "limit_changes": int((np.diff(limits, axis=1) != 0).sum())}
 
 
-def loop_tick_cost(demand: np.ndarray, ticks: int) -> float:
-    """Milliseconds per QuotaLoop.run_once on one GPU with real file writes (adapters included)."""
-    keys = [TenantKey("bench", f"t{i}", "c", pod_uid=f"u{i}") for i in range(len(demand))]
-    tenants = [Tenant(k, (("GPU-bench", GPU_MIB // len(keys)),)) for k in keys]
-    minute = [0]
-
-    class Source:
-        name = "trace"
-
-        def list_tenants(self) -> list[Tenant]:
-            return tenants
-
-        def read_usage(self) -> list[UsageSample]:
-            return [UsageSample("GPU-bench", int(demand[i, minute[0]]), pod_uid=k.pod_uid)
-                    for i, k in enumerate(keys)]
-
-    with tempfile.TemporaryDirectory() as root:
-        loop = QuotaLoop(Source(), lambda: {"GPU-bench": GPU_MIB}, [Source()], PolicyParams(), root)
-        t0 = time.perf_counter()
-        for minute[0] in range(ticks):
-            loop.run_once()
-        return (time.perf_counter() - t0) * 1000 / ticks
+def _wide(k: int) -> PolicyParams:
+    """Floor 0.1 and ceiling k x the request: one tenant may take most of the GPU when the others are quiet."""
+    return PolicyParams(floor_fraction=0.1, ceiling_fraction=float(k), step_mib=512, margin_mib=1024)
 
 
-POLICIES: dict[str, Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]] = {
-    "new": lambda d, k: run_new(d),
-    "new-wide-bounds": lambda d, k: run_new(d, WIDE[k]),
-    "new-fewest-over": lambda d, k: run_new(d, dataclasses.replace(WIDE[k], protect_requests=False)),
-    "forecast": lambda d, k: run_new(d, dataclasses.replace(WIDE[k], headroom="forecast")),
-    "forecast-fewest-over": lambda d, k: run_new(d, dataclasses.replace(WIDE[k], headroom="forecast",
-                                                                        protect_requests=False)),
-    "old": lambda d, k: run_old(d),
-    "clairvoyant": lambda d, k: run_clairvoyant(d),
-    "clairvoyant-release": lambda d, k: run_clairvoyant_release(d),
-    "naive-1.1": lambda d, k: run_naive(d),
-    "naive-1.1-spare-even": lambda d, k: run_naive_spare(d),
-    "static-equal": lambda d, k: run_static(d),
+# causal rows (fed as the node loop feeds the policy, in one of the two worlds); "default" is
+# PolicyParams() exactly as shipped (the quota: section's defaults)
+CAUSAL: dict[str, Callable[[int], PolicyParams]] = {
+    "default": lambda k: PolicyParams(),
+    "peak": lambda k: dataclasses.replace(PolicyParams(), headroom="peak"),
+    "forecast": lambda k: dataclasses.replace(_wide(k), headroom="forecast"),
+    "learned": lambda k: dataclasses.replace(_wide(k), headroom="learned"),
+    "learned-default-bounds": lambda k: dataclasses.replace(PolicyParams(), headroom="learned"),
+    "forecast-default-bounds": lambda k: dataclasses.replace(PolicyParams(), headroom="forecast"),
+    "learned-fewest-over": lambda k: dataclasses.replace(_wide(k), headroom="learned", protect_requests=False),
+    "forecast-fewest-over": lambda k: dataclasses.replace(_wide(k), headroom="forecast", protect_requests=False),
 }
-
+# references: no policy inputs to be honest about
+REFERENCE: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
+    "clairvoyant": run_clairvoyant,
+    "clairvoyant-release": run_clairvoyant_release,
+    "naive": run_naive_spare,  # the issue's "last minute x 1.1, spare split evenly"
+    "static-equal": run_static,
+}
+WORLDS = ("demand", "held")
+SPLIT_SEED = 19  # which containers tune and which are held back (issue 19: split containers, not minutes)
 
 _DEMAND: np.ndarray | None = None
 
 
-def _init(demand: np.ndarray) -> None:
+def _init(demand: np.ndarray, model_path: str | None) -> None:
     global _DEMAND
     _DEMAND = demand
+    if model_path:
+        from deviceplugin.quota import learned
+        learned.default_model.cache_clear()
+        learned.MODEL_PATH = model_path
 
 
-def _score_seed(k: int, name: str, seed: int) -> dict[str, float]:
-    """One policy on one seed's groupings (a worker's unit of work), scores summed over its GPUs."""
+def split(n: int, seed: int = SPLIT_SEED) -> tuple[np.ndarray, np.ndarray]:
+    """(tuning, held-back) container indices: a seeded half each."""
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[: n // 2]), np.sort(order[n // 2:])
+
+
+def _score_seed(part: str, k: int, row: str, world: str, seed: int) -> dict[str, float]:
+    """One row on one seed's groupings of one part (a worker's unit of work), summed over its GPUs."""
+    tune, held = split(len(_DEMAND))
+    data = _DEMAND[tune if part == "tune" else held]
     tot: dict[str, float] = defaultdict(float)
-    for g in groupings(_DEMAND, k, seed):
-        for key_, v in score(g, *POLICIES[name](g, k)).items():
+    for g in groupings(data, k, seed):
+        lim_held = REFERENCE[row](g) if row in REFERENCE else run_new(g, CAUSAL[row](k), world)
+        for key_, v in score(g, *lim_held).items():
             tot[key_] += v
     return dict(tot)
 
 
+def fit_model(demand: np.ndarray, out: str, snap_mib: int = 512) -> dict[str, object]:
+    """Fit :mod:`deviceplugin.quota.learned` on the tuning containers only (every minute, the
+    loop's window before it), write it to ``out``."""
+    from deviceplugin.quota import learned
+    tune, _ = split(len(demand))
+    wins, nows, nexts = [], [], []
+    for row in demand[tune].tolist():
+        for t in range(1, len(row)):
+            wins.append(row[max(0, t - FORECAST_WINDOW):t])
+            nows.append(row[t - 1])
+            nexts.append(row[t])
+    model = learned.fit(wins, nows, nexts, snap_mib=snap_mib)
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(model.to_json(), fh, indent=1)
+    return {"rows": len(nows), "containers": int(len(tune)), "out": out}
+
+
+def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    groups = sorted({(p, k, r, w) for p, k, r, w, _ in tasks})
+    for p, k, r, w in groups:
+        tot: dict[str, float] = defaultdict(float)
+        per_seed = []
+        for seed in seeds:
+            sc = scored[(p, k, r, w, seed)]
+            for key_, v in sc.items():
+                tot[key_] += v
+            per_seed.append(100 * sc["over_minutes"] / sc["minutes"])
+        name = r if r in REFERENCE else f"{r}@{w}"
+        out.setdefault(p, {}).setdefault(f"k{k}", {})[name] = {  # type: ignore[union-attr]
+            "pct_container_minutes_over_limit": round(100 * tot["over_minutes"] / tot["minutes"], 2),
+            "pct_spread_over_groupings": [round(min(per_seed), 2), round(float(np.median(per_seed)), 2),
+                                          round(max(per_seed), 2)],
+            "pct_container_minutes_short": round(100 * tot["short_minutes"] / tot["minutes"], 2),
+            "over_limit_gib_min": round(tot["over_mib_min"] / 1024, 1),
+            "invariant_broken_gpu_minutes": int(tot["invariant_broken_gpu_minutes"]),
+            "limit_changes_per_container_hour": round(tot["limit_changes"] / (tot["minutes"] / 60), 2)}
+    for parts in out.values():
+        for rows in parts.values():  # type: ignore[union-attr]
+            ref = rows.get("clairvoyant", {}).get("pct_container_minutes_over_limit")
+            for v in rows.values():
+                v["ratio_to_clairvoyant"] = round(v["pct_container_minutes_over_limit"] / ref, 2) if ref else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="3 groupings instead of 20")
-    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--seeds", type=int, default=20, help="random groupings per part and k")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes (the machine is shared: 2)")
     ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--ks", default="2,3,4")
+    ap.add_argument("--rows", default=",".join(list(CAUSAL) + list(REFERENCE)))
+    ap.add_argument("--tune-rows", default="peak,forecast,learned,learned-default-bounds",
+                    help="rows also scored on the tuning containers (what tuning saw), at k=3")
+    ap.add_argument("--worlds", default=",".join(WORLDS))
+    ap.add_argument("--fit", action="store_true", help="refit the learned model on the tuning containers first")
+    ap.add_argument("--model", default=None, help="learned model JSON (default: the shipped one)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "quota.json"))
     args = ap.parse_args(argv)
     t_start, wall = time.process_time(), time.perf_counter()
     demand = load_demand(args.trace)
-    seeds = list(range(3 if args.quick else args.seeds))
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    tasks = [(k, name, seed) for k in (2, 3) for name in POLICIES for seed in seeds]
-    with multiprocessing.Pool(args.jobs, initializer=_init, initargs=(demand,)) as pool:
+    fitted = None
+    if args.fit:
+        from deviceplugin.quota import learned
+        fitted = fit_model(demand, args.model or learned.MODEL_PATH)
+    seeds = list(range(args.seeds))
+    ks = [int(x) for x in args.ks.split(",")]
+    rows = [r for r in args.rows.split(",") if r]
+    worlds = [w for w in args.worlds.split(",") if w]
+    tasks = []
+    for part, part_ks, part_rows in (("held_back", ks, rows),
+                                     ("tune", [3] if 3 in ks else [], [r for r in args.tune_rows.split(",") if r]
+                                      + ["clairvoyant"])):
+        for k in part_ks:
+            for r in part_rows:
+                for w in ([None] if r in REFERENCE else worlds):
+                    tasks.extend((part, k, r, w, seed) for seed in seeds)
+    with multiprocessing.Pool(args.jobs, initializer=_init, initargs=(demand, args.model)) as pool:
         scored = dict(zip(tasks, pool.starmap(_score_seed, tasks, chunksize=1)))
-    for k in (2, 3):
-        per: dict[str, dict[str, float]] = {}
-        for name in POLICIES:
-            tot: dict[str, float] = defaultdict(float)
-            per_seed = []
-            for seed in seeds:
-                sc = scored[(k, name, seed)]
-                for key_, v in sc.items():
-                    tot[key_] += v
-                per_seed.append(100 * sc["over_minutes"] / sc["minutes"])
-            per[name] = {"pct_container_minutes_over_limit": round(100 * tot["over_minutes"] / tot["minutes"], 2),
-                         "pct_spread_over_seeds": [round(min(per_seed), 2), round(max(per_seed), 2)],
-                         "pct_container_minutes_short": round(100 * tot["short_minutes"] / tot["minutes"], 2),
-                         "over_limit_gib_min": round(tot["over_mib_min"] / 1024, 1),
-                         "invariant_broken_gpu_minutes": int(tot["invariant_broken_gpu_minutes"]),
-                         "limit_changes_per_container_hour": round(tot["limit_changes"] / (tot["minutes"] / 60), 2)}
-        ref = per["clairvoyant"]["pct_container_minutes_over_limit"]
-        for v in per.values():
-            v["ratio_to_clairvoyant"] = round(v["pct_container_minutes_over_limit"] / ref, 2) if ref else None
-        results[f"k{k}"] = per
-    summary = {f"k{k}_{name}_pct": results[f"k{k}"][name]["pct_container_minutes_over_limit"]
-               for k in (2, 3) for name in POLICIES}
-    summary.update({f"k{k}_{name}_ratio_to_clairvoyant": results[f"k{k}"][name]["ratio_to_clairvoyant"]
-                    for k in (2, 3) for name in ("new", "forecast", "forecast-fewest-over")})
-    summary["new_invariant_broken_gpu_minutes"] = sum(results[f"k{k}"][n]["invariant_broken_gpu_minutes"]
-                                                      for k in (2, 3) for n in POLICIES
-                                                      if n.startswith(("new", "forecast")))
-    summary["loop_tick_ms_3_tenants_with_file_writes"] = round(loop_tick_cost(groupings(demand, 3, 0)[0], 60), 2)
-    doc = {"summary": summary, "results": results,
+    results = _summarise(scored, tasks, seeds)
+    tune, held = split(len(demand))
+    doc = {"results": results,
            "setup": {"gpu_mib": GPU_MIB, "containers": int(len(demand)), "minutes": int(demand.shape[1]),
-                     "seeds": len(seeds), "lag_minutes": 1, "peak_window_minutes": WINDOW,
-                     "requests": "equal share (capacity / k)",
-                     "params": {"floor_fraction": PARAMS.floor_fraction, "ceiling_fraction": PARAMS.ceiling_fraction,
-                                "step_mib": PARAMS.step_mib, "margin_mib": PARAMS.margin_mib},
-                     "trace": "genai/pod_gpu_memory_used_bytes.csv", "quick": args.quick,
+                     "split": {"seed": SPLIT_SEED, "tune": int(len(tune)), "held_back": int(len(held)),
+                               "what": "containers, not minutes"},
+                     "groupings_per_part_and_k": len(seeds), "lag_minutes": 1, "window_minutes": FORECAST_WINDOW,
+                     "worlds": {"demand": "engine exports vramshare_vllm_kv_demand_bytes (last minute's demand)",
+                                "held": "no demand export: held memory, window, preemptions only"},
+                     "requests": "equal share (capacity / k)", "fitted": fitted,
+                     "trace": "genai/pod_gpu_memory_used_bytes.csv",
                      "cpu_seconds_main": round(time.process_time() - t_start, 2), "jobs": args.jobs,
                      "wall_seconds": round(time.perf_counter() - wall, 1), "machine": "shared, 2 cores"}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)
-    print(json.dumps({"summary": summary, "results": results}, indent=2))
+    print(json.dumps({p: {k: {r: (v["pct_container_minutes_over_limit"], v["ratio_to_clairvoyant"],
+                                  v["limit_changes_per_container_hour"]) for r, v in rows_.items()}
+                          for k, rows_ in parts.items()} for p, parts in results.items()}, indent=1))
     return 0
 
 

@@ -93,7 +93,9 @@ class UsageReplay:
         """``url`` is the tenant's key as text (the demo's tenants carry it as their metrics URL)."""
         with self._lock:
             key = next((k for k in self._slot if str(k) == url), None)
+            # the replayed servers give memory back on a cut (vLLM with kvcached: release mode unmap),
+            # so the quota loop may lend to them (issue 19: it lends to releasing engines only)
             if key is None or self.tick < 2:
-                return VllmSample(running=1, waiting=0)
+                return VllmSample(running=1, waiting=0, release_mode="unmap")
             moving = self._value(key, self.tick - 1) != self._value(key, self.tick - 2)
-            return VllmSample(running=1 if moving else 0, waiting=0)
+            return VllmSample(running=1 if moving else 0, waiting=0, release_mode="unmap")

@@ -170,12 +170,20 @@ class QuotaConfig:
     peak_window_ticks: int = 60  # ticks of use remembered: headroom reaches the window's peak
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom
-    headroom: str = "peak"  # "peak" (use + margin up to the window's peak) or "forecast" (quota/headroom.py)
+    # "forecast" (quota/headroom.py, the default since issue 19: best on the tuning containers), "learned"
+    # (quota/learned.py) or "peak" (use + margin up to the window's peak)
+    headroom: str = "forecast"
+    # "releasing": only engines that report a releasing mode (vramshare_vllm_release_mode unmap) are
+    # raised beyond their request, since only their loans come back when a reservation needs them
+    # (issue 19); "any": every tenant may borrow (unsound where a cut frees nothing)
+    loans: str = "releasing"
+    startup_ticks: int = 30  # a new container counts at its request this many ticks (its engine starts)
     idle_seconds: float = 300.0  # no requests and flat use this long: the tenant is warm (0 = never)
     classes: tuple[QuotaClass, ...] = ()  # issue 14; every pod none selects is in the ``default`` class
 
 
-QUOTA_HEADROOM_RULES = ("peak", "forecast")
+QUOTA_HEADROOM_RULES = ("peak", "forecast", "learned")
+QUOTA_LOAN_RULES = ("releasing", "any")
 
 
 @dataclass(frozen=True)
@@ -253,7 +261,7 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "processAttribution": "process_attribution",
                "peakWindowTicks": "peak_window_ticks", "protectRequests": "protect_requests",
                "shareSpare": "share_spare", "idleSeconds": "idle_seconds", "classes": "classes",
-               "headroom": "headroom"}
+               "headroom": "headroom", "loans": "loans", "startupTicks": "startup_ticks"}
 _CLASS_KEYS = {k: k for k in ("name", "floorFraction", "floorMiB", "ceilingFraction", "ceilingMiB", "marginMiB",
                               "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match")}
 _MATCH_KEYS = {"namespaces": "namespaces", "selector": "selector", "priorityClassNames": "priority_class_names"}
@@ -466,8 +474,12 @@ def config_from_dict(raw: Any) -> Config:
         share_spare=_typed(q.get("shareSpare", True), bool, "quota.shareSpare"),
         idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds", minimum=0),
         classes=_quota_classes(q.get("classes")),
-        headroom=_typed(q.get("headroom", "peak"), str, "quota.headroom"),
+        headroom=_typed(q.get("headroom", "forecast"), str, "quota.headroom"),
+        loans=_typed(q.get("loans", "releasing"), str, "quota.loans"),
+        startup_ticks=_typed(q.get("startupTicks", 30), int, "quota.startupTicks", minimum=0),
     )
+    if quota.loans not in QUOTA_LOAN_RULES:
+        raise ConfigError(f"quota.loans: {quota.loans!r} is not one of {', '.join(QUOTA_LOAN_RULES)}")
     if quota.headroom not in QUOTA_HEADROOM_RULES:
         raise ConfigError(f"quota.headroom: {quota.headroom!r} is not one of {', '.join(QUOTA_HEADROOM_RULES)}")
     en = _check_keys(top.get("enforcement"), _ENFORCEMENT_KEYS, "enforcement.")

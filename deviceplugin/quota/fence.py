@@ -10,7 +10,7 @@ its limit, as for any tenant without telemetry.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.model import Decision, Tenant
@@ -73,14 +73,18 @@ class DriverFence:
                 out.append(UsageSample(gpu_uuid=gpu, used_mib=other))
         return out
 
-    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int]) -> list[str]:
-        """Move the tenant's cgroup limits to ``decisions``; returns the errors (logged by the loop)."""
+    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int],
+              hard: Mapping[str, int] | None = None) -> list[str]:
+        """Move the tenant's cgroup limits to ``decisions``; returns the errors (logged by the loop).
+        ``hard`` overrides the hard limit per GPU: the loop keeps a shrink's old hard limit until the
+        engine acknowledged it (issue 19), the soft limit follows the decision at once."""
         errors = []
         for _cid, cgroup in self._cgroups(tenant):
             for d in decisions:
+                top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
                 soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
                 try:
-                    self._limits.set(d.gpu_uuid, cgroup, soft, d.limit_mib)
+                    self._limits.set(d.gpu_uuid, cgroup, soft, top)
                 except LimitError as exc:
                     errors.append(str(exc))
         return errors

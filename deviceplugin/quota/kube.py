@@ -21,7 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from deviceplugin.handshake import AssignmentError, parse_assignment
 from deviceplugin.quota.classes import PodMeta
-from deviceplugin.quota.model import Tenant, TenantKey
+from deviceplugin.quota.model import Claim, Tenant, TenantKey
 from deviceplugin.quota.overlimit import Breach
 from vramshare import contract, logs
 from vramshare.config import OverLimitAction
@@ -87,17 +87,46 @@ def tenants_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) 
     return out
 
 
+def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) -> list[Claim]:
+    """Containers promised memory here that are not tenants yet (issue 19): pods bound to the node
+    (the listing is by ``spec.nodeName``) with an assignment but not reported ``allocated``; the
+    extender counted them at their request when it bound them, so the quota loop does too."""
+    out: list[Claim] = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        ann = meta.get("annotations") or {}
+        text = ann.get(names.assignment)
+        if not text or ann.get(names.allocation_state) == contract.STATE_ALLOCATED:
+            continue
+        if (pod.get("status") or {}).get("phase") in _DONE_PHASES:
+            continue
+        where = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        try:
+            for c in sorted(json.loads(text) or {}):
+                out.append(Claim(f"{where}/{c}", tuple((g.uuid, g.mib) for g in parse_assignment(text, c))))
+        except (AssignmentError, ValueError, TypeError) as exc:
+            log.warning("pending pod's assignment unreadable, not counted", pod=where, error=str(exc))
+    return out
+
+
 class ApiTenantSource:
     """:class:`loop.TenantSource` over the API server: the pods bound to one node."""
 
     def __init__(self, v1: client.CoreV1Api, node: str, names: contract.Names) -> None:
         self._v1, self._node, self._names = v1, node, names
+        self._pending: list[Claim] = []
 
     def list_tenants(self) -> list[Tenant]:
         # raw JSON (no model objects): the pod dicts are what the device plugin's parsers read
         resp: Any = self._v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self._node}",
                                                          _preload_content=False, _request_timeout=TIMEOUT_S)
-        return tenants_from_pods(json.loads(resp.data).get("items") or [], self._names)
+        pods = json.loads(resp.data).get("items") or []
+        self._pending = pending_from_pods(pods, self._names)
+        return tenants_from_pods(pods, self._names)
+
+    def list_pending(self) -> list[Claim]:
+        """The pending claims of the latest :meth:`list_tenants` (one listing serves both)."""
+        return list(self._pending)
 
 
 class ApiQuotaMirror:

@@ -23,7 +23,8 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from deviceplugin.quota import classes as qclasses
 from deviceplugin.quota.attribution import attribute
-from deviceplugin.quota.model import (Bounds, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
+from deviceplugin.quota.claims import merge_claims, unowned_quota_files
+from deviceplugin.quota.model import (Bounds, Claim, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
                                       TenantState)
 from deviceplugin.quota.overlimit import Breach, OverLimitWatch
 from deviceplugin.quota.policy import rebalance
@@ -37,10 +38,15 @@ from vramshare.config import DEFAULT_CLASS, EnforcementConfig, OverLimitAction, 
 from vramshare.inventory import EnforcementMode
 
 log = logs.get("vramshare.quota.loop")
+_HISTORY = 32  # files remembered per tenant (an engine that lags more is assumed to follow any of them)
 
 
 class TenantSource(Protocol):
-    """The containers holding our memory on this node (from the device plugin's allocations)."""
+    """The containers holding our memory on this node (from the device plugin's allocations).
+
+    A source may also have ``list_pending() -> list[Claim]``: the containers promised memory here
+    that are not tenants yet (``kube.ApiTenantSource``: pods bound here, not yet reported allocated,
+    from the same listing); the loop counts them at their request (issue 19)."""
 
     def list_tenants(self) -> list[Tenant]:
         """Raises any exception on failure; the loop logs it and skips the tick."""
@@ -70,7 +76,10 @@ class OverLimitActor(Protocol):
 class Fence(Protocol):
     """Moves a tenant's enforced limits (driver mode): ``fence.DriverFence``."""
 
-    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int]) -> list[str]:
+    def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int],
+              hard: Mapping[str, int] | None = None) -> list[str]:
+        """``hard``: per GPU, the hard limit to set where it differs from the decision's limit (a
+        shrink the engine has not acknowledged yet keeps the hard limit it had)."""
         ...
 
 
@@ -86,13 +95,16 @@ class LoopSettings:
     interval_seconds: float | None = None  # None: what ``run`` was started with
     enabled: bool = True  # false: ``run`` pauses (the files keep the last quotas)
     classes: tuple[QuotaClass, ...] = ()  # quota.classes; pods none selects are in ``default``
+    # a new container (its quota file still Allocate's when first listed) counts at its request for
+    # this many ticks: its engine loads weights and allocates its KV pool in the meantime (issue 19)
+    startup_ticks: int = 30
 
     @classmethod
     def from_config(cls, quota: QuotaConfig, enforcement: EnforcementConfig | None = None) -> "LoopSettings":
         en = enforcement or EnforcementConfig()
         return cls(PolicyParams.from_config(quota), quota.peak_window_ticks, quota.idle_seconds,
                    en.over_limit_grace_seconds, en.over_limit_action, quota.interval_seconds, quota.enabled,
-                   quota.classes)
+                   quota.classes, quota.startup_ticks)
 
     def default_terms(self) -> qclasses.ClassTerms:
         """The ``default`` class: the global keys (what every tenant got before classes)."""
@@ -124,6 +136,11 @@ class TickReport:
     skipped: str | None = None  # why the whole tick was skipped
     errors: list[str] = field(default_factory=list)
     breaches: list[Breach] = field(default_factory=list)
+    reserved: dict[str, int] = field(default_factory=dict)  # per GPU: claims of containers not tenants yet
+    # per GPU: MiB by which limits, held memory and claims exceed the capacity at the node level
+    # (sum over every container with a quota file or a claim of max(limit, held)); held memory that
+    # is already over the capacity (lent before a claim came) is not counted as this tick's fault
+    overcommitted: dict[str, int] = field(default_factory=dict)
 
 
 class QuotaLoop:
@@ -153,6 +170,15 @@ class QuotaLoop:
         self.capacities: dict[str, int] = {}  # per GPU, what the latest tick divided (after foreign memory)
         self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
+        self._first: dict[TenantKey, int] = {}  # tick it was first listed (its age, for ``starting``)
+        self._gen: dict[TenantKey, int] = {}  # generation of its quota file as last written or read
+        self._applied: dict[TenantKey, int] = {}  # generation its engine reported applied (latest)
+        # per tenant, the files this process wrote lately: (generation, {gpu: limit}), to tell which
+        # limit an engine follows from the generation it reports applied
+        self._history: dict[TenantKey, deque[tuple[int, dict[str, int]]]] = {}
+        self._hard: dict[tuple[TenantKey, str], int] = {}  # hard limits as this process set them
+        self._claim_req: dict[str, dict[str, int]] = {}  # unowned quota files: what Allocate granted
+        self._managed: set[TenantKey] = set()  # its file was written by a quota loop when first listed
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
         self.warm = warm  # the warm tier (issue 23): sleeping engines lend, waking ones are granted first
@@ -236,7 +262,11 @@ class QuotaLoop:
             if last is not None:  # a counter below its last value was reset: count it from zero
                 delta = int(s.preemptions_total - last if s.preemptions_total >= last else s.preemptions_total)
             self._preempt[t.key] = s.preemptions_total
-        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running)
+        if s.generation_applied is not None:
+            self._applied[t.key] = s.generation_applied
+        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running,
+                       release_mode=s.release_mode, kv_held_mib=_mib(s.kv_held_bytes),
+                       kv_demand_mib=_mib(s.kv_demand_bytes), generation_applied=s.generation_applied)
 
     def _current(self, t: Tenant, gpu: str) -> int | None:
         """The limit in force: ours, else the file Allocate wrote, else None (= the request)."""
@@ -247,6 +277,9 @@ class QuotaLoop:
                 log.warning("quota file unreadable", pod=str(t.key), gpu=gpu, error=str(exc))
                 on_disk = None
             if on_disk is not None:
+                self._gen.setdefault(t.key, on_disk.generation)
+                if on_disk.state:  # the loop wrote it before (Allocate's first file has no state)
+                    self._managed.add(t.key)
                 for g, mib in on_disk.limits().items():
                     self._limits.setdefault((t.key, g), mib)
                 for line in on_disk.gpus:
@@ -296,15 +329,23 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
+                acked, unacked, follows = self._acked(t.key, gpu, req if cur is None else cur)
                 ts = TenantState(t.key, req, cur, u, sig, peak_mib=peak,
                                  phase=phase if u is not None else Phase.HOT,
                                  bounds=self._bounds(ct, req, cur),
                                  rank=self._rank(t.key, ct),
-                                 recent_mib=tuple(self._window.get((t.key, gpu), ())))
+                                 recent_mib=tuple(self._window.get((t.key, gpu), ())),
+                                 demand_mib=_demand(u, sig) if len(t.gpus) == 1 else None,
+                                 starting=self._starting(t.key),
+                                 shrink_acked=acked, unacked_mib=unacked,
+                                 engine_mib=follows)
                 per_gpu[gpu].append(self.warm.prepare(ts, gpu) if self.warm else ts)
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
+        files = unowned_quota_files(self._root, [self._dir(t) for t in tenants])
+        reserved = report.reserved = self._reserved(files)
+        committed: dict[str, int] = {}
         for gpu, states in sorted(per_gpu.items()):
             if gpu not in capacities:
                 log.warning("GPU not in inventory, its tenants keep their quotas", gpu=gpu)
@@ -313,7 +354,10 @@ class QuotaLoop:
             self.capacities[gpu] = cap
             used_of = {ts.key: ts.used_mib for ts in states}
             req_of = {ts.key: ts.request_mib for ts in states}
-            for d in rebalance(GpuState(gpu, cap, tuple(states)), st.params):
+            out = rebalance(GpuState(gpu, cap, tuple(states), reserved_mib=reserved.get(gpu, 0)), st.params)
+            committed[gpu] = cap - sum(d.held_mib for d in out)
+            self._check_node(gpu, cap, out, states, reserved.get(gpu, 0), report)
+            for d in out:
                 if d.key in self._orphans:
                     d = dataclasses.replace(d, reason=f"hold: class {self._orphans[d.key]!r} removed from the "
                                             f"config, limits kept until the next valid config")
@@ -328,6 +372,7 @@ class QuotaLoop:
         if self.warm is not None:
             self.warm.note(decided)  # what sleeping engines lend, for the mirror written next
         self._write(tenants, decided, phases, report)
+        self._fit_claims(files, committed, report)
         alive = {t.key for t in tenants}
         if self.warm is not None:  # after the files: a grant follows the quota that carries it
             self.warm.after_tick(phases, decided, now)
@@ -341,6 +386,12 @@ class QuotaLoop:
         self._views = {k: v for k, v in self._views.items() if k[0] in alive}
         self._lines = {k: v for k, v in self._lines.items() if k[0] in alive}
         self._fenced = {k for k in self._fenced if k[0] in alive}
+        self._first = {k: v for k, v in self._first.items() if k in alive}
+        self._managed &= alive
+        self._gen = {k: v for k, v in self._gen.items() if k in alive}
+        self._applied = {k: v for k, v in self._applied.items() if k in alive}
+        self._history = {k: v for k, v in self._history.items() if k in alive}
+        self._hard = {k: v for k, v in self._hard.items() if k[0] in alive}
         self._warmth.forget(alive)
         self._watch.forget(alive)
         return report
@@ -415,6 +466,9 @@ class QuotaLoop:
                 report.errors.append(str(exc))
                 continue
             self._lines.update({(t.key, line.uuid): line for line in gpus})
+            self._gen[t.key] = written.generation
+            hist = self._history.setdefault(t.key, deque(maxlen=_HISTORY))
+            hist.append((written.generation, {line.uuid: line.limit_mib for line in gpus}))
             for d in ds:
                 if self._limits.get((t.key, d.gpu_uuid)) != d.limit_mib:
                     log.info("quota changed", pod=f"{t.key.namespace}/{t.key.pod}", container=t.key.container,
@@ -438,20 +492,121 @@ class QuotaLoop:
         return t.quota_dir or container_dir(self._root, t.key.pod_uid, t.key.container)
 
     def _fence_first(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
-        """A tenant this process has not fenced yet (new, or after a restart) gets its limits set."""
-        if self._fence is not None and ds and any((t.key, d.gpu_uuid) not in self._fenced for d in ds):
+        """A tenant this process has not fenced yet (new, or after a restart) gets its limits set; one
+        whose hard limit waits for its engine's acknowledgement gets it lowered once acknowledged."""
+        if self._fence is None or not ds:
+            return
+        if any((t.key, d.gpu_uuid) not in self._fenced for d in ds):
             if all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds):
                 self._apply_fence(t, ds, report)
+        elif any(self._hard.get((t.key, d.gpu_uuid), d.limit_mib) != self._hard_of(t.key, d) for d in ds):
+            self._apply_fence(t, ds, report)
+
+    def _hard_of(self, key: TenantKey, d: Decision) -> int:
+        """The hard limit to set (issue 19, acknowledged shrinks): a shrink is enforced by the driver
+        only once the engine reports it applied the file that carried it (its generation), so the
+        driver never fails an allocation for memory the engine was about to give back. Engines that
+        report no generation are fenced at once, as before."""
+        if key not in self._applied or self._applied[key] >= self._gen.get(key, 0):
+            return d.limit_mib
+        return max(d.limit_mib, self._hard.get((key, d.gpu_uuid), d.previous_mib))
 
     def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         if self._fence is None:
             return
-        errors = self._fence.apply(t, ds, dict(t.gpus))
+        hard = {d.gpu_uuid: self._hard_of(t.key, d) for d in ds}
+        for d in ds:
+            if hard[d.gpu_uuid] > d.limit_mib:
+                log.info("hard limit kept until the engine acknowledges the shrink", pod=str(t.key),
+                         gpu=d.gpu_uuid, limit_mib=d.limit_mib, hard_mib=hard[d.gpu_uuid],
+                         generation=self._gen.get(t.key), applied=self._applied.get(t.key))
+        errors = self._fence.apply(t, ds, dict(t.gpus), hard)
         for e in errors:
             log.error("cgroup memory limit not moved, will retry", pod=f"{t.key.namespace}/{t.key.pod}", error=e)
         report.errors.extend(errors)
         if not errors:
             self._fenced.update((t.key, d.gpu_uuid) for d in ds)
+            self._hard.update({(t.key, g): h for g, h in hard.items()})
+
+    def _starting(self, key: TenantKey) -> bool:
+        """New on this node: first listed less than ``startup_ticks`` ticks ago with the quota file
+        Allocate wrote (a loop restart finds the files of its old tenants rewritten: not new)."""
+        first = self._first.setdefault(key, self.counts["ticks"])
+        return key not in self._managed and self.counts["ticks"] - first < self.settings.startup_ticks
+
+    def _acked(self, key: TenantKey, gpu: str, cur: int) -> tuple[bool, int | None, int | None]:
+        """For an engine that reports the generation it applied: (it applied the file carrying its
+        current limit, the highest limit it may still grow to, the limit it follows now). Until it
+        acknowledges a shrink the memory cut is not anyone else's; "at its limit" is measured
+        against the limit it follows. Engines that report none: (False, None, None): their use
+        shows what they hold, and they follow the file in force."""
+        applied = self._applied.get(key)
+        if applied is None:
+            return False, None, None
+        hist = [(g, lim[gpu]) for g, lim in self._history.get(key, ()) if gpu in lim]
+        follows = next((lim for g, lim in reversed(hist) if g <= applied), None)
+        if applied >= self._gen.get(key, 0):
+            return True, cur, cur
+        later = [lim for g, lim in hist if g > applied]
+        # an older file than the history holds: it may follow any limit this process remembers
+        top = max(later + [cur] + ([follows] if follows is not None else [lim for _, lim in hist]))
+        return False, top, follows
+
+    def _reserved(self, files: list[Claim]) -> dict[str, int]:
+        """Per GPU, MiB promised to containers that are not tenants yet (``claims``): counted at their
+        request from the moment they exist, so the policy never lends it (issue 19)."""
+        pending_of = getattr(self._tenants, "list_pending", None)
+        pending = list(pending_of()) if pending_of is not None else []
+        for f in files:  # a file the loop lowered still claims what Allocate granted
+            self._claim_req.setdefault(f.name, dict(f.gpus))
+        files = [Claim(f.name, tuple((g, self._claim_req[f.name].get(g, m)) for g, m in f.gpus)) for f in files]
+        out: dict[str, int] = defaultdict(int)
+        for c in merge_claims(pending, files):
+            for gpu, mib in c.gpus:
+                out[gpu] += mib
+        return dict(out)
+
+    def _fit_claims(self, files: list[Claim], free: Mapping[str, int], report: TickReport) -> None:
+        """A quota file no tenant owns yet says what Allocate granted; while co-tenants still hold
+        memory they were lent, that much is not there: the file is lowered to what is free and grows
+        back to the grant as they release (the newcomer's engine reads it from its first start)."""
+        left = dict(free)
+        for f in sorted(files, key=lambda c: c.name):
+            grant = self._claim_req.get(f.name, dict(f.gpus))
+            want = {g: max(0, min(grant.get(g, m), left.get(g, grant.get(g, m)))) for g, m in f.gpus}
+            for g in want:
+                if g in left:
+                    left[g] -= want[g]
+            if want == dict(f.gpus):
+                continue
+            try:
+                q = read_quota(f.name)
+                if q is None:
+                    continue
+                gpus = tuple(GpuQuota(x.uuid, want.get(x.uuid, x.limit_mib), min(x.floor_mib, want.get(x.uuid, x.limit_mib)),
+                                      max(x.ceiling_mib, want.get(x.uuid, x.limit_mib))) for x in q.gpus)
+                write_quota(f.name, QuotaFile(gpus=gpus, state=q.state, enforcement=q.enforcement))
+            except (QuotaFileError, OSError, ValueError) as exc:
+                log.error("claim's quota file not fitted, will retry", dir=f.name, error=str(exc))
+                report.errors.append(str(exc))
+                continue
+            log.info("newcomer's quota fitted to free memory", dir=f.name, limits=want, granted=grant)
+        self._claim_req = {k: v for k, v in self._claim_req.items() if k in {f.name for f in files}}
+
+    def _check_node(self, gpu: str, cap: int, out: Sequence[Decision], states: Sequence[TenantState],
+                    reserved: int, report: TickReport) -> None:
+        """The node-level invariant: every container with a quota file or a claim, at max(limit,
+        held), fits the GPU. Held memory already above it (a loan made before a claim came) only
+        shrinks; anything beyond that is this tick's fault: logged and reported."""
+        committed = sum(d.held_mib for d in out) + reserved
+        held = sum(max(s.used_mib or 0, s.unacked_mib or 0) for s in states) + reserved
+        excess = committed - max(cap, held)
+        if committed > cap:
+            report.overcommitted[gpu] = committed - cap
+        if excess > 0:
+            self.counts["node_overcommit"] += 1
+            log.error("node-level quota invariant broken", gpu=gpu, committed_mib=committed, capacity_mib=cap,
+                      reserved_mib=reserved)
 
     def _entry(self, key: TenantKey, gpu: str, request: int, d: Decision | None) -> GpuQuota:
         """One GPU's line of the file. A GPU skipped this tick keeps its limit (a multi-GPU file is
@@ -517,6 +672,18 @@ def _warm_detail(e: object) -> dict[str, object]:
     if e.last_wake_s is not None:  # type: ignore[attr-defined]
         out["wakeS"] = round(e.last_wake_s, 3)  # type: ignore[attr-defined]
     return out
+
+
+def _mib(value: float | None) -> int | None:
+    return None if value is None else int(value) // (1 << 20)
+
+
+def _demand(used: int | None, sig: Signals) -> int | None:
+    """What it would use if unfenced (issue 19): its use beyond its KV memory plus the KV its
+    engine says it needs (``vramshare_vllm_kv_demand_bytes``); None where the engine does not say."""
+    if used is None or sig.kv_demand_mib is None or sig.kv_held_mib is None:
+        return None
+    return max(used, used - sig.kv_held_mib + sig.kv_demand_mib)
 
 
 def _detail(v: TenantView) -> dict[str, object]:

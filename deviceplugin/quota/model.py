@@ -60,6 +60,31 @@ class Bounds:
         return max(self.floor_mib, min(self.ceiling_mib, mib))
 
 
+class Release(str, enum.Enum):
+    """What a cut of a tenant's limit buys (``vramshare_vllm_release_mode``, SIGNALS.md).
+
+    ``release``: the engine gives the memory above its cap back to the GPU (``unmap``: kvcached or the
+    plugin's own unmapping), so a loan to it can be called back within a tick or two, and a shrink
+    it acknowledged is free at once. ``throttle``: the cap stops growth but frees nothing until its
+    use drops; a loan to it may never come back, so it gets none (issue 19). ``unknown`` (no plugin
+    metrics: another engine, an older plugin) is treated as ``throttle``: a driver hard limit fences
+    growth but reclaims nothing either."""
+
+    RELEASE = "release"
+    THROTTLE = "throttle"
+    UNKNOWN = "unknown"
+
+    @classmethod
+    def of_mode(cls, mode: str | None) -> "Release":
+        if mode is None:
+            return cls.UNKNOWN
+        return cls.RELEASE if mode in RELEASING_MODES else cls.THROTTLE
+
+
+# release modes (vramshare_vllm_release_mode{mode}) in which a cut returns memory to the GPU
+RELEASING_MODES = frozenset({"unmap", "kvcached", "release"})
+
+
 @dataclass(frozen=True)
 class Signals:
     """vLLM pressure signals of one tenant; ``None`` means the tenant did not report it."""
@@ -68,6 +93,14 @@ class Signals:
     waiting: int | None = None  # vllm:num_requests_waiting
     preemptions: int | None = None  # increase of vllm:num_preemptions_total since the last tick
     running: int | None = None  # vllm:num_requests_running
+    release_mode: str | None = None  # vramshare_vllm_release_mode's active mode (unmap | throttle)
+    kv_held_mib: int | None = None  # vramshare_vllm_kv_memory_held_bytes: KV memory the engine holds
+    kv_demand_mib: int | None = None  # vramshare_vllm_kv_demand_bytes: KV it would hold if unfenced
+    generation_applied: int | None = None  # vramshare_vllm_quota_generation_applied: the file it follows
+
+    @property
+    def release(self) -> Release:
+        return Release.of_mode(self.release_mode)
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,29 @@ class TenantState:
     phase: Phase = Phase.HOT
     rank: int = 0  # its quota class's lendingPriority: under pressure lower ranks lend and are cut first
     recent_mib: tuple[int, ...] | None = None  # uses over the loop's window, oldest first: the forecast's input
+    # starting: a container whose engine has not shown its use for long yet (``startup_ticks``): it
+    # counts at its request from the moment it exists, restored ahead of lenders, and its limit
+    # grows only as they release (issue 19). No sample yet means it holds nothing.
+    starting: bool = False
+    # a releasing engine acknowledged the file carrying its current limit (generation applied): the
+    # memory above that limit, beyond what the engine cannot give back, is free now (issue 20 item 5)
+    shrink_acked: bool = False
+    # the highest limit the engine may still grow to (engines that report generations): the limit in
+    # force, or one before it while it has not acknowledged a lower one; that memory is not free yet
+    unacked_mib: int | None = None
+    # the limit its engine last acknowledged (it fences itself there until it applies a newer file):
+    # "at its limit" is measured against this one; None = the limit in force
+    engine_mib: int | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Memory promised on this node to a container that is not a tenant yet: a pod the extender bound
+    here that the device plugin has not reported allocated, or a quota file no tenant owns (Allocate
+    wrote it, the pod is not linked yet). Counted at its request until it becomes a tenant."""
+
+    name: str  # namespace/pod/container, or the quota directory: for logs
+    gpus: tuple[tuple[str, int], ...]  # (gpu uuid, MiB)
 
 
 @dataclass(frozen=True)
@@ -94,6 +150,9 @@ class GpuState:
     uuid: str
     capacity_mib: int
     tenants: tuple[TenantState, ...]
+    # claims of containers that are not tenants yet (pods bound here, not yet reported allocated;
+    # quota files no tenant owns yet), at their request: memory the extender promised, never lent
+    reserved_mib: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,7 +166,11 @@ class PolicyParams:
     kv_pressure: float = 0.90  # kv_cache_usage_perc at or above this counts as pressure
     protect_requests: bool = True  # overload: use within each request is covered before any beyond it
     share_spare: bool = True  # memory nobody asked for is split evenly as headroom (measured better)
-    headroom: str = "peak"  # "peak": use + margin up to the window's peak; "forecast": see quota/headroom.py
+    # "forecast" (quota/headroom.py), "learned" (quota/learned.py), "peak": use + margin up to the window's peak
+    headroom: str = "forecast"
+    # "releasing": only engines that give memory back on a cut are raised beyond their request (a
+    # loan to anyone else may never come back when a reservation needs it); "any": the old rule
+    loans: str = "releasing"
 
     @classmethod
     def from_config(cls, cfg: QuotaConfig) -> "PolicyParams":
@@ -115,7 +178,7 @@ class PolicyParams:
         return cls(floor_fraction=cfg.floor_fraction, ceiling_fraction=cfg.ceiling_fraction,
                    step_mib=cfg.step_mib, margin_mib=cfg.margin_mib, kv_pressure=cfg.kv_pressure,
                    protect_requests=cfg.protect_requests, share_spare=cfg.share_spare,
-                   headroom=cfg.headroom)
+                   headroom=cfg.headroom, loans=cfg.loans)
 
     def floor_of(self, request_mib: int) -> int:
         """Rounded down, as in the first quota file the device plugin writes at Allocate."""

@@ -48,10 +48,11 @@ than the capacity: then nobody is raised above its use).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from deviceplugin.quota import headroom
-from deviceplugin.quota.model import Bounds, Decision, GpuState, Phase, PolicyParams, TenantState
+from deviceplugin.quota import headroom, learned
+from deviceplugin.quota.model import Bounds, Decision, GpuState, Phase, PolicyParams, Release, TenantState
 
 # pressure points: each point grows the limit by one step this tick
 _P_PREEMPT, _P_WAITING, _P_KV, _P_NEAR = 4, 2, 1, 1
@@ -73,6 +74,7 @@ class _Plan:
     alloc: int = 0
     spare: int = 0  # part of the target that is shared spare memory (rule 3's last line)
     cut_note: str = ""  # why the forecast rule left it below its use (quota/headroom.py)
+    ceiling: int = 0  # its class's ceiling, as the file states it (``b`` may hold loans back below it)
 
     @property
     def reserve(self) -> int:
@@ -88,19 +90,70 @@ class _Plan:
         return max(limit, self.held)
 
 
-def _plan(t: TenantState, p: PolicyParams) -> _Plan:
+def _as_seen(t: TenantState) -> TenantState:
+    """A starting container (issue 19) is planned as a waking one: restored to its request ahead of
+    lenders, granted only what is free; with no sample yet its engine holds nothing."""
+    if not t.starting:
+        return t
+    return dataclasses.replace(t, used_mib=0 if t.used_mib is None else t.used_mib, phase=Phase.WAKING)
+
+
+def _bounds(t: TenantState, p: PolicyParams) -> Bounds:
+    """Its bounds; with ``loans: releasing`` an engine that does not give memory back on a cut is
+    never raised beyond its request: that memory is another's reservation or the extender's to
+    promise, and a loan to it could not be called back when they need it."""
     b = t.bounds or p.bounds_of(t.request_mib)
+    if p.loans == "releasing" and t.signals.release is not Release.RELEASE:
+        b = Bounds(b.floor_mib, max(b.floor_mib, min(b.ceiling_mib, t.request_mib)), b.margin_mib)
+    return b
+
+
+def _held(t: TenantState, cur: int) -> int:
+    """What it holds for the grant layer: its use; a releasing engine that acknowledged the file
+    carrying its limit gives back what is above it at once (down to what it cannot release: its
+    use beyond the KV memory it holds); a throttling one holds at least its KV memory."""
+    used = t.used_mib or 0
+    s = t.signals
+    if s.release is Release.RELEASE and t.shrink_acked and used > cur:
+        fixed = used - s.kv_held_mib if s.kv_held_mib is not None else 0
+        held = max(cur, min(used, fixed))
+    elif s.release is not Release.RELEASE and s.kv_held_mib is not None:
+        held = max(used, s.kv_held_mib)
+    else:
+        held = used
+    return max(held, t.unacked_mib or 0)  # it may still grow to a limit it has not let go of
+
+
+def _plan(t: TenantState, p: PolicyParams) -> _Plan:
+    pl = _plan_of(t, p)
+    pl.ceiling = max(pl.b.ceiling_mib, (t.bounds or p.bounds_of(t.request_mib)).ceiling_mib)
+    return pl
+
+
+def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
+    t = _as_seen(t)
+    b = _bounds(t, p)
     cur = b.clamp(t.request_mib if t.current_mib is None else t.current_mib)
-    if t.used_mib is None:
-        return _Plan(t, b, cur, held=cur, seen=cur, need=cur, want=cur, score=0, why=["no telemetry"], blind=True)
+    if t.used_mib is None:  # it holds its limit, or what it last held if a cut was not honoured yet
+        last = t.recent_mib[-1] if t.recent_mib else 0
+        return _Plan(t, b, cur, held=max(cur, last, t.unacked_mib or 0), seen=cur, need=cur, want=cur, score=0,
+                     why=["no telemetry"], blind=True)
+    held = _held(t, cur)
     seen = max(t.used_mib, t.demand_mib or 0)
-    if t.demand_mib is None and t.used_mib >= cur:  # at its (hard) limit: what it wants beyond is unseen,
+    fence = cur if t.engine_mib is None else min(cur, b.clamp(t.engine_mib))
+    if t.demand_mib is None and t.used_mib >= fence:  # at its (hard) limit: what it wants beyond is unseen,
         seen = t.used_mib + b.margin_mib  # so count one margin more as use, not as headroom
+        if not t.starting and t.phase is not Phase.WARM:  # an owner pressing on a fence below its request
+            seen = max(seen, b.clamp(t.request_mib))  # takes its reservation back at once (issue 19)
     why: list[str] = []
     if t.phase is Phase.WARM:
         need = b.clamp(t.used_mib + b.margin_mib)
-        return _Plan(t, b, cur, t.used_mib, b.clamp(t.used_mib), need, need, 0, ["idle"], blind=False)
+        return _Plan(t, b, cur, held, b.clamp(t.used_mib), need, need, 0, ["idle"], blind=False)
     need = b.clamp(max(seen + b.margin_mib, t.peak_mib or 0))
+    if t.starting:  # counts at its request until its engine has shown what it uses
+        seen = max(seen, b.clamp(t.request_mib))
+        need = b.clamp(max(t.used_mib + b.margin_mib, seen))
+        why.append("starting: counted at its request")
     s, score = t.signals, 0
     if s.preemptions:
         score += _P_PREEMPT
@@ -118,7 +171,7 @@ def _plan(t: TenantState, p: PolicyParams) -> _Plan:
     if need > b.clamp(seen + b.margin_mib):
         why.append(f"headroom to recent peak {t.peak_mib}")
     want = b.clamp(max(cur, need) + score * p.step_mib) if score else max(cur, need)
-    return _Plan(t, b, cur, t.used_mib, b.clamp(seen), need, max(want, need), score, why, blind=False)
+    return _Plan(t, b, cur, held, b.clamp(seen), need, max(want, need), score, why, blind=False)
 
 
 def _raise(plans: list[_Plan], level: dict[int, int], free: int) -> int:
@@ -149,8 +202,9 @@ def _targets_spare(plans: list[_Plan], cap: int, share_spare: bool) -> None:
         _even(plans, free)
 
 
-def _even(plans: list[_Plan], free: int) -> None:
-    """What nobody asked for becomes headroom, split evenly up to each ceiling (warm and blind excluded)."""
+def _even(plans: list[_Plan], free: int) -> int:
+    """What nobody asked for becomes headroom, split evenly up to each ceiling (warm and blind
+    excluded); returns what is left."""
     open_ = sorted((pl for pl in plans if not pl.blind and pl.t.phase is not Phase.WARM), key=lambda pl: pl.t.key)
     while free > 0 and open_:
         share = max(1, free // len(open_))
@@ -163,6 +217,7 @@ def _even(plans: list[_Plan], free: int) -> None:
                 open_.remove(pl)
             if free <= 0:
                 break
+    return free
 
 
 def _overload_order(plans: list[_Plan]) -> list[_Plan]:
@@ -217,9 +272,17 @@ def _targets_forecast(plans: list[_Plan], cap: int, p: PolicyParams) -> bool | N
         least = min(pl.held, pl.seen)
         if p.protect_requests:
             least = max(least, min(pl.seen, pl.reserve))
-        sample = headroom.forecast(pl.t.recent_mib or (), pl.seen)
-        opts.append(headroom.options(sample, pl.b.floor_mib, pl.b.ceiling_mib, pl.held, least, pl.seen))
-    picks = headroom.choose(opts, free) if free >= 0 else None
+        if p.headroom == "learned":
+            sample = learned.forecast(pl.t.recent_mib or (), pl.seen)
+        else:
+            sample = headroom.forecast(pl.t.recent_mib or (), pl.seen)
+        o = headroom.options(sample, pl.b.floor_mib, pl.b.ceiling_mib, pl.held, least, pl.seen)
+        opts.append(o)
+    weighed = opts
+    if len({pl.t.rank for pl in free_plans}) > 1:  # class-aware: a higher class's coverage counts more
+        weighed = [[dataclasses.replace(x, p=x.p * _class_weight(pl.t.rank)) for x in o]
+                   for pl, o in zip(free_plans, opts)]
+    picks = headroom.choose(weighed, free) if free >= 0 else None
     if picks is None:
         return None
     for pl, o, j in zip(free_plans, opts, picks):
@@ -230,8 +293,15 @@ def _targets_forecast(plans: list[_Plan], cap: int, p: PolicyParams) -> bool | N
             pl.cut_note = (f"GPU over-committed, the tenants cheapest to satisfy are covered whole; covering "
                            f"its use {pl.seen} would take {cheaper} MiB more than is free")
     if p.share_spare:
-        _even(plans, cap - sum(max(pl.target, pl.held) for pl in plans))
+        free = cap - sum(max(pl.target, pl.held) for pl in plans)
+        _even(plans, free)
     return any(pl.target < pl.seen for pl in plans)
+
+
+def _class_weight(rank: int) -> float:
+    """How much covering a tenant of this class rank counts in the forecast's choice: doubling every
+    100 ranks of lendingPriority (with one class every tenant counts the same)."""
+    return 2.0 ** (max(-1000, min(1000, rank)) / 100)
 
 
 def _hysteresis(plans: list[_Plan], cap: int, step: int) -> None:
@@ -256,6 +326,8 @@ def _grant(plans: list[_Plan], cap: int) -> None:
         free = _give(pl, min(pl.target, max(pl.cur, pl.held)), free)
     grow = sorted(plans, key=lambda pl: (-pl.t.rank, pl.t.phase is not Phase.WAKING, -pl.score, pl.beyond,
                                          pl.t.key))
+    for pl in grow:  # reservations come back before anybody borrows more (issue 19)
+        free = _give(pl, min(pl.target, pl.reserve), free)
     for pl in grow:
         free = _give(pl, pl.target, free)
 
@@ -310,9 +382,9 @@ def _reason(pl: _Plan, over: bool) -> str:  # noqa: C901 (one line per case, in 
 def rebalance(gpu: GpuState, params: PolicyParams) -> list[Decision]:
     """New limits for every tenant of ``gpu``, in key order, each with a one-line reason."""
     plans = [_plan(t, params) for t in sorted(gpu.tenants, key=lambda t: t.key)]
-    cap = max(0, gpu.capacity_mib)
+    cap = max(0, gpu.capacity_mib - gpu.reserved_mib)  # reservations are never lent
     over = sum(pl.need for pl in plans) > cap
-    forecast = _targets_forecast(plans, cap, params) if params.headroom == "forecast" else None
+    forecast = _targets_forecast(plans, cap, params) if params.headroom in ("forecast", "learned") else None
     if forecast is not None:
         over = forecast
     elif over:
@@ -323,6 +395,6 @@ def rebalance(gpu: GpuState, params: PolicyParams) -> list[Decision]:
     _grant(plans, cap)
     return [Decision(key=pl.t.key, gpu_uuid=gpu.uuid, limit_mib=pl.alloc,
                      previous_mib=pl.t.request_mib if pl.t.current_mib is None else pl.t.current_mib,
-                     floor_mib=pl.b.floor_mib, ceiling_mib=pl.b.ceiling_mib, reason=_reason(pl, over),
+                     floor_mib=pl.b.floor_mib, ceiling_mib=pl.ceiling, reason=_reason(pl, over),
                      phase=_phase(pl), held_mib=pl.commit(pl.alloc))
             for pl in plans]

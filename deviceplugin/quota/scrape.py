@@ -12,6 +12,7 @@ from typing import Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from deviceplugin.quota.model import Release
 from deviceplugin.quota.telemetry import TelemetryError, UsageSample, VllmSample
 
 Fetch = Callable[[str], str]
@@ -23,6 +24,11 @@ VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
 PLUGIN_PREFIX = "vramshare_vllm_"
 PLUGIN_BLOCKS_USED = "vramshare_vllm_kv_blocks_used"  # the plugin's KV use against its quota cap
 PLUGIN_BLOCK_CAP = "vramshare_vllm_kv_block_cap"
+# SIGNALS.md: the release signals the quota loop uses (issue 19, issue 20 item 5)
+PLUGIN_RELEASE_MODE = "vramshare_vllm_release_mode"  # {engine, mode}: 1 for the active mode
+PLUGIN_KV_HELD = "vramshare_vllm_kv_memory_held_bytes"
+PLUGIN_KV_DEMAND = "vramshare_vllm_kv_demand_bytes"
+PLUGIN_GENERATION_APPLIED = "vramshare_vllm_quota_generation_applied"
 
 
 def http_get(url: str, timeout: float = 2.0) -> str:
@@ -90,7 +96,8 @@ class VllmMetricsReader:
         extra: dict[str, float] = {}
         used: dict[str, float] = {}
         cap: dict[str, float] = {}
-        for name, labels, value in _samples(self._fetch(url), url):
+        page = _samples(self._fetch(url), url)
+        for name, labels, value in page:
             if name == VLLM_KV:
                 kv = value if kv is None else max(kv, value)
             elif name == VLLM_WAITING:
@@ -109,5 +116,29 @@ class VllmMetricsReader:
         for engine, c in cap.items():
             if c > 0 and engine in used:
                 kv = max(kv or 0.0, used[engine] / c)
+        modes, applied = _release(page)
         return VllmSample(kv_usage=kv, waiting=None if waiting is None else int(waiting),
-                          preemptions_total=preempt, running=None if running is None else int(running), extra=extra)
+                          preemptions_total=preempt, running=None if running is None else int(running), extra=extra,
+                          release_mode=_weakest(modes), kv_held_bytes=extra.get(PLUGIN_KV_HELD),
+                          kv_demand_bytes=extra.get(PLUGIN_KV_DEMAND),
+                          generation_applied=min(applied.values()) if applied else None)
+
+
+def _release(samples: list[tuple[str, dict[str, str], float]]) -> tuple[set[str], dict[str, int]]:
+    """Active release modes, and the quota generation each engine applied, from one page."""
+    modes: set[str] = set()
+    applied: dict[str, int] = {}
+    for name, labels, value in samples:
+        if name == PLUGIN_RELEASE_MODE and value >= 1 and labels.get("mode"):
+            modes.add(labels["mode"])
+        elif name == PLUGIN_GENERATION_APPLIED:
+            applied[labels.get("engine", "")] = int(value)
+    return modes, applied
+
+
+def _weakest(modes: set[str]) -> str | None:
+    """One mode for the server: a releasing one only when every engine releases."""
+    if not modes:
+        return None
+    keep = sorted(m for m in modes if Release.of_mode(m) is not Release.RELEASE)
+    return keep[0] if keep else sorted(modes)[0]

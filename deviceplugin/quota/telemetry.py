@@ -49,6 +49,13 @@ class VllmSample:
     preemptions_total: float | None = None
     running: int | None = None  # vllm:num_requests_running (idle detection)
     extra: dict[str, float] = field(default_factory=dict)  # the plugin's vramshare_vllm_* gauges
+    # the plugin's release signals (SIGNALS.md), combined over the server's engines: the weakest
+    # release mode (one throttling engine makes the server's cut free nothing for its part), KV
+    # bytes held and demanded (sums), and the oldest quota generation any engine has applied
+    release_mode: str | None = None
+    kv_held_bytes: float | None = None
+    kv_demand_bytes: float | None = None
+    generation_applied: int | None = None
 
 
 @runtime_checkable

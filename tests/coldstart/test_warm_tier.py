@@ -54,8 +54,10 @@ class Signals:
 
     def read_signals(self, url):
         key = SLEEPY if "sleepy" in url else BUSY
+        # both engines give memory back when their cap drops (kvcached/sleep): only such engines may
+        # borrow beyond their request (quota.loans: releasing, issue 19)
         return VllmSample(kv_usage=0.99 if key is BUSY else 0.0, waiting=2 if key is BUSY else 0,
-                          running=self.gpu.running[key])
+                          running=self.gpu.running[key], release_mode="unmap")
 
 
 class Tenants:
@@ -121,7 +123,8 @@ def rig(tmp_path):
     channels = WarmChannels(broker)
     holder.append(channels)
     loop = QuotaLoop(Tenants(), lambda: {"GPU-0": CAP}, [Usage(gpu)], P, str(tmp_path), signals=Signals(gpu),
-                     settings=LoopSettings(params=P, idle_seconds=30.0), clock=clock, warm=broker, mirror=Mirror())
+                     settings=LoopSettings(params=P, idle_seconds=30.0, startup_ticks=0), clock=clock, warm=broker,
+                     mirror=Mirror())
     broker.poke = loop.poke
     loop.run_once()  # writes the quota dirs
     dirs = {k: container_dir(str(tmp_path), k.pod_uid, k.container) for k in (SLEEPY, BUSY)}

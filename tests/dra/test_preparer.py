@@ -314,7 +314,7 @@ def test_the_quota_loop_rewrites_the_file_a_prepared_claim_mounts(tmp_path):
     """Tenants come from prepared claims (pod from reservedFor); the loop moves memory between them
     and writes exactly the file the claim's CDI spec mounts into the container."""
     from deviceplugin.dra.tenants import tenants_from_claims
-    from deviceplugin.quota.loop import QuotaLoop
+    from deviceplugin.quota.loop import LoopSettings, QuotaLoop
     from deviceplugin.quota.policy import PolicyParams
     from deviceplugin.quota.scrape import VllmSample
     from deviceplugin.quota.telemetry import UsageSample
@@ -348,13 +348,13 @@ def test_the_quota_loop_rewrites_the_file_a_prepared_claim_mounts(tmp_path):
 
     class Signals:
         def read_signals(self, url):
-            return VllmSample(kv_usage=0.97, waiting=2, preemptions_total=5)
+            return VllmSample(kv_usage=0.97, waiting=2, preemptions_total=5, release_mode="unmap")  # lendable
 
     mount = cdi_registry.Registry([str(tmp_path / "cdi")]).inject(
         list(p.prepared()["uid-hot"].devices[0].cdi_ids)).mounts[0]["hostPath"]
     before = read_quota(mount)
     loop = QuotaLoop(Source(), lambda: {gpu0: 40 * 1024}, [Usage()], PolicyParams(), str(tmp_path / "quota"),
-                     signals=Signals())
+                     signals=Signals(), settings=LoopSettings(PolicyParams(), startup_ticks=0))  # not newcomers
     for _ in range(3):
         loop.run_once()
     after = read_quota(mount)

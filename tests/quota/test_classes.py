@@ -22,6 +22,7 @@ version: v1
 quota:
   marginMiB: 0
   stepMiB: 1
+  loans: any  # lending mechanics: issue 19's loan rule is tested apart
   classes:
   - name: production
     floorFraction: 1.0

@@ -6,14 +6,16 @@ import pytest
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
-from deviceplugin.quota.loop import QuotaLoop
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
+from deviceplugin.quota.telemetry import VllmSample
 from deviceplugin.quota.writer import container_dir, read_quota
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml, OutOfMemory
 from vramshare.inventory import EnforcementMode
 
 GPU = H100_80GB.uuid
-P = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+P = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False,
+                 loans="any")  # lending mechanics; the loan rule of issue 19 has its own tests
 CID_A, CID_B = "a" * 64, "b" * 64
 A = TenantKey("llm", "a", "vllm", pod_uid="11111111-2222-3333-4444-555555555555")
 B = TenantKey("llm", "b", "vllm", pod_uid="66666666-7777-8888-9999-000000000000")
@@ -48,7 +50,8 @@ def make_loop(nv, cgroot, qroot):
                        Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))])
     holder = []
     fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), lambda: holder[0].tenants_now)
-    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence)
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
+                     settings=LoopSettings(params=P, startup_ticks=0))  # not newcomers (test_claims.py)
     holder.append(loop)
     return loop
 
@@ -138,3 +141,49 @@ def test_memory_outside_every_tenant_cgroup_is_foreign(node):
     nv.nvmlDeviceGetMemoryInfo = with_a_stranger
     report = make_loop(nv, cgroot, qroot).run_once()
     assert sum(d.limit_mib for d in report.decisions) <= 60000 - 25000
+
+
+class Engines:
+    """Each engine's /metrics as the quota loop reads it: a releasing engine (unmap) and the quota
+    generation it has applied (``vramshare_vllm_quota_generation_applied``, SIGNALS.md)."""
+
+    def __init__(self):
+        self.applied = {"a": 0, "b": 0}
+
+    def read_signals(self, url):
+        pod = url.split("//")[1].split(":")[0]
+        return VllmSample(release_mode="unmap", generation_applied=self.applied[pod])
+
+
+def test_a_hard_limit_is_lowered_only_after_the_engine_acknowledged_the_shrink(node):
+    """Issue 19: the driver never fails an allocation for memory the engine was about to give back.
+    b's shrink is written at once, its hard limit stays until b reports the generation that carried
+    it; the memory is not granted to a before that either (b may still use it)."""
+    nv, cgroot, qroot = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    engines = Engines()
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
+                       Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
+    holder = []
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), lambda: holder[0].tenants_now)
+    p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
+                     fence=fence, settings=LoopSettings(params=p, startup_ticks=0))
+    holder.append(loop)
+    nv.allocate(GPU, ca, 29500)
+    nv.allocate(GPU, cb, 4000)
+    d = {x.key.pod: x for x in loop.run_once().decisions}
+    gen_b = read_quota(container_dir(str(qroot), B.pod_uid, "vllm")).generation
+    assert d["b"].limit_mib < 30000  # b is cut in its quota file at once
+    assert nv.limits[(GPU, cb)] == (d["b"].limit_mib << 20, 30000 << 20)  # soft follows, hard waits for b
+    assert d["a"].limit_mib <= 30000  # nothing b may still use is granted
+    engines.applied["b"] = gen_b - 1
+    loop.run_once()
+    assert nv.limits[(GPU, cb)][1] == 30000 << 20  # an older generation is no acknowledgement
+    for _ in range(3):  # b (and a) acknowledge whatever the loop wrote last, one tick later
+        engines.applied = {k.pod: read_quota(container_dir(str(qroot), k.pod_uid, "vllm")).generation for k in (A, B)}
+        d = {x.key.pod: x for x in loop.run_once().decisions}
+    file_b = read_quota(container_dir(str(qroot), B.pod_uid, "vllm"))
+    assert engines.applied["b"] == file_b.generation  # b's limit settled and acknowledged
+    assert nv.limits[(GPU, cb)][1] == file_b.gpus[0].limit_mib << 20 < 30000 << 20  # the driver enforces it
+    assert d["b"].held_mib == max(d["b"].limit_mib, 4000)  # and what b gave back is free for a to borrow

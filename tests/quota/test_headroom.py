@@ -62,7 +62,7 @@ def test_forecast_returns_to_recent_levels():
     assert max(o.p for o in opts if o.limit_mib < 30720) < 0.8 and opts[-1].limit_mib >= 30720
 
 
-P = PolicyParams(floor_fraction=0.1, ceiling_fraction=3.0, step_mib=1, margin_mib=1024, headroom="forecast",
+P = PolicyParams(floor_fraction=0.1, ceiling_fraction=3.0, step_mib=1, margin_mib=1024, headroom="forecast", loans="any",
                  protect_requests=False)
 
 
@@ -86,7 +86,7 @@ def test_overload_covers_the_cheapest_whole_tenants():
 
 def test_protected_requests_are_never_cut_below_use_within_request():
     gib = 1024
-    p = PolicyParams(floor_fraction=0.1, ceiling_fraction=3.0, step_mib=1, headroom="forecast")
+    p = PolicyParams(floor_fraction=0.1, ceiling_fraction=3.0, step_mib=1, headroom="forecast", loans="any")
     uses = [20 * gib, 40 * gib, 40 * gib]
     states = tuple(_state(i, 27306, u, u, [u] * 30) for i, u in enumerate(uses))
     out = rebalance(GpuState("GPU-x", 80 * gib, states), p)
@@ -101,7 +101,7 @@ def test_forecast_keeps_the_capacity_invariant_and_floors(trace, protect, demand
     they fit), and with protectRequests nobody's limit falls below its use within its request."""
     cap, reqs, wants, sig, ph, blind = trace
     n = len(reqs)
-    p = PolicyParams(floor_fraction=floor, ceiling_fraction=3.0, step_mib=256, headroom="forecast",
+    p = PolicyParams(floor_fraction=floor, ceiling_fraction=3.0, step_mib=256, headroom="forecast", loans="any",
                      protect_requests=protect)
     limits: list[int | None] = [None] * n
     held = [0] * n

@@ -5,13 +5,16 @@ import json
 
 import pytest
 
-from deviceplugin.quota.loop import QuotaLoop
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.scrape import VllmMetricsReader
 from deviceplugin.quota.telemetry import TelemetryError, UsageSample, VllmSample
 from deviceplugin.quota.writer import GpuQuota, QuotaFile, container_dir, read_quota, write_quota
 
-P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024)
+P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024,
+                 loans="any", headroom="peak")  # lending mechanics; the loan rule of issue 19 has its own tests
+# these tenants are not newcomers (issue 19's startup rule is tested in test_claims.py)
+SETTINGS = LoopSettings(params=P, startup_ticks=0)
 HOT = TenantKey("llm", "hot", "vllm", pod_uid="uid-hot")
 IDLE = TenantKey("llm", "idle", "vllm", pod_uid="uid-idle")
 
@@ -62,7 +65,7 @@ class Mirror:
 def make(tmp_path, usage, signals=None, mirror=None, tenants=None):
     tenants = tenants or Tenants([Tenant(HOT, (("GPU-0", 20000),), metrics_url="http://hot/metrics"),
                                   Tenant(IDLE, (("GPU-0", 20000),))])
-    loop = QuotaLoop(tenants, lambda: {"GPU-0": 40000}, [usage], P, str(tmp_path), signals=signals,
+    loop = QuotaLoop(tenants, lambda: {"GPU-0": 40000}, [usage], P, str(tmp_path), signals=signals, settings=SETTINGS,
                      mirror=mirror)
     return loop, tenants
 

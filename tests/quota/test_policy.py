@@ -9,7 +9,7 @@ from vramshare.config import QuotaConfig
 
 # these rules predate shareSpare; spare sharing has its own tests (test_policy_invariant.py)
 P = PolicyParams(floor_fraction=0.5, ceiling_fraction=1.5, step_mib=512, margin_mib=1024, kv_pressure=0.9,
-                 share_spare=False)
+                 share_spare=False, loans="any")  # lending mechanics: issue 19's loan rule is tested apart
 
 
 def key(name: str) -> TenantKey:

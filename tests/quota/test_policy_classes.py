@@ -24,7 +24,7 @@ KEYS = [TenantKey("ns", f"t{i}", "c", pod_uid=f"u{i}") for i in range(5)]
 params = st.builds(PolicyParams, floor_fraction=st.sampled_from([0.0, 0.25, 0.5]),
                    ceiling_fraction=st.sampled_from([1.0, 1.5, 3.0]), step_mib=st.sampled_from([1, 256, 512]),
                    margin_mib=st.sampled_from([0, 1024]), protect_requests=st.booleans(),
-                   share_spare=st.booleans())
+                   share_spare=st.booleans(), loans=st.just("any"))  # rank order of loans
 
 
 @st.composite
@@ -64,7 +64,7 @@ def test_classes_cut_and_lend_in_rank_order_and_keep_the_capacity_invariant(mix,
     for tick, want in enumerate(wants):
         states = tuple(TenantState(KEYS[i], reqs[i], limits[i], None if blind[tick][i] else held[i], sig[tick][i],
                                    bounds=bounds[i], peak_mib=held[i], phase=ph[tick][i], demand_mib=want[i],
-                                   rank=ranks[i])
+                                   rank=ranks[i], recent_mib=(held[i],))  # the loop's window: last use seen
                        for i in range(n))
         out = rebalance(GpuState("GPU-x", cap, states), p)
         used = [held[i] if not blind[tick][i] else (limits[i] if limits[i] is not None else reqs[i])
@@ -105,7 +105,7 @@ def test_the_lower_class_lends_first_under_pressure():
     """80 GiB, two tenants of 40 GiB: production (floor = request, rank 100) and batch (floor a third).
     Both want 50 GiB: production gets its 50, batch is cut, down to what is left (never below its floor)."""
     cap, req = 80 * 1024, 40 * 1024
-    p = PolicyParams(step_mib=1, margin_mib=0)
+    p = PolicyParams(step_mib=1, margin_mib=0, loans="any")
     prod = TenantState(KEYS[0], req, req, req, bounds=Bounds(req, int(1.5 * req), 0), demand_mib=50 * 1024, rank=100)
     batch = TenantState(KEYS[1], req, req, req, bounds=Bounds(req // 3, int(1.5 * req), 0), demand_mib=50 * 1024)
     out = {d.key: d for d in rebalance(GpuState("GPU-x", cap, (prod, batch)), p)}

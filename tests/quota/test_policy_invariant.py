@@ -16,7 +16,7 @@ phases = st.sampled_from([Phase.HOT, Phase.HOT, Phase.WARM, Phase.WAKING])
 params = st.builds(PolicyParams, floor_fraction=st.sampled_from([0.0, 0.25, 0.5]),
                    ceiling_fraction=st.sampled_from([1.0, 1.5, 3.0]), step_mib=st.sampled_from([1, 256, 512]),
                    margin_mib=st.sampled_from([0, 1024, 4096]), protect_requests=st.booleans(),
-                   share_spare=st.booleans())
+                   share_spare=st.booleans(), loans=st.sampled_from(["any", "releasing"]))
 
 
 @st.composite
@@ -73,7 +73,7 @@ def test_overload_cuts_whole_tenants_most_beyond_request_first(case):
     uses, cap = case
     n = len(uses)
     p = PolicyParams(floor_fraction=0.0, ceiling_fraction=12.0, step_mib=1, margin_mib=0, share_spare=False,
-                     protect_requests=False)
+                     protect_requests=False, loans="any")
     req = cap // n
     # limits start at what each holds (an honest past), so every cut is for this tick's overload only
     states = tuple(TenantState(KEYS[i], req, uses[i], uses[i], demand_mib=uses[i]) for i in range(n))
@@ -92,7 +92,7 @@ def test_overload_cuts_whole_tenants_most_beyond_request_first(case):
 
 
 def test_per_tenant_bounds_are_inputs_not_globals():
-    p = PolicyParams(share_spare=False)
+    p = PolicyParams(share_spare=False, loans="any")
     gold = TenantState(KEYS[0], 10000, 10000, 9800, bounds=Bounds(9000, 40000, 4096))
     bronze = TenantState(KEYS[1], 10000, 10000, 9800)
     out = rebalance(GpuState("GPU-x", 60000, (gold, bronze)), p)

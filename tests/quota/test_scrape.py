@@ -64,3 +64,31 @@ def test_malformed_pages_raise_telemetry_error(text):
 def test_http_get_failure_names_the_url():
     with pytest.raises(TelemetryError, match="127.0.0.1:9"):
         http_get("http://127.0.0.1:9/metrics", timeout=0.5)
+
+
+RELEASE_PAGE = """\
+# HELP vramshare_vllm_release_mode How a shrink of the quota frees memory
+# TYPE vramshare_vllm_release_mode gauge
+vramshare_vllm_release_mode{engine="0",mode="unmap"} 1.0
+vramshare_vllm_release_mode{engine="1",mode="unmap"} 1.0
+# TYPE vramshare_vllm_kv_memory_held_bytes gauge
+vramshare_vllm_kv_memory_held_bytes{engine="0"} 2147483648.0
+vramshare_vllm_kv_memory_held_bytes{engine="1"} 1073741824.0
+# TYPE vramshare_vllm_kv_demand_bytes gauge
+vramshare_vllm_kv_demand_bytes{engine="0"} 4294967296.0
+vramshare_vllm_kv_demand_bytes{engine="1"} 1073741824.0
+# TYPE vramshare_vllm_quota_generation_applied gauge
+vramshare_vllm_quota_generation_applied{engine="0"} 7.0
+vramshare_vllm_quota_generation_applied{engine="1"} 6.0
+"""
+
+
+def test_release_signals_of_the_plugin_are_read_per_server():
+    """SIGNALS.md's names: the weakest release mode, held and demanded KV bytes summed over engines,
+    and the oldest generation any engine applied (the server follows the file only once all do)."""
+    s = VllmMetricsReader(fetch=lambda url: RELEASE_PAGE).read_signals("http://x/metrics")
+    assert (s.release_mode, s.kv_held_bytes, s.kv_demand_bytes, s.generation_applied) == \
+        ("unmap", 3 * 2.0 ** 30, 5 * 2.0 ** 30, 6)
+    one_throttles = RELEASE_PAGE.replace('engine="1",mode="unmap"', 'engine="1",mode="throttle"')
+    assert VllmMetricsReader(fetch=lambda url: one_throttles).read_signals("u").release_mode == "throttle"
+    assert VllmMetricsReader(fetch=lambda url: "").read_signals("u").release_mode is None

@@ -35,7 +35,7 @@ class Node:
 
 def test_metrics_show_limits_and_counters(tmp_path):
     node = Node()
-    loop = QuotaLoop(node, lambda: {"GPU-0": 40000}, [node], PolicyParams(), str(tmp_path))
+    loop = QuotaLoop(node, lambda: {"GPU-0": 40000}, [node], PolicyParams(loans="any"), str(tmp_path))
     loop.run_once()
     reg = CollectorRegistry()
     register_metrics(loop, reg)
@@ -51,7 +51,7 @@ def test_metrics_show_limits_and_counters(tmp_path):
 def test_run_ticks_until_stopped_and_start_honours_enabled(tmp_path):
     stop = threading.Event()
     node = Node(stop)
-    loop = QuotaLoop(node, lambda: {"GPU-0": 40000}, [node], PolicyParams(), str(tmp_path))
+    loop = QuotaLoop(node, lambda: {"GPU-0": 40000}, [node], PolicyParams(loans="any"), str(tmp_path))
     loop.run(stop, interval_seconds=3600)  # returns: the first tick sets stop
     assert node.listings == 1 and loop.counts["ticks"] == 1
     assert start(loop, parse_config("quota: {enabled: false}"), threading.Event()) is None

@@ -13,7 +13,8 @@ from deviceplugin.quota.telemetry import UsageSample, VllmSample
 from deviceplugin.quota.warmth import Warmth
 from deviceplugin.quota.writer import container_dir, read_quota
 
-P = PolicyParams(floor_fraction=0.25, ceiling_fraction=1.5, step_mib=512, margin_mib=1024, share_spare=False)
+P = PolicyParams(floor_fraction=0.25, ceiling_fraction=1.5, step_mib=512, margin_mib=1024, share_spare=False,
+                 loans="any")  # lending mechanics; the loan rule of issue 19 has its own tests
 IDLE = TenantKey("llm", "idle", "vllm", pod_uid="uid-idle")
 BUSY = TenantKey("llm", "busy", "vllm", pod_uid="uid-busy")
 QUIET, TRAFFIC = Signals(running=0, waiting=0), Signals(running=3, waiting=0)
@@ -90,7 +91,8 @@ class Vllm:
 def test_the_loop_writes_the_state_and_exports_it(tmp_path):
     clock, src, vllm = [0.0], Source(), Vllm()
     loop = QuotaLoop(src, lambda: {"GPU-0": 40000}, [src], P, str(tmp_path), signals=vllm,
-                     settings=LoopSettings(P, idle_seconds=30), clock=lambda: clock[0])
+                     settings=LoopSettings(P, idle_seconds=30, startup_ticks=0),  # not newcomers (test_node_soundness)
+                     clock=lambda: clock[0])
     for t in range(0, 50, 10):
         clock[0] = float(t)
         loop.run_once()

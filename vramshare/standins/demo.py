@@ -266,7 +266,7 @@ def show_quota(out: TextIO, ticks: int = 16, classes: str | None = None) -> None
     clock = [0.0]
     with tempfile.TemporaryDirectory(prefix="vramshare-quota-") as root:
         settings = LoopSettings(params, peak_window_ticks=3, idle_seconds=180, grace_seconds=3600,
-                                classes=cfg.quota.classes)
+                                classes=cfg.quota.classes, startup_ticks=0)  # the servers run already
         holder: list[QuotaLoop] = []
         fenced = _Fenced(replay, lambda: holder[0].limits(), {k.pod: request for k in keys})
         loop = QuotaLoop(_Tenants(tenants), lambda: {gpu.uuid: cap}, [fenced if classes else replay], params, root,

@@ -1,0 +1,154 @@
+"""A node for the quota loop's soundness tests (issue 19): the real QuotaLoop, policy, writer, kube
+parsers and quota-file layout; doubles only at the edges (pod listing, per-container use, each engine's
+/metrics page).
+
+Each container goes through what it does on a real node: the extender binds its pod (``assumed``,
+with its assignment; the loop's listing sees it ``list_lag`` ticks later), the device plugin's
+Allocate writes its first quota file under ``_alloc/<key>`` (its request), the reconciler links
+``<uid>/<container>`` to it and marks the pod ``allocated``, and its engine starts using memory
+``startup`` ticks after the bind. Its engine follows its quota file ``ack_lag`` ticks after each write
+(then reports ``vramshare_vllm_quota_generation_applied``); a releasing engine (``unmap``) gives back
+what is above its cap when it applies it, a throttling one only as its demand drops.
+"""
+from __future__ import annotations
+
+import os
+import dataclasses
+from dataclasses import dataclass, field
+
+from deviceplugin.allocation import GpuShare
+from deviceplugin.quota import kube
+from deviceplugin.quota.kube import tenants_from_pods
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+from deviceplugin.quota.model import PolicyParams
+from deviceplugin.quota.telemetry import UsageSample, VllmSample
+from deviceplugin.quota.writer import read_quota
+from deviceplugin.quota_files import QuotaFiles
+from vramshare import contract
+from vramshare.config import QuotaConfig
+
+NAMES = contract.Names()
+GPU = "GPU-node"
+MIB = 1 << 20
+
+
+@dataclass
+class Engine:
+    name: str
+    request: int
+    mode: str  # unmap | throttle
+    bind: int  # tick the extender binds it
+    demand: list[int]  # MiB it would use if unfenced, per tick from its start on
+    list_lag: int = 0  # ticks before the loop's listing shows the bind
+    alloc_after: int = 1  # ticks from the bind to Allocate
+    link_after: int = 1  # ticks from Allocate to "allocated" (+ link)
+    startup: int = 6  # ticks from the bind to its first use
+    ack_lag: int = 1  # ticks from a quota write to the engine applying it
+    use: int = 0
+    applied: tuple[int, int] | None = None  # (generation, limit) it follows
+    seen: list[tuple[int, int, int]] = field(default_factory=list)  # (tick seen, generation, limit)
+
+    @property
+    def uid(self) -> str:
+        return f"uid-{self.name}"
+
+    @property
+    def alloc_key(self) -> str:
+        return f"alloc-{self.name}"
+
+    def limit(self) -> int:
+        return self.applied[1] if self.applied else self.request
+
+    def demand_at(self, t: int) -> int:
+        i = t - self.bind - self.startup
+        return 0 if i < 0 else self.demand[min(i, len(self.demand) - 1)]
+
+
+class Node:
+    """The node's edges as one object: tenant source, usage reader and signal reader of the loop."""
+
+    name = "node-sim"
+
+    def __init__(self, root: str, capacity: int, engines: list[Engine], params: PolicyParams | None = None) -> None:
+        self.root, self.capacity, self.engines, self.t = root, capacity, engines, 0
+        self.files = QuotaFiles(root, QuotaConfig())
+        self.loop = QuotaLoop(self, lambda: {GPU: capacity}, [self], params or PolicyParams(), root, signals=self,
+                              settings=LoopSettings(params=params or PolicyParams()))
+
+    # -- the world ---------------------------------------------------------------------------
+    def _state(self, e: Engine, t: int) -> str | None:
+        if t < e.bind:
+            return None
+        if t >= e.bind + e.alloc_after + e.link_after:
+            return contract.STATE_ALLOCATED
+        return contract.STATE_ASSUMED
+
+    def _pod(self, e: Engine, state: str) -> dict:
+        ann = {NAMES.allocation_state: state, NAMES.assignment: f'{{"vllm":[{{"uuid":"{GPU}","mib":{e.request}}}]}}',
+               "prometheus.io/port": "8000"}
+        return {"metadata": {"name": e.name, "namespace": "llm", "uid": e.uid, "annotations": ann},
+                "status": {"phase": "Running", "podIP": e.name}}
+
+    def _listed(self) -> list[dict]:
+        out = []
+        for e in self.engines:
+            st = self._state(e, self.t - e.list_lag)
+            if st is not None:
+                out.append(self._pod(e, st))
+        return out
+
+    def list_tenants(self):
+        return tenants_from_pods(self._listed(), NAMES)
+
+    def list_pending(self):
+        pending = getattr(kube, "pending_from_pods", None)  # (absent before issue 19: the test still runs)
+        return pending(self._listed(), NAMES) if pending else []
+
+    def read_usage(self):
+        return [UsageSample(GPU, e.use, pod_uid=e.uid) for e in self.engines
+                if self.t >= e.bind + e.alloc_after]  # its container exists from Allocate on
+
+    def read_signals(self, url: str) -> VllmSample:
+        e = next(e for e in self.engines if f"//{e.name}:" in url)
+        sig = dict(kv_usage=None, waiting=0, running=1, release_mode=e.mode, kv_held_bytes=float(e.use * MIB),
+                   generation_applied=e.applied[0] if e.applied else None)
+        known = {f.name for f in dataclasses.fields(VllmSample)}  # (before issue 19 it had fewer fields)
+        return VllmSample(**{k: v for k, v in sig.items() if k in known})
+
+    def _alloc_dir(self, e: Engine) -> str:
+        return os.path.join(self.root, "_alloc", e.alloc_key)
+
+    def step(self) -> None:
+        """One tick: the cluster's events, the loop's tick, then every engine applies and uses."""
+        t = self.t
+        for e in self.engines:
+            if t == e.bind + e.alloc_after:
+                self.files.write_initial(self._alloc_dir(e), [GpuShare(GPU, e.request)])
+            if t == e.bind + e.alloc_after + e.link_after:
+                self.files.link(e.uid, "vllm", e.alloc_key)
+        self.loop.run_once()
+        for e in self.engines:
+            if t < e.bind + e.alloc_after:
+                continue
+            q = read_quota(self._alloc_dir(e))
+            if q is not None and (not e.seen or e.seen[-1][1] != q.generation):
+                e.seen.append((t, q.generation, q.gpus[0].limit_mib))
+            ready = [s for s in e.seen if s[0] <= t - e.ack_lag]
+            if ready:
+                e.applied = ready[-1][1:]
+            d, cap = e.demand_at(t), e.limit()
+            if e.mode == "throttle":  # the cap stops growth; memory above it goes only as demand drops
+                e.use = max(min(d, cap), min(e.use, d))
+            else:  # releasing: what is above the applied cap is given back
+                e.use = min(d, cap)
+        self.t += 1
+
+    # -- what the tests check ------------------------------------------------------------------
+    def committed(self) -> int:
+        """Sum over every container with a quota file of max(limit on disk, use)."""
+        total = 0
+        for e in self.engines:
+            if self.t - 1 >= e.bind + e.alloc_after:
+                q = read_quota(self._alloc_dir(e))
+                total += max(q.gpus[0].limit_mib if q else 0, e.use)
+        return total
