@@ -26,6 +26,7 @@ from typing import Any, Callable
 from vramshare import logs
 
 from . import budget
+from .quota import engine_gpu_indices
 from .settings import QuotaSettings
 
 log = logs.get(__name__)
@@ -70,6 +71,22 @@ def model_shape(vllm_config: Any) -> budget.ModelShape:
 # Bits per parameter of common weight-only quantizations (group scales included, roughly).
 _QUANT_BITS = {"fp8": 8.0, "awq": 4.25, "awq_marlin": 4.25, "gptq": 4.25, "gptq_marlin": 4.25,
                "bitsandbytes": 4.5}
+
+
+def engine_gpus(vllm_config: Any, *, all_local_engines: bool = False) -> tuple[int, ...]:
+    """Positions in ``VRAMSHARE_GPU_UUIDS`` of the GPUs this engine's workers drive.
+
+    ``all_local_engines``: every data-parallel engine of this node (process 0 sizes one KV budget
+    for all of them before they start; each engine's worker then re-plans for its own GPUs).
+    """
+    pc = vllm_config.parallel_config
+    world = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
+    if all_local_engines:
+        engines = max(1, int(getattr(pc, "data_parallel_size_local", None) or pc.data_parallel_size or 1))
+        return tuple(range(engines * world))
+    local = getattr(pc, "data_parallel_rank_local", None)
+    dp_local = int(local if local is not None else (pc.data_parallel_rank or 0))
+    return engine_gpu_indices(dp_local, world)
 
 
 def estimated_weights(vllm_config: Any) -> int:
@@ -131,7 +148,7 @@ def _hook_engine_args(settings: QuotaSettings) -> bool:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
             config = original(self, *args, **kwargs)
-            limit = settings.current_limit_mib(0)
+            limit = settings.engine_limit_mib(engine_gpus(config, all_local_engines=True))
             plan = plan_for(config, limit, estimated_weights(config))
             user = config.cache_config.kv_cache_memory_bytes
             kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
@@ -153,7 +170,9 @@ def _hook_worker_memory(settings: QuotaSettings) -> bool:
         def determine_available_memory(self: Any) -> int:
             measured = loaded_model_bytes(self)
             weights = measured if measured is not None else estimated_weights(self.vllm_config)
-            limit = settings.current_limit_mib(getattr(self, "local_rank", 0))
+            gpus = engine_gpus(self.vllm_config)
+            rank = int(getattr(self, "local_rank", 0) or 0)
+            limit = settings.current_limit_mib(gpus[rank] if rank < len(gpus) else rank)
             plan = plan_for(self.vllm_config, limit, weights)
             user = _user_kv_bytes(self.vllm_config)
             kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
