@@ -81,7 +81,7 @@ class EngineCap:
 
     def apply_cap(self) -> None:
         """Give the cap to the releaser; with a pool that limits itself, its answer is the cap."""
-        offered = self.releaser.apply(self.cap.cap, self.cap.block_bytes)
+        offered = self.releaser.apply(self.cap.cap, self.cap.block_bytes, self.cap.min_blocks)
         if self.cap.pool_limits:
             self.cap.set_offered(offered)
         self._note_applied()
@@ -110,8 +110,7 @@ class EngineCap:
         """Every watcher poll: follow kvcached's lazy shrink, note the generation, refresh metrics."""
         self.releaser.tick()
         if self.cap.pool_limits and isinstance(self.releaser, KvcachedRelease):
-            eff = int(self.releaser.state.get("effective_limit_bytes") or 0)
-            self.cap.set_offered(max(0, eff // self.cap.block_bytes - KvcachedRelease.NULL_BLOCKS))
+            self.cap.set_offered(self.releaser.offered(self.cap.block_bytes))
         self._note_applied()
         self.publish()
 

@@ -43,8 +43,9 @@ class Releaser(Protocol):
     reason: str  # why this mode ("" when it is the natural one)
     pool_limits: bool  # the block pool enforces the cap itself: the plugin must not deduct again
 
-    def apply(self, cap_blocks: int, block_bytes: int) -> int:
-        """Put ``cap_blocks`` in force; return the blocks the pool will offer under it."""
+    def apply(self, cap_blocks: int, block_bytes: int, floor_blocks: int = 1) -> int:
+        """Put ``cap_blocks`` in force; return the blocks the pool will offer under it (at least
+        ``floor_blocks`` when the cap allows them)."""
         ...
 
     def pending(self) -> bool:
@@ -70,7 +71,7 @@ class KeepMapped:
         self.reason = reason
         self.unreleased_bytes = 0
 
-    def apply(self, cap_blocks: int, block_bytes: int) -> int:
+    def apply(self, cap_blocks: int, block_bytes: int, floor_blocks: int = 1) -> int:
         return cap_blocks
 
     def on_cap(self, old_cap: int, new_cap: int, usable_blocks: int, block_bytes: int) -> None:
@@ -106,17 +107,32 @@ class KvcachedRelease:
         self.limit_bytes: int | None = None
         self.state: dict[str, Any] = {}
 
-    def apply(self, cap_blocks: int, block_bytes: int) -> int:
-        self.limit_bytes = (cap_blocks + self.NULL_BLOCKS) * block_bytes
-        self.revision += 1
-        self.state = self.control.set_instance_memory_limit(self.limit_bytes, revision=self.revision)
-        offered = max(0, int(self.state.get("effective_limit_bytes") or 0) // block_bytes
-                      - self.NULL_BLOCKS)
+    def apply(self, cap_blocks: int, block_bytes: int, floor_blocks: int = 1) -> int:
+        """Set kvcached's limit to the cap (rounded down to its pages, so within the quota), or up
+        to the fewest pages that hold ``floor_blocks`` when rounding down would leave less."""
+        want = (cap_blocks + self.NULL_BLOCKS) * block_bytes
+        offered = self._set(want, block_bytes)
+        step = block_bytes
+        while offered < min(floor_blocks, cap_blocks) and step < (1 << 40):
+            want += step
+            step *= 2
+            offered = self._set(want, block_bytes)
         log.info("kvcached kv limit set", release_mode=self.mode, status=self.state.get("status"),
-                 limit_mib=round(self.limit_bytes / (1 << 20), 1),
+                 limit_mib=round(want / (1 << 20), 1),
                  mapped_mib=round(int(self.state.get("mapped_bytes") or 0) / (1 << 20), 1),
                  blocks=cap_blocks, offered_blocks=offered)
         return offered
+
+    def _set(self, limit_bytes: int, block_bytes: int) -> int:
+        self.limit_bytes = limit_bytes
+        self.revision += 1
+        self.state = self.control.set_instance_memory_limit(limit_bytes, revision=self.revision)
+        return self.offered(block_bytes)
+
+    def offered(self, block_bytes: int) -> int:
+        """Blocks kvcached's pool offers under its effective limit (less vLLM's null block)."""
+        return max(0, int(self.state.get("effective_limit_bytes") or 0) // block_bytes
+                   - self.NULL_BLOCKS)
 
     def pending(self) -> bool:
         return self.state.get("status") in ("deferred", "unavailable")

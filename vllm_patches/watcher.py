@@ -73,8 +73,9 @@ class EngineTracker:
             raise ValueError("an engine drives at least one GPU")
         self.trackers = trackers
         self.limit_mib = self._tightest()
-        self.generation: int | None = None
-        self.errors = 0
+        gens = [t.generation for t in trackers if t.generation is not None]
+        self.generation: int | None = max(gens) if gens else None
+        self.errors = sum(t.errors for t in trackers)
 
     def _tightest(self) -> int | None:
         limits = [t.limit_mib for t in self.trackers if t.limit_mib is not None]

@@ -7,15 +7,20 @@ Ported: page lists (free / reserved / reclaimed), ``alloc_page`` (reserved first
 reclaimed then new ids; shrink from the back of the free list, unmapping the reserve when the free
 list is short, refusing below the pages in use), ``trim``, the page counters and ``get_page_state``,
 ``get_avail_physical_pages`` (free device memory less ``1 - KVCACHED_GPU_UTILIZATION`` of the total,
-per layer and buffer). Not ported: the background preallocation thread (pages are mapped on
-demand; ``KVCACHED_PAGE_PREALLOC_ENABLED=false`` in kvcached's terms), the shared-memory
-``MemInfoTracker`` and its resize watcher (``get_resize_target`` is always -1: limits arrive through
-``set_memory_limit``), quarantine (mapping never fails here). "Mapping" a page charges
+per layer and buffer), and the ``MemInfoTracker`` (``csrc/inc/mem_info_tracker.hpp``): the segment
+``/dev/shm/<ipc name>`` of three int64 ``total, used, prealloc`` under flock, written at start and
+on every page change, and its resize watcher (``check_and_get_resize_target``: a segment total
+that differs from the last observed size becomes the resize target), polled here at each
+``get_resize_target`` instead of every 100 ms by a thread. Not ported: the background preallocation
+thread (pages are mapped on demand; ``KVCACHED_PAGE_PREALLOC_ENABLED=false`` in kvcached's terms),
+quarantine (mapping never fails here). "Mapping" a page charges
 ``page_size x layers x buffers`` bytes to :data:`DEVICE`, unmapping gives them back.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import struct
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,7 +44,7 @@ class FakeDevice:
 
 
 DEVICE = FakeDevice()
-_created: set[int] = set()
+SHM_DIR = "/dev/shm"  # kvcached.utils.SHM_DIR
 
 
 def kv_tensors_created(group_id: int = 0) -> bool:
@@ -113,6 +118,55 @@ class PageAllocator:
         self.reclaimed_page_list: deque[int] = deque()
         self.ipc_name = ipc_name
         self._lock = threading.RLock()
+        self.last_observed_mem_size = mem_size_per_layer
+        self.resize_target = -1
+        self._segment_write(total=mem_size_per_layer * num_layers * num_kv_buffers)
+
+    # -- MemInfoTracker -----------------------------------------------------------------------
+    def _segment_path(self) -> str | None:
+        if not self.ipc_name:
+            return None
+        return self.ipc_name if self.ipc_name.startswith("/") else os.path.join(SHM_DIR, self.ipc_name)
+
+    def _segment_write(self, total: int | None = None) -> None:
+        path = self._segment_path()
+        if path is None:
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        with os.fdopen(fd, "r+b") as fh:
+            if os.fstat(fh.fileno()).st_size < 24:
+                fh.truncate(24)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                old_total, _, _ = struct.unpack("=3q", fh.read(24))
+                used = self.get_num_inuse_pages() * self._bundle()
+                prealloc = len(self.reserved_page_list) * self._bundle()
+                fh.seek(0)
+                fh.write(struct.pack("=3q", old_total if total is None else total, used, prealloc))
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _segment_total(self) -> int | None:
+        path = self._segment_path()
+        try:
+            with open(path or "", "rb") as fh:
+                fcntl.flock(fh, fcntl.LOCK_SH)
+                try:
+                    raw = fh.read(24)
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+        except OSError:
+            return None
+        return struct.unpack("=3q", raw)[0] if len(raw) == 24 else None
+
+    def _watch(self) -> None:
+        total = self._segment_total()
+        if total is None:
+            return
+        new = total // self.num_layers // self.num_kv_buffers
+        if new != self.last_observed_mem_size:
+            self.last_observed_mem_size = new
+            self.resize_target = new
 
     # -- the device boundary ----------------------------------------------------------------
     def _bundle(self) -> int:
@@ -120,9 +174,11 @@ class PageAllocator:
 
     def _map(self, page_ids: list[int]) -> None:
         DEVICE.charge(len(page_ids) * self._bundle())
+        self._segment_write()
 
     def _unmap(self, page_ids: list[int]) -> None:
         DEVICE.charge(-len(page_ids) * self._bundle())
+        self._segment_write()
 
     # -- PageAllocator's API ------------------------------------------------------------------
     def alloc_page(self) -> InternalPage:
@@ -130,6 +186,7 @@ class PageAllocator:
             if self.reserved_page_list:
                 page_id = self.reserved_page_list.popleft()
                 self.num_free_pages -= 1
+                self._segment_write()
                 return InternalPage(page_id, self.page_size)
             if not self.free_page_list:
                 raise RuntimeError("No free pages left")
@@ -148,6 +205,7 @@ class PageAllocator:
             keep = list(page_ids[:max(0, room)])
             self.reserved_page_list.extend(keep)
             unmap = list(page_ids[len(keep):])
+        self._segment_write()
         if unmap:
             self._unmap(unmap)
             with self._lock:
@@ -227,7 +285,8 @@ class PageAllocator:
         return usable // self.page_size // self.num_layers // self.num_kv_buffers
 
     def get_resize_target(self) -> int:
-        return -1
+        self._watch()
+        return self.resize_target
 
     def get_page_id(self, block_id: int, block_mem_size: int) -> int:
         return block_id * block_mem_size // self.page_size
