@@ -28,7 +28,7 @@ from typing import Any, Mapping, Protocol
 
 from vramshare import logs
 
-from . import kvcached_compat, kvcached_limit
+from . import kvcached_compat
 
 log = logs.get(__name__)
 
@@ -156,7 +156,7 @@ def choose(env: Mapping[str, str], pool: Any) -> KeepMapped | KvcachedRelease:
         log.warning("kvcached switched off; shrinks will not release memory",
                     release_mode=MODE_THROTTLE, reason=fallback)
         return KeepMapped(fallback)
-    if not kvcached_limit.enabled(env):
+    if not kvcached_compat.enabled(env):
         return KeepMapped()
     if getattr(pool, "kv_cache_manager", None) is None:
         reason = "ENABLE_KVCACHED is set but kvcached did not patch this engine's block pool"
@@ -182,9 +182,9 @@ def check_ipc_name(env: "os._Environ[str] | dict[str, str]") -> str | None:
     vramshare) and kvcached is already loaded here, hand kvcached's own choice to the child
     processes so the engine tree still agrees; returns the name in force, or None.
     """
-    if not kvcached_limit.enabled(env):
+    if not kvcached_compat.enabled(env):
         return None
-    name = env.get(kvcached_limit.ENV_IPC_NAME, "").strip()
+    name = env.get(kvcached_compat.ENV_IPC_NAME, "").strip()
     if name:
         return name
     import sys
@@ -193,6 +193,6 @@ def check_ipc_name(env: "os._Environ[str] | dict[str, str]") -> str | None:
     log.warning("KVCACHED_IPC_NAME not set by the node agent", adopted=chosen,
                 fix="run under vramshare's device plugin, or set KVCACHED_IPC_NAME for the container")
     if isinstance(chosen, str) and chosen:
-        env[kvcached_limit.ENV_IPC_NAME] = chosen
+        env[kvcached_compat.ENV_IPC_NAME] = chosen
         return chosen
     return None

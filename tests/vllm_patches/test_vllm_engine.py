@@ -229,7 +229,9 @@ def test_metrics_are_in_the_default_registry(engine: Any, quota_env: dict[str, s
     assert 'vramshare_vllm_kv_blocks_used{engine="0"} 0.0' in text
     assert 'vramshare_vllm_kv_compression_bits{engine="0"} 16.0' in text
     # no kvcached here: the quota loop must know a shrink released nothing
-    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle"} 1.0' in text
+    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle",reason=""} 1.0' in text
+    assert 'vramshare_vllm_quota_generation_applied{engine="0"} 20.0' in text
+    assert 'vramshare_vllm_kv_demand_bytes{engine="0"} 0.0' in text  # idle
     assert gauge("vramshare_vllm_kv_memory_held_bytes") == usable * BLOCK_BYTES
     write_quota(quota_env["quota"], START_MIB, 21)
     ec.watcher.poll_once()
