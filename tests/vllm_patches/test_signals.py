@@ -8,9 +8,15 @@ from types import SimpleNamespace
 from vllm_patches.engine_cap import demand_blocks, scheduler_queues
 
 
-def req(rid: str, tokens: int, spec: int = 0) -> SimpleNamespace:
-    """vLLM 0.32 ``Request``: ``num_tokens`` (prompt + output so far), ``num_tokens_with_spec``."""
-    return SimpleNamespace(request_id=rid, num_tokens=tokens, num_tokens_with_spec=tokens + spec)
+class Req:
+    """vLLM 0.32 ``Request``: ``num_tokens`` (prompt + output so far), ``num_tokens_with_spec``;
+    hashable by identity (vLLM keeps requests in sets)."""
+
+    def __init__(self, rid: str, tokens: int, spec: int = 0) -> None:
+        self.request_id, self.num_tokens, self.num_tokens_with_spec = rid, tokens, tokens + spec
+
+
+req = Req
 
 
 def test_demand_counts_running_waiting_and_preempted_requests_once() -> None:
