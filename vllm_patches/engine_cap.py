@@ -174,6 +174,7 @@ def _install_on_pool(pool: Any, cap: KvCap) -> None:
             pool.get_num_free_blocks = get_num_free_blocks
 
     pool.get_num_free_blocks = get_num_free_blocks
+    pool.vramshare_raw_free = raw_free  # the uncapped count (the snapshot connector's policy)
     pool.get_new_blocks = get_new_blocks
     pool.get_usage = get_usage
     pool.reset_prefix_cache = reset_prefix_cache

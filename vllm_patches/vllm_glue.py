@@ -142,12 +142,43 @@ def _user_kv_bytes(vllm_config: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def model_uses_hma(model_config: Any) -> bool:
+    """The model gains from vLLM's hybrid KV cache manager: SSM/attention hybrids (need it) and
+    sliding-window or chunked-local attention (it frees blocks outside the window)."""
+    get_window = getattr(model_config, "get_sliding_window", None)
+    return bool(getattr(model_config, "is_hybrid", False)
+                or (get_window is not None and get_window() is not None)
+                or getattr(model_config, "attention_chunk_size", None) is not None)
+
+
+def snapshots_cost_hma(engine_args: Any, config: Any) -> bool:
+    """The snapshot connector is configured and would switch the hybrid KV cache manager off
+    where it would otherwise run, without the operator asking (see :mod:`snapshot_policy`)."""
+    from vllm.platforms import current_platform
+
+    from .snapshot_policy import costs_hybrid_manager
+
+    transfer = config.kv_transfer_config
+    if transfer is None or transfer.kv_connector != "SnapshotConnector":
+        return False
+    return costs_hybrid_manager(getattr(engine_args, "disable_hybrid_kv_cache_manager", None),
+                                bool(current_platform.support_hybrid_kv_cache()),
+                                model_uses_hma(config.model_config))
+
+
 def _hook_engine_args(settings: QuotaSettings) -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
             config = original(self, *args, **kwargs)
+            if snapshots_cost_hma(self, config):
+                log.warning("kv snapshots off: the snapshot connector would switch off vLLM's "
+                            "hybrid KV cache manager for this model",
+                            model=config.model_config.model,
+                            fix="pass --disable-hybrid-kv-cache-manager to have snapshots anyway")
+                self.kv_transfer_config = None
+                config = original(self, *args, **kwargs)  # vLLM decides HMA again, connector-free
             limit = settings.engine_limit_mib(engine_gpus(config, all_local_engines=True))
             plan = plan_for(config, limit, estimated_weights(config))
             user = config.cache_config.kv_cache_memory_bytes

@@ -346,6 +346,12 @@ def snapshot_llm(model: str, codec: str, **extra: Any) -> Any:
         os.environ.pop("VRAMSHARE_KV_SNAPSHOT_CODEC", None)
 
 
+def worker_snapshots() -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return len(get_kv_transfer_group()._store)
+
+
 def corrupt_snapshots() -> int:
     """Add noise to every stored snapshot on the worker side (in-process engine)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -401,6 +407,11 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any, random_mode
         recomputed = scheduled[0] - no_preemption_tokens
         assert connector.snapshots_taken > 0 and connector.tokens_restored > 0
         assert resumed == reference
+        # no snapshot outlives its request: the scheduler side forgets at once, the worker with
+        # the step vLLM's engine loop runs for finished requests (has_finished_requests)
+        assert not connector._held and not connector._snap_tokens
+        llm.llm_engine.step()
+        assert worker_snapshots() == 0
         # Every preempted token either came back from a snapshot or was recomputed; the
         # snapshots must have saved most of that prefill work.
         assert connector.tokens_restored > recomputed
@@ -418,6 +429,34 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any, random_mode
         assert corrupted != reference, "outputs do not depend on the restored KV"
     finally:
         grow()
+        ec.watcher.stop()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_snapshots_are_skipped_where_the_prefix_cache_keeps_the_blocks(
+        engine: Any, random_model: str, quota_env: dict[str, str]) -> None:
+    """vLLM's default (prefix caching on) under a cap: the preempted blocks stay cached, vLLM
+    recomputes nothing, so no snapshot is taken (they would cost host memory and copies only)."""
+    engine.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()
+    llm = snapshot_llm(random_model, "none", enable_prefix_caching=True)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    ec, connector = scheduler._vramshare, scheduler.connector
+    generation = [60]
+
+    def set_quota(mib: int) -> None:
+        generation[0] += 1
+        write_quota(quota_env["quota"], mib, generation[0])
+        ec.watcher.poll_once()
+
+    try:
+        reference = run_batch(llm.llm_engine, "pref-")
+        shrunk = run_batch(llm.llm_engine, "pcap-", lambda step: set_quota(16) if step == 3 else None)
+        assert shrunk == reference
+        assert connector.snapshots_not_needed > 0 and connector.snapshots_taken == 0
+        llm.llm_engine.step()
+        assert worker_snapshots() == 0
+    finally:
+        set_quota(START_MIB)
         ec.watcher.stop()
         llm.llm_engine.engine_core.shutdown()
 
