@@ -452,7 +452,8 @@ def test_snapshots_are_skipped_where_the_prefix_cache_keeps_the_blocks(
         reference = run_batch(llm.llm_engine, "pref-")
         shrunk = run_batch(llm.llm_engine, "pcap-", lambda step: set_quota(16) if step == 3 else None)
         assert shrunk == reference
-        assert connector.snapshots_not_needed > 0 and connector.snapshots_taken == 0
+        assert connector.snapshots_taken == 0  # regression: main took one per preemption
+        assert connector.snapshots_not_needed > 0
         llm.llm_engine.step()
         assert worker_snapshots() == 0
     finally:
