@@ -23,6 +23,9 @@ from typing import MutableMapping
 ENV_ENABLE = "ENABLE_KVCACHED"
 ENV_FALLBACK = "VRAMSHARE_KVCACHED_FALLBACK"  # the reason, handed to the engine processes
 ENV_IPC_NAME = "KVCACHED_IPC_NAME"
+# The operator vouches for the pair (a kvcached build newer than this table, e.g. its main branch
+# with an adapter for this vLLM): skip the check, keep kvcached on.
+ENV_ASSUME_SUPPORTED = "VRAMSHARE_KVCACHED_ASSUME_SUPPORTED"
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ def fall_back_if_unsupported(env: MutableMapping[str, str], vllm_version: str,
     if env.get(ENV_FALLBACK):
         return env[ENV_FALLBACK]
     if not enabled(env):
+        return None
+    if env.get(ENV_ASSUME_SUPPORTED, "").strip().lower() in ("1", "true"):
         return None
     reason = unsupported_reason(vllm_version, kvcached_version)
     if reason is not None:

@@ -89,3 +89,59 @@ def make_engine(kvc: SimpleNamespace, *, num_blocks: int, num_layers: int = 2,
     kv_cache_config = SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[
         SimpleNamespace(size=num_blocks * block_bytes)])
     return scheduler, vllm_config, kv_cache_config
+
+
+def vllm_block_pool_class(kvc: SimpleNamespace, *, block_size: int, cell_size: int,
+                          num_layers: int) -> type:
+    """vLLM 0.32's ``BlockPool`` with kvcached managing its blocks, as kvcached's
+    ``ElasticBlockPool`` does with prefix caching off: block ids come from kvcached's
+    ``KVCacheManager.alloc`` and go back with ``free``; the free count is kvcached's
+    ``available_size()``; ``get_usage`` is ``1 - free / num_gpu_blocks``. vLLM's own KV tensors
+    stay (the CPU engine allocates them); kvcached's ids index them (block 0 is the null block in
+    both). kvcached installs its pool by patching vLLM's coordinator; the test swaps the class the
+    coordinator builds, which is the same edge."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    class KvcachedBlockPool(BlockPool):  # type: ignore[misc, valid-type]
+        def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                     **kwargs: Any) -> None:
+            super().__init__(num_gpu_blocks, False, hash_block_size, **kwargs)
+            kvc.pool_registry.clear_registered_kv_cache_pools()
+            self.kv_cache_manager = kvc.kv_cache_manager.KVCacheManager(
+                num_gpu_blocks, block_size, cell_size, num_layers, reserve_null_block=True)
+            self.kv_cache_manager._wait_post_init()
+            kvc.pool_registry.register_kv_cache_pool(self.kv_cache_manager, integration="vllm")
+
+        def get_num_free_blocks(self) -> int:
+            return self.kv_cache_manager.available_size()
+
+        def get_usage(self) -> float:
+            return 1.0 - (self.get_num_free_blocks() / self.num_gpu_blocks)
+
+        def get_new_blocks(self, num_blocks: int) -> list[Any]:
+            if num_blocks > self.get_num_free_blocks():
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+            ids = self.kv_cache_manager.alloc(num_blocks)
+            if ids is None:
+                raise ValueError("Unable to allocate KV cache blocks from physical pool")
+            blocks = [self.blocks[i] for i in ids]
+            for block in blocks:
+                assert block.ref_cnt == 0
+                block.ref_cnt += 1
+            return blocks
+
+        def free_blocks(self, ordered_blocks: Any) -> None:
+            ids = []
+            for block in ordered_blocks:
+                if block is None or block.is_null:
+                    continue
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    ids.append(block.block_id)
+            if ids:
+                self.kv_cache_manager.free(ids)
+
+        def reset_prefix_cache(self) -> bool:
+            return True  # no prefix cache here (kvcached's pool with caching off)
+
+    return KvcachedBlockPool

@@ -37,6 +37,9 @@ def test_a_supported_pair_or_kvcached_off_changes_nothing() -> None:
     assert compat.fall_back_if_unsupported(env, "0.30.0", "0.1.6") is None
     assert env == {"ENABLE_KVCACHED": "true"}
     assert compat.fall_back_if_unsupported({}, "0.32.0", "0.1.6") is None
+    vouched = {"ENABLE_KVCACHED": "true", compat.ENV_ASSUME_SUPPORTED: "1"}
+    assert compat.fall_back_if_unsupported(vouched, "0.33.0", "0.1.6") is None
+    assert vouched["ENABLE_KVCACHED"] == "true"
 
 
 def test_kvcached_on_but_not_managing_the_pool_throttles_with_a_reason() -> None:
