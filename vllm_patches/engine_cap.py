@@ -10,6 +10,12 @@ process. The block pool gets two instance-level overrides:
   ``reset_prefix_cache`` checks the raw pool (see :func:`_install_on_pool`).
 * ``get_new_blocks`` refuses requests beyond the capped free count with the pool's own error, as a
   guard for code paths that allocate without asking first.
+
+When kvcached manages the pool it enforces the cap itself (its instance limit, set through the
+releaser): then ``get_num_free_blocks`` is kvcached's own count, passed through (the cap counts
+once), and the cap is what kvcached offers under the limit. The engine's GPUs are the ones its
+workers drive (tightest quota wins); it also publishes its KV demand (from the scheduler's queues)
+and the quota generation it has applied.
 """
 from __future__ import annotations
 

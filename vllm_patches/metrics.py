@@ -175,9 +175,11 @@ _registered: dict[int, StateCollector] = {}
 
 
 def register_collector(state_dir: str, registry: CollectorRegistry = REGISTRY) -> StateCollector:
-    """Register the collector once per registry (the plugin is loaded more than once per process)."""
+    """Register the collector once per registry (the plugin is loaded more than once per process);
+    a later call moves it to ``state_dir``."""
     existing = _registered.get(id(registry))
     if existing is not None:
+        existing.state_dir = state_dir  # a re-registered plugin (new state dir) is followed
         return existing
     collector = StateCollector(state_dir)
     registry.register(collector)

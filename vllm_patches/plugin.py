@@ -54,11 +54,16 @@ def ensure_log_handler(env: "os._Environ[str] | dict[str, str]" = os.environ) ->
 _installed: dict[str, bool] | None = None
 
 
-def register() -> None:
-    """Install the quota hooks once per process; a no-op without a quota."""
+def register(force: bool = False) -> None:
+    """Install the quota hooks once per process; a no-op without a quota.
+
+    ``force`` re-reads the quota settings from the environment and points the (already wrapped)
+    hooks at them: for a process that changes its quota environment between engines (vLLM calls
+    general plugins only once per process).
+    """
     global _installed
     with _lock:
-        if _installed is not None:
+        if _installed is not None and not force:
             return
         found = settings.from_env()
         if found is None:

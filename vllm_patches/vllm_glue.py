@@ -32,6 +32,23 @@ from .settings import QuotaSettings
 log = logs.get(__name__)
 
 TESTED_VERSIONS = ("0.32",)
+
+
+class _Current:
+    """The settings the installed hooks read: set by every :func:`install`, so a process that
+    re-registers (a host, or a test, that changes the quota environment) is followed even though
+    each hook is wrapped only once."""
+
+    settings: QuotaSettings | None = None
+
+
+_CURRENT = _Current()
+
+
+def current_settings() -> QuotaSettings:
+    if _CURRENT.settings is None:
+        raise RuntimeError("vramshare hooks called before install()")
+    return _CURRENT.settings
 _ATTR = "_vramshare_wrapped"
 _USER_KEY = "vramshare_user_kv_cache_memory_bytes"
 
@@ -179,7 +196,7 @@ def _hook_engine_args(settings: QuotaSettings) -> bool:
                             fix="pass --disable-hybrid-kv-cache-manager to have snapshots anyway")
                 self.kv_transfer_config = None
                 config = original(self, *args, **kwargs)  # vLLM decides HMA again, connector-free
-            limit = settings.engine_limit_mib(engine_gpus(config, all_local_engines=True))
+            limit = current_settings().engine_limit_mib(engine_gpus(config, all_local_engines=True))
             plan = plan_for(config, limit, estimated_weights(config))
             user = config.cache_config.kv_cache_memory_bytes
             kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
@@ -203,7 +220,7 @@ def _hook_worker_memory(settings: QuotaSettings) -> bool:
             weights = measured if measured is not None else estimated_weights(self.vllm_config)
             gpus = engine_gpus(self.vllm_config)
             rank = int(getattr(self, "local_rank", 0) or 0)
-            limit = settings.current_limit_mib(gpus[rank] if rank < len(gpus) else rank)
+            limit = current_settings().current_limit_mib(gpus[rank] if rank < len(gpus) else rank)
             plan = plan_for(self.vllm_config, limit, weights)
             user = _user_kv_bytes(self.vllm_config)
             kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
@@ -238,7 +255,8 @@ def _hook_request_memory(settings: QuotaSettings) -> bool:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
             # The visible-device index is the position in VRAMSHARE_GPU_UUIDS (same order).
-            limit = settings.current_limit_mib(getattr(init_snapshot.device_, "index", None) or 0)
+            limit = current_settings().current_limit_mib(
+                getattr(init_snapshot.device_, "index", None) or 0)
             quota = limit * budget.MIB
             budget.slice_request(init_snapshot.free_memory, init_snapshot.total_memory, quota,
                                  str(init_snapshot.device_))
@@ -261,15 +279,16 @@ def _hook_scheduler(settings: QuotaSettings) -> bool:
         def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any,
                      **kwargs: Any) -> None:
             original(self, vllm_config, kv_cache_config, *args, **kwargs)
-            engine_cap.attach(self, vllm_config, kv_cache_config, settings)
+            engine_cap.attach(self, vllm_config, kv_cache_config, current_settings())
         return __init__
     return _wrap(Scheduler, "__init__", make)
 
 
 def install(settings: QuotaSettings) -> dict[str, bool]:
-    """Install every hook once; return which ones took (for the log and the tests)."""
+    """Install every hook once (they read the settings given last); return which ones took."""
     import vllm
 
+    _CURRENT.settings = settings
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(TESTED_VERSIONS):
         log.warning("vllm version not tested with vramshare plugin", version=version,

@@ -4,8 +4,7 @@ vLLM pool adapter reproduced in ``kvcached_pool.vllm_block_pool_class``) and the
 mode: it starts, a shrink under load completes every request and gives pages back, an idle
 shrunk engine reads 0, offered blocks equal the cap, the generation is acknowledged once the
 memory is back. vLLM 0.32 is outside kvcached 0.1.6's runner range: the engine here uses only its
-scheduler-side code, so the operator override ``VRAMSHARE_KVCACHED_ASSUME_SUPPORTED`` is set.
-Run alone (the plugin reads its settings once per process)."""
+scheduler-side code, so the operator override ``VRAMSHARE_KVCACHED_ASSUME_SUPPORTED`` is set."""
 from __future__ import annotations
 
 import json
@@ -54,6 +53,8 @@ def kv_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
            "VRAMSHARE_KVCACHED_ASSUME_SUPPORTED": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    from vllm_patches import plugin
+    plugin.register(force=True)  # vLLM loads plugins once per process: point them at this quota
     from vllm import LLM
     from vllm.v1.core import kv_cache_coordinator
 

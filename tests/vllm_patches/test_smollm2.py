@@ -3,9 +3,7 @@ random-weight model cannot tell right from wrong: it answers, and a request pree
 shrink and resumed from its KV snapshot continues with the very tokens of an unpreempted run.
 
 Needs the model: ``VRAMSHARE_SMOLLM2_DIR`` (a dir made by ``vllm_patches.testing.smollm2_bf16``),
-or ``VRAMSHARE_SMOLLM2_GGUF`` plus the ``gguf`` package to make one; skipped otherwise. Run alone
-(its own process: the plugin reads its quota settings once per process).
-"""
+or ``VRAMSHARE_SMOLLM2_GGUF`` plus the ``gguf`` package to make one; skipped otherwise. """
 from __future__ import annotations
 
 import json
@@ -55,6 +53,8 @@ def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    from vllm_patches import plugin
+    plugin.register(force=True)  # vLLM loads plugins once per process: point them at this quota
     yield {"model": model, "quota": quota}
     for key, value in saved.items():
         if value is None:

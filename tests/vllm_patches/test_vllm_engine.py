@@ -67,8 +67,7 @@ def quota_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     from vllm_patches import plugin
-    if plugin.installed_hooks() == {}:  # loaded earlier in this process without a quota
-        plugin._installed = None
+    plugin.register(force=True)  # vLLM loads plugins once per process: point them at this quota
     yield paths
     for key, value in saved.items():
         if value is None:
