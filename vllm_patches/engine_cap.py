@@ -19,7 +19,9 @@ and the quota generation it has applied.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import Any, Callable
 
 from vramshare import logs
@@ -84,10 +86,14 @@ class EngineCap:
         self.block_size = block_size
         self.raw_free: Callable[[], int] = pool.get_num_free_blocks
         self.generation_applied: int | None = None
+        # kvcached's manager is not thread-safe under sync scheduling: limit changes from the
+        # watcher thread and the scheduler's pool calls take this lock (see _install_on_pool)
+        self.pool_lock: threading.RLock | None = threading.RLock() if cap.pool_limits else None
 
     def apply_cap(self) -> None:
         """Give the cap to the releaser; with a pool that limits itself, its answer is the cap."""
-        offered = self.releaser.apply(self.cap.cap, self.cap.block_bytes, self.cap.min_blocks)
+        with self.pool_lock or contextlib.nullcontext():
+            offered = self.releaser.apply(self.cap.cap, self.cap.block_bytes, self.cap.min_blocks)
         if self.cap.pool_limits:
             self.cap.set_offered(offered)
         self._note_applied()
@@ -114,9 +120,10 @@ class EngineCap:
 
     def tick(self) -> None:
         """Every watcher poll: follow kvcached's lazy shrink, note the generation, refresh metrics."""
-        self.releaser.tick()
-        if self.cap.pool_limits and isinstance(self.releaser, KvcachedRelease):
-            self.cap.set_offered(self.releaser.offered(self.cap.block_bytes))
+        with self.pool_lock or contextlib.nullcontext():
+            self.releaser.tick()
+            if self.cap.pool_limits and isinstance(self.releaser, KvcachedRelease):
+                self.cap.set_offered(self.releaser.offered(self.cap.block_bytes))
         self._note_applied()
         self.publish()
 
@@ -145,7 +152,17 @@ class EngineCap:
         metrics.set_multiprocess(self.engine, doc)
 
 
-def _install_on_pool(pool: Any, cap: KvCap) -> None:
+def _guarded(fn: Callable[..., Any], lock: "threading.RLock | None") -> Callable[..., Any]:
+    if lock is None:
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return fn(*args, **kwargs)
+    return call
+
+
+def _install_on_pool(pool: Any, cap: KvCap, lock: "threading.RLock | None" = None) -> None:
     """Give the scheduler the capped view, and keep vLLM's own accounting on the raw one.
 
     Only admission (``KVCacheManager.allocate_slots`` and friends) should see the cap. Two other
@@ -155,10 +172,16 @@ def _install_on_pool(pool: Any, cap: KvCap) -> None:
     ``pause_scheduler(clear_cache=True)`` path) checks "only the null block is used" against the
     raw pool, else it fails on an idle engine after any shrink. Both run on the scheduler thread,
     the only thread that touches the pool, so swapping the method for the reset is safe.
+
+    ``lock`` (kvcached pools): kvcached's manager takes no lock of its own under synchronous
+    scheduling (``NoOpLock``), but its limit is changed from the watcher thread; the pool's
+    allocation, free and count calls and the limit changes then share this lock.
     """
-    raw_free = pool.get_num_free_blocks
-    raw_new = pool.get_new_blocks
-    raw_reset = pool.reset_prefix_cache
+    raw_free = _guarded(pool.get_num_free_blocks, lock)
+    raw_new = _guarded(pool.get_new_blocks, lock)
+    raw_reset = _guarded(pool.reset_prefix_cache, lock)
+    if lock is not None:
+        pool.free_blocks = _guarded(pool.free_blocks, lock)
 
     def get_num_free_blocks() -> int:
         return cap.free(raw_free())
@@ -229,7 +252,8 @@ def attach(scheduler: Any, vllm_config: Any, kv_cache_config: Any,
     ec = EngineCap(pool, cap, watcher, state_dir, engine, releaser, bits, connector,
                    scheduler=scheduler, block_size=scheduler.block_size)
     holder["ec"] = ec
-    _install_on_pool(pool, cap)
+    _install_on_pool(pool, cap, ec.pool_lock)
+    ec.raw_free = pool.vramshare_raw_free
     ec.apply_cap()  # kvcached sized its pool before the scheduler existed: the quota's cap now
     scheduler._vramshare = ec
     ec.publish()
