@@ -5,6 +5,7 @@ slices are tested at the scheduler boundary (``test_multi_gpu.py``): offline DP 
 per rank."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Any, Iterator
@@ -24,6 +25,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
         "bos_token_id": 1, "eos_token_id": 2, "rope_theta": 10000.0, "hidden_act": "silu"}
+CPU_SHM = "/dev/shm/vllm_dist_*-cpushm_*"
 RANK_BLOCK = 2 * 2 * 32 * 4 * 64 * 2  # K/V x layers x 32 tokens x 4 of 8 KV heads per rank x 64 x bf16
 
 
@@ -51,12 +53,15 @@ def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
     from vllm_patches import plugin
     plugin.register(force=True)  # vLLM loads plugins once per process: point them at this quota
+    shm_before = set(glob.glob(CPU_SHM))
     llm = LLM(model=str(root / "m"), load_format="dummy", skip_tokenizer_init=True,
               max_model_len=128, max_num_seqs=4, max_num_batched_tokens=128, enforce_eager=True,
               dtype="bfloat16", block_size=32, tensor_parallel_size=2,
               distributed_executor_backend="mp")
     yield {"llm": llm, "quota": quota}
     llm.llm_engine.engine_core.shutdown()
+    for path in set(glob.glob(CPU_SHM)) - shm_before:  # vLLM's CPU TP leaves its 8 MiB segments
+        os.unlink(path)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
