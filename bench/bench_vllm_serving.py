@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                     "vramshare_vllm_kv_block_cap": metric(m, "vramshare_vllm_kv_block_cap"),
                     "vramshare_vllm_kv_memory_held_bytes":
                         metric(m, "vramshare_vllm_kv_memory_held_bytes"),
+                    "vramshare_vllm_kv_demand_bytes": metric(m, "vramshare_vllm_kv_demand_bytes"),
+                    "vramshare_vllm_quota_generation_applied":
+                        metric(m, "vramshare_vllm_quota_generation_applied"),
                     "release_mode": re.findall(r'vramshare_vllm_release_mode\{[^}]*mode="(\w+)"', m)}
                 result["shrink"] = shrink
             else:

@@ -140,7 +140,14 @@ def cdi_name(uuid: str) -> str:
     return f"nvidia.com/gpu={uuid}"
 
 
-def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: str | None) -> ContainerSpec:
+def kvcached_ipc_name(allocation_key: str) -> str:
+    """kvcached's segment name for one allocation: set in the container, so every engine process
+    (API server, engine core, workers) uses it from its first ``import vllm`` on."""
+    return f"vramshare_{allocation_key}"
+
+
+def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: str | None,
+                   allocation_key: str | None = None) -> ContainerSpec:
     """Env, mounts and CDI devices for a container holding ``shares`` (DESIGN.md section 3)."""
     uuids = [s.uuid for s in shares]
     limits = sorted({s.mib for s in shares})
@@ -149,6 +156,8 @@ def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: s
         # one number when every GPU gets the same (gpu-count splits evenly), else one per GPU in order
         contract.ENV_MEMORY_LIMIT_MIB: str(limits[0]) if len(limits) == 1 else ",".join(str(s.mib) for s in shares),
     }
+    if allocation_key:
+        envs[contract.ENV_KVCACHED_IPC_NAME] = kvcached_ipc_name(allocation_key)
     mounts: list[tuple[str, str, bool]] = []
     cdi: tuple[str, ...] = ()
     strategy = config.device_list_strategy

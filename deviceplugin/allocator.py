@@ -25,7 +25,7 @@ from deviceplugin import allocation, steering
 from deviceplugin.allocation import ContainerSpec, Refusal, RefusalKind
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
-from deviceplugin.quota_files import QuotaFiles
+from deviceplugin.quota_files import QuotaFiles, allocation_key
 from vramshare import logs
 
 log = logs.get(__name__)
@@ -114,4 +114,5 @@ class Allocator:
                 raise Refusal(RefusalKind.PRECONDITION, f"cannot write quota file under {quota_dir}: {why}") from None
         where = {"gpu": ",".join(s.uuid for s in shares), "mib": ",".join(str(s.mib) for s in shares),
                  "quota_dir": quota_dir}
-        return allocation.container_spec(shares, snap.config, quota_dir), where
+        key = allocation_key(ids)
+        return allocation.container_spec(shares, snap.config, quota_dir, key), where

@@ -72,14 +72,24 @@ class KvCap:
     """
 
     def __init__(self, *, start_limit_mib: int, usable_blocks: int, block_bytes: int,
-                 min_blocks: int) -> None:
+                 min_blocks: int, pool_limits: bool = False,
+                 start_kv_bytes: int | None = None) -> None:
+        # pool_limits: the pool itself offers only what the cap allows (kvcached's limit), so its
+        # free count is already capped and must not be capped a second time.
+        self.pool_limits = pool_limits
         self.usable_blocks = usable_blocks
         self.block_bytes = block_bytes
         self.min_blocks = min_blocks
         # What the starting quota did not give to KV: weights, activations, graphs, rounding.
-        self.non_kv_bytes = start_limit_mib * MIB - usable_blocks * block_bytes
+        # kvcached reserves a *virtual* pool larger than the quota's KV: then the KV budget the
+        # plan gave at start (``start_kv_bytes``) is what the blocks stand for, not the pool size.
+        kv_start = usable_blocks * block_bytes
+        if start_kv_bytes is not None:
+            kv_start = min(kv_start, start_kv_bytes)
+        self.non_kv_bytes = start_limit_mib * MIB - kv_start
         self.quota_mib = start_limit_mib
-        self.cap = usable_blocks
+        self.cap = cap_blocks(start_limit_mib, self.non_kv_bytes, block_bytes, usable_blocks,
+                              min_blocks)
         self.below_minimum = False
         self._lock = threading.Lock()
 
@@ -94,8 +104,22 @@ class KvCap:
             self.below_minimum = fits < min(self.min_blocks, self.usable_blocks)
             return old, self.cap
 
+    def set_offered(self, blocks: int) -> None:
+        """With ``pool_limits``: the cap is what the pool offers under the limit it was given."""
+        with self._lock:
+            self.cap = max(0, min(blocks, self.usable_blocks))
+
+    def used(self, raw_free: int) -> int:
+        """Blocks in use: of the whole pool, or (``pool_limits``) of what the pool offers."""
+        if self.pool_limits:
+            return max(0, self.cap - raw_free)
+        return self.usable_blocks - raw_free
+
     def free(self, raw_free: int) -> int:
-        """The scheduler's view of free blocks (see :func:`capped_free`)."""
+        """The scheduler's view of free blocks (see :func:`capped_free`); counted once: a pool that
+        enforces the limit itself is passed through."""
+        if self.pool_limits:
+            return raw_free
         return capped_free(raw_free, self.usable_blocks, self.cap)
 
     def usage(self, raw_free: int) -> float:
@@ -104,8 +128,10 @@ class KvCap:
         Blocks withheld by the cap are not "used"; an engine over its cap right after a shrink
         reads 1.0 (full) until preemption brings it under.
         """
+        if self.pool_limits:
+            return 0.0 if self.cap <= 0 else min(1.0, self.used(raw_free) / self.cap)
         return cap_usage(raw_free, self.usable_blocks, self.cap)
 
     def state(self, raw_free: int) -> CapState:
         return CapState(self.quota_mib, self.cap, self.usable_blocks,
-                        self.usable_blocks - raw_free, self.block_bytes, self.below_minimum)
+                        self.used(raw_free), self.block_bytes, self.below_minimum)

@@ -10,7 +10,9 @@ several data-parallel engines (label ``engine``). Files of dead writers are skip
 Metric names (all gauges): ``vramshare_vllm_quota_mib``, ``vramshare_vllm_kv_block_cap``,
 ``vramshare_vllm_kv_blocks_used``, ``vramshare_vllm_kv_blocks_total``,
 ``vramshare_vllm_kv_block_bytes``, ``vramshare_vllm_kv_compression_bits``,
-``vramshare_vllm_kv_memory_held_bytes``, ``vramshare_vllm_release_mode{mode=unmap|throttle}``; with the snapshot
+``vramshare_vllm_kv_memory_held_bytes``, ``vramshare_vllm_kv_demand_bytes``,
+``vramshare_vllm_quota_generation_applied``,
+``vramshare_vllm_release_mode{mode=unmap|throttle,reason=...}``; with the snapshot
 connector also the counters ``vramshare_vllm_kv_snapshots_total`` and
 ``vramshare_vllm_kv_snapshot_tokens_restored_total``.
 """
@@ -39,11 +41,18 @@ METRICS: dict[str, tuple[str, str]] = {
                          "Bits per KV element in host snapshots (16 = uncompressed)"),
     "kv_held_bytes": ("vramshare_vllm_kv_memory_held_bytes",
                       "KV bytes the engine holds on the device (kvcached: mapped; else allocated)"),
+    "kv_demand_bytes": ("vramshare_vllm_kv_demand_bytes",
+                        "KV bytes the engine would hold unfenced: every token of its running, "
+                        "waiting and preempted requests, from its scheduler"),
+    "generation_applied": ("vramshare_vllm_quota_generation_applied",
+                           "generation of quota.json in force: its cap holds and, when releasing, "
+                           "the memory above it is given back"),
 }
 # What a shrink does to device memory: 1 on the engine's mode, "unmap" (kvcached returns the pages)
 # or "throttle" (the cap stops the scheduler, the memory stays allocated).
 RELEASE_MODE = ("vramshare_vllm_release_mode",
-                "1 for how a quota shrink acts: unmap (memory returned) or throttle (nothing released)")
+                "1 for how a quota shrink acts: unmap (memory returned) or throttle (nothing "
+                "released); reason: why, when kvcached was asked for and could not run")
 # Cumulative counts (exported as counters, ``_total``), present with the snapshot connector only.
 COUNTERS: dict[str, tuple[str, str]] = {
     "snapshots_taken": ("vramshare_vllm_kv_snapshots", "Preempted requests kept as KV snapshots"),
@@ -136,10 +145,12 @@ class StateCollector(Collector):
                     if isinstance(state.get(key), (int, float)):
                         family.add_metric([engine], float(state[key]))
                 yield family
-        mode = GaugeMetricFamily(RELEASE_MODE[0], RELEASE_MODE[1], labels=["engine", "mode"])
+        mode = GaugeMetricFamily(RELEASE_MODE[0], RELEASE_MODE[1],
+                                 labels=["engine", "mode", "reason"])
         for engine, state in states.items():
             if isinstance(state.get("release_mode"), str):
-                mode.add_metric([engine, state["release_mode"]], 1.0)
+                mode.add_metric([engine, state["release_mode"], str(state.get("release_reason") or "")],
+                                1.0)
         yield mode
         warm = read_states(self.state_dir, WARM_PREFIX)
         if warm:
@@ -180,10 +191,10 @@ def set_multiprocess(engine: str, state: Mapping[str, Any]) -> bool:
     if isinstance(state.get("release_mode"), str):
         gauge = _mp_gauges.get("release_mode")
         if gauge is None:
-            gauge = Gauge(RELEASE_MODE[0], RELEASE_MODE[1], ["engine", "mode"], registry=None,
-                          multiprocess_mode="mostrecent")
+            gauge = Gauge(RELEASE_MODE[0], RELEASE_MODE[1], ["engine", "mode", "reason"],
+                          registry=None, multiprocess_mode="mostrecent")
             _mp_gauges["release_mode"] = gauge
-        gauge.labels(engine, state["release_mode"]).set(1.0)
+        gauge.labels(engine, state["release_mode"], str(state.get("release_reason") or "")).set(1.0)
     return True
 
 
@@ -191,9 +202,11 @@ _registered: dict[int, StateCollector] = {}
 
 
 def register_collector(state_dir: str, registry: CollectorRegistry = REGISTRY) -> StateCollector:
-    """Register the collector once per registry (the plugin is loaded more than once per process)."""
+    """Register the collector once per registry (the plugin is loaded more than once per process);
+    a later call moves it to ``state_dir``."""
     existing = _registered.get(id(registry))
     if existing is not None:
+        existing.state_dir = state_dir  # a re-registered plugin (new state dir) is followed
         return existing
     collector = StateCollector(state_dir)
     registry.register(collector)

