@@ -29,9 +29,8 @@ sys.path.insert(0, ROOT)
 
 from extender.simulation import arrival, trace  # noqa: E402
 from extender.simulation import mig_replay as mr  # noqa: E402
-from vramshare import mig  # noqa: E402
+from vramshare import mig, traces  # noqa: E402
 
-TRACES = os.environ.get("VRAMSHARE_TRACES", os.path.join(ROOT, "..", "shared", "traces"))
 REF = mig.MODELS["A100-SXM4-40GB"]
 P = mig.Placed
 #: mig-parted's example configurations (nvidia/mig-parted examples/config.yaml), on the reference card.
@@ -50,9 +49,11 @@ def _say(msg: str) -> None:
 
 
 def run_trace(name: str, seeds: list[int]) -> dict:
-    base = os.path.join(TRACES, "openb")
-    nodes = trace.load_nodes(os.path.join(base, "openb_node_list_gpu_node.csv"))
-    pods = trace.load_pods(os.path.join(base, f"openb_pod_list_{name}.csv"))
+    nodes_csv, pods_csv = traces.find(traces.OPENB_NODES), traces.find(traces.openb_pods(name))
+    if nodes_csv is None or pods_csv is None:
+        raise SystemExit(traces.not_found(traces.OPENB_NODES if nodes_csv is None else traces.openb_pods(name)))
+    nodes = trace.load_nodes(nodes_csv)
+    pods = trace.load_pods(pods_csv)
     for layout in NAMED.values():
         assert not mig.check_layout(REF, layout), layout
     tune = arrival.arrivals(pods, nodes, "share", seeds[0])

@@ -31,8 +31,8 @@ from extender.simulation.arrival import arrivals, gpu_capacity  # noqa: E402
 from extender.simulation.replay import Tracker, build_state  # noqa: E402
 from extender.simulation.trace import load_nodes, load_pods  # noqa: E402
 from extender.workload import typical_workload  # noqa: E402
+from vramshare import traces  # noqa: E402
 
-TRACES = os.environ.get("VRAMSHARE_TRACES", os.path.join(ROOT, "..", "shared", "traces", "openb"))
 GIB = 1 << 30
 N_MODELS = 300
 SIZES = np.array([15, 27.5, 60]) * GIB
@@ -98,8 +98,11 @@ def main() -> int:
         args.seeds = 1
         args.out = args.out.replace(".json", "-quick.json")
     cfg = residency.ResidencyConfig()
-    nodes = load_nodes(os.path.join(TRACES, "openb_node_list_gpu_node.csv"))
-    pods = load_pods(os.path.join(TRACES, f"openb_pod_list_{args.trace}.csv"))
+    nodes_csv, pods_csv = traces.find(traces.OPENB_NODES), traces.find(traces.openb_pods(args.trace))
+    if nodes_csv is None or pods_csv is None:
+        raise SystemExit(traces.not_found(traces.OPENB_NODES if nodes_csv is None else traces.openb_pods(args.trace)))
+    nodes = load_nodes(nodes_csv)
+    pods = load_pods(pods_csv)
     typical = typical_workload(p.shape("share") for p in pods)
     variants: dict[str, list[dict]] = {"fgd": []}
     for s in args.max_steps:

@@ -453,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "note": "shared 2-core machine, other work running: counts, not timings, are the figures"},
-        "args": {k: v for k, v in vars(args).items()},
+        # the output path as given relative to the checkout: no machine's absolute path in a result
+        "args": {k: (os.path.relpath(os.path.abspath(v), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                     if k == "out" else v) for k, v in vars(args).items()},
         "runs": runs,
         "summary": {f"{name}.{k}": r[k] for name, r in runs.items() for k in (
             "gpus_over_capacity_assigned", "gpus_over_capacity_books", "mismatched_gpus_after_settle")}

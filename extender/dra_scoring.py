@@ -28,6 +28,7 @@ from kubernetes import client
 from extender import apicalls, cluster, placement
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
 from vramshare import contract, logs, quantity
+from vramshare.retry import Backoff
 
 log = logs.get("vramshare.extender.dra")
 Obj = Mapping[str, Any]
@@ -262,29 +263,26 @@ class DraWatch:
 
     def _run(self, kind: str, plural: str) -> None:
         rv: str | None = None
-        delay = self._backoff
+        backoff = Backoff(self._backoff, self._max_backoff)
         while not self._stop.is_set():
             try:
                 if rv is None:
                     rv = self._relist(kind, plural)
                 rv = self._watch(kind, plural, rv)
-                delay = self._backoff
+                backoff.reset()
             except _Gone:
                 log.info("dra watch expired, relisting", kind=kind)
                 rv = None
-                self._stop.wait(delay)  # even a 410 never relists back to back
-                delay = min(self._max_backoff, delay * 2)
+                self._stop.wait(backoff.next())  # even a 410 never relists back to back
             except apicalls.ApiException as exc:
                 if exc.status in (403, 404):  # no resource.k8s.io/v1 here (before 1.34), or no RBAC for it
                     log.info("DRA scoring off: cannot list", kind=kind, status=exc.status)
                     return
                 rv = None
-                self._failed(kind, exc, delay)
-                delay = min(self._max_backoff, delay * 2)
+                self._failed(kind, exc, backoff.next())
             except Exception as exc:  # noqa: BLE001 - a broken stream or an API outage: back off, relist
                 rv = None
-                self._failed(kind, exc, delay)
-                delay = min(self._max_backoff, delay * 2)
+                self._failed(kind, exc, backoff.next())
 
     def _failed(self, kind: str, exc: Exception, delay: float) -> None:
         if not self._stop.is_set():

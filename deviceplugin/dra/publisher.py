@@ -24,6 +24,7 @@ from kubernetes.watch.watch import iter_resp_lines
 from deviceplugin.dra import slices
 from vramshare import contract, logs
 from vramshare.inventory import InventoryError, NodeInventory
+from vramshare.retry import Backoff
 
 log = logs.get(__name__)
 
@@ -132,25 +133,23 @@ class SliceWatch:
     def run(self, stop: threading.Event) -> None:
         """Body of the ``slice-watch`` thread: list, then watch, until ``stop``."""
         rv: str | None = None
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0)
         while not stop.is_set() and not self._stopping.is_set():
             try:
                 if rv is None:
                     rv = self._relist()
                 rv = self._watch(rv)
-                delay = 0.2
+                backoff.reset()
             except ApiException as exc:
                 if exc.status == 403:  # an older RBAC without watch: the resync is all we have
                     log.error("cannot watch resource slices; wiped slices return only at the resync "
                               "(grant watch on resourceslices)", error=str(exc.reason))
                     return
                 rv = None
-                self._broken(stop, exc, delay)
-                delay = min(5.0, delay * 2)
+                self._broken(stop, exc, backoff.next())
             except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
                 rv = None
-                self._broken(stop, exc, delay)
-                delay = min(5.0, delay * 2)
+                self._broken(stop, exc, backoff.next())
 
     def _broken(self, stop: threading.Event, exc: Exception, delay: float) -> None:
         if not (stop.is_set() or self._stopping.is_set()):
