@@ -26,7 +26,16 @@ one, every other route is refused with 403 right after the request head, before 
 Memory is bounded whatever a caller sends: a body larger than ``max_body_bytes`` is refused with 413
 from its declared ``Content-Length`` alone (its bytes are never read), the bodies being buffered at
 once share ``max_buffered_bytes`` (503 beyond), and a request head is read at most
-:data:`extender.http1.MAX_HEAD_BYTES` at a time. Connections: at most ``max_connections``, of which
+:data:`extender.http1.MAX_HEAD_BYTES` at a time.
+
+Unauthenticated callers reserve nothing (issue 18): a GET never takes a body (413 from its head, the
+probes and /metrics included), and a connection without a verified client certificate that declares
+a body is refused with 403 before anything is charged, so only authenticated connections draw on the
+body budget. The scheduling verbs (:data:`VERBS`) have a share of their own,
+``scheduler_share_bytes``, which they use once the shared budget is full: whatever holds the shared
+budget, kube-scheduler's calls (one filter/prioritize/preempt at a time, plus small binds) get in.
+When a verb is refused even so, /readyz answers 503 for ``request_timeout_s`` with the reason, so
+the refusal shows on the endpoint and the Service can route around the replica. Connections: at most ``max_connections``, of which
 ``reserve`` only for authenticated ones; when the unauthenticated ones are at their limit, the oldest
 idle one is closed to admit the new one, so a flood of idle or slow connections can neither lock the
 scheduler out nor pin the table. Every request must arrive whole (and every TLS handshake finish)
@@ -63,6 +72,11 @@ MAX_BUFFERED_BYTES = 64 * 1024 * 1024  # bodies being received at once, all conn
 # Routes the probes need; the only ones a TLS connection without a client certificate may call.
 PROBES = frozenset({("GET", "/healthz"), ("GET", "/readyz")})
 # Answered on the loop thread: fast, pure CPU, never an API call. Everything else goes to the workers.
+# kube-scheduler's calls: they may use the scheduler's own share of the body budget.
+VERBS = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("POST", "/bind"), ("POST", "/preempt")})
+# Serves two bodies of MAX_BODY_BYTES: kube-scheduler runs one scheduling cycle at a time (filter,
+# prioritize or preempt) and its binds are a few hundred bytes each.
+SCHEDULER_SHARE_BYTES = 2 * MAX_BODY_BYTES
 INLINE = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("GET", "/healthz"), ("GET", "/readyz")})
 _WAKE = object()  # selector key data of the wake-up socket; the listener's is None
 
@@ -77,7 +91,7 @@ class _Conn:
     """One client connection's state; touched only by the loop thread."""
 
     __slots__ = ("sock", "peer", "buf", "head", "body_at", "out", "busy", "close_after", "closed",
-                 "events", "since", "handshaking", "authenticated", "reserved", "linger", "draining")
+                 "events", "since", "handshaking", "authenticated", "reserved", "share", "linger", "draining")
 
     def __init__(self, sock: socket.socket, peer: object, handshaking: bool = False) -> None:
         self.sock = sock
@@ -94,6 +108,7 @@ class _Conn:
         self.handshaking = handshaking  # TLS handshake not finished yet
         self.authenticated = False  # presented a client certificate the client CA verifies
         self.reserved = 0  # bytes of the body being received, counted in the shared budget
+        self.share = False  # ``reserved`` is drawn from the scheduler's own share, not the shared budget
         self.linger = False  # after the answer, discard what the client still sends before closing
         self.draining = False  # refused and answered: discarding, then close
 
@@ -105,11 +120,13 @@ class ExtenderHTTPServer:
                  max_body_bytes: int = MAX_BODY_BYTES, max_buffered_bytes: int = MAX_BUFFERED_BYTES,
                  idle_timeout_s: float = 120.0, request_timeout_s: float = 10.0, grace_s: float = 5.0,
                  max_connections: int = 1024, reserve: int = 64, tls: Reloader | None = None,
+                 scheduler_share_bytes: int = SCHEDULER_SHARE_BYTES,
                  public: frozenset[tuple[str, str]] = PROBES,
                  routes: frozenset[tuple[str, str]] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
+        self.scheduler_share_bytes = scheduler_share_bytes
         self.idle_timeout_s = idle_timeout_s  # Go's transport drops idle connections after 90 s
         # A whole request (or TLS handshake, or response) must move by then; kube-scheduler's
         # httpTimeout is 5 s, so a request still arriving after 10 s has no caller left.
@@ -120,7 +137,10 @@ class ExtenderHTTPServer:
         self.tls = tls
         self.public = public  # routes a connection without a verified client certificate may call
         self.routes = routes  # None: every route of the app
-        self._buffered = 0
+        self._buffered = 0  # bytes reserved in the shared budget
+        self._share_used = 0  # bytes reserved in the scheduler's share
+        self._refusing_until = 0.0  # /readyz answers 503 until then: a scheduler call was refused
+        self._refused_why = ""
         self._unauth: OrderedDict[_Conn, None] = OrderedDict()  # in accept order, for eviction
         self._next_tls_check = 0.0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -297,8 +317,11 @@ class ExtenderHTTPServer:
         conn.sock.close()
 
     def _release_body(self, conn: _Conn) -> None:
-        self._buffered -= conn.reserved
-        conn.reserved = 0
+        if conn.share:
+            self._share_used -= conn.reserved
+        else:
+            self._buffered -= conn.reserved
+        conn.reserved, conn.share = 0, False
 
     def _sweep(self, now: float) -> None:
         if self.tls is not None and now >= self._next_tls_check:
@@ -427,8 +450,7 @@ class ExtenderHTTPServer:
                     self._fail(conn, *refusal)
                     return
                 conn.head, conn.body_at = head, end + 4
-                conn.reserved = head.content_length
-                self._buffered += head.content_length
+                self._charge(conn, head)
                 if head.expect_continue and len(conn.buf) < conn.body_at + head.content_length:
                     self._send(conn, b"HTTP/1.1 100 Continue\r\n\r\n", interim=True)
                     if conn.out is not None:
@@ -448,18 +470,52 @@ class ExtenderHTTPServer:
         key = (head.method, _route(head.target))
         if self.routes is not None and key not in self.routes:
             return 404, f"no route {head.method} {_route(head.target)} on this port"
-        if self.tls is not None and not conn.authenticated and key not in self.public:
+        if head.method == "GET" and head.content_length:
+            return 413, f"GET {key[1]} takes no body (Content-Length {head.content_length})"
+        if self.tls is not None and not conn.authenticated and (key not in self.public or head.content_length):
             return 403, ("a client certificate signed by the extender's client CA is required "
                          "(kube-scheduler: extenders[].tlsConfig certFile/keyFile)")
         if head.content_length > self.max_body_bytes:
             return 413, f"body of {head.content_length} bytes exceeds the limit of {self.max_body_bytes}"
-        if self._buffered + head.content_length > self.max_buffered_bytes:
-            return 503, (f"too many request bodies in flight ({self._buffered} bytes buffered, "
-                         f"limit {self.max_buffered_bytes}): retry")
+        if self._fits(key, head.content_length) is None:
+            why = (f"too many request bodies in flight ({self._buffered} bytes buffered, limit "
+                   f"{self.max_buffered_bytes}; scheduler share {self._share_used} of "
+                   f"{self.scheduler_share_bytes}): retry")
+            if key in VERBS:  # the scheduler itself is turned away: say so on /readyz
+                self._refusing_until = time.monotonic() + self.request_timeout_s
+                self._refused_why = f"refusing work: {why}"
+            return 503, why
+        return None
+
+    def _fits(self, key: tuple[str, str], size: int) -> bool | None:
+        """Where a body of ``size`` is charged: False the shared budget, True the scheduler's share,
+        None nowhere (refuse). Only the verbs may use the share, and only once the budget is full."""
+        if self._buffered + size <= self.max_buffered_bytes:
+            return False
+        if key in VERBS and self._share_used + size <= self.scheduler_share_bytes:
+            return True
+        return None
+
+    def _charge(self, conn: _Conn, head: http1.RequestHead) -> None:
+        """Reserve the declared body (checked by :meth:`_refusal`, so it fits) for an authenticated caller."""
+        share = self._fits((head.method, _route(head.target)), head.content_length)
+        conn.reserved, conn.share = head.content_length, bool(share)
+        if conn.share:
+            self._share_used += head.content_length
+        else:
+            self._buffered += head.content_length
+
+    def _readyz_refusal(self) -> Response | None:
+        """/readyz's answer while scheduler calls are being refused (the app knows nothing of it)."""
+        if time.monotonic() < self._refusing_until:
+            return Response(503, (self._refused_why + "\n").encode(), TEXT)
         return None
 
     def _dispatch(self, conn: _Conn, head: http1.RequestHead, body: bytes) -> None:
-        if (head.method, _route(head.target)) in INLINE:
+        key = (head.method, _route(head.target))
+        if key == ("GET", "/readyz") and (refused := self._readyz_refusal()) is not None:
+            self._respond(conn, head, refused)
+        elif key in INLINE:
             self._respond(conn, head, self._call(head, body))
         elif head.method in ("GET", "POST"):
             conn.busy = True

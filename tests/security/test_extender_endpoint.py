@@ -210,7 +210,7 @@ def test_a_59_mib_body_is_refused_from_its_head_with_bounded_memory() -> None:
 
 
 def test_bodies_in_flight_share_one_budget() -> None:
-    s = Served(max_buffered_bytes=1_000_000)
+    s = Served(max_buffered_bytes=1_000_000, scheduler_share_bytes=0)
     try:
         a, b_ = s.raw(), s.raw()
         a.sendall(b"POST /filter HTTP/1.1\r\nContent-Length: 900000\r\n\r\n{")  # holds 0.9 MB
@@ -273,3 +273,85 @@ def test_pipelined_requests_over_tls_after_a_worker_route_are_all_answered(tls_s
     sock = tls_served.scheduler()
     sock.sendall(request("POST", "/bind", b"{}") + request("POST", "/filter", b"{}") + request("GET", "/healthz"))
     assert [read_response(sock)[0] for _ in range(3)] == [200, 200, 200]
+
+
+# -- issue 18 item 1: unauthenticated callers reserve nothing ---------------------------------------
+SCHED_SIZE = 4 * 1024 * 1024
+
+
+def _declare(sock: socket.socket, method: str, path: str, length: int) -> None:
+    """A request head that declares a body and never sends it: what holds a reservation open."""
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+
+
+def test_probes_with_declared_bodies_from_anonymous_callers_do_not_stop_the_scheduler(tls_served: Served) -> None:
+    """The attack: 16 TLS connections without a client certificate each declare a 4 MiB body on
+    GET /healthz (the probes are exempt from the 403) and never send it; on main that filled the
+    64 MiB budget and every filter of the scheduler got 503 for as long as the attack ran."""
+    flood = [tls_served.tls() for _ in range(17)]
+    for sock in flood:
+        _declare(sock, "GET", "/healthz", SCHED_SIZE)
+    sched = tls_served.scheduler()
+    for _ in range(3):
+        assert call(sched, "POST", "/filter", b'{"x": 1}')[0] == 200
+        assert call(tls_served.scheduler(), "POST", "/filter", b"{}")[0] == 200  # new connections too
+    assert call(tls_served.tls(), "GET", "/readyz")[0] == 200
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/inspect"])
+def test_a_body_on_a_get_route_is_refused_from_its_head(tls_served: Served, path: str) -> None:
+    for sock in (tls_served.tls(), tls_served.scheduler()):
+        _declare(sock, "GET", path, 10)
+        status, body = read_response(sock)
+        assert status == 413 and b"takes no body" in body
+    assert ("GET", path) not in tls_served.app.calls
+    assert tls_served.server._buffered == 0  # noqa: SLF001 - the budget is the point
+
+
+def test_an_anonymous_body_is_refused_before_any_reservation(pki: Pki) -> None:
+    """Whatever routes are public, a connection without a client certificate reserves nothing."""
+    s = Served(pki, public=frozenset({("GET", "/healthz"), ("POST", "/filter")}), max_buffered_bytes=1_000_000)
+    try:
+        anon = s.tls()
+        _declare(anon, "POST", "/filter", 900_000)
+        status, body = read_response(anon)
+        assert status == 403 and b"client certificate" in body
+        assert s.server._buffered == 0  # noqa: SLF001
+        assert call(s.scheduler(), "POST", "/filter", b"y" * 200_000)[0] == 200
+    finally:
+        s.stop()
+
+
+def test_an_exhausted_budget_leaves_the_scheduler_its_own_share(pki: Pki) -> None:
+    """Authenticated callers that hold the shared budget (bodies declared, trickling) cannot starve the
+    scheduling verbs: they draw on a share of their own once the shared budget is full."""
+    s = Served(pki, max_buffered_bytes=1_000_000)
+    try:
+        hog = s.scheduler()
+        _declare(hog, "POST", "/inspect", 1_000_000)  # a non-verb route holds the whole shared budget
+        other = s.scheduler()
+        _declare(other, "POST", "/metrics", 10)
+        assert read_response(other)[0] == 503  # the shared budget is full for everyone else
+        sched = s.scheduler()
+        for path in ("/filter", "/prioritize", "/bind", "/preempt"):
+            assert call(sched, "POST", path, b"z" * 100_000)[0] == 200
+    finally:
+        s.stop()
+
+
+def test_readyz_says_when_the_scheduler_is_refused(pki: Pki) -> None:
+    s = Served(pki, max_buffered_bytes=1_000_000, scheduler_share_bytes=1_000_000)
+    try:
+        assert call(s.tls(), "GET", "/readyz")[0] == 200
+        hogs = [s.scheduler(), s.scheduler()]
+        _declare(hogs[0], "POST", "/inspect", 1_000_000)
+        _declare(hogs[1], "POST", "/filter", 1_000_000)  # the verbs' share, held too
+        late = s.scheduler()
+        _declare(late, "POST", "/filter", 10)
+        status, body = read_response(late)
+        assert status == 503 and b"retry" in body
+        status, body = call(s.tls(), "GET", "/readyz")
+        assert status == 503 and b"refusing" in body
+        assert s.app.calls.count(("GET", "/readyz")) == 1  # the server answered it, not the app
+    finally:
+        s.stop()
