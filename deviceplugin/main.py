@@ -33,7 +33,7 @@ from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.reconcile_loop import Reconciler
 from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
-from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config
+from vramshare.config import Config, ConfigError, DeviceListStrategy, keep_restart_only, load_config, node_limits
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -54,6 +54,7 @@ class DevicePluginDaemon:
         self.enforcement = enforcement.detect(backend, config, discovered)  # raises EnforcementRefused
         config = enforcement.pin(config, self.enforcement)
         self.state = NodeState(discovered, config)
+        node_limits(config, self.state.snapshot.inventory)  # raises ConfigError naming the key
         names = config.names
         self.metrics = metrics or PluginMetrics()
         self.metrics.attach(lambda: self.state.snapshot)
@@ -165,6 +166,9 @@ class DevicePluginDaemon:
     def reload(self, config: Config) -> None:
         """A new config from the config watcher: device lists follow at once (ListAndWatch resends);
         servers restart only when the set of resources changes. ``quotaHostDir`` and ``enforcement.mode`` need a restart."""
+        config, refused = keep_restart_only(self.state.snapshot.config, config)
+        for why in refused:
+            log.warning("config key needs a restart; the rest of the reload applies", reason=why)
         self.state.on_config(enforcement.pin(config, self.enforcement))
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -225,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                                     node_name=args.node_name or "", api=api,
                                     pod_resources_socket=args.pod_resources_socket,
                                     metrics_port=args.metrics_port, metrics=metrics)
-    except (BackendError, enforcement.EnforcementRefused) as exc:
+    except (BackendError, enforcement.EnforcementRefused, ConfigError) as exc:
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides)
