@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 from extender import accounting, apicalls, binder, wire
+from vramshare import contract
 from vramshare.standins.apiserver import PODS, ApiServerDouble
 from vramshare.config import Config, Policy
 from vramshare.kube import api_client_for
@@ -40,7 +41,8 @@ def test_retry_of_a_bind_that_already_happened_keeps_the_first_assignment(
     stale = double.create_pod(b.pod("p", 20))
     acct.apply_pod("ADDED", stale)  # the cache has not seen the first attempt's patch and binding
     first = b.assigned(stale, "", [("GPU-n1-1", 20480)], time.time_ns())["metadata"]["annotations"]
-    double.update(PODS, "default", "p", lambda p: p["metadata"]["annotations"].update(first))
+    double.update(PODS, "default", "p", lambda p: p["metadata"]["annotations"].update(first),
+                  manager=contract.FIELD_MANAGER_EXTENDER)  # the first attempt's patch
     double.bind_pod("default", "p", "n1")
     double.clear_requests()
     outcome = bind.bind(args_for(stale, "n1"))

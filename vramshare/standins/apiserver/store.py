@@ -186,8 +186,7 @@ class Store:
                                               rtype.plural, name)
                 return self.create(rtype, namespace, created, dry_run=dry_run), True
             old = self.get(rtype, namespace, name)
-            applied = copy.deepcopy(body)
-            applied.setdefault("metadata", {}).pop("resourceVersion", None)  # apply never conflicts on it
+            applied = copy.deepcopy(body)  # a resourceVersion in it is a precondition (409 when stale)
             if subresource == "status":
                 applied = {"status": body.get("status") or {}}
             new = managedfields.apply(old, applied, field_manager, force, rtype.api_version, rtype.plural, name,
