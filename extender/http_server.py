@@ -54,7 +54,7 @@ from typing import Protocol
 
 from extender import http1
 from extender.app import Response
-from extender.tls import Reloader
+from extender.tls import Reloader, client_auth_refusal
 from vramshare import logs
 
 __all__ = ["ExtenderHTTPServer", "Handler"]
@@ -91,7 +91,8 @@ class _Conn:
     """One client connection's state; touched only by the loop thread."""
 
     __slots__ = ("sock", "peer", "buf", "head", "body_at", "out", "busy", "close_after", "closed",
-                 "events", "since", "handshaking", "authenticated", "reserved", "share", "linger", "draining")
+                 "events", "since", "handshaking", "authenticated", "reserved", "share", "linger", "draining",
+                 "leaf", "refused_cert")
 
     def __init__(self, sock: socket.socket, peer: object, handshaking: bool = False) -> None:
         self.sock = sock
@@ -111,6 +112,8 @@ class _Conn:
         self.share = False  # ``reserved`` is drawn from the scheduler's own share, not the shared budget
         self.linger = False  # after the answer, discard what the client still sends before closing
         self.draining = False  # refused and answered: discarding, then close
+        self.leaf = b""  # the verified client certificate (DER), re-checked when the client CA rotates
+        self.refused_cert = ""  # why a verified certificate does not authenticate (no clientAuth EKU)
 
 
 class ExtenderHTTPServer:
@@ -120,13 +123,16 @@ class ExtenderHTTPServer:
                  max_body_bytes: int = MAX_BODY_BYTES, max_buffered_bytes: int = MAX_BUFFERED_BYTES,
                  idle_timeout_s: float = 120.0, request_timeout_s: float = 10.0, grace_s: float = 5.0,
                  max_connections: int = 1024, reserve: int = 64, tls: Reloader | None = None,
-                 scheduler_share_bytes: int = SCHEDULER_SHARE_BYTES,
+                 scheduler_share_bytes: int = SCHEDULER_SHARE_BYTES, tls_check_s: float = 10.0,
                  public: frozenset[tuple[str, str]] = PROBES,
                  routes: frozenset[tuple[str, str]] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
         self.scheduler_share_bytes = scheduler_share_bytes
+        # How often the TLS files are re-read; a connection authenticated under a client CA that a
+        # reload removed is closed then, so within this bound (plus the poll interval).
+        self.tls_check_s = tls_check_s
         self.idle_timeout_s = idle_timeout_s  # Go's transport drops idle connections after 90 s
         # A whole request (or TLS handshake, or response) must move by then; kube-scheduler's
         # httpTimeout is 5 s, so a request still arriving after 10 s has no caller left.
@@ -325,8 +331,9 @@ class ExtenderHTTPServer:
 
     def _sweep(self, now: float) -> None:
         if self.tls is not None and now >= self._next_tls_check:
-            self._next_tls_check = now + 10.0
-            self.tls.check()
+            self._next_tls_check = now + self.tls_check_s
+            if self.tls.check():
+                self._recheck_clients()
         for conn in list(self._conns):
             if conn.busy:
                 continue
@@ -345,6 +352,19 @@ class ExtenderHTTPServer:
                     else:
                         self._drop(conn)
             elif age > self.idle_timeout_s:
+                self._drop(conn)
+
+    def _recheck_clients(self) -> None:
+        """After a reload: close every connection whose client certificate no client CA in force issued
+        (one busy with a request closes after its answer)."""
+        assert self.tls is not None
+        for conn in list(self._conns):
+            if not conn.authenticated or self.tls.still_trusted(conn.leaf):
+                continue
+            log.warning("connection closed: its client CA was rotated out", peer=str(conn.peer))
+            if conn.busy or conn.out is not None:
+                conn.close_after = True
+            else:
                 self._drop(conn)
 
     # -- per connection ----------------------------------------------------------------------------
@@ -425,8 +445,14 @@ class ExtenderHTTPServer:
         conn.handshaking = False
         conn.since = time.monotonic()
         if sock.getpeercert():  # non-empty only when the client CA verified the client's chain
-            conn.authenticated = True
-            self._unauth.pop(conn, None)
+            leaf = sock.getpeercert(binary_form=True) or b""
+            why = client_auth_refusal(leaf)
+            if why is None:
+                conn.authenticated, conn.leaf = True, leaf
+                self._unauth.pop(conn, None)
+            else:
+                conn.refused_cert = why
+                log.warning("client certificate does not authenticate", peer=str(conn.peer), reason=why)
         self._watch(conn, selectors.EVENT_READ)
         return True
 
@@ -473,8 +499,9 @@ class ExtenderHTTPServer:
         if head.method == "GET" and head.content_length:
             return 413, f"GET {key[1]} takes no body (Content-Length {head.content_length})"
         if self.tls is not None and not conn.authenticated and (key not in self.public or head.content_length):
-            return 403, ("a client certificate signed by the extender's client CA is required "
-                         "(kube-scheduler: extenders[].tlsConfig certFile/keyFile)")
+            return 403, ("a client certificate signed by the extender's client CA, with the clientAuth extended "
+                         "key usage, is required (kube-scheduler: extenders[].tlsConfig certFile/keyFile)"
+                         + (f": {conn.refused_cert}" if conn.refused_cert else ""))
         if head.content_length > self.max_body_bytes:
             return 413, f"body of {head.content_length} bytes exceeds the limit of {self.max_body_bytes}"
         if self._fits(key, head.content_length) is None:

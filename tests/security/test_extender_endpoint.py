@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +20,9 @@ import pytest
 from extender.app import Response
 from extender.http_server import ExtenderHTTPServer
 from extender.tls import Reloader, TlsFiles
-from tests.fixtures.certs import Pki, make_pki
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from tests.fixtures.certs import Pki, issue_client, make_pki
 
 
 class EchoApp:
@@ -355,3 +358,86 @@ def test_readyz_says_when_the_scheduler_is_refused(pki: Pki) -> None:
         assert s.app.calls.count(("GET", "/readyz")) == 1  # the server answered it, not the app
     finally:
         s.stop()
+
+
+# -- issue 18 item 5: rotation corners and client-auth usage ---------------------------------------
+def _live(tmp_path: Path, pki: Pki) -> Path:
+    live = tmp_path / "live"
+    live.mkdir(exist_ok=True)
+    for name, src in (("tls.crt", pki.server_cert), ("tls.key", pki.server_key), ("ca.crt", pki.ca)):
+        (live / name).write_bytes(src.read_bytes())
+    return live
+
+
+def _cp_p(live: Path, pki: Pki) -> None:
+    """Replace the files as ``cp -p`` or tar do: new content, the old modification times."""
+    import os
+    for name, src in (("tls.crt", pki.server_cert), ("tls.key", pki.server_key), ("ca.crt", pki.ca)):
+        st = os.stat(live / name)
+        (live / name).write_bytes(src.read_bytes())
+        os.utime(live / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_files_replaced_with_their_mtimes_kept_are_reloaded(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    live = _live(tmp_path, old)
+    reloader = Reloader(TlsFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt")))
+    before = reloader.context
+    _cp_p(live, new)
+    assert reloader.check() and reloader.context is not before
+
+
+def test_a_connection_authenticated_under_a_removed_ca_is_closed(tmp_path: Path) -> None:
+    """A keep-alive connection of a client whose CA was rotated out kept being served on main."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    live = _live(tmp_path, old)
+    app = EchoApp()
+    reloader = Reloader(TlsFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt")))
+    server = ExtenderHTTPServer(app, "127.0.0.1", 0, tls=reloader)  # type: ignore[arg-type]
+    server.tls_check_s = 0.05  # the bound under test (10 s by default), short for the test
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
+    thread.start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(old.ca))
+        ctx.load_cert_chain(str(old.client_cert), str(old.client_key))
+        sock = ctx.wrap_socket(socket.create_connection(server.server_address, timeout=5), server_hostname="127.0.0.1")
+        assert call(sock, "POST", "/filter", b"{}")[0] == 200
+        _cp_p(live, new)  # the old CA is gone (mtimes kept, too)
+        deadline = time.monotonic() + 5
+        closed = False
+        while time.monotonic() < deadline and not closed:
+            time.sleep(0.05)
+            try:
+                sock.sendall(request("POST", "/filter", b"{}"))
+                read_response(sock)
+            except (ConnectionError, OSError, ssl.SSLError):
+                closed = True
+        assert closed, "still served under a client CA that is no longer trusted"
+        # a client of the new CA is served
+        ctx2 = ssl.create_default_context(cafile=str(new.ca))
+        ctx2.load_cert_chain(str(new.client_cert), str(new.client_key))
+        fresh = ctx2.wrap_socket(socket.create_connection(server.server_address, timeout=5),
+                                 server_hostname="127.0.0.1")
+        assert call(fresh, "POST", "/filter", b"{}")[0] == 200
+        fresh.close()
+        sock.close()
+    finally:
+        server.close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("usages", [(), (ExtendedKeyUsageOID.SERVER_AUTH,)], ids=["no-eku", "server-auth-only"])
+def test_a_client_certificate_without_client_auth_usage_is_not_the_scheduler(
+        tls_served: Served, pki: Pki, usages: tuple) -> None:
+    cert, key = issue_client(pki, "not-a-client", usages)
+    try:
+        sock = tls_served.tls(cert, key)
+        status, body = call(sock, "POST", "/filter", b"{}")
+    except (ssl.SSLError, ConnectionError):  # refused at the handshake is as good
+        return
+    assert status == 403 and b"clientAuth" in body
+    assert ("POST", "/filter") not in tls_served.app.calls
