@@ -240,7 +240,8 @@ class KubeletSim(threading.Thread):
             ann[N.allocation_state] = contract.STATE_ALLOCATED
 
         try:
-            self.api.update(PODS, p["metadata"].get("namespace", "default"), p["metadata"]["name"], report)
+            self.api.update(PODS, p["metadata"].get("namespace", "default"), p["metadata"]["name"], report,
+                            manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)  # as the device plugin writes it
         except Exception:  # noqa: BLE001 - deleted meanwhile
             pass
 

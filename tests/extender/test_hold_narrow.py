@@ -84,7 +84,7 @@ def test_bind_takes_the_held_gpu_over_the_policys_choice_and_refuses_when_it_is_
     assert world.bind_to(big, "n1").error == ""
     assert plan(world.watch("big")) == [("GPU-n1-0", 12288)]  # binpack: the first GPU
     world.double.update(PODS, "default", "big", lambda p: p["metadata"]["annotations"].update(
-        {N.allocation_state: contract.STATE_ALLOCATED}))
+        {N.allocation_state: contract.STATE_ALLOCATED}), manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)
     world.watch("big")
     first = world.create(b.pod("first", 8))
     world.acct.apply_pod("MODIFIED", b.assigned(first, "n1", [("GPU-n1-1", 8192)], T0))  # planned on GPU 1
@@ -266,5 +266,5 @@ def admit(world: World, pod: dict, real: dict[str, dict[str, int]], cap: dict[st
     real[name] = got
     text = json.dumps({"c0": [{"uuid": g, "mib": u * UNIT} for g, u in sorted(got.items())]})
     world.double.update(PODS, "default", name, lambda p: p["metadata"]["annotations"].update(
-        {N.assignment: text, N.allocation_state: contract.STATE_ALLOCATED}))
+        {N.assignment: text, N.allocation_state: contract.STATE_ALLOCATED}), manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)
     world.watch(name)
