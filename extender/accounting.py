@@ -283,6 +283,8 @@ class Accounting:
         self._held[key] = _Hold(node_name, assume, held.since_ns if held else now, raw, allocated)
         if allocated:
             self.holds.release(key)
+            if held is None or not held.allocated:  # a new report: the node's plugin is alive
+                self.holds.reported(node_name, now)
         else:
             self._hold(key, node_name, pod, asg, assume)
 
