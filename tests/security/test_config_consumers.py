@@ -236,8 +236,12 @@ def main(argv: list[str]) -> int:
         counts[verdict] += 1
         if verdict == "broken":
             broken.append(why)
+    kinds: dict[str, int] = {}
+    for why in broken:
+        k = why.split(":")[0] + ": " + why.split(":")[1].strip()
+        kinds[k] = kinds.get(k, 0) + 1
     print(orjson.dumps({"documents": n, **counts, "accepted": counts["ok"] + counts["broken"],
-                        "examples": broken[:5]}).decode())
+                        "by_consumer": kinds, "examples": broken[:8]}).decode())
     return 0
 
 
