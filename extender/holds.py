@@ -133,11 +133,19 @@ class Holds:
         self._puts = 0
         self._reported: dict[str, int] = {}  # node -> when its device plugin last reported an allocation
         self.silent: dict[str, int] = {}  # node -> since when its device plugin is known not to report
+        # pod -> start of its hold that a silent node cut short: the same hold (a later event, a
+        # relist) is not taken again, so a plan that gave way never comes back beside a newer one
+        self._cut: dict[str, int] = {}
 
     def reported(self, node: str, now_ns: int) -> None:
         """The device plugin of ``node`` reported a pod ``allocated``: its node is not silent."""
         self._reported[node] = now_ns
         if self.silent.pop(node, None) is not None:
+            # holds that gave way while the node was silent stay ended (others may hold other plans now)
+            for h in list(self._by_node.get(node, {}).values()):
+                if not h.expected and now_ns >= h.since_ns + SILENT_HOLD_NS:
+                    self._cut[h.pod] = h.since_ns
+                    self.release(h.pod)
             log.info("device plugin reports again; holds there last the full timeout", node=node)
 
     def until(self, h: Hold, now_ns: int) -> int:
@@ -153,7 +161,12 @@ class Holds:
                         pod=h.pod, waited_s=round((now_ns - h.since_ns) / 1e9, 1),
                         hold_s=SILENT_HOLD_NS / 1e9)
         if node in self.silent:
-            return min(h.until_ns, h.since_ns + SILENT_HOLD_NS)
+            cut = min(h.until_ns, h.since_ns + SILENT_HOLD_NS)
+            if now_ns >= cut:
+                self._cut[h.pod] = h.since_ns
+                while len(self._cut) > 10_000:
+                    self._cut.pop(next(iter(self._cut)))
+            return cut
         return h.until_ns
 
     def __len__(self) -> int:
@@ -162,7 +175,7 @@ class Holds:
     def hold(self, pod: str, node: str, signature: Signature, since_ns: int, plans: Plans | None = None) -> None:
         """``pod`` is assumed on ``node`` from ``since_ns`` with ``plans`` (:func:`plans_of`; None:
         unknown, blocks every same-size pod); a repeat keeps the earlier start."""
-        if self.timeout_ns <= 0 or not signature or not node:
+        if self.timeout_ns <= 0 or not signature or not node or self._cut.get(pod) == since_ns:
             return
         old = self._by_pod.get(pod)
         if old is not None and old.node == node and old.signature == signature and not old.expected:

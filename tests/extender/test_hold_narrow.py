@@ -286,6 +286,7 @@ def test_holds_on_a_node_whose_plugin_never_reports_shorten_and_recover_on_a_rep
     assert h.required("n1", "c", size, T0 + 8 * SEC) == holds.Required()  # ... for 2 s
     h.reported("n1", T0 + 9 * SEC)  # the plugin is back
     assert "n1" not in h.silent
+    assert len(h) == 0  # the holds that gave way stay ended: never two plans of one size come back
     h.hold("c", "n1", frozenset({e}), T0 + 10 * SEC, {e: (("G2", 79 * UNIT),)})
     assert h.required("n1", "d", size, T0 + 14 * SEC) != holds.Required()  # full holds again
 
@@ -306,3 +307,15 @@ def test_a_silent_node_is_learned_per_node(world: World) -> None:
     assert "n2" in world.acct.holds.silent and "n1" not in world.acct.holds.silent
     q2 = world.create(b.pod("q2", 8))
     assert "n2" in world.filter(q2, ["n1", "n2"]).passed  # p2's hold on n2 is over
+
+
+def test_a_hold_cut_on_a_silent_node_is_not_taken_again_by_a_later_event() -> None:
+    """A relist re-applies every pod: the hold that gave way must not come back beside the newer plan."""
+    e = (N.gpu_memory, 10)
+    h = holds.Holds(30 * SEC)
+    h.hold("a", "n1", frozenset({e}), T0, {e: (("G0", 10 * UNIT),)})
+    assert h.required("n1", "b", frozenset({e}), T0 + 6 * SEC) == holds.Required()  # silent: cut
+    h.hold("b", "n1", frozenset({e}), T0 + 6 * SEC, {e: (("G1", 10 * UNIT),)})
+    h.reported("n1", T0 + 7 * SEC)
+    h.hold("a", "n1", frozenset({e}), T0, {e: (("G0", 10 * UNIT),)})  # the relist's event for "a"
+    assert h.held_pods() == ["b"]
