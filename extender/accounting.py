@@ -89,6 +89,7 @@ class Accounting:
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
         self.untrusted: dict[str, str] = {}  # pod -> why its annotations are not believed (not our writer)
         self.untrusted_events: dict[str, int] = {}  # by state: pod events whose annotations were not believed
+        self._untrusted_held: set[str] = set()  # pods whose only holding is an untrusted allocated report
         self._host: dict[str, tuple[int, int] | None] = {}  # node -> allocatable (CPU milli, memory MiB)
         # Pods that ask no GPU but are bound to a node: their CPU and memory, by node (kept while the
         # node is away, so they are charged again when it returns), and the node of each.
@@ -253,6 +254,9 @@ class Accounting:
             self._untrusted(key, pod, asg, node_name, allocated, distrust)
             return
         self.untrusted.pop(key, None)
+        if key in self._untrusted_held:  # a believed event replaces what an untrusted one booked
+            self._untrusted_held.discard(key)
+            self._release(key)
         held = self._held.get(key)
         if not allocated:
             if self._forgotten.get(key) == raw:
@@ -315,8 +319,9 @@ class Accounting:
             log.warning("assignment not believed: not written by vramshare", pod=key, state=state, reason=why)
         self.untrusted[key] = why
         held = self._held.get(key)
-        if held is not None and held.allocated and held.node == node:
-            return  # the device plugin's earlier report stands until the pod goes
+        if held is not None and key not in self._untrusted_held:
+            return  # what we believed earlier (our reservation, the plugin's report) stands: an untrusted
+            # report must not move the pod's memory to another GPU and leave the real one looking free
         if not allocated:
             return  # an untrusted assumption holds nothing (our own reservation, if any, stays)
         allocations = asg.allocations(pod)
@@ -336,6 +341,7 @@ class Accounting:
             log.warning("untrusted assignment not counted", pod=key, node=node, error=str(exc))
             return
         self._held[key] = _Hold(node, self.clock(), self.clock(), asg.assume_time_ns, False)
+        self._untrusted_held.add(key)
 
     def _hold(self, key: str, node: str, pod: Obj, asg: translate.Assignment, assume_ns: int) -> None:
         """The pod's size signature is held on the node with the plans its assignment names."""
@@ -354,6 +360,7 @@ class Accounting:
 
     def _release(self, key: str) -> None:
         self._held.pop(key, None)
+        self._untrusted_held.discard(key)
         self.holds.release(key)
         self.state.remove_pod(key)
 

@@ -133,3 +133,25 @@ def test_what_was_ignored_is_logged_and_metered(cluster: Cluster, caplog: pytest
     assert 'vramshare_extender_untrusted_annotations_total{state="assumed"}' in scrape
     assert "vramshare_extender_cache_untrusted_pods 1.0" in scrape
     assert "kubectl-annotate" in cluster.ext.acct.untrusted["default/mallory"]
+
+
+def test_a_forged_report_cannot_move_a_pods_memory_to_another_gpu(cluster: Cluster) -> None:
+    """Our own bind booked the pod on GPU 0; a forged ``allocated`` naming GPU 1 (within the pod's
+    request and GPU 1's room) would leave GPU 0 looking free while the pod really uses it."""
+    cluster.api.create_node(b.gpu_node("n2", b.a100(), b.a100()))
+    cluster.api.create_pod(b.pod("victim", 40, uid="ignored"))
+    cluster.wait(lambda: "default/victim" in cluster.ext.acct.pods and "n2" in cluster.ext.acct.slots)
+    uid = cluster.api.get_pod("default", "victim")["metadata"]["uid"]
+    out = cluster.ext.app.handle("POST", "/bind", orjson.dumps({
+        "PodName": "victim", "PodNamespace": "default", "PodUID": uid, "Node": "n2"}))
+    assert orjson.loads(out.body).get("Error", "") == ""
+    booked = orjson.loads(cluster.api.get_pod("default", "victim")["metadata"]["annotations"][N.assignment])
+    real_gpu = booked["c0"][0]["uuid"]
+    other = b.uuid_of("n2", 1) if real_gpu == b.uuid_of("n2", 0) else b.uuid_of("n2", 0)
+    done = cluster.v1.patch_namespaced_pod("victim", "default", {"metadata": {"annotations": {
+        N.assignment: orjson.dumps({"c0": [{"uuid": other, "mib": 40 * 1024}]}).decode(),
+        N.allocation_state: contract.STATE_ALLOCATED}}}, _content_type=MERGE, field_manager="kubectl-annotate")
+    cluster.seen("victim", done.metadata.resource_version)
+    with cluster.ext.acct.lock:
+        usage = {u.slot.uuid: u.used for u in cluster.ext.acct.state.node_usage("n2")}
+    assert usage == {real_gpu: 40 * 1024, other: 0}
