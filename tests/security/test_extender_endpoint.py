@@ -287,6 +287,14 @@ def _declare(sock: socket.socket, method: str, path: str, length: int) -> None:
     sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
 
 
+def _reserved(s: Served, shared: int, share: int = 0) -> None:
+    """Wait until the server has charged the declared bodies (connections are served in any order)."""
+    deadline = time.monotonic() + 5
+    while (s.server._buffered, s.server._share_used) != (shared, share):  # noqa: SLF001 - the budget
+        assert time.monotonic() < deadline, (s.server._buffered, s.server._share_used)  # noqa: SLF001
+        time.sleep(0.01)
+
+
 def test_probes_with_declared_bodies_from_anonymous_callers_do_not_stop_the_scheduler(tls_served: Served) -> None:
     """The attack: 16 TLS connections without a client certificate each declare a 4 MiB body on
     GET /healthz (the probes are exempt from the 403) and never send it; on main that filled the
@@ -332,6 +340,7 @@ def test_an_exhausted_budget_leaves_the_scheduler_its_own_share(pki: Pki) -> Non
     try:
         hog = s.scheduler()
         _declare(hog, "POST", "/inspect", 1_000_000)  # a non-verb route holds the whole shared budget
+        _reserved(s, 1_000_000)
         other = s.scheduler()
         _declare(other, "POST", "/metrics", 10)
         assert read_response(other)[0] == 503  # the shared budget is full for everyone else
@@ -348,7 +357,9 @@ def test_readyz_says_when_the_scheduler_is_refused(pki: Pki) -> None:
         assert call(s.tls(), "GET", "/readyz")[0] == 200
         hogs = [s.scheduler(), s.scheduler()]
         _declare(hogs[0], "POST", "/inspect", 1_000_000)
+        _reserved(s, 1_000_000)
         _declare(hogs[1], "POST", "/filter", 1_000_000)  # the verbs' share, held too
+        _reserved(s, 1_000_000, 1_000_000)
         late = s.scheduler()
         _declare(late, "POST", "/filter", 10)
         status, body = read_response(late)
