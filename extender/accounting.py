@@ -98,7 +98,7 @@ class Accounting:
 
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
-                          self.holds if len(self.holds) else None, self.clock())
+                          self.holds if len(self.holds) else None, self.clock(), frozenset(self.holds.silent))
 
     # -- nodes ----------------------------------------------------------------------------
     def apply_node(self, event: str, node: Obj) -> None:

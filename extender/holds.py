@@ -45,7 +45,8 @@ node is *silent* once one of its holds has waited :data:`SILENT_AFTER_NS` with n
 report from that node since the hold began (a working plugin reports within a second or two); while
 it is silent, its holds last :data:`SILENT_HOLD_NS` from their start (the one that found it silent
 ends at once), so a burst there binds a replica every couple of seconds instead of every timeout. The
-next ``allocated`` report from the node (:meth:`Holds.reported`) ends the silence. Steering on a
+next ``allocated`` report from the node (:meth:`Holds.reported`) ends the silence. Prioritize scores a
+silent node the minimum (extender.verbs; filter still passes it), so a pod goes elsewhere first. Steering on a
 silent node is what it can be without reports: the plans still written on the pods, for the plugin's
 next GetPreferredAllocation; the hold only stops waiting for a report that does not come.
 

@@ -41,6 +41,7 @@ class View:
     policy: Policy
     holds: "Holds | None" = None  # live same-size holds (None: none at all, the common case)
     now_ns: int = 0
+    silent: frozenset[str] = frozenset()  # nodes whose device plugin does not report (extender.holds)
 
 
 def policy_for(pod_policy: str | None, default: Policy) -> Policy:
@@ -155,4 +156,8 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
         return [(n, 0) for n in names]
     # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
     # (0 where the pod does not fit or the node is unknown): already the wire's HostPriorityList.
-    return placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host)
+    scores = placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host)
+    if view.silent and demands:  # placement elsewhere first: a node whose plugin does not report scores
+        # the minimum (its pods may not start, its books cannot be confirmed); filter still passes it
+        scores = [(n, contract.MIN_EXTENDER_PRIORITY if n in view.silent else s) for n, s in scores]
+    return scores

@@ -319,3 +319,19 @@ def test_a_hold_cut_on_a_silent_node_is_not_taken_again_by_a_later_event() -> No
     h.reported("n1", T0 + 7 * SEC)
     h.hold("a", "n1", frozenset({e}), T0, {e: (("G0", 10 * UNIT),)})  # the relist's event for "a"
     assert h.held_pods() == ["b"]
+
+
+def test_a_silent_node_is_scored_the_minimum(world: World) -> None:
+    """Placement elsewhere first: n2's plugin does not report; binpack preferred it (its GPU is in use),
+    now it scores the minimum, and filter still passes it (it is not full)."""
+    p2 = world.create(b.pod("p2", 8))
+    assert world.bind_to(p2, "n2").error == ""
+    q = world.create(b.pod("q", 2))
+    before = dict(world.prioritize(q, ["n1", "n2"]))
+    assert before["n2"] > before["n1"]
+    world.clock.now += 6 * SEC
+    world.acct.expire()
+    assert "n2" in world.acct.holds.silent
+    after = dict(world.prioritize(q, ["n1", "n2"]))
+    assert after == {"n1": before["n1"], "n2": contract.MIN_EXTENDER_PRIORITY}
+    assert "n2" in world.filter(q, ["n1", "n2"]).passed
