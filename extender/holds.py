@@ -46,7 +46,8 @@ report from that node since the hold began (a working plugin reports within a se
 it is silent, its holds last :data:`SILENT_HOLD_NS` from their start (the one that found it silent
 ends at once), so a burst there binds a replica every couple of seconds instead of every timeout. The
 next ``allocated`` report from the node (:meth:`Holds.reported`) ends the silence. Prioritize scores a
-silent node the minimum (extender.verbs; filter still passes it), so a pod goes elsewhere first. Steering on a
+silent node the minimum when a candidate that reports exists (extender.verbs; filter still passes it),
+so a pod goes elsewhere first. Steering on a
 silent node is what it can be without reports: the plans still written on the pods, for the plugin's
 next GetPreferredAllocation; the hold only stops waiting for a report that does not come.
 

@@ -157,7 +157,9 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
     # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
     # (0 where the pod does not fit or the node is unknown): already the wire's HostPriorityList.
     scores = placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host)
-    if view.silent and demands:  # placement elsewhere first: a node whose plugin does not report scores
-        # the minimum (its pods may not start, its books cannot be confirmed); filter still passes it
+    if view.silent and demands and any(n not in view.silent for n in names):
+        # placement elsewhere first: a node whose plugin does not report scores the minimum (its pods may
+        # not start, its books cannot be confirmed; filter still passes it). Where every candidate is
+        # silent the policy's own scores stand: flattening them would pile a burst onto one node.
         scores = [(n, contract.MIN_EXTENDER_PRIORITY if n in view.silent else s) for n, s in scores]
     return scores

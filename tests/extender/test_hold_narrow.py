@@ -335,3 +335,13 @@ def test_a_silent_node_is_scored_the_minimum(world: World) -> None:
     after = dict(world.prioritize(q, ["n1", "n2"]))
     assert after == {"n1": before["n1"], "n2": contract.MIN_EXTENDER_PRIORITY}
     assert "n2" in world.filter(q, ["n1", "n2"]).passed
+
+
+def test_where_every_candidate_is_silent_the_policy_scores_stand(world: World) -> None:
+    p2 = world.create(b.pod("p2", 8))
+    assert world.bind_to(p2, "n2").error == ""
+    q = world.create(b.pod("q", 2))
+    before = world.prioritize(q, ["n2"])
+    world.clock.now += 6 * SEC
+    world.acct.expire()
+    assert "n2" in world.acct.holds.silent and world.prioritize(q, ["n2"]) == before
