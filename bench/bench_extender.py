@@ -102,6 +102,10 @@ def populate(nodes: int, rng: random.Random, policy: Policy) -> accounting.Accou
                 pod["metadata"]["annotations"].update({NAMES.assignment: orjson.dumps(asg).decode(),
                                                        NAMES.assume_time: "1",
                                                        NAMES.allocation_state: "allocated"})
+                pod["metadata"]["managedFields"] = [  # written by the device plugin (issue 18: trusted)
+                    {"manager": contract.FIELD_MANAGER_DEVICE_PLUGIN, "operation": "Apply", "apiVersion": "v1",
+                     "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {"f:annotations": {
+                         f"f:{NAMES.assignment}": {}, f"f:{NAMES.allocation_state}": {}}}}}]
                 pod["spec"]["nodeName"] = name
                 acct.apply_pod("ADDED", pod)  # also feeds FGD's workload window
                 used += gib * 1024

@@ -14,6 +14,12 @@ that got another pod's GPUs because the device plugin could not tell them apart)
 
     python bench/bench_hold.py                       # R = 20, 60, 120 on 20 nodes x 4 GPUs
     python bench/bench_hold.py --quick               # R = 20, 60
+
+``--silent BASELINE_TREE`` (issue 18): the device plugins never report ``allocated`` (their reconciler
+is down), holds on. Two bursts, each run twice in this process with the same seed: the extender of
+BASELINE_TREE (a checkout of the code before, e.g. ``git archive main``) and this tree's. 120 x 16 GiB
+on 20 nodes x 4 GPUs; 160 x 79 GiB on 20 nodes x 8 GPUs (one replica per GPU). Writes
+``bench/results/hold_silent.json``.
 """
 from __future__ import annotations
 
@@ -37,21 +43,24 @@ from vramshare import inventory  # noqa: E402
 from vramshare.standins.apiserver import ApiServerDouble  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hold.json")
+SILENT_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hold_silent.json")
 
 
-def burst(replicas: int, hold: bool, args: argparse.Namespace) -> dict[str, Any]:
+def burst(replicas: int, hold: bool, args: argparse.Namespace, root: str | None = None,
+          report: bool = True) -> dict[str, Any]:
     with ApiServerDouble() as api:
         capacity = {}
         for i in range(args.nodes):
-            node = api.create_node(node_obj(f"node-{i:02d}", "NVIDIA A100-SXM4-80GB", 81920, 4))
+            node = api.create_node(node_obj(f"node-{i:02d}", "NVIDIA A100-SXM4-80GB", 81920,
+                                            getattr(args, "gpus_per_node", 4)))
             inv = inventory.NodeInventory.from_json(node["metadata"]["annotations"][N.inventory])
             capacity[f"node-{i:02d}"] = {g.uuid: g.units for g in inv.gpus}
         nodes = sorted(capacity)
         ext = ExtenderProcess(api.url, "version: v1\nextender:\n  policy: fgd\n"
-                                       f"  holdTimeoutSeconds: {30 if hold else 0}\n")
+                                       f"  holdTimeoutSeconds: {30 if hold else 0}\n", root=root)
         ext.start()
         assert ext.wait_ready(), "extender did not start"
-        kubelet = KubeletSim(api, capacity, UNIT, (args.admit_min_s, args.admit_max_s), args.seed)
+        kubelet = KubeletSim(api, capacity, UNIT, (args.admit_min_s, args.admit_max_s), args.seed, report=report)
         kubelet.start()
         http = urllib3.PoolManager(retries=False, maxsize=8)
         pods = [api.create_pod(pod_obj(f"r{i}", args.gib, 1)) for i in range(replicas)]
@@ -126,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--initial-backoff-s", type=float, default=1.0)
     ap.add_argument("--max-backoff-s", type=float, default=10.0)
     ap.add_argument("--max-seconds", type=float, default=120)
+    ap.add_argument("--silent", metavar="BASELINE_TREE", help="device plugins never report; before/after")
     args = ap.parse_args(argv)
+    if args.silent:
+        return silent(args)
     sizes = args.replicas or ([20, 60] if args.quick else [20, 60, 120])
     rows = []
     for r in sizes:
@@ -148,6 +160,31 @@ def main(argv: list[str] | None = None) -> int:
            "args": vars(args), "runs": rows, "summary": summary}
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def silent(args: argparse.Namespace) -> int:
+    """Issue 18 item 6: bursts on nodes whose device plugin never reports, before (BASELINE_TREE) and after."""
+    rows = []
+    for replicas, gib, nodes, gpus in ((120, 16, 20, 4), (160, 79, 20, 8)):
+        for label, root in (("before", os.path.abspath(args.silent)), ("after", None)):
+            run = argparse.Namespace(**{**vars(args), "gib": gib, "nodes": nodes, "gpus_per_node": gpus,
+                                        "max_seconds": max(args.max_seconds, 300)})
+            print(f"silent burst of {replicas} x {gib} GiB on {nodes} nodes x {gpus} GPUs, {label} ...",
+                  file=sys.stderr, flush=True)
+            rows.append({"code": label, "gib": gib, "nodes": nodes, "gpus_per_node": gpus,
+                         **burst(replicas, True, run, root=root, report=False)})
+    summary = {f"r{r['replicas']}x{r['gib']}gib.all_bound_s.{r['code']}": r["all_bound_s"] for r in rows}
+    summary.update({f"r{r['replicas']}x{r['gib']}gib.bound.{r['code']}": r["bound"] for r in rows})
+    doc = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                       "note": "shared 2-core machine, other work running"},
+           "scenario": "holds on (30 s), device plugins never report allocated; same seed, same process; "
+                       "'before' runs the extender of the baseline tree",
+           "args": vars(args), "runs": rows, "summary": summary}
+    os.makedirs(os.path.dirname(SILENT_RESULTS), exist_ok=True)
+    with open(SILENT_RESULTS, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)
     print(json.dumps(summary, indent=2))
     return 0

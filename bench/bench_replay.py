@@ -116,7 +116,7 @@ def _report_allocated(api: ApiServerDouble, ext: Any, name: str) -> None:
     def report(obj: dict[str, Any]) -> None:
         obj["metadata"].setdefault("annotations", {})[NAMES.allocation_state] = contract.STATE_ALLOCATED
 
-    api.update(PODS, NAMESPACE, name, report)
+    api.update(PODS, NAMESPACE, name, report, manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)
     key = f"{NAMESPACE}/{name}"
 
     def released() -> bool:

@@ -52,7 +52,8 @@ def free_port() -> int:
 class ExtenderProcess:
     """``vramshare extender`` as a child process on a fixed port; :meth:`kill` is SIGKILL."""
 
-    def __init__(self, api_url: str, config_yaml: str) -> None:
+    def __init__(self, api_url: str, config_yaml: str, root: str | None = None) -> None:
+        self.root = root  # the source tree to run (default: this one); a baseline tree to compare with
         self.dir = tempfile.mkdtemp(prefix="vramshare-soak-")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -73,9 +74,10 @@ class ExtenderProcess:
     def start(self) -> None:
         if self.proc is None:
             atexit.register(self.kill)  # never leave an extender behind, however the bench ends
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = self.root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # cwd too: ``python -c`` puts the working directory first on sys.path, before PYTHONPATH
+        self.proc = subprocess.Popen(self.cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -128,7 +130,7 @@ class KubeletSim(threading.Thread):
     """All nodes' kubelets + device plugins, as seen through the API (see the module docstring)."""
 
     def __init__(self, api: ApiServerDouble, capacity: dict[str, dict[str, int]], unit_mib: int,
-                 admit_delay_s: tuple[float, float], seed: int, tick_s: float = 0.02) -> None:
+                 admit_delay_s: tuple[float, float], seed: int, tick_s: float = 0.02, report: bool = True) -> None:
         super().__init__(name="kubelet-sim", daemon=True)
         self.api, self.unit = api, unit_mib
         self.capacity = capacity  # node -> gpu uuid -> units
@@ -141,6 +143,7 @@ class KubeletSim(threading.Thread):
         self.stats = KubeletStats()
         self.stop_event = threading.Event()
         self.lock = threading.Lock()
+        self.report = report  # False: the device plugins run Allocate but never report (reconciler down)
 
     def used_units(self, gpu: str) -> int:
         return sum(r.get(gpu, 0) for r in self.real.values())
@@ -239,8 +242,11 @@ class KubeletSim(threading.Thread):
             ann[N.assignment] = actual
             ann[N.allocation_state] = contract.STATE_ALLOCATED
 
+        if not self.report:
+            return
         try:
-            self.api.update(PODS, p["metadata"].get("namespace", "default"), p["metadata"]["name"], report)
+            self.api.update(PODS, p["metadata"].get("namespace", "default"), p["metadata"]["name"], report,
+                            manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)  # as the device plugin writes it
         except Exception:  # noqa: BLE001 - deleted meanwhile
             pass
 

@@ -25,6 +25,7 @@ from vramshare.retry import Backoff
 log = logs.get(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
 TIMEOUT_S = 5.0
 
 
@@ -59,14 +60,20 @@ class PodPatcher:
         self._names = names
 
     def apply(self, patch: Patch) -> dict[str, Any]:
+        """Server-side apply with ``force`` under the device plugin's field manager: the plugin owns both
+        annotations afterwards even where someone else wrote an equal value first (a merge patch of an
+        unchanged value moves no ownership), so the extender believes this report (issue 18)."""
         pod = patch.pod
-        meta: dict[str, Any] = {"annotations": {self._names.assignment: patch.assignment,
+        meta: dict[str, Any] = {"name": pod.name, "namespace": pod.namespace,
+                                "annotations": {self._names.assignment: patch.assignment,
                                                 self._names.allocation_state: patch.state}}
         if pod.resource_version:
             meta["resourceVersion"] = pod.resource_version  # a re-created pod has another: 409
         try:
-            resp: Any = self._v1.patch_namespaced_pod(pod.name, pod.namespace, {"metadata": meta},
-                                                      _content_type=MERGE_PATCH, _preload_content=False,
+            resp: Any = self._v1.patch_namespaced_pod(pod.name, pod.namespace,
+                                                      {"apiVersion": "v1", "kind": "Pod", "metadata": meta},
+                                                      field_manager=contract.FIELD_MANAGER_DEVICE_PLUGIN, force=True,
+                                                      _content_type=APPLY_PATCH, _preload_content=False,
                                                       _request_timeout=TIMEOUT_S)
             return read_json(resp)
         except ApiException as exc:
@@ -124,7 +131,8 @@ class InventoryPublisher:
                 continue
             try:
                 self._v1.patch_node(self._node, {"metadata": {"annotations": {self._key: wanted}}},
-                                    _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=TIMEOUT_S)
+                                    field_manager=contract.FIELD_MANAGER_DEVICE_PLUGIN, _content_type=MERGE_PATCH,
+                                    _preload_content=False, _request_timeout=TIMEOUT_S)
             except (ApiException, HTTPError) as exc:
                 wait = backoff.next()
                 log.warning("publish inventory failed", node=self._node, error=_why(exc), retry_in_s=round(wait, 2))

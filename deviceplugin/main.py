@@ -36,7 +36,7 @@ from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.reconcile_loop import Reconciler
 from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
-from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config
+from vramshare.config import Config, ConfigError, DeviceListStrategy, keep_restart_only, load_config, node_limits
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -58,6 +58,7 @@ class DevicePluginDaemon:
         config = enforcement.pin(config, self.enforcement)
         rights.check(config, api)  # overLimitAction: evict needs the eviction right; raises RightRefused
         self.state = NodeState(discovered, config)
+        node_limits(config, self.state.snapshot.inventory)  # raises ConfigError naming the key
         names = config.names
         self.metrics = metrics or PluginMetrics()
         self.metrics.attach(lambda: self.state.snapshot)
@@ -214,10 +215,15 @@ class DevicePluginDaemon:
 
     def reload(self, config: Config) -> None:
         """A new config from the config watcher: device lists follow at once (ListAndWatch resends);
-        servers restart only when the set of resources changes. ``quotaHostDir`` and ``enforcement.mode`` need a restart.
-        A config that turns on ``overLimitAction: evict`` without the eviction right is refused whole
-        (:class:`rights.RightRefused`, a ConfigError: the watcher keeps the last good config)."""
+        servers restart only when the set of resources changes. ``quotaHostDir`` and ``enforcement.mode`` need a
+        restart; ``memoryUnitMiB`` and ``reservedMiBPerGPU`` too (they change what every device ID means): a
+        reload keeps their running values and applies the rest. A config that turns on ``overLimitAction:
+        evict`` without the eviction right is refused whole (:class:`rights.RightRefused`, a ConfigError: the
+        watcher keeps the last good config)."""
         rights.check(config, self._api, running=self.state.snapshot.config)
+        config, refused = keep_restart_only(self.state.snapshot.config, config)
+        for why in refused:
+            log.warning("config key needs a restart; the rest of the reload applies", reason=why)
         self.state.on_config(enforcement.pin(config, self.enforcement))
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -278,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
                                     node_name=args.node_name or "", api=api,
                                     pod_resources_socket=args.pod_resources_socket,
                                     metrics_port=args.metrics_port, metrics=metrics)
-    except (BackendError, enforcement.EnforcementRefused, rights.RightRefused) as exc:
+    except (BackendError, enforcement.EnforcementRefused, ConfigError) as exc:  # RightRefused is a ConfigError
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides,

@@ -45,7 +45,7 @@ from deviceplugin.handshake import (AssignedGpu, AssignmentError, PodRef, encode
                                     requested, resources_of, same_assignment)
 from deviceplugin.quota.writer import UnsafePathError, safe_component
 from deviceplugin.quota_files import Allocation, allocation_key
-from vramshare import contract
+from vramshare import contract, managed
 from vramshare.podspec import PodSpecError, pod_demand
 
 
@@ -155,6 +155,16 @@ def _share_of(device_id: str, resource: str, devices: Mapping[str, PluginDevice]
         uuid, _ = contract.parse_unit_device_id(device_id)
         return uuid, unit_mib
     raise KeyError(device_id)
+
+
+def _ours(pod: Mapping[str, Any], names: contract.Names) -> bool:
+    """Whether vramshare wrote the pod's report (managedFields): the device plugin its state, the device
+    plugin or the extender its assignment. An equal value written by anyone else is re-applied, so the
+    extender, which believes only our writers (issue 18), counts the pod."""
+    owners = managed.annotation_owners(pod, (names.assignment, names.allocation_state))
+    return (contract.FIELD_MANAGER_DEVICE_PLUGIN in owners[names.allocation_state]
+            and bool(owners[names.assignment] & {contract.FIELD_MANAGER_DEVICE_PLUGIN,
+                                                 contract.FIELD_MANAGER_EXTENDER}))
 
 
 def actual_assignment(pod: Mapping[str, Any], held: Iterable[Held], devices: Mapping[str, PluginDevice],
@@ -332,7 +342,7 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
         except AssignmentError:
             current = None
         if (current is not None and ann.get(names.allocation_state) == contract.STATE_ALLOCATED
-                and same_assignment(current, actual)):
+                and same_assignment(current, actual) and _ours(pod, names)):
             out.in_sync += 1
             continue
         ref = PodRef(ns, name, uid, str(meta.get("resourceVersion") or ""))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from deviceplugin.handshake import AssignmentError, parse_assignment, requested
-from vramshare import contract
+from vramshare import contract, managed
 from vramshare.podspec import PodSpecError, pod_demand
 
 
@@ -32,11 +32,15 @@ class Steer:
 
 
 def _assumed_here(pod: Mapping[str, Any], node: str, names: contract.Names) -> bool:
+    """A pod the extender assumed on ``node``: its plan steers. A plan anyone else wrote (managedFields:
+    not the extender's field manager) steers nothing, as the extender believes nothing of it (issue 18)."""
     meta = pod.get("metadata") or {}
     ann = meta.get("annotations") or {}
     return ((pod.get("spec") or {}).get("nodeName") == node and not meta.get("deletionTimestamp")
             and (pod.get("status") or {}).get("phase", "Pending") == "Pending"
-            and ann.get(names.allocation_state) == contract.STATE_ASSUMED)
+            and ann.get(names.allocation_state) == contract.STATE_ASSUMED
+            and contract.FIELD_MANAGER_EXTENDER in managed.annotation_owners(pod, (names.assignment,))[names.assignment])
+
 
 
 def _targets(text: str | None, container: str, resource: str, names: contract.Names,

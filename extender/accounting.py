@@ -22,6 +22,13 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
   deleted frees exactly what that report said. ``allocated`` on an unbound pod is not believed.
 * A reservation is newer than any event that predates it: an event with an older (or no) assignment
   never undoes a bind in flight, and an assignment the binder gave up on is not revived by the watch.
+* **Trust by writer** (issue 18): an assignment is believed only from vramshare's own field managers
+  (``metadata.managedFields``): ``assumed`` when the extender wrote the assignment, its assume-time
+  and its state; ``allocated`` when the device plugin wrote the state (and the extender or the device
+  plugin the assignment). Anyone else's is logged and counted (:attr:`Accounting.untrusted`) and
+  holds nothing: an untrusted ``assumed`` is ignored; an untrusted ``allocated`` on a bound pod counts
+  only within the GPU's free memory and the pod's own request, never forced over capacity and never
+  as a hold. The admission policy stays the first wall (a manager name is the client's claim).
 * While a pod is ``assumed`` on a node, pods sharing a container size with it wait unless they take the
   same GPUs for that size (:mod:`extender.holds`).
 * A node update is all or nothing: a refused inventory keeps the node's last good slots and usage.
@@ -39,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from extender import cluster, holds, placement, translate, verbs
-from vramshare import contract, logs, podspec
+from vramshare import contract, logs, managed, podspec
 from vramshare.config import Config, Policy
 
 __all__ = ["Accounting", "TERMINAL_PHASES"]
@@ -110,6 +117,9 @@ class Accounting:
         self._forgotten: dict[str, int] = {}
         self.holds = holds.Holds(int(config.extender.hold_timeout_seconds * 1e9))
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
+        self.untrusted: dict[str, str] = {}  # pod -> why its annotations are not believed (not our writer)
+        self.untrusted_events: dict[str, int] = {}  # by state: pod events whose annotations were not believed
+        self._untrusted_held: set[str] = set()  # pods whose only holding is an untrusted allocated report
         self._host: dict[str, tuple[int, int] | None] = {}  # node -> allocatable (CPU milli, memory MiB)
         # Pods that ask no GPU but are bound to a node: their CPU and memory, by node (kept while the
         # node is away, so they are charged again when it returns), and the node of each.
@@ -120,7 +130,7 @@ class Accounting:
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
                           self.holds if len(self.holds) else None, self.clock(), self.models,
-                          self.config.warm_tier.residency_max_steps)
+                          self.config.warm_tier.residency_max_steps, frozenset(self.holds.silent))
 
     # -- nodes ----------------------------------------------------------------------------
     def apply_node(self, event: str, node: Obj) -> None:
@@ -212,6 +222,7 @@ class Accounting:
                 self._drop_host_pod(key)
                 self._forgotten.pop(key, None)
                 self.unaccounted.pop(key, None)
+                self.untrusted.pop(key, None)
                 return
             if not podspec.wants_gpu(pod, self.names):
                 self._account_host_pod(key, pod)
@@ -272,10 +283,19 @@ class Accounting:
             log.error("bad assignment ignored", pod=key, error=str(exc))
             return
         if asg is None:
+            self.untrusted.pop(key, None)
             return
         node_name = (pod.get("spec") or {}).get("nodeName") or ""
         raw = asg.assume_time_ns
         allocated = asg.state == contract.STATE_ALLOCATED and bool(node_name)
+        distrust = self._distrust(pod, allocated)
+        if distrust is not None:
+            self._untrusted(key, pod, asg, node_name, allocated, distrust)
+            return
+        self.untrusted.pop(key, None)
+        if key in self._untrusted_held:  # a believed event replaces what an untrusted one booked
+            self._untrusted_held.discard(key)
+            self._release(key)
         held = self._held.get(key)
         if not allocated:
             if self._forgotten.get(key) == raw:
@@ -306,8 +326,61 @@ class Accounting:
         self._held[key] = _Hold(node_name, assume, held.since_ns if held else now, raw, allocated)
         if allocated:
             self.holds.release(key)
+            if held is None or not held.allocated:  # a new report: the node's plugin is alive
+                self.holds.reported(node_name, now)
         else:
             self._hold(key, node_name, pod, asg, assume)
+
+    def _distrust(self, pod: Obj, allocated: bool) -> str | None:
+        """Why the pod's assignment annotations are not vramshare's own writing, or None (believed)."""
+        n = self.names
+        owners = managed.annotation_owners(pod, (n.assignment, n.assume_time, n.allocation_state))
+        ext, plugin = contract.FIELD_MANAGER_EXTENDER, contract.FIELD_MANAGER_DEVICE_PLUGIN
+        if allocated:
+            need = {n.allocation_state: {plugin}, n.assignment: {plugin, ext}}
+        else:
+            need = {n.assignment: {ext}, n.assume_time: {ext}, n.allocation_state: {ext}}
+        annotations = (pod.get("metadata") or {}).get("annotations") or {}
+        for key, allowed in need.items():
+            if key not in annotations and key != n.assignment:
+                continue  # an absent state or time (an older writer) is judged by the others
+            if not owners[key] & allowed:
+                who = ",".join(sorted(owners[key])) or "no recorded manager"
+                return f"{key} written by {who}, not {' or '.join(sorted(allowed))}"
+        return None
+
+    def _untrusted(self, key: str, pod: Obj, asg: translate.Assignment, node: str, allocated: bool,
+                   why: str) -> None:
+        """Not our writer: hold nothing; an ``allocated`` bound pod counts only what fits and what it asked."""
+        state = contract.STATE_ALLOCATED if allocated else (asg.state or contract.STATE_ASSUMED)
+        self.untrusted_events[state] = self.untrusted_events.get(state, 0) + 1
+        if self.untrusted.get(key) != why:
+            log.warning("assignment not believed: not written by vramshare", pod=key, state=state, reason=why)
+        self.untrusted[key] = why
+        held = self._held.get(key)
+        if held is not None and key not in self._untrusted_held:
+            return  # what we believed earlier (our reservation, the plugin's report) stands: an untrusted
+            # report must not move the pod's memory to another GPU and leave the real one looking free
+        if not allocated:
+            return  # an untrusted assumption holds nothing (our own reservation, if any, stays)
+        allocations = asg.allocations(pod)
+        try:
+            asked = sum(a.demand.per_gpu * a.demand.count for a in
+                        translate.pod_asks(pod, self.names, self.config.memory_unit_mib))
+        except podspec.PodSpecError:
+            asked = 0
+        if sum(m for _, m in allocations) > asked:
+            log.warning("untrusted assignment claims more than the pod asks; not counted", pod=key,
+                        claimed_mib=sum(m for _, m in allocations), asked_mib=asked)
+            return
+        try:
+            self.state.add_pod(key, node, allocations, self._pod_host(key, pod), strict_host=False)
+        except cluster.OverCommit as exc:
+            self.unaccounted[key] = str(exc)
+            log.warning("untrusted assignment not counted", pod=key, node=node, error=str(exc))
+            return
+        self._held[key] = _Hold(node, self.clock(), self.clock(), asg.assume_time_ns, False)
+        self._untrusted_held.add(key)
 
     def _hold(self, key: str, node: str, pod: Obj, asg: translate.Assignment, assume_ns: int) -> None:
         """The pod's size signature is held on the node with the plans its assignment names."""
@@ -344,6 +417,7 @@ class Accounting:
 
     def _release(self, key: str) -> None:
         self._held.pop(key, None)
+        self._untrusted_held.discard(key)
         self.holds.release(key)
         self.state.remove_pod(key)
 

@@ -15,6 +15,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from vramshare import contract
+
 __all__ = ["ApiException", "Kube", "GONE", "CONFLICT", "NOT_FOUND"]
 
 Obj = dict[str, Any]
@@ -88,6 +90,7 @@ class Kube:
         """Merge-patch annotations, guarded by ``resourceVersion`` (409 when the pod changed meanwhile)."""
         body = {"metadata": {"resourceVersion": resource_version, "annotations": annotations}}
         return _read(self.core.patch_namespaced_pod(name, namespace, body, _content_type=MERGE_PATCH,
+                                                    field_manager=contract.FIELD_MANAGER_EXTENDER,
                                                     _preload_content=False, _request_timeout=self.timeout))
 
     def bind_pod(self, namespace: str, name: str, uid: str, node: str) -> None:

@@ -15,6 +15,9 @@ nodes; we never lock anything in the API).
 Idempotent per pod UID: kube-scheduler retries a bind that timed out while the first attempt may still
 be running here. A second bind of a UID whose bind is in flight waits for it and then answers from its
 result (same node: done, nothing changed; another node: refused); a bind of a bound pod changes nothing.
+The UID is the key whatever the caller sends: a request without one gets the UID of the pod the cache
+(or, failing that, the API) holds under its name, so a retry that omits it still meets the attempt in
+flight (issue 18).
 
 Only what is ours: a pod of another scheduler profile (``extender.schedulerName``), a pod that asks none
 of our resources and a node without a vramshare inventory are refused with the reason, so the endpoint
@@ -24,6 +27,7 @@ too, unless the pod can take the very GPUs held there for its size (:mod:`extend
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -79,7 +83,13 @@ class Binder:
 
     def bind(self, args: wire.BindingArgs) -> BindOutcome:
         key = args.pod_key
-        uid = args.pod_uid or key
+        if not args.pod_uid:
+            try:
+                args = dataclasses.replace(args, pod_uid=self._uid_of(args))
+            except _BindFailed as exc:
+                log.warning("bind failed", pod=key, node=args.node, error=str(exc))
+                return BindOutcome(str(exc), exc.result)
+        uid = args.pod_uid
         while True:
             with self._inflight_lock:
                 running = self._inflight.get(uid)
@@ -123,6 +133,18 @@ class Binder:
                 self.acct.holds.release_expected(key)
             log.warning("bind failed", pod=key, node=args.node, error=str(exc))
             return BindOutcome(str(exc), exc.result)
+
+    def _uid_of(self, args: wire.BindingArgs) -> str:
+        """The UID of the pod named ``args`` (the cache's, else the API's): the in-flight key a caller
+        cannot omit."""
+        with self.acct.lock:
+            pod = self.acct.pods.get(args.pod_key)
+        uid = ((pod or {}).get("metadata") or {}).get("uid") or ""
+        if not uid:
+            uid = (self._read(args).get("metadata") or {}).get("uid") or ""
+        if not uid:
+            raise _BindFailed(f"pod {args.pod_key} has no UID in the cache or the API", "bad_request")
+        return str(uid)
 
     def _current_pod(self, args: wire.BindingArgs) -> Obj:
         """The cached pod when it is the one asked for, else a fresh read (a bind is not the hot path)."""

@@ -39,6 +39,18 @@ the pod is reconciled as ``allocated``, is deleted or finishes, or ``timeout_ns`
 config key ``extender.holdTimeoutSeconds``; 0 turns holds off), whichever comes first: a device plugin
 that never reconciles (an older one) delays different-plan same-size pods by at most that.
 
+A node whose device plugin does not report (issue 18: the plugin is down, or cannot reach the API
+server) would hold every same-size pod for the whole timeout: one replica per node per 30 s. So a
+node is *silent* once one of its holds has waited :data:`SILENT_AFTER_NS` with no ``allocated``
+report from that node since the hold began (a working plugin reports within a second or two); while
+it is silent, its holds last :data:`SILENT_HOLD_NS` from their start (the one that found it silent
+ends at once), so a burst there binds a replica every couple of seconds instead of every timeout. The
+next ``allocated`` report from the node (:meth:`Holds.reported`) ends the silence. Prioritize scores a
+silent node the minimum when a candidate that reports exists (extender.verbs; filter still passes it),
+so a pod goes elsewhere first. Steering on a
+silent node is what it can be without reports: the plans still written on the pods, for the plugin's
+next GetPreferredAllocation; the hold only stops waiting for a report that does not come.
+
 An *expected* hold closes the gap before the bind: kube-scheduler binds asynchronously, so the next
 pod's filter can arrive before the previous pod's bind. When the extender answers prioritize (or a
 filter that leaves one node), the node it scored best is where the bind will almost surely go (its weight
@@ -55,12 +67,19 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from extender.translate import Signature, container_signature
-from vramshare import contract, podspec
+from vramshare import contract, logs, podspec
 
 __all__ = ["Holds", "Hold", "Required", "Element", "Plan", "Plans", "plans_of", "EXPECT_NS"]
 
+log = logs.get("vramshare.extender.holds")
+
 #: How long an expected hold lasts without its bind (kube-scheduler binds within milliseconds).
 EXPECT_NS = 2_000_000_000
+#: A hold that waited this long with no ``allocated`` report from its node marks the node silent
+#: (the device plugin reconciles every 2 s and on each Allocate: a report normally follows in ~1 s).
+SILENT_AFTER_NS = 5_000_000_000
+#: How long a hold lasts on a silent node.
+SILENT_HOLD_NS = 2_000_000_000
 
 Element = tuple[str, int]  # (resource name, devices): one element of a size signature
 Plan = tuple[tuple[str, int], ...]  # one container's (GPU or device UUID, MiB), sorted
@@ -114,6 +133,43 @@ class Holds:
         self._by_pod: dict[str, Hold] = {}
         self._by_node: dict[str, dict[str, Hold]] = {}
         self._puts = 0
+        self._reported: dict[str, int] = {}  # node -> when its device plugin last reported an allocation
+        self.silent: dict[str, int] = {}  # node -> since when its device plugin is known not to report
+        # pod -> start of its hold that a silent node cut short: the same hold (a later event, a
+        # relist) is not taken again, so a plan that gave way never comes back beside a newer one
+        self._cut: dict[str, int] = {}
+
+    def reported(self, node: str, now_ns: int) -> None:
+        """The device plugin of ``node`` reported a pod ``allocated``: its node is not silent."""
+        self._reported[node] = now_ns
+        if self.silent.pop(node, None) is not None:
+            # holds that gave way while the node was silent stay ended (others may hold other plans now)
+            for h in list(self._by_node.get(node, {}).values()):
+                if not h.expected and now_ns >= h.since_ns + SILENT_HOLD_NS:
+                    self._cut[h.pod] = h.since_ns
+                    self.release(h.pod)
+            log.info("device plugin reports again; holds there last the full timeout", node=node)
+
+    def until(self, h: Hold, now_ns: int) -> int:
+        """When ``h`` ends: its timeout, or :data:`SILENT_HOLD_NS` after it began on a silent node
+        (found silent here, from ``h`` itself, when it waited :data:`SILENT_AFTER_NS` unreported)."""
+        if h.expected:
+            return h.until_ns
+        node = h.node
+        if (node not in self.silent and now_ns - h.since_ns >= SILENT_AFTER_NS
+                and self._reported.get(node, -1) < h.since_ns):
+            self.silent[node] = now_ns
+            log.warning("device plugin does not report: holds on the node are shortened", node=node,
+                        pod=h.pod, waited_s=round((now_ns - h.since_ns) / 1e9, 1),
+                        hold_s=SILENT_HOLD_NS / 1e9)
+        if node in self.silent:
+            cut = min(h.until_ns, h.since_ns + SILENT_HOLD_NS)
+            if now_ns >= cut:
+                self._cut[h.pod] = h.since_ns
+                while len(self._cut) > 10_000:
+                    self._cut.pop(next(iter(self._cut)))
+            return cut
+        return h.until_ns
 
     def __len__(self) -> int:
         return len(self._by_pod)
@@ -121,7 +177,7 @@ class Holds:
     def hold(self, pod: str, node: str, signature: Signature, since_ns: int, plans: Plans | None = None) -> None:
         """``pod`` is assumed on ``node`` from ``since_ns`` with ``plans`` (:func:`plans_of`; None:
         unknown, blocks every same-size pod); a repeat keeps the earlier start."""
-        if self.timeout_ns <= 0 or not signature or not node:
+        if self.timeout_ns <= 0 or not signature or not node or self._cut.get(pod) == since_ns:
             return
         old = self._by_pod.get(pod)
         if old is not None and old.node == node and old.signature == signature and not old.expected:
@@ -174,7 +230,7 @@ class Holds:
         holders: dict[Element, Hold] = {}
         for h in on_node.values():
             shared = h.signature & signature
-            if h.pod == pod or now_ns >= h.until_ns or not shared or (binding and h.expected):
+            if h.pod == pod or not shared or (binding and h.expected) or now_ns >= self.until(h, now_ns):
                 continue
             if h.expected or h.plans is None:
                 return Required(blocker=h)
@@ -187,7 +243,7 @@ class Holds:
         return Required(plans=need, holders=holders)
 
     def reason(self, h: Hold, now_ns: int) -> str:
-        left = max(0.0, (h.until_ns - now_ns) / 1e9)
+        left = max(0.0, (self.until(h, now_ns) - now_ns) / 1e9)
         sizes = ", ".join(f"{n} x {r}" for r, n in sorted(h.signature))
         if h.expected:
             return f"held for pod {h.pod} of the same size ({sizes}), being bound here (at most {left:.0f}s more)"
@@ -196,7 +252,7 @@ class Holds:
 
     def expire(self, now_ns: int) -> list[str]:
         """Drop holds past the timeout; returns their pods."""
-        gone = [p for p, h in self._by_pod.items() if now_ns >= h.until_ns]
+        gone = [p for p, h in self._by_pod.items() if now_ns >= self.until(h, now_ns)]
         for p in gone:
             self.release(p)
         return gone

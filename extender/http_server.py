@@ -27,7 +27,16 @@ read-only /inspect; ``/x/*`` admits every ``/x/<name>``).
 Memory is bounded whatever a caller sends: a body larger than ``max_body_bytes`` is refused with 413
 from its declared ``Content-Length`` alone (its bytes are never read), the bodies being buffered at
 once share ``max_buffered_bytes`` (503 beyond), and a request head is read at most
-:data:`extender.http1.MAX_HEAD_BYTES` at a time. Connections: at most ``max_connections``, of which
+:data:`extender.http1.MAX_HEAD_BYTES` at a time.
+
+Unauthenticated callers reserve nothing (issue 18): a GET never takes a body (413 from its head, the
+probes and /metrics included), and a connection without a verified client certificate that declares
+a body is refused with 403 before anything is charged, so only authenticated connections draw on the
+body budget. The scheduling verbs (:data:`VERBS`) have a share of their own,
+``scheduler_share_bytes``, which they use once the shared budget is full: whatever holds the shared
+budget, kube-scheduler's calls (one filter/prioritize/preempt at a time, plus small binds) get in.
+When a verb is refused even so, /readyz answers 503 for ``request_timeout_s`` with the reason, so
+the refusal shows on the endpoint and the Service can route around the replica. Connections: at most ``max_connections``, of which
 ``reserve`` only for authenticated ones; when the unauthenticated ones are at their limit, the oldest
 idle one is closed to admit the new one, so a flood of idle or slow connections can neither lock the
 scheduler out nor pin the table. Every request must arrive whole (and every TLS handshake finish)
@@ -46,7 +55,7 @@ from typing import Protocol
 
 from extender import http1
 from extender.app import Response
-from extender.tls import Reloader
+from extender.tls import Reloader, client_auth_refusal
 from vramshare import logs
 
 __all__ = ["ExtenderHTTPServer", "Handler"]
@@ -64,6 +73,11 @@ MAX_BUFFERED_BYTES = 64 * 1024 * 1024  # bodies being received at once, all conn
 # Routes the probes need; the only ones a TLS connection without a client certificate may call.
 PROBES = frozenset({("GET", "/healthz"), ("GET", "/readyz")})
 # Answered on the loop thread: fast, pure CPU, never an API call. Everything else goes to the workers.
+# kube-scheduler's calls: they may use the scheduler's own share of the body budget.
+VERBS = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("POST", "/bind"), ("POST", "/preempt")})
+# Serves two bodies of MAX_BODY_BYTES: kube-scheduler runs one scheduling cycle at a time (filter,
+# prioritize or preempt) and its binds are a few hundred bytes each.
+SCHEDULER_SHARE_BYTES = 2 * MAX_BODY_BYTES
 INLINE = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("GET", "/healthz"), ("GET", "/readyz")})
 _WAKE = object()  # selector key data of the wake-up socket; the listener's is None
 
@@ -78,7 +92,8 @@ class _Conn:
     """One client connection's state; touched only by the loop thread."""
 
     __slots__ = ("sock", "peer", "buf", "head", "body_at", "out", "busy", "close_after", "closed",
-                 "events", "since", "handshaking", "authenticated", "reserved", "linger", "draining")
+                 "events", "since", "handshaking", "authenticated", "reserved", "share", "linger", "draining",
+                 "leaf", "refused_cert")
 
     def __init__(self, sock: socket.socket, peer: object, handshaking: bool = False) -> None:
         self.sock = sock
@@ -95,8 +110,11 @@ class _Conn:
         self.handshaking = handshaking  # TLS handshake not finished yet
         self.authenticated = False  # presented a client certificate the client CA verifies
         self.reserved = 0  # bytes of the body being received, counted in the shared budget
+        self.share = False  # ``reserved`` is drawn from the scheduler's own share, not the shared budget
         self.linger = False  # after the answer, discard what the client still sends before closing
         self.draining = False  # refused and answered: discarding, then close
+        self.leaf = b""  # the verified client certificate (DER), re-checked when the client CA rotates
+        self.refused_cert = ""  # why a verified certificate does not authenticate (no clientAuth EKU)
 
 
 class ExtenderHTTPServer:
@@ -106,11 +124,16 @@ class ExtenderHTTPServer:
                  max_body_bytes: int = MAX_BODY_BYTES, max_buffered_bytes: int = MAX_BUFFERED_BYTES,
                  idle_timeout_s: float = 120.0, request_timeout_s: float = 10.0, grace_s: float = 5.0,
                  max_connections: int = 1024, reserve: int = 64, tls: Reloader | None = None,
+                 scheduler_share_bytes: int = SCHEDULER_SHARE_BYTES, tls_check_s: float = 10.0,
                  public: frozenset[tuple[str, str]] = PROBES,
                  routes: frozenset[tuple[str, str]] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes
+        self.scheduler_share_bytes = scheduler_share_bytes
+        # How often the TLS files are re-read; a connection authenticated under a client CA that a
+        # reload removed is closed then, so within this bound (plus the poll interval).
+        self.tls_check_s = tls_check_s
         self.idle_timeout_s = idle_timeout_s  # Go's transport drops idle connections after 90 s
         # A whole request (or TLS handshake, or response) must move by then; kube-scheduler's
         # httpTimeout is 5 s, so a request still arriving after 10 s has no caller left.
@@ -121,7 +144,10 @@ class ExtenderHTTPServer:
         self.tls = tls
         self.public = public  # routes a connection without a verified client certificate may call
         self.routes = routes  # None: every route of the app
-        self._buffered = 0
+        self._buffered = 0  # bytes reserved in the shared budget
+        self._share_used = 0  # bytes reserved in the scheduler's share
+        self._refusing_until = 0.0  # /readyz answers 503 until then: a scheduler call was refused
+        self._refused_why = ""
         self._unauth: OrderedDict[_Conn, None] = OrderedDict()  # in accept order, for eviction
         self._next_tls_check = 0.0
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -298,13 +324,17 @@ class ExtenderHTTPServer:
         conn.sock.close()
 
     def _release_body(self, conn: _Conn) -> None:
-        self._buffered -= conn.reserved
-        conn.reserved = 0
+        if conn.share:
+            self._share_used -= conn.reserved
+        else:
+            self._buffered -= conn.reserved
+        conn.reserved, conn.share = 0, False
 
     def _sweep(self, now: float) -> None:
         if self.tls is not None and now >= self._next_tls_check:
-            self._next_tls_check = now + 10.0
-            self.tls.check()
+            self._next_tls_check = now + self.tls_check_s
+            if self.tls.check():
+                self._recheck_clients()
         for conn in list(self._conns):
             if conn.busy:
                 continue
@@ -323,6 +353,19 @@ class ExtenderHTTPServer:
                     else:
                         self._drop(conn)
             elif age > self.idle_timeout_s:
+                self._drop(conn)
+
+    def _recheck_clients(self) -> None:
+        """After a reload: close every connection whose client certificate no client CA in force issued
+        (one busy with a request closes after its answer)."""
+        assert self.tls is not None
+        for conn in list(self._conns):
+            if not conn.authenticated or self.tls.still_trusted(conn.leaf):
+                continue
+            log.warning("connection closed: its client CA was rotated out", peer=str(conn.peer))
+            if conn.busy or conn.out is not None:
+                conn.close_after = True
+            else:
                 self._drop(conn)
 
     # -- per connection ----------------------------------------------------------------------------
@@ -403,8 +446,14 @@ class ExtenderHTTPServer:
         conn.handshaking = False
         conn.since = time.monotonic()
         if sock.getpeercert():  # non-empty only when the client CA verified the client's chain
-            conn.authenticated = True
-            self._unauth.pop(conn, None)
+            leaf = sock.getpeercert(binary_form=True) or b""
+            why = client_auth_refusal(leaf)
+            if why is None:
+                conn.authenticated, conn.leaf = True, leaf
+                self._unauth.pop(conn, None)
+            else:
+                conn.refused_cert = why
+                log.warning("client certificate does not authenticate", peer=str(conn.peer), reason=why)
         self._watch(conn, selectors.EVENT_READ)
         return True
 
@@ -428,8 +477,7 @@ class ExtenderHTTPServer:
                     self._fail(conn, *refusal)
                     return
                 conn.head, conn.body_at = head, end + 4
-                conn.reserved = head.content_length
-                self._buffered += head.content_length
+                self._charge(conn, head)
                 if head.expect_continue and len(conn.buf) < conn.body_at + head.content_length:
                     self._send(conn, b"HTTP/1.1 100 Continue\r\n\r\n", interim=True)
                     if conn.out is not None:
@@ -450,18 +498,53 @@ class ExtenderHTTPServer:
         if self.routes is not None and key not in self.routes and \
                 (head.method, key[1].rsplit("/", 1)[0] + "/*") not in self.routes:  # "/inspect/*": one node
             return 404, f"no route {head.method} {_route(head.target)} on this port"
-        if self.tls is not None and not conn.authenticated and key not in self.public:
-            return 403, ("a client certificate signed by the extender's client CA is required "
-                         "(kube-scheduler: extenders[].tlsConfig certFile/keyFile)")
+        if head.method == "GET" and head.content_length:
+            return 413, f"GET {key[1]} takes no body (Content-Length {head.content_length})"
+        if self.tls is not None and not conn.authenticated and (key not in self.public or head.content_length):
+            return 403, ("a client certificate signed by the extender's client CA, with the clientAuth extended "
+                         "key usage, is required (kube-scheduler: extenders[].tlsConfig certFile/keyFile)"
+                         + (f": {conn.refused_cert}" if conn.refused_cert else ""))
         if head.content_length > self.max_body_bytes:
             return 413, f"body of {head.content_length} bytes exceeds the limit of {self.max_body_bytes}"
-        if self._buffered + head.content_length > self.max_buffered_bytes:
-            return 503, (f"too many request bodies in flight ({self._buffered} bytes buffered, "
-                         f"limit {self.max_buffered_bytes}): retry")
+        if self._fits(key, head.content_length) is None:
+            why = (f"too many request bodies in flight ({self._buffered} bytes buffered, limit "
+                   f"{self.max_buffered_bytes}; scheduler share {self._share_used} of "
+                   f"{self.scheduler_share_bytes}): retry")
+            if key in VERBS:  # the scheduler itself is turned away: say so on /readyz
+                self._refusing_until = time.monotonic() + self.request_timeout_s
+                self._refused_why = f"refusing work: {why}"
+            return 503, why
+        return None
+
+    def _fits(self, key: tuple[str, str], size: int) -> bool | None:
+        """Where a body of ``size`` is charged: False the shared budget, True the scheduler's share,
+        None nowhere (refuse). Only the verbs may use the share, and only once the budget is full."""
+        if self._buffered + size <= self.max_buffered_bytes:
+            return False
+        if key in VERBS and self._share_used + size <= self.scheduler_share_bytes:
+            return True
+        return None
+
+    def _charge(self, conn: _Conn, head: http1.RequestHead) -> None:
+        """Reserve the declared body (checked by :meth:`_refusal`, so it fits) for an authenticated caller."""
+        share = self._fits((head.method, _route(head.target)), head.content_length)
+        conn.reserved, conn.share = head.content_length, bool(share)
+        if conn.share:
+            self._share_used += head.content_length
+        else:
+            self._buffered += head.content_length
+
+    def _readyz_refusal(self) -> Response | None:
+        """/readyz's answer while scheduler calls are being refused (the app knows nothing of it)."""
+        if time.monotonic() < self._refusing_until:
+            return Response(503, (self._refused_why + "\n").encode(), TEXT)
         return None
 
     def _dispatch(self, conn: _Conn, head: http1.RequestHead, body: bytes) -> None:
-        if (head.method, _route(head.target)) in INLINE:
+        key = (head.method, _route(head.target))
+        if key == ("GET", "/readyz") and (refused := self._readyz_refusal()) is not None:
+            self._respond(conn, head, refused)
+        elif key in INLINE:
             self._respond(conn, head, self._call(head, body))
         elif head.method in ("GET", "POST"):
             conn.busy = True

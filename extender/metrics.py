@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from extender import accounting
@@ -35,6 +35,8 @@ class _CacheCollector:
             used = int(self.acct.state.used.sum())
             pods = len(self.acct.pods)
             unaccounted = len(self.acct.unaccounted)
+            untrusted = len(self.acct.untrusted)
+            ignored = dict(self.acct.untrusted_events)
         for name, doc, value in (
             ("vramshare_extender_cache_nodes", "Nodes with a GPU inventory in the extender's cache", nodes),
             ("vramshare_extender_cache_gpus", "Schedulable GPU slots (GPUs and MIG instances) in the cache", gpus),
@@ -43,8 +45,16 @@ class _CacheCollector:
             ("vramshare_extender_cache_used_mib", "GPU memory held by assigned pods, MiB", used),
             ("vramshare_extender_cache_unaccounted_pods",
              "Pods whose assignment could not be recorded (see the extender log)", unaccounted),
+            ("vramshare_extender_cache_untrusted_pods",
+             "Pods whose vramshare annotations were written by someone other than vramshare", untrusted),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        events = CounterMetricFamily("vramshare_extender_untrusted_annotations",
+                                     "Pod events whose assignment annotations were ignored or bounded because "
+                                     "vramshare's field managers did not write them", labels=["state"])
+        for state, count in sorted(ignored.items()):
+            events.add_metric([state], count)
+        yield events
 
 
 class ExtenderMetrics:

@@ -8,19 +8,30 @@ still completes it, so the kubelet's HTTPS probes (which never send one) can rea
 Every other route checks :attr:`ssl.SSLSocket.getpeercert` per connection (extender.http_server).
 
 Rotation: a Secret volume is updated in place (an atomic ``..data`` symlink swap), so
-:class:`Reloader` re-reads the three files when their modification times change and hands out a new
-context for new connections; connections already open keep the old one until they close.
+:class:`Reloader` re-reads the three files when their *content* changes (a digest, not the mtime:
+``cp -p`` and tar keep mtimes) and hands out a new context for new connections. A connection
+authenticated under a client CA that the new files no longer hold is closed by the server
+(:meth:`Reloader.still_trusted`, checked at each reload), so a removed CA stops being served within
+the server's TLS check interval.
+
+Client certificates must carry the ``clientAuth`` extended key usage (:func:`client_auth_refusal`):
+OpenSSL accepts a certificate without any EKU for any purpose, so a serving certificate, or any other
+leaf the CA signed for something else, would otherwise pass as the scheduler.
 """
 from __future__ import annotations
 
-import os
+import hashlib
 import ssl
-from typing import Callable
 from dataclasses import dataclass
+from typing import Callable
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from vramshare import logs
 
-__all__ = ["TlsFiles", "server_context", "Reloader"]
+__all__ = ["TlsFiles", "server_context", "Reloader", "client_auth_refusal"]
 
 log = logs.get("vramshare.extender.tls")
 
@@ -33,9 +44,15 @@ class TlsFiles:
     key: str
     client_ca: str
 
-    def stamp(self) -> tuple[float, ...]:
-        """Modification times (following symlinks, as a Secret volume's ``..data`` swap needs)."""
-        return tuple(os.stat(p).st_mtime for p in (self.cert, self.key, self.client_ca))
+    def stamp(self) -> bytes:
+        """A digest of the three files' content (following symlinks, as a Secret volume's ``..data``
+        swap needs); a file replaced with its mtime kept still changes it."""
+        digest = hashlib.sha256()
+        for path in (self.cert, self.key, self.client_ca):
+            with open(path, "rb") as fh:
+                data = fh.read()
+            digest.update(len(data).to_bytes(8, "big") + data)
+        return digest.digest()
 
 
 def server_context(files: TlsFiles) -> ssl.SSLContext:
@@ -53,6 +70,25 @@ def server_context(files: TlsFiles) -> ssl.SSLContext:
     return ctx
 
 
+def client_auth_refusal(leaf_der: bytes) -> str | None:
+    """Why a verified client certificate may not authenticate a caller (no ``clientAuth`` EKU), or None."""
+    try:
+        leaf = x509.load_der_x509_certificate(leaf_der)
+        usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return "the client certificate has no extended key usage; clientAuth is required"
+    except ValueError as exc:
+        return f"the client certificate does not parse: {exc}"
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
+        return "the client certificate's extended key usage lacks clientAuth"
+    return None
+
+
+def _load_cas(path: str) -> list[x509.Certificate]:
+    with open(path, "rb") as fh:
+        return x509.load_pem_x509_certificates(fh.read())
+
+
 class Reloader:
     """Hand out the current context; rebuild it when the files change, keep the last good one otherwise."""
 
@@ -61,6 +97,23 @@ class Reloader:
         self._stamp = files.stamp()
         self.context = server_context(files)
         self.on_result = on_result  # "reloaded" / "refused": vramshare_extender_tls_reloads_total
+        self.client_cas = _load_cas(files.client_ca)
+
+    def still_trusted(self, leaf_der: bytes) -> bool:
+        """Whether a client CA in force now directly issued ``leaf_der`` (a connection authenticated
+        before a rotation). A leaf under an intermediate cannot be re-checked here (the chain is not
+        kept) and counts as not trusted: its client reconnects under the new context."""
+        try:
+            leaf = x509.load_der_x509_certificate(leaf_der)
+        except ValueError:
+            return False
+        for ca in self.client_cas:
+            try:
+                leaf.verify_directly_issued_by(ca)
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+            return True
+        return False
 
     def check(self) -> bool:
         """Reload when a file changed; True when a new context is in force. Never raises."""
@@ -69,13 +122,14 @@ class Reloader:
             if stamp == self._stamp:
                 return False
             context = server_context(self.files)
+            cas = _load_cas(self.files.client_ca)
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("tls files changed but do not load; keeping the previous certificates",
                         cert=self.files.cert, error=str(exc))
             if self.on_result is not None:
                 self.on_result("refused")
             return False
-        self._stamp, self.context = stamp, context
+        self._stamp, self.context, self.client_cas = stamp, context, cas
         if self.on_result is not None:
             self.on_result("reloaded")
         log.info("tls certificates reloaded", cert=self.files.cert, client_ca=self.files.client_ca)

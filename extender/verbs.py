@@ -43,6 +43,7 @@ class View:
     now_ns: int = 0
     models: Mapping[str, Sequence] | None = None  # node -> resident models (issue 23), None: no report
     residency_max_steps: float = 0.9  # the residency bonus's bound, in steps of the policy's score
+    silent: frozenset[str] = frozenset()  # nodes whose device plugin does not report (extender.holds)
 
 
 def policy_for(pod_policy: str | None, default: Policy) -> Policy:
@@ -163,5 +164,11 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
     if want.model is not None and view.models:
         cfg = residency.ResidencyConfig(max_steps=view.residency_max_steps)
         bonus = residency.bonus(want.model, [view.models.get(n, ()) for n in names], cfg)
-    return placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host,
-                                 bonus=bonus)
+    scores = placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host,
+                                   bonus=bonus)
+    if view.silent and demands and any(n not in view.silent for n in names):
+        # placement elsewhere first: a node whose plugin does not report scores the minimum (its pods may
+        # not start, its books cannot be confirmed; filter still passes it). Where every candidate is
+        # silent the policy's own scores stand: flattening them would pile a burst onto one node.
+        scores = [(n, contract.MIN_EXTENDER_PRIORITY if n in view.silent else s) for n, s in scores]
+    return scores

@@ -67,7 +67,7 @@ def test_each_key(text, attr, expected):
     ("quota: {floor: 1}", "quota.floor: unknown key"),
     ("memoryUnitMiB: '1024'", "memoryUnitMiB: expected int, got '1024'"),
     ("memoryUnitMiB: true", "memoryUnitMiB: expected int, got True"),
-    ("memoryUnitMiB: 0", "memoryUnitMiB: must be >= 1"),
+    ("memoryUnitMiB: 0", "memoryUnitMiB: must be >= 50"),
     ("reservedMiBPerGPU: -1", "reservedMiBPerGPU: must be >= 0"),
     ("mpsEnforcement: true", "mpsEnforcement: replaced by enforcement.mode: mps"),
     ("enforcement: {mode: hami}", "enforcement.mode: 'hami' is not one of auto, driver, mps, cooperative"),
@@ -99,8 +99,8 @@ def test_each_key(text, attr, expected):
     ("extender: {holdTimeoutSeconds: -1}", "extender.holdTimeoutSeconds: must be >= 0"),
     ("extender: {schedulerName: ''}", "extender.schedulerName: must not be empty"),
     ("extender: {schedulerName: 3}", "extender.schedulerName: expected str"),
-    ("quota: {floorFraction: 1.5}", "quota: floorFraction must be <= 1 <= ceilingFraction"),
-    ("quota: {ceilingFraction: 0.9}", "quota: floorFraction must be <= 1 <= ceilingFraction"),
+    ("quota: {floorFraction: 1.5}", "quota.floorFraction: must be <= 1"),
+    ("quota: {ceilingFraction: 0.9}", "quota.ceilingFraction: must be >= 1"),
     ("quota: {floorFraction: -0.1}", "quota.floorFraction: must be >= 0"),
     ("quota: {stepMiB: 0}", "quota.stepMiB: must be >= 1"),
     ("quota: {marginMiB: -1}", "quota.marginMiB: must be >= 0"),
@@ -187,3 +187,95 @@ def test_bad_env_is_named(env, message):
 def test_a_bad_file_is_blamed_on_the_file_even_with_env():
     with pytest.raises(ConfigError, match="^memoryUnitMiB: expected int"):
         parse_config("memoryUnitMiB: x", environ={"VRAMSHARE_HEALTH_DISABLED": "true"})
+
+
+# -- issue 18 item 3: bounds from the consumers, in one place --------------------------------------
+NUMERIC_KEYS = {  # every numeric key as a document path, and a value its consumer can use
+    "memoryUnitMiB": 1024, "reservedMiBPerGPU": 0, "health.recoveryProbeSeconds": 30.0,
+    "health.probesToRecover": 3, "extender.assumeTimeoutSeconds": 120.0, "extender.workloadWindow": 1000,
+    "extender.holdTimeoutSeconds": 30.0, "quota.intervalSeconds": 10.0, "quota.floorFraction": 0.5,
+    "quota.ceilingFraction": 1.5, "quota.stepMiB": 512, "quota.marginMiB": 1024, "quota.kvPressure": 0.9,
+    "quota.peakWindowTicks": 60, "quota.idleSeconds": 300.0, "enforcement.overLimitGraceSeconds": 60.0,
+    "quota.startupTicks": 30, "warmTier.scanIntervalSeconds": 60.0, "warmTier.maxCacheEntries": 200000,
+    "warmTier.residencyMaxSteps": 0.9,
+}
+CLASS_KEYS = ("floorFraction", "ceilingFraction", "floorMiB", "ceilingMiB", "marginMiB", "idleSeconds",
+              "lendingPriority")
+
+
+def _doc(path: str, value: object) -> str:
+    import yaml
+    if path.startswith("quota.classes."):
+        return yaml.safe_dump({"quota": {"classes": [{"name": "c", path.rsplit(".", 1)[1]: value}]}})
+    if path == "health.ignoredXids":
+        return yaml.safe_dump({"health": {"ignoredXids": [value]}})
+    parts = path.split(".")
+    return yaml.safe_dump({parts[0]: value} if len(parts) == 1 else {parts[0]: {parts[1]: value}})
+
+
+ALL_NUMERIC = sorted([*NUMERIC_KEYS, "health.ignoredXids", *(f"quota.classes.{k}" for k in CLASS_KEYS)])
+
+
+def test_every_numeric_key_has_bounds_from_its_consumer():
+    assert set(ALL_NUMERIC) == set(config.BOUNDS)
+
+
+@pytest.mark.parametrize("key", ALL_NUMERIC)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 1e308, 2**70, 10**400])
+def test_nan_infinity_and_huge_numbers_are_refused_naming_the_key_and_the_bound(key, bad):
+    """On main: ``_typed`` compared with ``<`` (False for NaN) and had no upper bound, so NaN, .inf and
+    1e308 were accepted (and then froze the quota loop, crashed the extender's start...)."""
+    shown = key.replace("quota.classes.", "quota.classes[0].").replace("ignoredXids", "ignoredXids[0]")
+    with pytest.raises(ConfigError) as err:
+        parse_config(_doc(key, bad))
+    bound = config.BOUNDS[key]
+    assert str(err.value).startswith(f"{shown}: "), str(err.value)
+    assert config._num(bound.high) in str(err.value) or "expected int" in str(err.value) or "too large" in str(err.value)
+
+
+@pytest.mark.parametrize("key", ALL_NUMERIC)
+def test_each_bound_is_inclusive_and_one_step_beyond_is_refused(key):
+    bound = config.BOUNDS[key]
+    integral = key not in {k for k in ALL_NUMERIC if "Fraction" in k or "Seconds" in k or k.endswith("Pressure")}
+    for edge in (bound.low, bound.high):
+        value = int(edge) if integral else float(edge)
+        try:
+            parse_config(_doc(key, value))
+        except ConfigError as exc:  # only a cross-key rule may refuse an edge (floor <= 1 <= ceiling)
+            assert "floorFraction" in str(exc) or "ceiling" in str(exc), str(exc)
+    step = 1 if integral else max(1e-6, bound.high * 1e-6)
+    with pytest.raises(ConfigError, match=r"must be <= "):
+        parse_config(_doc(key, (int(bound.high) + 1) if integral else bound.high + step))
+
+
+def test_the_unit_floor_fits_the_largest_node_in_one_list_and_watch_message():
+    units = config.MAX_NODE_SHARED_MIB // config.MIN_UNIT_MIB
+    assert units <= config.MAX_DEVICES_PER_MESSAGE < config.MAX_NODE_SHARED_MIB // (config.MIN_UNIT_MIB - 1)
+
+
+def test_node_limits_refuse_a_reserve_that_leaves_no_unit_and_a_list_too_long():
+    from vramshare.inventory import Gpu, NodeInventory
+    h100 = Gpu(index=0, uuid="GPU-a", model="H100", memory_mib=81559, numa_node=0, mode=GpuMode.SHARED,
+               healthy=True, units=0)
+    cfg = Config(reserved_mib_per_gpu=81000)
+    with pytest.raises(ConfigError, match=r"^reservedMiBPerGPU: 81000 leaves GPU 0 .*less than one unit"):
+        config.node_limits(cfg, NodeInventory(unit_mib=1024, gpus=(h100,)))
+    many = tuple(Gpu(index=i, uuid=f"GPU-{i}", model="X", memory_mib=200_000, numa_node=0, mode=GpuMode.SHARED,
+                     healthy=True, units=200_000 // 64) for i in range(16))
+    with pytest.raises(ConfigError, match=r"^memoryUnitMiB: 64 makes 50000 devices"):
+        config.node_limits(Config(memory_unit_mib=64), NodeInventory(unit_mib=64, gpus=many))
+    config.node_limits(Config(), NodeInventory(unit_mib=1024, gpus=(
+        Gpu(index=0, uuid="GPU-a", model="H100", memory_mib=81559, numa_node=0, mode=GpuMode.SHARED,
+            healthy=True, units=79),)))
+
+
+def test_a_reload_keeps_the_unit_and_the_reserve_and_applies_the_rest():
+    """Issue 17 item 8: device IDs name units of the running size; a live change would re-mean them."""
+    running = Config()
+    new = parse_config("memoryUnitMiB: 2048\nreservedMiBPerGPU: 512\nquota: {stepMiB: 256}\n")
+    kept, refused = config.keep_restart_only(running, new)
+    assert (kept.memory_unit_mib, kept.reserved_mib_per_gpu, kept.quota.step_mib) == (1024, 0, 256)
+    assert [r.split(":")[0] for r in refused] == ["memoryUnitMiB", "reservedMiBPerGPU"]
+    assert all("restart" in r for r in refused)
+    assert config.keep_restart_only(running, parse_config("quota: {stepMiB: 256}")) == (
+        parse_config("quota: {stepMiB: 256}"), [])

@@ -156,13 +156,13 @@ def run_on_engine(core: Any, tier: WarmTier, job: Callable[[], None]) -> None:
 def install(settings: QuotaSettings) -> bool:
     from vllm.v1.engine import core as core_mod
 
-    from .vllm_glue import _wrap
+    from .vllm_glue import _wrap, current_settings
 
     def make_init(original: Callable[..., Any]) -> Callable[..., Any]:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
-            try:
-                attach(self, settings)
+            try:  # the settings in force now (plugin.register(force=True) re-points them), not the first ones
+                attach(self, current_settings())
             except Exception as exc:  # the warm tier must never keep an engine from starting
                 log.warning("warm tier not attached", error=str(exc))
         return __init__

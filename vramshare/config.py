@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -15,10 +16,73 @@ from typing import Any, Mapping
 import yaml
 
 from vramshare import contract
-from vramshare.inventory import EnforcementMode, GpuMode
+from vramshare.inventory import EnforcementMode, GpuMode, NodeInventory
 
 VERSION = "v1"
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+
+
+# -- what the consumers can use (issue 18) -------------------------------------------------------
+# The kubelet reads ListAndWatch with grpc-go's default receive limit (pkg/kubelet/cm/devicemanager/
+# plugin/v1beta1/client.go dials without MaxCallRecvMsgSize: 4 MiB); a larger message is refused and
+# the resource gets no devices. A device entry is at most DEVICE_ENTRY_BYTES on the wire (a 63-character
+# ID, "Unhealthy", one NUMA node; tests/deviceplugin pins it with the real message), so one message
+# carries at most MAX_DEVICES_PER_MESSAGE devices of one resource.
+GRPC_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+DEVICE_ENTRY_BYTES = 88
+MAX_DEVICES_PER_MESSAGE = GRPC_MAX_RECEIVE_BYTES // DEVICE_ENTRY_BYTES
+# The largest GPU and node the static bounds are sized for (B300: 288 GB; 8 of them on a node).
+MAX_GPU_MIB = 288 * 1024
+MAX_NODE_SHARED_MIB = 8 * MAX_GPU_MIB
+# The smallest unit whose device list for such a node fits one message; a node beyond the envelope
+# is checked exactly where its GPUs are known (:func:`node_limits`, the device plugin's start).
+MIN_UNIT_MIB = -(-MAX_NODE_SHARED_MIB // MAX_DEVICES_PER_MESSAGE)
+DAY_S = 86_400.0
+WEEK_S = 7 * DAY_S
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Inclusive bounds of a numeric key and the consumer's reason, said when a value is refused."""
+
+    low: float
+    high: float
+    why: str
+
+
+#: Every numeric key, by its path with list indexes removed. ``_typed`` refuses a number not listed.
+BOUNDS: dict[str, Bound] = {
+    "memoryUnitMiB": Bound(MIN_UNIT_MIB, MAX_GPU_MIB, f"a node of {MAX_NODE_SHARED_MIB} MiB of shared GPUs must "
+                           f"fit one ListAndWatch message of {MAX_DEVICES_PER_MESSAGE} devices (gRPC's 4 MiB "
+                           f"receive limit), and a unit beyond the largest GPU is no device at all"),
+    "reservedMiBPerGPU": Bound(0, MAX_GPU_MIB - MIN_UNIT_MIB, "at least one unit must stay on the GPU"),
+    "health.ignoredXids": Bound(0, 2**32 - 1, "Xids are NVML event data, 32-bit"),
+    "health.recoveryProbeSeconds": Bound(0.1, DAY_S, "the probe thread's wait; a day at most"),
+    "health.probesToRecover": Bound(1, 1000, "good probes in a row"),
+    "extender.assumeTimeoutSeconds": Bound(1, WEEK_S, "expiry of an assumed pod, in ns on a 64-bit clock"),
+    "extender.workloadWindow": Bound(1, 1_000_000, "recent requests kept in memory"),
+    "extender.holdTimeoutSeconds": Bound(0, 3_600, "a hold blocks binds of one size on a node; 0: none"),
+    "quota.intervalSeconds": Bound(1, DAY_S, "each tick lists the node's pods from the API server"),
+    "quota.floorFraction": Bound(0, 1, "a fraction of the request"),
+    "quota.ceilingFraction": Bound(1, 1024, "a multiple of the request; beyond, the GPU is the ceiling"),
+    "quota.stepMiB": Bound(1, MAX_GPU_MIB, "a step beyond a GPU never moves a limit"),
+    "quota.marginMiB": Bound(0, MAX_GPU_MIB, "headroom on one GPU"),
+    "quota.kvPressure": Bound(0, 1, "a fraction of the KV cache"),
+    "quota.peakWindowTicks": Bound(1, 100_000, "ticks of use remembered per tenant"),
+    "quota.idleSeconds": Bound(0, WEEK_S, "0: never warm"),
+    "quota.classes.floorFraction": Bound(0, 1, "a fraction of the request"),
+    "quota.classes.ceilingFraction": Bound(0, 1024, "a multiple of the request; beyond, the GPU is the ceiling"),
+    "quota.classes.floorMiB": Bound(0, MAX_NODE_SHARED_MIB, "a pod's memory on one node"),
+    "quota.classes.ceilingMiB": Bound(0, MAX_NODE_SHARED_MIB, "a pod's memory on one node"),
+    "quota.classes.marginMiB": Bound(0, MAX_GPU_MIB, "headroom on one GPU"),
+    "quota.classes.idleSeconds": Bound(0, WEEK_S, "0: never warm"),
+    "quota.classes.lendingPriority": Bound(-1_000_000, 1_000_000, "an ordering"),
+    "quota.startupTicks": Bound(0, 100_000, "ticks a new container counts at its request while it loads"),
+    "enforcement.overLimitGraceSeconds": Bound(0, WEEK_S, "how long a container may stay over its limit"),
+    "warmTier.scanIntervalSeconds": Bound(1, DAY_S, "how often the node rescans its model cache"),
+    "warmTier.maxCacheEntries": Bound(1, 10_000_000, "directory entries one cache scan reads before it stops"),
+    "warmTier.residencyMaxSteps": Bound(0, 10, "the residency bonus in steps of the policy's 0..10 score"),
+}
 
 
 class ConfigError(ValueError):
@@ -287,14 +351,34 @@ def _check_keys(obj: Any, allowed: Mapping[str, str], where: str) -> dict[str, A
     return obj
 
 
-def _typed(value: Any, kind: type, key: str, *, minimum: float | None = None) -> Any:
+def _typed(value: Any, kind: type, key: str) -> Any:
+    """``value`` as ``kind``; a number must also be finite and within :data:`BOUNDS` for ``key``."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ConfigError(f"{key}: {value} is too large to be a number of this kind") from None
     if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{key}: must be >= {minimum}, got {value!r}")
+    if kind in (int, float):
+        _bounded(value, key)
     return value
+
+
+def _bounded(value: float, key: str) -> None:
+    """The one place every number is checked: finite, and within what its consumer can use."""
+    bound = BOUNDS[re.sub(r"\[\d+\]", "", key)]  # quota.classes[2].floorMiB -> quota.classes.floorMiB
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number between {_num(bound.low)} and {_num(bound.high)}, "
+                          f"got {value!r}")
+    if value < bound.low:
+        raise ConfigError(f"{key}: must be >= {_num(bound.low)} ({bound.why}), got {value!r}")
+    if value > bound.high:
+        raise ConfigError(f"{key}: must be <= {_num(bound.high)} ({bound.why}), got {value!r}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
 
 
 def _scheduler_name(value: Any) -> str:
@@ -441,42 +525,42 @@ def config_from_dict(raw: Any) -> Config:
     if not isinstance(xids, list):
         raise ConfigError(f"health.ignoredXids: expected a list of integers, got {xids!r}")
     health = HealthConfig(
-        ignored_xids=tuple(_typed(x, int, f"health.ignoredXids[{i}]", minimum=0) for i, x in enumerate(xids)),
+        ignored_xids=tuple(_typed(x, int, f"health.ignoredXids[{i}]") for i, x in enumerate(xids)),
         disabled=_typed(h.get("disabled", False), bool, "health.disabled"),
         recovery_probe_seconds=_typed(h.get("recoveryProbeSeconds", 30.0), float,
-                                      "health.recoveryProbeSeconds", minimum=0.1),
-        probes_to_recover=_typed(h.get("probesToRecover", 3), int, "health.probesToRecover", minimum=1),
+                                      "health.recoveryProbeSeconds"),
+        probes_to_recover=_typed(h.get("probesToRecover", 3), int, "health.probesToRecover"),
     )
     e = _check_keys(top.get("extender"), _EXTENDER_KEYS, "extender.")
     ext = ExtenderConfig(
         policy=_enum(e.get("policy", d.extender.policy.value), Policy, "extender.policy"),
         assume_timeout_seconds=_typed(e.get("assumeTimeoutSeconds", d.extender.assume_timeout_seconds),
-                                      float, "extender.assumeTimeoutSeconds", minimum=1),
+                                      float, "extender.assumeTimeoutSeconds"),
         workload_window=_typed(e.get("workloadWindow", d.extender.workload_window), int,
-                               "extender.workloadWindow", minimum=1),
+                               "extender.workloadWindow"),
         hold_timeout_seconds=_typed(e.get("holdTimeoutSeconds", d.extender.hold_timeout_seconds), float,
-                                    "extender.holdTimeoutSeconds", minimum=0),
+                                    "extender.holdTimeoutSeconds"),
         scheduler_name=_scheduler_name(e.get("schedulerName", d.extender.scheduler_name)),
         **_extender_tls(e),
     )
     q = _check_keys(top.get("quota"), _QUOTA_KEYS, "quota.")
     quota = QuotaConfig(
         enabled=_typed(q.get("enabled", True), bool, "quota.enabled"),
-        interval_seconds=_typed(q.get("intervalSeconds", 10.0), float, "quota.intervalSeconds", minimum=0.1),
-        floor_fraction=_typed(q.get("floorFraction", 0.5), float, "quota.floorFraction", minimum=0),
-        ceiling_fraction=_typed(q.get("ceilingFraction", 1.5), float, "quota.ceilingFraction", minimum=0),
-        step_mib=_typed(q.get("stepMiB", 512), int, "quota.stepMiB", minimum=1),
-        margin_mib=_typed(q.get("marginMiB", 1024), int, "quota.marginMiB", minimum=0),
-        kv_pressure=_typed(q.get("kvPressure", 0.9), float, "quota.kvPressure", minimum=0),
+        interval_seconds=_typed(q.get("intervalSeconds", 10.0), float, "quota.intervalSeconds"),
+        floor_fraction=_typed(q.get("floorFraction", 0.5), float, "quota.floorFraction"),
+        ceiling_fraction=_typed(q.get("ceilingFraction", 1.5), float, "quota.ceilingFraction"),
+        step_mib=_typed(q.get("stepMiB", 512), int, "quota.stepMiB"),
+        margin_mib=_typed(q.get("marginMiB", 1024), int, "quota.marginMiB"),
+        kv_pressure=_typed(q.get("kvPressure", 0.9), float, "quota.kvPressure"),
         process_attribution=_typed(q.get("processAttribution", False), bool, "quota.processAttribution"),
-        peak_window_ticks=_typed(q.get("peakWindowTicks", 60), int, "quota.peakWindowTicks", minimum=1),
+        peak_window_ticks=_typed(q.get("peakWindowTicks", 60), int, "quota.peakWindowTicks"),
         protect_requests=_typed(q.get("protectRequests", True), bool, "quota.protectRequests"),
         share_spare=_typed(q.get("shareSpare", True), bool, "quota.shareSpare"),
-        idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds", minimum=0),
+        idle_seconds=_typed(q.get("idleSeconds", 300.0), float, "quota.idleSeconds"),
         classes=_quota_classes(q.get("classes")),
         headroom=_typed(q.get("headroom", "forecast"), str, "quota.headroom"),
         loans=_typed(q.get("loans", "releasing"), str, "quota.loans"),
-        startup_ticks=_typed(q.get("startupTicks", 30), int, "quota.startupTicks", minimum=0),
+        startup_ticks=_typed(q.get("startupTicks", 30), int, "quota.startupTicks"),
     )
     if quota.loans not in QUOTA_LOAN_RULES:
         raise ConfigError(f"quota.loans: {quota.loans!r} is not one of {', '.join(QUOTA_LOAN_RULES)}")
@@ -496,7 +580,7 @@ def config_from_dict(raw: Any) -> Config:
         over_limit_action=_enum(en.get("overLimitAction", OverLimitAction.EVENT.value), OverLimitAction,
                                 "enforcement.overLimitAction"),
         over_limit_grace_seconds=_typed(en.get("overLimitGraceSeconds", 60.0), float,
-                                        "enforcement.overLimitGraceSeconds", minimum=0),
+                                        "enforcement.overLimitGraceSeconds"),
     )
     if quota.floor_fraction > 1 or quota.ceiling_fraction < 1:
         raise ConfigError("quota: floorFraction must be <= 1 <= ceilingFraction")
@@ -513,9 +597,9 @@ def config_from_dict(raw: Any) -> Config:
         warm_tier=_warm_config(top.get("warmTier")),
         version=VERSION,
         resource_domain=domain,
-        memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB", minimum=1),
+        memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB"),
         reserved_mib_per_gpu=_typed(top.get("reservedMiBPerGPU", d.reserved_mib_per_gpu), int,
-                                    "reservedMiBPerGPU", minimum=0),
+                                    "reservedMiBPerGPU"),
         default_gpu_mode=default_mode,
         gpu_modes=modes,
         device_list_strategy=_enum(top.get("deviceListStrategy", d.device_list_strategy.value),
@@ -588,8 +672,8 @@ def _class_match(raw: Any, where: str) -> tuple[ClassMatch, ...]:
 def _one_of(c: Mapping[str, Any], frac: str, mib: str, at: str) -> tuple[float | None, int | None]:
     if frac in c and mib in c:
         raise ConfigError(f"{at}.{mib}: set {frac} (of the request) or {mib} (absolute), not both")
-    f = _typed(c[frac], float, f"{at}.{frac}", minimum=0) if frac in c else None
-    m = _typed(c[mib], int, f"{at}.{mib}", minimum=0) if mib in c else None
+    f = _typed(c[frac], float, f"{at}.{frac}") if frac in c else None
+    m = _typed(c[mib], int, f"{at}.{mib}") if mib in c else None
     return f, m
 
 
@@ -616,11 +700,11 @@ def _quota_class(raw: Any, at: str) -> QuotaClass:
     if idle is False or idle == "off":  # YAML 1.1 reads a bare off as false
         idle = 0.0
     elif idle is not None:
-        idle = _typed(idle, float, f"{at}.idleSeconds", minimum=0)
+        idle = _typed(idle, float, f"{at}.idleSeconds")
     action = c.get("overLimitAction")
     return QuotaClass(
         name=name, floor_fraction=floor_f, floor_mib=floor_m, ceiling_fraction=ceil_f, ceiling_mib=ceil_m,
-        margin_mib=_typed(c["marginMiB"], int, f"{at}.marginMiB", minimum=0) if "marginMiB" in c else None,
+        margin_mib=_typed(c["marginMiB"], int, f"{at}.marginMiB") if "marginMiB" in c else None,
         idle_seconds=idle,
         lending_priority=_typed(c.get("lendingPriority", 0), int, f"{at}.lendingPriority"),
         over_limit_action=None if action is None else _enum(action, OverLimitAction, f"{at}.overLimitAction"),
@@ -667,12 +751,46 @@ def _warm_config(raw: Any) -> WarmTierConfig:
         model_cache_dir=None if cache is None else _absolute(_typed(cache, str, "warmTier.modelCacheDir"),
                                                              "warmTier.modelCacheDir"),
         scan_interval_seconds=_typed(r.get("scanIntervalSeconds", d.scan_interval_seconds), float,
-                                     "warmTier.scanIntervalSeconds", minimum=1),
-        max_cache_entries=_typed(r.get("maxCacheEntries", d.max_cache_entries), int, "warmTier.maxCacheEntries",
-                                 minimum=1),
+                                     "warmTier.scanIntervalSeconds"),
+        max_cache_entries=_typed(r.get("maxCacheEntries", d.max_cache_entries), int, "warmTier.maxCacheEntries"),
         residency_max_steps=_typed(r.get("residencyMaxSteps", d.residency_max_steps), float,
-                                   "warmTier.residencyMaxSteps", minimum=0),
+                                   "warmTier.residencyMaxSteps"),
     )
+
+
+def node_limits(config: Config, inventory: NodeInventory) -> None:
+    """The bounds only a node can check (its GPUs are known there): every shared GPU keeps at least one
+    unit after ``reservedMiBPerGPU``, and the node's memory units fit one ListAndWatch message.
+    Raises :class:`ConfigError` naming the key and the bound; the device plugin calls it at start."""
+    units = 0
+    for g in inventory.gpus:
+        if g.mode is not GpuMode.SHARED:
+            continue
+        if g.units < 1:
+            raise ConfigError(f"reservedMiBPerGPU: {config.reserved_mib_per_gpu} leaves GPU {g.index} ({g.uuid}, "
+                              f"{g.memory_mib} MiB) less than one unit of memoryUnitMiB {config.memory_unit_mib}: "
+                              f"it would offer no device")
+        units += g.units
+    if units > MAX_DEVICES_PER_MESSAGE:
+        raise ConfigError(f"memoryUnitMiB: {config.memory_unit_mib} makes {units} devices on this node, more than "
+                          f"the {MAX_DEVICES_PER_MESSAGE} one ListAndWatch message carries within the kubelet's "
+                          f"4 MiB gRPC receive limit: use a larger unit")
+
+
+#: Keys whose change alters what existing device IDs mean (``<gpu>::<n>`` is the n-th unit of this
+#: size after this reserve): a live reload keeps the running value, a restart applies the new one.
+RESTART_ONLY = {"memoryUnitMiB": "memory_unit_mib", "reservedMiBPerGPU": "reserved_mib_per_gpu"}
+
+
+def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
+    """``new`` with the :data:`RESTART_ONLY` keys of ``running``, and a refusal per key that differed.
+    The rest of the reload applies (issue 17 item 8)."""
+    refused = [f"{key}: {getattr(running, attr)} -> {getattr(new, attr)} refused on a live reload: device IDs "
+               f"already handed out name units of the running value; restart the plugin to apply it"
+               for key, attr in RESTART_ONLY.items() if getattr(running, attr) != getattr(new, attr)]
+    if not refused:
+        return new, []
+    return dataclasses.replace(new, **{a: getattr(running, a) for a in RESTART_ONLY.values()}), refused
 
 
 def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> Config:

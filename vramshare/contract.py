@@ -175,6 +175,11 @@ STATE_ASSUMED = "assumed"
 STATE_ALLOCATED = "allocated"
 STATE_FAILED_PREFIX = "failed: "  # no longer written: Allocate does not know its pod (kept for readers)
 
+# Field managers (metadata.managedFields) of vramshare's writers. The extender believes an assignment
+# only from these (issue 18): ``assumed`` written by the extender, ``allocated`` by the device plugin.
+FIELD_MANAGER_EXTENDER = "vramshare-extender"
+FIELD_MANAGER_DEVICE_PLUGIN = "vramshare-device-plugin"
+
 # what a container gets (Allocate response)
 ENV_VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 ENV_GPU_UUIDS = "VRAMSHARE_GPU_UUIDS"

@@ -33,7 +33,7 @@ from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.quota import rights
 from deviceplugin.serve import serve, spawn
 from vramshare import contract, kube, logs
-from vramshare.config import Config, ConfigError, load_config
+from vramshare.config import Config, ConfigError, keep_restart_only, load_config
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -180,7 +180,13 @@ class DraPluginDaemon:
         self._dirty.set()
 
     def reload(self, config: Config) -> None:
+        """A new config: ``memoryUnitMiB`` and ``reservedMiBPerGPU`` keep their running values (the
+        devices already prepared are sized in them); the rest applies. A config that turns on
+        ``overLimitAction: evict`` without the eviction right is refused whole (:class:`rights.RightRefused`)."""
         rights.check(config, self._api, running=self.state.snapshot.config)  # RightRefused: the reload is refused
+        config, refused = keep_restart_only(self.state.snapshot.config, config)
+        for why in refused:
+            log.warning("config key needs a restart; the rest of the reload applies", reason=why)
         self.state.on_config(config)
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -170,7 +170,8 @@ class ApiOverLimitActor:
         try:
             self._v1.patch_namespaced_pod(key.pod, key.namespace,
                                           {"metadata": {"annotations": {self._names.over_limit: value}}},
-                                          _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=TIMEOUT_S)
+                                          field_manager=contract.FIELD_MANAGER_DEVICE_PLUGIN, _content_type=MERGE_PATCH,
+                                          _preload_content=False, _request_timeout=TIMEOUT_S)
         except ApiException as exc:
             if exc.status == 404:
                 log.info("pod vanished before the over-limit report", pod=f"{key.namespace}/{key.pod}")

@@ -192,9 +192,17 @@ def used_rights(package: pathlib.Path) -> set[tuple[str, str]]:
     return rights_in(p for p in package.rglob("*.py") if package / "dra" not in p.parents)
 
 
+#: Server-side applies that never create: the API server authorizes the create an apply would do
+#: (apiserver handlers/patch.go, the create authorizer attributes), and the device plugin applies only
+#: to pods that exist (with their resourceVersion); without a pods/create right a pod deleted
+#: meanwhile gets 403 and is dropped. Granting create would let a node agent create any pod.
+APPLY_NEVER_CREATES = {"pods"}
+
+
 def rights_in(paths: Iterable[pathlib.Path]) -> set[tuple[str, str]]:
     """(resource, verb) of every CoreV1Api / ResourceV1Api call in the files that build such a client.
-    A server-side apply (an ``apply-patch`` content type in the file) also creates: patch implies create."""
+    A server-side apply (an ``apply-patch`` content type in the file) also creates: patch implies create,
+    except on :data:`APPLY_NEVER_CREATES`."""
     rights: set[tuple[str, str]] = set()
     for path in paths:
         source = path.read_text(encoding="utf-8")
@@ -202,7 +210,8 @@ def rights_in(paths: Iterable[pathlib.Path]) -> set[tuple[str, str]]:
             continue
         watches = "watch=True" in source or "Watch()" in source
         applies = "application/apply-patch" in source
-        for verb, resource in _CALL.findall(source):
+        for match in _CALL.finditer(source):
+            verb, resource = match.groups()
             sub = ""
             if resource == "pod_binding":  # create_namespaced_pod_binding: the pods/binding subresource
                 resource, sub = "pod", "/binding"
@@ -214,9 +223,20 @@ def rights_in(paths: Iterable[pathlib.Path]) -> set[tuple[str, str]]:
             rights.add((plural, _VERB[verb]))
             if verb == "list" and watches:
                 rights.add((plural, "watch"))
-            if verb == "patch" and applies:
+            if verb == "patch" and applies and plural not in APPLY_NEVER_CREATES and _is_apply(source, match.end()):
                 rights.add((plural, "create"))
     return rights
+
+
+def _is_apply(source: str, start: int) -> bool:
+    """Whether the call opened at ``start`` passes an apply content type (its arguments, to the
+    matching parenthesis)."""
+    depth, i = 1, start
+    while i < len(source) and depth:
+        depth += {"(": 1, ")": -1}.get(source[i], 0)
+        i += 1
+    args = source[start:i]
+    return "APPLY" in args or "apply-patch" in args
 
 
 def granted_rights(role: dict[str, Any]) -> set[tuple[str, str]]:

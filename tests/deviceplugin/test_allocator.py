@@ -44,7 +44,10 @@ def assumed(name: str, units: int, gpus: tuple[str, ...]) -> dict:
            NAMES.assume_time: "5", NAMES.allocation_state: contract.STATE_ASSUMED}
     if len(gpus) > 1:
         ann[NAMES.gpu_count] = str(len(gpus))
-    return {"metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "annotations": ann},
+    managed = [{"manager": contract.FIELD_MANAGER_EXTENDER, "operation": "Update", "apiVersion": "v1",
+                "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{k}": {} for k in ann}}}}]
+    return {"metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "annotations": ann,
+                         "managedFields": managed},
             "spec": {"nodeName": "gpu-1", "containers": [{"name": "c", "resources": {"limits": {MEM: str(units)}}}]},
             "status": {"phase": "Pending"}}
 

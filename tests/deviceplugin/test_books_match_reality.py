@@ -91,6 +91,7 @@ class World:
                 continue  # 409: the next round retries
             pod["metadata"]["annotations"].update({NAMES.assignment: patch.assignment,
                                                    NAMES.allocation_state: patch.state})
+            wrote(pod, contract.FIELD_MANAGER_DEVICE_PLUGIN)
             self.bump(pod)
         return plan
 
@@ -235,6 +236,18 @@ def check(world: World, where: str) -> None:
             assert state == contract.STATE_ALLOCATED, f"{where}: admitted pod {key} is {state}"
 
 
+def wrote(pod: dict, manager: str) -> None:
+    """Record, as the API server does in managedFields, that ``manager`` wrote the assignment annotations."""
+    keys = [k for k in (NAMES.assignment, NAMES.assume_time, NAMES.allocation_state) if k in pod["metadata"]["annotations"]]
+    entries = [e for e in pod["metadata"].get("managedFields", []) if e["manager"] != manager]
+    for e in entries:
+        for k in keys:
+            e["fieldsV1"]["f:metadata"]["f:annotations"].pop(f"f:{k}", None)
+    entries.append({"manager": manager, "operation": "Update", "apiVersion": "v1", "fieldsType": "FieldsV1",
+                    "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{k}": {} for k in keys}}}})
+    pod["metadata"]["managedFields"] = entries
+
+
 def assumed_plans(world: World, units: int) -> set[tuple]:
     """The plans of the node's assumed pods for containers asking ``units`` of gpu-memory."""
     out = set()
@@ -281,6 +294,7 @@ def replicas(world: World, rng: random.Random, made: int, step: int, where: str)
                "status": {"phase": "Pending"}}
         if count > 1:
             pod["metadata"]["annotations"][NAMES.gpu_count] = str(count)
+        wrote(pod, contract.FIELD_MANAGER_EXTENDER)
         made += 1
         batch.append(pod)
     rng.shuffle(batch)  # binds complete in any order
@@ -317,6 +331,7 @@ def test_books_equal_reality_after_every_step(seed: int, tmp_path) -> None:
                 if text is not None:
                     pod["metadata"]["annotations"].update({NAMES.assignment: text, NAMES.assume_time: str(step),
                                                            NAMES.allocation_state: contract.STATE_ASSUMED})
+                    wrote(pod, contract.FIELD_MANAGER_EXTENDER)
                 batch.append(pod)
             rng.shuffle(batch)  # binds complete in any order
             for pod in batch:

@@ -98,7 +98,7 @@ def test_a_missing_file_keeps_the_last_good_config(cm):
 
 def test_a_bad_file_at_start_raises(cm):
     cm.publish("memoryUnitMiB: -5\n")
-    with pytest.raises(ConfigError, match="memoryUnitMiB: must be >= 1"):
+    with pytest.raises(ConfigError, match="memoryUnitMiB: must be >= 50"):
         watcher(cm)
 
 
@@ -146,15 +146,15 @@ def test_a_failing_handler_does_not_end_the_thread(cm):
     w = ConfigWatcher(cm.path, on_change, poll_seconds=3600)
     w.start()
     try:
-        cm.publish("memoryUnitMiB: 2\n")
+        cm.publish("memoryUnitMiB: 256\n")
         w.reload("test")
         assert first.wait(10)
-        cm.publish("memoryUnitMiB: 3\n")
+        cm.publish("memoryUnitMiB: 512\n")
         w.reload("test")
         assert second.wait(10)
     finally:
         w.stop()
-    assert calls == [2, 3]
+    assert calls == [256, 512]
 
 
 def test_a_refused_reload_is_an_event_on_the_node_and_a_metric(cm):

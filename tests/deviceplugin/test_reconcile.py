@@ -18,7 +18,8 @@ DEVICES = {d.id: d for d in
 
 
 def pod(name: str, containers: dict[str, dict[str, int]], state: str | None = "assumed",
-        assignment: dict | None = None, node: str = "n1", init: dict[str, dict[str, int]] | None = None) -> dict:
+        assignment: dict | None = None, node: str = "n1", init: dict[str, dict[str, int]] | None = None,
+        writer: str = contract.FIELD_MANAGER_DEVICE_PLUGIN) -> dict:
     ann = {}
     if state:
         ann[NAMES.allocation_state] = state
@@ -29,8 +30,10 @@ def pod(name: str, containers: dict[str, dict[str, int]], state: str | None = "a
     if init:
         spec["initContainers"] = [{"name": c, "resources": {"limits": {r: str(n) for r, n in lim.items()}}}
                                   for c, lim in init.items()]
+    managed = [{"manager": writer, "operation": "Apply", "apiVersion": "v1", "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{k}": {} for k in ann}}}}]
     return {"metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "resourceVersion": "9",
-                         "annotations": ann}, "spec": spec}
+                         "annotations": ann, "managedFields": managed}, "spec": spec}
 
 
 def held(name: str, container: str, resource: str, *ids: str) -> reconcile.Held:
@@ -55,6 +58,17 @@ def test_a_pod_already_saying_what_it_holds_is_not_patched():
             assignment={"c": [{"uuid": "GPU-b", "mib": 1024}, {"uuid": "GPU-a", "mib": 2048}]})
     out = plan([held("p", "c", MEM, "GPU-a::0", "GPU-a::1", "GPU-b::5")], [p])
     assert out.patches == [] and out.in_sync == 1
+
+
+def test_a_report_someone_else_wrote_is_written_again_even_when_equal():
+    """Issue 18: the extender believes ``allocated`` only from the device plugin's field manager. A user
+    who writes the very report the plugin would write (same GPUs, ``allocated``) would leave it
+    unbelieved, the pod uncounted and its GPU over-committed; the plugin applies it under its own name."""
+    p = pod("p", {"c": {MEM: 3}}, state="allocated", writer="kubectl-annotate",
+            assignment={"c": [{"uuid": "GPU-b", "mib": 1024}, {"uuid": "GPU-a", "mib": 2048}]})
+    out = plan([held("p", "c", MEM, "GPU-a::0", "GPU-a::1", "GPU-b::5")], [p])
+    [patch] = out.patches
+    assert patch.state == contract.STATE_ALLOCATED and out.in_sync == 0
 
 
 def test_mig_whole_gpus_and_units_on_two_gpus_in_one_pod():

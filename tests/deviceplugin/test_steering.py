@@ -26,9 +26,11 @@ def pod(name: str, containers: dict[str, int], gpus: tuple[str, ...] = ("GPU-a",
     ann[NAMES.assignment] = json.dumps(per)
     if len(gpus) > 1 and resource == MEM:
         ann[NAMES.gpu_count] = str(len(gpus))
+    managed = [{"manager": contract.FIELD_MANAGER_EXTENDER, "operation": "Update", "apiVersion": "v1",
+                "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{k}": {} for k in ann}}}}]
     return {
         "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "annotations": ann,
-                     "resourceVersion": "7", **meta},
+                     "resourceVersion": "7", "managedFields": managed, **meta},
         "spec": {"nodeName": node, "containers": [
             {"name": c, "resources": {"limits": {resource: str(n)}}} for c, n in containers.items()]},
         "status": {"phase": phase},
@@ -161,3 +163,11 @@ def test_parse_and_encode_assignment_round_trip():
 def test_bad_assignments_say_what_is_wrong(text, message):
     with pytest.raises(handshake.AssignmentError, match=message):
         handshake.parse_assignment(text, "c")
+
+
+def test_a_plan_someone_else_wrote_steers_nothing():
+    """Issue 18: a user's forged ``assumed`` plan on their own pod must not pull another pod's devices."""
+    forged = pod("mallory", {"c": 4}, gpus=("GPU-b",))
+    forged["metadata"]["managedFields"][0]["manager"] = "kubectl-annotate"
+    hint = steering.steer([forged], NAMES, "gpu-1", MEM, 4, 1024, FREE)
+    assert hint.targets is None

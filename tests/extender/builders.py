@@ -92,6 +92,24 @@ def pod(name: str, gib: int = 0, *, count: int = 1, namespace: str = "default", 
             "spec": spec, "status": {"phase": "Pending"}}
 
 
+def managed_entry(manager: str, operation: str, *keys: str) -> Obj:
+    """A managedFields entry owning annotation ``keys``, as the API server records it."""
+    return {"manager": manager, "operation": operation, "apiVersion": "v1", "time": "2026-01-01T00:00:00Z",
+            "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{k}": {} for k in keys}}}}
+
+
+def written_by_vramshare(state: str = "assumed") -> list[Obj]:
+    """managedFields of a pod whose assignment vramshare wrote: the extender's patch at bind, then (for
+    ``allocated``) the device plugin's server-side apply of the actual assignment and the state."""
+    from vramshare import contract
+    if state == "allocated":
+        return [managed_entry(contract.FIELD_MANAGER_DEVICE_PLUGIN, "Apply", NAMES.assignment, NAMES.allocation_state),
+                managed_entry(contract.FIELD_MANAGER_EXTENDER, "Update", NAMES.assume_time)]
+    return [managed_entry(contract.FIELD_MANAGER_EXTENDER, "Update", NAMES.assignment, NAMES.assume_time,
+                          NAMES.allocation_state)]
+
+
 def assigned(p: Obj, node: str, gpus: list[tuple[str, int]], assume_ns: int, state: str = "assumed",
              container: str = "c0") -> Obj:
     """``p`` as the binder leaves it: assignment annotations, and bound to ``node`` when ``node``."""
@@ -100,7 +118,8 @@ def assigned(p: Obj, node: str, gpus: list[tuple[str, int]], assume_ns: int, sta
     out = {**p, "metadata": {**p["metadata"], "annotations": {
         **p["metadata"].get("annotations", {}),
         NAMES.assignment: orjson.dumps({container: [{"uuid": u, "mib": m} for u, m in gpus]}).decode(),
-        NAMES.assume_time: str(assume_ns), NAMES.allocation_state: state}}}
+        NAMES.assume_time: str(assume_ns), NAMES.allocation_state: state},
+        "managedFields": written_by_vramshare(state)}}
     if node:
         out["spec"] = {**p["spec"], "nodeName": node}
     return out

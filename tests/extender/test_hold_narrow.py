@@ -84,7 +84,7 @@ def test_bind_takes_the_held_gpu_over_the_policys_choice_and_refuses_when_it_is_
     assert world.bind_to(big, "n1").error == ""
     assert plan(world.watch("big")) == [("GPU-n1-0", 12288)]  # binpack: the first GPU
     world.double.update(PODS, "default", "big", lambda p: p["metadata"]["annotations"].update(
-        {N.allocation_state: contract.STATE_ALLOCATED}))
+        {N.allocation_state: contract.STATE_ALLOCATED}), manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)
     world.watch("big")
     first = world.create(b.pod("first", 8))
     world.acct.apply_pod("MODIFIED", b.assigned(first, "n1", [("GPU-n1-1", 8192)], T0))  # planned on GPU 1
@@ -266,5 +266,82 @@ def admit(world: World, pod: dict, real: dict[str, dict[str, int]], cap: dict[st
     real[name] = got
     text = json.dumps({"c0": [{"uuid": g, "mib": u * UNIT} for g, u in sorted(got.items())]})
     world.double.update(PODS, "default", name, lambda p: p["metadata"]["annotations"].update(
-        {N.assignment: text, N.allocation_state: contract.STATE_ALLOCATED}))
+        {N.assignment: text, N.allocation_state: contract.STATE_ALLOCATED}), manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)
     world.watch(name)
+
+
+# -- issue 18 item 6: a node whose device plugin does not report -----------------------------------
+def test_holds_on_a_node_whose_plugin_never_reports_shorten_and_recover_on_a_report() -> None:
+    """On main every hold on such a node lasted the whole timeout: a burst of one size bound one
+    replica per node per 30 s (160 replicas of 79 GiB took minutes). ``Required()``: nothing held."""
+    e = (N.gpu_memory, 79)
+    h = holds.Holds(30 * SEC)
+    h.hold("a", "n1", frozenset({e}), T0, {e: (("G0", 79 * UNIT),)})
+    size = frozenset({e})
+    assert h.required("n1", "b", size, T0 + 4 * SEC) != holds.Required()  # a plugin may still report
+    assert h.required("n1", "b", size, T0 + 6 * SEC) == holds.Required()  # silent: "a" waited 5 s unreported
+    assert "n1" in h.silent
+    h.hold("b", "n1", frozenset({e}), T0 + 6 * SEC, {e: (("G1", 79 * UNIT),)})
+    assert h.required("n1", "c", size, T0 + 7 * SEC) != holds.Required()  # a short hold still steers
+    assert h.required("n1", "c", size, T0 + 8 * SEC) == holds.Required()  # ... for 2 s
+    h.reported("n1", T0 + 9 * SEC)  # the plugin is back
+    assert "n1" not in h.silent
+    assert len(h) == 0  # the holds that gave way stay ended: never two plans of one size come back
+    h.hold("c", "n1", frozenset({e}), T0 + 10 * SEC, {e: (("G2", 79 * UNIT),)})
+    assert h.required("n1", "d", size, T0 + 14 * SEC) != holds.Required()  # full holds again
+
+
+def test_a_silent_node_is_learned_per_node(world: World) -> None:
+    """Through the accounting: n1's plugin reports, n2's does not; only n2's holds shorten."""
+    for name, node in (("p1", "n1"), ("p2", "n2")):
+        pod = world.create(b.pod(name, 8))
+        assert world.bind_to(pod, node).error == ""
+    world.double.update(PODS, "default", "p1", lambda p: p["metadata"]["annotations"].update(
+        {N.allocation_state: contract.STATE_ALLOCATED}), manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)
+    world.watch("p1")
+    world.clock.now += 6 * SEC
+    q1 = world.create(b.pod("q1", 8))
+    assert world.bind_to(q1, "n1").error == ""
+    world.clock.now += 3 * SEC
+    world.acct.expire()
+    assert "n2" in world.acct.holds.silent and "n1" not in world.acct.holds.silent
+    q2 = world.create(b.pod("q2", 8))
+    assert "n2" in world.filter(q2, ["n1", "n2"]).passed  # p2's hold on n2 is over
+
+
+def test_a_hold_cut_on_a_silent_node_is_not_taken_again_by_a_later_event() -> None:
+    """A relist re-applies every pod: the hold that gave way must not come back beside the newer plan."""
+    e = (N.gpu_memory, 10)
+    h = holds.Holds(30 * SEC)
+    h.hold("a", "n1", frozenset({e}), T0, {e: (("G0", 10 * UNIT),)})
+    assert h.required("n1", "b", frozenset({e}), T0 + 6 * SEC) == holds.Required()  # silent: cut
+    h.hold("b", "n1", frozenset({e}), T0 + 6 * SEC, {e: (("G1", 10 * UNIT),)})
+    h.reported("n1", T0 + 7 * SEC)
+    h.hold("a", "n1", frozenset({e}), T0, {e: (("G0", 10 * UNIT),)})  # the relist's event for "a"
+    assert h.held_pods() == ["b"]
+
+
+def test_a_silent_node_is_scored_the_minimum(world: World) -> None:
+    """Placement elsewhere first: n2's plugin does not report; binpack preferred it (its GPU is in use),
+    now it scores the minimum, and filter still passes it (it is not full)."""
+    p2 = world.create(b.pod("p2", 8))
+    assert world.bind_to(p2, "n2").error == ""
+    q = world.create(b.pod("q", 2))
+    before = dict(world.prioritize(q, ["n1", "n2"]))
+    assert before["n2"] > before["n1"]
+    world.clock.now += 6 * SEC
+    world.acct.expire()
+    assert "n2" in world.acct.holds.silent
+    after = dict(world.prioritize(q, ["n1", "n2"]))
+    assert after == {"n1": before["n1"], "n2": contract.MIN_EXTENDER_PRIORITY}
+    assert "n2" in world.filter(q, ["n1", "n2"]).passed
+
+
+def test_where_every_candidate_is_silent_the_policy_scores_stand(world: World) -> None:
+    p2 = world.create(b.pod("p2", 8))
+    assert world.bind_to(p2, "n2").error == ""
+    q = world.create(b.pod("q", 2))
+    before = world.prioritize(q, ["n2"])
+    world.clock.now += 6 * SEC
+    world.acct.expire()
+    assert "n2" in world.acct.holds.silent and world.prioritize(q, ["n2"]) == before

@@ -279,3 +279,42 @@ def test_annotation_writes_follow_one_rule(old: dict[str, str], new: dict[str, s
         allowed = not protected
     got = admit(Request("UPDATE", "pods", who, after, before, on_node("n1") if who == DP else None))
     assert (got == []) == allowed, got
+
+
+# -- issue 18: the managedFields entries the extender trusts are vramshare's to write --------------
+def _entry(manager: str, time: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+    return {"manager": manager, "operation": "Update", "apiVersion": "v1", "time": time, "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{N.assignment}": {}}}}}
+
+
+def _with_managed(obj: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    out = copy.deepcopy(obj)
+    out["metadata"]["managedFields"] = entries
+    return out
+
+
+def _forged_time(e: dict[str, Any]) -> dict[str, Any]:
+    return {**e, "time": "2026-06-01T00:00:00Z"}
+
+
+@pytest.mark.parametrize("entries", [
+    [_forged_time(_entry("vramshare-extender")), _entry("kubectl-create")],  # rewrite our entry
+    [_entry("vramshare-extender"), _entry("vramshare-device-plugin"), _entry("kubectl-create")],  # write as us
+    [{}],  # reset every entry (upstream isResetManagedFields)
+], ids=["rewrite", "write-as", "reset"])
+def test_a_user_cannot_write_or_rewrite_our_field_managers_entries(entries: list[dict[str, Any]]) -> None:
+    """On main nothing looked at managedFields, which the extender now trusts (issue 18)."""
+    old = _with_managed(bound("n1"), [_entry("vramshare-extender"), _entry("kubectl-create")])
+    new = _with_managed(old, [e for e in entries if e])
+    msgs = admit(Request("UPDATE", "pods", USER, new, old))
+    assert any("managedFields" in m for m in msgs), msgs
+
+
+def test_our_writers_and_users_other_writes_keep_passing() -> None:
+    old = _with_managed(bound("n1"), [_entry("vramshare-extender"), _entry("kubectl-create")])
+    relabeled = _with_managed(old, [_entry("vramshare-extender"), _entry("kubectl-label")])
+    relabeled["metadata"].setdefault("labels", {})["team"] = "a"
+    assert admit(Request("UPDATE", "pods", USER, relabeled, old)) == []
+    by_plugin = _with_managed(old, [_entry("vramshare-extender"), _entry("vramshare-device-plugin"),
+                                    _entry("kubectl-create")])
+    assert admit(Request("UPDATE", "pods", DP, by_plugin, old, on_node("n1"))) == []

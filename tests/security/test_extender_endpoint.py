@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Iterator
@@ -19,7 +20,9 @@ import pytest
 from extender.app import Response
 from extender.http_server import ExtenderHTTPServer
 from extender.tls import Reloader, TlsFiles
-from tests.fixtures.certs import Pki, make_pki
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from tests.fixtures.certs import Pki, issue_client, make_pki
 
 
 class EchoApp:
@@ -212,7 +215,7 @@ def test_a_59_mib_body_is_refused_from_its_head_with_bounded_memory() -> None:
 
 
 def test_bodies_in_flight_share_one_budget() -> None:
-    s = Served(max_buffered_bytes=1_000_000)
+    s = Served(max_buffered_bytes=1_000_000, scheduler_share_bytes=0)
     try:
         a, b_ = s.raw(), s.raw()
         a.sendall(b"POST /filter HTTP/1.1\r\nContent-Length: 900000\r\n\r\n{")  # holds 0.9 MB
@@ -275,3 +278,179 @@ def test_pipelined_requests_over_tls_after_a_worker_route_are_all_answered(tls_s
     sock = tls_served.scheduler()
     sock.sendall(request("POST", "/bind", b"{}") + request("POST", "/filter", b"{}") + request("GET", "/healthz"))
     assert [read_response(sock)[0] for _ in range(3)] == [200, 200, 200]
+
+
+# -- issue 18 item 1: unauthenticated callers reserve nothing ---------------------------------------
+SCHED_SIZE = 4 * 1024 * 1024
+
+
+def _declare(sock: socket.socket, method: str, path: str, length: int) -> None:
+    """A request head that declares a body and never sends it: what holds a reservation open."""
+    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+
+
+def _reserved(s: Served, shared: int, share: int = 0) -> None:
+    """Wait until the server has charged the declared bodies (connections are served in any order)."""
+    deadline = time.monotonic() + 5
+    while (s.server._buffered, s.server._share_used) != (shared, share):  # noqa: SLF001 - the budget
+        assert time.monotonic() < deadline, (s.server._buffered, s.server._share_used)  # noqa: SLF001
+        time.sleep(0.01)
+
+
+def test_probes_with_declared_bodies_from_anonymous_callers_do_not_stop_the_scheduler(tls_served: Served) -> None:
+    """The attack: 16 TLS connections without a client certificate each declare a 4 MiB body on
+    GET /healthz (the probes are exempt from the 403) and never send it; on main that filled the
+    64 MiB budget and every filter of the scheduler got 503 for as long as the attack ran."""
+    flood = [tls_served.tls() for _ in range(17)]
+    for sock in flood:
+        _declare(sock, "GET", "/healthz", SCHED_SIZE)
+    sched = tls_served.scheduler()
+    for _ in range(3):
+        assert call(sched, "POST", "/filter", b'{"x": 1}')[0] == 200
+        assert call(tls_served.scheduler(), "POST", "/filter", b"{}")[0] == 200  # new connections too
+    assert call(tls_served.tls(), "GET", "/readyz")[0] == 200
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/inspect"])
+def test_a_body_on_a_get_route_is_refused_from_its_head(tls_served: Served, path: str) -> None:
+    for sock in (tls_served.tls(), tls_served.scheduler()):
+        _declare(sock, "GET", path, 10)
+        status, body = read_response(sock)
+        assert status == 413 and b"takes no body" in body
+    assert ("GET", path) not in tls_served.app.calls
+    assert tls_served.server._buffered == 0  # noqa: SLF001 - the budget is the point
+
+
+def test_an_anonymous_body_is_refused_before_any_reservation(pki: Pki) -> None:
+    """Whatever routes are public, a connection without a client certificate reserves nothing."""
+    s = Served(pki, public=frozenset({("GET", "/healthz"), ("POST", "/filter")}), max_buffered_bytes=1_000_000)
+    try:
+        anon = s.tls()
+        _declare(anon, "POST", "/filter", 900_000)
+        status, body = read_response(anon)
+        assert status == 403 and b"client certificate" in body
+        assert s.server._buffered == 0  # noqa: SLF001
+        assert call(s.scheduler(), "POST", "/filter", b"y" * 200_000)[0] == 200
+    finally:
+        s.stop()
+
+
+def test_an_exhausted_budget_leaves_the_scheduler_its_own_share(pki: Pki) -> None:
+    """Authenticated callers that hold the shared budget (bodies declared, trickling) cannot starve the
+    scheduling verbs: they draw on a share of their own once the shared budget is full."""
+    s = Served(pki, max_buffered_bytes=1_000_000)
+    try:
+        hog = s.scheduler()
+        _declare(hog, "POST", "/inspect", 1_000_000)  # a non-verb route holds the whole shared budget
+        _reserved(s, 1_000_000)
+        other = s.scheduler()
+        _declare(other, "POST", "/metrics", 10)
+        assert read_response(other)[0] == 503  # the shared budget is full for everyone else
+        sched = s.scheduler()
+        for path in ("/filter", "/prioritize", "/bind", "/preempt"):
+            assert call(sched, "POST", path, b"z" * 100_000)[0] == 200
+    finally:
+        s.stop()
+
+
+def test_readyz_says_when_the_scheduler_is_refused(pki: Pki) -> None:
+    s = Served(pki, max_buffered_bytes=1_000_000, scheduler_share_bytes=1_000_000)
+    try:
+        assert call(s.tls(), "GET", "/readyz")[0] == 200
+        hogs = [s.scheduler(), s.scheduler()]
+        _declare(hogs[0], "POST", "/inspect", 1_000_000)
+        _reserved(s, 1_000_000)
+        _declare(hogs[1], "POST", "/filter", 1_000_000)  # the verbs' share, held too
+        _reserved(s, 1_000_000, 1_000_000)
+        late = s.scheduler()
+        _declare(late, "POST", "/filter", 10)
+        status, body = read_response(late)
+        assert status == 503 and b"retry" in body
+        status, body = call(s.tls(), "GET", "/readyz")
+        assert status == 503 and b"refusing" in body
+        assert s.app.calls.count(("GET", "/readyz")) == 1  # the server answered it, not the app
+    finally:
+        s.stop()
+
+
+# -- issue 18 item 5: rotation corners and client-auth usage ---------------------------------------
+def _live(tmp_path: Path, pki: Pki) -> Path:
+    live = tmp_path / "live"
+    live.mkdir(exist_ok=True)
+    for name, src in (("tls.crt", pki.server_cert), ("tls.key", pki.server_key), ("ca.crt", pki.ca)):
+        (live / name).write_bytes(src.read_bytes())
+    return live
+
+
+def _cp_p(live: Path, pki: Pki) -> None:
+    """Replace the files as ``cp -p`` or tar do: new content, the old modification times."""
+    import os
+    for name, src in (("tls.crt", pki.server_cert), ("tls.key", pki.server_key), ("ca.crt", pki.ca)):
+        st = os.stat(live / name)
+        (live / name).write_bytes(src.read_bytes())
+        os.utime(live / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_files_replaced_with_their_mtimes_kept_are_reloaded(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    live = _live(tmp_path, old)
+    reloader = Reloader(TlsFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt")))
+    before = reloader.context
+    _cp_p(live, new)
+    assert reloader.check() and reloader.context is not before
+
+
+def test_a_connection_authenticated_under_a_removed_ca_is_closed(tmp_path: Path) -> None:
+    """A keep-alive connection of a client whose CA was rotated out kept being served on main."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    live = _live(tmp_path, old)
+    app = EchoApp()
+    reloader = Reloader(TlsFiles(str(live / "tls.crt"), str(live / "tls.key"), str(live / "ca.crt")))
+    server = ExtenderHTTPServer(app, "127.0.0.1", 0, tls=reloader)  # type: ignore[arg-type]
+    server.tls_check_s = 0.05  # the bound under test (10 s by default), short for the test
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02})
+    thread.start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(old.ca))
+        ctx.load_cert_chain(str(old.client_cert), str(old.client_key))
+        sock = ctx.wrap_socket(socket.create_connection(server.server_address, timeout=5), server_hostname="127.0.0.1")
+        assert call(sock, "POST", "/filter", b"{}")[0] == 200
+        _cp_p(live, new)  # the old CA is gone (mtimes kept, too)
+        deadline = time.monotonic() + 5
+        closed = False
+        while time.monotonic() < deadline and not closed:
+            time.sleep(0.05)
+            try:
+                sock.sendall(request("POST", "/filter", b"{}"))
+                read_response(sock)
+            except (ConnectionError, OSError, ssl.SSLError):
+                closed = True
+        assert closed, "still served under a client CA that is no longer trusted"
+        # a client of the new CA is served
+        ctx2 = ssl.create_default_context(cafile=str(new.ca))
+        ctx2.load_cert_chain(str(new.client_cert), str(new.client_key))
+        fresh = ctx2.wrap_socket(socket.create_connection(server.server_address, timeout=5),
+                                 server_hostname="127.0.0.1")
+        assert call(fresh, "POST", "/filter", b"{}")[0] == 200
+        fresh.close()
+        sock.close()
+    finally:
+        server.close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("usages", [(), (ExtendedKeyUsageOID.SERVER_AUTH,)], ids=["no-eku", "server-auth-only"])
+def test_a_client_certificate_without_client_auth_usage_is_not_the_scheduler(
+        tls_served: Served, pki: Pki, usages: tuple) -> None:
+    cert, key = issue_client(pki, "not-a-client", usages)
+    try:
+        sock = tls_served.tls(cert, key)
+        status, body = call(sock, "POST", "/filter", b"{}")
+    except (ssl.SSLError, ConnectionError):  # refused at the handshake is as good
+        return
+    assert status == 403 and b"clientAuth" in body
+    assert ("POST", "/filter") not in tls_served.app.calls

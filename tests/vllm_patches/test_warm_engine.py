@@ -53,8 +53,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     from vllm_patches import plugin
-    if plugin.installed_hooks() == {}:
-        plugin._installed = None
+    plugin.register(force=True)  # vLLM loads plugins once per process: point them at this quota and socket
     yield {"model": str(model), "broker": broker, "channels": channels, "sent": sent, "qdir": qdir}
     channels.close()
     for key, value in saved.items():

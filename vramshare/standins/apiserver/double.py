@@ -166,9 +166,12 @@ class ApiServerDouble:
         self._store.bind(namespace, name, {"target": {"kind": "Node", "name": node}})
         return copy.deepcopy(self._store.get(PODS, namespace, name))
 
-    def update(self, rtype: ResourceType, namespace: str | None, name: str, change: Callable[[Obj], None]) -> Obj:
-        """Any Python-side edit: ``change`` edits a copy which is then committed (one MODIFIED event)."""
-        return copy.deepcopy(self._store.mutate(rtype, namespace, name, change))
+    def update(self, rtype: ResourceType, namespace: str | None, name: str, change: Callable[[Obj], None],
+               manager: str | None = None) -> Obj:
+        """Any Python-side edit: ``change`` edits a copy which is then committed (one MODIFIED event).
+        With ``manager`` it is recorded in managedFields as that field manager's Update (playing a
+        writer, e.g. a user's ``kubectl annotate``); without, managedFields stay as they were."""
+        return copy.deepcopy(self._store.mutate(rtype, namespace, name, change, manager))
 
     @property
     def resource_version(self) -> int:

@@ -21,6 +21,7 @@ from vramshare import logs
 
 from . import errors, proxy
 from .errors import ApiError
+from . import managedfields
 from .patches import is_apply
 from .access import AccessRules
 from .resources import BINDINGS, PODS, SELFSUBJECTACCESSREVIEWS, Route, route
@@ -194,7 +195,8 @@ class _Handler(BaseHTTPRequestHandler):
         if verb == "POST" and where.name is None:
             if rtype.namespaced and where.namespace is None:
                 raise errors.method_not_allowed(verb, self.path)
-            created = store.create(rtype, where.namespace, _json(body_bytes), dry_run=dry_run)
+            created = store.create(rtype, where.namespace, _json(body_bytes), dry_run=dry_run,
+                                   manager=self._manager(query))
             return self._send_json(201, created)
         if verb == "POST" and where.subresource == "binding" and rtype is PODS:
             assert where.namespace is not None
@@ -205,20 +207,25 @@ class _Handler(BaseHTTPRequestHandler):
             raise errors.method_not_allowed(verb, self.path)
         if verb == "PUT":
             updated = store.update(rtype, where.namespace, where.name, _json(body_bytes), where.subresource,
-                                   dry_run=dry_run)
+                                   dry_run=dry_run, manager=self._manager(query))
             return self._send_json(200, updated)
         if verb == "PATCH":
             content_type = self.headers.get("Content-Type", "")
             if is_apply(content_type):
                 applied, created = store.apply(rtype, where.namespace, where.name, _yaml(body_bytes),
-                                               query.get("fieldManager"), where.subresource, dry_run=dry_run)
+                                               query.get("fieldManager"), where.subresource, dry_run=dry_run,
+                                               force=query.get("force") in ("true", "1"))
                 return self._send_json(201 if created else 200, applied)
             patched = store.patch(rtype, where.namespace, where.name, content_type, _json(body_bytes),
-                                  where.subresource, dry_run=dry_run)
+                                  where.subresource, dry_run=dry_run, manager=self._manager(query))
             return self._send_json(200, patched)
         if verb == "DELETE" and where.subresource is None:
             return self._delete(where, query, body_bytes, dry_run)
         raise errors.method_not_allowed(verb, self.path)
+
+    def _manager(self, query: dict[str, str]) -> str:
+        """handlers.managerOrUserAgent: who this write is recorded under in managedFields."""
+        return managedfields.manager_of(query.get("fieldManager"), self.headers.get("User-Agent"))
 
     # -- collection reads --------------------------------------------------------------------------
     def _list(self, where: Route, query: dict[str, str]) -> None:

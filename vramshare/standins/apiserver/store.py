@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from deviceplugin.dra.validation import validate_resource_slice
 
-from . import errors
+from . import errors, managedfields
 from .patches import apply_patch
 from .resources import PODS, RESOURCESLICES, ResourceType
 from .selectors import Selector
@@ -93,8 +93,11 @@ class Store:
 
     # -- writes ------------------------------------------------------------------------------------
     def create(self, rtype: ResourceType, namespace: str | None, obj: Obj, *, keep_status: bool = False,
-               dry_run: bool = False) -> Obj:
-        """POST: fill in server-owned metadata; 409 AlreadyExists when the name is taken."""
+               dry_run: bool = False, manager: str | None = None) -> Obj:
+        """POST: fill in server-owned metadata; 409 AlreadyExists when the name is taken.
+
+        ``manager`` (the HTTP path's field manager) records managedFields as the real server does;
+        ``None`` (Python-side set-up) keeps whatever managedFields the object carries."""
         if not isinstance(obj, dict):
             raise errors.bad_request(f"a {rtype.kind} must be a JSON object")
         new = copy.deepcopy(obj)
@@ -126,6 +129,8 @@ class Store:
                 meta.pop(server_owned, None)
             if rtype is PODS:
                 _default_pod(new, keep_status)
+            if manager is not None:
+                new = managedfields.update(None, new, manager, rtype.api_version)
             _validate(rtype, new, None)
             if dry_run:
                 meta["resourceVersion"] = str(self._rv)
@@ -133,32 +138,32 @@ class Store:
             return self._commit(rtype, key, new, None, "ADDED")
 
     def update(self, rtype: ResourceType, namespace: str | None, name: str, obj: Obj,
-               subresource: str | None = None, *, dry_run: bool = False) -> Obj:
+               subresource: str | None = None, *, dry_run: bool = False, manager: str | None = None) -> Obj:
         """PUT: a stale ``metadata.resourceVersion`` is a 409 Conflict."""
         if not isinstance(obj, dict):
             raise errors.bad_request(f"a {rtype.kind} must be a JSON object")
         with self.lock:
             old = self.get(rtype, namespace, name)
-            return self._replace(rtype, old, copy.deepcopy(obj), subresource, dry_run)
+            return self._replace(rtype, old, copy.deepcopy(obj), subresource, dry_run, manager)
 
     def patch(self, rtype: ResourceType, namespace: str | None, name: str, content_type: str, body: Any,
-              subresource: str | None = None, *, dry_run: bool = False) -> Obj:
+              subresource: str | None = None, *, dry_run: bool = False, manager: str | None = None) -> Obj:
         """PATCH: a patch that names a resourceVersion other than the current one is a 409 Conflict."""
         with self.lock:
             old = self.get(rtype, namespace, name)
             candidate = apply_patch(content_type, old, body)
             if not isinstance(candidate, dict):
                 raise errors.bad_request("the patch did not produce an object")
-            return self._replace(rtype, old, copy.deepcopy(candidate), subresource, dry_run)
+            return self._replace(rtype, old, copy.deepcopy(candidate), subresource, dry_run, manager)
 
     def apply(self, rtype: ResourceType, namespace: str | None, name: str, body: Any, field_manager: str | None,
-              subresource: str | None = None, *, dry_run: bool = False) -> tuple[Obj, bool]:
+              subresource: str | None = None, *, dry_run: bool = False, force: bool = False) -> tuple[Obj, bool]:
         """PATCH with ``application/apply-patch+yaml`` (server-side apply); returns (object, created).
 
         As the real server: ``fieldManager`` is required, a missing object is created from the applied
-        configuration, and the applied object's kind, name and namespace must match the URL. The double
-        models a single field manager per object (what our writers do): an apply replaces the fields the
-        previous apply set, where a real server would also keep other managers' fields.
+        configuration, and the applied object's kind, name and namespace must match the URL. The applied
+        configuration merges into the live object and the applier's fields are recorded
+        (:mod:`.managedfields`: conflicts with other managers are a 409 unless ``force``).
         """
         if not field_manager:
             raise errors.bad_request("PATCH with application/apply-patch+yaml requires the fieldManager "
@@ -173,26 +178,34 @@ class Store:
             raise errors.bad_request(f"the name of the object ({meta.get('name')}) does not match the name on "
                                      f"the URL ({name})")
         with self.lock:
+            if isinstance(meta.get("managedFields"), list):
+                raise errors.bad_request("metadata.managedFields must be nil in an apply configuration")
             if self.find(rtype, namespace, name) is None:
                 if subresource is not None:
                     raise errors.not_found(rtype.plural, name)
                 created = copy.deepcopy(body)
                 created.setdefault("metadata", {})["name"] = name
+                created = managedfields.apply({}, created, field_manager, force, rtype.api_version,
+                                              rtype.plural, name)
                 return self.create(rtype, namespace, created, dry_run=dry_run), True
             old = self.get(rtype, namespace, name)
-            new = copy.deepcopy(body)
-            new_meta = new.setdefault("metadata", {})
-            new_meta.pop("resourceVersion", None)  # apply never conflicts on resourceVersion
+            applied = copy.deepcopy(body)  # a resourceVersion in it is a precondition (409 when stale)
             if subresource == "status":
-                new = {**copy.deepcopy(old), "status": body.get("status") or {}}
+                applied = {"status": body.get("status") or {}}
+            new = managedfields.apply(old, applied, field_manager, force, rtype.api_version, rtype.plural, name,
+                                      subresource)
             return self._replace(rtype, old, new, subresource, dry_run), False
 
-    def mutate(self, rtype: ResourceType, namespace: str | None, name: str, change: Callable[[Obj], None]) -> Obj:
-        """Python-side write (test set-up, the demo's kubelet role): ``change`` edits a private copy."""
+    def mutate(self, rtype: ResourceType, namespace: str | None, name: str, change: Callable[[Obj], None],
+               manager: str | None = None) -> Obj:
+        """Python-side write (test set-up, the demo's kubelet role): ``change`` edits a private copy;
+        with ``manager`` the write is recorded in managedFields as that manager's Update."""
         with self.lock:
             old = self.get(rtype, namespace, name)
             new = copy.deepcopy(old)
             change(new)
+            if manager is not None:
+                new = managedfields.update(old, new, manager, rtype.api_version)
             return self._commit(rtype, _key(rtype, namespace, name), new, old, "MODIFIED")
 
     def delete(self, rtype: ResourceType, namespace: str | None, name: str, *, grace_seconds: int | None = None,
@@ -258,7 +271,8 @@ class Store:
             self.mutate(PODS, namespace, name, assign)
 
     # -- internals ---------------------------------------------------------------------------------
-    def _replace(self, rtype: ResourceType, old: Obj, new: Obj, subresource: str | None, dry_run: bool) -> Obj:
+    def _replace(self, rtype: ResourceType, old: Obj, new: Obj, subresource: str | None, dry_run: bool,
+                 manager: str | None = None) -> Obj:
         ometa, name = old["metadata"], old["metadata"]["name"]
         nmeta = new.get("metadata")
         if not isinstance(nmeta, dict):
@@ -285,6 +299,8 @@ class Store:
             new["status"] = copy.deepcopy(old.get("status") or {})
             if rtype is PODS:
                 _check_pod_spec_change(old, new)
+        if manager is not None:  # an apply recorded its fields before
+            new = managedfields.update(old, new, manager, rtype.api_version, subresource)
         nmeta = new["metadata"]
         nmeta["resourceVersion"] = ometa["resourceVersion"]
         _validate(rtype, new, old)
