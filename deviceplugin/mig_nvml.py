@@ -166,22 +166,25 @@ class NvmlMig:
                        ctypes.byref(placement), what=f"{profile.name}@{start}")
         return int(self.call("nvmlGpuInstanceGetInfo", gi).id)
 
-    def create_ci(self, handle: Any, gi_id: int, slices: int) -> int:
-        """The full-slice compute instance of GPU instance ``gi_id``; its CI id."""
+    def _full_ci(self, handle: Any, gi_id: int, slices: int) -> tuple[Any, int]:
+        """GPU instance ``gi_id``'s handle and the ID of its full-slice compute-instance profile."""
         gi = self.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, what=f"GI {gi_id}")
         ci_profile = self.call("nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, _CI_PROFILE.get(slices, 0),
                                self.nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-        ci = self.call("nvmlGpuInstanceCreateComputeInstance", gi, int(ci_profile.id), what=f"GI {gi_id}")
+        return gi, int(ci_profile.id)
+
+    def create_ci(self, handle: Any, gi_id: int, slices: int) -> int:
+        """The full-slice compute instance of GPU instance ``gi_id``; its CI id."""
+        gi, profile_id = self._full_ci(handle, gi_id, slices)
+        ci = self.call("nvmlGpuInstanceCreateComputeInstance", gi, profile_id, what=f"GI {gi_id}")
         return int(self.call("nvmlComputeInstanceGetInfo", ci).id)
 
     def destroy(self, handle: Any, gi_id: int, slices: int) -> None:
         """Compute instances first, then the GPU instance (NVML refuses the other order)."""
-        gi = self.call("nvmlDeviceGetGpuInstanceById", handle, gi_id, what=f"GI {gi_id}")
-        ci_profile = self.call("nvmlGpuInstanceGetComputeInstanceProfileInfo", gi, _CI_PROFILE.get(slices, 0),
-                               self.nvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+        gi, profile_id = self._full_ci(handle, gi_id, slices)
         count = ctypes.c_uint(0)
         array = (self.nvml.c_nvmlComputeInstance_t * MAX_INSTANCES)()
-        self.call("nvmlGpuInstanceGetComputeInstances", gi, int(ci_profile.id), array, ctypes.byref(count))
+        self.call("nvmlGpuInstanceGetComputeInstances", gi, profile_id, array, ctypes.byref(count))
         for i in range(count.value):
             self.call("nvmlComputeInstanceDestroy", array[i], what=f"GI {gi_id}")
         self.call("nvmlGpuInstanceDestroy", gi, what=f"GI {gi_id}")
