@@ -36,6 +36,7 @@ from vramshare.config import Config
 from vramshare.standins.apiserver import ApiServerDouble
 
 from .conftest import MEM, NODE, TWO_GPUS
+from .test_issue8_regressions import actual, bound_pod
 
 NAMES = contract.Names()
 Listed = tuple[str, str, list[tuple[str, list[tuple[str, str, Any]]]]]  # ns, name, [(container, [(res, id, numa)])]
@@ -81,23 +82,6 @@ def upstream(short_dir):
     double = UpstreamPodResources(os.path.join(short_dir, "upr", "kubelet.sock"))
     yield double
     double.stop()
-
-
-def bound_pod(api: ApiServerDouble, name: str, containers: dict[str, int], plan: dict[str, list[tuple[str, int]]]) -> dict:
-    return api.create_pod({
-        "metadata": {"name": name, "namespace": "default", "annotations": {
-            NAMES.assignment: json.dumps({c: [{"uuid": u, "mib": m} for u, m in g] for c, g in plan.items()}),
-            NAMES.assume_time: "100", NAMES.allocation_state: contract.STATE_ASSUMED}},
-        "spec": {"nodeName": NODE, "containers": [
-            {"name": c, "image": "vllm", "resources": {"limits": {MEM: str(n)}}} for c, n in containers.items()]},
-        "status": {"phase": "Pending"},
-    })
-
-
-def actual(api: ApiServerDouble, name: str) -> tuple[str | None, dict | None]:
-    ann = api.get_pod("default", name)["metadata"].get("annotations") or {}
-    text = ann.get(NAMES.assignment)
-    return ann.get(NAMES.allocation_state), (json.loads(text) if text else None)
 
 
 def cached(daemon: DevicePluginDaemon, api: ApiServerDouble, name: str) -> dict:

@@ -22,7 +22,7 @@ H100, A100 = load(MIXED)
 
 def bound_pod(api: ApiServerDouble, name: str, containers: dict[str, int], plan: dict[str, list[tuple[str, int]]],
               assume: int = 100) -> dict:
-    """A pod the extender bound to NODE with its plan (assumed)."""
+    """A pod the extender bound to NODE with its plan (assumed), written as the extender writes it."""
     return api.create_pod({
         "metadata": {"name": name, "namespace": "default", "annotations": {
             NAMES.assignment: json.dumps({c: [{"uuid": u, "mib": m} for u, m in g] for c, g in plan.items()}),
@@ -30,7 +30,7 @@ def bound_pod(api: ApiServerDouble, name: str, containers: dict[str, int], plan:
         "spec": {"nodeName": NODE, "containers": [
             {"name": c, "image": "vllm", "resources": {"limits": {MEM: str(n)}}} for c, n in containers.items()]},
         "status": {"phase": "Pending"},
-    })
+    }, manager=contract.FIELD_MANAGER_EXTENDER)
 
 
 def actual(api: ApiServerDouble, name: str) -> tuple[str | None, dict | None]:

@@ -119,10 +119,11 @@ class ApiServerDouble:
         namespace = (obj.get("metadata") or {}).get("namespace") if rtype.namespaced else None
         return copy.deepcopy(self._store.create(rtype, namespace, obj, keep_status=True))
 
-    def create_pod(self, pod: Obj) -> Obj:
-        """Create a pod; unlike a POST, a given ``status`` is kept (set-up may start pods Running)."""
+    def create_pod(self, pod: Obj, manager: str | None = None) -> Obj:
+        """Create a pod; unlike a POST, a given ``status`` is kept (set-up may start pods Running).
+        With ``manager`` the fields are recorded as that field manager's (e.g. the extender's plan)."""
         namespace = (pod.get("metadata") or {}).get("namespace") or "default"
-        return copy.deepcopy(self._store.create(PODS, namespace, pod, keep_status=True))
+        return copy.deepcopy(self._store.create(PODS, namespace, pod, keep_status=True, manager=manager))
 
     def get_node(self, name: str) -> Obj | None:
         return _copy_or_none(self._store.find(NODES, None, name))
