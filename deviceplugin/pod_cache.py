@@ -8,20 +8,14 @@ that ends resumes from the last resourceVersion; a ``410 Gone`` or a broken stre
 """
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any, Mapping
 
 from kubernetes import client
-from kubernetes.watch.watch import iter_resp_lines
 
-from deviceplugin.kube_adapter import TIMEOUT_S, read_json
-from vramshare import contract, logs
-from vramshare.retry import Backoff
-
-log = logs.get(__name__)
-
-GONE = 410
+from deviceplugin.kube_adapter import TIMEOUT_S
+from deviceplugin.raw_watch import RawWatch
+from vramshare import contract
 
 
 def _rv(pod: Mapping[str, Any]) -> int:
@@ -32,21 +26,17 @@ def _rv(pod: Mapping[str, Any]) -> int:
         return 0
 
 
-class _Gone(Exception):
-    pass
-
-
-class NodePodCache:
+class NodePodCache(RawWatch):
     """:class:`deviceplugin.allocator.PodSource` over a watch of the pods bound to one node."""
 
+    what = "pod watch"
+
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300) -> None:
+        super().__init__(watch_timeout_s, request_timeout_s=TIMEOUT_S)
         self._v1 = client.CoreV1Api(api)
         self._selector = f"spec.nodeName={node}"
-        self._watch_timeout = watch_timeout_s
-        self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._pods: dict[str, Mapping[str, Any]] = {}  # uid -> pod JSON
-        self._open: Any = None
         self.synced = threading.Event()
 
     # -- PodSource ---------------------------------------------------------------------------------
@@ -65,69 +55,17 @@ class NodePodCache:
                 return
         self._apply("MODIFIED", pod)
 
-    # -- the watch thread ----------------------------------------------------------------------------
-    def run(self, stop: threading.Event) -> None:
-        """Body of the ``pod-watch`` thread: list, then watch, until ``stop``."""
-        rv: str | None = None
-        delay = Backoff(0.2, 5.0)
-        while not stop.is_set():
-            try:
-                if rv is None:
-                    rv = self._relist()
-                rv = self._watch(rv)
-                delay.reset()
-            except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
-                if stop.is_set():
-                    return
-                log.warning("pod watch broken, relisting", error=f"{type(exc).__name__}: {exc}")
-                rv = None
-                if not isinstance(exc, _Gone):
-                    stop.wait(delay.next())
+    # -- the watch (the ``pod-watch`` thread runs :meth:`RawWatch.run`) ----------------------------------
+    def list_call(self, **kwargs: Any) -> Any:
+        return self._v1.list_pod_for_all_namespaces(field_selector=self._selector, **kwargs)
 
-    def stop(self) -> None:
-        self._stopping.set()  # a watch opened after this line sees it and ends at once
-        resp = self._open
-        if resp is not None:
-            try:
-                resp.shutdown()
-            except Exception:  # noqa: BLE001 - already closed
-                pass
-
-    def _relist(self) -> str:
-        resp: Any = self._v1.list_pod_for_all_namespaces(field_selector=self._selector, _preload_content=False,
-                                                         _request_timeout=TIMEOUT_S)
-        data = read_json(resp)
+    def on_list(self, doc: Mapping[str, Any]) -> None:
         with self._lock:
-            self._pods = {p["metadata"]["uid"]: p for p in data.get("items") or []}
+            self._pods = {p["metadata"]["uid"]: p for p in doc.get("items") or []}
         self.synced.set()
-        return str((data.get("metadata") or {}).get("resourceVersion", ""))
 
-    def _watch(self, rv: str) -> str:
-        resp: Any = self._v1.list_pod_for_all_namespaces(
-            field_selector=self._selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
-            timeout_seconds=self._watch_timeout, _preload_content=False,
-            _request_timeout=(TIMEOUT_S, self._watch_timeout + TIMEOUT_S))
-        self._open = resp
-        try:
-            if self._stopping.is_set():  # stop() ran while the request was on its way
-                return rv
-            for line in iter_resp_lines(resp):
-                if not line:
-                    continue
-                event = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == GONE:
-                        raise _Gone(obj.get("message", ""))
-                    raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message', '')}")
-                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
-                if kind != "BOOKMARK":
-                    self._apply(str(kind), obj)
-        finally:
-            self._open = None
-            resp.close()
-            resp.release_conn()
-        return rv
+    def on_event(self, kind: str, obj: Mapping[str, Any]) -> None:
+        self._apply(kind, obj)
 
     def _apply(self, kind: str, pod: Mapping[str, Any]) -> None:
         uid = (pod.get("metadata") or {}).get("uid")

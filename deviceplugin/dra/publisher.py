@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
 from deviceplugin.dra import slices
+from deviceplugin.raw_watch import RawWatch
 from vramshare import contract, logs
 from vramshare.inventory import InventoryError, NodeInventory
-from vramshare.retry import Backoff
 
 log = logs.get(__name__)
 
@@ -112,88 +111,36 @@ class SlicePublisher:
             self._generation, self._devices = None, None
 
 
-class _Gone(Exception):
-    """The watch's resourceVersion is too old (410): relist."""
-
-
-class SliceWatch:
+class SliceWatch(RawWatch):
     """List+watch of this node's slices of our driver; ``on_gone()`` when one of them is deleted, and
     after every relist (what happened while the watch was down is unknown). Raw JSON, no models."""
 
+    what = "slice watch"
+    wait_after_gone = True  # even a 410 never relists back to back
+
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names, on_gone: Callable[[], None],
                  watch_timeout_s: int = 300) -> None:
+        super().__init__(watch_timeout_s)
         self._resource = client.ResourceV1Api(api)
         self._selector = f"spec.nodeName={node},spec.driver={names.dra_driver}"
         self._on_gone = on_gone
-        self._timeout = watch_timeout_s
-        self._stopping = threading.Event()
-        self._open: Any = None
         self.deletions = 0  # slices seen deleted (by the kubelet's wipes, mostly)
 
-    def run(self, stop: threading.Event) -> None:
-        """Body of the ``slice-watch`` thread: list, then watch, until ``stop``."""
-        rv: str | None = None
-        backoff = Backoff(0.2, 5.0)
-        while not stop.is_set() and not self._stopping.is_set():
-            try:
-                if rv is None:
-                    rv = self._relist()
-                rv = self._watch(rv)
-                backoff.reset()
-            except ApiException as exc:
-                if exc.status == 403:  # an older RBAC without watch: the resync is all we have
-                    log.error("cannot watch resource slices; wiped slices return only at the resync "
-                              "(grant watch on resourceslices)", error=str(exc.reason))
-                    return
-                rv = None
-                self._broken(stop, exc, backoff.next())
-            except Exception as exc:  # noqa: BLE001 - 410, a broken stream or an outage: relist
-                rv = None
-                self._broken(stop, exc, backoff.next())
+    def list_call(self, **kwargs: Any) -> Any:
+        return self._resource.list_resource_slice(field_selector=self._selector, **kwargs)
 
-    def _broken(self, stop: threading.Event, exc: Exception, delay: float) -> None:
-        if not (stop.is_set() or self._stopping.is_set()):
-            log.warning("slice watch broken, relisting", error=f"{type(exc).__name__}: {exc}")
-            stop.wait(delay)
+    def keep_going(self, exc: Exception) -> bool:
+        if isinstance(exc, ApiException) and exc.status == 403:  # an older RBAC without watch
+            log.error("cannot watch resource slices; wiped slices return only at the resync "
+                      "(grant watch on resourceslices)", error=str(exc.reason))
+            return False
+        return True
 
-    def stop(self) -> None:
-        self._stopping.set()
-        resp = self._open
-        if resp is not None:
-            try:
-                resp.shutdown()
-            except Exception:  # noqa: BLE001 - already closed
-                pass
-
-    def _relist(self) -> str:
-        doc = _data(self._resource.list_resource_slice(field_selector=self._selector, _preload_content=False))
+    def on_list(self, doc: Mapping[str, Any]) -> None:
         self._on_gone()  # whatever happened meanwhile, the publisher compares and re-applies
-        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
 
-    def _watch(self, rv: str) -> str:
-        resp: Any = self._resource.list_resource_slice(
-            field_selector=self._selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
-            timeout_seconds=self._timeout, _preload_content=False)
-        self._open = resp
-        try:
-            if self._stopping.is_set():
-                return rv
-            for line in iter_resp_lines(resp):
-                if not line:
-                    continue
-                event = json.loads(line)
-                kind, obj = event.get("type"), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise _Gone(obj.get("message", ""))
-                    raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message', '')}")
-                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
-                if kind == "DELETED":
-                    self.deletions += 1
-                    log.info("resource slice deleted, republishing", slice=(obj.get("metadata") or {}).get("name"))
-                    self._on_gone()
-        finally:
-            self._open = None
-            resp.close()
-            resp.release_conn()
-        return rv
+    def on_event(self, kind: str, obj: Mapping[str, Any]) -> None:
+        if kind == "DELETED":
+            self.deletions += 1
+            log.info("resource slice deleted, republishing", slice=(obj.get("metadata") or {}).get("name"))
+            self._on_gone()
