@@ -29,7 +29,7 @@ from bisect import bisect_left, insort
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -46,8 +46,13 @@ Layout = tuple[mig.Placed, ...]
 Progress = Callable[[str], None]
 
 
+def card_of(openb_model: str) -> mig.MigModel:
+    """The MIG card an openb GPU model becomes (:data:`GPU_MAP`; an unknown model: A100 40GB)."""
+    return mig.MODELS[GPU_MAP.get(openb_model, "A100-SXM4-40GB")]
+
+
 def card(node: TraceNode) -> mig.MigModel:
-    return mig.MODELS[GPU_MAP.get(node.model, "A100-SXM4-40GB")]
+    return card_of(node.model)
 
 
 def ask(pod: TracePod, model: mig.MigModel) -> tuple[str, int] | None:
@@ -179,6 +184,13 @@ class MigRun:
                                               "by_profile")}
 
 
+def _states_for(cluster: Cluster, pod: TracePod) -> Iterator[tuple[State, mig.MigModel]]:
+    """The GPU states a single-GPU task may use (its model constraint), each with its card."""
+    for state in list(cluster.members):
+        if not pod.gpu_spec or state[0] in pod.gpu_spec:
+            yield state, card_of(state[0])
+
+
 def _weights_for(model: mig.MigModel, mix: Mapping[int, float]) -> tuple[tuple[str, float], ...]:
     return tuple(sorted((model.profiles[k].name, v) for k, v in mix.items()))
 
@@ -210,11 +222,8 @@ def _place_dynamic(cluster: Cluster, pod: TracePod, policy: str, mix: Mapping[in
     if pod.num_gpu > 1:
         return _place_dynamic_multi(cluster, pod, policy, mix)
     best: tuple | None = None
-    for state in list(cluster.members):
-        openb_model, layout, _held = state
-        if pod.gpu_spec and openb_model not in pod.gpu_spec:
-            continue
-        model = mig.MODELS[GPU_MAP.get(openb_model, "A100-SXM4-40GB")]
+    for state, model in _states_for(cluster, pod):
+        layout = state[1]
         profile = ask(pod, model)[0]  # type: ignore[index]
         option = _dynamic_options(cluster, layout, model, profile, policy, mix)
         if option is None:
@@ -309,11 +318,8 @@ def _place_static(cluster: Cluster, pod: TracePod) -> int:
         cluster.take_host(i, pod)
         return len(chosen)
     best: tuple | None = None
-    for state in list(cluster.members):
-        openb_model, layout, held = state
-        if pod.gpu_spec and openb_model not in pod.gpu_spec:
-            continue
-        model = mig.MODELS[GPU_MAP.get(openb_model, "A100-SXM4-40GB")]
+    for state, model in _states_for(cluster, pod):
+        _openb_model, layout, held = state
         need = model.profile(ask(pod, model)[0])  # type: ignore[index]
         fits = _fitting_instances(model, layout, held, need)
         if not fits:

@@ -10,18 +10,7 @@ from extender import accounting, cluster
 from vramshare import contract
 from vramshare.config import Config, ExtenderConfig, Policy
 from tests.extender import builders as b
-
-SEC = 1_000_000_000
-T0 = 1_700_000_000 * SEC
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> int:
-        return self.now
-
+from tests.extender.test_accounting import SEC, T0, Clock
 
 def _acct(clock: Clock) -> accounting.Accounting:
     a = accounting.Accounting(Config(extender=ExtenderConfig(policy=Policy.BINPACK)), clock)
