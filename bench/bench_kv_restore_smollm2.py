@@ -24,6 +24,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from vllm_patches.testing import write_quota  # noqa: E402
 OUT = os.path.join(HERE, "results", "kv_restore_smollm2.json")
 MIB = 1 << 20
 START_MIB = 300
@@ -33,12 +35,6 @@ PROMPTS = [
     "To make a cup of tea, first", "The chemical symbol for gold is",
     "In 1969, astronauts landed on", "The opposite of hot is",
 ]
-
-
-def write_quota(path: str, mib: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "", "limitMiB": mib}]}, fh)
-    os.replace(path + ".tmp", path)
 
 
 def batch(engine: Any, tag: str, on_step: Any = None) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""A tiny Llama with random (non-dummy) weights, for tests and benches that need real KV.
+"""A tiny Llama with random (non-dummy) weights, for tests and benches that need real KV; and the
+quota file those engines follow (:func:`write_quota`).
 
 vLLM's ``load_format="dummy"`` fills weights so that outputs hardly depend on the KV cache
 (restoring noise into a preempted request gave the same tokens), which makes a restore test that
@@ -12,6 +13,15 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+def write_quota(path: str, limits: int | dict[str, int], generation: int) -> None:
+    """The quota file at ``path`` as the node agent would leave it for the plugin to read: ``limits`` per
+    GPU UUID (an int: one GPU, no UUID), replaced atomically (temp + rename)."""
+    per_gpu = {"": limits} if isinstance(limits, int) else limits
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"generation": generation, "gpus": [{"uuid": u, "limitMiB": m} for u, m in per_gpu.items()]}, fh)
+    os.replace(path + ".tmp", path)
+
 
 TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,

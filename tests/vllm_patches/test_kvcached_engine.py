@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM engine: pip install -e '.[vllm]'")
 
 from tests.vllm_patches.kvcached_pool import load_kvcached, vllm_block_pool_class  # noqa: E402
+from vllm_patches.testing import write_quota  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -31,12 +32,6 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 BLOCK_SIZE = 32
 CELL = 8 * 64 * 2  # kvcached's cell: bytes per token per layer for K (8 KV heads x 64, bf16)
 START_MIB = 64
-
-
-def write_quota(path: str, mib: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "", "limitMiB": mib}]}, fh)
-    os.replace(path + ".tmp", path)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ run yet (no GPU on the CI machines). Free device memory is ``torch.cuda.mem_get_
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import time
 from importlib import metadata
@@ -19,6 +18,8 @@ import pytest
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 
 torch = pytest.importorskip("torch")
+
+from vllm_patches.testing import write_quota  # noqa: E402
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if importlib.util.find_spec("kvcached") is None:
@@ -26,12 +27,6 @@ if importlib.util.find_spec("kvcached") is None:
                 allow_module_level=True)
 
 MIB = 1 << 20
-
-
-def write_quota(path: str, mib: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "", "limitMiB": mib}]}, fh)
-    os.replace(path + ".tmp", path)
 
 
 def start_engine(tmp_path):  # noqa: ANN001, ANN201

@@ -3,7 +3,6 @@ the cap counts once, offered blocks equal the cap, a shrink under load completes
 memory back, and the generation it carried is acknowledged only then (issue 20, items 1, 2, 5)."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 from tests.vllm_patches.kvcached_pool import load_kvcached, make_engine
 from vllm_patches import engine_cap, metrics, release
 from vllm_patches import settings as qsettings
+from vllm_patches.testing import write_quota
 
 MIB = 1 << 20
 NUM_BLOCKS = 2048  # 32 MiB per layer and K/V: 2 layers x 2 x 16 pages of 2 MiB
@@ -28,12 +28,6 @@ def kvc():
     path = os.path.join("/dev/shm", os.environ.get("KVCACHED_IPC_NAME", ""))
     if os.path.basename(path).startswith("vramshare_test_") and os.path.exists(path):
         os.unlink(path)
-
-
-def write_quota(path: str, mib: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "", "limitMiB": mib}]}, fh)
-    os.replace(path + ".tmp", path)
 
 
 @pytest.fixture

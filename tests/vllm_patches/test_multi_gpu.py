@@ -5,13 +5,13 @@ are plain namespaces shaped like 0.32's; the CPU build cannot run TP/DP on this 
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
 
 from vllm_patches import engine_cap
 from vllm_patches import settings as qsettings
+from vllm_patches.testing import write_quota
 from vllm_patches.watcher import QuotaTracker
 
 MIB = 1 << 20
@@ -44,13 +44,6 @@ def parallel(tp: int = 1, pp: int = 1, dp: int = 1, dp_rank: int = 0) -> SimpleN
     return SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                            data_parallel_size=dp, data_parallel_size_local=dp,
                            data_parallel_rank=dp_rank, data_parallel_rank_local=dp_rank)
-
-
-def write_quota(path: str, limits: dict[str, int], generation: int) -> None:
-    doc = {"generation": generation, "gpus": [{"uuid": u, "limitMiB": m} for u, m in limits.items()]}
-    with open(path + ".tmp", "w") as fh:
-        json.dump(doc, fh)
-    os.replace(path + ".tmp", path)
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM engine: pip install -e '.[vllm]'")
 
+from vllm_patches.testing import write_quota  # noqa: E402
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning"),
@@ -29,20 +31,13 @@ CPU_SHM = "/dev/shm/vllm_dist_*-cpushm_*"
 RANK_BLOCK = 2 * 2 * 32 * 4 * 64 * 2  # K/V x layers x 32 tokens x 4 of 8 KV heads per rank x 64 x bf16
 
 
-def write_quota(path: str, a: int, b: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "GPU-a", "limitMiB": a},
-                                                      {"uuid": "GPU-b", "limitMiB": b}]}, fh)
-    os.replace(path + ".tmp", path)
-
-
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("tp2")
     (root / "m").mkdir()
     (root / "m" / "config.json").write_text(json.dumps(TINY))
     quota = str(root / "quota.json")
-    write_quota(quota, 40, 36, 1)  # GPU B is the tighter one at start
+    write_quota(quota, {"GPU-a": 40, "GPU-b": 36}, 1)  # GPU B is the tighter one at start
     env = {"VRAMSHARE_QUOTA_FILE": quota, "VRAMSHARE_GPU_UUIDS": "GPU-a,GPU-b",
            "VRAMSHARE_ACTIVATION_MIB": "4", "VRAMSHARE_QUOTA_POLL_S": "3600",
            "VRAMSHARE_VLLM_STATE_DIR": str(root / "state"), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -80,10 +75,10 @@ def test_tensor_parallel_engine_follows_each_gpus_quota(tp2) -> None:
     # the workers sized KV from their own GPU (A: 40, B: 36 MiB): vLLM kept B's, the tighter
     start_cap = ec.cap.cap
     assert ec.cap.quota_mib == 36 and start_cap == ec.cap.usable_blocks
-    write_quota(tp2["quota"], 40, 31, 2)  # B shrinks by 5 MiB
+    write_quota(tp2["quota"], {"GPU-a": 40, "GPU-b": 31}, 2)  # B shrinks by 5 MiB
     ec.watcher.poll_once()
     assert ec.cap.cap == start_cap - 5 * MIB // RANK_BLOCK
-    write_quota(tp2["quota"], 33, 36, 3)  # B back, A now the tighter by 3 MiB
+    write_quota(tp2["quota"], {"GPU-a": 33, "GPU-b": 36}, 3)  # B back, A now the tighter by 3 MiB
     ec.watcher.poll_once()
     assert ec.cap.cap == start_cap - 3 * MIB // RANK_BLOCK
     assert ec.generation_applied == 3

@@ -6,13 +6,14 @@ Needs the model: ``VRAMSHARE_SMOLLM2_DIR`` (a dir made by ``vllm_patches.testing
 or ``VRAMSHARE_SMOLLM2_GGUF`` plus the ``gguf`` package to make one; skipped otherwise. """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Iterator
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM engine: pip install -e '.[vllm]'")
+
+from vllm_patches.testing import write_quota  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -27,12 +28,6 @@ PROMPTS = [
     "To make a cup of tea, first", "The chemical symbol for gold is",
     "In 1969, astronauts landed on", "The opposite of hot is",
 ]
-
-
-def write_quota(path: str, mib: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "", "limitMiB": mib}]}, fh)
-    os.replace(path + ".tmp", path)
 
 
 @pytest.fixture(scope="module")
