@@ -228,13 +228,8 @@ def _via_proxy(args: argparse.Namespace) -> Obj:
     from vramshare import kube
     from vramshare.errors import UsageError
     ns, svc = args.namespace, args.service
-    try:
-        api = kube.user_client(getattr(args, "kubeconfig", None))
-    except Exception as exc:  # noqa: BLE001 - the kubernetes loader raises many kinds; all mean "no config"
-        raise UsageError(f"cannot load a kubeconfig ({exc}): pass --kubeconfig FILE, or --extender URL") from None
-    if api is None:
-        raise UsageError("no kubeconfig ($KUBECONFIG, ~/.kube/config): pass --kubeconfig FILE, or --extender URL "
-                         "(e.g. after kubectl -n vramshare-system port-forward svc/vramshare-extender 9402)")
+    api = kube.user_client_or_say(getattr(args, "kubeconfig", None), "pass --kubeconfig FILE, or --extender URL "
+                                  "(e.g. after kubectl -n vramshare-system port-forward svc/vramshare-extender 9402)")
     try:
         with api:
             return fetch_via_proxy(api, ns, svc, args.node)

@@ -12,7 +12,6 @@ from typing import Any, Callable, TextIO
 import orjson
 
 from vramshare import checks, install
-from vramshare.errors import UsageError
 
 Obj = dict[str, Any]
 
@@ -92,12 +91,7 @@ def judge(s: checks.Snapshot, dra: bool, pre: bool) -> list[checks.Line]:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     from vramshare import kube  # the kubernetes client loads in seconds: not for 'vramshare --help'
-    try:
-        api = kube.user_client(args.kubeconfig)
-    except Exception as exc:  # noqa: BLE001 - the kubernetes loader raises many kinds; all mean "no config"
-        raise UsageError(f"cannot load a kubeconfig ({exc}): pass --kubeconfig FILE") from None
-    if api is None:
-        raise UsageError("no kubeconfig ($KUBECONFIG, ~/.kube/config): pass --kubeconfig FILE")
+    api = kube.user_client_or_say(args.kubeconfig, "pass --kubeconfig FILE")
     with api:
         lines = judge(read(api, args.namespace, args.dra, args.pre), args.dra, args.pre)
     for line in lines:

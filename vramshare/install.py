@@ -199,13 +199,8 @@ def cluster_version(kubeconfig: str | None) -> str:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
     from vramshare import kube
-    try:
-        api = kube.user_client(kubeconfig)
-    except Exception as exc:  # noqa: BLE001 - the kubernetes loader raises many kinds; all mean "no config"
-        raise UsageError(f"cannot load a kubeconfig ({exc}); pass --kubernetes-version 1.33 when offline") from None
-    if api is None:
-        raise UsageError("no kubeconfig found ($KUBECONFIG, ~/.kube/config): pass --kubeconfig FILE, or "
-                         "--kubernetes-version 1.33 to render offline")
+    api = kube.user_client_or_say(kubeconfig, "pass --kubeconfig FILE, or --kubernetes-version 1.33 to render "
+                                  "offline")
     try:
         with api:
             return str(client.VersionApi(api).get_code(_request_timeout=10).git_version)

@@ -30,6 +30,19 @@ def user_client(kubeconfig: str | None) -> client.ApiClient | None:
     return api_client(None)
 
 
+def user_client_or_say(kubeconfig: str | None, fix: str) -> client.ApiClient:
+    """:func:`user_client` for a CLI command: a kubeconfig that does not load, or none at all, is a
+    :class:`vramshare.errors.UsageError` whose one line ends with ``fix`` (what to pass instead)."""
+    from vramshare.errors import UsageError
+    try:
+        api = user_client(kubeconfig)
+    except Exception as exc:  # noqa: BLE001 - the kubernetes loader raises many kinds; all mean "no config"
+        raise UsageError(f"cannot load a kubeconfig ({exc}): {fix}") from None
+    if api is None:
+        raise UsageError(f"no kubeconfig ($KUBECONFIG, ~/.kube/config): {fix}")
+    return api
+
+
 def api_client_for(host: str) -> client.ApiClient:
     """A client for a plain-HTTP API endpoint (the local API server stand-in used by tests and the demo)."""
     cfg = client.Configuration()
