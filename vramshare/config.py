@@ -82,6 +82,8 @@ BOUNDS: dict[str, Bound] = {
     "warmTier.scanIntervalSeconds": Bound(1, DAY_S, "how often the node rescans its model cache"),
     "warmTier.maxCacheEntries": Bound(1, 10_000_000, "directory entries one cache scan reads before it stops"),
     "warmTier.residencyMaxSteps": Bound(0, 10, "the residency bonus in steps of the policy's 0..10 score"),
+    "dynamicMig.graceSeconds": Bound(0, DAY_S, "how long an instance no container holds is kept (a restarting "
+                                     "pod's survives); a day at most"),
 }
 
 
@@ -266,6 +268,19 @@ class DraConfig:
 
 
 @dataclass(frozen=True)
+class DynamicMigConfig:
+    """Dynamic MIG (issue 24): GPUs in MIG mode listed in ``gpus`` (index or UUID; ``"all"``) get GPU
+    instances made for the pods that ask and destroyed ``grace_seconds`` after no container holds them.
+    Off by default: an admin's partitioning is left exactly as it is. MIG mode itself is never changed."""
+
+    gpus: tuple[str, ...] = ()
+    grace_seconds: float = 60.0
+
+    def allows(self, index: int, uuid: str) -> bool:
+        return "all" in self.gpus or uuid in self.gpus or str(index) in self.gpus
+
+
+@dataclass(frozen=True)
 class Config:
     version: str = VERSION
     resource_domain: str = contract.DEFAULT_DOMAIN
@@ -281,6 +296,7 @@ class Config:
     enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
     dra: DraConfig = field(default_factory=DraConfig)
     warm_tier: WarmTierConfig = field(default_factory=WarmTierConfig)
+    dynamic_mig: DynamicMigConfig = field(default_factory=DynamicMigConfig)
 
     @property
     def names(self) -> contract.Names:
@@ -305,8 +321,9 @@ _TOP_KEYS = {
     "gpuModes": "gpu_modes", "deviceListStrategy": "device_list_strategy",
     "quotaHostDir": "quota_host_dir",
     "health": "health", "extender": "extender", "quota": "quota", "enforcement": "enforcement",
-    "dra": "dra", "warmTier": "warm_tier",
+    "dra": "dra", "warmTier": "warm_tier", "dynamicMig": "dynamic_mig",
 }
+_DYNAMIC_MIG_KEYS = {"gpus": "gpus", "graceSeconds": "grace_seconds"}
 _REMOVED_KEYS = {"mpsEnforcement": "replaced by enforcement.mode: mps (which also mounts the MPS pipe and "
                                    "shared-memory directories a client needs; the old switch did not)"}
 _WARM_KEYS = {"enabled": "enabled", "modelCacheDir": "model_cache_dir", "scanIntervalSeconds": "scan_interval_seconds",
@@ -595,6 +612,7 @@ def config_from_dict(raw: Any) -> Config:
     return Config(
         dra=dra,
         warm_tier=_warm_config(top.get("warmTier")),
+        dynamic_mig=_dynamic_mig_config(top.get("dynamicMig")),
         version=VERSION,
         resource_domain=domain,
         memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB"),
@@ -739,6 +757,23 @@ def _dra_config(raw: Any) -> DraConfig:
         device_taints=_typed(r.get("deviceTaints", False), bool, "dra.deviceTaints"),
         cdi_root=_absolute(_typed(r.get("cdiRoot", d.cdi_root), str, "dra.cdiRoot"), "dra.cdiRoot"),
         state_dir=_absolute(_typed(r.get("stateDir", d.state_dir), str, "dra.stateDir"), "dra.stateDir"),
+    )
+
+
+def _gpu_list(raw: Any, key: str) -> tuple[str, ...]:
+    """``"all"`` or a list of GPU indexes or UUIDs (as ``dra.gpus``)."""
+    gpus = ["all"] if raw == "all" else raw
+    if not isinstance(gpus, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in gpus):
+        raise ConfigError(f"{key}: expected \"all\" or a list of GPU indexes or UUIDs, got {raw!r}")
+    return tuple(str(g) for g in gpus)
+
+
+def _dynamic_mig_config(raw: Any) -> DynamicMigConfig:
+    r = _check_keys(raw, _DYNAMIC_MIG_KEYS, "dynamicMig.")
+    d = DynamicMigConfig()
+    return DynamicMigConfig(
+        gpus=_gpu_list(r.get("gpus", []), "dynamicMig.gpus"),
+        grace_seconds=_typed(r.get("graceSeconds", d.grace_seconds), float, "dynamicMig.graceSeconds"),
     )
 
 
