@@ -105,7 +105,9 @@ def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[st
         elif g.mode is GpuMode.EXCLUSIVE:
             out.setdefault(names.gpu, []).append(
                 PluginDevice(g.uuid, g.uuid, g.numa_node, g.healthy, g.memory_mib))
-        elif g.dynamic_mig is not None:
+        elif g.dynamic_mig is not None:  # every profile keeps its resource: no re-registration per change
+            for p in mig.MODELS[g.dynamic_mig.table].profiles:
+                out.setdefault(names.mig(p.name), [])
             for profile, dev in placement_devices(g):
                 out.setdefault(names.mig(profile), []).append(dev)
         else:
