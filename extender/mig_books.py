@@ -18,12 +18,12 @@ Pure: numpy arrays of the slot table in, capacities out; no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from vramshare import mig, mig_plan
 
-if TYPE_CHECKING:
-    from extender.cluster import ClusterState, Slot
+ClusterState = Any  # extender.cluster.ClusterState, which imports this module (no cycle by annotation)
+Slot = Any  # extender.cluster.Slot
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class GpuGeometry:
     placements: tuple[Placement, ...]
 
 
-def geometry(slots: Sequence["Slot"]) -> dict[str, GpuGeometry]:
+def geometry(slots: Sequence[Slot]) -> dict[str, GpuGeometry]:
     """GPU UUID -> its geometry, for the dynamic-MIG slots among a node's slots (empty for most nodes)."""
     found: dict[str, tuple[str, list[mig.Placed], list[Placement]]] = {}
     for col, s in enumerate(slots):
@@ -65,7 +65,7 @@ def open_capacity(geo: GpuGeometry, used: Mapping[int, int]) -> dict[int, int]:
     return {p.col: p.capacity if (used.get(p.col, 0) > 0 or p.plan.placed in ok) else 0 for p in geo.placements}
 
 
-def reblock(state: "ClusterState", row: int, geo: Mapping[str, GpuGeometry]) -> None:
+def reblock(state: ClusterState, row: int, geo: Mapping[str, GpuGeometry]) -> None:
     """Set the capacities of a node's placement slots from what is booked on them now."""
     for g in geo.values():
         used = {p.col: int(state.used[row, p.col]) for p in g.placements}
@@ -78,7 +78,7 @@ def default_weights(table: mig.MigModel) -> dict[str, float]:
     return {p.name: 1.0 for p in table.profiles if not p.media}
 
 
-def refine(state: "ClusterState", node: str, kinds: Sequence[str], picks: list[list[tuple[str, int]]],
+def refine(state: ClusterState, node: str, kinds: Sequence[str], picks: list[list[tuple[str, int]]],
            weights: Mapping[str, float] | None = None) -> list[list[tuple[str, int]]]:
     """``picks`` with every dynamic-MIG placement re-chosen: per ask in order, the open placement of its
     profile (on any dynamic GPU of the node) whose :func:`vramshare.mig.placement_loss` is lowest, given

@@ -23,7 +23,6 @@ from extender.main import start_for_url
 from vramshare import contract, mig, mig_plan
 from vramshare.config import Config, DynamicMigConfig
 from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.demo import _wait
 from vramshare.standins.demo_args import pod_count
 from vramshare.standins.scheduler import SchedulerDriver
 from vramshare.standins.simnode import SimulatedNode
@@ -124,6 +123,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         _say(out, f"\nDemo finished in {time.monotonic() - t0:.1f} s: {len(placed)} of {len(pods)} pods got a "
                   "MIG partition.")
     return 0
+
+
+def _wait(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _uuids(text: str) -> list[str]:
