@@ -89,6 +89,12 @@ class SimulatedBackend:
             log.warning("simulated MIG instances fit no placement; the GPU stays static", gpu=gpu.uuid)
         return gpu if placed is None else dataclasses.replace(gpu, mig=tuple(placed))
 
+    def restarted(self) -> "SimulatedBackend":
+        """The same GPUs seen by a new process (a plugin restart): MIG instances made so far stay."""
+        again = SimulatedBackend(self._gpus)
+        again.mig_nvml = self.mig_nvml
+        return again
+
     def dynamic_mig_gpus(self) -> dict[str, tuple[Any, str, int]]:
         """GPU UUID -> (handle, NVML name, MiB) of every GPU :attr:`mig_nvml` cuts (DynamicMig's ``gpus``)."""
         cut = set(self.mig_nvml.gpus())

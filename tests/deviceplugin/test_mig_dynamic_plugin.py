@@ -110,3 +110,29 @@ def test_unheld_instances_are_reaped_held_and_busy_ones_never(start_plugin, kube
     assert left == {("1g.10gb", 4), ("1g.10gb", 5)}  # 3g@0 (unheld, admin's) and 1g@6 destroyed
     kubelet.wait_for(lambda: pid("3g.40gb", 0) in kubelet.healthy_ids(R3G), what="3g@0 free again")
     assert daemon.metrics.registry.get_sample_value("vramshare_mig_instances_destroyed_total", {"gpu": A100}) == 2.0
+
+
+def test_a_plugin_restart_between_create_and_answer_adopts_the_instance(start_plugin, kubelet, dynamic, backend):
+    """The instance was made but the plugin died before the kubelet got the answer: the kubelet retries
+    Allocate against the new process, which knows only what NVML shows and adopts it."""
+    first = start_plugin(dynamic)
+    made = kubelet.allocate(R3G, [pid("3g.40gb", 4)]).envs[contract.ENV_VISIBLE_DEVICES]
+    first.close()
+    second = start_plugin(dynamic, gpus=backend.restarted())
+    assert kubelet.allocate(R3G, [pid("3g.40gb", 4)]).envs[contract.ENV_VISIBLE_DEVICES] == made
+    assert len(backend.mig_nvml.layout(A100)) == 2
+    assert second.metrics.registry.get_sample_value("vramshare_mig_instances_adopted_total", {"gpu": A100}) == 1.0
+
+
+def test_a_failed_destroy_leaves_the_instance_and_the_next_round_removes_it(start_plugin, kubelet, dynamic, backend):
+    daemon = start_plugin(dynamic)
+    kubelet.allocate(R1G, [pid("1g.10gb", 4)])
+    daemon.mig.fresh_seconds = daemon.mig.dynamic.grace_seconds = 0.0
+    backend.mig_nvml.fail_next("destroy", "NVMLError_Unknown")
+    daemon.reconciler.run_once()
+    assert len(backend.mig_nvml.layout(A100)) == 1  # 3g@0 went first (gi 1), then 1g@4 failed: it stays
+    assert daemon.metrics.registry.get_sample_value(
+        "vramshare_mig_failures_total", {"gpu": A100, "reason": "NVMLError_Unknown"}) == 1.0
+    daemon.reconciler.run_once()
+    assert backend.mig_nvml.layout(A100) == []
+    kubelet.wait_for(lambda: pid("7g.80gb", 0) in kubelet.healthy_ids(R7G), what="the whole GPU creatable again")
