@@ -27,6 +27,8 @@ def test_the_demo_makes_adopts_refuses_and_reaps():
     assert "NVIDIA_VISIBLE_DEVICES=MIG-" in text and "VRAMSHARE_MEMORY_LIMIT_MIB=20480" in text
     assert "qwen2-14b" in text and "stays Pending" in text
     assert "MIG instances created: 2, adopted: 1" in text
+    assert "70.0 of 80.0 GiB used, 10.0 GiB free" in text  # /inspect counts the GPU once, booked partitions
+    assert "mig:2g.20gb  20.0   20.0  0.0   inference/bge-embedder" in text
     assert text.rstrip().endswith("3 of 4 pods got a MIG partition.")
     assert "is destroyed" in text and "instances now 3g.40gb@0+2g.20gb@4\n" in text
 

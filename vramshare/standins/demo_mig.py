@@ -19,6 +19,7 @@ from contextlib import ExitStack
 from typing import Any, TextIO
 
 from deviceplugin.simulated_backend import SimulatedBackend
+from extender import inspection
 from extender.main import start_for_url
 from vramshare import contract, mig, mig_plan
 from vramshare.config import Config, DynamicMigConfig
@@ -108,6 +109,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                       f"instances now {after}")
             api.set_pod_phase("inference", name, "Running")
             placed.append(name)
+        _say(out, "\nPer-GPU view from the extender (GET /inspect; one row per booked partition):")
+        _say(out, inspection.format_table(inspection.fetch(ext.url)).split("\n\n")[0])
         made = node.daemon.metrics.registry.get_sample_value
         _say(out, f"\nMIG instances created: {made('vramshare_mig_instances_created_total', {'gpu': H100}) or 0:.0f}, "
                   f"adopted: {made('vramshare_mig_instances_adopted_total', {'gpu': H100}) or 0:.0f}")
