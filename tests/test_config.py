@@ -299,3 +299,12 @@ def test_dynamic_mig_is_off_unless_the_admin_lists_the_gpus():
 def test_a_bad_dynamic_mig_section_is_refused_naming_the_key(doc, message):
     with pytest.raises(ConfigError, match=f"^{message}"):
         parse_config(doc)
+
+
+def test_a_reload_never_changes_which_gpus_dynamic_mig_may_cut():
+    """The reaper destroys unheld instances on the GPUs listed at start: a reload that withdrew a GPU
+    must not leave it in the reaper's hands while its devices vanish (nor add one Allocate cannot serve)."""
+    running = parse_config("dynamicMig: {gpus: [0]}")
+    kept, refused = config.keep_restart_only(running, parse_config("dynamicMig: {gpus: []}\nquota: {stepMiB: 256}"))
+    assert kept.dynamic_mig.gpus == ("0",) and kept.quota.step_mib == 256
+    assert [r.split(":")[0] for r in refused] == ["dynamicMig"] and "fixed at its start" in refused[0]

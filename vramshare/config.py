@@ -814,14 +814,17 @@ def node_limits(config: Config, inventory: NodeInventory) -> None:
 
 #: Keys whose change alters what existing device IDs mean (``<gpu>::<n>`` is the n-th unit of this
 #: size after this reserve): a live reload keeps the running value, a restart applies the new one.
-RESTART_ONLY = {"memoryUnitMiB": "memory_unit_mib", "reservedMiBPerGPU": "reserved_mib_per_gpu"}
+RESTART_ONLY = {"memoryUnitMiB": "memory_unit_mib", "reservedMiBPerGPU": "reserved_mib_per_gpu",
+                "dynamicMig": "dynamic_mig"}
+_RESTART_WHY = {"dynamicMig": "the GPUs whose MIG instances the plugin makes and destroys are fixed at its start"}
 
 
 def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
     """``new`` with the :data:`RESTART_ONLY` keys of ``running``, and a refusal per key that differed.
     The rest of the reload applies (issue 17 item 8)."""
-    refused = [f"{key}: {getattr(running, attr)} -> {getattr(new, attr)} refused on a live reload: device IDs "
-               f"already handed out name units of the running value; restart the plugin to apply it"
+    refused = [f"{key}: {getattr(running, attr)} -> {getattr(new, attr)} refused on a live reload: "
+               + _RESTART_WHY.get(key, "device IDs already handed out name units of the running value")
+               + "; restart the plugin to apply it"
                for key, attr in RESTART_ONLY.items() if getattr(running, attr) != getattr(new, attr)]
     if not refused:
         return new, []
