@@ -136,3 +136,15 @@ def test_a_failed_destroy_leaves_the_instance_and_the_next_round_removes_it(star
     daemon.reconciler.run_once()
     assert backend.mig_nvml.layout(A100) == []
     kubelet.wait_for(lambda: pid("7g.80gb", 0) in kubelet.healthy_ids(R7G), what="the whole GPU creatable again")
+
+
+def test_no_code_can_change_mig_mode_or_reset_a_gpu():
+    """The rule of issue 24 that no test of behaviour can prove by absence: nothing shipped names the NVML
+    calls that switch MIG mode or reset a GPU (a reset would kill every process on it)."""
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    forbidden = ("nvmlDeviceSetMigMode", "nvmlDeviceResetGpu", "nvmlDeviceClearEccErrorCounts", "--gpu-reset",
+                 "mig -e", "-mig 1", "-mig 0")
+    hits = [f"{p.relative_to(root)}: {word}" for pkg in ("deviceplugin", "extender", "vramshare", "vllm_patches")
+            for p in (root / pkg).rglob("*.py") for word in forbidden if word in p.read_text(encoding="utf-8")]
+    assert hits == []
