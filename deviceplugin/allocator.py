@@ -24,9 +24,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from deviceplugin import allocation, steering
 from deviceplugin.allocation import ContainerSpec, Refusal, RefusalKind
 from deviceplugin.metrics import PluginMetrics
+from deviceplugin.mig_dynamic import MigError
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota_files import QuotaFiles, allocation_key
-from vramshare import logs
+from vramshare import logs, mig_plan
 
 log = logs.get(__name__)
 
@@ -43,7 +44,8 @@ class Allocator:
 
     def __init__(self, state: NodeState, quota: QuotaFiles, metrics: PluginMetrics, node_name: str = "",
                  pods: PodSource | None = None, on_allocated: Callable[[], None] | None = None,
-                 recording: Callable[[], bool] | None = None) -> None:
+                 recording: Callable[[], bool] | None = None,
+                 make_mig: Callable[[str], str] | None = None) -> None:
         self._state = state
         self._quota = quota
         self._metrics = metrics
@@ -52,6 +54,7 @@ class Allocator:
         self._on_allocated = on_allocated
         self._recording = recording  # whether PodResources is read (None: no books to keep right)
         self._lock = threading.Lock()  # one quota write per allocation at a time
+        self.make_mig = make_mig  # dynamic MIG (issue 24): placement ID -> the MIG UUID of its made instance
 
     # -- GetPreferredAllocation ------------------------------------------------------------
     def preferred(self, resource: str, available: Sequence[str], must_include: Sequence[str],
@@ -90,6 +93,23 @@ class Allocator:
             self._on_allocated()
         return spec
 
+    def _made(self, shares: tuple[allocation.GpuShare, ...]) -> tuple[allocation.GpuShare, ...]:
+        """Dynamic MIG: each placement device becomes the instance made for it (the ID is the plan)."""
+        if not any(mig_plan.is_placement_id(s.uuid) for s in shares):
+            return shares
+        if self.make_mig is None:
+            raise Refusal(RefusalKind.PRECONDITION, "dynamic MIG is not on for this GPU on this node")
+        out = []
+        for s in shares:
+            if mig_plan.is_placement_id(s.uuid):
+                try:
+                    out.append(allocation.GpuShare(self.make_mig(s.uuid), s.mib))
+                except (MigError, mig_plan.PlanError) as exc:
+                    raise Refusal(RefusalKind.PRECONDITION, str(exc)) from None
+            else:
+                out.append(s)
+        return tuple(out)
+
     def _allocate(self, resource: str, ids: list[str]) -> tuple[ContainerSpec, dict[str, str]]:
         snap = self._state.snapshot
         devs = allocation.validate_request(ids, resource, snap.device_map(resource), snap.resource_of)
@@ -104,6 +124,7 @@ class Allocator:
                               f"PodResources is down, so where this container runs cannot be recorded, and {why}: "
                               "refusing rather than granting GPUs the scheduler's books would not show; "
                               "the pod's controller retries")
+        shares = self._made(shares)
         quota_dir = self._quota.allocation_dir(ids)
         with self._lock:
             try:

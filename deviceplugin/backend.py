@@ -22,6 +22,7 @@ class DiscoveredMig:
     memory_mib: int
     gi: int | None = None
     ci: int | None = None
+    start: int | None = None  # placement start (memory slot), when the backend reads it (dynamic MIG)
 
 
 @dataclass(frozen=True)

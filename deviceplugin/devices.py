@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AbstractSet, Iterable, Mapping, Sequence
 
-from deviceplugin.backend import DiscoveredGpu
-from vramshare import contract
+from deviceplugin.backend import DiscoveredGpu, DiscoveredMig
+from vramshare import contract, mig, mig_plan
 from vramshare.config import Config
-from vramshare.inventory import Gpu, GpuMode, MigInstance, NodeInventory, units_for
+from vramshare.inventory import DynamicMig, Gpu, GpuMode, MigInstance, NodeInventory, units_for
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,49 @@ def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
         gpu_ok = d.uuid not in unhealthy
         migs = tuple(
             MigInstance(uuid=m.uuid, profile=m.profile, memory_mib=m.memory_mib, gi=m.gi, ci=m.ci,
-                        healthy=gpu_ok and m.uuid not in unhealthy)
+                        healthy=gpu_ok and m.uuid not in unhealthy, start=m.start)
             for m in d.mig
         ) if mode is GpuMode.MIG else ()
+        dynamic = (dynamic_mig(d.model, d.memory_mib, d.mig)
+                   if mode is GpuMode.MIG and config.dynamic_mig.allows(d.index, d.uuid) else None)
         units = (units_for(d.memory_mib - d.reserved_mib, config.reserved_mib_per_gpu, config.memory_unit_mib)
                  if mode is GpuMode.SHARED else 0)
         gpus.append(Gpu(index=d.index, uuid=d.uuid, model=d.model, memory_mib=d.memory_mib,
-                        numa_node=d.numa_node, mode=mode, healthy=gpu_ok, mig=migs, units=units))
+                        numa_node=d.numa_node, mode=mode, healthy=gpu_ok, mig=migs, units=units,
+                        dynamic_mig=dynamic))
     return NodeInventory(unit_mib=config.memory_unit_mib, gpus=tuple(gpus), enforcement=config.enforcement.resolved)
+
+
+def dynamic_mig(model: str, memory_mib: int, instances: Sequence[DiscoveredMig]) -> DynamicMig | None:
+    """The dynamic-MIG view of a GPU the admin allows it on: its profile table, its instances with their
+    placements, and what could still be created. ``None`` (the GPU stays as the admin cut it) when the
+    model has no table here or the backend did not read where each instance sits."""
+    table = mig.model_of_profiles(model, memory_mib)
+    if table is None or any(m.start is None or m.profile not in table.names for m in instances):
+        return None
+    placed = [mig.Placed(m.start, m.profile) for m in instances if m.start is not None]
+    if mig.check_layout(table, placed):
+        return None
+    return DynamicMig(table.name, tuple((p.profile, p.start) for p in sorted(placed)),
+                      tuple((p.name, tuple(mig.free_starts(table, placed, p.name))) for p in table.profiles))
+
+
+def placement_devices(g: Gpu) -> list[tuple[str, PluginDevice]]:
+    """(profile, device) for a dynamic-MIG GPU: one device per placement where an instance of the profile
+    could be created now or exists (ID: :func:`vramshare.mig_plan.encode`). An existing instance keeps its
+    device while it lives, so what the kubelet granted never vanishes from its list."""
+    assert g.dynamic_mig is not None
+    table = mig.MODELS[g.dynamic_mig.table]
+    free = dict(g.dynamic_mig.free)
+    health = {(m.profile, m.start): m.healthy for m in g.mig}
+    out = []
+    for p in table.profiles:
+        for s in p.starts:
+            if s in free.get(p.name, ()) or (p.name, s) in health:
+                device_id = mig_plan.encode(mig_plan.MigPlacement(g.uuid, p.name, s))
+                ok = g.healthy and health.get((p.name, s), True)
+                out.append((p.name, PluginDevice(device_id, g.uuid, g.numa_node, ok, p.memory_mib)))
+    return out
 
 
 def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[str, tuple[PluginDevice, ...]]:
@@ -70,6 +105,11 @@ def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[st
         elif g.mode is GpuMode.EXCLUSIVE:
             out.setdefault(names.gpu, []).append(
                 PluginDevice(g.uuid, g.uuid, g.numa_node, g.healthy, g.memory_mib))
+        elif g.dynamic_mig is not None:  # every profile keeps its resource: no re-registration per change
+            for p in mig.MODELS[g.dynamic_mig.table].profiles:
+                out.setdefault(names.mig(p.name), [])
+            for profile, dev in placement_devices(g):
+                out.setdefault(names.mig(profile), []).append(dev)
         else:
             for m in g.mig:
                 out.setdefault(names.mig(m.profile), []).append(

@@ -33,6 +33,7 @@ from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
+from deviceplugin.mig_node import MigNode
 from deviceplugin.reconcile_loop import Reconciler
 from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
@@ -73,6 +74,10 @@ class DevicePluginDaemon:
         self.allocator = Allocator(self.state, quota, self.metrics, node_name, self.pods,
                                    on_allocated=self.reconciler.wake,
                                    recording=lambda: self.reconciler.recording)
+        self.mig = MigNode.build(backend, self.state, self.metrics.registry)  # issue 24; None: off
+        if self.mig is not None:
+            self.allocator.make_mig = self.mig.make
+            self.reconciler.on_held = self.mig.on_held
         self._reconcile_seconds = reconcile_seconds
         self._startup_sync_seconds = startup_sync_seconds
         self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,

@@ -76,6 +76,12 @@ class NodeState:
                     reason=event.reason)
         self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra))
 
+    def on_discovered(self, discovered: Sequence[DiscoveredGpu]) -> None:
+        """The GPUs were read again (a MIG instance was made or destroyed): lists follow what exists."""
+        with self._lock:
+            self._discovered = tuple(discovered)
+        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra))
+
     def on_config(self, config: Config) -> None:
         """A new config (SIGHUP or file change); modes and unit size may change the device lists."""
         self._swap(lambda s: _snapshot(self._discovered, config, self._unhealthy, self._dra))

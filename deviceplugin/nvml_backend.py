@@ -205,8 +205,29 @@ class NvmlBackend:
                 profile=self._mig_profile(handle, mig, gi, total),
                 memory_mib=int(self.call("nvmlDeviceGetMemoryInfo", mig).total) // MIB,
                 gi=gi, ci=int(self.call("nvmlDeviceGetComputeInstanceId", mig)),
+                start=self._mig_start(handle, gi),
             ))
         return tuple(migs)
+
+    def _mig_start(self, parent: Any, gi: int) -> int | None:
+        """The GPU instance's placement start (dynamic MIG needs it); None when it cannot be read."""
+        try:
+            info = self.call("nvmlGpuInstanceGetInfo", self.call("nvmlDeviceGetGpuInstanceById", parent, gi))
+            return int(info.placement.start)
+        except (self.nvml.NVMLError, AttributeError) as exc:
+            log.debug("mig placement unreadable; dynamic MIG stays off for this GPU", gi=gi, error=str(exc))
+            return None
+
+    # -- dynamic MIG (issue 24) -------------------------------------------------------------------
+    @property
+    def mig_nvml(self) -> Any:
+        """The dynamic-MIG calls over this backend's NVML (errors counted like every other call)."""
+        from deviceplugin.mig_nvml import NvmlMig
+        return NvmlMig(self.nvml, self.call)
+
+    def dynamic_mig_gpus(self) -> dict[str, tuple[Any, str, int]]:
+        """GPU UUID -> (handle, NVML name, MiB) of every GPU in MIG mode (DynamicMig's ``gpus``)."""
+        return {g.uuid: (h, g.model, g.memory_mib) for g, h in self.devices() if g.mig_enabled}
 
     def _mig_profile(self, parent: Any, mig: Any, gi: int, total: int) -> str:
         """The GI profile's name (``MIG 3g.40gb``); built from its slices and memory if it has none.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from deviceplugin import quota_files, reconcile
 from deviceplugin.kube_adapter import Conflict, DirectoryError, Gone
@@ -79,6 +79,7 @@ class Reconciler:
         self._warned: set[str] = set()
         self.alloc_dir_ttl_s = ALLOC_DIR_TTL_S
         self.rounds = 0
+        self.on_held: Callable[[list[reconcile.Held]], None] | None = None  # dynamic MIG's reaper
 
     def owners(self) -> dict[str, reconcile.Owner]:
         """Allocation key (quota directory name under ``_alloc``) -> the pod container holding it."""
@@ -111,6 +112,8 @@ class Reconciler:
             return
         self._up = True
         out.pod_resources = True
+        if self.on_held is not None:
+            self.on_held(held)
         if self._said_unavailable:
             log.info("PodResources answers again, reconciling")
             self._said_unavailable = False

@@ -10,6 +10,11 @@ Faults come in through methods, from any thread:
 * ``recover(uuid)``: it answers again;
 * ``fail_discover(times=2)``: the next ``discover()`` calls raise :class:`BackendError`.
 
+Its MIG GPUs of a model :mod:`vramshare.mig` has a table for are cut by :attr:`mig_nvml` (a
+:class:`~deviceplugin.simulated_mig.SimulatedMig`): the file's instances get placements, the device
+plugin's dynamic-MIG path creates and destroys instances through it, and ``discover()`` reports what
+exists now, as NVML would.
+
 Two optional attributes make a simulated node stand in for more: ``usage_replay`` (a
 ``simulated_usage.UsageReplay``) feeds the quota loop per-container use, and ``enforcement_facts``
 (an ``enforcement.NodeFacts``) says what the node's driver would offer, for mode detection.
@@ -22,9 +27,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import dataclasses
+
 from deviceplugin import health, inventory_file
 from deviceplugin.backend import BackendError, DiscoveredGpu, HealthCallback, HealthEvent
-from vramshare import logs
+from deviceplugin.simulated_mig import SimulatedMig
+from vramshare import logs, mig
 
 log = logs.get(__name__)
 
@@ -51,7 +59,8 @@ class SimulatedBackend:
     name = "simulated"
 
     def __init__(self, gpus: Sequence[DiscoveredGpu]) -> None:
-        self._gpus = list(gpus)
+        self.mig_nvml = SimulatedMig()
+        self._gpus = [self._cut(g) for g in gpus]
         self._lock = threading.Lock()
         self._faults: "queue.Queue[_Fault]" = queue.Queue()
         self._discover_failures: list[str] = []
@@ -73,6 +82,24 @@ class SimulatedBackend:
     def demo(cls) -> "SimulatedBackend":
         return cls.from_file(demo_inventory_path())
 
+    def _cut(self, gpu: DiscoveredGpu) -> DiscoveredGpu:
+        table = mig.model_for(gpu.model, gpu.memory_mib) if gpu.mig_enabled else None
+        placed = self.mig_nvml.add_gpu(gpu.uuid, table, gpu.mig) if table is not None else None
+        if table is not None and placed is None:
+            log.warning("simulated MIG instances fit no placement; the GPU stays static", gpu=gpu.uuid)
+        return gpu if placed is None else dataclasses.replace(gpu, mig=tuple(placed))
+
+    def restarted(self) -> "SimulatedBackend":
+        """The same GPUs seen by a new process (a plugin restart): MIG instances made so far stay."""
+        again = SimulatedBackend(self._gpus)
+        again.mig_nvml = self.mig_nvml
+        return again
+
+    def dynamic_mig_gpus(self) -> dict[str, tuple[Any, str, int]]:
+        """GPU UUID -> (handle, NVML name, MiB) of every GPU :attr:`mig_nvml` cuts (DynamicMig's ``gpus``)."""
+        cut = set(self.mig_nvml.gpus())
+        return {g.uuid: (g.uuid, g.model, g.memory_mib) for g in self._gpus if g.uuid in cut}
+
     # -- GpuBackend ------------------------------------------------------------------------
     def discover(self) -> list[DiscoveredGpu]:
         with self._lock:
@@ -81,7 +108,9 @@ class SimulatedBackend:
                 raise BackendError("simulated backend is closed")
             if self._discover_failures:
                 raise BackendError(self._discover_failures.pop(0))
-            return list(self._gpus)
+            cut = set(self.mig_nvml.gpus())
+            return [dataclasses.replace(g, mig=self.mig_nvml.discovered(g.uuid)) if g.uuid in cut else g
+                    for g in self._gpus]
 
     def watch_health(self, stop: threading.Event, on_event: HealthCallback,
                      ignored_xids: frozenset[int]) -> None:
@@ -131,7 +160,8 @@ class SimulatedBackend:
             gpu = next((g for g in self._gpus if g.uuid == uuid), None)
         if gpu is None:
             raise KeyError(f"no simulated GPU {uuid}")
-        if mig_uuid is not None and all(m.uuid != mig_uuid for m in gpu.mig):
+        migs = self.mig_nvml.discovered(uuid) if uuid in self.mig_nvml.gpus() else gpu.mig
+        if mig_uuid is not None and all(m.uuid != mig_uuid for m in migs):
             raise KeyError(f"GPU {uuid} has no MIG instance {mig_uuid}")
 
     @staticmethod

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from extender import accounting, apicalls, cluster, held_pick, holds, placement, translate, verbs, wire
+from extender import accounting, apicalls, cluster, held_pick, holds, mig_books, placement, translate, verbs, wire
 from vramshare import contract, logs, podspec
 from vramshare.config import Policy
 
@@ -183,7 +183,11 @@ class Binder:
             self.acct.release_unbound(key)  # a new bind supersedes any earlier assumption
 
             def policy_picks() -> list[list[tuple[str, int]]]:
-                return placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value, host)
+                picks = placement.pick(self.acct.state, translate.demands_of(asks), args.node, policy.value, host)
+                try:  # dynamic MIG: the placements the fragmentation term prefers, never overlapping
+                    return mig_books.refine(self.acct.state, args.node, [a.demand.kind for a in asks], picks)
+                except ValueError as exc:
+                    raise cluster.NoFit(str(exc)) from None
 
             try:
                 if need.plans:  # pods of its size are assumed here: only their GPUs keep steering unambiguous

@@ -17,6 +17,7 @@ from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
+from extender import mig_books
 from extender.memo import RowMemo
 from extender.slottable import EXCLUSIVE, MIG_PREFIX, NO_SLOT, SHARED, SlotTable
 from extender.workload import Shape, TargetWorkload, WorkloadWindow
@@ -39,6 +40,8 @@ class Slot:
     capacity: int = 0  # MiB live; 1000 in the simulator's share view; MIG = its memory
     healthy: bool = True
     index: int = 0  # GPU index on the node, for messages ("GPU 3")
+    mig_table: str = ""  # dynamic MIG (issue 24): the placement's profile table (vramshare.mig.MODELS)
+    mig_exists: bool = False  # dynamic MIG: an instance sits at this very placement now
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class ClusterState(SlotTable):
         self._fits: dict[tuple[tuple[Demand, ...], HostDemand], object] = {}  # valid for _fits_version
         self._fits_version = -1
         self._recent_rows: list[tuple[list[str], np.ndarray]] = []  # cleared when rows change hands
+        self._mig: dict[int, dict[str, mig_books.GpuGeometry]] = {}  # row -> dynamic-MIG GPUs (issue 24)
 
     # -- nodes ------------------------------------------------------------------------------
     def set_node(self, name: str, slots: Sequence[Slot]) -> None:
@@ -144,7 +148,23 @@ class ClusterState(SlotTable):
                     self._holders[(row, col)] = old_holders[s.uuid]
             self._uuids[s.uuid] = (row, col)
         self._slots[row] = list(slots)
+        geo = mig_books.geometry(slots)
+        if geo:
+            self._mig[row] = geo
+        else:
+            self._mig.pop(row, None)
+        self._reblock(row)
         self._touch(row)
+
+    def _reblock(self, row: int | None) -> None:
+        """Dynamic MIG: placements that overlap a booked or existing instance get no capacity."""
+        if row is not None and row in self._mig:
+            mig_books.reblock(self, row, self._mig[row])
+
+    def mig_geometry(self, node: str) -> dict[str, "mig_books.GpuGeometry"]:
+        """The node's dynamic-MIG GPUs (empty for most nodes)."""
+        row = self._rows.get(node)
+        return self._mig.get(row, {}) if row is not None else {}
 
     def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """Track a node's allocatable CPU and memory (live: ``status.allocatable``; simulator: the trace)."""
@@ -170,6 +190,7 @@ class ClusterState(SlotTable):
             self._uuids.pop(s.uuid, None)
             self._holders.pop((row, col), None)
         self._slots[row], self._names[row] = [], None
+        self._mig.pop(row, None)
         self.kind[row], self.capacity[row], self.used[row], self.healthy[row] = NO_SLOT, 0, 0, False
         self.cpu_cap[row] = self.cpu_used[row] = self.mem_cap[row] = self.mem_used[row] = 0
         self.host_tracked[row] = False
@@ -285,6 +306,7 @@ class ClusterState(SlotTable):
             holders = self._holders.setdefault((r, c), {})
             holders[key] = holders.get(key, 0) + amount
         self._pods[key] = _Pod(node, allocs, host)
+        self._reblock(row)
         self._touch(row)
 
     def remove_pod(self, key: str) -> None:
@@ -305,6 +327,7 @@ class ClusterState(SlotTable):
             self.cpu_used[row] -= pod.host.cpu_milli
             self.mem_used[row] -= pod.host.memory_mib
         if row is not None:
+            self._reblock(row)
             self._touch(row)
 
     def has_pod(self, key: str) -> bool:

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import orjson
 
 from extender import accounting
-from vramshare import contract
+from vramshare import contract, mig, mig_plan
 from vramshare.inventory import InventoryError, NodeInventory
 
 __all__ = ["render", "format_table", "run"]
@@ -97,8 +97,17 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
         tenants = _tenants(_mirrors(acct, acct.names))
     gpus: list[Obj] = []
     total = used = 0
+    dynamic: set[str] = set()
     for use in usage:
         s = use.slot
+        if s.mig_table:  # dynamic MIG (issue 24): the GPU counts once; only booked placements are rows
+            gpu = s.uuid.partition(mig_plan.SEPARATOR)[0]
+            if gpu not in dynamic:
+                dynamic.add(gpu)
+                total += mig.MODELS[s.mig_table].memory_mib
+            if not use.used:
+                continue
+            total -= s.capacity
         total, used = total + s.capacity, used + use.used
         gpus.append({
             "index": s.index, "uuid": s.uuid, "model": s.model, "kind": s.kind, "healthy": s.healthy,

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import orjson
 
 from extender import cluster
-from vramshare import contract, inventory, podspec, quantity
+from vramshare import contract, inventory, mig, mig_plan, podspec, quantity
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
            "demands_of", "Assignment", "Rider", "Signature", "signature_of", "container_signature",
@@ -43,7 +43,9 @@ def mig_kind(profile: str) -> str:
 def slots_from_inventory(inv: inventory.NodeInventory) -> list[cluster.Slot]:
     slots: list[cluster.Slot] = []
     for gpu in inv.gpus:
-        if gpu.mode is inventory.GpuMode.MIG:
+        if gpu.mode is inventory.GpuMode.MIG and gpu.dynamic_mig is not None and gpu.dynamic_mig.table in mig.MODELS:
+            slots.extend(placement_slots(gpu, gpu.dynamic_mig))
+        elif gpu.mode is inventory.GpuMode.MIG:
             slots.extend(
                 cluster.Slot(uuid=m.uuid, model=gpu.model, kind=mig_kind(m.profile), capacity=m.memory_mib,
                              healthy=gpu.healthy and m.healthy, index=gpu.index)
@@ -55,6 +57,19 @@ def slots_from_inventory(inv: inventory.NodeInventory) -> list[cluster.Slot]:
             slots.append(cluster.Slot(uuid=gpu.uuid, model=gpu.model, kind=SHARED,
                                       capacity=inv.capacity_mib(gpu), healthy=gpu.healthy, index=gpu.index))
     return slots
+
+
+def placement_slots(gpu: inventory.Gpu, dyn: inventory.DynamicMig) -> list[cluster.Slot]:
+    """Dynamic MIG (issue 24): one slot per profile per legal placement, named by the device plugin's
+    device ID for it; :mod:`extender.mig_books` gives capacity only to those a plan may take."""
+    table = mig.MODELS[dyn.table]
+    existing = set(dyn.instances)
+    sick = {(m.profile, m.start) for m in gpu.mig if not m.healthy}
+    return [cluster.Slot(uuid=mig_plan.encode(mig_plan.MigPlacement(gpu.uuid, p.profile, p.start)), model=gpu.model,
+                         kind=mig_kind(p.profile), capacity=table.profile(p.profile).memory_mib,
+                         healthy=gpu.healthy and (p.profile, p.start) not in sick, index=gpu.index,
+                         mig_table=table.name, mig_exists=(p.profile, p.start) in existing)
+            for p in mig.all_placements(table)]
 
 
 def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:

@@ -197,7 +197,7 @@ NUMERIC_KEYS = {  # every numeric key as a document path, and a value its consum
     "quota.ceilingFraction": 1.5, "quota.stepMiB": 512, "quota.marginMiB": 1024, "quota.kvPressure": 0.9,
     "quota.peakWindowTicks": 60, "quota.idleSeconds": 300.0, "enforcement.overLimitGraceSeconds": 60.0,
     "quota.startupTicks": 30, "warmTier.scanIntervalSeconds": 60.0, "warmTier.maxCacheEntries": 200000,
-    "warmTier.residencyMaxSteps": 0.9,
+    "warmTier.residencyMaxSteps": 0.9, "dynamicMig.graceSeconds": 60.0,
 }
 CLASS_KEYS = ("floorFraction", "ceilingFraction", "floorMiB", "ceilingMiB", "marginMiB", "idleSeconds",
               "lendingPriority")
@@ -279,3 +279,32 @@ def test_a_reload_keeps_the_unit_and_the_reserve_and_applies_the_rest():
     assert all("restart" in r for r in refused)
     assert config.keep_restart_only(running, parse_config("quota: {stepMiB: 256}")) == (
         parse_config("quota: {stepMiB: 256}"), [])
+
+
+# -- issue 24: the admin's switch for dynamic MIG ------------------------------------------------------
+def test_dynamic_mig_is_off_unless_the_admin_lists_the_gpus():
+    assert not Config().dynamic_mig.allows(0, "GPU-a")
+    cfg = parse_config("dynamicMig: {gpus: [3, GPU-b], graceSeconds: 30}")
+    assert cfg.dynamic_mig.allows(3, "GPU-x") and cfg.dynamic_mig.allows(0, "GPU-b")
+    assert not cfg.dynamic_mig.allows(0, "GPU-a") and cfg.dynamic_mig.grace_seconds == 30.0
+    assert parse_config("dynamicMig: {gpus: all}").dynamic_mig.allows(7, "GPU-z")
+
+
+@pytest.mark.parametrize("doc, message", [
+    ("dynamicMig: {gpus: yes}", "dynamicMig.gpus: expected"),
+    ("dynamicMig: {gpus: [true]}", "dynamicMig.gpus: expected"),
+    ("dynamicMig: {enable: true}", "dynamicMig.enable: unknown key"),
+    ("dynamicMig: {graceSeconds: -1}", "dynamicMig.graceSeconds: must be >= 0"),
+])
+def test_a_bad_dynamic_mig_section_is_refused_naming_the_key(doc, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        parse_config(doc)
+
+
+def test_a_reload_never_changes_which_gpus_dynamic_mig_may_cut():
+    """The reaper destroys unheld instances on the GPUs listed at start: a reload that withdrew a GPU
+    must not leave it in the reaper's hands while its devices vanish (nor add one Allocate cannot serve)."""
+    running = parse_config("dynamicMig: {gpus: [0]}")
+    kept, refused = config.keep_restart_only(running, parse_config("dynamicMig: {gpus: []}\nquota: {stepMiB: 256}"))
+    assert kept.dynamic_mig.gpus == ("0",) and kept.quota.step_mib == 256
+    assert [r.split(":")[0] for r in refused] == ["dynamicMig"] and "fixed at its start" in refused[0]

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dra", action="store_true",
                       help="the DRA path instead (Kubernetes 1.36+): DRA plugins, ResourceClaims, a stand-in "
                            "for kube-scheduler's DRA allocator and the kubelet's DRA manager")
+    demo.add_argument("--mig", action="store_true",
+                      help="dynamic MIG on the device-plugin path: the extender plans a partition, the device "
+                           "plugin makes it at Allocate and destroys it when the pod is gone")
 
     inst = sub.add_parser("install", help="print every manifest an install needs: | kubectl apply -f -",
                           description="Render deploy/ (the kustomize base, its components) with the image, namespace, "
@@ -221,6 +224,8 @@ def refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
         if args.quota and args.dra:
             raise UsageError("--quota and --dra are two different demos: run 'vramshare demo --quota' or "
                              "'vramshare demo --dra'")
+        if getattr(args, "mig", False) and (args.quota or args.dra):
+            raise UsageError("--mig is its own demo: run 'vramshare demo --mig' without --quota or --dra")
         if args.quota and args.pods is not None:
             raise UsageError("--pods does not apply to the quota demo (three tenants on one GPU): drop --pods")
         if args.pods is not None and args.pods < 1:

@@ -82,6 +82,8 @@ BOUNDS: dict[str, Bound] = {
     "warmTier.scanIntervalSeconds": Bound(1, DAY_S, "how often the node rescans its model cache"),
     "warmTier.maxCacheEntries": Bound(1, 10_000_000, "directory entries one cache scan reads before it stops"),
     "warmTier.residencyMaxSteps": Bound(0, 10, "the residency bonus in steps of the policy's 0..10 score"),
+    "dynamicMig.graceSeconds": Bound(0, DAY_S, "how long an instance no container holds is kept (a restarting "
+                                     "pod's survives); a day at most"),
 }
 
 
@@ -266,6 +268,19 @@ class DraConfig:
 
 
 @dataclass(frozen=True)
+class DynamicMigConfig:
+    """Dynamic MIG (issue 24): GPUs in MIG mode listed in ``gpus`` (index or UUID; ``"all"``) get GPU
+    instances made for the pods that ask and destroyed ``grace_seconds`` after no container holds them.
+    Off by default: an admin's partitioning is left exactly as it is. MIG mode itself is never changed."""
+
+    gpus: tuple[str, ...] = ()
+    grace_seconds: float = 60.0
+
+    def allows(self, index: int, uuid: str) -> bool:
+        return "all" in self.gpus or uuid in self.gpus or str(index) in self.gpus
+
+
+@dataclass(frozen=True)
 class Config:
     version: str = VERSION
     resource_domain: str = contract.DEFAULT_DOMAIN
@@ -281,6 +296,7 @@ class Config:
     enforcement: EnforcementConfig = field(default_factory=EnforcementConfig)
     dra: DraConfig = field(default_factory=DraConfig)
     warm_tier: WarmTierConfig = field(default_factory=WarmTierConfig)
+    dynamic_mig: DynamicMigConfig = field(default_factory=DynamicMigConfig)
 
     @property
     def names(self) -> contract.Names:
@@ -305,8 +321,9 @@ _TOP_KEYS = {
     "gpuModes": "gpu_modes", "deviceListStrategy": "device_list_strategy",
     "quotaHostDir": "quota_host_dir",
     "health": "health", "extender": "extender", "quota": "quota", "enforcement": "enforcement",
-    "dra": "dra", "warmTier": "warm_tier",
+    "dra": "dra", "warmTier": "warm_tier", "dynamicMig": "dynamic_mig",
 }
+_DYNAMIC_MIG_KEYS = {"gpus": "gpus", "graceSeconds": "grace_seconds"}
 _REMOVED_KEYS = {"mpsEnforcement": "replaced by enforcement.mode: mps (which also mounts the MPS pipe and "
                                    "shared-memory directories a client needs; the old switch did not)"}
 _WARM_KEYS = {"enabled": "enabled", "modelCacheDir": "model_cache_dir", "scanIntervalSeconds": "scan_interval_seconds",
@@ -595,6 +612,7 @@ def config_from_dict(raw: Any) -> Config:
     return Config(
         dra=dra,
         warm_tier=_warm_config(top.get("warmTier")),
+        dynamic_mig=_dynamic_mig_config(top.get("dynamicMig")),
         version=VERSION,
         resource_domain=domain,
         memory_unit_mib=_typed(top.get("memoryUnitMiB", d.memory_unit_mib), int, "memoryUnitMiB"),
@@ -742,6 +760,23 @@ def _dra_config(raw: Any) -> DraConfig:
     )
 
 
+def _gpu_list(raw: Any, key: str) -> tuple[str, ...]:
+    """``"all"`` or a list of GPU indexes or UUIDs (as ``dra.gpus``)."""
+    gpus = ["all"] if raw == "all" else raw
+    if not isinstance(gpus, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in gpus):
+        raise ConfigError(f"{key}: expected \"all\" or a list of GPU indexes or UUIDs, got {raw!r}")
+    return tuple(str(g) for g in gpus)
+
+
+def _dynamic_mig_config(raw: Any) -> DynamicMigConfig:
+    r = _check_keys(raw, _DYNAMIC_MIG_KEYS, "dynamicMig.")
+    d = DynamicMigConfig()
+    return DynamicMigConfig(
+        gpus=_gpu_list(r.get("gpus", []), "dynamicMig.gpus"),
+        grace_seconds=_typed(r.get("graceSeconds", d.grace_seconds), float, "dynamicMig.graceSeconds"),
+    )
+
+
 def _warm_config(raw: Any) -> WarmTierConfig:
     r = _check_keys(raw, _WARM_KEYS, "warmTier.")
     d = WarmTierConfig()
@@ -779,14 +814,17 @@ def node_limits(config: Config, inventory: NodeInventory) -> None:
 
 #: Keys whose change alters what existing device IDs mean (``<gpu>::<n>`` is the n-th unit of this
 #: size after this reserve): a live reload keeps the running value, a restart applies the new one.
-RESTART_ONLY = {"memoryUnitMiB": "memory_unit_mib", "reservedMiBPerGPU": "reserved_mib_per_gpu"}
+RESTART_ONLY = {"memoryUnitMiB": "memory_unit_mib", "reservedMiBPerGPU": "reserved_mib_per_gpu",
+                "dynamicMig": "dynamic_mig"}
+_RESTART_WHY = {"dynamicMig": "the GPUs whose MIG instances the plugin makes and destroys are fixed at its start"}
 
 
 def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
     """``new`` with the :data:`RESTART_ONLY` keys of ``running``, and a refusal per key that differed.
     The rest of the reload applies (issue 17 item 8)."""
-    refused = [f"{key}: {getattr(running, attr)} -> {getattr(new, attr)} refused on a live reload: device IDs "
-               f"already handed out name units of the running value; restart the plugin to apply it"
+    refused = [f"{key}: {getattr(running, attr)} -> {getattr(new, attr)} refused on a live reload: "
+               + _RESTART_WHY.get(key, "device IDs already handed out name units of the running value")
+               + "; restart the plugin to apply it"
                for key, attr in RESTART_ONLY.items() if getattr(running, attr) != getattr(new, attr)]
     if not refused:
         return new, []

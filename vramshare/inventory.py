@@ -52,6 +52,20 @@ class MigInstance:
     gi: int | None = None
     ci: int | None = None
     healthy: bool = True
+    start: int | None = None  # placement start, published for dynamic-MIG GPUs (additive)
+
+
+@dataclass(frozen=True)
+class DynamicMig:
+    """A GPU in MIG mode whose admin allows dynamic MIG (issue 24; optional, additive within v1).
+
+    ``table`` names the profile table (:data:`vramshare.mig.MODELS`); ``instances`` are the GPU
+    instances NVML shows, ``(profile, placement start)``; ``free`` is, per profile, the starts where
+    one more could be created now (NVML's possible placements minus what the instances take)."""
+
+    table: str
+    instances: tuple[tuple[str, int], ...] = ()
+    free: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class Gpu:
     healthy: bool = True
     mig: tuple[MigInstance, ...] = ()
     units: int = 0  # gpu-memory devices this GPU offers (0 unless mode is shared)
+    dynamic_mig: DynamicMig | None = None  # set when instances may be made for pods (mode is mig)
 
     def with_health(self, healthy: bool) -> "Gpu":
         return replace(self, healthy=healthy)
@@ -191,13 +206,54 @@ def _inventory_doc(inv: NodeInventory) -> dict[str, Any]:
                 "units": g.units,
                 "mig": [
                     {"uuid": m.uuid, "profile": m.profile, "memoryMiB": m.memory_mib,
-                     "gi": m.gi, "ci": m.ci, "healthy": m.healthy}
+                     "gi": m.gi, "ci": m.ci, "healthy": m.healthy,
+                     **({"start": m.start} if m.start is not None else {})}
                     for m in g.mig
                 ],
+                **({"dynamicMig": _dynamic_doc(g.dynamic_mig)} if g.dynamic_mig is not None else {}),
             }
             for g in inv.gpus
         ],
     }
+
+
+def _dynamic_doc(d: DynamicMig) -> dict[str, Any]:
+    return {"table": d.table, "instances": [{"profile": p, "start": s} for p, s in d.instances],
+            "free": {p: list(starts) for p, starts in d.free}}
+
+
+_MIG_SLOTS = 8  # memory slots of a MIG GPU (vramshare.mig.MEMORY_SLOTS; inventory stays free of it)
+_MAX_PROFILES = 16
+
+
+def _dynamic_from(raw: Any, where: str) -> DynamicMig | None:
+    """The optional ``dynamicMig`` of a GPU, strict: a publisher that writes it writes it right."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InventoryError(f"{where}: expected an object")
+    table = _need(raw, "table", str, where)
+    if len(table) > 64:
+        raise InventoryError(f"{where}.table: longer than 64 characters")
+    inst = raw.get("instances") or []
+    if not isinstance(inst, list) or len(inst) > _MIG_SLOTS:
+        raise InventoryError(f"{where}.instances: expected a list of at most {_MIG_SLOTS} instances")
+    instances = []
+    for j, i in enumerate(inst):
+        if not isinstance(i, dict):
+            raise InventoryError(f"{where}.instances[{j}]: expected an object")
+        instances.append((_need(i, "profile", str, f"{where}.instances[{j}]"),
+                          _int(i, "start", f"{where}.instances[{j}]", 0, _MIG_SLOTS - 1)))
+    free_raw = raw.get("free") or {}
+    if not isinstance(free_raw, dict) or len(free_raw) > _MAX_PROFILES:
+        raise InventoryError(f"{where}.free: expected an object of at most {_MAX_PROFILES} profiles")
+    free = []
+    for p, starts in sorted(free_raw.items()):
+        if (not isinstance(starts, list) or len(starts) > _MIG_SLOTS
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _MIG_SLOTS for x in starts)):
+            raise InventoryError(f"{where}.free.{p}: expected a list of memory slots 0..{_MIG_SLOTS - 1}")
+        free.append((p, tuple(starts)))
+    return DynamicMig(table, tuple(instances), tuple(free))
 
 
 MAX_MIB = 1 << 24  # 16 TiB: more memory than any GPU (or unit) has; larger values are corrupt
@@ -267,6 +323,7 @@ def inventory_from_dict(data: Any) -> NodeInventory:
                 uuid=_need(m, "uuid", str, mw), profile=_need(m, "profile", str, mw),
                 memory_mib=_int(m, "memoryMiB", mw, 0, MAX_MIB), gi=_int(m, "gi", mw, 0, 1 << 16, default=None),
                 ci=_int(m, "ci", mw, 0, 1 << 16, default=None), healthy=_bool(m, "healthy", mw),
+                start=_int(m, "start", mw, 0, _MIG_SLOTS - 1, default=None),
             ))
         memory = _int(g, "memoryMiB", where, 0, MAX_MIB)
         # An older writer may not publish units: derive them, never read a shared GPU as 0 units.
@@ -276,6 +333,7 @@ def inventory_from_dict(data: Any) -> NodeInventory:
             model=_need(g, "model", str, where), memory_mib=memory,
             numa_node=numa, mode=mode, healthy=_bool(g, "healthy", where), mig=tuple(migs),
             units=_int(g, "units", where, 0, memory // unit, default=derived),
+            dynamic_mig=_dynamic_from(g.get("dynamicMig"), f"{where}.dynamicMig") if mode is GpuMode.MIG else None,
         ))
     enforcement = None
     if data.get("enforcement") is not None:

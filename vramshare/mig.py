@@ -248,8 +248,49 @@ def layout_name(layout: Iterable[Placed]) -> str:
     return "+".join(f"{p.profile}@{p.start}" for p in sorted(layout)) or "(empty)"
 
 
+def fit_layout(model: MigModel, profiles: Sequence[str]) -> list[Placed] | None:
+    """Starts for ``profiles`` (as an admin lists them, e.g. ``nvidia-smi mig -cgi 3g.40gb,2g.20gb``) that
+    check_layout accepts, the first found trying starts in order; None when no placement holds them all.
+
+    First-free-start is not enough: on an 80 GB card ``3g.40gb,2g.20gb,1g.10gb,1g.10gb`` fits only with
+    the 3g at slot 4 (the 1g profiles cannot start at slot 7)."""
+    order = sorted(profiles, key=lambda n: -model.profile(n).memory_slots)
+
+    def place(i: int, layout: list[Placed]) -> list[Placed] | None:
+        if i == len(order):
+            return layout
+        for s in free_starts(model, layout, order[i]):
+            found = place(i + 1, [*layout, Placed(s, order[i])])
+            if found is not None:
+                return found
+        return None
+
+    return place(0, [])
+
+
+def open_placements(model: MigModel, existing: Sequence[Placed], planned: Sequence[Placed]) -> set[Placed]:
+    """The placements a new plan may take beside ``existing`` instances (what NVML shows) and ``planned``
+    ones (chosen for pods, maybe not created yet): every free start of every profile, plus each existing
+    instance no plan holds (a plan at its very placement adopts it). The books of the extender block
+    every other placement, so two plans never overlap, whether or not their instances exist yet."""
+    layout = list(dict.fromkeys([*existing, *planned]))
+    out = {Placed(s, p.name) for p in model.profiles for s in free_starts(model, layout, p.name)}
+    return out | (set(existing) - set(planned))
+
+
+def all_placements(model: MigModel) -> list[Placed]:
+    """Every profile at every legal start (what a GPU could ever offer; NVIDIA's DRA driver advertises
+    exactly this set as partitionable devices)."""
+    return [Placed(s, p.name) for p in model.profiles for s in p.starts]
+
+
+def model_of_profiles(device_name: str, memory_mib: int) -> MigModel | None:
+    """:func:`model_for`, also for the table names themselves (``A100-SXM4-80GB``) as inventories carry."""
+    return MODELS.get(device_name) or model_for(device_name, memory_mib)
+
+
 __all__ = [
-    "COMPUTE_SLICES", "MEMORY_SLOTS", "MODELS", "MigModel", "MigProfile", "Placed", "check_layout",
-    "creatable", "free_starts", "layout_name", "maximal_layouts", "model_for", "placement_loss", "potential",
+    "COMPUTE_SLICES", "MEMORY_SLOTS", "MODELS", "MigModel", "MigProfile", "Placed", "all_placements",
+    "check_layout", "creatable", "fit_layout", "free_starts", "model_of_profiles", "open_placements", "layout_name", "maximal_layouts", "model_for", "placement_loss", "potential",
     "smallest_fitting",
 ]

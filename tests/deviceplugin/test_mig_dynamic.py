@@ -156,3 +156,31 @@ def test_a_crash_after_any_change_leaks_or_doubles_nothing(function: str, n: int
             node = _node(fake, clock)  # a new process: it knows only what NVML shows; step i is retried
     assert crashed
     assert _layout(fake) == [("1g.20gb", 0, 1), ("2g.20gb", 4, 1)]
+
+
+def test_the_nvml_backend_reads_placements_and_serves_the_node_path() -> None:
+    """Issue 24: the NVML backend reports each instance's placement start, so a GPU the admin allows
+    gets dynamicMig in the inventory, and the daemon's MigNode makes plans through the same NVML calls."""
+    import dataclasses
+
+    from deviceplugin.mig_node import MigNode
+    from deviceplugin.nvml_backend import NvmlBackend
+    from deviceplugin.node_state import NodeState
+    from prometheus_client import CollectorRegistry
+    from vramshare import mig_plan
+    from vramshare.config import Config, DynamicMigConfig
+
+    fake = MigFakeNvml()
+    backend = NvmlBackend(nvml=fake, sysfs_root="/nonexistent")
+    _node(fake, Clock()).ensure(MigPlan(GPU, "3g.40gb", 0))  # the admin's instance
+    [gpu] = backend.discover()
+    assert [(m.profile, m.start) for m in gpu.mig] == [("3g.40gb", 0)]
+    config = dataclasses.replace(Config(), dynamic_mig=DynamicMigConfig(gpus=("all",)))
+    state = NodeState(backend.discover(), config)
+    assert state.snapshot.inventory.gpus[0].dynamic_mig.instances == (("3g.40gb", 0),)
+    node = MigNode.build(backend, state, CollectorRegistry())
+    assert node is not None
+    made = node.make(mig_plan.encode(mig_plan.MigPlacement(GPU, "2g.20gb", 4)))
+    assert made.startswith("MIG-") and _layout(fake) == [("2g.20gb", 4, 1), ("3g.40gb", 0, 1)]
+    assert ("2g.20gb", 4) in state.snapshot.inventory.gpus[0].dynamic_mig.instances  # rediscovered
+    assert MigNode.build(backend, NodeState(backend.discover(), Config()), CollectorRegistry()) is None

@@ -94,6 +94,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if getattr(args, "dra", False):  # the DRA path (Kubernetes 1.36+): its own module
         from vramshare.standins import demo_dra
         return demo_dra.run(args, out)
+    if getattr(args, "mig", False):  # dynamic MIG on the device-plugin path (issue 24): its own module
+        from vramshare.standins import demo_mig
+        return demo_mig.run(args, out)
     out = out or sys.stdout
     t0 = time.monotonic()
     if not getattr(args, "verbose", False):  # the narration says what happened; logs on request

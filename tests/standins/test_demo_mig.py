@@ -1,0 +1,39 @@
+"""``vramshare demo --mig`` (issue 24): a pod gets a MIG partition made for it, end to end.
+
+The real extender plans, the stand-in kubelet allocates the steered device over gRPC, the real device
+plugin makes the instance on the simulated MIG GPU, and a deleted pod's instance is destroyed.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+from vramshare import cli
+from vramshare.errors import UsageError
+from vramshare.standins import demo_mig
+
+
+def test_the_demo_makes_adopts_refuses_and_reaps():
+    out = io.StringIO()
+    assert demo_mig.run(argparse.Namespace(pods=None, verbose=False), out) == 0
+    text = out.getvalue()
+    assert "instances now: 3g.40gb@0 (the admin's)" in text
+    # the fragmentation term puts the 1g at slot 6, which keeps the 2g.20gb at slot 4 creatable
+    assert "1g.10gb at memory slot 6" in text and "partition made for it: instances now 3g.40gb@0+1g.10gb@6" in text
+    assert "partition adopted (it existed)" in text
+    assert "instances now 3g.40gb@0+2g.20gb@4+1g.10gb@6" in text
+    assert "NVIDIA_VISIBLE_DEVICES=MIG-" in text and "VRAMSHARE_MEMORY_LIMIT_MIB=20480" in text
+    assert "qwen2-14b" in text and "stays Pending" in text
+    assert "MIG instances created: 2, adopted: 1" in text
+    assert "70.0 of 80.0 GiB used, 10.0 GiB free" in text  # /inspect counts the GPU once, booked partitions
+    assert "mig:2g.20gb  20.0   20.0  0.0   inference/bge-embedder" in text
+    assert text.rstrip().endswith("3 of 4 pods got a MIG partition.")
+    assert "is destroyed" in text and "instances now 3g.40gb@0+2g.20gb@4\n" in text
+
+
+def test_mig_is_its_own_demo():
+    args = cli.build_parser().parse_args(["demo", "--mig", "--dra"])
+    with pytest.raises(UsageError, match="--mig is its own demo"):
+        cli.refuse_flags_that_do_not_apply(args)
