@@ -38,7 +38,7 @@ class EnforcementMode(str, enum.Enum):
     COOPERATIVE = "cooperative"  # nothing fences: the quota file, plus over-limit detection
 
 
-class InventoryError(ValueError):
+class InventoryError(contract.ContractError):
     """An inventory annotation or file that cannot be read; the message names the bad field."""
 
 
@@ -125,6 +125,9 @@ class NodeInventory:
 
     @classmethod
     def from_json(cls, text: str) -> "NodeInventory":
+        """Bounded (:data:`MAX_CHARS`) and strict; readers call it as :func:`vramshare.contract.inventory.parse`."""
+        if isinstance(text, (str, bytes)) and len(text) > MAX_CHARS:
+            raise InventoryError(f"inventory is not JSON: {len(text)} characters, more than {MAX_CHARS}")
         try:
             data = json.loads(text)
         except (TypeError, json.JSONDecodeError) as exc:
@@ -200,6 +203,7 @@ def _inventory_doc(inv: NodeInventory) -> dict[str, Any]:
     }
 
 
+MAX_CHARS = 256 * 1024  # an annotation value can be no longer (the API server's limit for all of them)
 MAX_MIB = 1 << 24  # 16 TiB: more memory than any GPU (or unit) has; larger values are corrupt
 MAX_GPUS = 1024
 _MISSING = object()
