@@ -18,7 +18,8 @@ import orjson
 from extender import accounting
 from vramshare import contract
 from vramshare.contract import quota_mib
-from vramshare.inventory import InventoryError, NodeInventory
+from vramshare.contract import inventory as contract_inventory
+from vramshare.inventory import InventoryError
 
 __all__ = ["render", "format_table", "run"]
 
@@ -28,7 +29,7 @@ Obj = dict[str, Any]
 def _enforcement(annotation: str | None) -> str | None:
     """The node's GPU memory enforcement mode from its inventory (optional field, issue 9)."""
     try:
-        mode = NodeInventory.from_json(annotation).enforcement if annotation else None
+        mode = contract_inventory.parse(annotation).enforcement if annotation else None
     except InventoryError:
         return None
     return mode.value if mode else None

@@ -22,6 +22,7 @@ from extender import cluster
 from vramshare import contract, inventory, podspec, quantity
 from vramshare.contract import assignment
 from vramshare.contract.assignment import AssignedGpu
+from vramshare.contract import inventory as contract_inventory
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
            "demands_of", "Assignment", "Rider", "Signature", "signature_of", "container_signature",
@@ -64,7 +65,7 @@ def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
     if text is None:
         return None
     try:
-        return slots_from_inventory(inventory.NodeInventory.from_json(text))
+        return slots_from_inventory(contract_inventory.parse(text))
     except inventory.InventoryError as exc:
         raise TranslateError(f"node {meta.get('name', '?')}: annotation {names.inventory}: {exc}") from None
 
@@ -76,7 +77,7 @@ def node_models(node: Obj, names: contract.Names) -> tuple[inventory.ResidentMod
     if not text:
         return ()
     try:
-        return inventory.NodeInventory.from_json(text).models
+        return contract_inventory.parse(text).models
     except inventory.InventoryError:
         return ()
 
