@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from vramshare import contract
+from vramshare.contract._json import load
 
 
 class GpuMode(str, enum.Enum):
@@ -126,13 +127,7 @@ class NodeInventory:
     @classmethod
     def from_json(cls, text: str) -> "NodeInventory":
         """Bounded (:data:`MAX_CHARS`) and strict; readers call it as :func:`vramshare.contract.inventory.parse`."""
-        if isinstance(text, (str, bytes)) and len(text) > MAX_CHARS:
-            raise InventoryError(f"inventory is not JSON: {len(text)} characters, more than {MAX_CHARS}")
-        try:
-            data = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as exc:
-            raise InventoryError(f"inventory is not JSON: {exc}") from exc
-        return inventory_from_dict(data)
+        return inventory_from_dict(load(text, MAX_CHARS, InventoryError, "inventory"))
 
 
 def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:

@@ -10,7 +10,7 @@ Keys are short because it is on every pod. Unknown keys are ignored when read (i
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from vramshare.contract._json import ContractError, dump, is_int, load
 
@@ -105,23 +105,30 @@ def to_doc(entry: MirrorEntry) -> dict[str, Any]:
     return doc
 
 
+def encode_mirror(mirror: Mapping[str, Sequence[MirrorEntry]]) -> str:
+    """The annotation text of parsed entries, in the order given; what :func:`parse` refuses raises
+    :class:`QuotaMirrorError` (one definition of valid)."""
+    text = dump({c: [to_doc(e) for e in entries] for c, entries in mirror.items()})
+    parse(text)
+    return text
+
+
 def encode(quotas: Mapping[str, Mapping[str, int]], states: Mapping[str, str] | None = None,
            details: Mapping[str, Mapping[str, Mapping[str, object]]] | None = None) -> str:
-    """The annotation from the loop's view: ``quotas`` {container: {gpu uuid: limit MiB}}, ``states``
+    """The annotation from the quota loop's view: ``quotas`` {container: {gpu uuid: limit MiB}}, ``states``
     {container: warmth}, ``details`` {container: {gpu uuid: {class, req, floor, used, why, sleep, lent,
-    wakeS}}}; containers and GPUs sorted. Raises :class:`QuotaMirrorError` for what :func:`parse` refuses
-    or a detail key it does not know (a typo would be silently dropped by every reader)."""
+    wakeS}}}; containers and GPUs sorted. Raises :class:`QuotaMirrorError` for a detail key it does not
+    know (a typo would be dropped by every reader) or a value :func:`parse` refuses."""
     st, more = states or {}, details or {}
-    doc = {}
+    mirror: dict[str, list[MirrorEntry]] = {}
     for c, gpus in sorted(quotas.items()):
-        rows = []
         for u, mib in sorted(gpus.items()):
             extra = dict(more.get(c, {}).get(u) or {})
             unknown = set(extra) - _DETAIL_KEYS
             if unknown:
                 raise QuotaMirrorError(f"quota-mib[{c!r}]: unknown detail keys {sorted(unknown)}")
-            rows.append({"uuid": u, "mib": mib, **({"state": st[c]} if c in st else {}), **extra})
-        doc[c] = rows
-    text = dump(doc)
-    parse(text)
-    return text
+            if c in st:
+                extra["state"] = st[c]
+            mirror.setdefault(c, []).append(MirrorEntry(u, mib, **{_KEYS[k][0]: v for k, v in extra.items()}))
+        mirror.setdefault(c, [])
+    return encode_mirror(mirror)
