@@ -148,12 +148,13 @@ def write_quota(directory: str | os.PathLike[str], quota: QuotaFile, *, durable:
     The generation written is ``max(quota.generation, generation on disk + 1)``, so it grows by at
     least one with every write whoever writes; an empty ``updated`` becomes the current UTC time.
     The directory is created (0755) when missing; the file is 0644 so a non-root container can read
-    it. Raises ``ValueError`` for a GPU entry without floor <= limit <= ceiling (the vLLM plugin
-    refuses such a file, so it must never reach the disk) and ``OSError`` when the directory cannot
+    it. Raises :class:`QuotaFileError` (a ``ValueError``) for a document the contract refuses, e.g. no
+    GPU or a GPU entry without floor <= limit <= ceiling (the vLLM plugin refuses such a file, so it must
+    never reach the disk), and ``OSError`` when the directory cannot
     be written (the caller logs and keeps its state). With ``root``, a directory that resolves
     outside it (a planted link) raises :class:`UnsafePathError` before anything is created.
     """
-    quota_file.encode(quota)  # refuses what the vLLM plugin would refuse before anything is touched
+    quota_file.encode(replace(quota, generation=0))  # refused before any I/O; the generation is clamped below
     d = os.fspath(directory)
     if root is not None and not inside(root, d):
         raise UnsafePathError(f"{d} resolves to {os.path.realpath(d)}, outside the quota root {root}")
