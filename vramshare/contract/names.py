@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramshare.contract.user_annotations import USER_ANNOTATIONS
+from vramshare.contract.user_annotations import (HANDSHAKE_ANNOTATIONS, NODE_ANNOTATIONS, QUOTA_LOOP_ANNOTATIONS,
+                                                  USER_ANNOTATIONS)
 
 DEFAULT_DOMAIN = "vramshare.io"
 INVENTORY_VERSION = "v1"
@@ -48,6 +49,18 @@ class Names:
     def user_annotations(self) -> tuple[str, ...]:
         """Every pod annotation a user may write, as full keys (``vramshare.io/gpu-count``, ...)."""
         return tuple(f"{self.domain}/{name}" for name in USER_ANNOTATIONS)
+
+    def vramshare_annotations(self) -> tuple[str, ...]:
+        """Every pod annotation only vramshare writes (handshake and quota loop), as full keys."""
+        return tuple(f"{self.domain}/{name}" for name in (*HANDSHAKE_ANNOTATIONS, *QUOTA_LOOP_ANNOTATIONS))
+
+    def quota_loop_annotations(self) -> tuple[str, ...]:
+        """The pod annotations the quota loops write (the DRA plugin may write only these of ours)."""
+        return tuple(f"{self.domain}/{name}" for name in QUOTA_LOOP_ANNOTATIONS)
+
+    def node_annotations(self) -> tuple[str, ...]:
+        """Every node annotation of ours (device plugins only)."""
+        return tuple(f"{self.domain}/{name}" for name in NODE_ANNOTATIONS)
 
     @property
     def gpu_count(self) -> str:

@@ -11,3 +11,11 @@ from __future__ import annotations
 USER_ANNOTATIONS: tuple[str, ...] = ("gpu-count", "gpu-models", "policy", "quota-class", "model")
 
 
+#: The pod annotations only vramshare writes: the bind handshake (the extender's plan, rewritten by the
+#: device plugin) and the quota loop's two mirrors. The DRA plugin may write only the quota loop's two
+#: (deploy/daemonset/admission-policies.yaml, policy 2); tests/security/test_admission_policies.py
+#: checks the policies against these tuples.
+HANDSHAKE_ANNOTATIONS: tuple[str, ...] = ("assignment", "assume-time", "allocation-state")
+QUOTA_LOOP_ANNOTATIONS: tuple[str, ...] = ("quota-mib", "over-limit")
+#: The node annotations: only the device plugins write them.
+NODE_ANNOTATIONS: tuple[str, ...] = ("gpu-inventory",)
