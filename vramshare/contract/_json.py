@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 
 class ContractError(ValueError):
@@ -41,3 +43,18 @@ def dump(doc: Any, *, sort_keys: bool = False) -> str:
 def is_int(value: object, lo: int, hi: int) -> bool:
     """A JSON integer (not a bool, not a float) within ``lo..hi``."""
     return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+
+
+def per_container(text: object, limit: int, error: type[ContractError], what: str, max_containers: int,
+                  max_name: int, read: Callable[[str, object], T]) -> dict[str, T]:
+    """A ``{container name: ...}`` document (the assignment and its quota mirror): bounded, an object of at
+    most ``max_containers`` names of 1 to ``max_name`` characters, each value read by ``read``."""
+    doc = load(text, limit, error, what)
+    if not isinstance(doc, dict) or len(doc) > max_containers:
+        raise error(f"{what}: not an object of at most {max_containers} container names to GPU lists")
+    out = {}
+    for name, value in doc.items():
+        if not name or len(name) > max_name:
+            raise error(f"{what}[{name!r}]: container name must be 1 to {max_name} characters")
+        out[name] = read(name, value)
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from vramshare.contract._json import ContractError, dump, is_int, load
+from vramshare.contract._json import ContractError, dump, is_int, per_container
 
 MAX_CHARS = 64 * 1024  # ~1,000 GPUs of UUIDs; an annotation value is at most 256 KiB with all others
 MAX_CONTAINERS = 256
@@ -42,18 +42,11 @@ def parse(text: object) -> Containers:
     """Every container's GPUs, in the document's order; raises :class:`AssignmentError` saying why.
 
     ``{}`` is valid (a pod holding nothing). Unknown entry keys are ignored (additive)."""
-    data = load(text, MAX_CHARS, AssignmentError, "assignment")
-    if not isinstance(data, dict):
-        raise AssignmentError("assignment: not an object of container name to GPU list")
-    if len(data) > MAX_CONTAINERS:
-        raise AssignmentError(f"assignment: {len(data)} containers, more than {MAX_CONTAINERS}")
-    return {c: _gpus(c, entries) for c, entries in data.items()}
+    return per_container(text, MAX_CHARS, AssignmentError, "assignment", MAX_CONTAINERS, MAX_NAME, _gpus)
 
 
 def _gpus(container: str, entries: object) -> tuple[AssignedGpu, ...]:
     where = f"assignment[{container!r}]"
-    if not container or len(container) > MAX_NAME:
-        raise AssignmentError(f"{where}: container name must be 1 to {MAX_NAME} characters")
     if not isinstance(entries, list) or not entries:
         raise AssignmentError(f"assignment: no GPUs for container {container!r} (want a non-empty list)")
     if len(entries) > MAX_GPUS:

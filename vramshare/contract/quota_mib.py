@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
-from vramshare.contract._json import ContractError, dump, is_int, load
+from vramshare.contract._json import ContractError, dump, is_int, per_container
 
 MAX_CHARS = 64 * 1024
 MAX_CONTAINERS = 256
@@ -64,16 +64,11 @@ def _valid(kind: str, value: object) -> bool:
 
 def parse(text: object) -> Mirror:
     """Every container's mirrored GPUs; raises :class:`QuotaMirrorError` saying what is wrong."""
-    doc = load(text, MAX_CHARS, QuotaMirrorError, "quota-mib")
-    if not isinstance(doc, dict) or len(doc) > MAX_CONTAINERS:
-        raise QuotaMirrorError(f"quota-mib: not an object of at most {MAX_CONTAINERS} containers")
-    return {c: _entries(c, entries) for c, entries in doc.items()}
+    return per_container(text, MAX_CHARS, QuotaMirrorError, "quota-mib", MAX_CONTAINERS, MAX_TEXT, _entries)
 
 
 def _entries(container: str, entries: object) -> tuple[MirrorEntry, ...]:
     where = f"quota-mib[{container!r}]"
-    if not container or len(container) > MAX_TEXT:
-        raise QuotaMirrorError(f"{where}: container name must be 1 to {MAX_TEXT} characters")
     if not isinstance(entries, list) or len(entries) > MAX_GPUS:
         raise QuotaMirrorError(f"{where}: not a list of at most {MAX_GPUS} GPUs")
     out = []
