@@ -196,3 +196,10 @@ def test_every_name_of_the_old_module_is_still_there():
                  "encode_warm", "decode_warm", "WARM_OPS", "STATE_ALLOCATED", "FIELD_MANAGER_EXTENDER",
                  "QUOTA_FILE_NAME", "unit_device_id", "parse_unit_device_id", "MAX_EXTENDER_PRIORITY"):
         assert hasattr(contract, name), name
+
+
+def test_the_reconciler_never_writes_an_assignment_the_contract_refuses():
+    """A MIG device the backend reports at 0 MiB: the report waits with the reason, the other pods go on."""
+    from deviceplugin import handshake
+    with pytest.raises(assignment.AssignmentError):
+        handshake.encode_assignment({"c": (assignment.AssignedGpu("MIG-0", 0),)})
