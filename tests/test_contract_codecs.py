@@ -199,7 +199,19 @@ def test_every_name_of_the_old_module_is_still_there():
 
 
 def test_the_reconciler_never_writes_an_assignment_the_contract_refuses():
-    """A MIG device the backend reports at 0 MiB: the report waits with the reason, the other pods go on."""
-    from deviceplugin import handshake
-    with pytest.raises(assignment.AssignmentError):
-        handshake.encode_assignment({"c": (assignment.AssignedGpu("MIG-0", 0),)})
+    """A MIG device the backend reports at 0 MiB: that pod's report waits with the reason (on main it was
+    written, and every reader refused it), the other pods' reports go on."""
+    from deviceplugin import reconcile
+    from deviceplugin.devices import PluginDevice
+    n = contract.Names()
+    mig = n.mig("1g.10gb")
+    devices = {"MIG-0": PluginDevice("MIG-0", "GPU-m", 0, True, 0), "MIG-1": PluginDevice("MIG-1", "GPU-m", 0, True, 9984)}
+
+    def pod(name):
+        return {"metadata": {"namespace": "ns", "name": name, "uid": f"uid-{name}", "annotations": {}},
+                "spec": {"nodeName": "n1", "containers": [{"name": "c", "resources": {"limits": {mig: "1"}}}]}}
+
+    held = [reconcile.Held("ns", "zero", "c", mig, ("MIG-0",)), reconcile.Held("ns", "ok", "c", mig, ("MIG-1",))]
+    out = reconcile.plan(held, [pod("zero"), pod("ok")], devices, n, "n1", 1024)
+    assert [p.pod.name for p in out.patches] == ["ok"]
+    assert "assignment contract" in out.waiting["ns/zero"] and "int 1.." in out.waiting["ns/zero"]
