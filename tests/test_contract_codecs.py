@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vramshare import contract
-from vramshare.contract import assignment, inventory, over_limit, quota_file, quota_mib
+from vramshare.contract import assignment, inventory, model, over_limit, quota_file, quota_mib
 from vramshare.inventory import EngineState, EnforcementMode, Gpu, GpuMode, MigInstance, NodeInventory, ResidentModel
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -73,6 +73,18 @@ def inventories(draw):
                          models=models)
 
 
+model_refs = st.builds(contract.ModelRef, st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}(/[A-Za-z0-9][A-Za-z0-9._-]{0,20})?",
+                                                       fullmatch=True).filter(lambda n: ".." not in n.split("/")),
+                       st.just("") | st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,30}", fullmatch=True))
+_WARM_KINDS = {"engine": names, "seq": st.integers(0, 1 << 53), "level": st.integers(0, 3), "canSleep": st.booleans(),
+               "weightsBytes": st.integers(0, 1 << 53), "freedBytes": st.integers(0, 1 << 53),
+               "needBytes": st.integers(0, 1 << 53), "bytes": st.integers(0, 1 << 53),
+               "seconds": st.floats(0, 1e6, allow_nan=False), "reason": st.text(max_size=40),
+               "state": st.sampled_from(["awake", "sleeping", "waking"]), "model": st.text(max_size=40)}
+warm_messages = st.builds(lambda op, fields: contract.WarmMessage.of(op, **fields), st.sampled_from(contract.WARM_OPS),
+                          st.fixed_dictionaries({}, optional=_WARM_KINDS))
+
+
 #: codec name -> (encode, parse, a strategy of values, value -> what parse gives back, error type, bound)
 CODECS = {
     "assignment": (assignment.encode, assignment.parse, assignments, lambda v: v, assignment.AssignmentError,
@@ -83,6 +95,10 @@ CODECS = {
                   quota_mib.MAX_CHARS),
     "over-limit": (over_limit.encode, over_limit.parse, over_limits, lambda v: v, over_limit.OverLimitError,
                    over_limit.MAX_CHARS),
+    "model": (contract.encode_model_ref, contract.parse_model_ref, model_refs, lambda v: v, contract.ModelRefError,
+              model.MAX_MODEL_CHARS),
+    "warm line": (contract.encode_warm, contract.decode_warm, warm_messages, lambda v: v, contract.WarmMessageError,
+                  contract.WARM_MAX_LINE),
     "inventory": (inventory.encode, inventory.parse, inventories(), lambda v: v, inventory.InventoryError,
                   inventory.MAX_CHARS),
 }

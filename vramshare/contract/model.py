@@ -4,14 +4,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from vramshare.contract._json import ContractError
+
 # -- the model annotation codec (issue 23) ------------------------------------------------------------
 MAX_MODEL_NAME = 200  # Hugging Face repo ids are at most 96 chars per part; a path-like name fits
 MAX_MODEL_REVISION = 128
+MAX_MODEL_CHARS = 512  # name, '@', revision and blanks around them: anything longer is refused unread
 _MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 _MODEL_REV_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-class ModelRefError(ValueError):
+class ModelRefError(ContractError):
     """A ``model`` annotation (or a cache directory name) that does not name a model; says what to write."""
 
 
@@ -38,6 +41,8 @@ def parse_model_ref(text: object) -> ModelRef:
     in ``/``-separated parts, no ``..`` part (the name becomes a cache path on the node)."""
     if not isinstance(text, str):
         raise ModelRefError(f"model: expected a string, got {type(text).__name__}")
+    if len(text) > MAX_MODEL_CHARS:
+        raise ModelRefError(f"model: {len(text)} characters, more than {MAX_MODEL_CHARS}")
     name, sep, rev = text.strip().partition("@")
     if not name:
         raise ModelRefError(f"model {text!r}: empty name (want <name>[@<revision>])")
@@ -50,3 +55,11 @@ def parse_model_ref(text: object) -> ModelRef:
     return ModelRef(name, rev)
 
 
+
+
+def encode_model_ref(ref: ModelRef) -> str:
+    """The annotation text of ``ref``; raises :class:`ModelRefError` for what :func:`parse_model_ref` refuses."""
+    text = str(ref)
+    if parse_model_ref(text) != ref:
+        raise ModelRefError(f"model {text!r}: does not read back as itself")
+    return text

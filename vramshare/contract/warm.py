@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from vramshare.contract._json import ContractError
+
 # -- the warm tier's fast channel (issue 23) --------------------------------------------------------------
 #: A unix stream socket the node agent listens on in each container's quota directory (the container sees
 #: it at ``/var/run/vramshare/warm.sock``: connecting to a socket works on the read-only mount). One JSON
@@ -30,7 +32,7 @@ _WARM_FIELDS: dict[str, type | tuple[type, ...]] = {
     "needBytes": int, "bytes": int, "seconds": (int, float), "reason": str, "state": str, "model": str}
 
 
-class WarmMessageError(ValueError):
+class WarmMessageError(ContractError):
     """A line on the warm channel that is not a message of this version; the reader drops it and logs."""
 
 
