@@ -27,6 +27,7 @@ PACKAGES = ("vramshare", "deviceplugin", "extender", "vllm_patches", "dra")
 ALLOWED = ("vramshare/contract/", "vramshare/inventory.py")
 FORMAT_KEYS = frozenset({"assignment", "quota_mib", "over_limit", "inventory"})
 FILE_NAMES = frozenset({"QUOTA_FILE_NAME", "quota.json"})
+KEY_SUFFIXES = ("/assignment", "/quota-mib", "/over-limit", "/gpu-inventory")  # a key spelled out as a string
 FIELDS = frozenset({"limitMiB", "floorMiB", "ceilingMiB", "usedMiB", "unitMiB", "memoryMiB"})
 LOADS = frozenset({("json", "loads"), ("json", "load"), ("orjson", "loads")})
 DUMPS = frozenset({("json", "dumps"), ("json", "dump"), ("orjson", "dumps")})
@@ -42,8 +43,9 @@ def _tail(node: ast.AST) -> str:
 
 
 def _is_names(node: ast.AST) -> bool:
+    """An expression that is a :class:`~vramshare.contract.Names` by the project's spelling of it."""
     tail = _tail(node)
-    return "names" in tail.lower() or tail == "N"
+    return "names" in tail.lower() or tail in ("n", "N")
 
 
 def offenders(source: str, where: str) -> list[str]:
@@ -57,7 +59,9 @@ def offenders(source: str, where: str) -> list[str]:
         body = scope.body if name == "<module>" else [scope]  # type: ignore[attr-defined]
         nodes = [n for stmt in body for n in ast.walk(stmt)
                  if name != "<module>" or not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
-        keys = any(isinstance(n, ast.Attribute) and n.attr in FORMAT_KEYS and _is_names(n.value) for n in nodes)
+        keys = any((isinstance(n, ast.Attribute) and n.attr in FORMAT_KEYS and _is_names(n.value))
+                   or (isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.endswith(KEY_SUFFIXES))
+                   for n in nodes)
         files = any((isinstance(n, ast.Name) and n.id in FILE_NAMES) or (isinstance(n, ast.Attribute) and n.attr in FILE_NAMES)
                     or (isinstance(n, ast.Constant) and n.value in FILE_NAMES) for n in nodes)
         strings = {n.value for n in nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)}
@@ -129,6 +133,15 @@ MAINS = {
     "over-limit, writer": """
         def act(self, breach):
             value = json.dumps({"container": "c", "usedMiB": breach.used_mib, "limitMiB": breach.limit_mib})
+    """,
+    "assignment, by a spelled-out key": """
+        def plans(pod):
+            return json.loads(pod["metadata"]["annotations"]["vramshare.io/assignment"])
+    """,
+    "assignment, through an alias of the names": """
+        def trust(self, pod):
+            n = self.names
+            return orjson.loads(pod["metadata"]["annotations"][n.assignment])
     """,
     "inventory, reader": """
         def slots(node, names):
