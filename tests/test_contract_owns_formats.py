@@ -168,3 +168,22 @@ def test_the_scan_leaves_codec_callers_and_other_json_alone():
             return json.loads(snap.inventory_text_of_something_else)
     """
     assert offenders(textwrap.dedent(ok), "x.py") == []
+
+
+def test_the_contract_imports_only_itself_the_inventory_model_and_the_standard_library():
+    """The contract is the core's floor: the vLLM plugin imports it without the daemons (issue 21), and
+    ``vramshare.inventory`` (the model behind :mod:`vramshare.contract.inventory`) is core too."""
+    import sys
+    allowed_ours = ("vramshare.contract", "vramshare.inventory")
+    bad = []
+    for path in sorted((ROOT / "vramshare" / "contract").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            for mod in mods:
+                top = mod.split(".")[0]
+                if top in PACKAGES and not mod.startswith(allowed_ours):
+                    bad.append(f"{path.name}: {mod}")
+                elif top not in PACKAGES and top not in sys.stdlib_module_names and top != "__future__":
+                    bad.append(f"{path.name}: {mod} (not the standard library)")
+    assert bad == []
