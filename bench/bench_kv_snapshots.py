@@ -29,14 +29,10 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+from vllm_patches.testing import write_quota  # noqa: E402  (the contract's quota.json, as the node writes it)
+
 OUT = os.path.join(HERE, "results", "kv_snapshots.json")
 BLOCK = 32
-
-
-def write_quota(path: str, mib: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "", "limitMiB": mib}]}, fh)
-    os.replace(path + ".tmp", path)
 
 
 def run(model: str, quota: str, *, codec: str | None, prefix: bool, prompts: list[list[int]],

@@ -39,6 +39,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+from vllm_patches.testing import write_quota  # noqa: E402  (the contract's quota.json, as the node writes it)
+
 OUT = os.path.join(HERE, "results", "vllm_serving.json")
 BLOCK = 32
 BLOCK_BYTES = 2 * 2 * BLOCK * 8 * 64 * 2  # K,V x 2 layers x 32 tokens x 8 heads x 64 x bf16
@@ -48,12 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def write_quota(path: str, mib: int, generation: int) -> None:
-    with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": "", "limitMiB": mib}]}, fh)
-    os.replace(path + ".tmp", path)
 
 
 def get(url: str, timeout: float = 5.0) -> str:

@@ -38,6 +38,7 @@ from deviceplugin.reconcile_loop import Reconciler
 from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, keep_restart_only, load_config, node_limits
+from vramshare.contract import inventory as contract_inventory
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -153,7 +154,7 @@ class DevicePluginDaemon:
         self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _inventory_json(self, inventory: Any) -> str:
-        return dataclasses.replace(inventory, models=self.models).to_json() if self.models else inventory.to_json()
+        return contract_inventory.encode(dataclasses.replace(inventory, models=self.models) if self.models else inventory)
 
     def _managers(self) -> list[ResourceManager]:
         return [NodeResourceManager(r, self.state, self.feeds, self.allocator) for r in self.state.snapshot.devices]

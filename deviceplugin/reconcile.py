@@ -346,5 +346,8 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
             out.in_sync += 1
             continue
         ref = PodRef(ns, name, uid, str(meta.get("resourceVersion") or ""))
-        out.patches.append(Patch(ref, encode_assignment(actual)))
+        try:
+            out.patches.append(Patch(ref, encode_assignment(actual)))
+        except AssignmentError as exc:  # e.g. a device of 0 MiB: the contract's rule, never written
+            out.waiting[key] = f"its actual GPUs break the assignment contract: {exc}"
     return out

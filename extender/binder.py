@@ -205,6 +205,8 @@ class Binder:
                 self.acct.reserve(key, args.node, allocations, assume_ns, signature, plans, host)
             except (cluster.NoFit, cluster.OverCommit) as exc:
                 raise _BindFailed(f"pod {key} does not fit node {args.node}: {exc}", "no_fit") from None
+            except contract.AssignmentError as exc:  # a plan the node would refuse is never written
+                raise _BindFailed(f"pod {key} not bound to {args.node}: {exc}", "no_fit") from None
         annotations = {
             self.names.assignment: text,
             self.names.assume_time: str(assume_ns),

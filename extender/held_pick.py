@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-import orjson
-
 from extender import cluster, holds, translate
 from vramshare import contract, inventory, podspec
+from vramshare.contract import assignment
 
 __all__ = ["Choice", "follow", "containers_of"]
 
@@ -33,7 +32,7 @@ class Choice:
 
 def containers_of(text: str) -> dict[str, list[tuple[str, int]]]:
     """The assignment annotation the binder just encoded, as container -> [(uuid, MiB)]."""
-    return {c: [(e["uuid"], int(e["mib"])) for e in entries] for c, entries in orjson.loads(text).items()}
+    return {c: [(g.uuid, g.mib) for g in gpus] for c, gpus in assignment.parse(text).items()}
 
 
 def follow(state: cluster.ClusterState, node: str, pod: Mapping[str, Any], want: podspec.PodDemand,

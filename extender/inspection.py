@@ -17,7 +17,9 @@ import orjson
 
 from extender import accounting
 from vramshare import contract, mig, mig_plan
-from vramshare.inventory import InventoryError, NodeInventory
+from vramshare.contract import quota_mib
+from vramshare.contract import inventory as contract_inventory
+from vramshare.inventory import InventoryError
 
 __all__ = ["render", "format_table", "run"]
 
@@ -27,52 +29,50 @@ Obj = dict[str, Any]
 def _enforcement(annotation: str | None) -> str | None:
     """The node's GPU memory enforcement mode from its inventory (optional field, issue 9)."""
     try:
-        mode = NodeInventory.from_json(annotation).enforcement if annotation else None
+        mode = contract_inventory.parse(annotation).enforcement if annotation else None
     except InventoryError:
         return None
     return mode.value if mode else None
 
 
-def _mirrors(acct: accounting.Accounting, names: contract.Names) -> dict[str, Obj]:
-    """Pod key -> its parsed ``quota-mib`` mirror ({container: [{uuid, mib, state, class, ...}]})."""
+def _mirrors(acct: accounting.Accounting, names: contract.Names) -> dict[str, quota_mib.Mirror]:
+    """Pod key -> its ``quota-mib`` mirror as the contract reads it; pods without one, or with one the
+    codec refuses, are left out (inspect shows what it can read)."""
     out = {}
     for key, pod in acct.pods.items():
         text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.quota_mib)
         try:
-            doc = orjson.loads(text) if text else {}
-        except orjson.JSONDecodeError:
+            mirror = quota_mib.parse(text) if text else {}
+        except quota_mib.QuotaMirrorError:
             continue
-        if isinstance(doc, dict) and doc and all(isinstance(v, list) for v in doc.values()):
-            out[key] = doc
+        if mirror:
+            out[key] = mirror
     return out
 
 
 def _states(acct: accounting.Accounting, names: contract.Names) -> dict[str, str]:
     """Pod key -> its containers' warmth from the quota loop's ``quota-mib`` mirror (issue 9)."""
     out = {}
-    for key, doc in _mirrors(acct, names).items():
-        states = sorted({e["state"] for entries in doc.values() for e in entries
-                         if isinstance(e, dict) and isinstance(e.get("state"), str)})
+    for key, mirror in _mirrors(acct, names).items():
+        states = sorted({e.state for entries in mirror.values() for e in entries if e.state})
         if states:
             out[key] = "/".join(states)
     return out
 
 
-def _tenants(mirrors: dict[str, Obj]) -> dict[str, list[Obj]]:
+def _tenants(mirrors: dict[str, quota_mib.Mirror]) -> dict[str, list[Obj]]:
     """GPU uuid -> its tenants (one per pod container) as the quota loop last mirrored them (issue 14):
     class, request, floor, limit, measured use (at the last change), state and the reason of it."""
     out: dict[str, list[Obj]] = {}
-    for key, doc in sorted(mirrors.items()):
-        for container, entries in sorted(doc.items()):
+    for key, mirror in sorted(mirrors.items()):
+        for container, entries in sorted(mirror.items()):
             for e in entries:
-                if not isinstance(e, dict) or not isinstance(e.get("uuid"), str):
-                    continue
-                out.setdefault(e["uuid"], []).append({
-                    "pod": key, "container": container, "class": e.get("class", "default"),
-                    "requestMiB": e.get("req"), "floorMiB": e.get("floor"), "limitMiB": e.get("mib"),
-                    "usedMiB": e.get("used"), "state": e.get("state"), "reason": e.get("why"),
-                    **{k: e[m] for k, m in (("sleep", "sleep"), ("lentMiB", "lent"), ("wakeSeconds", "wakeS"))
-                       if m in e}})  # the warm tier (issue 23), where the engine can sleep
+                out.setdefault(e.uuid, []).append({
+                    "pod": key, "container": container, "class": e.qclass or "default",
+                    "requestMiB": e.req, "floorMiB": e.floor, "limitMiB": e.mib,
+                    "usedMiB": e.used, "state": e.state or None, "reason": e.why or None,
+                    **{k: v for k, v in (("sleep", e.sleep or None), ("lentMiB", e.lent), ("wakeSeconds", e.wake_s))
+                       if v is not None}})  # the warm tier (issue 23), where the engine can sleep
     return out
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-import orjson
-
 from extender import cluster
 from vramshare import contract, inventory, mig, mig_plan, podspec, quantity
+from vramshare.contract import assignment
+from vramshare.contract.assignment import AssignedGpu
+from vramshare.contract import inventory as contract_inventory
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
            "demands_of", "Assignment", "Rider", "Signature", "signature_of", "container_signature",
@@ -79,7 +80,7 @@ def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
     if text is None:
         return None
     try:
-        return slots_from_inventory(inventory.NodeInventory.from_json(text))
+        return slots_from_inventory(contract_inventory.parse(text))
     except inventory.InventoryError as exc:
         raise TranslateError(f"node {meta.get('name', '?')}: annotation {names.inventory}: {exc}") from None
 
@@ -91,7 +92,7 @@ def node_models(node: Obj, names: contract.Names) -> tuple[inventory.ResidentMod
     if not text:
         return ()
     try:
-        return inventory.NodeInventory.from_json(text).models
+        return contract_inventory.parse(text).models
     except inventory.InventoryError:
         return ()
 
@@ -294,16 +295,18 @@ def encode_assignment(asks: list[ContainerAsk], picks: list[list[tuple[str, int]
     """``{container: [{"uuid", "mib"}, ...]}``; ``picks`` is placement.pick's answer, one per ask.
 
     A grown ask (one an init container rides on) writes its container's own size; riders get the
-    ask's first GPUs with their own size."""
-    out: dict[str, list[dict[str, Any]]] = {}
+    ask's first GPUs with their own size. Written by the contract's codec
+    (:func:`vramshare.contract.assignment.encode`), which raises ``AssignmentError`` for a plan the node
+    would refuse (a GPU of 0 MiB, one named twice for a container)."""
+    out: dict[str, list[AssignedGpu]] = {}
     for ask, pairs in zip(asks, picks):
         mine = ask.own_per_gpu
         out.setdefault(ask.container, []).extend(
-            {"uuid": u, "mib": int(m if mine is None else mine)} for u, m in pairs)
+            AssignedGpu(u, int(m if mine is None else mine)) for u, m in pairs)
         for r in ask.riders:
             out.setdefault(r.container, []).extend(
-                {"uuid": u, "mib": int(m if r.per_gpu is None else r.per_gpu)} for u, m in pairs[:r.count])
-    return orjson.dumps(out).decode()
+                AssignedGpu(u, int(m if r.per_gpu is None else r.per_gpu)) for u, m in pairs[:r.count])
+    return assignment.encode(out)
 
 
 def decode_assignment(pod: Obj, names: contract.Names) -> Assignment | None:
@@ -313,24 +316,12 @@ def decode_assignment(pod: Obj, names: contract.Names) -> Assignment | None:
     text = ann.get(names.assignment)
     if text is None:
         return None
-    where = f"pod {meta.get('namespace', 'default')}/{meta.get('name', '?')}: annotation {names.assignment}"
     try:
-        data = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise TranslateError(f"{where}: not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise TranslateError(f"{where}: expected an object of container name to GPU list")
-    containers: dict[str, list[tuple[str, int]]] = {}
-    for cname, entries in data.items():
-        if not isinstance(entries, list):
-            raise TranslateError(f"{where}: container {cname}: expected a list")
-        pairs = []
-        for e in entries:
-            uuid, mib = (e.get("uuid"), e.get("mib")) if isinstance(e, dict) else (None, None)
-            if not isinstance(uuid, str) or not isinstance(mib, int) or isinstance(mib, bool) or mib < 0:
-                raise TranslateError(f"{where}: container {cname}: bad entry {e!r} (want uuid and mib)")
-            pairs.append((uuid, mib))
-        containers[cname] = pairs
+        parsed = assignment.parse(text)
+    except assignment.AssignmentError as exc:
+        raise TranslateError(f"pod {meta.get('namespace', 'default')}/{meta.get('name', '?')}: "
+                             f"annotation {names.assignment}: {exc}") from None
+    containers = {c: [(g.uuid, g.mib) for g in gpus] for c, gpus in parsed.items()}
     raw_time = ann.get(names.assume_time, "0")
     try:
         assume = int(raw_time)

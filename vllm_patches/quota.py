@@ -13,79 +13,19 @@ raises :class:`QuotaError`, and :class:`QuotaTracker` keeps the last good quota 
 """
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 from vramshare import contract
+from vramshare.contract import quota_file
 
 
-class QuotaError(ValueError):
-    """The quota document cannot be trusted (bad JSON, missing or negative fields)."""
-
-
-@dataclass(frozen=True)
-class GpuQuota:
-    """One GPU's slice in MiB. ``floor <= limit <= ceiling`` once validated (0 ceiling = unbounded)."""
-
-    uuid: str
-    limit_mib: int
-    floor_mib: int = 0
-    ceiling_mib: int = 0
-
-
-@dataclass(frozen=True)
-class QuotaDoc:
-    """A parsed ``quota.json``."""
-
-    generation: int
-    updated: str
-    gpus: tuple[GpuQuota, ...]
-
-
-def _int_field(entry: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = entry.get(key, default)
-    # bool is an int in Python; a JSON true is not a size.
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise QuotaError(f"field {key!r} must be a number, got {value!r}")
-    if value < 0 or value != value:  # negative or NaN
-        raise QuotaError(f"field {key!r} must be >= 0, got {value!r}")
-    return int(value)
-
-
-def parse_quota(text: str | bytes) -> QuotaDoc:
-    """Parse and validate a ``quota.json`` document; raise :class:`QuotaError` on anything odd.
-
-    Validation is strict because the numbers size a memory allocation: a limit we cannot read is
-    better ignored (keep the last good one) than guessed.
-    """
-    try:
-        doc = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise QuotaError(f"not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise QuotaError("top level must be an object")
-    gpus_raw = doc.get("gpus")
-    if not isinstance(gpus_raw, list) or not gpus_raw:
-        raise QuotaError("'gpus' must be a non-empty list")
-    gpus: list[GpuQuota] = []
-    for entry in gpus_raw:
-        if not isinstance(entry, dict):
-            raise QuotaError("each 'gpus' entry must be an object")
-        uuid = entry.get("uuid", "")
-        if not isinstance(uuid, str):
-            raise QuotaError("'uuid' must be a string")
-        limit = _int_field(entry, "limitMiB")
-        floor = _int_field(entry, "floorMiB", 0)
-        ceiling = _int_field(entry, "ceilingMiB", 0)
-        if floor > limit or (ceiling and limit > ceiling):
-            raise QuotaError(f"need floorMiB <= limitMiB <= ceilingMiB, got {floor}/{limit}/{ceiling}")
-        gpus.append(GpuQuota(uuid, limit, floor, ceiling))
-    generation = doc.get("generation", 0)
-    if isinstance(generation, bool) or not isinstance(generation, int):
-        raise QuotaError(f"'generation' must be an integer, got {generation!r}")
-    return QuotaDoc(generation, str(doc.get("updated", "")), tuple(gpus))
+#: One model and one codec with the node agent that writes the file (:mod:`vramshare.contract.quota_file`):
+#: what it refuses, this plugin refuses, with the same reason.
+QuotaError = quota_file.QuotaFileError
+GpuQuota = quota_file.GpuQuota
+QuotaDoc = quota_file.QuotaFile
+parse_quota = quota_file.parse
 
 
 def select_gpu(doc: QuotaDoc, uuid: str | None, index: int = 0) -> GpuQuota | None:

@@ -14,12 +14,15 @@ import json
 import os
 from typing import Any
 
+from vramshare.contract import quota_file
+
 def write_quota(path: str, limits: int | dict[str, int], generation: int) -> None:
     """The quota file at ``path`` as the node agent would leave it for the plugin to read: ``limits`` per
     GPU UUID (an int: one GPU, no UUID), replaced atomically (temp + rename)."""
     per_gpu = {"": limits} if isinstance(limits, int) else limits
+    doc = quota_file.QuotaFile(tuple(quota_file.GpuQuota(u, m, 0, m) for u, m in per_gpu.items()), generation)
     with open(path + ".tmp", "w") as fh:
-        json.dump({"generation": generation, "gpus": [{"uuid": u, "limitMiB": m} for u, m in per_gpu.items()]}, fh)
+        fh.write(quota_file.encode(doc))  # the contract's one writer of the format
     os.replace(path + ".tmp", path)
 
 

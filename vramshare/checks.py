@@ -14,7 +14,8 @@ from typing import Any
 import yaml
 
 from vramshare import contract
-from vramshare.inventory import InventoryError, NodeInventory
+from vramshare.contract import inventory as contract_inventory
+from vramshare.inventory import InventoryError
 
 Obj = dict[str, Any]
 OK, FAIL, WARN = "✓", "✗", "!"
@@ -159,7 +160,7 @@ def _nodes(nodes: list[Obj], ns: str) -> list[Line]:
             out.append(Line(FAIL, f"node {name}: no GPU inventory published (device plugin not running there)", fix))
             continue
         try:
-            inv = NodeInventory.from_json(text)
+            inv = contract_inventory.parse(text)
         except InventoryError as exc:
             out.append(Line(FAIL, f"node {name}: inventory does not parse ({exc})", fix))
             continue

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from vramshare import contract
+from vramshare.contract._json import load
 
 
 class GpuMode(str, enum.Enum):
@@ -38,7 +39,7 @@ class EnforcementMode(str, enum.Enum):
     COOPERATIVE = "cooperative"  # nothing fences: the quota file, plus over-limit detection
 
 
-class InventoryError(ValueError):
+class InventoryError(contract.ContractError):
     """An inventory annotation or file that cannot be read; the message names the bad field."""
 
 
@@ -140,11 +141,8 @@ class NodeInventory:
 
     @classmethod
     def from_json(cls, text: str) -> "NodeInventory":
-        try:
-            data = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as exc:
-            raise InventoryError(f"inventory is not JSON: {exc}") from exc
-        return inventory_from_dict(data)
+        """Bounded (:data:`MAX_CHARS`) and strict; readers call it as :func:`vramshare.contract.inventory.parse`."""
+        return inventory_from_dict(load(text, MAX_CHARS, InventoryError, "inventory"))
 
 
 def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
@@ -256,6 +254,7 @@ def _dynamic_from(raw: Any, where: str) -> DynamicMig | None:
     return DynamicMig(table, tuple(instances), tuple(free))
 
 
+MAX_CHARS = 256 * 1024  # an annotation value can be no longer (the API server's limit for all of them)
 MAX_MIB = 1 << 24  # 16 TiB: more memory than any GPU (or unit) has; larger values are corrupt
 MAX_GPUS = 1024
 _MISSING = object()

@@ -23,7 +23,8 @@ from kubernetes.client.rest import ApiException
 from deviceplugin.dra import slices
 from deviceplugin.raw_watch import RawWatch
 from vramshare import contract, logs
-from vramshare.inventory import InventoryError, NodeInventory
+from vramshare.contract import inventory as contract_inventory
+from vramshare.inventory import InventoryError
 
 log = logs.get(__name__)
 
@@ -70,7 +71,7 @@ class SlicePublisher:
         if not text:
             return frozenset()
         try:
-            inv = NodeInventory.from_json(text)
+            inv = contract_inventory.parse(text)
         except InventoryError as exc:
             log.warning("device plugin inventory unreadable; refusing nothing", node=self.node, error=str(exc))
             return frozenset()

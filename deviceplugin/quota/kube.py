@@ -2,7 +2,7 @@
 
 Tenants come from the pods on this node that the device plugin marked ``allocation-state:
 allocated``: their ``<domain>/assignment`` says which GPUs and how many MiB each container was given
-(parsed by the device plugin's own ``handshake.parse_assignment``, so there is one reading of it).
+(parsed by the contract's one codec, :mod:`vramshare.contract.assignment`).
 A pod's vLLM metrics endpoint is found the usual way, from ``prometheus.io/port`` (and optional
 ``prometheus.io/path``, ``prometheus.io/scheme``) plus the pod IP. The mirror writes
 ``<domain>/quota-mib`` = ``{container: [{"uuid", "mib"}]}`` (the assignment's shape, with the current
@@ -19,11 +19,12 @@ from typing import Any, Iterable, Mapping
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from deviceplugin.handshake import AssignmentError, parse_assignment
 from deviceplugin.quota.classes import PodMeta
 from deviceplugin.quota.model import Claim, Tenant, TenantKey
 from deviceplugin.quota.overlimit import Breach
 from vramshare import contract, logs
+from vramshare.contract import assignment, over_limit, quota_mib
+from vramshare.contract.assignment import AssignmentError
 from vramshare.config import OverLimitAction
 
 log = logs.get("vramshare.quota.kube")
@@ -74,9 +75,8 @@ def tenants_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) 
         ns, name, uid = meta.get("namespace", ""), meta.get("name", ""), meta.get("uid", "")
         text = ann.get(names.assignment)
         try:
-            containers = sorted(json.loads(text or "null") or {})
-            assigned = {c: parse_assignment(text, c) for c in containers}
-        except (AssignmentError, ValueError, TypeError) as exc:
+            assigned = dict(sorted(assignment.parse(text).items())) if text else {}
+        except AssignmentError as exc:
             log.warning("pod assignment unreadable, its quotas are left alone", pod=f"{ns}/{name}", error=str(exc))
             continue
         url, cids, meta = _metrics_url(pod), _container_ids(pod), pod_meta(pod, names)
@@ -102,9 +102,9 @@ def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) 
             continue
         where = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
         try:
-            for c in sorted(json.loads(text) or {}):
-                out.append(Claim(f"{where}/{c}", tuple((g.uuid, g.mib) for g in parse_assignment(text, c))))
-        except (AssignmentError, ValueError, TypeError) as exc:
+            for c, gpus in sorted(assignment.parse(text).items()):
+                out.append(Claim(f"{where}/{c}", tuple((g.uuid, g.mib) for g in gpus)))
+        except AssignmentError as exc:
             log.warning("pending pod's assignment unreadable, not counted", pod=where, error=str(exc))
     return out
 
@@ -138,11 +138,7 @@ class ApiQuotaMirror:
     def mirror(self, key: TenantKey, quotas: Mapping[str, Mapping[str, int]],
                states: Mapping[str, str] | None = None,
                details: Mapping[str, Mapping[str, Mapping[str, object]]] | None = None) -> None:
-        st, more = states or {}, details or {}
-        value = json.dumps({c: [{"uuid": u, "mib": mib, **({"state": st[c]} if c in st else {}),
-                                 **(more.get(c, {}).get(u) or {})}
-                                for u, mib in sorted(gpus.items())]
-                            for c, gpus in sorted(quotas.items())}, separators=(",", ":"))
+        value = quota_mib.encode(quotas, states, details)
         body = {"metadata": {"annotations": {self._names.quota_mib: value}}}
         try:
             self._v1.patch_namespaced_pod(key.pod, key.namespace, body, _content_type=MERGE_PATCH,
@@ -165,8 +161,8 @@ class ApiOverLimitActor:
     def act(self, breach: Breach, action: OverLimitAction) -> None:
         key = breach.key
         note = breach.message() + (": evicting the pod" if action is OverLimitAction.EVICT else "")
-        value = json.dumps({"container": key.container, "gpu": breach.gpu_uuid, "usedMiB": breach.used_mib,
-                            "limitMiB": breach.limit_mib, "seconds": round(breach.seconds)}, separators=(",", ":"))
+        value = over_limit.encode(over_limit.OverLimit(key.container, breach.gpu_uuid, breach.used_mib,
+                                                       breach.limit_mib, round(breach.seconds)))
         try:
             self._v1.patch_namespaced_pod(key.pod, key.namespace,
                                           {"metadata": {"annotations": {self._names.over_limit: value}}},

@@ -1,4 +1,5 @@
-"""The quota file: its document model and the one atomic writer every part of the node uses.
+"""The quota file: the one atomic writer every part of the node uses (the document and its codec are the
+contract's, :mod:`vramshare.contract.quota_file`).
 
 The container reads ``/var/run/vramshare/quota.json`` (DESIGN.md section 3), a read-only mount of
 ``<quotaHostDir>/<pod-uid>/<container>/``. The device plugin writes the first version at Allocate and
@@ -27,27 +28,25 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import stat
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 from vramshare import contract, logs
+from vramshare.contract import quota_file
+from vramshare.contract.quota_file import GENERATION_MAX, GpuQuota, QuotaFile, QuotaFileError
+
+__all__ = ["GENERATION_MAX", "GpuQuota", "QuotaFile", "QuotaFileError", "UnsafePathError", "safe_component",
+           "inside", "parse_quota", "quota_path", "container_dir", "read_regular", "read_quota", "write_quota"]
 
 log = logs.get("vramshare.quota.writer")
 _LOCAL_LOCK = threading.Lock()  # flock is per open file description; this keeps threads orderly too
 
 
-GENERATION_MAX = 2**63 - 1  # readers hold the generation in an int64 (Go, C, numpy): never more
 MAX_COMPONENT = 253  # a DNS subdomain (object names) is at most 253; a UID is 36; a file name at most 255
-
-
-class QuotaFileError(ValueError):
-    """A quota file that could not be parsed; the message says what is wrong with it."""
 
 
 class UnsafePathError(QuotaFileError):
@@ -84,64 +83,8 @@ def inside(root: str, path: str, *, follow_last: bool = True) -> bool:
     return real.startswith(os.path.realpath(root) + os.sep)
 
 
-@dataclass(frozen=True)
-class GpuQuota:
-    """One GPU's memory quota for one container, in MiB."""
-
-    uuid: str
-    limit_mib: int
-    floor_mib: int
-    ceiling_mib: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"uuid": self.uuid, "limitMiB": self.limit_mib,
-                "floorMiB": self.floor_mib, "ceilingMiB": self.ceiling_mib}
-
-
-@dataclass(frozen=True)
-class QuotaFile:
-    """The whole document. ``generation`` 0 means "the next one"; ``updated`` "" means "now"."""
-
-    gpus: tuple[GpuQuota, ...] = field(default_factory=tuple)
-    generation: int = 0
-    updated: str = ""  # UTC, "2026-11-29T09:20:00Z", as the device plugin's first file has it
-    state: str = ""  # the tenant's phase (hot / warm / waking / cold); optional, "" = not written
-    enforcement: str = ""  # the node's enforcement mode (driver / mps / cooperative); optional
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"generation": self.generation, "updated": self.updated,
-                               "gpus": [g.to_json() for g in self.gpus]}
-        if self.state:
-            doc["state"] = self.state
-        if self.enforcement:
-            doc["enforcement"] = self.enforcement
-        return doc
-
-    def limits(self) -> dict[str, int]:
-        """``{gpu uuid: limit MiB}``, handy for comparisons and the annotation mirror."""
-        return {g.uuid: g.limit_mib for g in self.gpus}
-
-
-def parse_quota(text: str) -> QuotaFile:
-    """Parse a quota document; raises :class:`QuotaFileError` naming the bad field."""
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise QuotaFileError(f"not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise QuotaFileError("top level is not an object")
-    try:
-        gpus = tuple(GpuQuota(uuid=str(g["uuid"]), limit_mib=int(g["limitMiB"]),
-                              floor_mib=int(g["floorMiB"]), ceiling_mib=int(g["ceilingMiB"]))
-                     for g in doc["gpus"])
-        generation = int(doc["generation"])
-        out = QuotaFile(gpus=gpus, generation=generation, updated=str(doc["updated"]),
-                        state=str(doc.get("state") or ""), enforcement=str(doc.get("enforcement") or ""))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise QuotaFileError(f"bad or missing field: {exc!r}") from exc
-    if not 0 <= generation <= GENERATION_MAX:
-        raise QuotaFileError(f"generation {generation} is outside 0..{GENERATION_MAX} (an int64)")
-    return out
+#: the document and its one codec live in the contract (:mod:`vramshare.contract.quota_file`)
+parse_quota = quota_file.parse
 
 
 def quota_path(directory: str | os.PathLike[str]) -> str:
@@ -155,7 +98,7 @@ def container_dir(host_root: str, pod_uid: str, container: str) -> str:
     return os.path.join(host_root, safe_component(pod_uid, "pod UID"), safe_component(container, "container name"))
 
 
-MAX_QUOTA_BYTES = 1 << 20  # a quota file is a few hundred bytes; never read an unbounded one
+MAX_QUOTA_BYTES = quota_file.MAX_BYTES
 
 
 def read_regular(path: str, dir_fd: int | None = None) -> str | None:
@@ -205,15 +148,13 @@ def write_quota(directory: str | os.PathLike[str], quota: QuotaFile, *, durable:
     The generation written is ``max(quota.generation, generation on disk + 1)``, so it grows by at
     least one with every write whoever writes; an empty ``updated`` becomes the current UTC time.
     The directory is created (0755) when missing; the file is 0644 so a non-root container can read
-    it. Raises ``ValueError`` for a GPU entry without floor <= limit <= ceiling (the vLLM plugin
-    refuses such a file, so it must never reach the disk) and ``OSError`` when the directory cannot
+    it. Raises :class:`QuotaFileError` (a ``ValueError``) for a document the contract refuses, e.g. no
+    GPU or a GPU entry without floor <= limit <= ceiling (the vLLM plugin refuses such a file, so it must
+    never reach the disk), and ``OSError`` when the directory cannot
     be written (the caller logs and keeps its state). With ``root``, a directory that resolves
     outside it (a planted link) raises :class:`UnsafePathError` before anything is created.
     """
-    for g in quota.gpus:
-        if not 0 <= g.floor_mib <= g.limit_mib <= g.ceiling_mib:
-            raise ValueError(f"quota for {g.uuid}: need 0 <= floor <= limit <= ceiling, "
-                             f"got {g.floor_mib}/{g.limit_mib}/{g.ceiling_mib}")
+    quota_file.encode(replace(quota, generation=0))  # refused before any I/O; the generation is clamped below
     d = os.fspath(directory)
     if root is not None and not inside(root, d):
         raise UnsafePathError(f"{d} resolves to {os.path.realpath(d)}, outside the quota root {root}")
@@ -228,7 +169,7 @@ def write_quota(directory: str | os.PathLike[str], quota: QuotaFile, *, durable:
                 generation = GENERATION_MAX
             final = replace(quota, generation=generation,
                             updated=quota.updated or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-            data = json.dumps(final.to_json(), separators=(",", ":"), sort_keys=True).encode()
+            data = quota_file.encode(final).encode()
             fd, tmp = tempfile.mkstemp(prefix=".quota.", suffix=".tmp", dir=d)
             try:
                 with os.fdopen(fd, "wb") as fh:

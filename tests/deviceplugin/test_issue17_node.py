@@ -350,7 +350,7 @@ def test_issue17_item14_a_generation_of_int64_max_is_never_written_past_int64(tm
     written = writer.write_quota(str(d), writer.QuotaFile(gpus=(writer.GpuQuota("GPU-a", 10, 0, 10),)))
     assert written.generation <= 2**63 - 1
     assert json.loads((d / contract.QUOTA_FILE_NAME).read_text())["generation"] <= 2**63 - 1
-    written = writer.write_quota(str(d), writer.QuotaFile(generation=2**70))
+    written = writer.write_quota(str(d), writer.QuotaFile(gpus=(writer.GpuQuota("GPU-a", 10, 0, 10),), generation=2**70))
     assert written.generation <= 2**63 - 1
 
 

@@ -155,11 +155,12 @@ def test_parse_and_encode_assignment_round_trip():
 @pytest.mark.parametrize("text, message", [
     (None, "no assignment annotation"),
     ("{", "not JSON"),
-    (json.dumps({"other": []}), "no GPUs for container 'c'"),
+    (json.dumps({"other": [{"uuid": "GPU-a", "mib": 1}]}), "no GPUs for container 'c'"),
+    (json.dumps({"c": []}), "no GPUs for container 'c'"),
     (json.dumps({"c": [{"uuid": "GPU-a"}]}), "want"),
     (json.dumps({"c": [{"uuid": "GPU-a", "mib": True}]}), "want"),
     (json.dumps({"c": [{"uuid": "GPU-a", "mib": 1}, {"uuid": "GPU-a", "mib": 1}]}), "names a GPU twice"),
-], ids=["missing", "not-json", "no-container", "no-mib", "bool-mib", "duplicate"])
+], ids=["missing", "not-json", "no-container", "empty-container", "no-mib", "bool-mib", "duplicate"])
 def test_bad_assignments_say_what_is_wrong(text, message):
     with pytest.raises(handshake.AssignmentError, match=message):
         handshake.parse_assignment(text, "c")

@@ -84,8 +84,24 @@ def test_the_users_annotations_are_exactly_the_contracts_one_list() -> None:
     """Issue 17: the exempt list was spelled by hand (three names) and refused README's quota-class."""
     assert sorted(_user_owned("pods")) == sorted(N.user_annotations())
     assert _user_owned("nodes") == []
-    written_by_vramshare = {N.assignment, N.assume_time, N.allocation_state, N.quota_mib, N.over_limit, N.inventory}
-    assert not written_by_vramshare & set(N.user_annotations())
+    assert not set(N.vramshare_annotations()) & set(N.user_annotations())
+
+
+def test_every_annotation_of_the_contract_has_one_writer() -> None:
+    """Issue 21: each ``<domain>/*`` annotation the contract names is either the users' or vramshare's,
+    never both, never neither; the policies below are checked against these lists."""
+    props = [p for p, v in vars(contract.Names).items() if isinstance(v, property)]
+    annotations = {getattr(N, p) for p in props if getattr(N, p).startswith(f"{N.domain}/")} - {
+        N.gpu_memory, N.gpu, N.mig_prefix, N.cdi_kind}  # resources, not annotations
+    owners = [*N.user_annotations(), *N.vramshare_annotations(), *N.node_annotations()]
+    assert len(owners) == len(set(owners))
+    assert annotations <= set(owners), sorted(annotations - set(owners))
+
+
+def test_the_dra_plugin_writes_only_the_quota_loops_annotations() -> None:
+    text = (ROOT / "deploy/daemonset/admission-policies.yaml").read_text()
+    listed = "[" + ", ".join(f"'{k}'" for k in N.quota_loop_annotations()) + "]"
+    assert f"variables.ourAnnotationsChanged.all(k, k in {listed})" in text
 
 
 @pytest.mark.parametrize("key", N.user_annotations())
@@ -254,8 +270,7 @@ def test_only_device_plugins_write_the_node_inventory() -> None:
     assert admit(Request("UPDATE", "nodes", "system:node:n1", kubelet, node)) == []
 
 
-KEYS = st.sampled_from([*N.user_annotations(), N.assignment, N.assume_time, N.allocation_state,
-                        N.quota_mib, f"{N.domain}/future-key", "example.com/a", "app.kubernetes.io/b"])
+KEYS = st.sampled_from([*N.user_annotations(), *N.vramshare_annotations(), f"{N.domain}/future-key", "example.com/a", "app.kubernetes.io/b"])
 ANNS = st.dictionaries(KEYS, st.sampled_from(["1", "2", "x"]), max_size=6)
 
 
