@@ -223,9 +223,9 @@ class QuotaLoop:
             # dropping it into another class's bounds mid-flight is a change nobody asked for; the
             # next reload after that re-resolves it
             names = new.class_names()
-            for b in self._books.values():  # an orphan of the previous reload is resolved again now
+            for _k, b in self._snapshot():  # an orphan of the previous reload is resolved again now
                 b.orphan_of = b.qclass if b.orphan_of is None and b.qclass not in (None, *names) else None
-            for k, c in sorted((k, b.orphan_of) for k, b in self._books.items() if b.orphan_of is not None):
+            for k, c in sorted((k, b.orphan_of) for k, b in self._snapshot() if b.orphan_of is not None):
                 log.warning("quota class removed by a reload, tenant keeps its limits until the next valid config",
                             pod=f"{k.namespace}/{k.pod}", container=k.container, quota_class=c)
             log.info("quota settings reloaded", step_mib=new.params.step_mib, margin_mib=new.params.margin_mib,
@@ -234,21 +234,25 @@ class QuotaLoop:
         self.settings = new
         self._watch.grace = new.grace_seconds
 
+    def _snapshot(self) -> list[tuple[TenantKey, TenantBook]]:
+        """The books as a list, taken in one step: the metrics thread reads while a tick runs."""
+        return list(self._books.items())
+
     def tracked(self) -> set[TenantKey]:
         """Every tenant the loop keeps state for (tests: a departed pod leaves none behind)."""
         return set(self._books) | self._warmth.keys() | self._watch.keys()
 
     def phases(self) -> dict[TenantKey, Phase]:
         """Each tenant's warmth as of the latest tick (metrics, inspect)."""
-        return {k: b.phase for k, b in self._books.items() if b.phase is not None}
+        return {k: b.phase for k, b in self._snapshot() if b.phase is not None}
 
     def classes(self) -> dict[TenantKey, str]:
         """Each tenant's quota class as of the latest tick (metrics, inspect)."""
-        return {k: b.qclass for k, b in self._books.items() if b.qclass is not None}
+        return {k: b.qclass for k, b in self._snapshot() if b.qclass is not None}
 
     def views(self) -> dict[tuple[TenantKey, str], TenantView]:
         """Per tenant and GPU: class, request, floor, use and the reason of the last change."""
-        return {(k, g): gb.view for k, b in self._books.items() for g, gb in b.gpus.items() if gb.view is not None}
+        return {(k, g): gb.view for k, b in self._snapshot() for g, gb in list(b.gpus.items()) if gb.view is not None}
 
     def _book(self, key: TenantKey) -> TenantBook:
         return self._books.setdefault(key, TenantBook(first_tick=self.counts["ticks"]))
@@ -269,7 +273,7 @@ class QuotaLoop:
 
     def limits(self) -> dict[tuple[TenantKey, str], int]:
         """The limits on disk as this loop knows them: ``{(tenant, gpu uuid): MiB}``."""
-        return {(k, g): gb.limit_mib for k, b in self._books.items() for g, gb in b.gpus.items()
+        return {(k, g): gb.limit_mib for k, b in self._snapshot() for g, gb in list(b.gpus.items())
                 if gb.limit_mib is not None}
 
     # -- inputs ------------------------------------------------------------------------------
