@@ -70,12 +70,13 @@ def _believed_assignment(pod: Mapping[str, Any], names: contract.Names) -> bool:
 
 
 def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names,
-                      tenants: AbstractSet[str] = frozenset()) -> list[Claim]:
+                      tenants: AbstractSet[str] = frozenset(), said: set[str] | None = None) -> list[Claim]:
     """Containers promised memory here that are not tenants yet (issue 19): pods bound to the node
     (the cache holds this node's pods only) with an assignment vramshare wrote, whose UID is not in
     ``tenants``; the extender counted them at their request when it bound them, so the quota loop
     does too. ``allocation-state`` is not read at all: who holds its devices is the reconciler's
-    in-process view (a forged ``allocated`` neither makes a tenant nor hides a claim)."""
+    in-process view (a forged ``allocated`` neither makes a tenant nor hides a claim). A refusal is
+    logged once per pod UID in ``said`` (every time without it)."""
     out: list[Claim] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -84,7 +85,11 @@ def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names,
             continue
         where = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
         if not _believed_assignment(pod, names):
-            log.info("pending pod's assignment not written by vramshare, not counted", pod=where)
+            if said is None or meta.get("uid", "") not in said:
+                log.warning("pending pod's assignment not written by vramshare (managedFields), not counted",
+                            pod=where)
+                if said is not None:
+                    said.add(meta.get("uid", ""))
             continue
         try:
             for c in sorted(json.loads(text) or {}):
@@ -133,11 +138,13 @@ class NodeTenantSource:
                  pods: Callable[[], Iterable[Mapping[str, Any]]], names: contract.Names) -> None:
         self._holdings, self._pods, self._names = holdings, pods, names
         self._pending: list[Claim] = []
+        self._said: set[str] = set()  # pods whose untrusted assignment was logged
 
     def list_tenants(self) -> list[Tenant]:
         pods = list(self._pods())
         tenants = tenants_from_holdings(self._holdings(), pods, self._names)
-        self._pending = pending_from_pods(pods, self._names, {t.key.pod_uid for t in tenants})
+        self._pending = pending_from_pods(pods, self._names, {t.key.pod_uid for t in tenants}, self._said)
+        self._said &= {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
         return tenants
 
     def list_pending(self) -> list[Claim]:
