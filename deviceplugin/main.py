@@ -120,7 +120,10 @@ class DevicePluginDaemon:
             channels = WarmChannels(self.warm)
             from deviceplugin.warm_channel import WarmCollector
             self.metrics.registry.register(WarmCollector(self.warm))
-        loop = quota_service.build_loop(config, self._api, self._node_name, self._shared_capacities,
+        from deviceplugin.quota.kube import NodeTenantSource
+        pods = self.pods.pods if self.pods is not None else list  # (the API is there: so is the cache)
+        tenants = NodeTenantSource(self.reconciler.holdings, pods, config.names)  # no API call per tick
+        loop = quota_service.build_loop(config, self._api, self._node_name, self._shared_capacities, tenants,
                                         nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop

@@ -134,6 +134,15 @@ class Patch:
     state: str = contract.STATE_ALLOCATED
 
 
+@dataclass(frozen=True)
+class Holding:
+    """A pod container that holds all its devices, as a round found them (PodResources + the pod cache):
+    what the quota loop's tenants are, read in-process instead of back from the annotation (issue 21)."""
+
+    owner: Owner
+    gpus: tuple[AssignedGpu, ...]  # the actual GPUs and MiB, as the ``assignment`` patch says them
+
+
 @dataclass
 class Plan:
     patches: list[Patch] = field(default_factory=list)
@@ -144,6 +153,7 @@ class Plan:
     in_sync: int = 0  # pods whose annotations already say what they hold
     held_keys: set[str] = field(default_factory=set)  # allocation keys of every listed container
     attributions: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # key -> (uid, stamp) to record
+    holdings: list[Holding] = field(default_factory=list)  # containers of pods whose devices are all held
 
 
 def _share_of(device_id: str, resource: str, devices: Mapping[str, PluginDevice], names: contract.Names,
@@ -243,6 +253,7 @@ def drop_unconfirmed(out: Plan, wrong: Mapping[str, str]) -> None:
                 out.waiting[f"{owner.namespace}/{owner.pod}"] = wrong[uid]
     out.links = {k: v for k, v in out.links.items() if k[0] not in wrong}
     out.patches = [p for p in out.patches if p.pod.uid not in wrong]
+    out.holdings = [h for h in out.holdings if h.owner.uid not in wrong]
 
 
 def _keep_earlier(out: Plan, entry: Entry, allocs: Mapping[str, Allocation], ns: str, name: str) -> None:
@@ -333,6 +344,7 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
         except (KeyError, ValueError) as exc:
             out.waiting[key] = f"device {exc} is not a device of this node; its size is unknown"
             continue
+        out.holdings.extend(Holding(Owner(uid, ns, name, c), gpus) for c, gpus in sorted(actual.items()))
         hidden = unlisted_init_devices(pod, names)
         if hidden:
             out.unlisted[key] = hidden

@@ -74,6 +74,7 @@ class Reconciler:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._owners: dict[str, reconcile.Owner] = {}
+        self._holdings: tuple[reconcile.Holding, ...] = ()  # swapped whole: read without the round's lock
         self._said_unavailable = False
         self._up = False  # the last round had PodResources' answer
         self._warned: set[str] = set()
@@ -85,6 +86,11 @@ class Reconciler:
         """Allocation key (quota directory name under ``_alloc``) -> the pod container holding it."""
         with self._lock:
             return dict(self._owners)
+
+    def holdings(self) -> tuple[reconcile.Holding, ...]:
+        """The pod containers that held all their devices in the last round that read PodResources (kept
+        while it is down): the quota loop's tenants (issue 21). Never waits for a round in progress."""
+        return self._holdings
 
     @property
     def recording(self) -> bool:
@@ -142,6 +148,7 @@ class Reconciler:
                         "them", pod=key, devices=hidden)
         self._owners = dict(plan.owners)
         out.links = self._link(plan)
+        self._holdings = tuple(plan.holdings)  # after the links: a tenant's quota directory resolves
         for patch in plan.patches if self._patcher is not None else ():
             self._apply(patch, out)
         self._metrics.reconciled("error" if out.failed else "ok", True)

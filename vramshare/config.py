@@ -62,7 +62,7 @@ BOUNDS: dict[str, Bound] = {
     "extender.assumeTimeoutSeconds": Bound(1, WEEK_S, "expiry of an assumed pod, in ns on a 64-bit clock"),
     "extender.workloadWindow": Bound(1, 1_000_000, "recent requests kept in memory"),
     "extender.holdTimeoutSeconds": Bound(0, 3_600, "a hold blocks binds of one size on a node; 0: none"),
-    "quota.intervalSeconds": Bound(1, DAY_S, "each tick lists the node's pods from the API server"),
+    "quota.intervalSeconds": Bound(1, DAY_S, "each tick reads every tenant's use and metrics"),
     "quota.floorFraction": Bound(0, 1, "a fraction of the request"),
     "quota.ceilingFraction": Bound(1, 1024, "a multiple of the request; beyond, the GPU is the ceiling"),
     "quota.stepMiB": Bound(1, MAX_GPU_MIB, "a step beyond a GPU never moves a limit"),

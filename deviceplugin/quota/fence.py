@@ -10,7 +10,7 @@ its limit, as for any tenant without telemetry.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.model import Decision, Tenant
@@ -22,23 +22,23 @@ log = logs.get("vramshare.quota.fence")
 
 
 class DriverFence:
-    """A :class:`telemetry.UsageReader` and the loop's limit mover, over NVML memory limits."""
+    """The loop's use reader (first, before any :class:`telemetry.UsageReader`) and limit mover in driver
+    mode, over NVML memory limits; both are given the tenants they act on."""
 
     name = "driver-limits"
     mode = EnforcementMode.DRIVER
 
-    def __init__(self, limits: NvmlMemoryLimits, finder: CgroupFinder,
-                 tenants: Callable[[], Sequence[Tenant]]) -> None:
-        """``tenants`` gives the tenants of the current tick (the loop lists them before reading use)."""
-        self._limits, self._finder, self._tenants = limits, finder, tenants
+    def __init__(self, limits: NvmlMemoryLimits, finder: CgroupFinder) -> None:
+        self._limits, self._finder = limits, finder
 
     def _cgroups(self, t: Tenant) -> list[tuple[str, str]]:
         return [(cid, cg) for cid in sorted(t.container_ids) if (cg := self._finder.find(cid))]
 
-    def read_usage(self) -> list[UsageSample]:
+    def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
+        """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21)."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        for t in self._tenants():
+        for t in tenants:
             for cid, cgroup in self._cgroups(t):
                 for gpu, _req in t.gpus:
                     try:
@@ -51,19 +51,19 @@ class DriverFence:
                                            container_id=cid))
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
-        out.extend(self._foreign(out))
+        out.extend(self._foreign(tenants, out))
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
         return out
 
-    def _foreign(self, ours: list[UsageSample]) -> list[UsageSample]:
+    def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
         """Per GPU, memory in use that no tenant cgroup holds (another plugin's pod, a host process): an
         anonymous sample, which attribution books as foreign so quotas never promise it."""
         mine: dict[str, int] = {}
         for s in ours:
             mine[s.gpu_uuid] = mine.get(s.gpu_uuid, 0) + s.used_mib
         out = []
-        for gpu in sorted({g for t in self._tenants() for g, _ in t.gpus}):
+        for gpu in sorted({g for t in tenants for g, _ in t.gpus}):
             try:
                 other = self._limits.gpu_used_mib(gpu) - mine.get(gpu, 0)
             except LimitError as exc:

@@ -1,9 +1,10 @@
-"""The quota loop's two Kubernetes adapters: who the tenants are, and the quota annotation mirror.
+"""The quota loop's Kubernetes adapters: who the tenants are, and the quota annotation mirror.
 
-Tenants come from the pods on this node that the device plugin marked ``allocation-state:
-allocated``: their ``<domain>/assignment`` says which GPUs and how many MiB each container was given
-(parsed by the contract's one codec, :mod:`vramshare.contract.assignment`).
-A pod's vLLM metrics endpoint is found the usual way, from ``prometheus.io/port`` (and optional
+Tenants are the containers the device plugin's reconciler found holding their devices, read in-process
+(:class:`NodeTenantSource`; issue 21: the tick makes no API call): which GPUs and how many MiB each
+holds. The pods themselves come from the node's watch-fed pod cache, for what only a pod says; pods
+bound here with an assignment vramshare wrote that are not tenants yet are pending claims (parsed by
+the contract's one codec, :mod:`vramshare.contract.assignment`). A pod's vLLM metrics endpoint is found the usual way, from ``prometheus.io/port`` (and optional
 ``prometheus.io/path``, ``prometheus.io/scheme``) plus the pod IP. The mirror writes
 ``<domain>/quota-mib`` = ``{container: [{"uuid", "mib"}]}`` (the assignment's shape, with the current
 limits and each container's warmth) so ``kubectl`` shows what each container may use now; the
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any, Iterable, Mapping
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Protocol
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -22,7 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from deviceplugin.quota.classes import PodMeta
 from deviceplugin.quota.model import Claim, Tenant, TenantKey
 from deviceplugin.quota.overlimit import Breach
-from vramshare import contract, logs
+from vramshare import contract, logs, managed
 from vramshare.contract import assignment, over_limit, quota_mib
 from vramshare.contract.assignment import AssignmentError
 from vramshare.config import OverLimitAction
@@ -61,46 +62,36 @@ def pod_meta(pod: Mapping[str, Any], names: contract.Names) -> PodMeta:
                       (meta.get("annotations") or {}).get(names.quota_class))
 
 
-def tenants_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) -> list[Tenant]:
-    """Every container holding our memory, from raw pod JSON. A pod with a bad assignment is logged
-    and skipped (its quotas stay as they are), never a reason to drop the other pods."""
-    out: list[Tenant] = []
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        ann = meta.get("annotations") or {}
-        if ann.get(names.allocation_state) != contract.STATE_ALLOCATED:
-            continue
-        if (pod.get("status") or {}).get("phase") in _DONE_PHASES:
-            continue
-        ns, name, uid = meta.get("namespace", ""), meta.get("name", ""), meta.get("uid", "")
-        text = ann.get(names.assignment)
-        try:
-            assigned = dict(sorted(assignment.parse(text).items())) if text else {}
-        except AssignmentError as exc:
-            log.warning("pod assignment unreadable, its quotas are left alone", pod=f"{ns}/{name}", error=str(exc))
-            continue
-        url, cids, meta = _metrics_url(pod), _container_ids(pod), pod_meta(pod, names)
-        for c, gpus in assigned.items():
-            out.append(Tenant(key=TenantKey(ns, name, c, pod_uid=uid),
-                              gpus=tuple((g.uuid, g.mib) for g in gpus), metrics_url=url,
-                              container_ids=frozenset([cids[c]]) if c in cids else frozenset(), meta=meta))
-    return out
+def _believed_assignment(pod: Mapping[str, Any], names: contract.Names) -> bool:
+    """Whether vramshare wrote the pod's ``assignment`` (managedFields: the extender at bind, the device
+    plugin's reconciler after admission): the issue-18 trust rule the extender applies
+    (``extender/accounting.py _distrust``). Anyone else's (``kubectl annotate``) reserves nothing."""
+    owners = managed.annotation_owners(pod, (names.assignment,))[names.assignment]
+    return bool(owners & {contract.FIELD_MANAGER_DEVICE_PLUGIN, contract.FIELD_MANAGER_EXTENDER})
 
 
-def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) -> list[Claim]:
+def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names,
+                      tenants: AbstractSet[str] = frozenset(), said: set[str] | None = None) -> list[Claim]:
     """Containers promised memory here that are not tenants yet (issue 19): pods bound to the node
-    (the listing is by ``spec.nodeName``) with an assignment but not reported ``allocated``; the
-    extender counted them at their request when it bound them, so the quota loop does too."""
+    (the cache holds this node's pods only) with an assignment vramshare wrote, whose UID is not in
+    ``tenants``; the extender counted them at their request when it bound them, so the quota loop
+    does too. ``allocation-state`` is not read at all: who holds its devices is the reconciler's
+    in-process view (a forged ``allocated`` neither makes a tenant nor hides a claim). A refusal is
+    logged once per pod UID in ``said`` (every time without it)."""
     out: list[Claim] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
-        ann = meta.get("annotations") or {}
-        text = ann.get(names.assignment)
-        if not text or ann.get(names.allocation_state) == contract.STATE_ALLOCATED:
-            continue
-        if (pod.get("status") or {}).get("phase") in _DONE_PHASES:
+        text = (meta.get("annotations") or {}).get(names.assignment)
+        if not text or meta.get("uid", "") in tenants or (pod.get("status") or {}).get("phase") in _DONE_PHASES:
             continue
         where = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+        if not _believed_assignment(pod, names):
+            if said is None or meta.get("uid", "") not in said:
+                log.warning("pending pod's assignment not written by vramshare (managedFields), not counted",
+                            pod=where)
+                if said is not None:
+                    said.add(meta.get("uid", ""))
+            continue
         try:
             for c, gpus in sorted(assignment.parse(text).items()):
                 out.append(Claim(f"{where}/{c}", tuple((g.uuid, g.mib) for g in gpus)))
@@ -109,23 +100,56 @@ def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names) 
     return out
 
 
-class ApiTenantSource:
-    """:class:`loop.TenantSource` over the API server: the pods bound to one node."""
+class HeldContainer(Protocol):
+    """What the reconciler's view says of one container (``deviceplugin.reconcile.Holding``)."""
 
-    def __init__(self, v1: client.CoreV1Api, node: str, names: contract.Names) -> None:
-        self._v1, self._node, self._names = v1, node, names
+    @property
+    def owner(self) -> Any: ...  # uid, namespace, pod, container
+
+    @property
+    def gpus(self) -> tuple[Any, ...]: ...  # (uuid, mib) as ``AssignedGpu``
+
+
+def tenants_from_holdings(holdings: Iterable[HeldContainer], pods: Iterable[Mapping[str, Any]],
+                          names: contract.Names) -> list[Tenant]:
+    """Pure: the containers the reconciler found holding their devices, joined with their pods (by UID)
+    for what only the pod says: metrics URL, runtime IDs, quota-class metadata. A container whose pod is
+    gone from the cache (deleted) or done is no tenant: it departed, even while PodResources lists it."""
+    by_uid = {str((p.get("metadata") or {}).get("uid") or ""): p for p in pods}
+    out: list[Tenant] = []
+    for h in holdings:
+        o = h.owner
+        pod = by_uid.get(o.uid)
+        if pod is None or (pod.get("status") or {}).get("phase") in _DONE_PHASES:
+            continue
+        cids = _container_ids(pod)
+        out.append(Tenant(key=TenantKey(o.namespace, o.pod, o.container, pod_uid=o.uid),
+                          gpus=tuple((g.uuid, g.mib) for g in h.gpus), metrics_url=_metrics_url(pod),
+                          container_ids=frozenset([cids[o.container]]) if o.container in cids else frozenset(),
+                          meta=pod_meta(pod, names)))
+    return out
+
+
+class NodeTenantSource:
+    """:class:`loop.TenantSource` of the node agent, with no API call in a tick (issue 21): tenants are
+    the device plugin's reconciler view (``Reconciler.holdings``, in-process), the pods' metadata comes
+    from the node's watch-fed pod cache (``NodePodCache.pods``), and so do the pending claims."""
+
+    def __init__(self, holdings: Callable[[], Iterable[HeldContainer]],
+                 pods: Callable[[], Iterable[Mapping[str, Any]]], names: contract.Names) -> None:
+        self._holdings, self._pods, self._names = holdings, pods, names
         self._pending: list[Claim] = []
+        self._said: set[str] = set()  # pods whose untrusted assignment was logged
 
     def list_tenants(self) -> list[Tenant]:
-        # raw JSON (no model objects): the pod dicts are what the device plugin's parsers read
-        resp: Any = self._v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self._node}",
-                                                         _preload_content=False, _request_timeout=TIMEOUT_S)
-        pods = json.loads(resp.data).get("items") or []
-        self._pending = pending_from_pods(pods, self._names)
-        return tenants_from_pods(pods, self._names)
+        pods = list(self._pods())
+        tenants = tenants_from_holdings(self._holdings(), pods, self._names)
+        self._pending = pending_from_pods(pods, self._names, {t.key.pod_uid for t in tenants}, self._said)
+        self._said &= {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
+        return tenants
 
     def list_pending(self) -> list[Claim]:
-        """The pending claims of the latest :meth:`list_tenants` (one listing serves both)."""
+        """The pending claims of the latest :meth:`list_tenants` (one look at the cache serves both)."""
         return list(self._pending)
 
 

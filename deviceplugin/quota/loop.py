@@ -7,9 +7,10 @@ that tenant's pressure signals; a failed write is retried next tick because the 
 what it managed to write. Files are written only when a limit changes, so readers are not woken
 for nothing, and the generation on disk grows with each write (see ``writer``).
 
-Per tenant it also keeps what the pure parts need from the past: a window of recent use (the
-policy's headroom reaches its peak), the tenant's warmth (``warmth``), and, on nodes where nothing
-fences, how long it has been above its limit (``overlimit``). In ``driver`` mode the fence moves
+Per tenant it also keeps what the pure parts need from the past, in one :class:`TenantBook` dropped
+whole when the tenant departs: a window of recent use (the policy's headroom reaches its peak), the
+limits and generations on disk, what its engine acknowledged; its warmth (``warmth``) and, on nodes
+where nothing fences, how long it has been above its limit (``overlimit``) are pruned with it. In ``driver`` mode the fence moves
 the container's cgroup limits after each written change. Settings reload live (:meth:`reconfigure`).
 """
 from __future__ import annotations
@@ -45,8 +46,9 @@ class TenantSource(Protocol):
     """The containers holding our memory on this node (from the device plugin's allocations).
 
     A source may also have ``list_pending() -> list[Claim]``: the containers promised memory here
-    that are not tenants yet (``kube.ApiTenantSource``: pods bound here, not yet reported allocated,
-    from the same listing); the loop counts them at their request (issue 19)."""
+    that are not tenants yet (``kube.NodeTenantSource``: pods bound here with an assignment vramshare
+    wrote that the reconciler has not found holding their devices, from the same look at the pod
+    cache); the loop counts them at their request (issue 19)."""
 
     def list_tenants(self) -> list[Tenant]:
         """Raises any exception on failure; the loop logs it and skips the tick."""
@@ -74,7 +76,14 @@ class OverLimitActor(Protocol):
 
 
 class Fence(Protocol):
-    """Moves a tenant's enforced limits (driver mode): ``fence.DriverFence``."""
+    """Reads the tenants' use and moves their enforced limits (driver mode): ``fence.DriverFence``.
+    Both are given the tenants of the tick (issue 21: no closure reading the loop back)."""
+
+    name: str
+
+    def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
+        """Raises :class:`TelemetryError`; the loop then tries its other readers."""
+        ...
 
     def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int],
               hard: Mapping[str, int] | None = None) -> list[str]:
@@ -128,6 +137,40 @@ class TenantView:
 
 
 @dataclass
+class GpuBook:
+    """What the loop remembers of one tenant on one GPU between ticks."""
+
+    limit_mib: int | None = None  # on disk, as this process wrote or read it
+    line: GpuQuota | None = None  # its line of quota.json as on disk
+    window: deque[int] = field(default_factory=deque)  # recent use (the headroom's peak)
+    view: TenantView | None = None  # as the latest tick saw it (metrics, the mirror, inspect)
+    fenced: bool = False  # its cgroup limits were set by this process
+    hard_mib: int | None = None  # the hard limit as this process set it
+
+
+@dataclass
+class TenantBook:
+    """Everything the loop remembers of one tenant between ticks, in one object (issue 21): created when
+    it is first listed and dropped whole, in :meth:`QuotaLoop._prune`, the first tick it is not."""
+
+    first_tick: int  # the tick it was first listed (its age, for ``starting``)
+    gpus: dict[str, GpuBook] = field(default_factory=dict)
+    preemptions_total: float | None = None  # the engine's counter as last read
+    phase: Phase | None = None  # as last written to its file
+    qclass: str | None = None  # its quota class as of the latest tick
+    orphan_of: str | None = None  # the class a reload removed: its limits are held until the next one
+    generation: int | None = None  # of its quota file as last written or read
+    applied: int | None = None  # generation its engine reported applied (latest)
+    # the files this process wrote lately: (generation, {gpu: limit}), to tell which limit an engine
+    # follows from the generation it reports applied
+    history: deque[tuple[int, dict[str, int]]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
+    managed: bool = False  # its file was written by a quota loop when first listed
+
+    def gpu(self, uuid: str) -> GpuBook:
+        return self.gpus.setdefault(uuid, GpuBook())
+
+
+@dataclass
 class TickReport:
     """What one tick did; tests and the bench read it, the daemon only logs."""
 
@@ -156,29 +199,13 @@ class QuotaLoop:
         self._root, self._signals, self._mirror = host_root, signals, mirror
         self.settings = settings or LoopSettings(params=params)
         self.mode, self._fence, self._actor, self._clock = mode, fence, actor, clock
-        self._limits: dict[tuple[TenantKey, str], int] = {}  # what is on disk, as we wrote or read it
-        self._preempt: dict[TenantKey, float] = {}  # last preemption counter per tenant
-        self._window: dict[tuple[TenantKey, str], deque[int]] = {}  # recent use per tenant and GPU
+        self._books: dict[TenantKey, TenantBook] = {}  # per tenant, all it remembers between ticks
         self._warmth = Warmth()
-        self._phases: dict[TenantKey, Phase] = {}  # as last written to the tenant's file
-        self._fenced: set[tuple[TenantKey, str]] = set()  # cgroup limits set by this process
         self._watch = OverLimitWatch(self.settings.grace_seconds)
-        self._class: dict[TenantKey, str] = {}  # each tenant's quota class as of the latest tick
-        self._orphans: dict[TenantKey, str] = {}  # tenants whose class a reload removed: held until the next
-        self._views: dict[tuple[TenantKey, str], TenantView] = {}
-        self._lines: dict[tuple[TenantKey, str], GpuQuota] = {}  # each GPU's line of quota.json as on disk
         self.capacities: dict[str, int] = {}  # per GPU, what the latest tick divided (after foreign memory)
         self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
-        self.tenants_now: list[Tenant] = []  # this tick's tenants (the driver fence reads their cgroups)
-        self._first: dict[TenantKey, int] = {}  # tick it was first listed (its age, for ``starting``)
-        self._gen: dict[TenantKey, int] = {}  # generation of its quota file as last written or read
-        self._applied: dict[TenantKey, int] = {}  # generation its engine reported applied (latest)
-        # per tenant, the files this process wrote lately: (generation, {gpu: limit}), to tell which
-        # limit an engine follows from the generation it reports applied
-        self._history: dict[TenantKey, deque[tuple[int, dict[str, int]]]] = {}
-        self._hard: dict[tuple[TenantKey, str], int] = {}  # hard limits as this process set them
+        self.tenants_now: list[Tenant] = []  # this tick's tenants (the warm channel, residency, a replay)
         self._claim_req: dict[str, dict[str, int]] = {}  # unowned quota files: what Allocate granted
-        self._managed: set[TenantKey] = set()  # its file was written by a quota loop when first listed
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
         self.warm = warm  # the warm tier (issue 23): sleeping engines lend, waking ones are granted first
@@ -196,9 +223,9 @@ class QuotaLoop:
             # dropping it into another class's bounds mid-flight is a change nobody asked for; the
             # next reload after that re-resolves it
             names = new.class_names()
-            self._orphans = {k: c for k, c in self._class.items()
-                             if c not in names and k not in self._orphans}
-            for k, c in sorted(self._orphans.items()):
+            for _k, b in self._snapshot():  # an orphan of the previous reload is resolved again now
+                b.orphan_of = b.qclass if b.orphan_of is None and b.qclass not in (None, *names) else None
+            for k, c in sorted((k, b.orphan_of) for k, b in self._snapshot() if b.orphan_of is not None):
                 log.warning("quota class removed by a reload, tenant keeps its limits until the next valid config",
                             pod=f"{k.namespace}/{k.pod}", container=k.container, quota_class=c)
             log.info("quota settings reloaded", step_mib=new.params.step_mib, margin_mib=new.params.margin_mib,
@@ -207,42 +234,59 @@ class QuotaLoop:
         self.settings = new
         self._watch.grace = new.grace_seconds
 
+    def _snapshot(self) -> list[tuple[TenantKey, TenantBook]]:
+        """The books as a list, taken in one step: the metrics thread reads while a tick runs."""
+        return list(self._books.items())
+
+    def tracked(self) -> set[TenantKey]:
+        """Every tenant the loop keeps state for (tests: a departed pod leaves none behind)."""
+        return set(self._books) | self._warmth.keys() | self._watch.keys()
+
     def phases(self) -> dict[TenantKey, Phase]:
         """Each tenant's warmth as of the latest tick (metrics, inspect)."""
-        return dict(self._phases)
+        return {k: b.phase for k, b in self._snapshot() if b.phase is not None}
 
     def classes(self) -> dict[TenantKey, str]:
         """Each tenant's quota class as of the latest tick (metrics, inspect)."""
-        return dict(self._class)
+        return {k: b.qclass for k, b in self._snapshot() if b.qclass is not None}
 
     def views(self) -> dict[tuple[TenantKey, str], TenantView]:
         """Per tenant and GPU: class, request, floor, use and the reason of the last change."""
-        return dict(self._views)
+        return {(k, g): gb.view for k, b in self._snapshot() for g, gb in list(b.gpus.items()) if gb.view is not None}
+
+    def _book(self, key: TenantKey) -> TenantBook:
+        return self._books.setdefault(key, TenantBook(first_tick=self.counts["ticks"]))
 
     def _terms(self, t: Tenant) -> qclasses.ClassTerms | None:
         """The tenant's class made concrete; ``None`` for a tenant whose class a reload removed."""
-        if t.key in self._orphans:
+        b = self._book(t.key)
+        if b.orphan_of is not None:
             return None
         st = self.settings
         res = qclasses.resolve(t.meta or qclasses.PodMeta(t.key.namespace), st.classes)
-        if res.note and self._class.get(t.key) != res.qclass.name:
+        if res.note and b.qclass != res.qclass.name:
             log.info("quota-class annotation ignored", pod=f"{t.key.namespace}/{t.key.pod}",
                      container=t.key.container, reason=res.note, quota_class=res.qclass.name)
-        self._class[t.key] = res.qclass.name
+        b.qclass = res.qclass.name
         base = st.default_terms()
         return base if res.qclass.name == DEFAULT_CLASS else qclasses.terms(res.qclass, base)
 
     def limits(self) -> dict[tuple[TenantKey, str], int]:
         """The limits on disk as this loop knows them: ``{(tenant, gpu uuid): MiB}``."""
-        return dict(self._limits)
+        return {(k, g): gb.limit_mib for k, b in self._snapshot() for g, gb in list(b.gpus.items())
+                if gb.limit_mib is not None}
 
     # -- inputs ------------------------------------------------------------------------------
-    def _read_usage(self, report: TickReport) -> list[UsageSample] | None:
-        for reader in self._usage:
+    def _read_usage(self, tenants: Sequence[Tenant], report: TickReport) -> list[UsageSample] | None:
+        """The fence first (driver mode: per-cgroup use of exactly these tenants), then the readers."""
+        fence = self._fence
+        readers = [(fence.name, lambda: fence.read_usage(tenants))] if fence is not None else []
+        readers += [(r.name, r.read_usage) for r in self._usage]
+        for name, read in readers:
             try:
-                return reader.read_usage()
+                return read()
             except TelemetryError as exc:
-                log.warning("usage source failed", source=reader.name, error=str(exc))
+                log.warning("usage source failed", source=name, error=str(exc))
                 report.errors.append(str(exc))
         return None
 
@@ -256,35 +300,39 @@ class QuotaLoop:
                         url=t.metrics_url, error=str(exc))
             report.errors.append(str(exc))
             return Signals()
-        delta = None
+        delta, b = None, self._book(t.key)
         if s.preemptions_total is not None:
-            last = self._preempt.get(t.key)
+            last = b.preemptions_total
             if last is not None:  # a counter below its last value was reset: count it from zero
                 delta = int(s.preemptions_total - last if s.preemptions_total >= last else s.preemptions_total)
-            self._preempt[t.key] = s.preemptions_total
+            b.preemptions_total = s.preemptions_total
         if s.generation_applied is not None:
-            self._applied[t.key] = s.generation_applied
+            b.applied = s.generation_applied
         return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running,
                        release_mode=s.release_mode, kv_held_mib=_mib(s.kv_held_bytes),
                        kv_demand_mib=_mib(s.kv_demand_bytes), generation_applied=s.generation_applied)
 
     def _current(self, t: Tenant, gpu: str) -> int | None:
         """The limit in force: ours, else the file Allocate wrote, else None (= the request)."""
-        if (t.key, gpu) not in self._limits:
+        b = self._book(t.key)
+        if b.gpu(gpu).limit_mib is None:
             try:
                 on_disk = read_quota(self._dir(t))
             except (QuotaFileError, OSError) as exc:
                 log.warning("quota file unreadable", pod=str(t.key), gpu=gpu, error=str(exc))
                 on_disk = None
             if on_disk is not None:
-                self._gen.setdefault(t.key, on_disk.generation)
+                if b.generation is None:
+                    b.generation = on_disk.generation
                 if on_disk.state:  # the loop wrote it before (Allocate's first file has no state)
-                    self._managed.add(t.key)
+                    b.managed = True
                 for g, mib in on_disk.limits().items():
-                    self._limits.setdefault((t.key, g), mib)
+                    if b.gpu(g).limit_mib is None:
+                        b.gpu(g).limit_mib = mib
                 for line in on_disk.gpus:
-                    self._lines.setdefault((t.key, line.uuid), line)
-        return self._limits.get((t.key, gpu))
+                    if b.gpu(line.uuid).line is None:
+                        b.gpu(line.uuid).line = line
+        return b.gpu(gpu).limit_mib
 
     # -- one tick ----------------------------------------------------------------------------
     def run_once(self) -> TickReport:
@@ -309,7 +357,9 @@ class QuotaLoop:
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
             return report
         self.tenants_now = tenants
-        samples = self._read_usage(report)
+        for t in tenants:
+            self._book(t.key)
+        samples = self._read_usage(tenants, report)
         if samples is None:
             report.skipped = "no usage source answered"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
@@ -334,7 +384,7 @@ class QuotaLoop:
                                  phase=phase if u is not None else Phase.HOT,
                                  bounds=self._bounds(ct, req, cur),
                                  rank=self._rank(t.key, ct),
-                                 recent_mib=tuple(self._window.get((t.key, gpu), ())),
+                                 recent_mib=tuple(self._book(t.key).gpu(gpu).window),
                                  demand_mib=_demand(u, sig) if len(t.gpus) == 1 else None,
                                  starting=self._starting(t.key),
                                  shrink_acked=acked, unacked_mib=unacked,
@@ -358,43 +408,34 @@ class QuotaLoop:
             committed[gpu] = cap - sum(d.held_mib for d in out)
             self._check_node(gpu, cap, out, states, reserved.get(gpu, 0), report)
             for d in out:
-                if d.key in self._orphans:
-                    d = dataclasses.replace(d, reason=f"hold: class {self._orphans[d.key]!r} removed from the "
+                b = self._book(d.key)
+                if b.orphan_of is not None:
+                    d = dataclasses.replace(d, reason=f"hold: class {b.orphan_of!r} removed from the "
                                             f"config, limits kept until the next valid config")
                 decided[(d.key, gpu)] = d
                 report.decisions.append(d)
                 if d.changed:
-                    self.class_counts[(self._class.get(d.key, DEFAULT_CLASS), "changes")] += 1
-                last = self._views.get((d.key, gpu))
+                    self.class_counts[(b.qclass or DEFAULT_CLASS, "changes")] += 1
+                last = b.gpu(gpu).view
                 why = d.reason if d.changed or last is None else last.reason
-                cls = self._orphans.get(d.key) or self._class.get(d.key, DEFAULT_CLASS)
-                self._views[(d.key, gpu)] = TenantView(cls, req_of[d.key], d.floor_mib, used_of[d.key], why)
+                cls = b.orphan_of or b.qclass or DEFAULT_CLASS
+                b.gpu(gpu).view = TenantView(cls, req_of[d.key], d.floor_mib, used_of[d.key], why)
         if self.warm is not None:
             self.warm.note(decided)  # what sleeping engines lend, for the mirror written next
         self._write(tenants, decided, phases, report)
         self._fit_claims(files, committed, report)
-        alive = {t.key for t in tenants}
         if self.warm is not None:  # after the files: a grant follows the quota that carries it
             self.warm.after_tick(phases, decided, now)
-            self.warm.forget(alive)
-        self._limits = {k: v for k, v in self._limits.items() if k[0] in alive}
-        self._preempt = {k: v for k, v in self._preempt.items() if k in alive}
-        self._window = {k: v for k, v in self._window.items() if k[0] in alive}
-        self._phases = {k: v for k, v in self._phases.items() if k in alive}
-        self._class = {k: v for k, v in self._class.items() if k in alive}
-        self._orphans = {k: v for k, v in self._orphans.items() if k in alive}
-        self._views = {k: v for k, v in self._views.items() if k[0] in alive}
-        self._lines = {k: v for k, v in self._lines.items() if k[0] in alive}
-        self._fenced = {k for k in self._fenced if k[0] in alive}
-        self._first = {k: v for k, v in self._first.items() if k in alive}
-        self._managed &= alive
-        self._gen = {k: v for k, v in self._gen.items() if k in alive}
-        self._applied = {k: v for k, v in self._applied.items() if k in alive}
-        self._history = {k: v for k, v in self._history.items() if k in alive}
-        self._hard = {k: v for k, v in self._hard.items() if k[0] in alive}
+        self._prune({t.key for t in tenants})
+        return report
+
+    def _prune(self, alive: set[TenantKey]) -> None:
+        """The one place a departed tenant is forgotten: its book, warmth, breach watch and warm entry."""
+        self._books = {k: b for k, b in self._books.items() if k in alive}
         self._warmth.forget(alive)
         self._watch.forget(alive)
-        return report
+        if self.warm is not None:
+            self.warm.forget(alive)
 
     def _bounds(self, ct: qclasses.ClassTerms | None, request: int, current: int | None) -> Bounds | None:
         """The class's bounds for this request; ``None`` (PolicyParams) for the default class; the
@@ -409,14 +450,15 @@ class QuotaLoop:
     def _rank(self, key: TenantKey, ct: qclasses.ClassTerms | None) -> int:
         if ct is not None:
             return ct.lending_priority
-        gone = qclasses.class_named(self.settings.classes, self._orphans.get(key, ""))
+        gone = qclasses.class_named(self.settings.classes, self._book(key).orphan_of or "")
         return gone.lending_priority if gone else 0
 
     def _remember(self, key: TenantKey, gpu: str, used: int | None, ticks: int) -> int | None:
         """The peak of the last ``ticks`` uses seen (the policy's headroom), this one included."""
-        win = self._window.get((key, gpu))
-        if win is None or win.maxlen != ticks:
-            win = self._window[(key, gpu)] = deque(win or (), maxlen=ticks)
+        gb = self._book(key).gpu(gpu)
+        win = gb.window
+        if win.maxlen != ticks:
+            win = gb.window = deque(win, maxlen=ticks)
         if used is not None:
             win.append(used)
         return max(win) if win else None
@@ -426,16 +468,18 @@ class QuotaLoop:
         """Nodes where nothing fences: act on a container above its limit past the grace period. A
         container within its request (what the scheduler reserved for it) is never named, even when
         the loop cut its limit below that: memory vLLM allocated up front is not released by a cap."""
-        if self.mode is EnforcementMode.DRIVER or (key, gpu) not in self._limits:
+        limit = self._book(key).gpu(gpu).limit_mib
+        if self.mode is EnforcementMode.DRIVER or limit is None:
             return
-        breach = self._watch.observe(key, gpu, used, max(self._limits[(key, gpu)], request), now)
+        breach = self._watch.observe(key, gpu, used, max(limit, request), now)
         if breach is None:
             return
         report.breaches.append(breach)
-        self.class_counts[(self._class.get(key, DEFAULT_CLASS), "breaches")] += 1
+        qclass = self._book(key).qclass or DEFAULT_CLASS
+        self.class_counts[(qclass, "breaches")] += 1
         log.warning("container above its memory limit", pod=f"{key.namespace}/{key.pod}", container=key.container,
                     gpu=gpu, used_mib=breach.used_mib, limit_mib=breach.limit_mib, seconds=round(breach.seconds),
-                    action=action.value, quota_class=self._class.get(key, DEFAULT_CLASS))
+                    action=action.value, quota_class=qclass)
         if self._actor is not None:
             try:
                 self._actor.act(breach, action)
@@ -449,12 +493,13 @@ class QuotaLoop:
         for t in tenants:
             ds = [decided[(t.key, g)] for g, _ in t.gpus if (t.key, g) in decided]
             self._fence_first(t, ds, report)
-            phase = phases.get(t.key, Phase.HOT)
-            if not ds or (all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds)
-                          and self._phases.get(t.key, phase) == phase
-                          and all(self._lines.get((t.key, d.gpu_uuid)) in (None, self._entry(t.key, d.gpu_uuid, 0, d))
+            phase, b = phases.get(t.key, Phase.HOT), self._book(t.key)
+            if not ds or (all(b.gpu(d.gpu_uuid).limit_mib == d.limit_mib for d in ds)
+                          and (b.phase or phase) == phase
+                          and all(b.gpu(d.gpu_uuid).line in (None, self._entry(t.key, d.gpu_uuid, 0, d))
                                   for d in ds)):  # a class change moves floor/ceiling without the limit
-                self._phases.setdefault(t.key, phase)
+                if b.phase is None:
+                    b.phase = phase
                 continue
             gpus = tuple(self._entry(t.key, g, req, decided.get((t.key, g))) for g, req in t.gpus)
             try:
@@ -465,17 +510,17 @@ class QuotaLoop:
                 log.error("quota write failed, will retry", pod=str(t.key), error=str(exc))
                 report.errors.append(str(exc))
                 continue
-            self._lines.update({(t.key, line.uuid): line for line in gpus})
-            self._gen[t.key] = written.generation
-            hist = self._history.setdefault(t.key, deque(maxlen=_HISTORY))
-            hist.append((written.generation, {line.uuid: line.limit_mib for line in gpus}))
+            for line in gpus:
+                b.gpu(line.uuid).line = line
+            b.generation = written.generation
+            b.history.append((written.generation, {line.uuid: line.limit_mib for line in gpus}))
             for d in ds:
-                if self._limits.get((t.key, d.gpu_uuid)) != d.limit_mib:
+                if b.gpu(d.gpu_uuid).limit_mib != d.limit_mib:
                     log.info("quota changed", pod=f"{t.key.namespace}/{t.key.pod}", container=t.key.container,
                              gpu=d.gpu_uuid, old_mib=d.previous_mib, new_mib=d.limit_mib, reason=d.reason,
                              generation=written.generation)
-                self._limits[(t.key, d.gpu_uuid)] = d.limit_mib
-            self._phases[t.key] = phase
+                b.gpu(d.gpu_uuid).limit_mib = d.limit_mib
+            b.phase = phase
             report.written.append(t.key)
             changed_pods.add(t.key.pod_uid)
             self._apply_fence(t, ds, report)
@@ -496,10 +541,11 @@ class QuotaLoop:
         whose hard limit waits for its engine's acknowledgement gets it lowered once acknowledged."""
         if self._fence is None or not ds:
             return
-        if any((t.key, d.gpu_uuid) not in self._fenced for d in ds):
-            if all(self._limits.get((t.key, d.gpu_uuid)) == d.limit_mib for d in ds):
+        b = self._book(t.key)
+        if any(not b.gpu(d.gpu_uuid).fenced for d in ds):
+            if all(b.gpu(d.gpu_uuid).limit_mib == d.limit_mib for d in ds):
                 self._apply_fence(t, ds, report)
-        elif any(self._hard.get((t.key, d.gpu_uuid), d.limit_mib) != self._hard_of(t.key, d) for d in ds):
+        elif any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t.key, d) for d in ds):
             self._apply_fence(t, ds, report)
 
     def _hard_of(self, key: TenantKey, d: Decision) -> int:
@@ -507,9 +553,10 @@ class QuotaLoop:
         only once the engine reports it applied the file that carried it (its generation), so the
         driver never fails an allocation for memory the engine was about to give back. Engines that
         report no generation are fenced at once, as before."""
-        if key not in self._applied or self._applied[key] >= self._gen.get(key, 0):
+        b = self._book(key)
+        if b.applied is None or b.applied >= (b.generation or 0):
             return d.limit_mib
-        return max(d.limit_mib, self._hard.get((key, d.gpu_uuid), d.previous_mib))
+        return max(d.limit_mib, _or(b.gpu(d.gpu_uuid).hard_mib, d.previous_mib))
 
     def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         if self._fence is None:
@@ -519,20 +566,23 @@ class QuotaLoop:
             if hard[d.gpu_uuid] > d.limit_mib:
                 log.info("hard limit kept until the engine acknowledges the shrink", pod=str(t.key),
                          gpu=d.gpu_uuid, limit_mib=d.limit_mib, hard_mib=hard[d.gpu_uuid],
-                         generation=self._gen.get(t.key), applied=self._applied.get(t.key))
+                         generation=self._book(t.key).generation, applied=self._book(t.key).applied)
         errors = self._fence.apply(t, ds, dict(t.gpus), hard)
         for e in errors:
             log.error("cgroup memory limit not moved, will retry", pod=f"{t.key.namespace}/{t.key.pod}", error=e)
         report.errors.extend(errors)
         if not errors:
-            self._fenced.update((t.key, d.gpu_uuid) for d in ds)
-            self._hard.update({(t.key, g): h for g, h in hard.items()})
+            b = self._book(t.key)
+            for d in ds:
+                b.gpu(d.gpu_uuid).fenced = True
+            for g, h in hard.items():
+                b.gpu(g).hard_mib = h
 
     def _starting(self, key: TenantKey) -> bool:
         """New on this node: first listed less than ``startup_ticks`` ticks ago with the quota file
         Allocate wrote (a loop restart finds the files of its old tenants rewritten: not new)."""
-        first = self._first.setdefault(key, self.counts["ticks"])
-        return key not in self._managed and self.counts["ticks"] - first < self.settings.startup_ticks
+        b = self._book(key)
+        return not b.managed and self.counts["ticks"] - b.first_tick < self.settings.startup_ticks
 
     def _acked(self, key: TenantKey, gpu: str, cur: int) -> tuple[bool, int | None, int | None]:
         """For an engine that reports the generation it applied: (it applied the file carrying its
@@ -540,12 +590,13 @@ class QuotaLoop:
         acknowledges a shrink the memory cut is not anyone else's; "at its limit" is measured
         against the limit it follows. Engines that report none: (False, None, None): their use
         shows what they hold, and they follow the file in force."""
-        applied = self._applied.get(key)
+        b = self._book(key)
+        applied = b.applied
         if applied is None:
             return False, None, None
-        hist = [(g, lim[gpu]) for g, lim in self._history.get(key, ()) if gpu in lim]
+        hist = [(g, lim[gpu]) for g, lim in b.history if gpu in lim]
         follows = next((lim for g, lim in reversed(hist) if g <= applied), None)
-        if applied >= self._gen.get(key, 0):
+        if applied >= (b.generation or 0):
             return True, cur, cur
         later = [lim for g, lim in hist if g > applied]
         # an older file than the history holds: it may follow any limit this process remembers
@@ -614,20 +665,23 @@ class QuotaLoop:
         (capacity lost to foreign memory); the file must still read floor <= limit <= ceiling."""
         if d is not None:
             return GpuQuota(gpu, d.limit_mib, min(d.floor_mib, d.limit_mib), d.ceiling_mib)
-        limit = self._limits.get((key, gpu), request)
+        limit = _or(self._book(key).gpu(gpu).limit_mib, request)
         return GpuQuota(gpu, limit, min(self._params.floor_of(request), limit),
                         max(self._params.ceiling_of(request), limit))
 
     def _mirror_pods(self, tenants: list[Tenant], pods: set[str], report: TickReport) -> None:
         for uid in sorted(pods):
             members = [t for t in tenants if t.key.pod_uid == uid]
-            quotas = {t.key.container: {g: self._limits[(t.key, g)] for g, _ in t.gpus
-                                        if (t.key, g) in self._limits} for t in members}
+            books = {t.key: self._book(t.key) for t in members}
+            quotas = {t.key.container: {g: lim for g, _ in t.gpus if (lim := books[t.key].gpu(g).limit_mib) is not None}
+                      for t in members}
             try:
-                states = {t.key.container: self._phases[t.key].value for t in members if t.key in self._phases}
+                states = {t.key.container: books[t.key].phase.value for t in members  # type: ignore[union-attr]
+                          if books[t.key].phase is not None}
                 warm = self.warm.views() if self.warm is not None else {}
-                details = {t.key.container: {g: {**_detail(self._views[(t.key, g)]), **_warm_detail(warm.get(t.key))}
-                                             for g, _ in t.gpus if (t.key, g) in self._views} for t in members}
+                details = {t.key.container: {g: {**_detail(v), **_warm_detail(warm.get(t.key))}
+                                             for g, _ in t.gpus if (v := books[t.key].gpu(g).view) is not None}
+                           for t in members}
                 self._mirror.mirror(members[0].key, quotas, states, details)  # type: ignore[union-attr]
             except Exception as exc:  # the file is the contract; the annotation is only a mirror
                 log.warning("quota annotation not mirrored", pod=f"{members[0].key.namespace}/"
@@ -672,6 +726,10 @@ def _warm_detail(e: object) -> dict[str, object]:
     if e.last_wake_s is not None:  # type: ignore[attr-defined]
         out["wakeS"] = round(e.last_wake_s, 3)  # type: ignore[attr-defined]
     return out
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def _mib(value: float | None) -> int | None:

@@ -45,6 +45,10 @@ class OverLimitWatch:
         self._acted.add(k)
         return Breach(key, gpu, used, limit, since, now - since)
 
+    def keys(self) -> set[TenantKey]:
+        """The tenants it keeps state for."""
+        return {k[0] for k in self._since} | {k[0] for k in self._acted}
+
     def forget(self, alive: set[TenantKey]) -> None:
         self._since = {k: v for k, v in self._since.items() if k[0] in alive}
         self._acted = {k for k in self._acted if k[0] in alive}

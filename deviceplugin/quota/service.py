@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from deviceplugin.nvml_limits import CgroupFinder, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
-from deviceplugin.quota.kube import ApiOverLimitActor, ApiQuotaMirror, ApiTenantSource
-from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+from deviceplugin.quota.kube import ApiOverLimitActor, ApiQuotaMirror
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop, TenantSource
 from deviceplugin.quota.model import Phase
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader
@@ -30,10 +30,10 @@ log = logs.get("vramshare.quota.service")
 
 
 def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callable[[], Mapping[str, int]],
-               *, nvml: Any | None = None, dcgm_url: str | None = None,
+               tenants: TenantSource, *, nvml: Any | None = None, dcgm_url: str | None = None,
                mode: EnforcementMode = EnforcementMode.COOPERATIVE, cgroup_root: str = contract.HOST_CGROUP_ROOT,
                process_attribution: bool | None = None, usage: list[UsageReader] | None = None,
-               tenants: Any | None = None, warm: Any | None = None) -> QuotaLoop:
+               warm: Any | None = None) -> QuotaLoop:
     """A loop reading per-container use, then dcgm-exporter at ``dcgm_url`` (when given), and vLLM metrics.
 
     ``capacities`` returns ``{gpu uuid: schedulable MiB}`` (units x memoryUnitMiB) for the GPUs in
@@ -41,18 +41,16 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
     comes from each container's cgroup (``currentUsed``, no host PID namespace) and the loop moves
     the cgroup limits; per-process NVML attribution (needs ``hostPID``) is the fallback when
     ``process_attribution`` is on (default: the config's ``quota.processAttribution``). ``usage``
-    replaces every reader (a simulated node's replay). ``tenants`` replaces the pod-annotation source
-    (the DRA plugin passes its prepared claims).
+    replaces every reader (a simulated node's replay). ``tenants``: the device plugin passes
+    ``kube.NodeTenantSource`` over its reconciler and pod cache (no API call in a tick), the DRA plugin
+    its prepared claims.
     """
     v1 = client.CoreV1Api(api)
     given = usage is not None
     usage = list(usage or [])
     fence: DriverFence | None = None
-    holder: list[QuotaLoop] = []
     if mode is EnforcementMode.DRIVER and nvml is not None:
-        fence = DriverFence(NvmlMemoryLimits(nvml), CgroupFinder(cgroup_root),
-                            lambda: holder[0].tenants_now if holder else [])
-        usage.append(fence)
+        fence = DriverFence(NvmlMemoryLimits(nvml), CgroupFinder(cgroup_root))  # read first, given the tenants
     if process_attribution is None:
         process_attribution = cfg.quota.process_attribution
     if not given and process_attribution:
@@ -65,12 +63,11 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
                  driver=fence is not None, dcgm=bool(dcgm_url))
     if dcgm_url and not given:
         usage.append(DcgmExporterReader(dcgm_url))
-    loop = QuotaLoop(tenants or ApiTenantSource(v1, node, cfg.names), capacities, usage,
+    loop = QuotaLoop(tenants, capacities, usage,
                      PolicyParams.from_config(cfg.quota), cfg.quota_host_dir,
                      signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names),
                      settings=LoopSettings.from_config(cfg.quota, cfg.enforcement), mode=mode, fence=fence,
                      actor=ApiOverLimitActor(v1, cfg.names, node), warm=warm)
-    holder.append(loop)
     for reader in usage:
         if hasattr(reader, "bind"):  # a simulated node's replay reads the tenants of the tick
             reader.bind(lambda: loop.tenants_now)

@@ -50,5 +50,9 @@ class Warmth:
         s.used = used
         return s.phase
 
+    def keys(self) -> set[TenantKey]:
+        """The tenants it keeps state for."""
+        return set(self._seen)
+
     def forget(self, alive: set[TenantKey]) -> None:
         self._seen = {k: v for k, v in self._seen.items() if k in alive}

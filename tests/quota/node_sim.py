@@ -3,9 +3,9 @@ parsers and quota-file layout; doubles only at the edges (pod listing, per-conta
 /metrics page).
 
 Each container goes through what it does on a real node: the extender binds its pod (``assumed``,
-with its assignment; the loop's listing sees it ``list_lag`` ticks later), the device plugin's
+with its assignment; the node's pod cache sees it ``list_lag`` ticks later), the device plugin's
 Allocate writes its first quota file under ``_alloc/<key>`` (its request), the reconciler links
-``<uid>/<container>`` to it and marks the pod ``allocated``, and its engine starts using memory
+``<uid>/<container>`` to it and holds it in its in-process view (the loop's tenants, issue 21), and its engine starts using memory
 ``startup`` ticks after the bind. Its engine follows its quota file ``ack_lag`` ticks after each write
 (then reports ``vramshare_vllm_quota_generation_applied``); a releasing engine (``unmap``) gives back
 what is above its cap when it applies it, a throttling one only as its demand drops.
@@ -17,13 +17,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from deviceplugin.allocation import GpuShare
-from deviceplugin.quota import kube
-from deviceplugin.quota.kube import tenants_from_pods
+from deviceplugin.handshake import AssignedGpu
+from deviceplugin.quota.kube import NodeTenantSource
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
 from deviceplugin.quota.writer import read_quota
 from deviceplugin.quota_files import QuotaFiles
+from deviceplugin.reconcile import Holding, Owner
 from vramshare import contract
 from vramshare.config import QuotaConfig
 
@@ -72,6 +73,7 @@ class Node:
     def __init__(self, root: str, capacity: int, engines: list[Engine], params: PolicyParams | None = None) -> None:
         self.root, self.capacity, self.engines, self.t = root, capacity, engines, 0
         self.files = QuotaFiles(root, QuotaConfig())
+        self.source = NodeTenantSource(self._holdings, self._listed, NAMES)
         self.loop = QuotaLoop(self, lambda: {GPU: capacity}, [self], params or PolicyParams(), root, signals=self,
                               settings=LoopSettings(params=params or PolicyParams()))
 
@@ -86,7 +88,10 @@ class Node:
     def _pod(self, e: Engine, state: str) -> dict:
         ann = {NAMES.allocation_state: state, NAMES.assignment: f'{{"vllm":[{{"uuid":"{GPU}","mib":{e.request}}}]}}',
                "prometheus.io/port": "8000"}
-        return {"metadata": {"name": e.name, "namespace": "llm", "uid": e.uid, "annotations": ann},
+        mine = {"manager": contract.FIELD_MANAGER_EXTENDER, "operation": "Update", "fieldsType": "FieldsV1",
+                "fieldsV1": {"f:metadata": {"f:annotations": {f"f:{NAMES.assignment}": {}}}}}
+        return {"metadata": {"name": e.name, "namespace": "llm", "uid": e.uid, "annotations": ann,
+                             "managedFields": [mine]},
                 "status": {"phase": "Running", "podIP": e.name}}
 
     def _listed(self) -> list[dict]:
@@ -97,12 +102,17 @@ class Node:
                 out.append(self._pod(e, st))
         return out
 
+    def _holdings(self) -> list[Holding]:
+        """The reconciler's view (in-process, no lag): containers linked to their allocation and whose
+        pod its cache has (it cannot reconcile a pod the cache has not seen)."""
+        return [Holding(Owner(e.uid, "llm", e.name, "vllm"), (AssignedGpu(GPU, e.request),)) for e in self.engines
+                if self.t >= e.bind + e.alloc_after + e.link_after and self.t - e.list_lag >= e.bind]
+
     def list_tenants(self):
-        return tenants_from_pods(self._listed(), NAMES)
+        return self.source.list_tenants()
 
     def list_pending(self):
-        pending = getattr(kube, "pending_from_pods", None)  # (absent before issue 19: the test still runs)
-        return pending(self._listed(), NAMES) if pending else []
+        return self.source.list_pending()
 
     def read_usage(self):
         return [UsageSample(GPU, e.use, pod_uid=e.uid) for e in self.engines

@@ -10,22 +10,36 @@ from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import Claim, PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
 from deviceplugin.quota.writer import GpuQuota, QuotaFile, write_quota
+from tests.extender.builders import managed_entry
 from tests.quota.node_sim import NAMES
 from vramshare import contract
 
 
-def _pod(name, state, assignment, phase="Running"):
+def _pod(name, state, assignment, phase="Running", manager=contract.FIELD_MANAGER_EXTENDER):
     return {"metadata": {"name": name, "namespace": "llm", "uid": f"uid-{name}",
-                         "annotations": {NAMES.allocation_state: state, NAMES.assignment: json.dumps(assignment)}},
+                         "annotations": {NAMES.allocation_state: state, NAMES.assignment: json.dumps(assignment)},
+                         "managedFields": [managed_entry(manager, "Update", NAMES.assignment, NAMES.allocation_state)]},
             "status": {"phase": phase}}
 
 
-def test_pending_pods_are_the_bound_ones_not_yet_allocated():
+def test_pending_pods_are_the_bound_ones_that_are_not_tenants():
     pods = [_pod("new", contract.STATE_ASSUMED, {"vllm": [{"uuid": "GPU-0", "mib": 39936}]}),
-            _pod("running", contract.STATE_ALLOCATED, {"vllm": [{"uuid": "GPU-0", "mib": 40960}]}),
+            _pod("running", contract.STATE_ALLOCATED, {"vllm": [{"uuid": "GPU-0", "mib": 40960}]},
+                 manager=contract.FIELD_MANAGER_DEVICE_PLUGIN),
             _pod("done", contract.STATE_ASSUMED, {"vllm": [{"uuid": "GPU-0", "mib": 1}]}, phase="Failed"),
             {"metadata": {"name": "plain", "namespace": "llm", "annotations": {}}}]
-    assert pending_from_pods(pods, NAMES) == [Claim("llm/new/vllm", (("GPU-0", 39936),))]
+    assert pending_from_pods(pods, NAMES, {"uid-running"}) == [Claim("llm/new/vllm", (("GPU-0", 39936),))]
+
+
+def test_only_an_assignment_vramshare_wrote_is_a_claim_and_allocated_is_never_read():
+    """Issue 19 leftover (issue-18 trust rule): ``kubectl annotate`` reserves nothing, and a forged
+    ``allocated`` neither hides the extender's reservation nor makes a tenant (tenants are the
+    reconciler's view)."""
+    forged = _pod("forged", contract.STATE_ASSUMED, {"vllm": [{"uuid": "GPU-0", "mib": 30720}]}, manager="kubectl")
+    reserved = _pod("bound", contract.STATE_ASSUMED, {"vllm": [{"uuid": "GPU-0", "mib": 8192}]})
+    reserved["metadata"]["annotations"][NAMES.allocation_state] = contract.STATE_ALLOCATED
+    reserved["metadata"]["managedFields"].append(managed_entry("kubectl", "Update", NAMES.allocation_state))
+    assert pending_from_pods([forged, reserved], NAMES) == [Claim("llm/bound/vllm", (("GPU-0", 8192),))]
 
 
 def test_an_unowned_quota_file_counts_once_even_when_its_pod_is_pending(tmp_path):

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deviceplugin.quota.classes import DEFAULT, PodMeta, resolve, term_matches
-from deviceplugin.quota.kube import ApiQuotaMirror, pod_meta, tenants_from_pods
+from deviceplugin.handshake import AssignedGpu
+from deviceplugin.quota.kube import ApiQuotaMirror, pod_meta, tenants_from_holdings
+from deviceplugin.reconcile import Holding, Owner
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import UsageSample
@@ -157,7 +159,8 @@ def test_the_tenant_source_carries_what_selection_reads():
                                         names.quota_class: "batch"}},
            "spec": {"priorityClassName": "inference-critical"}, "status": {"phase": "Running"}}
     assert pod_meta(pod, names) == PodMeta.of("prod", {"team": "eval"}, "inference-critical", "batch")
-    (t,) = tenants_from_pods([pod], names)
+    held = Holding(Owner("u", "prod", "p", "vllm"), (AssignedGpu("GPU-0", 8192),))
+    (t,) = tenants_from_holdings([held], [pod], names)
     assert t.meta == pod_meta(pod, names)
 
 

@@ -48,11 +48,9 @@ class Tenants:
 def make_loop(nv, cgroot, qroot):
     tenants = Tenants([Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A])),
                        Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))])
-    holder = []
-    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), lambda: holder[0].tenants_now)
-    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
                      settings=LoopSettings(params=P, startup_ticks=0))  # not newcomers (test_claims.py)
-    holder.append(loop)
     return loop
 
 
@@ -164,12 +162,10 @@ def test_a_hard_limit_is_lowered_only_after_the_engine_acknowledged_the_shrink(n
     engines = Engines()
     tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
                        Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
-    holder = []
-    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), lambda: holder[0].tenants_now)
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
     p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
-    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [fence], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
                      fence=fence, settings=LoopSettings(params=p, startup_ticks=0))
-    holder.append(loop)
     nv.allocate(GPU, ca, 29500)
     nv.allocate(GPU, cb, 4000)
     d = {x.key.pod: x for x in loop.run_once().decisions}

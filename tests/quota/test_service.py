@@ -60,6 +60,6 @@ def test_run_ticks_until_stopped_and_start_honours_enabled(tmp_path):
 def test_build_loop_from_config_constructs_every_adapter():
     # no network here: construction only; the adapters are exercised in test_kube/test_scrape
     with client.ApiClient(client.Configuration()) as api:
-        loop = build_loop(parse_config("quota: {stepMiB: 256}"), api, "gpu-node-1", lambda: {},
+        loop = build_loop(parse_config("quota: {stepMiB: 256}"), api, "gpu-node-1", lambda: {}, Node(),
                           dcgm_url="http://localhost:9400/metrics")
     assert isinstance(loop, QuotaLoop) and loop.limits() == {} and loop.counts["ticks"] == 0

@@ -12,9 +12,13 @@ import pytest
 import yaml
 from kubernetes import client
 
+from deviceplugin.quota.kube import NodeTenantSource
 from deviceplugin.quota.service import build_loop
 from deviceplugin.quota.telemetry import NvmlProcessReader
+from vramshare import contract
 from vramshare.config import parse_config
+
+NAMES = contract.Names()
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "daemonset"
 
@@ -47,7 +51,7 @@ def test_extender_and_scheduler_run_as_non_root() -> None:
 
 def _readers(text: str) -> list[type]:
     with client.ApiClient(client.Configuration()) as api:
-        loop = build_loop(parse_config(text), api, "gpu-node-1", lambda: {})
+        loop = build_loop(parse_config(text), api, "gpu-node-1", lambda: {}, NodeTenantSource(list, list, NAMES))
     return [type(r) for r in loop._usage]  # noqa: SLF001 - which readers were wired is the point
 
 
