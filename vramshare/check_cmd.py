@@ -9,9 +9,7 @@ import argparse
 import sys
 from typing import Any, Callable, TextIO
 
-import orjson
-
-from vramshare import checks, install
+from vramshare import checks, install, kube
 
 Obj = dict[str, Any]
 
@@ -31,10 +29,7 @@ def _json(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Obj | None:
         if exc.status == 404:
             return None
         raise
-    try:
-        return orjson.loads(resp.data)
-    finally:
-        resp.release_conn()
+    return kube.decode(resp)  # type: ignore[no-any-return]
 
 
 def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
