@@ -139,7 +139,7 @@ class ListWatch:
         self._backoff = backoff or Backoff(0.8, 30.0, jitter=1.0, rng=self._rng)
         self._last_failure = float("-inf")
         self.view: dict[str, Obj] = {}  # what the handlers were told, by key_of
-        self.resource_version = ""
+        self.resource_version = ""  # where the next watch starts: the last list's, event's or bookmark's
         self.lists = 0  # lists made (the first and every relist)
         self.synced = threading.Event()  # set after the first list was handled
         self._stopping = threading.Event()
@@ -245,7 +245,7 @@ class ListWatch:
                 raise Expired(str(obj.get("message", "")))
             raise WatchError(obj)
         stream.events += 1
-        stream.rv = str((obj.get("metadata") or {}).get("resourceVersion") or stream.rv)
+        stream.rv = self.resource_version = str((obj.get("metadata") or {}).get("resourceVersion") or stream.rv)
         if kind == "BOOKMARK":
             return
         apply(self.view, kind, obj)
