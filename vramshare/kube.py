@@ -1,5 +1,5 @@
 """Reaching the API server through the official ``kubernetes`` client: one way to build a client, and
-one way to read a raw response (:func:`decode`, :func:`decode_lines`).
+one way to read a raw response (:func:`decode`, :func:`decode_lines`, :func:`body`).
 
 Used by the device plugin and the extender. Returns ``None`` when there is no kubeconfig and no
 in-cluster service account, so the device plugin can run standalone and say so once.
@@ -59,13 +59,18 @@ def api_client_for(host: str) -> client.ApiClient:
 # reconciler and the DRA plugin read Kubernetes JSON as dicts, and the client's model classes cost far
 # more than the work and change names between client versions (37.x: ``ResourceV1ResourceClaim``).
 
-def decode(resp: Any) -> Any:
-    """The JSON body of a ``_preload_content=False`` response; the connection goes back to the pool
-    whatever the body holds (an undrained body would start the next request on that connection)."""
+def body(resp: Any) -> bytes:
+    """The raw body of a ``_preload_content=False`` response, read to the end, and the connection back
+    in the pool (one never released is lost to the pool: the client opens a new one each time)."""
     try:
-        return orjson.loads(resp.data)
+        return bytes(resp.data)
     finally:
         resp.release_conn()
+
+
+def decode(resp: Any) -> Any:
+    """The JSON body of a ``_preload_content=False`` response (:func:`body`, parsed)."""
+    return orjson.loads(body(resp))
 
 
 def decode_lines(resp: Any) -> Iterator[Any]:
