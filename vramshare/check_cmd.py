@@ -59,8 +59,7 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
     try:
         resp = core.connect_get_namespaced_service_proxy_with_path(
             "http:vramshare-extender:metrics", namespace, "readyz", _preload_content=False, _request_timeout=10)
-        s.readyz = (resp.status, resp.data.decode(errors="replace"))
-        resp.release_conn()
+        s.readyz = (resp.status, kube.body(resp).decode(errors="replace"))
     except ApiException as exc:
         s.readyz = None if exc.status == 403 else (exc.status, str(exc.body or exc.reason))
     for name in ("vramshare-extender-tls", "vramshare-scheduler-tls"):
