@@ -261,3 +261,24 @@ def test_the_view_always_settles_on_the_servers_state(ops):
                 api.start()
         assert settled(api, r), (r.follower.versions(), server_versions(api))
         assert {k: o["metadata"]["resourceVersion"] for k, o in r.watch.view.items()} == server_versions(api)
+
+
+def test_a_server_restored_to_an_older_version_is_relisted_and_its_absences_reported():
+    """An etcd restored from a backup (here: another server behind the same address, at a lower
+    resourceVersion): the watch resumes from a version the server has not reached, which answers 504
+    ResourceVersionTooLarge after 3 s (reflector.go isTooLargeResourceVersionError); the adapter relists
+    and reports what the restored server lacks as deleted."""
+    with ApiServerDouble() as first, ApiServerDouble() as restored, \
+            TcpProxy(int(first.url.rsplit(":", 1)[1])) as proxy:
+        for i in range(5):
+            first.create_node(node(f"n{i}"))
+        restored.create_node(node("n0"))
+        with Running(proxy.url, min_watch_timeout_s=100) as r:
+            assert r.watch.synced.wait(10) and first.wait_for_watches(1, timeout=10)
+            threading.Event().wait(1.2)  # past reflector.go's "very short watch": the next one resumes
+            proxy.retarget(int(restored.url.rsplit(":", 1)[1]))
+            first.drop_watches()  # a clean end: the watch resumes, now at the restored server
+            assert settled(restored, r)
+            assert sorted(r.follower.deleted) == ["n0", "n1", "n2", "n3", "n4"]  # n0 is another object now
+            [resumed, *_] = [q for q in _watch_queries(restored)]
+            assert int(resumed["resourceVersion"]) > restored.resource_version

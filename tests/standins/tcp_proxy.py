@@ -46,6 +46,10 @@ class TcpProxy:
                  tb: TracebackType | None) -> None:
         self.close()
 
+    def retarget(self, upstream_port: int) -> None:
+        """New connections go to another server from now on (a failover behind one address)."""
+        self._upstream = (self._upstream[0], upstream_port)
+
     def freeze(self) -> None:
         """Every connection open now goes silent for good (its sockets stay open)."""
         with self._lock:

@@ -297,3 +297,21 @@ def test_restart_keeps_url_and_objects_and_watches_resume(double: ApiServerDoubl
     assert double.url == url
     assert seen == [("ADDED", "before"), ("ADDED", "after")]
     assert [p.metadata.name for p in v1.list_namespaced_pod("default").items] == ["after", "before"]
+
+
+def test_a_resource_version_the_server_has_not_reached_is_a_504_after_blocking(double: ApiServerDouble,
+                                                                                v1: client.CoreV1Api) -> None:
+    """watch_cache.go waitUntilFreshAndBlock (3 s) then storage.NewTooLargeResourceVersionError, sent by
+    cacher.go as an ERROR event; the double used to wait for it for ever."""
+    ahead = double.resource_version + 100
+    resp = v1.list_namespaced_pod("default", watch=True, resource_version=str(ahead), timeout_seconds=30,
+                                  _preload_content=False, _request_timeout=(5, 10))
+    try:
+        [event] = [json.loads(line) for line in resp.read().splitlines() if line]
+    finally:
+        resp.release_conn()
+    assert event["type"] == "ERROR"
+    status = event["object"]
+    assert (status["code"], status["reason"], status["details"]["retryAfterSeconds"]) == (504, "Timeout", 1)
+    assert status["details"]["causes"] == [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}]
+    assert status["message"] == f"Timeout: Too large resource version: {ahead}, current: {double.resource_version}"

@@ -12,6 +12,9 @@ When a stream ends and what BOOKMARKs it carries, as the real server's (k8s.io/a
   the deadline, whichever comes first, and none once that moment has passed
   (``pkg/storage/cacher/cache_watcher.go`` ``nextBookmarkTime``): a watch of 2 s or less gets none,
   and a stream's end carries none.
+* a resourceVersion the server has not reached blocks up to 3 s (``watch_cache.go`` ``blockTimeout``),
+  then is one ERROR event, a 504 ``Timeout`` with cause ``ResourceVersionTooLarge`` (an etcd restored
+  from a backup, a client that watched another server).
 * a resourceVersion older than the history is one ERROR event, a ``Status`` with code 410 and reason
   ``Expired``, "too old resource version: <rv> (<oldest-1>)" (``watch_cache_history.go``, sent by
   ``cacher.go`` ``newErrWatcher`` after a 200).
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from . import errors
 from .errors import ApiError
 from .resources import ResourceType
 from .selectors import Selector
@@ -34,6 +38,7 @@ DISCONNECT: Event = {"type": "DISCONNECT"}  # sentinel, never sent: the stream i
 MIN_REQUEST_TIMEOUT_S = 1800.0  # kube-apiserver --min-request-timeout
 BOOKMARK_FREQUENCY_S = 60.0  # cacher.go defaultBookmarkFrequency
 PRE_TIMEOUT_S = 2.0  # cache_watcher.go nextBookmarkTime: "2s before the deadline"
+BLOCK_TIMEOUT_S = 3.0  # watch_cache.go blockTimeout: how long a watch waits for a resourceVersion to come
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,13 @@ class WatchHub:
                 initial = [{"type": "ADDED", "object": obj} for obj in items]
             else:
                 cursor, initial = req.resource_version, []
+                rv = req.resource_version
+                if not cond.wait_for(lambda: store.resource_version >= rv or self.stopping, timeout=BLOCK_TIMEOUT_S):
+                    initial = [{"type": "ERROR", "object": errors.too_large_resource_version(
+                        rv, store.resource_version).status_body()}]
         yield from initial
+        if initial and initial[0]["type"] == "ERROR":
+            return
         first = True  # the first pass answers at once: replay, or 410 for a compacted resourceVersion
         while True:
             with cond:
