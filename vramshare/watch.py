@@ -19,6 +19,8 @@ What client-go's reflector does (k8s.io/client-go ``tools/cache/reflector.go``, 
   failure (``DelayWithReset``) or a watch the server ended cleanly. A 410 waits one step too (the
   reflector's ``BackoffUntil`` waits between ``ListAndWatch`` runs), as does a watch that ended in
   under a second with no event (``VeryShortWatchError``): no hot loop against a sick server.
+* **every list is a consistent read** (no resourceVersion): after a 410 the reflector first tries the
+  last version it saw and falls back to this; one request instead of two, never older than the view.
 * **a list replaces the view** (``tools/cache/delta_fifo.go`` ``Replace``): whatever the view holds that
   the list lacks was deleted while nobody watched, and the handler is told so
   (``DeletedFinalStateUnknown``), as it is of an object whose name came back with another uid
@@ -190,7 +192,7 @@ class ListWatch:
         """Wait ``seconds`` or until either stop signal."""
         end = time.monotonic() + seconds
         while not self._stopped(stop) and (left := end - time.monotonic()) > 0:
-            (self._stopping if stop is self._stopping else stop).wait(min(left, 0.1))
+            stop.wait(min(left, 0.1))  # short slices: stop() sets the other signal
 
     def _delay(self) -> float:
         now = time.monotonic()
