@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any
 
@@ -20,6 +19,7 @@ from urllib3.exceptions import HTTPError
 
 from deviceplugin.reconcile import Patch
 from vramshare import contract, logs
+from vramshare.kube import decode
 from vramshare.retry import Backoff
 
 log = logs.get(__name__)
@@ -39,11 +39,6 @@ class Conflict(DirectoryError):
 
 class Gone(DirectoryError):
     """The pod no longer exists."""
-
-
-def read_json(resp: Any) -> dict[str, Any]:
-    """The body of a ``_preload_content=False`` call (the raw JSON, not the client's models)."""
-    return dict(json.loads(resp.data))
 
 
 def _why(exc: Exception) -> str:
@@ -75,7 +70,7 @@ class PodPatcher:
                                                       field_manager=contract.FIELD_MANAGER_DEVICE_PLUGIN, force=True,
                                                       _content_type=APPLY_PATCH, _preload_content=False,
                                                       _request_timeout=TIMEOUT_S)
-            return read_json(resp)
+            return dict(decode(resp))
         except ApiException as exc:
             kind = {409: Conflict, 404: Gone}.get(exc.status or 0, DirectoryError)
             raise kind(f"patch pod {pod.key}: {_why(exc)}") from exc
@@ -96,7 +91,7 @@ class PodPatcher:
             raise DirectoryError(f"get pod {namespace}/{name}: {_why(exc)}") from exc
         except (HTTPError, ValueError) as exc:
             raise DirectoryError(f"get pod {namespace}/{name}: {_why(exc)}") from exc
-        return str((read_json(resp).get("metadata") or {}).get("uid") or "") or None
+        return str((decode(resp).get("metadata") or {}).get("uid") or "") or None
 
 
 class InventoryPublisher:
@@ -130,9 +125,10 @@ class InventoryPublisher:
             if wanted is None or wanted == self._written:
                 continue
             try:
-                self._v1.patch_node(self._node, {"metadata": {"annotations": {self._key: wanted}}},
-                                    field_manager=contract.FIELD_MANAGER_DEVICE_PLUGIN, _content_type=MERGE_PATCH,
-                                    _preload_content=False, _request_timeout=TIMEOUT_S)
+                decode(self._v1.patch_node(self._node, {"metadata": {"annotations": {self._key: wanted}}},
+                                           field_manager=contract.FIELD_MANAGER_DEVICE_PLUGIN,
+                                           _content_type=MERGE_PATCH, _preload_content=False,
+                                           _request_timeout=TIMEOUT_S))
             except (ApiException, HTTPError) as exc:
                 wait = backoff.next()
                 log.warning("publish inventory failed", node=self._node, error=_why(exc), retry_in_s=round(wait, 2))

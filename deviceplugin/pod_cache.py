@@ -3,8 +3,9 @@
 GetPreferredAllocation reads the extender's plans from here and the reconciler the pods' UIDs,
 resourceVersions and annotations; neither waits on the API server, so an outage only makes the view
 older (steering then falls back to best fit, the reconciler's patches wait). The reconciler's own
-patches are written through, so the next round starts from the resourceVersion it produced. A watch
-that ends resumes from the last resourceVersion; a ``410 Gone`` or a broken stream relists.
+patches are written through, so the next round starts from the resourceVersion it produced. The
+watching is :class:`vramshare.watch.ListWatch`'s (a list replaces the view, 410 relists, bookmarks,
+backoff with jitter).
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import Any, Mapping
 from kubernetes import client
 
 from deviceplugin.kube_adapter import TIMEOUT_S
-from deviceplugin.raw_watch import RawWatch
 from vramshare import contract
+from vramshare.retry import Backoff
+from vramshare.watch import ListWatch
 
 
 def _rv(pod: Mapping[str, Any]) -> int:
@@ -26,18 +28,25 @@ def _rv(pod: Mapping[str, Any]) -> int:
         return 0
 
 
-class NodePodCache(RawWatch):
+class NodePodCache:
     """:class:`deviceplugin.allocator.PodSource` over a watch of the pods bound to one node."""
 
-    what = "pod watch"
-
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300) -> None:
-        super().__init__(watch_timeout_s, request_timeout_s=TIMEOUT_S)
-        self._v1 = client.CoreV1Api(api)
-        self._selector = f"spec.nodeName={node}"
+        v1 = client.CoreV1Api(api)
+        selector = f"spec.nodeName={node}"
         self._lock = threading.Lock()
         self._pods: dict[str, Mapping[str, Any]] = {}  # uid -> pod JSON
-        self.synced = threading.Event()
+        self.watch = ListWatch("pod watch", lambda **kw: v1.list_pod_for_all_namespaces(field_selector=selector, **kw),
+                               on_replace=self._replace, on_event=self._apply, min_watch_timeout_s=watch_timeout_s,
+                               request_timeout_s=TIMEOUT_S, backoff=Backoff(0.2, 5.0, jitter=1.0))
+        self.synced = self.watch.synced
+
+    def run(self, stop: threading.Event) -> None:
+        """Body of the ``pod-watch`` thread."""
+        self.watch.run(stop)
+
+    def stop(self) -> None:
+        self.watch.stop()
 
     # -- PodSource ---------------------------------------------------------------------------------
     def pods(self) -> list[Mapping[str, Any]]:
@@ -55,17 +64,11 @@ class NodePodCache(RawWatch):
                 return
         self._apply("MODIFIED", pod)
 
-    # -- the watch (the ``pod-watch`` thread runs :meth:`RawWatch.run`) ----------------------------------
-    def list_call(self, **kwargs: Any) -> Any:
-        return self._v1.list_pod_for_all_namespaces(field_selector=self._selector, **kwargs)
-
-    def on_list(self, doc: Mapping[str, Any]) -> None:
+    # -- the watch (the ``pod-watch`` thread runs :meth:`ListWatch.run`) --------------------------------
+    def _replace(self, items: list[Mapping[str, Any]], deleted: list[Mapping[str, Any]]) -> None:
+        """A list is the whole truth: pods it lacks (``deleted``) went while the watch was down."""
         with self._lock:
-            self._pods = {p["metadata"]["uid"]: p for p in doc.get("items") or []}
-        self.synced.set()
-
-    def on_event(self, kind: str, obj: Mapping[str, Any]) -> None:
-        self._apply(kind, obj)
+            self._pods = {p["metadata"]["uid"]: p for p in items}
 
     def _apply(self, kind: str, pod: Mapping[str, Any]) -> None:
         uid = (pod.get("metadata") or {}).get("uid")

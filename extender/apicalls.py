@@ -1,21 +1,22 @@
-"""The extender's only door to the API server: list, watch, get, patch and bind, as plain JSON dicts.
+"""The extender's only door to the API server: list+watch, get, patch and bind, as plain JSON dicts.
 
 We go through the official ``kubernetes`` client (auth, TLS, in-cluster config) but ask it for the raw
-response (``_preload_content=False``) and decode with orjson: the cache needs plain dicts anyway (the
-placement core and ``podspec`` read Kubernetes JSON), and building model objects for thousands of
-nodes and pods would cost far more than the scheduling itself. Errors stay the client's
+response (``_preload_content=False``, decoded by :func:`vramshare.kube.decode`): the cache needs plain
+dicts anyway (the placement core and ``podspec`` read Kubernetes JSON), and building model objects for
+thousands of nodes and pods would cost far more than the scheduling itself. Lists and watches are
+:class:`vramshare.watch.ListWatch`'s (:meth:`Kube.list_watch`). Errors stay the client's
 ``ApiException`` with ``.status`` (409 conflict, 410 gone, 404 not found) for callers to branch on.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable
 
-import orjson
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
 from vramshare import contract
+from vramshare.kube import decode
+from vramshare.watch import ListWatch
 
 __all__ = ["ApiException", "Kube", "GONE", "CONFLICT", "NOT_FOUND"]
 
@@ -25,10 +26,7 @@ MERGE_PATCH = "application/merge-patch+json"
 
 
 def _read(resp: Any) -> Obj:
-    try:
-        return orjson.loads(resp.data)
-    finally:
-        resp.release_conn()
+    return decode(resp)  # type: ignore[no-any-return]
 
 
 class Kube:
@@ -41,44 +39,29 @@ class Kube:
         self.timeout = request_timeout
 
     # -- list + watch (the cache, the DRA watch) --------------------------------------------
-    def _list(self, plural: str, **kwargs: Any) -> Any:
-        """The list call of ``plural``, raw: no model class is ever built (their names change between
-        client versions: 37.x calls ResourceClaim ``ResourceV1ResourceClaim``), so no version breaks it."""
+    def _lister(self, plural: str) -> Callable[..., Any]:
+        """The list call of ``plural`` (all namespaces), raw: no model class is ever built (their names
+        change between client versions: 37.x calls ResourceClaim ``ResourceV1ResourceClaim``), so no
+        version breaks it. With ``watch=True`` the same call watches."""
         if plural == "nodes":
-            return self.core.list_node(_preload_content=False, **kwargs)
+            return lambda **kw: self.core.list_node(**kw)
         if plural == "pods":
-            return self.core.list_pod_for_all_namespaces(_preload_content=False, **kwargs)
+            return lambda **kw: self.core.list_pod_for_all_namespaces(**kw)
         if plural in ("resourceslices", "resourceclaims"):
             if self.resource is None:
-                raise ApiException(status=NOT_FOUND, reason="this kubernetes client has no resource.k8s.io/v1")
+                def missing(**kw: Any) -> Any:
+                    raise ApiException(status=NOT_FOUND, reason="this kubernetes client has no resource.k8s.io/v1")
+                return missing
             if plural == "resourceslices":
-                return self.resource.list_resource_slice(_preload_content=False, **kwargs)
-            return self.resource.list_resource_claim_for_all_namespaces(_preload_content=False, **kwargs)
+                return lambda **kw: self.resource.list_resource_slice(**kw)  # type: ignore[union-attr]
+            return lambda **kw: self.resource.list_resource_claim_for_all_namespaces(**kw)  # type: ignore[union-attr]
         raise ValueError(f"no list call for {plural!r}")
 
-    def list(self, plural: str) -> Obj:
-        """A full list of ``nodes``, ``pods``, ``resourceslices`` or ``resourceclaims`` (all namespaces),
-        with ``metadata.resourceVersion``."""
-        return _read(self._list(plural, _request_timeout=self.timeout))
-
-    def watch(self, plural: str, resource_version: str, timeout_seconds: int,
-              on_open: Any = None) -> Iterator[Obj]:
-        """Watch events (``{"type", "object"}``) from ``resource_version`` until the server ends the stream.
-
-        ``on_open(resp)`` receives the live response so another thread can shut it to stop the watch.
-        """
-        resp = self._list(plural, watch=True, resource_version=resource_version, allow_watch_bookmarks=True,
-                          timeout_seconds=timeout_seconds,
-                          _request_timeout=(self.timeout, timeout_seconds + self.timeout))
-        if on_open is not None:
-            on_open(resp)
-        try:
-            for line in iter_resp_lines(resp):
-                if line:
-                    yield orjson.loads(line)
-        finally:
-            resp.close()
-            resp.release_conn()
+    def list_watch(self, plural: str, **options: Any) -> ListWatch:
+        """A :class:`vramshare.watch.ListWatch` of ``nodes``, ``pods``, ``resourceslices`` or
+        ``resourceclaims`` (``options``: its handlers, timeouts and backoff)."""
+        options.setdefault("request_timeout_s", self.timeout)
+        return ListWatch(f"{plural} watch", self._lister(plural), **options)
 
     # -- the binder ---------------------------------------------------------------------------
     def get_pod(self, namespace: str, name: str) -> Obj:

@@ -1,28 +1,25 @@
 """List + watch of nodes and pods into the accounting, so filter and prioritize never call the API.
 
-One thread per resource: list (apply all, note the resourceVersion), then watch from there. A watch that
-ends cleanly (the server's timeout) resumes from the last resourceVersion seen (bookmarks included); a
-``410 Gone`` or a broken stream relists, because events may have been missed. Nodes are listed before
+One thread per resource, each a :class:`vramshare.watch.ListWatch` (client-go's reflector semantics: a
+list replaces the view, a watch the server ends resumes from the last resourceVersion, bookmarks
+included; a ``410 Gone`` or a broken stream relists after a jittered backoff). Nodes are listed before
 pods at start-up so a pod's GPUs are known when its assignment is read; :attr:`ready` is set once both
 initial lists are in (``/readyz``). A third thread expires assumed pods that never bind.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Mapping
 
 from extender import accounting, apicalls, metrics
 from vramshare import logs
 from vramshare.retry import Backoff
+from vramshare.watch import ListWatch
 
-__all__ = ["Cache", "Gone"]
+__all__ = ["Cache"]
 
 log = logs.get("vramshare.extender.cache")
 RESOURCES = ("nodes", "pods")
-
-
-class Gone(Exception):
-    """The watch's resourceVersion is too old (410): only a fresh list is safe."""
 
 
 class Cache:
@@ -35,11 +32,17 @@ class Cache:
         self.watch_timeout_s = watch_timeout_s
         timeout = acct.config.extender.assume_timeout_seconds
         self.expiry_interval_s = expiry_interval_s or min(5.0, max(0.05, timeout / 4))
-        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.ready = threading.Event()
         self._stop = threading.Event()
-        self._listed = {r: threading.Event() for r in RESOURCES}
-        self._open: dict[str, Any] = {}
+        self._list_started: dict[str, int] = {}
+        self.watches: dict[str, ListWatch] = {
+            r: kube.list_watch(r, on_replace=lambda items, deleted, r=r: self._replaced(r, items, deleted),
+                               on_event=acct.apply_node if r == "nodes" else acct.apply_pod,
+                               on_failure=lambda exc, r=r: self._failed(r),
+                               before_list=lambda r=r: self._list_started.__setitem__(r, acct.clock()),
+                               min_watch_timeout_s=watch_timeout_s,
+                               backoff=Backoff(backoff_s, max_backoff_s, jitter=1.0))
+            for r in RESOURCES}
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -54,79 +57,33 @@ class Cache:
     def stop(self) -> None:
         """Stop all threads now: open watch streams are shut, so nothing waits for a server timeout."""
         self._stop.set()
-        for resp in list(self._open.values()):
-            try:
-                resp.shutdown()
-            except Exception:  # noqa: BLE001 - already closed is fine
-                pass
+        for w in self.watches.values():
+            w.stop()
         for t in self._threads:
             t.join(timeout=10)
 
-    # -- list -------------------------------------------------------------------------------------
-    def _relist(self, resource: str) -> str:
-        started = self.acct.clock()
-        data = self.kube.list(resource)
-        items = data.get("items") or []
+    def _run(self, resource: str) -> None:
+        if resource == "pods":  # pods name GPUs: know the nodes first
+            while not self.watches["nodes"].synced.wait(0.1):
+                if self._stop.is_set():
+                    return
+        self.watches[resource].run(self._stop)
+
+    def _replaced(self, resource: str, items: list[Mapping[str, Any]], deleted: list[Mapping[str, Any]]) -> None:
+        """A fresh list: the accounting's whole truth (it drops what the list lacks, ``deleted``)."""
         if resource == "nodes":
             self.acct.replace_nodes(items)
         else:
-            self.acct.replace_pods(items, started)
-        log.info("listed", resource=resource, count=len(items))
-        return str((data.get("metadata") or {}).get("resourceVersion", ""))
+            self.acct.replace_pods(items, self._list_started[resource])
+        log.info("listed", resource=resource, count=len(items), deleted=len(deleted))
+        others = [w.synced.is_set() for r, w in self.watches.items() if r != resource]
+        if all(others) and not self.ready.is_set():
+            self.ready.set()
+            log.info("cache ready", nodes=len(self.acct.slots), pods=len(self.acct.pods))
 
-    def _run(self, resource: str) -> None:
-        if resource == "pods":  # pods name GPUs: know the nodes first
-            while not self._listed["nodes"].wait(0.1):
-                if self._stop.is_set():
-                    return
-        rv: str | None = None
-        delay = Backoff(self.backoff_s, self.max_backoff_s)
-        while not self._stop.is_set():
-            try:
-                if rv is None:
-                    rv = self._relist(resource)
-                    self._listed[resource].set()
-                    if all(e.is_set() for e in self._listed.values()) and not self.ready.is_set():
-                        self.ready.set()
-                        log.info("cache ready", nodes=len(self.acct.slots), pods=len(self.acct.pods))
-                rv = self._watch(resource, rv)
-                delay.reset()
-            except Gone:
-                log.info("watch expired, relisting", resource=resource)
-                self.stats.resyncs.labels(resource).inc()
-                rv = None
-            except Exception as exc:  # noqa: BLE001 - a broken stream or an API outage: back off, relist
-                if self._stop.is_set():
-                    return
-                gone = isinstance(exc, apicalls.ApiException) and exc.status == apicalls.GONE
-                log.warning("watch broken, relisting", resource=resource, error=f"{type(exc).__name__}: {exc}")
-                self.stats.resyncs.labels(resource).inc()
-                rv = None
-                if not gone:
-                    self._stop.wait(delay.next())
-
-    # -- watch ------------------------------------------------------------------------------------
-    def _watch(self, resource: str, rv: str) -> str:
-        """Apply events until the stream ends; returns the resourceVersion to resume from."""
-        apply = self.acct.apply_node if resource == "nodes" else self.acct.apply_pod
-        try:
-            for event in self.kube.watch(resource, rv, self.watch_timeout_s,
-                                         on_open=lambda resp: self._open.__setitem__(resource, resp)):
-                kind, obj = str(event.get("type")), event.get("object") or {}
-                if kind == "ERROR":
-                    if obj.get("code") == apicalls.GONE:
-                        raise Gone(obj.get("message", ""))
-                    raise RuntimeError(f"watch error: {obj.get('code')} {obj.get('message', '')}")
-                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
-                if kind != "BOOKMARK":
-                    try:
-                        apply(kind, obj)
-                    except Exception:  # noqa: BLE001 - one bad object must not cost the others
-                        log.error("event not applied", resource=resource, type=kind,
-                                  name=(obj.get("metadata") or {}).get("name", "?"), exc_info=True)
-        finally:
-            self._open.pop(resource, None)
-        return rv
+    def _failed(self, resource: str) -> bool:
+        self.stats.resyncs.labels(resource).inc()
+        return True
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(self.expiry_interval_s):

@@ -29,6 +29,7 @@ from extender import apicalls, cluster, placement
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
 from vramshare import contract, logs, quantity
 from vramshare.retry import Backoff
+from vramshare.watch import ListWatch
 
 log = logs.get("vramshare.extender.dra")
 Obj = Mapping[str, Any]
@@ -210,103 +211,52 @@ class DraCluster:
 
 
 class DraWatch:
-    """List+watch of ResourceSlices and ResourceClaims into a :class:`DraCluster` (two threads).
+    """List+watch of ResourceSlices and ResourceClaims into a :class:`DraCluster` (two threads, each a
+    :class:`vramshare.watch.ListWatch` through :class:`extender.apicalls.Kube`: raw JSON, no client
+    model classes, whose names differ between client versions).
 
-    Raw JSON through :class:`extender.apicalls.Kube` (no client model classes, whose names differ
-    between client versions). A list replaces that kind's whole view, so an object deleted while the
-    watch was down is dropped; a watch the server ends resumes from the last resourceVersion without
-    a list; only a 410 or a failure relists, and failures back off (1 s doubling to 60 s)."""
+    A list replaces that kind's whole view, so an object deleted while the watch was down is dropped; a
+    watch the server ends resumes from the last resourceVersion without a list; a 410 or a failure
+    relists after a jittered backoff (1 s doubling to 60 s). A 403 or 404 before the first list means
+    this cluster has no ``resource.k8s.io/v1`` (before 1.34) or no RBAC for it: DRA scoring is off. The
+    same answer later (an API server upgrade, an RBAC edit) is an outage like any other: the view is
+    kept, the watch retries, and the next list drops whatever was deleted meanwhile."""
 
     KINDS = (("ResourceSlice", "resourceslices"), ("ResourceClaim", "resourceclaims"))
 
     def __init__(self, api: client.ApiClient, dra: DraCluster, timeout_s: int = 300,
                  backoff_s: float = 1.0, max_backoff_s: float = 60.0) -> None:
-        self._kube = apicalls.Kube(api)
+        kube = apicalls.Kube(api)
         self.dra = dra
-        self._timeout = timeout_s
-        self._backoff, self._max_backoff = backoff_s, max_backoff_s
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._open: dict[str, Any] = {}
+        self.watches: dict[str, ListWatch] = {
+            kind: kube.list_watch(plural, on_replace=lambda items, _deleted, kind=kind: dra.replace(kind, items),
+                                  on_event=lambda typ, obj, kind=kind: dra.put(kind, obj, deleted=typ == "DELETED"),
+                                  on_failure=lambda exc, kind=kind: self._keep_going(kind, exc),
+                                  min_watch_timeout_s=timeout_s, backoff=Backoff(backoff_s, max_backoff_s, jitter=1.0))
+            for kind, plural in self.KINDS}
 
     def start(self) -> None:
-        for kind, plural in self.KINDS:
-            t = threading.Thread(target=self._run, args=(kind, plural), name=f"dra-watch-{kind}", daemon=True)
+        for kind, _ in self.KINDS:
+            t = threading.Thread(target=self.watches[kind].run, args=(self._stop,), name=f"dra-watch-{kind}",
+                                 daemon=True)
             self._threads.append(t)
             t.start()
 
-    def _relist(self, kind: str, plural: str) -> str:
-        doc = self._kube.list(plural)
-        self.dra.replace(kind, doc.get("items") or ())
-        return str((doc.get("metadata") or {}).get("resourceVersion", ""))
-
-    def _watch(self, kind: str, plural: str, rv: str) -> str:
-        """Apply events until the server ends the stream; the resourceVersion to resume from."""
-        try:
-            for ev in self._kube.watch(plural, rv, self._timeout, on_open=lambda resp: self._opened(kind, resp)):
-                typ, obj = str(ev.get("type")), ev.get("object") or {}
-                if typ == "ERROR":
-                    if obj.get("code") == apicalls.GONE:
-                        raise _Gone(str(obj.get("message", "")))
-                    raise RuntimeError(f"watch error: {obj.get('code')} {obj.get('message', '')}")
-                rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
-                if typ != "BOOKMARK":
-                    self.dra.put(kind, obj, deleted=typ == "DELETED")
-        finally:
-            self._open.pop(kind, None)
-        return rv
-
-    def _opened(self, kind: str, resp: Any) -> None:
-        self._open[kind] = resp
-        if self._stop.is_set():  # stop() ran while this stream was opening: it saw nothing to shut
-            _shut(resp)
-
-    def _run(self, kind: str, plural: str) -> None:
-        rv: str | None = None
-        backoff = Backoff(self._backoff, self._max_backoff)
-        while not self._stop.is_set():
-            try:
-                if rv is None:
-                    rv = self._relist(kind, plural)
-                rv = self._watch(kind, plural, rv)
-                backoff.reset()
-            except _Gone:
-                log.info("dra watch expired, relisting", kind=kind)
-                rv = None
-                self._stop.wait(backoff.next())  # even a 410 never relists back to back
-            except apicalls.ApiException as exc:
-                if exc.status in (403, 404):  # no resource.k8s.io/v1 here (before 1.34), or no RBAC for it
-                    log.info("DRA scoring off: cannot list", kind=kind, status=exc.status)
-                    return
-                rv = None
-                self._failed(kind, exc, backoff.next())
-            except Exception as exc:  # noqa: BLE001 - a broken stream or an API outage: back off, relist
-                rv = None
-                self._failed(kind, exc, backoff.next())
-
-    def _failed(self, kind: str, exc: Exception, delay: float) -> None:
-        if not self._stop.is_set():
-            log.warning("dra watch broken, relisting", kind=kind, error=f"{type(exc).__name__}: {exc}",
-                        retry_seconds=delay)
-            self._stop.wait(delay)
+    def _keep_going(self, kind: str, exc: BaseException) -> bool:
+        if (isinstance(exc, apicalls.ApiException) and exc.status in (403, 404)
+                and not self.watches[kind].synced.is_set()):
+            log.info("DRA scoring off: cannot list", kind=kind, status=exc.status)
+            return False
+        return True
 
     def stop(self) -> None:
         self._stop.set()
-        for resp in list(self._open.values()):
-            _shut(resp)
+        for w in self.watches.values():
+            w.stop()
         for t in self._threads:
             t.join(timeout=5)
-
-
-def _shut(resp: Any) -> None:
-    try:
-        resp.shutdown()
-    except Exception:  # noqa: BLE001 - already closed is fine
-        pass
-
-
-class _Gone(Exception):
-    """The watch's resourceVersion is too old (410): only a fresh list is safe."""
 
 
 def scores_for(dra: DraCluster | None, pod: Obj, node_names: Iterable[str],

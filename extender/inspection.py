@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import orjson
 
 from extender import accounting
-from vramshare import contract, mig, mig_plan
+from vramshare import contract, kube, mig, mig_plan
 from vramshare.contract import quota_mib
 from vramshare.contract import inventory as contract_inventory
 from vramshare.inventory import InventoryError
@@ -226,10 +226,7 @@ def fetch_via_proxy(api: Any, namespace: str, service: str, node: str | None = N
     path = "inspect" + (f"/{urllib.parse.quote(node)}" if node else "")
     resp = client.CoreV1Api(api).connect_get_namespaced_service_proxy_with_path(
         f"http:{service}:metrics", namespace, path, _preload_content=False, _request_timeout=30)
-    try:
-        return orjson.loads(resp.data)
-    finally:
-        resp.release_conn()
+    return kube.decode(resp)  # type: ignore[no-any-return]
 
 
 def _via_proxy(args: argparse.Namespace) -> Obj:

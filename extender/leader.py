@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import orjson
 
-from vramshare import logs
+from vramshare import kube, logs
 from vramshare.retry import Backoff
 
 log = logs.get("vramshare.extender.leader")
@@ -89,7 +89,7 @@ class LeaseElector:
         try:
             resp = self._api.read_namespaced_lease(self.name, self.namespace, _preload_content=False,
                                                    _request_timeout=self.settings.renew_deadline_s)
-            raw = resp.data
+            raw = kube.body(resp)
             current = orjson.loads(raw)
         except ApiException as exc:
             if exc.status != 404:
@@ -98,8 +98,8 @@ class LeaseElector:
                     "metadata": {"name": self.name, "namespace": self.namespace,
                                  "annotations": {LEADER_URL: self.url}}, "spec": record}
             try:
-                self._api.create_namespaced_lease(self.namespace, body, _preload_content=False,
-                                                  _request_timeout=self.settings.renew_deadline_s)
+                kube.body(self._api.create_namespaced_lease(self.namespace, body, _preload_content=False,
+                                                            _request_timeout=self.settings.renew_deadline_s))
             except (ApiException, OSError):
                 return False
             self._observe({**record, "_url": self.url}, b"", now)
@@ -123,8 +123,8 @@ class LeaseElector:
         current["spec"] = record
         current.setdefault("metadata", {}).setdefault("annotations", {})[LEADER_URL] = self.url
         try:  # PUT with the resourceVersion read: a 409 means another replica moved first
-            self._api.replace_namespaced_lease(self.name, self.namespace, current, _preload_content=False,
-                                               _request_timeout=self.settings.renew_deadline_s)
+            kube.body(self._api.replace_namespaced_lease(self.name, self.namespace, current, _preload_content=False,
+                                                         _request_timeout=self.settings.renew_deadline_s))
         except (ApiException, OSError):
             return False
         self._observe({**record, "_url": self.url}, b"", now)
@@ -164,11 +164,11 @@ class LeaseElector:
         from kubernetes.client.exceptions import ApiException
         try:
             resp = self._api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
-            lease = orjson.loads(resp.data)
+            lease = kube.decode(resp)
             if (lease.get("spec") or {}).get("holderIdentity") == self.identity:
                 lease["spec"] = {**lease["spec"], "holderIdentity": "", "leaseDurationSeconds": 1,
                                  "renewTime": _micro(self._wall())}
-                self._api.replace_namespaced_lease(self.name, self.namespace, lease, _preload_content=False)
+                kube.body(self._api.replace_namespaced_lease(self.name, self.namespace, lease, _preload_content=False))
         except (ApiException, OSError) as exc:
             log.warning("lease not released", identity=self.identity, error=str(exc))
         self._set_leader(False)

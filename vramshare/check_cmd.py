@@ -9,9 +9,7 @@ import argparse
 import sys
 from typing import Any, Callable, TextIO
 
-import orjson
-
-from vramshare import checks, install
+from vramshare import checks, install, kube
 
 Obj = dict[str, Any]
 
@@ -31,10 +29,7 @@ def _json(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Obj | None:
         if exc.status == 404:
             return None
         raise
-    try:
-        return orjson.loads(resp.data)
-    finally:
-        resp.release_conn()
+    return kube.decode(resp)  # type: ignore[no-any-return]
 
 
 def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
@@ -64,8 +59,7 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
     try:
         resp = core.connect_get_namespaced_service_proxy_with_path(
             "http:vramshare-extender:metrics", namespace, "readyz", _preload_content=False, _request_timeout=10)
-        s.readyz = (resp.status, resp.data.decode(errors="replace"))
-        resp.release_conn()
+        s.readyz = (resp.status, kube.body(resp).decode(errors="replace"))
     except ApiException as exc:
         s.readyz = None if exc.status == 403 else (exc.status, str(exc.body or exc.reason))
     for name in ("vramshare-extender-tls", "vramshare-scheduler-tls"):

@@ -1,4 +1,5 @@
-"""Reaching the API server through the official ``kubernetes`` client: one way to build a client.
+"""Reaching the API server through the official ``kubernetes`` client: one way to build a client, and
+one way to read a raw response (:func:`decode`, :func:`decode_lines`, :func:`body`).
 
 Used by the device plugin and the extender. Returns ``None`` when there is no kubeconfig and no
 in-cluster service account, so the device plugin can run standalone and say so once.
@@ -6,8 +7,11 @@ in-cluster service account, so the device plugin can run standalone and say so o
 from __future__ import annotations
 
 import os
+from typing import Any, Iterator
 
+import orjson
 from kubernetes import client, config as kconfig
+from kubernetes.watch.watch import iter_resp_lines
 
 
 def api_client(kubeconfig: str | None) -> client.ApiClient | None:
@@ -48,3 +52,34 @@ def api_client_for(host: str) -> client.ApiClient:
     cfg = client.Configuration()
     cfg.host = host
     return client.ApiClient(cfg)
+
+
+# -- raw responses: the one decoder ----------------------------------------------------------------------
+# Our daemons ask the client for raw responses (``_preload_content=False``): the placement core, the
+# reconciler and the DRA plugin read Kubernetes JSON as dicts, and the client's model classes cost far
+# more than the work and change names between client versions (37.x: ``ResourceV1ResourceClaim``).
+
+def body(resp: Any) -> bytes:
+    """The raw body of a ``_preload_content=False`` response, read to the end, and the connection back
+    in the pool (one never released is lost to the pool: the client opens a new one each time)."""
+    try:
+        return bytes(resp.data)
+    finally:
+        resp.release_conn()
+
+
+def decode(resp: Any) -> Any:
+    """The JSON body of a ``_preload_content=False`` response (:func:`body`, parsed)."""
+    return orjson.loads(body(resp))
+
+
+def decode_lines(resp: Any) -> Iterator[Any]:
+    """The JSON documents of a watch stream, one per line, as they arrive (the client's own line
+    splitter, ``kubernetes.watch.watch.iter_resp_lines``); the response is closed at the end."""
+    try:
+        for line in iter_resp_lines(resp):
+            if line:
+                yield orjson.loads(line)
+    finally:
+        resp.close()
+        resp.release_conn()

@@ -12,7 +12,6 @@ and ``metrics-http``. Same backends and config file as the device plugin; the co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -122,10 +121,7 @@ class DraPluginDaemon:
             resp = self._resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
         except ApiException as exc:
             raise LookupError(f"{exc.status} {exc.reason}") from exc
-        try:
-            return json.loads(resp.data)
-        finally:
-            resp.release_conn()
+        return kube.decode(resp)  # type: ignore[no-any-return]
 
     def _changed(self, old: Snapshot, new: Snapshot) -> None:
         if new.inventory != old.inventory or new.config != old.config:

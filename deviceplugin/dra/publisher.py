@@ -13,7 +13,6 @@ Uses the official client's ``ResourceV1Api`` with raw JSON responses (the dicts 
 """
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -21,22 +20,18 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from deviceplugin.dra import slices
-from deviceplugin.raw_watch import RawWatch
 from vramshare import contract, logs
 from vramshare.contract import inventory as contract_inventory
 from vramshare.inventory import InventoryError
+from vramshare.kube import decode
+from vramshare.retry import Backoff
+from vramshare.watch import ListWatch
 
 log = logs.get(__name__)
 
 FIELD_MANAGER = "vramshare-dra"
 APPLY = "application/apply-patch+yaml"
-
-
-def _data(resp: Any) -> Any:
-    try:
-        return json.loads(resp.data)
-    finally:
-        resp.release_conn()
+TIMEOUT_S = 5.0  # connect and read timeout of each request (a watch reads for its timeoutSeconds more)
 
 
 class SlicePublisher:
@@ -54,11 +49,11 @@ class SlicePublisher:
 
     def _published_slices(self) -> list[dict[str, Any]]:
         selector = f"spec.nodeName={self.node},spec.driver={self.names.dra_driver}"
-        return _data(self._resource.list_resource_slice(field_selector=selector, _preload_content=False))["items"]
+        return decode(self._resource.list_resource_slice(field_selector=selector, _preload_content=False))["items"]
 
     def _node(self) -> dict[str, Any] | None:
         try:
-            return _data(self._core.read_node(self.node, _preload_content=False))
+            return decode(self._core.read_node(self.node, _preload_content=False))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -90,13 +85,13 @@ class SlicePublisher:
             node_uid = ((node or {}).get("metadata") or {}).get("uid")
             desired = slices.resource_slices(self.node, node_uid, devices, generation, self.names)
             for obj in desired:
-                _data(self._resource.patch_resource_slice(obj["metadata"]["name"], obj, field_manager=FIELD_MANAGER,
+                decode(self._resource.patch_resource_slice(obj["metadata"]["name"], obj, field_manager=FIELD_MANAGER,
                                                           force=True, _content_type=APPLY, _preload_content=False))
             keep = {o["metadata"]["name"] for o in desired}
             for old in existing:
                 name = old["metadata"]["name"]
                 if name not in keep:
-                    _data(self._resource.delete_resource_slice(name, _preload_content=False))
+                    decode(self._resource.delete_resource_slice(name, _preload_content=False))
             if generation != self._generation:
                 log.info("resource slices published", node=self.node, generation=generation,
                          devices=len(devices), slices=len(desired))
@@ -108,39 +103,47 @@ class SlicePublisher:
         """Delete this node's slices (on uninstall: ``vramshare dra-plugin`` leaves them on restart)."""
         with self._lock:
             for old in self._published_slices():
-                _data(self._resource.delete_resource_slice(old["metadata"]["name"], _preload_content=False))
+                decode(self._resource.delete_resource_slice(old["metadata"]["name"], _preload_content=False))
             self._generation, self._devices = None, None
 
 
-class SliceWatch(RawWatch):
+class SliceWatch:
     """List+watch of this node's slices of our driver; ``on_gone()`` when one of them is deleted, and
-    after every relist (what happened while the watch was down is unknown). Raw JSON, no models."""
-
-    what = "slice watch"
-    wait_after_gone = True  # even a 410 never relists back to back
+    after every list (what happened while the watch was down is unknown). Raw JSON, no models; the
+    watching is :class:`vramshare.watch.ListWatch`'s, with a read timeout (a half-open connection to a
+    vanished API server would otherwise hold the watch, and the wiped slices, for ever)."""
 
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names, on_gone: Callable[[], None],
-                 watch_timeout_s: int = 300) -> None:
-        super().__init__(watch_timeout_s)
-        self._resource = client.ResourceV1Api(api)
-        self._selector = f"spec.nodeName={node},spec.driver={names.dra_driver}"
+                 watch_timeout_s: int = 300, request_timeout_s: float = TIMEOUT_S) -> None:
+        resource = client.ResourceV1Api(api)
+        selector = f"spec.nodeName={node},spec.driver={names.dra_driver}"
         self._on_gone = on_gone
         self.deletions = 0  # slices seen deleted (by the kubelet's wipes, mostly)
+        self.watch = ListWatch("slice watch", lambda **kw: resource.list_resource_slice(field_selector=selector, **kw),
+                               on_replace=self._listed, on_event=self._event, on_failure=self._keep_going,
+                               min_watch_timeout_s=watch_timeout_s, request_timeout_s=request_timeout_s,
+                               backoff=Backoff(0.2, 5.0, jitter=1.0))
 
-    def list_call(self, **kwargs: Any) -> Any:
-        return self._resource.list_resource_slice(field_selector=self._selector, **kwargs)
+    def run(self, stop: threading.Event) -> None:
+        """Body of the ``slice-watch`` thread."""
+        self.watch.run(stop)
 
-    def keep_going(self, exc: Exception) -> bool:
+    def stop(self) -> None:
+        self.watch.stop()
+
+    @staticmethod
+    def _keep_going(exc: BaseException) -> bool:
         if isinstance(exc, ApiException) and exc.status == 403:  # an older RBAC without watch
             log.error("cannot watch resource slices; wiped slices return only at the resync "
                       "(grant watch on resourceslices)", error=str(exc.reason))
             return False
         return True
 
-    def on_list(self, doc: Mapping[str, Any]) -> None:
+    def _listed(self, items: list[Mapping[str, Any]], deleted: list[Mapping[str, Any]]) -> None:
+        self.deletions += len(deleted)
         self._on_gone()  # whatever happened meanwhile, the publisher compares and re-applies
 
-    def on_event(self, kind: str, obj: Mapping[str, Any]) -> None:
+    def _event(self, kind: str, obj: Mapping[str, Any]) -> None:
         if kind == "DELETED":
             self.deletions += 1
             log.info("resource slice deleted, republishing", slice=(obj.get("metadata") or {}).get("name"))

@@ -9,7 +9,6 @@ floors, ceilings, rebalancing and enforcement apply unchanged.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Iterable, Mapping
 
 from kubernetes import client
@@ -20,6 +19,7 @@ from deviceplugin.quota.classes import PodMeta
 from deviceplugin.quota.kube import TIMEOUT_S, _container_ids, _metrics_url, pod_meta
 from deviceplugin.quota.model import Tenant, TenantKey
 from vramshare import contract
+from vramshare.kube import decode
 
 
 def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Mapping[str, Mapping[str, Any]],
@@ -53,9 +53,6 @@ class ClaimTenantSource:
         if self._v1 is not None:
             resp: Any = self._v1.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self._node}",
                                                              _preload_content=False, _request_timeout=TIMEOUT_S)
-            try:
-                items = json.loads(resp.data).get("items") or []
-            finally:
-                resp.release_conn()
+            items = decode(resp).get("items") or []
             pods = {(p.get("metadata") or {}).get("uid", ""): p for p in items}
         return tenants_from_claims(self._prepared().values(), pods, self._names)

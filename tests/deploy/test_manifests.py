@@ -208,8 +208,8 @@ def rights_in(paths: Iterable[pathlib.Path]) -> set[tuple[str, str]]:
         source = path.read_text(encoding="utf-8")
         if not any(api in source for api in API_CLIENTS):
             continue
-        # a deviceplugin.raw_watch.RawWatch subclass watches with the list call it names
-        watches = "watch=True" in source or "Watch()" in source or "(RawWatch)" in source
+        # a vramshare.watch.ListWatch watches with the list call it is given
+        watches = "watch=True" in source or "Watch()" in source or "ListWatch(" in source
         applies = "application/apply-patch" in source
         for match in _CALL.finditer(source):
             verb, resource = match.groups()

@@ -148,7 +148,7 @@ def test_extender_rbac_is_exactly_what_its_code_calls() -> None:
     for verb, res in _CALL.findall(source):
         plural = "pods/binding" if res == "pod_binding" else f"{res}s"
         used.add((plural, _VERB[verb]))
-        if verb == "list" and "watch=True" in source:
+        if verb == "list" and ("watch=True" in source or "ListWatch(" in source):  # vramshare.watch.ListWatch
             used.add((plural, "watch"))
     assert ("pods/binding", "create") in used and ("nodes", "watch") in used
     assert "apicalls.Kube" in (ROOT / "extender" / "dra_scoring.py").read_text()  # the DRA watch goes through it

@@ -192,3 +192,27 @@ def test_a_relist_drops_what_was_deleted_while_the_watch_was_down():
             assert [u.used for u in dra.state().node_usage("n1")] == [0]
         finally:
             watcher.stop()
+
+
+def test_a_transient_404_after_the_first_list_keeps_watching_and_drops_what_was_deleted_meanwhile():
+    """Issue 21: a 403/404 met on a relist (an API server upgrade, an RBAC edit) ended the DRA watch for
+    good while prioritize kept scoring from its view: a claim deleted after that stayed charged for ever.
+    Only before the first list does a 403/404 mean "no DRA here"; later it is an outage like others."""
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        resource = client.ResourceV1Api(http)
+        for s in node_slices("n1", 1):
+            resource.create_resource_slice(s)
+        _allocated(resource, "held", 40)
+        dra = dra_scoring.DraCluster(NAMES, 1024)
+        watcher = dra_scoring.DraWatch(http, dra, timeout_s=30, backoff_s=0.05)
+        watcher.start()
+        try:
+            assert api.wait_for(lambda a: "default/held" in dra.claims and a.open_watches >= 2, timeout=20)
+            api.fail_next("GET", r"/resourceclaims$", 404, times=2)  # the group is gone for a moment
+            api.compact()
+            api.drop_watches()  # the claim watch resumes into the 404s, then relists
+            api.delete(RESOURCECLAIMS, "default", "held")
+            assert api.wait_for(lambda a: "default/held" not in dra.claims, timeout=20)
+            assert [u.used for u in dra.state().node_usage("n1")] == [0]
+        finally:
+            watcher.stop()

@@ -1,6 +1,7 @@
 """Watch behaviour of the double, read through ``kubernetes.watch.Watch`` as production code does."""
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -84,12 +85,75 @@ def test_history_limit_expires_old_versions() -> None:
         assert _collect(v1, 1, resource_version=versions[1], timeout_seconds=2) == [("ADDED", "c")]
 
 
-def test_timeout_ends_the_stream_with_a_bookmark(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
-    w = watch.Watch()
+def test_a_timeout_ends_the_stream_cleanly_and_a_short_watch_gets_no_bookmark(double: ApiServerDouble,
+                                                                              v1: client.CoreV1Api) -> None:
+    """cache_watcher.go nextBookmarkTime: the bookmark is due 2 s before the deadline and none is sent once
+    that moment has passed: a 1 s watch gets none, and the end of a stream carries none (the double
+    used to end every timed-out watch with one, kinder than the real server)."""
     rv = str(double.resource_version)
-    events = list(w.stream(v1.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1,
-                           allow_watch_bookmarks=True))
-    assert [e["type"] for e in events] == ["BOOKMARK"]
+    events = list(watch.Watch().stream(v1.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1,
+                                       allow_watch_bookmarks=True))
+    assert events == []
+
+
+def test_the_bookmark_comes_before_the_deadline_and_events_follow_it(double: ApiServerDouble,
+                                                                     v1: client.CoreV1Api) -> None:
+    """A 4 s watch: the BOOKMARK comes 2 s before its end, and the stream goes on carrying events after it."""
+    seen: list[str] = []
+    for event in watch.Watch().stream(v1.list_namespaced_pod, "default", resource_version=str(double.resource_version),
+                                      timeout_seconds=4, allow_watch_bookmarks=True):
+        seen.append(event["type"])
+        if event["type"] == "BOOKMARK":
+            v1.create_namespaced_pod("default", pod_body("after"))
+    assert seen == ["BOOKMARK", "ADDED"]
+
+
+def test_bookmarks_come_every_bookmark_frequency_and_only_when_allowed() -> None:
+    """cacher.go defaultBookmarkFrequency (a minute; 0.3 s here): one per period until 2 s before the end."""
+    with ApiServerDouble(bookmark_frequency_s=0.3) as double, api_client_for(double.url) as http:
+        v1 = client.CoreV1Api(http)
+        rv = str(double.resource_version)
+        allowed = [e["type"] for e in watch.Watch().stream(v1.list_namespaced_pod, "default", resource_version=rv,
+                                                             timeout_seconds=3, allow_watch_bookmarks=True)]
+        assert len(allowed) >= 2 and set(allowed) == {"BOOKMARK"}
+        assert list(watch.Watch().stream(v1.list_namespaced_pod, "default", resource_version=rv,
+                                         timeout_seconds=3)) == []
+
+
+def test_a_watch_without_timeout_seconds_still_ends() -> None:
+    """get.go handleWatch: no timeoutSeconds (or 0) means minRequestTimeout * (1 + rand), never for ever;
+    the stream ends with the final chunk and no event."""
+    with ApiServerDouble(min_request_timeout_s=1) as double, api_client_for(double.url) as http:
+        v1 = client.CoreV1Api(http)
+        rv = str(double.resource_version)
+        for timeout in ({}, {"timeout_seconds": 0}):
+            resp = v1.list_namespaced_pod("default", watch=True, resource_version=rv, _preload_content=False,
+                                          _request_timeout=(5, 10), **timeout)
+            try:
+                assert resp.read() == b""  # ended by the server within 2 s; a read timeout raises instead
+            finally:
+                resp.release_conn()
+
+
+def test_a_too_old_resource_version_is_one_expired_error_event(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
+    """cacher.go newErrWatcher over watch_cache_history.go: HTTP 200, then one ERROR event carrying the
+    Status (410, reason Expired, "too old resource version: <rv> (<oldest-1>)"), then the end."""
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    double.create_pod(pod_body("p"))
+    double.compact()
+    resp = v1.list_namespaced_pod("default", watch=True, resource_version=start, timeout_seconds=5,
+                                  allow_watch_bookmarks=True, _preload_content=False)
+    try:
+        assert resp.status == 200
+        lines = [json.loads(line) for line in resp.read().splitlines() if line]
+    finally:
+        resp.release_conn()
+    [event] = lines
+    assert event["type"] == "ERROR"
+    status = event["object"]
+    assert (status["kind"], status["apiVersion"], status["status"], status["code"], status["reason"]) == \
+        ("Status", "v1", "Failure", 410, "Expired")
+    assert status["message"] == f"too old resource version: {start} ({double.resource_version})"
 
 
 def test_drop_watches_ends_open_streams(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
@@ -233,3 +297,21 @@ def test_restart_keeps_url_and_objects_and_watches_resume(double: ApiServerDoubl
     assert double.url == url
     assert seen == [("ADDED", "before"), ("ADDED", "after")]
     assert [p.metadata.name for p in v1.list_namespaced_pod("default").items] == ["after", "before"]
+
+
+def test_a_resource_version_the_server_has_not_reached_is_a_504_after_blocking(double: ApiServerDouble,
+                                                                                v1: client.CoreV1Api) -> None:
+    """watch_cache.go waitUntilFreshAndBlock (3 s) then storage.NewTooLargeResourceVersionError, sent by
+    cacher.go as an ERROR event; the double used to wait for it for ever."""
+    ahead = double.resource_version + 100
+    resp = v1.list_namespaced_pod("default", watch=True, resource_version=str(ahead), timeout_seconds=30,
+                                  _preload_content=False, _request_timeout=(5, 10))
+    try:
+        [event] = [json.loads(line) for line in resp.read().splitlines() if line]
+    finally:
+        resp.release_conn()
+    assert event["type"] == "ERROR"
+    status = event["object"]
+    assert (status["code"], status["reason"], status["details"]["retryAfterSeconds"]) == (504, "Timeout", 1)
+    assert status["details"]["causes"] == [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}]
+    assert status["message"] == f"Timeout: Too large resource version: {ahead}, current: {double.resource_version}"

@@ -29,7 +29,6 @@ Reproduces, in order:
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ from protos.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from protos.pluginregistration.v1 import api_pb2 as reg
 from protos.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from vramshare import logs
+from vramshare.kube import decode
 
 log = logs.get(__name__)
 
@@ -89,10 +89,7 @@ class DraKubelet:
         selector = f"spec.nodeName={self.node}" + (f",spec.driver={driver}" if driver else "")
         resp = client.ResourceV1Api(self.api).delete_collection_resource_slice(field_selector=selector,
                                                                                _preload_content=False)
-        try:
-            gone = len(json.loads(resp.data).get("items") or ())
-        finally:
-            resp.release_conn()
+        gone = len(decode(resp).get("items") or ())
         log.info("resource slices wiped", node=self.node, driver=driver or "*", count=gone)
         return gone
 
@@ -163,11 +160,7 @@ class DraKubelet:
             name = pc.get("resourceClaimName") or statuses.get(pc["name"])
             if not name:
                 raise PrepareError(f"pod {ns}/{pod['metadata']['name']}: claim {pc['name']} has no ResourceClaim yet")
-            resp = resource.read_namespaced_resource_claim(name, ns, _preload_content=False)
-            try:
-                out.append(json.loads(resp.data))
-            finally:
-                resp.release_conn()
+            out.append(decode(resource.read_namespaced_resource_claim(name, ns, _preload_content=False)))
         return out
 
     def prepare_pod(self, pod: Mapping[str, Any]) -> dict[str, list[str]]:

@@ -15,24 +15,17 @@ Through the official client against any API server (the double in tests), in ups
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from kubernetes import client
 
+from vramshare.kube import decode
 from vramshare.standins import dra_allocator
 
 Obj = dict[str, Any]
 POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"
-
-
-def _data(resp: Any) -> Any:
-    try:
-        return json.loads(resp.data)
-    finally:
-        resp.release_conn()
 
 
 @dataclass
@@ -58,7 +51,7 @@ class DraScheduler:
             template_name = pc.get("resourceClaimTemplateName")
             if not template_name:
                 continue
-            template = _data(self.resource.read_namespaced_resource_claim_template(template_name, ns,
+            template = decode(self.resource.read_namespaced_resource_claim_template(template_name, ns,
                                                                                    _preload_content=False))
             claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {
                 "generateName": f"{name}-{pc['name']}-", "namespace": ns,
@@ -66,23 +59,23 @@ class DraScheduler:
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod["metadata"]["uid"],
                                      "controller": True, "blockOwnerDeletion": True}]},
                 "spec": template["spec"]["spec"]}
-            created = _data(self.resource.create_namespaced_resource_claim(ns, claim, _preload_content=False))
+            created = decode(self.resource.create_namespaced_resource_claim(ns, claim, _preload_content=False))
             statuses.append({"name": pc["name"], "resourceClaimName": created["metadata"]["name"]})
-        return _data(self.core.patch_namespaced_pod_status(name, ns, {"status": {"resourceClaimStatuses": statuses}},
+        return decode(self.core.patch_namespaced_pod_status(name, ns, {"status": {"resourceClaimStatuses": statuses}},
                                                            _preload_content=False))
 
     def _claims(self, pod: Obj) -> list[Obj]:
         ns = pod["metadata"]["namespace"]
         names = [s["resourceClaimName"] for s in (pod.get("status") or {}).get("resourceClaimStatuses") or ()]
-        return [_data(self.resource.read_namespaced_resource_claim(n, ns, _preload_content=False)) for n in names]
+        return [decode(self.resource.read_namespaced_resource_claim(n, ns, _preload_content=False)) for n in names]
 
     def schedule(self, pod: Obj) -> Placement | None:
         """Filter, pick, allocate, reserve, bind; ``None`` when no node can take every claim."""
         claims = [c for c in self._claims(pod) if not (c.get("status") or {}).get("allocation")]
-        slices = _data(self.resource.list_resource_slice(_preload_content=False))["items"]
+        slices = decode(self.resource.list_resource_slice(_preload_content=False))["items"]
         classes = {c["metadata"]["name"]: c for c in
-                   _data(self.resource.list_device_class(_preload_content=False))["items"]}
-        allocated = [c for c in _data(self.resource.list_resource_claim_for_all_namespaces(
+                   decode(self.resource.list_device_class(_preload_content=False))["items"]}
+        allocated = [c for c in decode(self.resource.list_resource_claim_for_all_namespaces(
             _preload_content=False))["items"] if (c.get("status") or {}).get("allocation")]
         order = self.nodes[:]
         self.rng.shuffle(order)
@@ -108,9 +101,9 @@ class DraScheduler:
         for claim in results:
             claim["status"]["reservedFor"] = [{"resource": "pods", "name": pod["metadata"]["name"],
                                                "uid": pod["metadata"]["uid"]}]
-            written.append(_data(self.resource.replace_namespaced_resource_claim_status(
+            written.append(decode(self.resource.replace_namespaced_resource_claim_status(
                 claim["metadata"]["name"], claim["metadata"]["namespace"], claim, _preload_content=False)))
-        _data(self.core.create_namespaced_pod_binding(
+        decode(self.core.create_namespaced_pod_binding(
             pod["metadata"]["name"], pod["metadata"]["namespace"],
             client.V1Binding(metadata=client.V1ObjectMeta(name=pod["metadata"]["name"]),
                              target=client.V1ObjectReference(kind="Node", name=node)),
@@ -121,5 +114,5 @@ class DraScheduler:
         """The pod is gone: the claim controller deallocates its claims (no one else reserves them)."""
         for claim in self._claims(pod):
             claim["status"] = {}
-            _data(self.resource.replace_namespaced_resource_claim_status(
+            decode(self.resource.replace_namespaced_resource_claim_status(
                 claim["metadata"]["name"], claim["metadata"]["namespace"], claim, _preload_content=False))

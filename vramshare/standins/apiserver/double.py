@@ -18,7 +18,7 @@ from .resources import BY_KIND, EVENTS, NODES, PODS, ResourceType
 from .server import ApiHttpServer, version_info
 from .store import Obj, Store
 from .traffic import Fault, FaultPlan, RequestLog, RequestRecord
-from .watch import WatchHub
+from .watch import BOOKMARK_FREQUENCY_S, MIN_REQUEST_TIMEOUT_S, WatchHub
 
 log = logs.get("vramshare.standins.apiserver")
 
@@ -31,10 +31,14 @@ class ApiServerDouble:
     """
 
     def __init__(self, *, history_limit: int = 10_000, graceful_pod_deletion: bool = False,
-                 host: str = "127.0.0.1", port: int = 0, kubernetes_version: str = "v1.33.2") -> None:
+                 host: str = "127.0.0.1", port: int = 0, kubernetes_version: str = "v1.33.2",
+                 min_request_timeout_s: float = MIN_REQUEST_TIMEOUT_S,
+                 bookmark_frequency_s: float = BOOKMARK_FREQUENCY_S) -> None:
         self.kubernetes_version = kubernetes_version  # what GET /version answers
         self._store = Store(history_limit)
-        self._hub = WatchHub(self._store)
+        # a watch without timeoutSeconds ends after min_request_timeout_s * (1 + rand), as the real one
+        self._hub = WatchHub(self._store, min_request_timeout_s=min_request_timeout_s,
+                             bookmark_frequency_s=bookmark_frequency_s)
         self._log = RequestLog()
         self._faults = FaultPlan()
         self.access = AccessRules()  # SelfSubjectAccessReview answers: AlwaysAllow unless a test denies a right

@@ -73,6 +73,16 @@ def expired(message: str) -> ApiError:
     return ApiError(410, "Expired", message)
 
 
+def too_large_resource_version(requested: int, current: int) -> ApiError:
+    """What a watch from a resourceVersion the server has not reached gets after blocking 3 s: storage
+    ``NewTooLargeResourceVersionError`` (a 504 ``apierrors.NewTimeoutError``, retry after 1 s, cause
+    ``ResourceVersionTooLarge``), sent by cacher.go as an ERROR event. Clients relist (reflector.go
+    ``isTooLargeResourceVersionError``)."""
+    return ApiError(504, "Timeout", f"Timeout: Too large resource version: {requested}, current: {current}",
+                    {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                     "retryAfterSeconds": 1})
+
+
 def method_not_allowed(verb: str, path: str) -> ApiError:
     return ApiError(405, "MethodNotAllowed", f"the server does not allow this method on the requested "
                                              f"resource ({verb} {path})")
