@@ -31,9 +31,11 @@ class ApiServerDouble:
     """
 
     def __init__(self, *, history_limit: int = 10_000, graceful_pod_deletion: bool = False,
-                 host: str = "127.0.0.1", port: int = 0, kubernetes_version: str = "v1.33.2") -> None:
+                 host: str = "127.0.0.1", port: int = 0, kubernetes_version: str = "v1.33.2",
+                 partitionable_devices: bool = True) -> None:
         self.kubernetes_version = kubernetes_version  # what GET /version answers
         self._store = Store(history_limit)
+        self._store.partitionable_devices = partitionable_devices  # DRAPartitionableDevices gate
         self._hub = WatchHub(self._store)
         self._log = RequestLog()
         self._faults = FaultPlan()
