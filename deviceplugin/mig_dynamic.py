@@ -97,6 +97,11 @@ class DynamicMig:
         self._unheld_since: dict[tuple[str, int], float] = {}
 
     # -- reading -----------------------------------------------------------------------------
+    @property
+    def gpus(self) -> frozenset[str]:
+        """UUIDs of the GPUs this maker may change."""
+        return frozenset(self._gpus)
+
     def _profiles(self, gpu: _Gpu) -> list[ProfileInfo]:
         if gpu.profiles is None:
             gpu.profiles = self.nvml.profiles(gpu.handle, gpu.total_mib)
