@@ -17,7 +17,13 @@ Policies:
   legal placement, at its lowest free start;
 * ``bestfit``: on the GPU with the fewest free memory slots that has a legal placement;
 * ``frag``: at the (GPU, placement) that costs the least MIG potential for the expected workload
-  (:func:`vramshare.mig.placement_loss`, weights = the profile mix of the tasks seen so far), then best fit.
+  (:func:`vramshare.mig.placement_loss`, weights = the profile mix of the tasks seen so far), then best fit;
+* ``dra-random`` / ``dra-frag`` (the DRA path, partitionable devices): kube-scheduler's allocator picks
+  the placement, first fit in the order the DRA plugin publishes (GPUs by index, each profile's
+  placements from the highest start down), on the node kube-scheduler picks: any feasible node
+  (``dra-random``, a fresh random order per task), or the one the extender's MIG term scores best
+  (``dra-frag``: least :func:`vramshare.mig.placement_loss` of that first-fit placement, every non-media
+  profile weighted alike, as :mod:`extender.dra_scoring` computes it).
 
 GPUs in one (model, layout) state are interchangeable, so each decision looks at the distinct states,
 not at every GPU: a cluster of 6,212 GPUs has a few hundred states.
@@ -41,7 +47,7 @@ from extender.simulation.trace import SHARE_UNITS, TraceNode, TracePod
 GPU_MAP = {"P100": "A100-SXM4-40GB", "T4": "A100-SXM4-40GB", "V100M16": "A100-SXM4-40GB",
            "A10": "A100-SXM4-40GB", "G1": "A100-SXM4-40GB", "V100M32": "A100-SXM4-80GB",
            "G2": "H100-SXM5-80GB", "G3": "H200-SXM5-141GB"}
-POLICIES = ("static", "firstfit", "bestfit", "frag")
+POLICIES = ("static", "firstfit", "bestfit", "frag", "dra-random", "dra-frag")
 Layout = tuple[mig.Placed, ...]
 Progress = Callable[[str], None]
 
@@ -243,6 +249,56 @@ def _place_dynamic(cluster: Cluster, pod: TracePod, policy: str, mix: Mapping[in
     return 1
 
 
+@lru_cache(maxsize=None)
+def _uniform(model: str) -> tuple[tuple[str, float], ...]:
+    """The DRA scorer's weights (extender.dra_scoring.mig_weights): non-media profiles alike."""
+    return tuple((p.name, 1.0) for p in mig.MODELS[model].profiles if not p.media)
+
+
+def _dra_first_fit(cluster: Cluster, i: int, profile: str, count: int) -> tuple[float, list[tuple[int, int]]] | None:
+    """What the allocator takes on node ``i``: the first ``count`` GPUs (index order) with a free
+    placement, each at its highest free start; with the MIG term's loss of those placements."""
+    model = card(cluster.nodes[i])
+    w = _uniform(model.name)
+    loss, picks = 0.0, []
+    for g in cluster.gpus_of[i]:
+        layout = cluster.layouts[g]
+        starts = _free_starts(model.name, layout, profile)
+        if not starts:
+            continue
+        after = tuple(sorted((*layout, mig.Placed(starts[-1], profile))))
+        loss += _potential(model.name, layout, w) - _potential(model.name, after, w)
+        picks.append((g, starts[-1]))
+        if len(picks) == count:
+            return loss, picks
+    return None
+
+
+def _place_dra(cluster: Cluster, pod: TracePod, policy: str, rng: np.random.Generator) -> int:
+    """The DRA path: kube-scheduler's node, the allocator's first-fit partitions; instances created."""
+    order = rng.permutation(len(cluster.nodes)) if policy == "dra-random" else cluster.order
+    best: tuple | None = None
+    for i in order:
+        i = int(i)
+        if not cluster.allowed(i, pod) or not cluster.host_fits(i, pod):
+            continue
+        profile, count = ask(pod, card(cluster.nodes[i]))  # type: ignore[misc]
+        pick = _dra_first_fit(cluster, i, profile, count)
+        if pick is None:
+            continue
+        if best is None or pick[0] < best[0]:
+            best = (pick[0], i, pick[1], profile)
+        if policy == "dra-random":
+            break
+    if best is None:
+        return 0
+    _loss, i, picks, profile = best
+    for g, start in picks:
+        _create(cluster, g, start, profile)
+    cluster.take_host(i, pod)
+    return len(picks)
+
+
 def _place_dynamic_multi(cluster: Cluster, pod: TracePod, policy: str, mix: Mapping[int, float]) -> int:
     """Whole-GPU instances on ``num_gpu`` GPUs of one node: the node that loses least, then best fit."""
     best: tuple | None = None
@@ -357,6 +413,7 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, see
                 raise ValueError(f"GPU {g}: {'; '.join(problems)}")
             cluster.set_gpu(g, tuple(sorted(layout)), frozenset())
     run = MigRun(policy, seed)
+    rng = np.random.default_rng(seed + 1)  # dra-random's node choice per task
     ref = mig.MODELS["A100-SXM4-40GB"]
     seen: Counter[int] = Counter()
     for n, pod in enumerate(seq):
@@ -375,6 +432,9 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, see
         row[0] += 1
         if policy == "static":
             placed = _place_static(cluster, pod)
+        elif policy.startswith("dra-"):
+            placed = _place_dra(cluster, pod, policy, rng)
+            run.created += placed
         else:
             total = sum(seen.values())
             placed = _place_dynamic(cluster, pod, policy, {k: round(v / total, 2) for k, v in seen.items()})
