@@ -255,48 +255,82 @@ def _uniform(model: str) -> tuple[tuple[str, float], ...]:
     return tuple((p.name, 1.0) for p in mig.MODELS[model].profiles if not p.media)
 
 
-def _dra_first_fit(cluster: Cluster, i: int, profile: str, count: int) -> tuple[float, list[tuple[int, int]]] | None:
-    """What the allocator takes on node ``i``: the first ``count`` GPUs (index order) with a free
-    placement, each at its highest free start; with the MIG term's loss of those placements."""
-    model = card(cluster.nodes[i])
-    w = _uniform(model.name)
+@lru_cache(maxsize=None)
+def _dra_first_fit_of(model: str, layouts: tuple[Layout, ...], profile: str,
+                      count: int) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+    """What the allocator takes on a node whose GPUs hold ``layouts``: the first ``count`` GPUs (index
+    order) with a free placement, each at its highest free start; with the MIG term's loss of those
+    placements. Nodes in one state share the answer (pure, cached)."""
+    w = _uniform(model)
     loss, picks = 0.0, []
-    for g in cluster.gpus_of[i]:
-        layout = cluster.layouts[g]
-        starts = _free_starts(model.name, layout, profile)
+    for k, layout in enumerate(layouts):
+        starts = _free_starts(model, layout, profile)
         if not starts:
             continue
         after = tuple(sorted((*layout, mig.Placed(starts[-1], profile))))
-        loss += _potential(model.name, layout, w) - _potential(model.name, after, w)
-        picks.append((g, starts[-1]))
+        loss += _potential(model, layout, w) - _potential(model, after, w)
+        picks.append((k, starts[-1]))
         if len(picks) == count:
-            return loss, picks
+            return loss, tuple(picks)
     return None
 
 
-def _place_dra(cluster: Cluster, pod: TracePod, policy: str, rng: np.random.Generator) -> int:
-    """The DRA path: kube-scheduler's node, the allocator's first-fit partitions; instances created."""
-    order = rng.permutation(len(cluster.nodes)) if policy == "dra-random" else cluster.order
+class DraNodes:
+    """Nodes grouped by (openb model, GPU layouts), each group in node order: the allocator's first fit
+    and the MIG term are one answer per group."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.key: list[tuple[str, tuple[Layout, ...]]] = []
+        self.members: dict[tuple[str, tuple[Layout, ...]], list[tuple[int, int]]] = {}
+        for i in range(len(cluster.nodes)):
+            self.key.append(self._state(i))
+            insort(self.members.setdefault(self.key[i], []), (int(cluster.rank[i]), i))
+
+    def _state(self, i: int) -> tuple[str, tuple[Layout, ...]]:
+        return self.cluster.nodes[i].model, tuple(self.cluster.layouts[g] for g in self.cluster.gpus_of[i])
+
+    def changed(self, i: int) -> None:
+        group = self.members[self.key[i]]
+        group.pop(bisect_left(group, (int(self.cluster.rank[i]), i)))
+        if not group:
+            del self.members[self.key[i]]
+        self.key[i] = self._state(i)
+        insort(self.members.setdefault(self.key[i], []), (int(self.cluster.rank[i]), i))
+
+
+def _place_dra(cluster: Cluster, nodes: DraNodes, pod: TracePod, policy: str, rng: np.random.Generator) -> int:
+    """The DRA path: kube-scheduler's node (a random feasible one, or the MIG term's best, ties to the
+    earliest in node order), the allocator's first-fit partitions there; the instances created."""
+    fits = (cluster.cpu >= pod.cpu_milli) & (cluster.mem >= pod.memory_mib)
     best: tuple | None = None
-    for i in order:
-        i = int(i)
-        if not cluster.allowed(i, pod) or not cluster.host_fits(i, pod):
+    feasible: list[tuple[tuple, int]] = []
+    for (model, layouts), group in nodes.members.items():
+        if pod.gpu_spec and model not in pod.gpu_spec:
             continue
-        profile, count = ask(pod, card(cluster.nodes[i]))  # type: ignore[misc]
-        pick = _dra_first_fit(cluster, i, profile, count)
+        profile, count = ask(pod, card_of(model))  # type: ignore[misc]
+        pick = _dra_first_fit_of(card_of(model).name, layouts, profile, count)
         if pick is None:
             continue
-        if best is None or pick[0] < best[0]:
-            best = (pick[0], i, pick[1], profile)
         if policy == "dra-random":
-            break
+            feasible += [((pick, profile), i) for _r, i in group if fits[i]]
+            continue
+        if best is not None and pick[0] > best[0]:
+            continue
+        i = next((i for _r, i in group if fits[i]), None)
+        if i is not None and (best is None or (pick[0], cluster.rank[i]) < (best[0], best[1])):
+            best = (pick[0], int(cluster.rank[i]), i, pick, profile)
+    if policy == "dra-random" and feasible:
+        (pick, profile), i = feasible[int(rng.integers(len(feasible)))]
+        best = (pick[0], 0, i, pick, profile)
     if best is None:
         return 0
-    _loss, i, picks, profile = best
-    for g, start in picks:
-        _create(cluster, g, start, profile)
+    *_, i, pick, profile = best
+    for k, start in pick[1]:
+        _create(cluster, cluster.gpus_of[i][k], start, profile)
+    nodes.changed(i)
     cluster.take_host(i, pod)
-    return len(picks)
+    return len(pick[1])
 
 
 def _place_dynamic_multi(cluster: Cluster, pod: TracePod, policy: str, mix: Mapping[int, float]) -> int:
@@ -414,6 +448,7 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, see
             cluster.set_gpu(g, tuple(sorted(layout)), frozenset())
     run = MigRun(policy, seed)
     rng = np.random.default_rng(seed + 1)  # dra-random's node choice per task
+    dra_nodes = DraNodes(cluster) if policy.startswith("dra-") else None
     ref = mig.MODELS["A100-SXM4-40GB"]
     seen: Counter[int] = Counter()
     for n, pod in enumerate(seq):
@@ -433,7 +468,8 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, see
         if policy == "static":
             placed = _place_static(cluster, pod)
         elif policy.startswith("dra-"):
-            placed = _place_dra(cluster, pod, policy, rng)
+            assert dra_nodes is not None
+            placed = _place_dra(cluster, dra_nodes, pod, policy, rng)
             run.created += placed
         else:
             total = sum(seen.values())
