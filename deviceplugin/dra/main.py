@@ -35,7 +35,7 @@ from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import CountersDropped, SlicePublisher, SliceWatch
 from deviceplugin.metrics import MetricsServer
-from deviceplugin.mig_dynamic import DynamicMig, MigError
+from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
 from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.quota import rights
@@ -70,7 +70,8 @@ class DraPluginDaemon:
         discovered = backend.discover()
         self.state = NodeState(discovered, config, dra=True)
         self.node = node_name
-        self.mig = _dynamic_mig(backend, discovered)  # None off NVML: no partitions
+        self.metrics = DraMetrics()
+        self.mig = _dynamic_mig(backend, discovered, self.metrics.registry)  # None off NVML: no partitions
         self.partitionable = config.dra.partitionable_devices != "off"  # false once the server drops counters
         self.publisher = SlicePublisher(api, node_name, config.names)
         self._resource = client.ResourceV1Api(api)
@@ -81,7 +82,6 @@ class DraPluginDaemon:
         self.plugin = KubeletPlugin(self.preparer, config.names.dra_driver, plugin_dir, registry_dir,
                                     on_registered=self._dirty.set)
         self.slice_watch = SliceWatch(api, node_name, config.names, on_gone=self._dirty.set)
-        self.metrics = DraMetrics()
         self.metrics.prepared.set_function(lambda: len(self.preparer.prepared()))
         self._metrics_port = metrics_port
         self._metrics_server: MetricsServer | None = None
@@ -124,8 +124,9 @@ class DraPluginDaemon:
 
     def devices(self) -> Mapping[str, slices.DeviceRef]:
         """Devices Prepare may hand out: this plugin's, minus GPUs a device plugin advertises."""
-        return {n: r for n, r in slices.device_index(self.state.snapshot.inventory, self._dynamic(False)).items()
-                if r.gpu.uuid not in self.refused}
+        inv = self.state.snapshot.inventory  # a dynamic GPU's partitions, and its instances as they are
+        both = {**slices.device_index(inv), **slices.device_index(inv, self._dynamic(False))}
+        return {n: r for n, r in both.items() if r.gpu.uuid not in self.refused}
 
     def _foreign(self, dynamic: Mapping[str, mig.MigModel]) -> dict[str, list[mig.Placed]] | None:
         """Per dynamic GPU, the instances no claim of ours holds (their placements are withheld);
@@ -268,14 +269,17 @@ class DraPluginDaemon:
         self.close()
 
 
-def _dynamic_mig(backend: GpuBackend, discovered: list[Any]) -> DynamicMig | None:
-    """The dynamic-MIG maker over every GPU in MIG mode (config decides which are used), or None off NVML."""
+def _dynamic_mig(backend: GpuBackend, discovered: list[Any], registry: CollectorRegistry) -> DynamicMig | None:
+    """The dynamic-MIG maker over every GPU in MIG mode (config decides which are used), or None off NVML;
+    its metrics (instances created/destroyed, time to create, failures by reason) on ``registry``."""
     nvml = getattr(backend, "nvml", None)
     if backend.name != "nvml" or nvml is None:
         return None
     gpus = {g.uuid: (backend.call("nvmlDeviceGetHandleByIndex", g.index), g.model, g.memory_mib)  # type: ignore[attr-defined]
             for g in discovered if g.mig_enabled}
-    return DynamicMig(NvmlMig(nvml, backend.call), gpus) if gpus else None  # type: ignore[attr-defined]
+    if not gpus:
+        return None
+    return DynamicMig(NvmlMig(nvml, backend.call), gpus, metrics=MigMetrics(registry))  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> int:

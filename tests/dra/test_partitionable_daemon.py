@@ -10,7 +10,8 @@ import pytest
 
 from deviceplugin.dra.claims import ClaimRef
 from deviceplugin.dra.main import DraPluginDaemon
-from deviceplugin.mig_dynamic import MigPlan
+from deviceplugin.mig_dynamic import DynamicMig, MigPlan
+from deviceplugin.mig_nvml import NvmlMig
 from deviceplugin.nvml_backend import NvmlBackend
 from tests.dra.conftest import NODE, dra_config
 from tests.fixtures.fake_nvml_mig import H100_MIG, MigFakeNvml
@@ -56,9 +57,25 @@ def test_partitions_where_the_server_keeps_counters_else_todays_devices(tmp_path
                 assert all(d["consumesCounters"][0]["counterSet"] == "gpu-0-counter-set" for d in devices)
             else:  # the counter slice came back without its counters: no partition was ever applied
                 assert not daemon.partitionable and devices == [] and counters == []
-                assert not any(s["spec"].get("devices") for s in api.objects(RESOURCESLICES)
-                               if any(d.get("consumesCounters") is None and "mig-" in d["name"]
-                                      for d in s["spec"].get("devices") or ()))
+        finally:
+            daemon.close()
+
+
+def test_without_the_gate_the_instances_as_they_are_are_published_and_preparable(tmp_path, sockets):
+    fake = MigFakeNvml()
+    with ApiServerDouble(partitionable_devices=False) as api, api_client_for(api.url) as http:
+        api.create_node({"metadata": {"name": NODE}})
+        # an admin's instance, made before the plugin starts
+        fake.nvmlInit()
+        handle = fake.nvmlDeviceGetHandleByIndex(0)
+        DynamicMig(NvmlMig(fake), {H100_MIG.uuid: (handle, H100_MIG.name, H100_MIG.total_mib)}).ensure(
+            MigPlan(H100_MIG.uuid, "3g.40gb", 4))
+        daemon = _daemon(http, tmp_path, sockets, fake)
+        try:
+            daemon.publish_once()
+            devices, counters = _published(api)
+            assert not daemon.partitionable and counters == [] and len(devices) == 1
+            assert not devices[0].get("consumesCounters") and devices[0]["name"] in daemon.devices()
         finally:
             daemon.close()
 
@@ -93,6 +110,8 @@ def test_a_claims_own_partition_stays_published(tmp_path, sockets):
         try:
             got = daemon.preparer.prepare(ClaimRef("default", "c", claim["metadata"]["uid"]))
             assert got.error == "" and len(fake.instances[0]) == 1
+            assert daemon.metrics.registry.get_sample_value("vramshare_mig_instances_created_total",
+                                                            {"gpu": H100_MIG.uuid}) == 1  # on :9403
             daemon.publish_once()
             assert len(_published(api)[0]) == 25
         finally:
