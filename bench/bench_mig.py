@@ -1,6 +1,8 @@
 """Dynamic MIG on the openb traces: partitions made for the pods that ask, against static partitions.
 
-    python bench/bench_mig.py [--traces default gpushare40] [--seeds 5] [--name mig]
+    python bench/bench_mig.py [--traces default gpushare40] [--seeds 5] [--name mig] [--policies P ...]
+
+(``--policies static-uniform dra-random dra-frag --name mig_dra``: the DRA path, issue 24.)
 
 The mapping and the policies are :mod:`extender.simulation.mig_replay`'s. The static side is chosen the
 way an admin would, and then with hindsight:
@@ -48,7 +50,11 @@ def _say(msg: str) -> None:
     print(f"[bench_mig {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_trace(name: str, seeds: list[int]) -> dict:
+DEFAULT_POLICIES = ("static-uniform", "static-mix", "firstfit", "bestfit", "frag")
+STATIC = ("static-uniform", "static-mix")
+
+
+def run_trace(name: str, seeds: list[int], policies: tuple[str, ...] = DEFAULT_POLICIES) -> dict:
     nodes_csv, pods_csv = traces.find(traces.OPENB_NODES), traces.find(traces.openb_pods(name))
     if nodes_csv is None or pods_csv is None:
         raise SystemExit(traces.not_found(traces.OPENB_NODES if nodes_csv is None else traces.openb_pods(name)))
@@ -63,13 +69,13 @@ def run_trace(name: str, seeds: list[int]) -> dict:
         uniform[label] = run.accepted
         _say(f"{name}: tuning {label}: {run.accepted} accepted")
     chosen = max(uniform, key=uniform.__getitem__)
-    runs: dict[str, list[dict]] = {p: [] for p in ("static-uniform", "static-mix", "firstfit", "bestfit", "frag")}
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
     for seed in seeds:
         seq = arrival.arrivals(pods, nodes, "share", seed)
-        plan = {"static-uniform": mr.uniform_layouts(nodes, NAMED[chosen], REF),
-                "static-mix": mr.mixed_layouts(nodes, seq)}
+        plan = {"static-uniform": lambda: mr.uniform_layouts(nodes, NAMED[chosen], REF),
+                "static-mix": lambda: mr.mixed_layouts(nodes, seq)}
         for policy in runs:
-            layouts = plan.get(policy)
+            layouts = plan[policy]() if policy in plan else None
             run = mr.replay(nodes, seq, "static" if layouts else policy, seed, layouts)
             row = run.as_dict()
             row["policy"] = policy
@@ -83,8 +89,8 @@ def run_trace(name: str, seeds: list[int]) -> dict:
                            "accepted_max": float(acc.max()),
                            "slot_share_mean": float(np.mean([r["slot_share"] for r in rows])),
                            "arrived_mean": float(np.mean([r["arrived"] for r in rows]))}
-    for policy in ("firstfit", "bestfit", "frag"):
-        for static in ("static-uniform", "static-mix"):
+    for policy in (p for p in runs if p not in STATIC):
+        for static in (p for p in STATIC if p in runs):
             gain = [100.0 * (d["accepted"] - s["accepted"]) / s["accepted"]
                     for d, s in zip(runs[policy], runs[static])]
             summary[policy][f"gain_vs_{static}_pct"] = {"mean": float(np.mean(gain)), "min": float(np.min(gain)),
@@ -138,9 +144,11 @@ def main() -> int:
     ap.add_argument("--traces", nargs="+", default=["default", "gpushare40"])
     ap.add_argument("--seeds", type=int, default=5, help="seeds 42, 43, ... (the first also tunes static-uniform)")
     ap.add_argument("--name", default="mig")
+    ap.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES),
+                    choices=list(STATIC) + [p for p in mr.POLICIES if p != "static"])
     args = ap.parse_args()
     seeds = [42 + i for i in range(args.seeds)]
-    results = [run_trace(t, seeds) for t in args.traces]
+    results = [run_trace(t, seeds, tuple(args.policies)) for t in args.traces]
     out = os.path.join(ROOT, "bench", "results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{args.name}.json"), "w", encoding="utf-8") as fh:

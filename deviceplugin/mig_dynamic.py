@@ -97,6 +97,11 @@ class DynamicMig:
         self._unheld_since: dict[tuple[str, int], float] = {}
 
     # -- reading -----------------------------------------------------------------------------
+    @property
+    def gpus(self) -> frozenset[str]:
+        """UUIDs of the GPUs this maker may change."""
+        return frozenset(self._gpus)
+
     def _profiles(self, gpu: _Gpu) -> list[ProfileInfo]:
         if gpu.profiles is None:
             gpu.profiles = self.nvml.profiles(gpu.handle, gpu.total_mib)
@@ -184,6 +189,32 @@ class DynamicMig:
         raise MigError(f"MIG {plan.key}: created, but NVML shows no MIG device for it")
 
     # -- removing ------------------------------------------------------------------------------
+    def release(self, plan: MigPlan) -> bool:
+        """Destroy the plan's instance now (DRA's NodeUnprepareResources: the claim is done with it);
+        False when there is none (never made, or already gone: a retried Unprepare). An instance with
+        processes is never destroyed: :class:`MigError`, so the caller keeps its record and retries."""
+        gpu = self._gpu(plan.gpu_uuid)
+        with gpu.lock:
+            try:
+                profile = next((p for p in self._profiles(gpu) if p.name == plan.profile), None)
+                if profile is None:
+                    return False
+                inst = next((i for _n, i in self._named(gpu)
+                             if i.profile_id == profile.profile_id and i.start == plan.start), None)
+                if inst is None:
+                    return False
+                if inst.busy:
+                    self.metrics.failures.labels(plan.gpu_uuid, "in-use").inc()
+                    raise MigError(f"MIG {plan.key}: GPU instance {inst.gi} still has processes; not destroyed")
+                self.nvml.destroy(gpu.handle, inst.gi, profile.slices)
+            except MigNvmlError as exc:
+                self.metrics.failures.labels(plan.gpu_uuid, exc.nvml_error or "nvml").inc()
+                raise MigError(f"MIG {plan.key}: {exc}") from exc
+            self._unheld_since.pop((plan.gpu_uuid, inst.gi), None)
+            self.metrics.destroyed.labels(plan.gpu_uuid).inc()
+            log.info("mig instance destroyed", gpu=plan.gpu_uuid, profile=plan.profile, start=plan.start, gi=inst.gi)
+            return True
+
     def reap(self, held: Iterable[MigPlan]) -> list[MigPlan]:
         """Destroy instances no plan in ``held`` names once unheld for the grace period; never one with
         processes. Returns the plans (profile@start) of what was destroyed."""

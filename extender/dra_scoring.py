@@ -15,6 +15,14 @@ module gives prioritize the same per-GPU view the device-plugin path has, built 
 Scores come from :func:`extender.placement.score_nodes` with the configured policy; ``fgd`` becomes
 ``dra-fgd``, which scores the GPU the allocator will really take (first fit). Pure: objects in,
 scores out; :class:`DraWatch` keeps the objects current from the API server.
+
+Dynamic MIG (issue 24): a GPU published as partitionable devices (every MIG profile at every
+placement, drawing on the GPU's counter set) is not a row of slots. For a pod asking MIG profiles,
+each such node's score is the MIG fragmentation term: the allocator takes the first partition in
+published order whose placement still fits (:func:`first_fit_partition`), and the node loses what
+that placement costs the GPU in instances still creatable (:func:`vramshare.mig.placement_loss`,
+every non-media profile weighted alike, over the empty GPU's potential); the node whose placement
+keeps the largest profiles possible scores highest.
 """
 from __future__ import annotations
 
@@ -25,9 +33,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from kubernetes import client
 
+from dataclasses import dataclass
+
 from extender import apicalls, cluster, placement
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
-from vramshare import contract, logs, quantity
+from vramshare import contract, logs, mig, quantity
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
 
@@ -43,9 +53,12 @@ def _mib(value: Any) -> int:
 
 
 def slots_of_slice(obj: Obj) -> list[cluster.Slot]:
-    """The slots one ResourceSlice publishes, in device order."""
+    """The slots one ResourceSlice publishes, in device order (partitions are not slots: see
+    :func:`partitions_of_slices`)."""
     out = []
     for pos, d in enumerate((obj.get("spec") or {}).get("devices") or ()):
+        if d.get("consumesCounters"):
+            continue
         attrs = d.get("attributes") or {}
         value = lambda k, default="": next(iter((attrs.get(k) or {default: default}).values()))  # noqa: E731
         mode = value("mode")
@@ -56,6 +69,75 @@ def slots_of_slice(obj: Obj) -> list[cluster.Slot]:
         out.append(cluster.Slot(uuid=f"{obj['spec']['pool']['name']}/{d['name']}", model=value("model"), kind=kind,
                                 capacity=cap, healthy=healthy, index=int(value("index", pos) or pos)))
     return out
+
+
+@dataclass(frozen=True)
+class PartitionGpu:
+    """One dynamic-MIG GPU of a node: its MIG table and its partition devices in published order."""
+
+    counter_set: str
+    model: mig.MigModel
+    devices: tuple[tuple[str, str, int], ...]  # (slot uuid "pool/device", profile, start)
+
+
+def partitions_of_slices(node_slices: Sequence[Obj]) -> list[PartitionGpu]:
+    """The dynamic-MIG GPUs a node's slices (newest generation, in name order) publish."""
+    found: dict[str, list[tuple[str, str, int, str, int]]] = {}
+    for obj in node_slices:
+        pool = (obj.get("spec") or {}).get("pool", {}).get("name", "")
+        for d in (obj.get("spec") or {}).get("devices") or ():
+            if not d.get("consumesCounters"):
+                continue
+            attrs = d.get("attributes") or {}
+            value = lambda k: next(iter((attrs.get(k) or {"": None}).values()))  # noqa: E731
+            if value("profile") is None or value("placementStart") is None:
+                continue
+            cap = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
+            found.setdefault(d["consumesCounters"][0]["counterSet"], []).append(
+                (f"{pool}/{d['name']}", str(value("profile")), int(value("placementStart")), str(value("model") or ""),
+                 cap))
+    out = []
+    for name, devs in found.items():
+        model = mig.model_for(devs[0][3], max(d[4] for d in devs))
+        if model is not None:
+            out.append(PartitionGpu(name, model, tuple((u, p, st) for u, p, st, _m, _c in devs if p in model.names)))
+    return out
+
+
+def first_fit_partition(gpus: Sequence[PartitionGpu], layouts: Mapping[str, Sequence[mig.Placed]],
+                        profile: str) -> tuple[PartitionGpu, str, int] | None:
+    """The partition the allocator takes for ``profile``: the first in published order whose counters
+    still fit, i.e. whose placement NVML's rules allow beside what is allocated (allocateOne +
+    checkAvailableCounters; the counters encode exactly :func:`vramshare.mig.free_starts`)."""
+    for g in gpus:
+        layout = list(layouts.get(g.counter_set, ()))
+        for uuid, p, start in g.devices:
+            if p == profile and start in mig.free_starts(g.model, layout, p):
+                return g, uuid, start
+    return None
+
+
+def mig_weights(model: mig.MigModel) -> dict[str, float]:
+    """Every profile a plain request may map to counts alike (``+me`` ones hold the media engines)."""
+    return {p.name: 1.0 for p in model.profiles if not p.media}
+
+
+def partition_loss(gpus: Sequence[PartitionGpu], held: Iterable[str], profiles: Sequence[str]) -> float | None:
+    """The MIG fragmentation term of one node: what the allocator's placements of ``profiles`` cost its
+    GPUs, each GPU's loss a share of its empty potential (0 = nothing lost; None = they do not fit)."""
+    taken = set(held)
+    layouts = {g.counter_set: [mig.Placed(st, p) for u, p, st in g.devices if u in taken] for g in gpus}
+    loss = 0.0
+    for profile in profiles:
+        pick = first_fit_partition(gpus, layouts, profile)
+        if pick is None:
+            return None
+        g, _uuid, start = pick
+        weights = mig_weights(g.model)
+        loss += mig.placement_loss(g.model, layouts[g.counter_set], profile, start, weights) / \
+            max(mig.potential(g.model, [], weights), 1e-9)
+        layouts[g.counter_set].append(mig.Placed(start, profile))
+    return loss
 
 
 def claim_usage(claim: Obj, driver: str, capacity: Mapping[str, int]) -> list[tuple[str, int]]:
@@ -110,6 +192,7 @@ class DraCluster:
         self.claims: dict[str, Obj] = {}  # "ns/name"
         self._lock = threading.RLock()  # puts (watch threads) and scoring (HTTP threads)
         self._state: cluster.ClusterState | None = None
+        self._partitions: dict[str, list[PartitionGpu]] = {}  # node -> dynamic-MIG GPUs, of the state built
         self._capacity: dict[str, int] = {}  # slot uuid -> MiB, of the state built
         self._unaccounted: set[str] = set()  # claims the built state could not hold (transient views)
 
@@ -177,12 +260,13 @@ class DraCluster:
             for s in self.slices.values():  # newest generation of each pool only, as the allocator reads
                 per_node.setdefault(s["spec"].get("nodeName", ""), []).append((s["metadata"]["name"], s))
             st = cluster.ClusterState()
-            self._capacity, self._unaccounted = {}, set()
+            self._capacity, self._unaccounted, self._partitions = {}, set(), {}
             for node, members in per_node.items():
                 newest = max(int(s["spec"]["pool"].get("generation", 0)) for _, s in members)
-                slots = [slot for _, s in sorted(members) if int(s["spec"]["pool"].get("generation", 0)) == newest
-                         for slot in slots_of_slice(s)]
+                current = [s for _, s in sorted(members) if int(s["spec"]["pool"].get("generation", 0)) == newest]
+                slots = [slot for s in current for slot in slots_of_slice(s)]
                 st.set_node(node, slots)
+                self._partitions[node] = partitions_of_slices(current)
                 self._capacity.update({s.uuid: s.capacity for s in slots})
             for key, c in self.claims.items():
                 self._charge(st, key, c)
@@ -207,7 +291,37 @@ class DraCluster:
             demands = self.demands(pod)
             if not demands:
                 return [(n, 0) for n in node_names]
-            return placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy))
+            scores = placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy))
+            mig_term = self.mig_scores(demands, node_names)
+            return [(n, mig_term.get(n, s)) for n, s in scores]
+
+    def held_partitions(self) -> set[str]:
+        """Slot uuids ("pool/device") of the partitions allocated claims hold."""
+        return {f"{r['pool']}/{r['device']}" for c in self.claims.values()
+                for r in (((c.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or ()
+                if r.get("driver") == self.names.dra_driver}
+
+    def mig_scores(self, demands: Sequence[cluster.Demand], node_names: Sequence[str]) -> dict[str, int]:
+        """0..10 for the nodes with dynamic-MIG GPUs, when the pod asks MIG profiles only: the node
+        whose first-fit placements lose least of its GPUs' MIG potential gets 10, one that cannot
+        place them 0 (scaled as :func:`extender.placement.score_nodes` scales)."""
+        self.state()
+        kinds = {mig_kind(p.name): p.name for g in (x for gs in self._partitions.values() for x in gs)
+                 for p in g.model.profiles}
+        if not demands or any(d.kind not in kinds for d in demands):
+            return {}
+        profiles = [kinds[d.kind] for d in demands for _ in range(max(1, d.count))]
+        held = self.held_partitions()
+        losses = {n: partition_loss(self._partitions[n], held, profiles) for n in node_names
+                  if self._partitions.get(n)}
+        fit = {n: v for n, v in losses.items() if v is not None}
+        top, low = contract.MAX_EXTENDER_PRIORITY, contract.MIN_EXTENDER_PRIORITY
+        out = {n: low for n in losses if losses[n] is None}
+        if fit:
+            lo, hi = min(fit.values()), max(fit.values())
+            for n, v in fit.items():  # a fitting node never scores as low as one that does not fit
+                out[n] = top if hi - lo < 1e-12 else int(round(top - (top - low - 1) * (v - lo) / (hi - lo)))
+        return out
 
 
 class DraWatch:

@@ -262,9 +262,20 @@ class DraConfig:
     device_taints: bool = False  # withdraw unhealthy devices by taint (DRADeviceTaints) instead of removal
     cdi_root: str = "/var/run/cdi"
     state_dir: str = "/var/lib/vramshare/dra"  # the prepared-claims checkpoint
+    # issue 24: GPUs in MIG mode (index, UUID or "all") whose instances DRA makes per claim: every
+    # profile at every placement published as a partitionable device (KEP-4815), made at Prepare
+    dynamic_mig: tuple[str, ...] = ()
+    # "auto": publish partitionable devices and fall back to today's devices when the API server drops
+    # their counters (DRAPartitionableDevices off); "off": never; "on": never fall back
+    partitionable_devices: str = "auto"
 
     def manages(self, index: int, uuid: str) -> bool:
         return "all" in self.gpus or uuid in self.gpus or str(index) in self.gpus
+
+    def dynamic(self, index: int, uuid: str) -> bool:
+        """May DRA make and remove MIG instances on this GPU (the admin's per-GPU consent)?"""
+        return self.partitionable_devices != "off" and (
+            "all" in self.dynamic_mig or uuid in self.dynamic_mig or str(index) in self.dynamic_mig)
 
 
 @dataclass(frozen=True)
@@ -328,7 +339,9 @@ _REMOVED_KEYS = {"mpsEnforcement": "replaced by enforcement.mode: mps (which als
                                    "shared-memory directories a client needs; the old switch did not)"}
 _WARM_KEYS = {"enabled": "enabled", "modelCacheDir": "model_cache_dir", "scanIntervalSeconds": "scan_interval_seconds",
               "maxCacheEntries": "max_cache_entries", "residencyMaxSteps": "residency_max_steps"}
-_DRA_KEYS = {"gpus": "gpus", "deviceTaints": "device_taints", "cdiRoot": "cdi_root", "stateDir": "state_dir"}
+_DRA_KEYS = {"gpus": "gpus", "deviceTaints": "device_taints", "cdiRoot": "cdi_root", "stateDir": "state_dir",
+             "dynamicMig": "dynamic_mig", "partitionableDevices": "partitionable_devices"}
+PARTITIONABLE_MODES = ("auto", "on", "off")
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
                 "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
 _EXTENDER_KEYS = {"policy": "policy", "assumeTimeoutSeconds": "assume_timeout_seconds",
@@ -744,16 +757,24 @@ def _quota_classes(raw: Any) -> tuple[QuotaClass, ...]:
     return tuple(out)
 
 
+def _gpu_list(raw: Any, key: str) -> tuple[str, ...]:
+    if raw == "all":
+        raw = ["all"]
+    if not isinstance(raw, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in raw):
+        raise ConfigError(f"{key}: expected \"all\" or a list of GPU indexes or UUIDs, got {raw!r}")
+    return tuple(str(g) for g in raw)
+
+
 def _dra_config(raw: Any) -> DraConfig:
     r = _check_keys(raw, _DRA_KEYS, "dra.")
     d = DraConfig()
-    gpus = r.get("gpus", [])
-    if gpus == "all":
-        gpus = ["all"]
-    if not isinstance(gpus, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in gpus):
-        raise ConfigError(f"dra.gpus: expected \"all\" or a list of GPU indexes or UUIDs, got {gpus!r}")
+    mode = r.get("partitionableDevices", d.partitionable_devices)
+    if mode not in PARTITIONABLE_MODES:
+        raise ConfigError(f"dra.partitionableDevices: expected one of {', '.join(PARTITIONABLE_MODES)}, got {mode!r}")
     return DraConfig(
-        gpus=tuple(str(g) for g in gpus),
+        gpus=_gpu_list(r.get("gpus", []), "dra.gpus"),
+        dynamic_mig=_gpu_list(r.get("dynamicMig", []), "dra.dynamicMig"),
+        partitionable_devices=mode,
         device_taints=_typed(r.get("deviceTaints", False), bool, "dra.deviceTaints"),
         cdi_root=_absolute(_typed(r.get("cdiRoot", d.cdi_root), str, "dra.cdiRoot"), "dra.cdiRoot"),
         state_dir=_absolute(_typed(r.get("stateDir", d.state_dir), str, "dra.stateDir"), "dra.stateDir"),

@@ -4,7 +4,10 @@ Prepare records a claim as ``preparing`` with the paths it is about to write *be
 and as ``prepared`` with its CDI names after. A plugin that dies in between finds the ``preparing``
 entry on restart: the kubelet repeats Prepare (it retries claims missing from a response), which
 rewrites the same deterministic paths and completes the entry; an Unprepare removes exactly the
-recorded paths. Pure values and a versioned JSON codec; the preparer does the file I/O.
+recorded paths. A claim of dynamic-MIG partitions also records each partition (GPU, profile,
+placement) before its instance is made, and keeps it until Unprepare destroyed the instance: NVML's
+own view plus this record is all a restarted plugin needs to neither leak nor double an instance.
+Pure values and a versioned JSON codec; the preparer does the file I/O.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class PreparedClaim:
     pod_uids: tuple[str, ...] = ()  # the claim's reservedFor pods: the quota loop's tenants
     pod_names: tuple[str, ...] = ()  # same order as pod_uids
     gpus: Mapping[str, int] = field(default_factory=dict)  # visible UUID -> MiB granted
+    partitions: tuple[tuple[str, str, int], ...] = ()  # dynamic MIG: (GPU UUID, profile, start) made for it
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class Checkpoint:
 
     def without(self, uid: str) -> "Checkpoint":
         return Checkpoint({k: v for k, v in self.claims.items() if k != uid})
+
+    def partitions(self) -> set[tuple[str, str, int]]:
+        """Every MIG partition a recorded claim made (or is about to make, or still has to remove)."""
+        return {p for c in self.claims.values() for p in c.partitions}
 
     def paths(self) -> set[str]:
         """Every file and directory the recorded claims own."""
@@ -69,6 +77,8 @@ class Checkpoint:
             uid: {"namespace": c.namespace, "name": c.name, "state": c.state, "cdiSpec": c.cdi_spec,
                   "quotaDir": c.quota_dir, "podUIDs": list(c.pod_uids), "podNames": list(c.pod_names),
                   "gpus": dict(c.gpus),
+                  **({"migPartitions": [{"gpu": g, "profile": p, "start": st} for g, p, st in c.partitions]}
+                     if c.partitions else {}),
                   "devices": [{"requestNames": list(d.request_names), "pool": d.pool, "device": d.device,
                                "cdiIDs": list(d.cdi_ids)} for d in c.devices]}
             for uid, c in sorted(self.claims.items())}}, sort_keys=True, indent=1)
@@ -89,6 +99,8 @@ class Checkpoint:
                     quota_dir=c.get("quotaDir"), pod_uids=tuple(c.get("podUIDs") or ()),
                     pod_names=tuple(c.get("podNames") or ()),
                     gpus={str(k): int(v) for k, v in (c.get("gpus") or {}).items()},
+                    partitions=tuple((str(p["gpu"]), str(p["profile"]), int(p["start"]))
+                                     for p in c.get("migPartitions") or ()),
                     devices=tuple(PreparedDevice(tuple(d["requestNames"]), d["pool"], d["device"], tuple(d["cdiIDs"]))
                                   for d in c.get("devices") or ()))
             except (KeyError, TypeError, ValueError) as exc:

@@ -88,9 +88,11 @@ def our_shares(claim: Mapping[str, Any], driver: str, pool: str) -> tuple[Share,
 
 def device_capacity_mib(ref: DeviceRef, unit_mib: int) -> int:
     """What one device can give: a shared GPU its schedulable memory (whole units, as published),
-    an exclusive GPU its memory, a MIG instance its own."""
+    an exclusive GPU its memory, a MIG instance (or partition) its own."""
     if ref.mig is not None:
         return ref.mig.memory_mib
+    if ref.partition is not None:
+        return ref.partition.profile.memory_mib
     if ref.shared:
         return ref.gpu.units * unit_mib
     return ref.gpu.memory_mib

@@ -8,6 +8,12 @@ deregistration; retrying failures),
 ``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration)
 and ``metrics-http``. Same backends and config file as the device plugin; the config's
 ``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
+
+Dynamic MIG (issue 24): on NVML, GPUs in MIG mode listed in ``dra.dynamicMig`` are published as
+partitionable devices (every profile at every placement, with counters) and their instances made at
+Prepare. With ``dra.partitionableDevices: auto`` a server that drops the counters (its
+DRAPartitionableDevices gate off) is detected at the first publication, before any device slice is
+applied, and the plugin falls back to today's devices (the instances as they exist).
 """
 from __future__ import annotations
 
@@ -26,12 +32,14 @@ from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
-from deviceplugin.dra.publisher import SlicePublisher, SliceWatch
+from deviceplugin.dra.publisher import CountersDropped, SlicePublisher, SliceWatch
 from deviceplugin.metrics import MetricsServer
+from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
+from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.quota import rights
 from deviceplugin.serve import serve, spawn
-from vramshare import contract, kube, logs
+from vramshare import contract, kube, logs, mig
 from vramshare.config import Config, ConfigError, keep_restart_only, load_config
 from vramshare.inventory import GpuMode
 
@@ -58,17 +66,21 @@ class DraPluginDaemon:
                  resync_seconds: float = 300.0) -> None:
         self.backend = backend
         rights.check(config, api)  # overLimitAction: evict needs the eviction right; raises RightRefused
-        self.state = NodeState(backend.discover(), config, dra=True)
+        discovered = backend.discover()
+        self.state = NodeState(discovered, config, dra=True)
         self.node = node_name
+        self.metrics = DraMetrics()
+        self.mig = _dynamic_mig(backend, discovered, self.metrics.registry)  # None off NVML: no partitions
+        self.partitionable = config.dra.partitionable_devices != "off"  # false once the server drops counters
         self.publisher = SlicePublisher(api, node_name, config.names)
         self._resource = client.ResourceV1Api(api)
         self._api = api
-        self.preparer = ClaimPreparer(node_name, lambda: self.state.snapshot.config, self.devices, self._read_claim)
+        self.preparer = ClaimPreparer(node_name, lambda: self.state.snapshot.config, self.devices, self._read_claim,
+                                      mig=self.mig)
         self._dirty = threading.Event()
         self.plugin = KubeletPlugin(self.preparer, config.names.dra_driver, plugin_dir, registry_dir,
                                     on_registered=self._dirty.set)
         self.slice_watch = SliceWatch(api, node_name, config.names, on_gone=self._dirty.set)
-        self.metrics = DraMetrics()
         self.metrics.prepared.set_function(lambda: len(self.preparer.prepared()))
         self._metrics_port = metrics_port
         self._metrics_server: MetricsServer | None = None
@@ -100,21 +112,58 @@ class DraPluginDaemon:
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
 
+    def _dynamic(self, published: bool = True) -> dict[str, mig.MigModel]:
+        """Dynamic-MIG GPUs: in MIG mode, allowed by ``dra.dynamicMig``, reachable through NVML, and (for
+        publishing) while the API server keeps counters."""
+        if self.mig is None or (published and not self.partitionable):
+            return {}
+        snap = self.state.snapshot
+        return {u: m for u, m in slices.dynamic_models(snap.inventory, snap.config.dra.dynamic).items()
+                if u in self.mig.gpus}
+
     def devices(self) -> Mapping[str, slices.DeviceRef]:
         """Devices Prepare may hand out: this plugin's, minus GPUs a device plugin advertises."""
-        return {n: r for n, r in slices.device_index(self.state.snapshot.inventory).items()
-                if r.gpu.uuid not in self.refused}
+        inv = self.state.snapshot.inventory  # a dynamic GPU's partitions, and its instances as they are
+        both = {**slices.device_index(inv), **slices.device_index(inv, self._dynamic(False))}
+        return {n: r for n, r in both.items() if r.gpu.uuid not in self.refused}
 
-    def desired(self) -> list[dict[str, Any]]:
-        """The devices to publish; one the API server would refuse is left out (and logged), not the slice."""
+    def _foreign(self, dynamic: Mapping[str, mig.MigModel]) -> dict[str, list[mig.Placed]] | None:
+        """Per dynamic GPU, the instances no claim of ours holds (their placements are withheld);
+        None when NVML cannot say (then nothing of those GPUs is published this round)."""
+        assert self.mig is not None
+        ours = self.preparer.checkpoint.partitions()
+        out = {}
+        for uuid in dynamic:
+            try:
+                out[uuid] = [mig.Placed(i.start, name) for name, i in self.mig.instances(uuid)
+                             if (uuid, name, i.start) not in ours]
+            except (MigError, MigNvmlError) as exc:
+                log.warning("cannot read the GPU's MIG instances; its partitions are not published", gpu=uuid,
+                            error=str(exc))
+                return None
+        return out
+
+    def desired_pool(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The devices and counter sets to publish; a device the API server would refuse is left out
+        (and logged), not the slice."""
         snap = self.state.snapshot
+        dynamic = self._dynamic()
+        foreign = self._foreign(dynamic) if dynamic else {}
+        if foreign is None:
+            dynamic, foreign = {}, {}
+        sets = slices.counter_sets(snap.inventory, dynamic, self.refused)
         ok, invalid = slices.publishable(slices.desired_devices(snap.inventory, snap.config.names, self.node,
                                                                 taints=snap.config.dra.device_taints,
-                                                                refused=self.refused))
+                                                                refused=self.refused, dynamic=dynamic,
+                                                                foreign=foreign), sets)
         for name, errors in invalid:
             log.error("device not published: the API server would refuse it", node=self.node, device=name,
                       errors="; ".join(errors))
-        return ok
+        return ok, sets
+
+    def desired(self) -> list[dict[str, Any]]:
+        """The devices to publish (:meth:`desired_pool` without the counter sets)."""
+        return self.desired_pool()[0]
 
     def _read_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         try:
@@ -134,8 +183,17 @@ class DraPluginDaemon:
             log.error("GPUs also advertised by a device plugin on this node; not serving them by DRA "
                       "(set dra.gpus the same in both plugins' config)", node=self.node, gpus=",".join(sorted(refused)))
         self.refused = refused
-        devices = self.desired()
-        generation = self.publisher.publish(devices)
+        devices, sets = self.desired_pool()
+        try:
+            generation = self.publisher.publish(devices, sets)
+        except CountersDropped as exc:
+            if self.state.snapshot.config.dra.partitionable_devices == "on":
+                raise
+            log.error("the API server drops ResourceSlice counters (DRAPartitionableDevices off): publishing the "
+                      "MIG instances as they are, no dynamic MIG", node=self.node, error=str(exc))
+            self.partitionable = False
+            devices, sets = self.desired_pool()
+            generation = self.publisher.publish(devices, sets)
         self.metrics.devices.set(len(devices))
         self.metrics.generation.set(generation)
         return generation
@@ -205,6 +263,19 @@ class DraPluginDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _dynamic_mig(backend: GpuBackend, discovered: list[Any], registry: CollectorRegistry) -> DynamicMig | None:
+    """The dynamic-MIG maker over every GPU in MIG mode (config decides which are used), or None off NVML;
+    its metrics (instances created/destroyed, time to create, failures by reason) on ``registry``."""
+    nvml = getattr(backend, "nvml", None)
+    if backend.name != "nvml" or nvml is None:
+        return None
+    gpus = {g.uuid: (backend.call("nvmlDeviceGetHandleByIndex", g.index), g.model, g.memory_mib)  # type: ignore[attr-defined]
+            for g in discovered if g.mig_enabled}
+    if not gpus:
+        return None
+    return DynamicMig(NvmlMig(nvml, backend.call), gpus, metrics=MigMetrics(registry))  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> int:

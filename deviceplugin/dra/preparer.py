@@ -10,8 +10,14 @@ Order of a Prepare (each step survives a crash after it):
 4. the quota file and the CDI spec are written (atomically, overwriting a half-done earlier try);
 5. the claim is recorded ``prepared`` with its CDI names.
 
-Unprepare marks the entry ``preparing`` again, removes exactly the recorded paths, then the entry;
-an unknown claim is already done.
+A claim of dynamic-MIG partitions (issue 24) records them in step 3 and, between steps 3 and 4, has
+:class:`deviceplugin.mig_dynamic.DynamicMig` make each one's GPU and compute instance (serialized
+per GPU, idempotent: an instance already at the placement is adopted, so a retried Prepare after a
+crash at any point makes none twice); the container gets the MIG device's UUID.
+
+Unprepare marks the entry ``preparing`` again, removes exactly the recorded paths, destroys the
+recorded partitions' instances (never one with processes: the error goes back to the kubelet, which
+retries), then the entry; an unknown claim is already done.
 File effects go through :class:`FileEffects`, the one edge tests may replace to crash at any step.
 """
 from __future__ import annotations
@@ -30,6 +36,7 @@ from deviceplugin.dra.checkpoint import (PREPARED, PREPARING, Checkpoint, Checkp
                                          PreparedDevice, completed)
 from deviceplugin.dra.claims import ClaimError, ClaimRef, device_capacity_mib, our_shares, resolve
 from deviceplugin.dra.slices import DeviceRef
+from deviceplugin.mig_dynamic import DynamicMig, MigError, MigPlan
 from deviceplugin.quota import writer
 from deviceplugin.quota_files import QuotaFiles
 from vramshare import logs
@@ -102,8 +109,9 @@ class ClaimPreparer:
     """Prepares and unprepares claims of one node; thread-safe (the kubelet may call concurrently)."""
 
     def __init__(self, node: str, config: Callable[[], Config], devices: Callable[[], Mapping[str, DeviceRef]],
-                 read_claim: ClaimReader, effects: Effects | None = None) -> None:
+                 read_claim: ClaimReader, effects: Effects | None = None, mig: DynamicMig | None = None) -> None:
         self.node = node
+        self.mig = mig  # makes and destroys dynamic-MIG partitions; None where NVML cannot
         self._config = config
         self._devices = devices
         self._read_claim = read_claim
@@ -176,13 +184,19 @@ class ClaimPreparer:
             spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
         except writer.UnsafePathError as exc:
             raise ClaimError(str(exc)) from None
-        gpu = cdi.gpu_shares(shares)
+        plans = self._plans(ref.uid, shares, known, where)
+        gpu = cdi.gpu_shares([s for s in shares if known[s.share.device].partition is None])
         self._check_room(ref.uid, gpu, known, config.memory_unit_mib, where)
         record = PreparedClaim(uid=ref.uid, namespace=ref.namespace, name=ref.name, state=PREPARING,
                                cdi_spec=spec_path, quota_dir=quota_dir if shares else None, pod_uids=pods,
                                pod_names=tuple(r.get("name", "") for r in reserved),
-                               gpus={g.uuid: g.mib for g in gpu})
+                               gpus={g.uuid: g.mib for g in gpu},
+                               partitions=tuple((p.gpu_uuid, p.profile, p.start) for p in plans.values()))
         self._save(self.checkpoint.with_claim(record))
+        if plans:
+            shares = self._make(shares, plans, where)
+            gpu = cdi.gpu_shares(shares)
+            record = replace(record, gpus={g.uuid: g.mib for g in gpu})
         devices: list[PreparedDevice] = []
         if shares:
             self.effects.write_quota(quota_dir, gpu, config)
@@ -196,6 +210,39 @@ class ClaimPreparer:
         log.info("claim prepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid,
                  gpus=",".join(f"{u}:{m}MiB" for u, m in record.gpus.items()), pods=",".join(pods))
         return tuple(devices)
+
+    def _plans(self, uid: str, shares: Sequence[Any], known: Mapping[str, DeviceRef],
+               where: str) -> dict[int, MigPlan]:
+        """The partitions among a claim's results (by result index); refused when this node cannot make
+        them or another prepared claim holds one (the allocator's counters forbid it; a stale or
+        forged allocation must not share an instance)."""
+        plans = {}
+        for n, s in enumerate(shares):
+            part = known[s.share.device].partition
+            if part is not None:
+                plans[n] = MigPlan(known[s.share.device].gpu.uuid, part.profile.name, part.start)
+        if plans and self.mig is None:
+            raise ClaimError(f"{where}: device {shares[next(iter(plans))].share.device} is a dynamic-MIG partition "
+                             "and this node cannot make MIG instances (no NVML)")
+        held = {p for other, c in self.checkpoint.claims.items() if other != uid for p in c.partitions}
+        for n, plan in plans.items():
+            if (plan.gpu_uuid, plan.profile, plan.start) in held:
+                raise ClaimError(f"{where}: partition {shares[n].share.device} is already prepared for another claim")
+        return plans
+
+    def _make(self, shares: Sequence[Any], plans: Mapping[int, MigPlan], where: str) -> tuple[Any, ...]:
+        """Each partition's instance, made or adopted; the shares then name the MIG devices."""
+        assert self.mig is not None
+        out = list(shares)
+        for n, plan in plans.items():
+            try:
+                made = self.mig.ensure(plan)
+            except MigError as exc:
+                raise ClaimError(f"{where}: {exc}") from exc
+            out[n] = replace(out[n], uuid=made.mig_uuid)
+            log.info("mig partition ready", claim=where, gpu=plan.gpu_uuid, profile=plan.profile, start=plan.start,
+                     mig=made.mig_uuid, adopted=made.adopted)
+        return tuple(out)
 
     def _check_room(self, uid: str, gpu: Sequence[GpuShare], known: Mapping[str, DeviceRef], unit_mib: int,
                     where: str) -> None:
@@ -235,6 +282,16 @@ class ClaimPreparer:
             elif record.quota_dir:
                 log.error("not removing a quota directory outside the quota root",
                           claim=f"{ref.namespace}/{ref.name}", uid=ref.uid, path=record.quota_dir)
+            for gpu_uuid, profile, start in record.partitions:
+                if self.mig is None:
+                    return (f"claim {ref.namespace}/{ref.name}: its MIG partitions cannot be removed: this node "
+                            "cannot reach NVML")
+                try:
+                    self.mig.release(MigPlan(gpu_uuid, profile, start))
+                except MigError as exc:  # the record stays: the kubelet retries Unprepare
+                    log.warning("claim not unprepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid,
+                                error=str(exc))
+                    return f"claim {ref.namespace}/{ref.name}: {exc}"
             self._save(self.checkpoint.without(ref.uid))
             log.info("claim unprepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
             return ""

@@ -34,6 +34,12 @@ APPLY = "application/apply-patch+yaml"
 TIMEOUT_S = 5.0  # connect and read timeout of each request (a watch reads for its timeoutSeconds more)
 
 
+class CountersDropped(ValueError):
+    """The API server stored a counter slice without its ``sharedCounters``: its DRAPartitionableDevices
+    gate is off (strategy.go ``dropDisabledDRAPartitionableDevicesFields`` clears them silently), so
+    partitionable devices would be published without the counters that keep them apart."""
+
+
 class SlicePublisher:
     """Publishes one node's pool; ``publish`` is safe to call from any thread and after any failure."""
 
@@ -45,6 +51,7 @@ class SlicePublisher:
         self._lock = threading.Lock()
         self._generation: int | None = None
         self._devices: list[dict[str, Any]] | None = None
+        self._counters: list[dict[str, Any]] = []
         self.published = threading.Event()
 
     def _published_slices(self) -> list[dict[str, Any]]:
@@ -72,21 +79,30 @@ class SlicePublisher:
             return frozenset()
         return frozenset(g.uuid for g in inv.gpus)
 
-    def publish(self, devices: Sequence[dict[str, Any]]) -> int:
-        """Apply the pool with ``devices``; returns its generation. Raises ``ApiException`` to retry."""
+    def publish(self, devices: Sequence[dict[str, Any]], counter_sets: Sequence[dict[str, Any]] = ()) -> int:
+        """Apply the pool with ``devices`` (and the ``counter_sets`` partitionable devices draw from);
+        returns its generation. Raises ``ApiException`` to retry, :class:`CountersDropped` (before any
+        device slice is applied) when the server does not keep counters."""
         with self._lock:
             existing = self._published_slices()
+            ordered = sorted(existing, key=lambda s: s["metadata"]["name"])
             if self._generation is None:
                 self._generation = max((int(s["spec"]["pool"].get("generation", 0)) for s in existing), default=0)
-                self._devices = [d for s in sorted(existing, key=lambda s: s["metadata"]["name"])
-                                 for d in s["spec"].get("devices") or ()] if existing else None
+                self._devices = [d for s in ordered for d in s["spec"].get("devices") or ()] if existing else None
+                self._counters = [c for s in ordered for c in s["spec"].get("sharedCounters") or ()]
             generation = slices.next_generation(self._generation, self._devices, devices)
+            if generation == self._generation and list(counter_sets) != self._counters:
+                generation += 1  # the counters changed: a new generation, as for devices
             node = self._node()
             node_uid = ((node or {}).get("metadata") or {}).get("uid")
-            desired = slices.resource_slices(self.node, node_uid, devices, generation, self.names)
+            desired = slices.resource_slices(self.node, node_uid, devices, generation, self.names, counter_sets)
             for obj in desired:
-                decode(self._resource.patch_resource_slice(obj["metadata"]["name"], obj, field_manager=FIELD_MANAGER,
-                                                          force=True, _content_type=APPLY, _preload_content=False))
+                stored = decode(self._resource.patch_resource_slice(obj["metadata"]["name"], obj,
+                                                                   field_manager=FIELD_MANAGER, force=True,
+                                                                   _content_type=APPLY, _preload_content=False))
+                if obj["spec"].get("sharedCounters") and not (stored.get("spec") or {}).get("sharedCounters"):
+                    raise CountersDropped(f"ResourceSlice {obj['metadata']['name']}: the API server dropped "
+                                          "spec.sharedCounters (DRAPartitionableDevices is off)")
             keep = {o["metadata"]["name"] for o in desired}
             for old in existing:
                 name = old["metadata"]["name"]
@@ -95,7 +111,7 @@ class SlicePublisher:
             if generation != self._generation:
                 log.info("resource slices published", node=self.node, generation=generation,
                          devices=len(devices), slices=len(desired))
-            self._generation, self._devices = generation, list(devices)
+            self._generation, self._devices, self._counters = generation, list(devices), list(counter_sets)
             self.published.set()
             return generation
 
@@ -104,7 +120,7 @@ class SlicePublisher:
         with self._lock:
             for old in self._published_slices():
                 decode(self._resource.delete_resource_slice(old["metadata"]["name"], _preload_content=False))
-            self._generation, self._devices = None, None
+            self._generation, self._devices, self._counters = None, None, []
 
 
 class SliceWatch:

@@ -11,6 +11,18 @@ every MIG instance is a device of its profile. Unhealthy devices are withdrawn: 
 
 Device names are DNS labels derived from the GPU index (``gpu-0``, ``gpu-0-mig-1-0``); the
 ``uuid`` attribute names the physical GPU. No I/O: dicts in the API's JSON shape come out.
+
+Dynamic MIG (issue 24, KEP-4815 partitionable devices): a GPU in MIG mode whose admin allows it
+(``dra.dynamicMig``) is published as every profile at every legal placement (:mod:`vramshare.mig`),
+each device consuming counters from the GPU's counter set ``gpu-<index>-counter-set``: one
+``memory-slice-<n>`` per eighth of memory (value 1), ``compute-slices`` (7) and ``media-engines`` (1,
+taken by ``+me`` profiles), so the scheduler's allocator never hands out two overlapping placements.
+Names and counters follow NVIDIA's DRA driver (``cmd/gpu-kubelet-plugin/partitions.go``:
+``gpu-<minor>-mig-<profile without dots>-<profile id>-<start>``, ``memory-slice-<n>``,
+``<name>-counter-set``). Counter sets go in slices of their own, ahead of the device slices (1.35+:
+a slice holds ``sharedCounters`` or ``devices``, never both). The allocator takes the first fitting
+device in published order, so each profile's placements are published from the highest start down
+(small instances fill a GPU from its end, keeping the 4g/7g placements at slot 0 possible longest).
 """
 from __future__ import annotations
 
@@ -20,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from deviceplugin.dra import validation
-from vramshare import contract
+from vramshare import contract, mig
 from vramshare.inventory import Gpu, GpuMode, MigInstance, NodeInventory
 
 API_VERSION = "resource.k8s.io/v1"
@@ -34,16 +46,27 @@ Obj = dict[str, Any]
 
 
 @dataclass(frozen=True)
+class Partition:
+    """A MIG instance DRA makes when a claim gets it: a profile at a placement of a dynamic-MIG GPU."""
+
+    model: mig.MigModel
+    profile: mig.MigProfile
+    start: int
+
+
+@dataclass(frozen=True)
 class DeviceRef:
-    """What a published device stands for: the GPU (and MIG instance) behind a device name."""
+    """What a published device stands for: the GPU (and MIG instance, or partition) behind a device name."""
 
     name: str
     gpu: Gpu
     mig: MigInstance | None = None
+    partition: Partition | None = None
 
     @property
     def uuid(self) -> str:
-        """The UUID a container sees: the MIG instance's, else the GPU's."""
+        """The UUID a container sees: the MIG instance's, else the GPU's (a partition's MIG UUID exists
+        only once Prepare made it)."""
         return self.mig.uuid if self.mig is not None else self.gpu.uuid
 
     @property
@@ -60,11 +83,78 @@ def mib(n: int) -> str:
     return f"{n}Mi"
 
 
-def device_refs(inventory: NodeInventory) -> tuple[DeviceRef, ...]:
-    """Every device the inventory offers, healthy or not, in a stable order (GPU index, then MIG)."""
+COUNTER_COMPUTE = "compute-slices"
+COUNTER_MEDIA = "media-engines"
+
+
+def memory_slice_counter(n: int) -> str:
+    """partitions.go memsliceCounterName."""
+    return f"memory-slice-{n}"
+
+
+def counter_set_name(gpu: Gpu) -> str:
+    """partitions.go GetSharedCounterSetName: ``gpu-<minor>-counter-set`` (the index here)."""
+    return f"gpu-{gpu.index}-counter-set"
+
+
+def partition_name(gpu: Gpu, profile: mig.MigProfile, start: int) -> str:
+    """mig.go ToCanonicalName: ``gpu-<index>-mig-<profile, dots dropped, RFC 1123>-<profile id>-<start>``."""
+    pname = re.sub(r"[^a-z0-9-.]", "-", profile.name.replace(".", "").lower()).strip("-").removesuffix(".")
+    return f"gpu-{gpu.index}-mig-{pname}-{profile.profile_id}-{start}"
+
+
+def dynamic_models(inventory: NodeInventory, allowed: Any) -> dict[str, mig.MigModel]:
+    """GPU UUID -> MIG table of every GPU in MIG mode that ``allowed(index, uuid)`` lets DRA partition
+    (a model without a table stays static: we cannot say where its instances may go)."""
+    out = {}
+    for g in inventory.gpus:
+        if g.mode is GpuMode.MIG and allowed(g.index, g.uuid):
+            model = mig.model_for(g.model, g.memory_mib)
+            if model is not None:
+                out[g.uuid] = model
+    return out
+
+
+def _partitions(g: Gpu, model: mig.MigModel) -> list[DeviceRef]:
+    """Every profile at every legal placement, largest profile first, each from its highest start."""
+    out = []
+    for p in sorted(model.profiles, key=lambda p: (-p.memory_slots, -p.compute_slices, p.media, p.profile_id)):
+        for start in sorted(p.starts, reverse=True):
+            out.append(DeviceRef(partition_name(g, p, start), g, partition=Partition(model, p, start)))
+    return out
+
+
+def counter_set(gpu: Gpu, model: mig.MigModel) -> Obj:
+    """The GPU's ``sharedCounters`` entry: what every partition of it draws from."""
+    counters = {memory_slice_counter(n): {"value": "1"} for n in range(mig.MEMORY_SLOTS)}
+    counters[COUNTER_COMPUTE] = {"value": str(mig.COMPUTE_SLICES)}
+    if any(p.media for p in model.profiles):
+        counters[COUNTER_MEDIA] = {"value": "1"}
+    return {"name": counter_set_name(gpu), "counters": counters}
+
+
+def consumption(ref: DeviceRef) -> list[Obj]:
+    """A partition's ``consumesCounters``: its memory slices, its compute slices, the media engines."""
+    assert ref.partition is not None
+    p, start = ref.partition.profile, ref.partition.start
+    counters = {memory_slice_counter(n): {"value": "1"} for n in range(start, start + p.memory_slots)}
+    counters[COUNTER_COMPUTE] = {"value": str(p.compute_slices)}
+    if p.media:
+        counters[COUNTER_MEDIA] = {"value": "1"}
+    return [{"counterSet": counter_set_name(ref.gpu), "counters": counters}]
+
+
+def device_refs(inventory: NodeInventory,
+                dynamic: Mapping[str, mig.MigModel] | None = None) -> tuple[DeviceRef, ...]:
+    """Every device the inventory offers, healthy or not, in a stable order (GPU index, then MIG).
+
+    A GPU in ``dynamic`` offers its partitions instead of the instances that exist on it (those are
+    either a prepared claim's partition, or someone else's, whose placements are withheld)."""
     out: list[DeviceRef] = []
     for g in inventory.gpus:
-        if g.mode is GpuMode.MIG:
+        if dynamic and g.uuid in dynamic:
+            out += _partitions(g, dynamic[g.uuid])
+        elif g.mode is GpuMode.MIG:
             for pos, m in enumerate(g.mig):
                 suffix = f"{m.gi}-{m.ci}" if m.gi is not None and m.ci is not None else str(pos)
                 out.append(DeviceRef(f"gpu-{g.index}-mig-{suffix}", g, m))
@@ -106,6 +196,12 @@ def _attributes(ref: DeviceRef, node: str) -> Obj:
     if ref.mig is not None:
         attrs["profile"] = {"string": _bounded(ref.mig.profile)}
         attrs["parentUUID"] = {"string": g.uuid}
+    if ref.partition is not None:  # no MIG UUID before Prepare makes it: "uuid" is left out
+        del attrs["uuid"]
+        attrs["profile"] = {"string": _bounded(ref.partition.profile.name)}
+        attrs["parentUUID"] = {"string": g.uuid}
+        attrs["placementStart"] = {"int": ref.partition.start}
+        attrs["dynamic"] = {"bool": True}
     if g.numa_node is not None:
         attrs["numaNode"] = {"int": g.numa_node}  # for clusters before 1.37
         attrs[STANDARD_NUMA_ATTRIBUTE] = {"int": g.numa_node}
@@ -115,7 +211,10 @@ def _attributes(ref: DeviceRef, node: str) -> Obj:
 def device_object(ref: DeviceRef, inventory: NodeInventory, node: str) -> Obj:
     """One ``spec.devices[]`` entry (without taints)."""
     dev: Obj = {"name": ref.name, "attributes": _attributes(ref, node)}
-    if ref.mig is not None:
+    if ref.partition is not None:
+        dev["capacity"] = {"memory": {"value": mib(ref.partition.profile.memory_mib)}}
+        dev["consumesCounters"] = consumption(ref)
+    elif ref.mig is not None:
         dev["capacity"] = {"memory": {"value": mib(ref.mig.memory_mib)}}
     elif ref.shared:
         dev["allowMultipleAllocations"] = True
@@ -137,13 +236,18 @@ def request_policy(units: int, unit_mib: int) -> Obj:
     return {"default": unit, "validRange": {"min": unit, "max": mib(units * unit_mib), "step": unit}}
 
 
-def publishable(devices: Sequence[Obj]) -> tuple[list[Obj], list[tuple[str, list[str]]]]:
+def publishable(devices: Sequence[Obj], counter_sets: Sequence[Obj] = ()
+                ) -> tuple[list[Obj], list[tuple[str, list[str]]]]:
     """Split ``devices`` into those the API server accepts and ``(name, reasons)`` of those it would
-    refuse (:mod:`deviceplugin.dra.validation`): one bad device must not take the slice down."""
+    refuse (:mod:`deviceplugin.dra.validation`): one bad device must not take the slice down, and one
+    naming a counter the pool lacks must not make the whole pool unallocatable."""
     ok, refused = [], []
     names: set[Any] = set()
+    pool_sets = [{"spec": {"sharedCounters": list(counter_sets)}}]
     for dev in devices:
         errors = validation.device_errors(dev)
+        if dev.get("consumesCounters"):
+            errors = errors + validation.pool_counter_errors(pool_sets + [{"spec": {"devices": [dev]}}])
         if dev.get("name") in names:  # a slice with two devices of one name is refused whole
             errors = errors + [validation.duplicate("device.name", dev.get("name"))]
         names.add(dev.get("name"))
@@ -160,15 +264,22 @@ def unhealthy_taint(names: contract.Names) -> Obj:
 
 
 def desired_devices(inventory: NodeInventory, names: contract.Names, node: str, *, taints: bool,
-                    refused: frozenset[str] = frozenset()) -> list[Obj]:
+                    refused: frozenset[str] = frozenset(), dynamic: Mapping[str, mig.MigModel] | None = None,
+                    foreign: Mapping[str, Sequence[mig.Placed]] | None = None) -> list[Obj]:
     """The devices to publish: healthy ones, plus unhealthy ones tainted when ``taints`` is on.
 
     ``refused`` holds GPU UUIDs another manager (the device plugin) already serves; never published.
+    ``foreign`` holds, per dynamic GPU, the instances no claim of ours made (an admin's): a partition
+    that could not be created beside them is withheld, so the scheduler never picks a taken placement.
     """
     out = []
-    for ref in device_refs(inventory):
+    for ref in device_refs(inventory, dynamic):
         if ref.gpu.uuid in refused:
             continue
+        if ref.partition is not None and foreign and foreign.get(ref.gpu.uuid):
+            part = ref.partition
+            if part.start not in mig.free_starts(part.model, list(foreign[ref.gpu.uuid]), part.profile.name):
+                continue
         dev = device_object(ref, inventory, node)
         if not ref.healthy:
             if not taints:
@@ -176,6 +287,14 @@ def desired_devices(inventory: NodeInventory, names: contract.Names, node: str, 
             dev["taints"] = [unhealthy_taint(names)]
         out.append(dev)
     return out
+
+
+def counter_sets(inventory: NodeInventory, dynamic: Mapping[str, mig.MigModel] | None,
+                 refused: frozenset[str] = frozenset()) -> list[Obj]:
+    """The pool's counter sets: one per dynamic-MIG GPU this plugin serves (partitions.go
+    PartSharedCounterSets)."""
+    return [counter_set(g, dynamic[g.uuid]) for g in inventory.gpus
+            if dynamic and g.uuid in dynamic and g.uuid not in refused]
 
 
 def next_generation(previous_generation: int, previous_devices: Sequence[Obj] | None,
@@ -200,15 +319,22 @@ def slice_name(node: str, names: contract.Names, k: int) -> str:
 
 
 def resource_slices(node: str, node_uid: str | None, devices: Sequence[Obj], generation: int,
-                    names: contract.Names) -> list[Obj]:
+                    names: contract.Names, counter_sets: Sequence[Obj] = ()) -> list[Obj]:
     """The pool's slices (at least one, possibly empty: an empty pool says "no devices here").
 
-    Owned by the Node (as the kubeletplugin helper does), so deleting the node garbage-collects them.
+    Counter sets first, at most 8 per slice and in slices of their own (validation.go: "only one of
+    `sharedCounters` or `devices` is allowed"), then the devices, 64 per slice when any device carries
+    taints or consumes counters. Owned by the Node (as the kubeletplugin helper does), so deleting the
+    node garbage-collects them.
     """
-    per = MAX_DEVICES_PER_SLICE_WITH_TAINTS if any("taints" in d for d in devices) else MAX_DEVICES_PER_SLICE
-    chunks = [list(devices[i:i + per]) for i in range(0, len(devices), per)] or [[]]
+    per = validation.max_devices(list(devices))
+    step = validation.RESOURCE_SLICE_MAX_COUNTER_SETS
+    sets = [list(counter_sets[i:i + step]) for i in range(0, len(counter_sets), step)]
+    chunks: list[tuple[str, list[Obj]]] = [("sharedCounters", c) for c in sets] + \
+        [("devices", list(devices[i:i + per])) for i in range(0, len(devices), per)]
+    chunks = chunks or [("devices", [])]
     out = []
-    for k, chunk in enumerate(chunks):
+    for k, (field, chunk) in enumerate(chunks):
         meta: Obj = {"name": slice_name(node, names, k)}
         if node_uid:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid,
@@ -216,11 +342,12 @@ def resource_slices(node: str, node_uid: str | None, devices: Sequence[Obj], gen
         spec: Obj = {"driver": names.dra_driver, "nodeName": node,
                      "pool": {"name": node, "generation": generation, "resourceSliceCount": len(chunks)}}
         if chunk:
-            spec["devices"] = chunk
+            spec[field] = chunk
         out.append({"apiVersion": API_VERSION, "kind": "ResourceSlice", "metadata": meta, "spec": spec})
     return out
 
 
-def device_index(inventory: NodeInventory) -> Mapping[str, DeviceRef]:
+def device_index(inventory: NodeInventory,
+                 dynamic: Mapping[str, mig.MigModel] | None = None) -> Mapping[str, DeviceRef]:
     """Device name -> what it stands for; Prepare resolves allocation results through this."""
-    return {r.name: r for r in device_refs(inventory)}
+    return {r.name: r for r in device_refs(inventory, dynamic)}

@@ -12,8 +12,16 @@ attribute+capacity limit, ``validateDeviceAttribute``, ``validateQualifiedName``
 ``validateRequestPolicy`` -> ``validateRequestPolicyValidValues`` / ``validateRequestPolicyRange``
 (+ ``validateRequestPolicyRangeStep`` on the integer path), taints), with the limits of
 ``pkg/apis/resource/types.go``. Messages are ``field.Error`` strings (``<path>: Invalid value: ...``).
+Partitionable devices (KEP-4815, feature gate ``DRAPartitionableDevices``): ``validateCounterSet``,
+``validateDeviceCounterConsumption`` (``validateCounterName`` = a DNS label, ``validateDeviceCounter``:
+any parsed quantity) with the ``validateSet`` / ``validateMap`` size short-circuits; the gate's field
+dropping on write (``pkg/registry/resource/resourceslice/strategy.go``
+``dropDisabledDRAPartitionableDevicesFields``: a server without the gate silently clears
+``sharedCounters`` and ``consumesCounters``); and the pool-level checks the allocator applies
+(``structured`` pools: ``getAndValidateCounterSets``, ``validateDeviceCounterConsumption``: a device
+naming an unknown counter set or counter makes the whole pool unallocatable).
 Not ported (this plugin never writes them): per-device node selection beyond its mutual exclusion,
-counters' contents, binding conditions, node-allocatable mappings, list-typed attributes.
+binding conditions, node-allocatable mappings, list-typed attributes, ``partitionTypeAttribute``.
 Pure: dicts in, a list of error strings out.
 """
 from __future__ import annotations
@@ -34,6 +42,11 @@ DEVICE_ATTRIBUTE_MAX_VALUE_LENGTH = 64
 DEVICE_TAINTS_MAX_LENGTH = 4  # 4 in 1.33/1.34 (raised later): the strictest served version
 POOL_NAME_MAX_LENGTH = 253
 CAPACITY_REQUEST_POLICY_DISCRETE_MAX_OPTIONS = 10
+# KEP-4815 partitionable devices (staging/src/k8s.io/api/resource/v1/types.go)
+RESOURCE_SLICE_MAX_COUNTER_SETS = 8  # spec.sharedCounters of one slice
+RESOURCE_SLICE_MAX_COUNTERS_PER_COUNTER_SET = 32
+RESOURCE_SLICE_MAX_DEVICE_COUNTER_CONSUMPTIONS_PER_DEVICE = 2  # device.consumesCounters
+RESOURCE_SLICE_MAX_COUNTERS_PER_DEVICE_COUNTER_CONSUMPTION = 32
 MAX_INT64 = 2**63 - 1
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -360,6 +373,9 @@ def validate_device(device: Any, path: str, old: Mapping[str, Any] | None = None
         else:
             for i, t in enumerate(taints):
                 out += _taint(t, f"{path}.taints[{i}]")
+    out += _validate_set(device.get("consumesCounters"), RESOURCE_SLICE_MAX_DEVICE_COUNTER_CONSUMPTIONS_PER_DEVICE,
+                         validate_device_counter_consumption, lambda c: c.get("counterSet") if isinstance(c, Mapping)
+                         else None, f"{path}.consumesCounters")
     if not per_device_node_selection and any(device.get(k) is not None for k in ("nodeName", "nodeSelector",
                                                                                   "allNodes")):
         out.append(invalid(path, "null", "`nodeName`, `nodeSelector` and `allNodes` can only be set if "
@@ -434,16 +450,131 @@ def validate_resource_slice(obj: Mapping[str, Any], old: Mapping[str, Any] | Non
     devices = list(devices or [])
     limit = max_devices(devices)
     if len(devices) > limit:  # validateSet: the size check short-circuits
-        return out + [too_many("spec.devices", len(devices), limit)]
-    olds = {d.get("name"): d for d in (old_spec or {}).get("devices") or () if isinstance(d, Mapping)}
-    seen: set[Any] = set()
-    for i, d in enumerate(devices):
-        name = d.get("name") if isinstance(d, Mapping) else None
-        out += validate_device(d, f"spec.devices[{i}]", olds.get(name), spec.get("perDeviceNodeSelection") is True)
-        if name in seen:
-            out.append(duplicate(f"spec.devices[{i}]", name))
-        seen.add(name)
+        out.append(too_many("spec.devices", len(devices), limit))
+    else:
+        olds = {d.get("name"): d for d in (old_spec or {}).get("devices") or () if isinstance(d, Mapping)}
+        seen: set[Any] = set()
+        for i, d in enumerate(devices):
+            name = d.get("name") if isinstance(d, Mapping) else None
+            out += validate_device(d, f"spec.devices[{i}]", olds.get(name), spec.get("perDeviceNodeSelection") is True)
+            if name in seen:
+                out.append(duplicate(f"spec.devices[{i}]", name))
+            seen.add(name)
+    out += _validate_set(spec.get("sharedCounters"), RESOURCE_SLICE_MAX_COUNTER_SETS, validate_counter_set,
+                         lambda c: c.get("name") if isinstance(c, Mapping) else None, "spec.sharedCounters")
     return out
+
+
+# -- partitionable devices (KEP-4815) ---------------------------------------------------------------
+def _validate_set(items: Any, limit: int, check: Any, key: Any, path: str) -> Errors:
+    """validateSet: too many short-circuits; each item checked; a repeated key is a duplicate."""
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        return [invalid(path, items, "must be a list")]
+    if len(items) > limit:
+        return [too_many(path, len(items), limit)]
+    out: Errors = []
+    seen: set[Any] = set()
+    for i, item in enumerate(items):
+        out += check(item, f"{path}[{i}]")
+        k = key(item)
+        if k in seen:
+            out.append(duplicate(f"{path}[{i}]", k))
+        seen.add(k)
+    return out
+
+
+def _counters(counters: Any, limit: int, path: str) -> Errors:
+    """validateMap with validateCounterName keys (DNS labels, checked on the map's path as upstream
+    does) and validateDeviceCounter items (``{value: <quantity>}``: any quantity that parses)."""
+    if not isinstance(counters, Mapping):
+        return [invalid(path, counters, "must be a map")]
+    if len(counters) > limit:  # maxSize short-circuits
+        return [too_many(path, len(counters), limit)]
+    out: Errors = []
+    for name in sorted(counters, key=str):
+        out += dns_label(name, path)
+        counter = counters[name]
+        if not isinstance(counter, Mapping) or counter.get("value") is None:
+            out.append(required(f"{path}[{name}].value"))
+        else:
+            out += _quantity(counter["value"], f"{path}[{name}].value")[1]
+    return out
+
+
+def validate_counter_set(counter_set: Any, path: str) -> Errors:
+    """validateCounterSet: a DNS-label name and 1..32 counters."""
+    if not isinstance(counter_set, Mapping):
+        return [invalid(path, counter_set, "must be an object")]
+    name = counter_set.get("name")
+    out = [required(f"{path}.name")] if not name else dns_label(name, f"{path}.name")
+    counters = counter_set.get("counters")
+    if not counters:
+        out.append(required(f"{path}.counters"))
+    else:
+        out += _counters(counters, RESOURCE_SLICE_MAX_COUNTERS_PER_COUNTER_SET, f"{path}.counters")
+    return out
+
+
+def validate_device_counter_consumption(consumption: Any, path: str) -> Errors:
+    """validateDeviceCounterConsumption: a DNS-label counterSet and 1..32 counters."""
+    if not isinstance(consumption, Mapping):
+        return [invalid(path, consumption, "must be an object")]
+    name = consumption.get("counterSet")
+    out = [required(f"{path}.counterSet")] if not name else dns_label(name, f"{path}.counterSet")
+    counters = consumption.get("counters")
+    if not counters:
+        out.append(required(f"{path}.counters"))
+    else:
+        out += _counters(counters, RESOURCE_SLICE_MAX_COUNTERS_PER_DEVICE_COUNTER_CONSUMPTION, f"{path}.counters")
+    return out
+
+
+def partitionable_in_use(obj: Mapping[str, Any] | None) -> bool:
+    """strategy.go draPartitionableDevicesFeatureInUse."""
+    spec = (obj or {}).get("spec") or {}
+    if spec.get("sharedCounters") or spec.get("perDeviceNodeSelection") is not None:
+        return True
+    return any(isinstance(d, Mapping) and (d.get("consumesCounters") or any(d.get(k) is not None for k in
+                                                                          ("nodeName", "nodeSelector", "allNodes")))
+               for d in spec.get("devices") or ())
+
+
+def drop_disabled_partitionable_fields(new: dict[str, Any], old: Mapping[str, Any] | None, enabled: bool) -> None:
+    """strategy.go dropDisabledDRAPartitionableDevicesFields: without the DRAPartitionableDevices gate
+    (and unless the stored object already uses the fields) the server clears them and stores the rest,
+    silently: a slice's devices then consume no counters at all."""
+    if enabled or partitionable_in_use(old):
+        return
+    spec = new.get("spec") or {}
+    spec.pop("sharedCounters", None)
+    spec.pop("perDeviceNodeSelection", None)
+    for d in spec.get("devices") or ():
+        if isinstance(d, dict):
+            for k in ("consumesCounters", "nodeName", "nodeSelector", "allNodes"):
+                d.pop(k, None)
+
+
+def pool_counter_errors(slices: list[Mapping[str, Any]]) -> Errors:
+    """A pool's cross-slice counter checks (structured pools ``getAndValidateCounterSets`` then
+    ``validateDeviceCounterConsumption``); upstream stops at the first, which marks the pool invalid."""
+    sets: dict[str, Mapping[str, Any]] = {}
+    for s in slices:
+        for cs in (s.get("spec") or {}).get("sharedCounters") or ():
+            if cs.get("name") in sets:
+                return [f"duplicate counter set name {cs.get('name')}"]
+            sets[cs.get("name")] = cs.get("counters") or {}
+    for s in slices:
+        for d in (s.get("spec") or {}).get("devices") or ():
+            for c in d.get("consumesCounters") or ():
+                found = sets.get(c.get("counterSet"))
+                if found is None:
+                    return [f"counter set {c.get('counterSet')} not found"]
+                for name in c.get("counters") or {}:
+                    if name not in found:
+                        return [f"counter {name} not found in counter set {c.get('counterSet')}"]
+    return []
 
 
 def device_errors(device: Mapping[str, Any]) -> Errors:

@@ -17,7 +17,13 @@ Policies:
   legal placement, at its lowest free start;
 * ``bestfit``: on the GPU with the fewest free memory slots that has a legal placement;
 * ``frag``: at the (GPU, placement) that costs the least MIG potential for the expected workload
-  (:func:`vramshare.mig.placement_loss`, weights = the profile mix of the tasks seen so far), then best fit.
+  (:func:`vramshare.mig.placement_loss`, weights = the profile mix of the tasks seen so far), then best fit;
+* ``dra-random`` / ``dra-frag`` (the DRA path, partitionable devices): kube-scheduler's allocator picks
+  the placement, first fit in the order the DRA plugin publishes (GPUs by index, each profile's
+  placements from the highest start down), on the node kube-scheduler picks: any feasible node
+  (``dra-random``, a fresh random order per task), or the one the extender's MIG term scores best
+  (``dra-frag``: least :func:`vramshare.mig.placement_loss` of that first-fit placement, every non-media
+  profile weighted alike, as :mod:`extender.dra_scoring` computes it).
 
 GPUs in one (model, layout) state are interchangeable, so each decision looks at the distinct states,
 not at every GPU: a cluster of 6,212 GPUs has a few hundred states.
@@ -41,7 +47,7 @@ from extender.simulation.trace import SHARE_UNITS, TraceNode, TracePod
 GPU_MAP = {"P100": "A100-SXM4-40GB", "T4": "A100-SXM4-40GB", "V100M16": "A100-SXM4-40GB",
            "A10": "A100-SXM4-40GB", "G1": "A100-SXM4-40GB", "V100M32": "A100-SXM4-80GB",
            "G2": "H100-SXM5-80GB", "G3": "H200-SXM5-141GB"}
-POLICIES = ("static", "firstfit", "bestfit", "frag")
+POLICIES = ("static", "firstfit", "bestfit", "frag", "dra-random", "dra-frag")
 Layout = tuple[mig.Placed, ...]
 Progress = Callable[[str], None]
 
@@ -243,6 +249,90 @@ def _place_dynamic(cluster: Cluster, pod: TracePod, policy: str, mix: Mapping[in
     return 1
 
 
+@lru_cache(maxsize=None)
+def _uniform(model: str) -> tuple[tuple[str, float], ...]:
+    """The DRA scorer's weights (extender.dra_scoring.mig_weights): non-media profiles alike."""
+    return tuple((p.name, 1.0) for p in mig.MODELS[model].profiles if not p.media)
+
+
+@lru_cache(maxsize=None)
+def _dra_first_fit_of(model: str, layouts: tuple[Layout, ...], profile: str,
+                      count: int) -> tuple[float, tuple[tuple[int, int], ...]] | None:
+    """What the allocator takes on a node whose GPUs hold ``layouts``: the first ``count`` GPUs (index
+    order) with a free placement, each at its highest free start; with the MIG term's loss of those
+    placements. Nodes in one state share the answer (pure, cached)."""
+    w = _uniform(model)
+    loss, picks = 0.0, []
+    for k, layout in enumerate(layouts):
+        starts = _free_starts(model, layout, profile)
+        if not starts:
+            continue
+        after = tuple(sorted((*layout, mig.Placed(starts[-1], profile))))
+        loss += _potential(model, layout, w) - _potential(model, after, w)
+        picks.append((k, starts[-1]))
+        if len(picks) == count:
+            return loss, tuple(picks)
+    return None
+
+
+class DraNodes:
+    """Nodes grouped by (openb model, GPU layouts), each group in node order: the allocator's first fit
+    and the MIG term are one answer per group."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.key: list[tuple[str, tuple[Layout, ...]]] = []
+        self.members: dict[tuple[str, tuple[Layout, ...]], list[tuple[int, int]]] = {}
+        for i in range(len(cluster.nodes)):
+            self.key.append(self._state(i))
+            insort(self.members.setdefault(self.key[i], []), (int(cluster.rank[i]), i))
+
+    def _state(self, i: int) -> tuple[str, tuple[Layout, ...]]:
+        return self.cluster.nodes[i].model, tuple(self.cluster.layouts[g] for g in self.cluster.gpus_of[i])
+
+    def changed(self, i: int) -> None:
+        group = self.members[self.key[i]]
+        group.pop(bisect_left(group, (int(self.cluster.rank[i]), i)))
+        if not group:
+            del self.members[self.key[i]]
+        self.key[i] = self._state(i)
+        insort(self.members.setdefault(self.key[i], []), (int(self.cluster.rank[i]), i))
+
+
+def _place_dra(cluster: Cluster, nodes: DraNodes, pod: TracePod, policy: str, rng: np.random.Generator) -> int:
+    """The DRA path: kube-scheduler's node (a random feasible one, or the MIG term's best, ties to the
+    earliest in node order), the allocator's first-fit partitions there; the instances created."""
+    fits = (cluster.cpu >= pod.cpu_milli) & (cluster.mem >= pod.memory_mib)
+    best: tuple | None = None
+    feasible: list[tuple[tuple, int]] = []
+    for (model, layouts), group in nodes.members.items():
+        if pod.gpu_spec and model not in pod.gpu_spec:
+            continue
+        profile, count = ask(pod, card_of(model))  # type: ignore[misc]
+        pick = _dra_first_fit_of(card_of(model).name, layouts, profile, count)
+        if pick is None:
+            continue
+        if policy == "dra-random":
+            feasible += [((pick, profile), i) for _r, i in group if fits[i]]
+            continue
+        if best is not None and pick[0] > best[0]:
+            continue
+        i = next((i for _r, i in group if fits[i]), None)
+        if i is not None and (best is None or (pick[0], cluster.rank[i]) < (best[0], best[1])):
+            best = (pick[0], int(cluster.rank[i]), i, pick, profile)
+    if policy == "dra-random" and feasible:
+        (pick, profile), i = feasible[int(rng.integers(len(feasible)))]
+        best = (pick[0], 0, i, pick, profile)
+    if best is None:
+        return 0
+    *_, i, pick, profile = best
+    for k, start in pick[1]:
+        _create(cluster, cluster.gpus_of[i][k], start, profile)
+    nodes.changed(i)
+    cluster.take_host(i, pod)
+    return len(pick[1])
+
+
 def _place_dynamic_multi(cluster: Cluster, pod: TracePod, policy: str, mix: Mapping[int, float]) -> int:
     """Whole-GPU instances on ``num_gpu`` GPUs of one node: the node that loses least, then best fit."""
     best: tuple | None = None
@@ -357,6 +447,8 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, see
                 raise ValueError(f"GPU {g}: {'; '.join(problems)}")
             cluster.set_gpu(g, tuple(sorted(layout)), frozenset())
     run = MigRun(policy, seed)
+    rng = np.random.default_rng(seed + 1)  # dra-random's node choice per task
+    dra_nodes = DraNodes(cluster) if policy.startswith("dra-") else None
     ref = mig.MODELS["A100-SXM4-40GB"]
     seen: Counter[int] = Counter()
     for n, pod in enumerate(seq):
@@ -375,6 +467,10 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, see
         row[0] += 1
         if policy == "static":
             placed = _place_static(cluster, pod)
+        elif policy.startswith("dra-"):
+            assert dra_nodes is not None
+            placed = _place_dra(cluster, dra_nodes, pod, policy, rng)
+            run.created += placed
         else:
             total = sum(seen.values())
             placed = _place_dynamic(cluster, pod, policy, {k: round(v / total, 2) for k, v in seen.items()})

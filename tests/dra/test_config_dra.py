@@ -25,3 +25,16 @@ def test_dra_section_parses_and_defaults():
 def test_bad_dra_config_names_the_key(text, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_config(text)
+
+
+def test_dynamic_mig_keys():
+    """Issue 24: which MIG GPUs DRA may partition, and whether partitionable devices are published."""
+    c = parse_config("dra:\n  gpus: all\n  dynamicMig: [3, GPU-m]\n")
+    assert c.dra.dynamic_mig == ("3", "GPU-m") and c.dra.partitionable_devices == "auto"
+    assert c.dra.dynamic(3, "GPU-x") and c.dra.dynamic(0, "GPU-m") and not c.dra.dynamic(0, "GPU-x")
+    assert not parse_config("dra:\n  dynamicMig: all\n  partitionableDevices: 'off'\n").dra.dynamic(0, "GPU-0")
+    assert not parse_config("").dra.dynamic(0, "GPU-0")
+    with pytest.raises(ConfigError, match=r"dra\.partitionableDevices"):
+        parse_config("dra:\n  partitionableDevices: maybe\n")
+    with pytest.raises(ConfigError, match=r"dra\.dynamicMig"):
+        parse_config("dra:\n  dynamicMig: 3\n")

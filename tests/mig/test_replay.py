@@ -77,3 +77,17 @@ def test_every_layout_built_is_legal_and_hosts_are_never_overdrawn(
             assert mig.check_layout(cluster.model(g), layout) == []
             assert cluster.held[g] == frozenset(range(len(layout)))  # dynamic: made only for tasks
         assert (cluster.cpu >= 0).all() and (cluster.mem >= 0).all()
+
+
+def test_dra_path_first_fit_and_the_mig_term() -> None:
+    """The DRA path: the allocator takes each profile's highest free start on the first GPU that has one;
+    the extender's MIG term sends the second small task to the GPU already cut, so the whole-GPU task
+    still fits, where a random feasible node (DRA unscored) often spreads them."""
+    nodes = _nodes(2, gpus=1)
+    seq = [_pod(0, 100), _pod(1, 100), _pod(2, 1000)]
+    seen: list[mr.Cluster] = []
+    run = mr.replay(nodes, seq, "dra-frag", 0, observe=seen.append)
+    assert run.accepted == 3
+    cut = next(layout for layout in seen[-1].layouts if len(layout) == 2)
+    assert [(p.profile, p.start) for p in cut] == [("1g.10gb", 5), ("1g.10gb", 6)]
+    assert min(mr.replay(nodes, seq, "dra-random", seed).accepted for seed in range(10)) == 2

@@ -15,11 +15,21 @@ What it reproduces (k8s.io/dynamic-resource-allocation/structured, internal/expe
   share gets a fresh ``shareID``. Any other device is allocated at most once;
 - ``matchAttribute`` / ``distinctAttribute`` constraints hold over the requests they name, by
   depth-first search with backtracking over requests and their counts (``allocator.allocateOne``),
-  devices tried in pool and slice order.
+  devices tried in pool and slice order;
+- partitionable devices (KEP-4815, ``allocateDevice`` -> ``checkAvailableCounters`` /
+  ``deallocateCountersForDevice``): a pool's counters are its slices' ``sharedCounters`` minus what
+  the devices of allocated claims consume (possibly below zero); a device that ``consumesCounters``
+  is allocatable only if, with the counters of the devices this allocation already picked and its
+  own, *every* counter of the pool stays within what is available (so an over-consumed counter
+  blocks the whole pool's partitions); backtracking gives the counters back. Without the
+  ``DRAPartitionableDevices`` gate such devices are never allocated. A pool whose devices name a
+  counter set or counter it lacks, or with two counter sets of one name, is invalid
+  (``getAndValidateCounterSets`` / ``validateDeviceCounterConsumption``): none of its devices is.
 
-Not reproduced: prioritized lists (firstAvailable), admin access, partitionable counters, device
-taints' tolerations, binding conditions, and CEL beyond the subset our DeviceClasses use. Like the
-real allocator there is **no scoring**: a caller picks among feasible nodes itself.
+Not reproduced: prioritized lists (firstAvailable), admin access, device taints' tolerations,
+binding conditions, shared (``allowMultipleAllocations``) devices that also consume counters, and
+CEL beyond the subset our DeviceClasses use. Like the real allocator there is **no scoring**: a
+caller picks among feasible nodes itself.
 """
 from __future__ import annotations
 
@@ -29,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from kubernetes.utils import parse_quantity
+
+from deviceplugin.dra.validation import pool_counter_errors
 
 Obj = dict[str, Any]
 MiB = 1024 * 1024
@@ -245,6 +257,9 @@ def quantity(n: int) -> str:
 
 
 # -- the allocator ----------------------------------------------------------------------------------
+Counters = dict[str, dict[str, Any]]  # counter set -> counter -> amount (a Decimal)
+
+
 @dataclass(frozen=True)
 class Candidate:
     driver: str
@@ -269,21 +284,46 @@ class Candidate:
         return None
 
 
-def complete_pools(slices: Iterable[Obj], node: str) -> list[Candidate]:
-    """Devices of the node's complete pools, newest generation only, in pool then slice order."""
+def counters_of(device: Obj) -> Counters:
+    """A device's ``consumesCounters`` as amounts."""
+    return {c["counterSet"]: {n: parse_quantity(v["value"]) for n, v in (c.get("counters") or {}).items()}
+            for c in device.get("consumesCounters") or ()}
+
+
+def pool_counters(slices: Iterable[Obj], node: str) -> dict[tuple[str, str], Counters]:
+    """Per complete, valid pool of the node: its counter sets as amounts (what nothing consumed yet)."""
+    out: dict[tuple[str, str], Counters] = {}
+    for (driver, pool), current in _current_pools(slices, node).items():
+        out[(driver, pool)] = {cs["name"]: {n: parse_quantity(v["value"]) for n, v in (cs.get("counters") or {}).items()}
+                               for m in current for cs in m["spec"].get("sharedCounters") or ()}
+    return out
+
+
+def _current_pools(slices: Iterable[Obj], node: str) -> dict[tuple[str, str], list[Obj]]:
+    """The node's pools: newest generation, complete and valid only (pools_experimental.go GatherPools)."""
     pools: dict[tuple[str, str], list[Obj]] = {}
     for s in slices:
         spec = s.get("spec") or {}
         if spec.get("nodeName") != node:
             continue
         pools.setdefault((spec["driver"], spec["pool"]["name"]), []).append(s)
-    out = []
+    out: dict[tuple[str, str], list[Obj]] = {}
     for (driver, pool), members in sorted(pools.items()):
         newest = max(int(m["spec"]["pool"].get("generation", 0)) for m in members)
         current = sorted((m for m in members if int(m["spec"]["pool"].get("generation", 0)) == newest),
                          key=lambda m: m["metadata"]["name"])
         if len(current) != int(current[0]["spec"]["pool"].get("resourceSliceCount", 1)):
             continue  # incomplete pool: the allocator waits for the driver to finish publishing
+        if pool_counter_errors(current):
+            continue  # invalid pool: no device of it is allocatable
+        out[(driver, pool)] = current
+    return out
+
+
+def complete_pools(slices: Iterable[Obj], node: str) -> list[Candidate]:
+    """Devices of the node's complete, valid pools, newest generation only, in pool then slice order."""
+    out = []
+    for (driver, pool), current in _current_pools(slices, node).items():
         for m in current:
             for d in m["spec"].get("devices") or ():
                 if any(t.get("effect") in ("NoSchedule", "NoExecute") for t in d.get("taints") or ()):
@@ -335,13 +375,43 @@ def _slots(claim: Obj, classes: Mapping[str, Obj]) -> list[_Slot]:
     return out
 
 
+def available_counters(slices: Sequence[Obj], node: str, whole: set[tuple[str, str, str]]
+                       ) -> dict[tuple[str, str], Counters]:
+    """checkAvailableCounters' first half: each pool's counter sets minus what the devices allocated
+    to other claims consume (never clamped: below zero means none left)."""
+    avail = pool_counters(slices, node)
+    for c in complete_pools(slices, node):
+        if c.key not in whole or (c.driver, c.pool) not in avail:
+            continue
+        for cs, counters in counters_of(c.device).items():
+            have = avail[(c.driver, c.pool)].get(cs)
+            for name, amount in counters.items():
+                if have is not None and name in have:  # validation guarantees it; skipped otherwise
+                    have[name] -= amount
+    return avail
+
+
+def counters_fit(available: Counters, picked: Sequence[Counters]) -> bool:
+    """checkAvailableCounters' second half: with every device picked so far in this pool (the last one
+    the candidate), no counter of the pool is consumed past what is available."""
+    for cs, counters in available.items():
+        for name, have in counters.items():
+            if have < sum((p.get(cs, {}).get(name, 0) for p in picked), parse_quantity("0")):
+                return False
+    return True
+
+
 def allocate(claim: Obj, node: str, slices: Sequence[Obj], classes: Mapping[str, Obj],
-             allocated: Sequence[Obj], new_share_id: Callable[[], str] = lambda: str(uuidlib.uuid4())
-             ) -> Obj | None:
-    """The allocation of ``claim`` on ``node`` (``status.allocation``), or ``None`` when it does not fit."""
+             allocated: Sequence[Obj], new_share_id: Callable[[], str] = lambda: str(uuidlib.uuid4()),
+             partitionable: bool = True) -> Obj | None:
+    """The allocation of ``claim`` on ``node`` (``status.allocation``), or ``None`` when it does not fit.
+
+    ``partitionable``: kube-scheduler's DRAPartitionableDevices gate (devices that consume counters are
+    never allocated without it)."""
     slots = _slots(claim, classes)
     candidates = complete_pools(slices, node)
     whole, consumed = in_use(allocated)
+    counters = available_counters(slices, node, whole)
     constraints = ((claim.get("spec") or {}).get("devices") or {}).get("constraints") or ()
     chosen: list[tuple[_Slot, Candidate, int | None]] = []
 
@@ -352,7 +422,15 @@ def allocate(claim: Obj, node: str, slices: Sequence[Obj], classes: Mapping[str,
             if slot.memory is not None and "memory" not in (cand.device.get("capacity") or {}):
                 return False
             taken = cand.key in whole or any(c.key == cand.key for _, c, _ in chosen)
-            return None if not taken else False
+            if taken:
+                return False
+            if cand.device.get("consumesCounters"):
+                if not partitionable:
+                    return False
+                picked = [counters_of(c.device) for _, c, _ in chosen if (c.driver, c.pool) == (cand.driver, cand.pool)]
+                if not counters_fit(counters.get((cand.driver, cand.pool), {}), picked + [counters_of(cand.device)]):
+                    return False
+            return None
         cap = (cand.device.get("capacity") or {}).get("memory")
         if cap is None:
             return False

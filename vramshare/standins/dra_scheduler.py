@@ -36,12 +36,13 @@ class Placement:
 
 class DraScheduler:
     def __init__(self, api: client.ApiClient, nodes: Sequence[str], seed: int = 0,
-                 score: Callable[[Obj, str, list[Obj]], float] | None = None) -> None:
+                 score: Callable[[Obj, str, list[Obj]], float] | None = None, partitionable: bool = True) -> None:
         self.core = client.CoreV1Api(api)
         self.resource = client.ResourceV1Api(api)
         self.nodes = list(nodes)
         self.rng = random.Random(seed)
         self.score = score
+        self.partitionable = partitionable  # kube-scheduler's DRAPartitionableDevices gate
 
     def create_claims(self, pod: Obj) -> Obj:
         """The resourceclaim controller: claims from templates, recorded in the pod status."""
@@ -83,7 +84,7 @@ class DraScheduler:
         for node in order:
             results, held = [], list(allocated)
             for claim in claims:
-                alloc = dra_allocator.allocate(claim, node, slices, classes, held)
+                alloc = dra_allocator.allocate(claim, node, slices, classes, held, partitionable=self.partitionable)
                 if alloc is None:
                     break
                 done = {**claim, "status": {**(claim.get("status") or {}), "allocation": alloc}}

@@ -33,9 +33,10 @@ class ApiServerDouble:
     def __init__(self, *, history_limit: int = 10_000, graceful_pod_deletion: bool = False,
                  host: str = "127.0.0.1", port: int = 0, kubernetes_version: str = "v1.33.2",
                  min_request_timeout_s: float = MIN_REQUEST_TIMEOUT_S,
-                 bookmark_frequency_s: float = BOOKMARK_FREQUENCY_S) -> None:
+                 bookmark_frequency_s: float = BOOKMARK_FREQUENCY_S, partitionable_devices: bool = True) -> None:
         self.kubernetes_version = kubernetes_version  # what GET /version answers
         self._store = Store(history_limit)
+        self._store.partitionable_devices = partitionable_devices  # DRAPartitionableDevices gate
         # a watch without timeoutSeconds ends after min_request_timeout_s * (1 + rand), as the real one
         self._hub = WatchHub(self._store, min_request_timeout_s=min_request_timeout_s,
                              bookmark_frequency_s=bookmark_frequency_s)

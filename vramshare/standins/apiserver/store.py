@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from deviceplugin.dra.validation import validate_resource_slice
+from deviceplugin.dra.validation import drop_disabled_partitionable_fields, validate_resource_slice
 
 from . import errors, managedfields
 from .patches import apply_patch
@@ -51,6 +51,7 @@ class Store:
         self._history: deque[Change] = deque()
         self._history_limit = history_limit
         self._compacted_rv = self._rv  # every change with rv > this is still in the history
+        self.partitionable_devices = True  # the DRAPartitionableDevices feature gate (on since 1.36)
 
     # -- reads -------------------------------------------------------------------------------------
     @property
@@ -131,7 +132,7 @@ class Store:
                 _default_pod(new, keep_status)
             if manager is not None:
                 new = managedfields.update(None, new, manager, rtype.api_version)
-            _validate(rtype, new, None)
+            _validate(rtype, new, None, self.partitionable_devices)
             if dry_run:
                 meta["resourceVersion"] = str(self._rv)
                 return new
@@ -303,7 +304,7 @@ class Store:
             new = managedfields.update(old, new, manager, rtype.api_version, subresource)
         nmeta = new["metadata"]
         nmeta["resourceVersion"] = ometa["resourceVersion"]
-        _validate(rtype, new, old)
+        _validate(rtype, new, old, self.partitionable_devices)
         if new == old or dry_run:
             return old if new == old else new  # a no-op write bumps nothing and wakes no watch
         return self._commit(rtype, _key(rtype, ometa.get("namespace"), name), new, old, "MODIFIED")
@@ -325,11 +326,13 @@ def _key(rtype: ResourceType, namespace: str | None, name: str) -> Key:
     return (rtype, (namespace or "") if rtype.namespaced else "", name)
 
 
-def _validate(rtype: ResourceType, new: Obj, old: Obj | None) -> None:
+def _validate(rtype: ResourceType, new: Obj, old: Obj | None, partitionable: bool = True) -> None:
     """The API server's validation of the kinds our daemons write where it refuses more than the
     schema: ResourceSlices (pkg/apis/resource/validation ``ValidateResourceSlice[Update]``, ported in
-    :mod:`deviceplugin.dra.validation`); a refusal is a 422 naming every field error."""
+    :mod:`deviceplugin.dra.validation`); a refusal is a 422 naming every field error. Before it, the
+    strategy drops the fields of a disabled DRAPartitionableDevices gate (``PrepareForCreate/Update``)."""
     if rtype is RESOURCESLICES:
+        drop_disabled_partitionable_fields(new, old, partitionable)
         found = validate_resource_slice(new, old)
         if found:
             raise errors.invalid_fields(rtype.kind, "resource.k8s.io", new["metadata"]["name"], found)
