@@ -262,9 +262,8 @@ class DraConfig:
     device_taints: bool = False  # withdraw unhealthy devices by taint (DRADeviceTaints) instead of removal
     cdi_root: str = "/var/run/cdi"
     state_dir: str = "/var/lib/vramshare/dra"  # the prepared-claims checkpoint
-    # issue 24: GPUs in MIG mode (index, UUID or "all") whose instances DRA makes per claim: every
-    # profile at every placement published as a partitionable device (KEP-4815), made at Prepare
-    dynamic_mig: tuple[str, ...] = ()
+    # issue 24: on the GPUs this plugin owns that ``dynamicMig.gpus`` allows (one consent for both
+    # paths), every profile at every placement is published as a partitionable device (KEP-4815).
     # "auto": publish partitionable devices and fall back to today's devices when the API server drops
     # their counters (DRAPartitionableDevices off); "off": never; "on": never fall back
     partitionable_devices: str = "auto"
@@ -272,10 +271,6 @@ class DraConfig:
     def manages(self, index: int, uuid: str) -> bool:
         return "all" in self.gpus or uuid in self.gpus or str(index) in self.gpus
 
-    def dynamic(self, index: int, uuid: str) -> bool:
-        """May DRA make and remove MIG instances on this GPU (the admin's per-GPU consent)?"""
-        return self.partitionable_devices != "off" and (
-            "all" in self.dynamic_mig or uuid in self.dynamic_mig or str(index) in self.dynamic_mig)
 
 
 @dataclass(frozen=True)
@@ -313,6 +308,11 @@ class Config:
     def names(self) -> contract.Names:
         return contract.Names(self.resource_domain)
 
+    def dra_partitions(self, index: int, uuid: str) -> bool:
+        """Does the DRA plugin publish this GPU's MIG partitions (issue 24)? The admin's one consent for
+        both paths (``dynamicMig.gpus``), unless ``dra.partitionableDevices`` is off."""
+        return self.dra.partitionable_devices != "off" and self.dynamic_mig.allows(index, uuid)
+
     def mode_for(self, index: int, uuid: str, mig_enabled: bool) -> GpuMode:
         """A GPU in MIG mode is always offered as MIG; otherwise per-GPU config, then the default."""
         if mig_enabled:
@@ -340,7 +340,7 @@ _REMOVED_KEYS = {"mpsEnforcement": "replaced by enforcement.mode: mps (which als
 _WARM_KEYS = {"enabled": "enabled", "modelCacheDir": "model_cache_dir", "scanIntervalSeconds": "scan_interval_seconds",
               "maxCacheEntries": "max_cache_entries", "residencyMaxSteps": "residency_max_steps"}
 _DRA_KEYS = {"gpus": "gpus", "deviceTaints": "device_taints", "cdiRoot": "cdi_root", "stateDir": "state_dir",
-             "dynamicMig": "dynamic_mig", "partitionableDevices": "partitionable_devices"}
+             "partitionableDevices": "partitionable_devices"}
 PARTITIONABLE_MODES = ("auto", "on", "off")
 _HEALTH_KEYS = {"ignoredXids": "ignored_xids", "disabled": "disabled",
                 "recoveryProbeSeconds": "recovery_probe_seconds", "probesToRecover": "probes_to_recover"}
@@ -757,14 +757,6 @@ def _quota_classes(raw: Any) -> tuple[QuotaClass, ...]:
     return tuple(out)
 
 
-def _gpu_list(raw: Any, key: str) -> tuple[str, ...]:
-    if raw == "all":
-        raw = ["all"]
-    if not isinstance(raw, list) or not all(isinstance(g, (str, int)) and not isinstance(g, bool) for g in raw):
-        raise ConfigError(f"{key}: expected \"all\" or a list of GPU indexes or UUIDs, got {raw!r}")
-    return tuple(str(g) for g in raw)
-
-
 def _dra_config(raw: Any) -> DraConfig:
     r = _check_keys(raw, _DRA_KEYS, "dra.")
     d = DraConfig()
@@ -773,7 +765,6 @@ def _dra_config(raw: Any) -> DraConfig:
         raise ConfigError(f"dra.partitionableDevices: expected one of {', '.join(PARTITIONABLE_MODES)}, got {mode!r}")
     return DraConfig(
         gpus=_gpu_list(r.get("gpus", []), "dra.gpus"),
-        dynamic_mig=_gpu_list(r.get("dynamicMig", []), "dra.dynamicMig"),
         partitionable_devices=mode,
         device_taints=_typed(r.get("deviceTaints", False), bool, "dra.deviceTaints"),
         cdi_root=_absolute(_typed(r.get("cdiRoot", d.cdi_root), str, "dra.cdiRoot"), "dra.cdiRoot"),

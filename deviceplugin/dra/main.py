@@ -9,7 +9,7 @@ deregistration; retrying failures),
 and ``metrics-http``. Same backends and config file as the device plugin; the config's
 ``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
 
-Dynamic MIG (issue 24): on NVML, GPUs in MIG mode listed in ``dra.dynamicMig`` are published as
+Dynamic MIG (issue 24): on NVML, GPUs in MIG mode listed in ``dynamicMig.gpus`` are published as
 partitionable devices (every profile at every placement, with counters) and their instances made at
 Prepare. With ``dra.partitionableDevices: auto`` a server that drops the counters (its
 DRAPartitionableDevices gate off) is detected at the first publication, before any device slice is
@@ -113,12 +113,12 @@ class DraPluginDaemon:
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
 
     def _dynamic(self, published: bool = True) -> dict[str, mig.MigModel]:
-        """Dynamic-MIG GPUs: in MIG mode, allowed by ``dra.dynamicMig``, reachable through NVML, and (for
+        """Dynamic-MIG GPUs: in MIG mode, allowed by ``dynamicMig.gpus``, reachable through NVML, and (for
         publishing) while the API server keeps counters."""
         if self.mig is None or (published and not self.partitionable):
             return {}
         snap = self.state.snapshot
-        return {u: m for u, m in slices.dynamic_models(snap.inventory, snap.config.dra.dynamic).items()
+        return {u: m for u, m in slices.dynamic_models(snap.inventory, snap.config.dra_partitions).items()
                 if u in self.mig.gpus}
 
     def devices(self) -> Mapping[str, slices.DeviceRef]:

@@ -13,7 +13,7 @@ Device names are DNS labels derived from the GPU index (``gpu-0``, ``gpu-0-mig-1
 ``uuid`` attribute names the physical GPU. No I/O: dicts in the API's JSON shape come out.
 
 Dynamic MIG (issue 24, KEP-4815 partitionable devices): a GPU in MIG mode whose admin allows it
-(``dra.dynamicMig``) is published as every profile at every legal placement (:mod:`vramshare.mig`),
+(``dynamicMig.gpus``) is published as every profile at every legal placement (:mod:`vramshare.mig`),
 each device consuming counters from the GPU's counter set ``gpu-<index>-counter-set``: one
 ``memory-slice-<n>`` per eighth of memory (value 1), ``compute-slices`` (7) and ``media-engines`` (1,
 taken by ``+me`` profiles), so the scheduler's allocator never hands out two overlapping placements.

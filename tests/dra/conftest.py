@@ -5,15 +5,17 @@ import pytest
 
 from deviceplugin import devices
 from deviceplugin.simulated_backend import SimulatedBackend
-from vramshare.config import Config, DraConfig
+from vramshare.config import Config, DraConfig, DynamicMigConfig
 from vramshare.inventory import GpuMode
 
 NODE = "gpu-node-1"
 
 
-def dra_config(tmp_path, **dra) -> Config:
-    """GPU 1 exclusive, the rest shared (the A100 is in MIG mode); everything served by DRA."""
+def dra_config(tmp_path, dynamic_mig: tuple[str, ...] = (), **dra) -> Config:
+    """GPU 1 exclusive, the rest shared (the A100 is in MIG mode); everything served by DRA; the GPUs
+    in ``dynamic_mig`` consent to dynamic MIG (``dynamicMig.gpus``)."""
     return Config(gpu_modes={"1": GpuMode.EXCLUSIVE}, quota_host_dir=str(tmp_path / "quota"),
+                  dynamic_mig=DynamicMigConfig(gpus=dynamic_mig),
                   dra=DraConfig(**{"gpus": ("all",), "cdi_root": str(tmp_path / "cdi"),
                                    "state_dir": str(tmp_path / "state"), **dra}))
 

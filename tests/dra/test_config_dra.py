@@ -28,13 +28,15 @@ def test_bad_dra_config_names_the_key(text, key):
 
 
 def test_dynamic_mig_keys():
-    """Issue 24: which MIG GPUs DRA may partition, and whether partitionable devices are published."""
-    c = parse_config("dra:\n  gpus: all\n  dynamicMig: [3, GPU-m]\n")
-    assert c.dra.dynamic_mig == ("3", "GPU-m") and c.dra.partitionable_devices == "auto"
-    assert c.dra.dynamic(3, "GPU-x") and c.dra.dynamic(0, "GPU-m") and not c.dra.dynamic(0, "GPU-x")
-    assert not parse_config("dra:\n  dynamicMig: all\n  partitionableDevices: 'off'\n").dra.dynamic(0, "GPU-0")
-    assert not parse_config("").dra.dynamic(0, "GPU-0")
+    """Issue 24: one consent for both paths (``dynamicMig.gpus``); DRA publishes partitionable devices
+    on the GPUs it owns that the consent names, unless ``dra.partitionableDevices`` is off."""
+    c = parse_config("dra:\n  gpus: all\ndynamicMig:\n  gpus: [3, GPU-m]\n")
+    assert c.dynamic_mig.gpus == ("3", "GPU-m") and c.dra.partitionable_devices == "auto"
+    allowed = c.dra_partitions
+    assert allowed(3, "GPU-x") and allowed(0, "GPU-m") and not allowed(0, "GPU-x")
+    assert not parse_config("dynamicMig:\n  gpus: all\ndra:\n  partitionableDevices: 'off'\n").dra_partitions(0, "GPU-0")
+    assert not parse_config("").dra_partitions(0, "GPU-0")
     with pytest.raises(ConfigError, match=r"dra\.partitionableDevices"):
         parse_config("dra:\n  partitionableDevices: maybe\n")
-    with pytest.raises(ConfigError, match=r"dra\.dynamicMig"):
-        parse_config("dra:\n  dynamicMig: 3\n")
+    with pytest.raises(ConfigError, match=r"dra\.dynamicMig"):  # the old second list is refused by name
+        parse_config("dra:\n  dynamicMig: [3]\n")

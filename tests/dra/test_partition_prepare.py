@@ -42,7 +42,7 @@ class Node:
                  writes: list[int] | None = None) -> None:
         backend = NvmlBackend(nvml=fake)
         inventory = devices.build_inventory(backend.discover(), config, dra=True)
-        dynamic = slices.dynamic_models(inventory, config.dra.dynamic)
+        dynamic = slices.dynamic_models(inventory, config.dra_partitions)
         assert list(dynamic) == [H100_MIG.uuid]
         handle = fake.nvmlDeviceGetHandleByIndex(0)
         self.mig = DynamicMig(NvmlMig(fake), {H100_MIG.uuid: (handle, H100_MIG.name, H100_MIG.total_mib)})

@@ -24,7 +24,7 @@ def dyn_config(tmp_path):
 
 @pytest.fixture
 def dynamic(inventory, dyn_config):
-    return slices.dynamic_models(inventory, dyn_config.dra.dynamic)
+    return slices.dynamic_models(inventory, dyn_config.dra_partitions)
 
 
 def _pool(inventory, config, dynamic, foreign=None, generation=1):
@@ -64,10 +64,10 @@ def test_every_profile_at_every_placement_with_the_gpus_counters(inventory, dyn_
 
 
 def test_without_consent_or_support_todays_devices_only(inventory, config, tmp_path):
-    """No dra.dynamicMig (or partitionableDevices: off): the MIG GPU's existing instances, no counters."""
-    assert slices.dynamic_models(inventory, config.dra.dynamic) == {}
+    """No dynamicMig.gpus (or partitionableDevices: off): the MIG GPU's existing instances, no counters."""
+    assert slices.dynamic_models(inventory, config.dra_partitions) == {}
     off = dra_config(tmp_path, dynamic_mig=("all",), partitionable_devices="off")
-    assert slices.dynamic_models(inventory, off.dra.dynamic) == {}
+    assert slices.dynamic_models(inventory, off.dra_partitions) == {}
     pool = _pool(inventory, config, {})
     assert _partitions(pool) == [] and all("sharedCounters" not in s["spec"] for s in pool)
 

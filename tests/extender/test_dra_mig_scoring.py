@@ -8,7 +8,7 @@ from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.dra import slices
 from extender import dra_scoring
 from vramshare import contract, mig
-from vramshare.config import Config, DraConfig
+from vramshare.config import Config, DraConfig, DynamicMigConfig
 from vramshare.standins import dra_allocator
 from vramshare.standins.demo_dra import device_classes
 
@@ -19,11 +19,11 @@ H100 = mig.MODELS["H100-SXM5-80GB"]
 
 def mig_slices(node: str) -> list[dict]:
     """One H100 in MIG mode, dynamic: its 25 partitions and its counter set."""
-    cfg = Config(dra=DraConfig(gpus=("all",), dynamic_mig=("all",)))
+    cfg = Config(dra=DraConfig(gpus=("all",)), dynamic_mig=DynamicMigConfig(gpus=("all",)))
     gpus = [DiscoveredGpu(index=0, uuid=f"GPU-{node}", model="NVIDIA H100 80GB HBM3", memory_mib=81559,
                           mig_enabled=True)]
     inv = devices.build_inventory(gpus, cfg, dra=True)
-    dyn = slices.dynamic_models(inv, cfg.dra.dynamic)
+    dyn = slices.dynamic_models(inv, cfg.dra_partitions)
     return slices.resource_slices(node, None, slices.desired_devices(inv, NAMES, node, taints=False, dynamic=dyn), 1,
                                   NAMES, slices.counter_sets(inv, dyn))
 
