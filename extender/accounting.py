@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from extender import cluster, holds, placement, translate, verbs
+from extender import cluster, holds, parsed, placement, translate, verbs
 from vramshare import contract, logs, managed, podspec
 from vramshare.config import Config, Policy
 
@@ -126,11 +126,20 @@ class Accounting:
         self._host_pods: dict[str, dict[str, cluster.HostDemand]] = {}
         self._host_node: dict[str, str] = {}
         self.models: dict[str, tuple] = {}  # node -> resident models it reports (issue 23)
+        # Every pod read once per resourceVersion: the watch's events and the verbs share the reading.
+        self.pods_read = parsed.PodReader(self.names, config.memory_unit_mib)
 
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
                           self.holds if len(self.holds) else None, self.clock(), self.models,
-                          self.config.warm_tier.residency_max_steps, frozenset(self.holds.silent))
+                          self.config.warm_tier.residency_max_steps, frozenset(self.holds.silent),
+                          self.pods_read, self.holds.timeout_ns)
+
+    def commit(self, expected: verbs.Expectation | None) -> None:
+        """The one place a filter or prioritize answer changes state: the expected bind it implies
+        (:func:`extender.verbs.expectation`) is held (:meth:`expect_bind`)."""
+        if expected is not None:
+            self.expect_bind(expected.pod, expected.node, expected.signature)
 
     # -- nodes ----------------------------------------------------------------------------
     def apply_node(self, event: str, node: Obj) -> None:
@@ -214,6 +223,7 @@ class Accounting:
         with self.lock:
             phase = (pod.get("status") or {}).get("phase")
             if event == "DELETED" or phase in TERMINAL_PHASES:
+                self.pods_read.forget(pod)
                 if event == "DELETED" and may_still_run(pod):
                     self._keep_departing(key, pod)
                 if self.pods.pop(key, None) is not None or key in self._held:
@@ -224,7 +234,7 @@ class Accounting:
                 self.unaccounted.pop(key, None)
                 self.untrusted.pop(key, None)
                 return
-            if not podspec.wants_gpu(pod, self.names):
+            if not self.pods_read.read(pod).wants_gpu:
                 self._account_host_pod(key, pod)
                 return
             if key not in self.pods:
@@ -235,23 +245,21 @@ class Accounting:
     def _observe(self, key: str, pod: Obj) -> None:
         """Feed FGD's target workload; a size no GPU of the cluster has is no workload to plan for (a
         flood of absurd requests must not steer every other pod's placement)."""
-        try:
-            asks = translate.pod_asks(pod, self.names, self.config.memory_unit_mib)
-        except podspec.PodSpecError:
+        read = self.pods_read.read(pod)
+        if read.want is None:
             return
         cap = self.state.capacity
         biggest = int(cap.max()) if cap.size else 0
-        demands = [d for d in translate.demands_of(asks) if d.per_gpu <= biggest]
+        demands = [d for d in read.demands if d.per_gpu <= biggest]
         if demands:
             self.state.observe(demands, self._pod_host(key, pod))
 
-    @staticmethod
-    def _pod_host(key: str, pod: Obj) -> cluster.HostDemand:
-        try:
-            return translate.pod_host(pod)
-        except translate.TranslateError as exc:  # the API server refuses such pods: count nothing
-            log.error("bad CPU/memory request ignored", pod=key, error=str(exc))
+    def _pod_host(self, key: str, pod: Obj) -> cluster.HostDemand:
+        read = self.pods_read.read(pod)
+        if read.host is None:  # the API server refuses such pods: count nothing
+            log.error("bad CPU/memory request ignored", pod=key, error=read.host_error)
             return cluster.HostDemand()
+        return read.host
 
     def _account_host_pod(self, key: str, pod: Obj) -> None:
         """A pod that asks no GPU uses the CPU and memory of the node it is bound to."""
@@ -384,12 +392,10 @@ class Accounting:
 
     def _hold(self, key: str, node: str, pod: Obj, asg: translate.Assignment, assume_ns: int) -> None:
         """The pod's size signature is held on the node with the plans its assignment names."""
-        try:
-            want = podspec.pod_demand(pod, self.names)
-        except podspec.PodSpecError:
+        read = self.pods_read.read(pod)
+        if read.want is None or read.signature is None:
             return
-        self.holds.hold(key, node, translate.signature_of(want, self.names), assume_ns,
-                        holds.plans_of(want, self.names, asg.containers))
+        self.holds.hold(key, node, read.signature, assume_ns, holds.plans_of(read.want, self.names, asg.containers))
 
     def _over(self, node: str) -> bool:
         return any(u.used > u.slot.capacity for u in self.state.node_usage(node))
