@@ -174,7 +174,11 @@ class Accounting:
                 for key, need in self._host_pods.get(name, {}).items():
                     self.state.add_pod(key, name, (), need, strict_host=False)
             self._annotation[name] = text or ""
-            self.models[name] = translate.node_models(node, self.names)
+            models = translate.node_models(node, self.names)
+            if models:  # only nodes that report one: prioritize looks these up, never every node
+                self.models[name] = models
+            else:
+                self.models.pop(name, None)
             self._node_of_uuid.update((s.uuid, name) for s in slots)
             log.info("node inventory", node=name, gpus=len(slots), capacity_mib=sum(s.capacity for s in slots))
             for key in list(self.unaccounted):  # pods that named a node or GPU we did not know yet

@@ -175,8 +175,7 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
     if want.model_error:
         log.info("model annotation ignored", pod=want.key, reason=want.model_error)
     if want.model is not None and view.models:
-        cfg = residency.ResidencyConfig(max_steps=view.residency_max_steps)
-        bonus = residency.bonus(want.model, [view.models.get(n, ()) for n in names], cfg)
+        bonus = _residency(view, want.model, names)
     scores = placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host,
                                    bonus=bonus)
     if view.silent and demands and any(n not in view.silent for n in names):
@@ -197,3 +196,20 @@ def expectation(view: View, args: wire.ExtenderArgs, node: str | None) -> Expect
     if not pod.wants_gpu or pod.signature is None:
         return None
     return Expectation(args.pod_key, node, pod.signature)
+
+
+def _residency(view: View, model: contract.ModelRef, names: Sequence[str]) -> np.ndarray | None:
+    """The residency bonus per name (:func:`extender.residency.bonus`), computed only for the names
+    whose node reports a resident model (``view.models`` holds only those): a node that reports
+    none saves no load time, and walking 5,000 empty reports in Python cost a prioritize ~10 ms."""
+    rows = view.state.rows_of(names)
+    by_row = {r: m for r, m in ((view.state.row(n), m) for n, m in view.models.items() if m) if r is not None}
+    if not by_row:
+        return None
+    at = np.flatnonzero(np.isin(rows, np.fromiter(by_row, np.int64, len(by_row))))
+    if not len(at):
+        return None
+    cfg = residency.ResidencyConfig(max_steps=view.residency_max_steps)
+    out = np.zeros(len(names))
+    out[at] = residency.bonus(model, [by_row[int(r)] for r in rows[at].tolist()], cfg)
+    return out
