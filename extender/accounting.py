@@ -58,6 +58,7 @@ _FORGET_LIMIT = 10_000
 DEPARTING_MARGIN_S = 5  # beyond the pod's grace: the kubelet's sync period to notice and kill
 DEFAULT_GRACE_S = 30  # the API server's default terminationGracePeriodSeconds
 MAX_GRACE_S = 3600  # a pod's grace as the extender believes it (the API allows more; nothing waits longer)
+WARM_QUIET_S = 0.02  # the warmer works only after this long without a scheduling verb
 
 
 def may_still_run(pod: Obj) -> bool:
@@ -128,6 +129,7 @@ class Accounting:
         self.models: dict[str, tuple] = {}  # node -> resident models it reports (issue 23)
         # Every pod read once per resourceVersion: the watch's events and the verbs share the reading.
         self.pods_read = parsed.PodReader(self.names, config.memory_unit_mib)
+        self.last_verb = 0.0  # time.monotonic() of the last filter/prioritize/bind: the warmer waits for a lull
 
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
@@ -487,8 +489,16 @@ class Accounting:
 
     def warm_loop(self, stop: threading.Event, idle_s: float = 0.05) -> None:
         """Keep the placement tables of every expected request shape current, between requests: each
-        step holds the lock for about a millisecond at 5,000 nodes, so filter never waits long."""
+        step holds the lock for about a millisecond at 5,000 nodes, so filter never waits long. While
+        kube-scheduler's cycles keep coming (a verb within :data:`WARM_QUIET_S`) the warmer waits:
+        with binds changing the books every cycle it would recompute every expected shape's rows
+        that the requests compute for their own shape anyway, and take the lock and the GIL from them
+        (bench_extender, real mix: ~40% of the server's CPU per cycle)."""
         while not stop.is_set():
+            quiet = self.last_verb + WARM_QUIET_S - time.monotonic()
+            if quiet > 0:
+                stop.wait(quiet)
+                continue
             try:
                 more = self.warm_step()
             except Exception:  # noqa: BLE001 - a warmer that dies only costs speed: say so, keep going

@@ -109,6 +109,7 @@ class Extender:
             conn.close()
 
     def _verb(self, verb: str, fn: Callable[[bytes], bytes], body: bytes) -> Response:
+        self.acct.last_verb = time.monotonic()  # the warmer waits for a lull (Accounting.warm_loop)
         start = time.perf_counter()
         outcome = "ok"
         try:
