@@ -374,19 +374,24 @@ def serve_child(argv: list[str]) -> None:
         d = a.tls_dir
         tls = Reloader(TlsFiles(f"{d}/server.crt", f"{d}/server.key", f"{d}/ca.crt"))
     server = http_server.ExtenderHTTPServer(ext, "127.0.0.1", 0, tls=tls)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+    prof = cProfile.Profile() if a.profile else None
+
+    def serve() -> None:  # the loop thread answers filter and prioritize: profile it there
+        if prof is not None:
+            prof.enable()
+        server.serve_forever(poll_interval=0.1)
+        if prof is not None:
+            prof.disable()
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
     threading.Thread(target=acct.warm_loop, args=(stop,), daemon=True).start()
     threading.Thread(target=feed.run, args=(stop,), daemon=True).start()
-    prof = cProfile.Profile() if a.profile else None
     print(server.url, flush=True)
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "cpu":
             print(time.process_time(), flush=True)
-        elif cmd == "profile-on" and prof is not None:
-            prof.enable()
-        elif cmd == "profile-off" and prof is not None:
-            prof.disable()
         elif cmd == "stats":
             reader = getattr(acct, "pods_read", None)
             print(json.dumps({"parsed_pod_hits": getattr(reader, "hits", None),
@@ -396,6 +401,7 @@ def serve_child(argv: list[str]) -> None:
             break
     stop.set()
     server.close()
+    serving.join(30)
     if prof is not None:
         buf = io.StringIO()
         for key in ("tottime", "cumulative"):
@@ -611,7 +617,7 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
         tls = make_tls(tmp) if tls_on else None
         servers = {}
         for label, tree in trees.items():
-            prof = os.path.join(RESULTS_DIR, f"extender-profile-{label}-{nodes}.txt") if profile else ""
+            prof = os.path.join(tempfile.gettempdir(), f"bench-extender-profile-{label}-{nodes}.txt") if profile else ""
             servers[label] = Server(label, tree, nodes, mix, total, tmp if tls_on else "", policy, prof)
             stack.callback(servers[label].stop)
         t0 = time.perf_counter()
@@ -624,11 +630,7 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
             batch = pods[r * cycles:(r + 1) * cycles]
             order = list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]
             for label, s in order:
-                if profile:
-                    s.ask("profile-on")
                 runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real"))
-                if profile:
-                    s.ask("profile-off")
                 time.sleep(0.2)
         stats = {label: json.loads(s.ask("stats")) for label, s in servers.items()}
     result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy,
@@ -659,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer cycles, two runs")
-    ap.add_argument("--profile", action="store_true", help="cProfile each server during its runs (to bench/results/)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile each server.s HTTP loop thread (filter, prioritize, TLS) to /tmp")
     ap.add_argument("--policy", default="fgd", choices=[p.value for p in Policy])
     ap.add_argument("--repeat", type=int, default=3, help="runs per server, interleaved (default 3)")
     ap.add_argument("--sizes", default="5000", help="comma-separated node counts (default 5000)")
