@@ -14,7 +14,6 @@ candidates.
 from __future__ import annotations
 
 import http.client
-import operator
 import ssl
 
 import time
@@ -151,8 +150,9 @@ class Extender:
         with self.acct.lock:
             view = self.acct.view(self.policy)
             scores = verbs.prioritize_pod(view, args)
-            best = max(scores, key=operator.itemgetter(1), default=None)
-            self.acct.commit(verbs.expectation(view, args, best[0] if best is not None and best[1] > 0 else None))
+            values = [s for _, s in scores]
+            top = max(values, default=0)  # the first best-scored node, as max(scores, key=score) finds it
+            self.acct.commit(verbs.expectation(view, args, scores[values.index(top)][0] if top > 0 else None))
         return wire.encode_host_priorities(scores)
 
     def _preempt(self, body: bytes) -> bytes:
