@@ -645,9 +645,9 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
         # pairs much more than within one, so the median of the pairs' ratios is what to quote.
         pairs = list(zip(runs["new"], runs["baseline"]))
         result["ratio_cycles_per_s_pairs"] = [round(a["cycles_per_s"] / b["cycles_per_s"], 2) for a, b in pairs]
-        result["ratio_cycles_per_s"] = float(np.median(result["ratio_cycles_per_s_pairs"]))
-        result["ratio_server_cpu"] = float(np.median([round(b["server_cpu_ms_per_cycle"] / a["server_cpu_ms_per_cycle"], 2)
-                                                      for a, b in pairs]))
+        result["ratio_cycles_per_s"] = round(float(np.median(result["ratio_cycles_per_s_pairs"])), 2)
+        result["ratio_server_cpu"] = round(float(np.median([b["server_cpu_ms_per_cycle"] / a["server_cpu_ms_per_cycle"]
+                                                            for a, b in pairs])), 2)
     return result
 
 
