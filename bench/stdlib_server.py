@@ -1,7 +1,8 @@
 """The extender's previous transport (``http.server.ThreadingHTTPServer``), kept as a benchmark baseline.
 
-bench_extender.py ``--server stdlib`` serves through this, so the gain of :mod:`extender.http_server` is
-measured against it in the same run on the same machine. Not used by the extender itself.
+bench_extender.py ``--server stdlib`` served through this until issue 21 (the bench now measures whole
+scheduling cycles against a baseline commit; the transport alone is bench_endpoint.py's). Not used by the
+extender itself, nor by any bench now: kept for a comparison run by hand.
 """
 from __future__ import annotations
 

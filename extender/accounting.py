@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from extender import cluster, holds, placement, translate, verbs
+from extender import cluster, holds, parsed, placement, translate, verbs
 from vramshare import contract, logs, managed, podspec
 from vramshare.config import Config, Policy
 
@@ -58,6 +58,7 @@ _FORGET_LIMIT = 10_000
 DEPARTING_MARGIN_S = 5  # beyond the pod's grace: the kubelet's sync period to notice and kill
 DEFAULT_GRACE_S = 30  # the API server's default terminationGracePeriodSeconds
 MAX_GRACE_S = 3600  # a pod's grace as the extender believes it (the API allows more; nothing waits longer)
+WARM_QUIET_S = 0.02  # the warmer works only after this long without a scheduling verb
 
 
 def may_still_run(pod: Obj) -> bool:
@@ -126,11 +127,21 @@ class Accounting:
         self._host_pods: dict[str, dict[str, cluster.HostDemand]] = {}
         self._host_node: dict[str, str] = {}
         self.models: dict[str, tuple] = {}  # node -> resident models it reports (issue 23)
+        # Every pod read once per resourceVersion: the watch's events and the verbs share the reading.
+        self.pods_read = parsed.PodReader(self.names, config.memory_unit_mib)
+        self.last_verb = 0.0  # time.monotonic() of the last filter/prioritize/bind: the warmer waits for a lull
 
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
                           self.holds if len(self.holds) else None, self.clock(), self.models,
-                          self.config.warm_tier.residency_max_steps, frozenset(self.holds.silent))
+                          self.config.warm_tier.residency_max_steps, frozenset(self.holds.silent),
+                          self.pods_read, self.holds.timeout_ns)
+
+    def commit(self, expected: verbs.Expectation | None) -> None:
+        """The one place a filter or prioritize answer changes state: the expected bind it implies
+        (:func:`extender.verbs.expectation`) is held (:meth:`expect_bind`)."""
+        if expected is not None:
+            self.expect_bind(expected.pod, expected.node, expected.signature)
 
     # -- nodes ----------------------------------------------------------------------------
     def apply_node(self, event: str, node: Obj) -> None:
@@ -165,7 +176,11 @@ class Accounting:
                 for key, need in self._host_pods.get(name, {}).items():
                     self.state.add_pod(key, name, (), need, strict_host=False)
             self._annotation[name] = text or ""
-            self.models[name] = translate.node_models(node, self.names)
+            models = translate.node_models(node, self.names)
+            if models:  # only nodes that report one: prioritize looks these up, never every node
+                self.models[name] = models
+            else:
+                self.models.pop(name, None)
             self._node_of_uuid.update((s.uuid, name) for s in slots)
             log.info("node inventory", node=name, gpus=len(slots), capacity_mib=sum(s.capacity for s in slots))
             for key in list(self.unaccounted):  # pods that named a node or GPU we did not know yet
@@ -214,6 +229,7 @@ class Accounting:
         with self.lock:
             phase = (pod.get("status") or {}).get("phase")
             if event == "DELETED" or phase in TERMINAL_PHASES:
+                self.pods_read.forget(pod)
                 if event == "DELETED" and may_still_run(pod):
                     self._keep_departing(key, pod)
                 if self.pods.pop(key, None) is not None or key in self._held:
@@ -224,7 +240,7 @@ class Accounting:
                 self.unaccounted.pop(key, None)
                 self.untrusted.pop(key, None)
                 return
-            if not podspec.wants_gpu(pod, self.names):
+            if not self.pods_read.read(pod).wants_gpu:
                 self._account_host_pod(key, pod)
                 return
             if key not in self.pods:
@@ -235,23 +251,21 @@ class Accounting:
     def _observe(self, key: str, pod: Obj) -> None:
         """Feed FGD's target workload; a size no GPU of the cluster has is no workload to plan for (a
         flood of absurd requests must not steer every other pod's placement)."""
-        try:
-            asks = translate.pod_asks(pod, self.names, self.config.memory_unit_mib)
-        except podspec.PodSpecError:
+        read = self.pods_read.read(pod)
+        if read.want is None:
             return
         cap = self.state.capacity
         biggest = int(cap.max()) if cap.size else 0
-        demands = [d for d in translate.demands_of(asks) if d.per_gpu <= biggest]
+        demands = [d for d in read.demands if d.per_gpu <= biggest]
         if demands:
             self.state.observe(demands, self._pod_host(key, pod))
 
-    @staticmethod
-    def _pod_host(key: str, pod: Obj) -> cluster.HostDemand:
-        try:
-            return translate.pod_host(pod)
-        except translate.TranslateError as exc:  # the API server refuses such pods: count nothing
-            log.error("bad CPU/memory request ignored", pod=key, error=str(exc))
+    def _pod_host(self, key: str, pod: Obj) -> cluster.HostDemand:
+        read = self.pods_read.read(pod)
+        if read.host is None:  # the API server refuses such pods: count nothing
+            log.error("bad CPU/memory request ignored", pod=key, error=read.host_error)
             return cluster.HostDemand()
+        return read.host
 
     def _account_host_pod(self, key: str, pod: Obj) -> None:
         """A pod that asks no GPU uses the CPU and memory of the node it is bound to."""
@@ -384,12 +398,10 @@ class Accounting:
 
     def _hold(self, key: str, node: str, pod: Obj, asg: translate.Assignment, assume_ns: int) -> None:
         """The pod's size signature is held on the node with the plans its assignment names."""
-        try:
-            want = podspec.pod_demand(pod, self.names)
-        except podspec.PodSpecError:
+        read = self.pods_read.read(pod)
+        if read.want is None or read.signature is None:
             return
-        self.holds.hold(key, node, translate.signature_of(want, self.names), assume_ns,
-                        holds.plans_of(want, self.names, asg.containers))
+        self.holds.hold(key, node, read.signature, assume_ns, holds.plans_of(read.want, self.names, asg.containers))
 
     def _over(self, node: str) -> bool:
         return any(u.used > u.slot.capacity for u in self.state.node_usage(node))
@@ -477,8 +489,16 @@ class Accounting:
 
     def warm_loop(self, stop: threading.Event, idle_s: float = 0.05) -> None:
         """Keep the placement tables of every expected request shape current, between requests: each
-        step holds the lock for about a millisecond at 5,000 nodes, so filter never waits long."""
+        step holds the lock for about a millisecond at 5,000 nodes, so filter never waits long. While
+        kube-scheduler's cycles keep coming (a verb within :data:`WARM_QUIET_S`) the warmer waits:
+        with binds changing the books every cycle it would recompute every expected shape's rows
+        that the requests compute for their own shape anyway, and take the lock and the GIL from them
+        (bench_extender, real mix: ~40% of the server's CPU per cycle)."""
         while not stop.is_set():
+            quiet = self.last_verb + WARM_QUIET_S - time.monotonic()
+            if quiet > 0:
+                stop.wait(quiet)
+                continue
             try:
                 more = self.warm_step()
             except Exception:  # noqa: BLE001 - a warmer that dies only costs speed: say so, keep going

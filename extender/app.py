@@ -14,7 +14,6 @@ candidates.
 from __future__ import annotations
 
 import http.client
-import operator
 import ssl
 
 import time
@@ -24,8 +23,8 @@ from typing import Any, Callable
 
 import orjson
 
-from extender import accounting, binder, cache, dra_scoring, inspection, metrics, preemption, translate, verbs, wire
-from vramshare import logs, podspec
+from extender import accounting, binder, cache, dra_scoring, inspection, metrics, preemption, verbs, wire
+from vramshare import logs
 from vramshare.config import Policy
 
 __all__ = ["Extender", "Response"]
@@ -109,6 +108,7 @@ class Extender:
             conn.close()
 
     def _verb(self, verb: str, fn: Callable[[bytes], bytes], body: bytes) -> Response:
+        self.acct.last_verb = time.monotonic()  # the warmer waits for a lull (Accounting.warm_loop)
         start = time.perf_counter()
         outcome = "ok"
         try:
@@ -136,9 +136,10 @@ class Extender:
     def _filter(self, body: bytes) -> bytes:
         args = wire.decode_extender_args(body)
         with self.acct.lock:
-            result = verbs.filter_pod(self.acct.view(self.policy), args)
-            if len(result.passed) == 1:  # kube-scheduler skips prioritize and binds there
-                self._expect(args, result.passed[0])
+            view = self.acct.view(self.policy)
+            result = verbs.filter_pod(view, args)
+            # kube-scheduler skips prioritize with one feasible node and binds there
+            self.acct.commit(verbs.expectation(view, args, result.passed[0] if len(result.passed) == 1 else None))
         return wire.encode_filter_result(result, args)
 
     def _prioritize(self, body: bytes) -> bytes:
@@ -147,21 +148,12 @@ class Extender:
         if dra is not None:  # a pod whose ResourceClaims use our DeviceClasses
             return wire.encode_host_priorities(dra)
         with self.acct.lock:
-            scores = verbs.prioritize_pod(self.acct.view(self.policy), args)
-            best = max(scores, key=operator.itemgetter(1), default=None)
-            if best is not None and best[1] > 0:
-                self._expect(args, best[0])
+            view = self.acct.view(self.policy)
+            scores = verbs.prioritize_pod(view, args)
+            values = [s for _, s in scores]
+            top = max(values, default=0)  # the first best-scored node, as max(scores, key=score) finds it
+            self.acct.commit(verbs.expectation(view, args, scores[values.index(top)][0] if top > 0 else None))
         return wire.encode_host_priorities(scores)
-
-    def _expect(self, args: wire.ExtenderArgs, node: str) -> None:
-        """Hold ``node`` for the pod's size until its bind comes (extender.holds, expected holds)."""
-        if self.acct.holds.timeout_ns <= 0 or not podspec.wants_gpu(args.pod, self.acct.names):
-            return
-        try:
-            sig = translate.signature_of(podspec.pod_demand(args.pod, self.acct.names), self.acct.names)
-        except podspec.PodSpecError:
-            return
-        self.acct.expect_bind(args.pod_key, node, sig)
 
     def _preempt(self, body: bytes) -> bytes:
         args = wire.decode_preemption_args(body)

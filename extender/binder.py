@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from extender import accounting, apicalls, cluster, held_pick, holds, mig_books, placement, translate, verbs, wire
-from vramshare import contract, logs, podspec
+from vramshare import contract, logs
 from vramshare.config import Policy
 
 __all__ = ["Binder", "BindOutcome"]
@@ -114,7 +114,7 @@ class Binder:
             if scheduler != self.scheduler_name:
                 raise _BindFailed(f"pod {key} uses scheduler {scheduler!r}, not {self.scheduler_name!r}: "
                                   "this extender binds only its own profile's pods", "refused")
-            if not podspec.wants_gpu(pod, self.names):
+            if not self.acct.pods_read.read(pod).wants_gpu:
                 raise _BindFailed(f"pod {key} asks for no {self.names.domain} resource: "
                                   "this extender binds only GPU pods", "refused")
             with self.acct.lock:
@@ -166,14 +166,12 @@ class Binder:
 
     def _bind_gpu_pod(self, args: wire.BindingArgs, pod: Obj) -> BindOutcome:
         key = args.pod_key
-        try:
-            want = podspec.pod_demand(pod, self.names)
-            asks = translate.pod_asks(pod, self.names, self.acct.config.memory_unit_mib)
-            host = translate.pod_host(pod)
-        except (podspec.PodSpecError, translate.TranslateError) as exc:
-            raise _BindFailed(f"pod {key}: {exc}", "bad_request") from None
+        read = self.acct.pods_read.read(pod)  # the reading filter and prioritize used (extender.parsed)
+        if read.error is not None:
+            raise _BindFailed(f"pod {key}: {read.error}", "bad_request")
+        assert read.want is not None and read.host is not None and read.signature is not None
+        want, asks, host, signature = read.want, list(read.asks), read.host, read.signature
         policy = verbs.policy_for(want.policy, self.policy)
-        signature = translate.signature_of(want, self.names)
         assume_ns = self.clock()
         with self.acct.lock:
             need = self.acct.hold_required(key, args.node, signature)

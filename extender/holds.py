@@ -150,21 +150,26 @@ class Holds:
                     self.release(h.pod)
             log.info("device plugin reports again; holds there last the full timeout", node=node)
 
-    def until(self, h: Hold, now_ns: int) -> int:
+    def until(self, h: Hold, now_ns: int, record: bool = True) -> int:
         """When ``h`` ends: its timeout, or :data:`SILENT_HOLD_NS` after it began on a silent node
-        (found silent here, from ``h`` itself, when it waited :data:`SILENT_AFTER_NS` unreported)."""
+        (found silent here, from ``h`` itself, when it waited :data:`SILENT_AFTER_NS` unreported).
+
+        ``record=False`` (filter and prioritize, which change no state): the same answer, but what it
+        finds (the node silent, the hold cut) is left for the next recording call (the accounting's
+        expiry loop, a bind) to write down."""
         if h.expected:
             return h.until_ns
         node = h.node
-        if (node not in self.silent and now_ns - h.since_ns >= SILENT_AFTER_NS
-                and self._reported.get(node, -1) < h.since_ns):
+        found = (node not in self.silent and now_ns - h.since_ns >= SILENT_AFTER_NS
+                 and self._reported.get(node, -1) < h.since_ns)
+        if found and record:
             self.silent[node] = now_ns
             log.warning("device plugin does not report: holds on the node are shortened", node=node,
                         pod=h.pod, waited_s=round((now_ns - h.since_ns) / 1e9, 1),
                         hold_s=SILENT_HOLD_NS / 1e9)
-        if node in self.silent:
+        if found or node in self.silent:
             cut = min(h.until_ns, h.since_ns + SILENT_HOLD_NS)
-            if now_ns >= cut:
+            if now_ns >= cut and record:
                 self._cut[h.pod] = h.since_ns
                 while len(self._cut) > 10_000:
                     self._cut.pop(next(iter(self._cut)))
@@ -217,7 +222,8 @@ class Holds:
             if not on_node:
                 self._by_node.pop(h.node, None)
 
-    def required(self, node: str, pod: str, signature: Signature, now_ns: int, binding: bool = False) -> Required:
+    def required(self, node: str, pod: str, signature: Signature, now_ns: int, binding: bool = False,
+                 record: bool = True) -> Required:
         """What ``pod`` (of ``signature``) needs to be assumed on ``node`` now (the rule above).
 
         ``binding``: asked by the bind itself, which decides under the accounting lock from the real
@@ -230,7 +236,7 @@ class Holds:
         holders: dict[Element, Hold] = {}
         for h in on_node.values():
             shared = h.signature & signature
-            if h.pod == pod or not shared or (binding and h.expected) or now_ns >= self.until(h, now_ns):
+            if h.pod == pod or not shared or (binding and h.expected) or now_ns >= self.until(h, now_ns, record):
                 continue
             if h.expected or h.plans is None:
                 return Required(blocker=h)
@@ -242,8 +248,8 @@ class Holds:
                 holders.setdefault(e, h)
         return Required(plans=need, holders=holders)
 
-    def reason(self, h: Hold, now_ns: int) -> str:
-        left = max(0.0, (self.until(h, now_ns) - now_ns) / 1e9)
+    def reason(self, h: Hold, now_ns: int, record: bool = True) -> str:
+        left = max(0.0, (self.until(h, now_ns, record) - now_ns) / 1e9)
         sizes = ", ".join(f"{n} x {r}" for r, n in sorted(h.signature))
         if h.expected:
             return f"held for pod {h.pod} of the same size ({sizes}), being bound here (at most {left:.0f}s more)"

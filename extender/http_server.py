@@ -3,8 +3,8 @@
 Why not ``http.server``: kube-scheduler serialises scheduling cycles, so every microsecond the transport
 spends on a filter or prioritize call is taken from cluster-wide scheduling throughput. The stdlib
 server parses headers with the email package, reads through buffered file objects and answers in
-several writes: about 95 us of CPU per request, against about 25 us here (bench/bench_extender.py,
-``transport_only``). Here one thread owns every socket: it parses the few headers that matter
+several writes: about 95 us of CPU per request, against about 25 us here (measured with the transport
+alone, the former ``transport_only`` of bench/bench_extender.py). Here one thread owns every socket: it parses the few headers that matter
 (:mod:`extender.http1`), calls ``app.handle`` inline for the routes on the scheduling path (POST
 /filter, /prioritize: pure CPU, about a millisecond) and the probes (GET /healthz, /readyz), and
 answers with one ``send``.
@@ -47,6 +47,7 @@ from __future__ import annotations
 import selectors
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -78,6 +79,8 @@ VERBS = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("POST", "/bind
 # Serves two bodies of MAX_BODY_BYTES: kube-scheduler runs one scheduling cycle at a time (filter,
 # prioritize or preempt) and its binds are a few hundred bytes each.
 SCHEDULER_SHARE_BYTES = 2 * MAX_BODY_BYTES
+#: GIL switch interval while serving (Python's default is 5 ms): see :meth:`ExtenderHTTPServer.serve_forever`.
+SWITCH_INTERVAL_S = 0.0005
 INLINE = frozenset({("POST", "/filter"), ("POST", "/prioritize"), ("GET", "/healthz"), ("GET", "/readyz")})
 _WAKE = object()  # selector key data of the wake-up socket; the listener's is None
 
@@ -176,11 +179,18 @@ class ExtenderHTTPServer:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def serve_forever(self, poll_interval: float = 0.5) -> None:
-        """Run the loop until :meth:`close`; ``poll_interval`` bounds how late the timeout sweep runs."""
+        """Run the loop until :meth:`close`; ``poll_interval`` bounds how late the timeout sweep runs.
+
+        Also shortens the process's GIL switch interval to :data:`SWITCH_INTERVAL_S`: this thread answers
+        the verbs inline and gives the GIL up at every socket call (a TLS write of a 5,000-node answer,
+        epoll); with Python's default 5 ms it waited that long to get it back whenever a bind worker,
+        the watch or the warmer was computing (bench_extender, real mix: ~4 ms per TLS write)."""
         with self._state:
             if self._stopping or self._running:
                 return
             self._running = True
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             self._sel.register(self._listener, selectors.EVENT_READ, None)
             self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from extender import accounting, cluster, placement, translate, wire
-from vramshare import logs, podspec
+from extender import accounting, cluster, placement, wire
+from vramshare import logs
 
 __all__ = ["preempt_pod", "priority_of"]
 
@@ -127,13 +127,12 @@ def preempt_pod(acct: accounting.Accounting, args: wire.PreemptionArgs) -> dict[
     preemption) fails the whole preemption of a non-ignorable extender that returns one ("expected
     at least one victim pod on node"). Where our books say the pod's GPUs already fit, what
     kube-scheduler proposed stands (its reason is not a GPU); with nothing proposed the node goes."""
-    if not podspec.wants_gpu(args.pod, acct.names):
+    pod = acct.pods_read.read(args.pod)  # the reading filter and prioritize used (extender.parsed)
+    if not pod.wants_gpu:
         return {node: list(uids) for node, uids in args.victims.items() if uids}
-    try:
-        demands = translate.demands_of(translate.pod_asks(args.pod, acct.names, acct.config.memory_unit_mib))
-        host = translate.pod_host(args.pod)
-    except (podspec.PodSpecError, translate.TranslateError):
+    if pod.error is not None or pod.host is None:
         return {}
+    demands, host = list(pod.demands), pod.host
     mine = priority_of(args.pod)
     keep: dict[str, list[str]] = {}
     with acct.lock:

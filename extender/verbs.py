@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from extender import cluster, held_pick, placement, residency, translate, wire
-from vramshare import contract, logs, podspec
+from extender import cluster, held_pick, parsed, placement, residency, translate, wire
+from vramshare import contract, logs
 from vramshare.config import Policy
 
 if TYPE_CHECKING:
     from extender.holds import Holds
 
-__all__ = ["View", "filter_pod", "prioritize_pod", "policy_for", "NOT_A_GPU_NODE"]
+__all__ = ["View", "Expectation", "filter_pod", "prioritize_pod", "expectation", "policy_for", "NOT_A_GPU_NODE"]
 
 log = logs.get("vramshare.extender.verbs")
 NOT_A_GPU_NODE = "node publishes no vramshare GPU inventory"
@@ -44,6 +44,23 @@ class View:
     models: Mapping[str, Sequence] | None = None  # node -> resident models (issue 23), None: no report
     residency_max_steps: float = 0.9  # the residency bonus's bound, in steps of the policy's score
     silent: frozenset[str] = frozenset()  # nodes whose device plugin does not report (extender.holds)
+    #: How pods are read: the accounting's cache (by UID and resourceVersion), shared with its watch.
+    pods: parsed.PodReader | None = None
+    hold_timeout_ns: int = 0  # extender.holdTimeoutSeconds; 0: holds are off, nothing is expected
+
+    def read(self, pod: wire.Obj) -> parsed.ParsedPod:
+        return self.pods.read(pod) if self.pods is not None else parsed.parse_pod(pod, self.names, self.unit_mib)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """The one state change a filter or prioritize answer implies: kube-scheduler will most likely bind
+    ``pod`` to ``node`` next, so it is held there briefly (:meth:`extender.holds.Holds.expect`). The
+    verbs only say so; the caller commits it (:meth:`extender.accounting.Accounting.commit`)."""
+
+    pod: str
+    node: str
+    signature: translate.Signature
 
 
 def policy_for(pod_policy: str | None, default: Policy) -> Policy:
@@ -74,20 +91,18 @@ def never_fit(state: cluster.ClusterState, demands: Sequence[cluster.Demand], ro
 def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     """Which of the candidate nodes have GPU room for the pod, in the input order."""
     names = args.names
-    if not podspec.wants_gpu(args.pod, view.names):
+    pod = view.read(args.pod)
+    if not pod.wants_gpu:
         return wire.FilterResult(passed=list(names))
-    try:
-        want = podspec.pod_demand(args.pod, view.names)
-        asks = translate.asks_of(want, view.unit_mib)
-        demands = translate.demands_of(asks)
-        host = translate.pod_host(args.pod)
-    except (podspec.PodSpecError, translate.TranslateError) as exc:
-        return wire.FilterResult(unresolvable={n: str(exc) for n in names})
+    if pod.error is not None:
+        return wire.FilterResult(unresolvable={n: pod.error for n in names})
+    assert pod.want is not None and pod.host is not None
+    demands = list(pod.demands)
     if not demands:  # asked for zero of our resources: nothing to place
         return wire.FilterResult(passed=list(names))
-    fitting, failed = placement.filter_nodes(view.state, demands, names, host)
+    fitting, failed = placement.filter_nodes(view.state, demands, names, pod.host)
     if view.holds is not None and fitting:
-        fitting, failed = _apply_holds(view, args, want, asks, host, fitting, failed)
+        fitting, failed = _apply_holds(view, args, pod, fitting, failed)
     result = wire.FilterResult(passed=fitting)
     if failed:
         known = [n for n in failed if n in view.slots]
@@ -102,16 +117,15 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     return result
 
 
-def _apply_holds(view: View, args: wire.ExtenderArgs, want: podspec.PodDemand,
-                 asks: Sequence[translate.ContainerAsk], host: cluster.HostDemand, fitting: list[str],
+def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod, fitting: list[str],
                  failed: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
     """Fitting nodes where a same-size pod is still assumed on other terms (extender.holds), or whose
     held GPUs lack room for this pod too (extender.held_pick), become ordinary failures (not
     unresolvable: the hold ends within seconds), with a reason naming the pod it waits for."""
-    assert view.holds is not None
-    signature = translate.signature_of(want, view.names)
+    assert view.holds is not None and pod.want is not None and pod.signature is not None
+    want, asks, host, signature = pod.want, pod.asks, pod.host or cluster.HostDemand(), pod.signature
     policy = policy_for(want.policy, view.policy).value
-    demands = translate.demands_of(list(asks))
+    demands = list(pod.demands)
     # Only held nodes need a look: find them among the candidates by row, in numpy (filter_nodes
     # remembered the candidates' rows), never by hashing thousands of names.
     rows = view.state.rows_of(fitting)
@@ -122,15 +136,15 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, want: podspec.PodDemand,
     blocked: list[int] = []
     for i in np.flatnonzero(np.isin(rows, held_rows)).tolist():
         n = fitting[i]
-        need = view.holds.required(n, args.pod_key, signature, view.now_ns)
+        need = view.holds.required(n, args.pod_key, signature, view.now_ns, record=False)
         if need.blocker is not None:
-            waiting[n] = view.holds.reason(need.blocker, view.now_ns)
+            waiting[n] = view.holds.reason(need.blocker, view.now_ns, record=False)
         elif need.plans:
             choice = held_pick.follow(view.state, n, args.pod, want, asks, view.names, need.plans,
                                       lambda n=n: placement.pick(view.state, demands, n, policy, host))
             if isinstance(choice, str):
                 holder = next(iter(need.holders.values()))
-                waiting[n] = f"{view.holds.reason(holder, view.now_ns)}; {choice}"
+                waiting[n] = f"{view.holds.reason(holder, view.now_ns, record=False)}; {choice}"
         if n in waiting:
             blocked.append(i)
     if not waiting:
@@ -150,20 +164,18 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
     names = args.names
     # A pod that asks no GPU is scored too (kube-scheduler only sends it when the profile's
     # managedResources include one it asks, e.g. cpu): its CPU and memory strand GPUs as well.
-    try:
-        want = podspec.pod_demand(args.pod, view.names)
-        demands = translate.demands_of(translate.asks_of(want, view.unit_mib))
-        host = translate.pod_host(args.pod)
-    except (podspec.PodSpecError, translate.TranslateError):
+    pod = view.read(args.pod)
+    if pod.error is not None:
         return [(n, 0) for n in names]
+    assert pod.want is not None and pod.host is not None
+    want, demands, host = pod.want, list(pod.demands), pod.host
     # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
     # (0 where the pod does not fit or the node is unknown): already the wire's HostPriorityList.
     bonus = None
     if want.model_error:
         log.info("model annotation ignored", pod=want.key, reason=want.model_error)
     if want.model is not None and view.models:
-        cfg = residency.ResidencyConfig(max_steps=view.residency_max_steps)
-        bonus = residency.bonus(want.model, [view.models.get(n, ()) for n in names], cfg)
+        bonus = _residency(view, want.model, names)
     scores = placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host,
                                    bonus=bonus)
     if view.silent and demands and any(n not in view.silent for n in names):
@@ -172,3 +184,32 @@ def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]
         # silent the policy's own scores stand: flattening them would pile a burst onto one node.
         scores = [(n, contract.MIN_EXTENDER_PRIORITY if n in view.silent else s) for n, s in scores]
     return scores
+
+
+def expectation(view: View, args: wire.ExtenderArgs, node: str | None) -> Expectation | None:
+    """What answering ``args`` with ``node`` as the one passed (filter) or the best scored
+    (prioritize) implies: hold it for the pod's size until its bind comes, or ``None`` (no node, holds
+    off, a pod that asks no GPU or whose demand cannot be read)."""
+    if node is None or view.hold_timeout_ns <= 0:
+        return None
+    pod = view.read(args.pod)
+    if not pod.wants_gpu or pod.signature is None:
+        return None
+    return Expectation(args.pod_key, node, pod.signature)
+
+
+def _residency(view: View, model: contract.ModelRef, names: Sequence[str]) -> np.ndarray | None:
+    """The residency bonus per name (:func:`extender.residency.bonus`), computed only for the names
+    whose node reports a resident model (``view.models`` holds only those): a node that reports
+    none saves no load time, and walking 5,000 empty reports in Python cost a prioritize ~10 ms."""
+    rows = view.state.rows_of(names)
+    by_row = {r: m for r, m in ((view.state.row(n), m) for n, m in view.models.items() if m) if r is not None}
+    if not by_row:
+        return None
+    at = np.flatnonzero(np.isin(rows, np.fromiter(by_row, np.int64, len(by_row))))
+    if not len(at):
+        return None
+    cfg = residency.ResidencyConfig(max_steps=view.residency_max_steps)
+    out = np.zeros(len(names))
+    out[at] = residency.bonus(model, [by_row[int(r)] for r in rows[at].tolist()], cfg)
+    return out
