@@ -10,11 +10,13 @@ FROM docker.io/library/python:3.11-slim-bookworm AS builder
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY vramshare/ vramshare/
+COPY standins/ standins/
+COPY vramshare_cli/ vramshare_cli/
 COPY deviceplugin/ deviceplugin/
 COPY extender/ extender/
 COPY protos/ protos/
 COPY vllm_patches/ vllm_patches/
-# the manifests `vramshare install` renders (vramshare/deploy links here; the wheel carries a copy)
+# the manifests `vramshare install` renders (vramshare_cli/deploy links here; the wheel carries a copy)
 COPY deploy/ deploy/
 RUN python -m pip install --no-cache-dir "setuptools>=68" wheel \
  && python -m pip wheel --no-cache-dir --wheel-dir /wheels .

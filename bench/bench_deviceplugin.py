@@ -45,13 +45,13 @@ sys.path.insert(0, ROOT)
 
 from kubernetes import client  # noqa: E402
 
-from deviceplugin.kube_adapter import MERGE_PATCH  # noqa: E402
-from deviceplugin.main import DevicePluginDaemon  # noqa: E402
+from deviceplugin.kubelet.kube_adapter import MERGE_PATCH  # noqa: E402
+from deviceplugin.kubelet.main import DevicePluginDaemon  # noqa: E402
 from deviceplugin.simulated_backend import SimulatedBackend  # noqa: E402
 from protos.deviceplugin.v1beta1 import api_pb2 as pb  # noqa: E402
+from standins.kubelet import FakeKubelet  # noqa: E402
 from vramshare import contract, logs  # noqa: E402
 from vramshare.config import Config  # noqa: E402
-from vramshare.standins.kubelet import FakeKubelet  # noqa: E402
 from vramshare.kube import api_client_for  # noqa: E402
 
 INVENTORY = os.path.join(ROOT, "tests", "fixtures", "inventories", "mixed.yaml")
@@ -193,7 +193,7 @@ def bench_in_process(n: int, n_handshake: int, restarts: int, work: str) -> dict
 @contextlib.contextmanager
 def _double_process() -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """The API server double in its own process, as a real API server would be (no shared GIL)."""
-    code = ("import sys; from vramshare.standins.apiserver import ApiServerDouble; "
+    code = ("import sys; from standins.apiserver import ApiServerDouble; "
             "d = ApiServerDouble().start(); print(d.url, flush=True); sys.stdin.read(); d.stop()")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -223,7 +223,7 @@ def bench_idle(work: str, idle_s: float) -> dict[str, float]:
     kubelet = FakeKubelet(os.path.join(work, "idle"))
     kubelet.start()
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
-    proc = subprocess.Popen([sys.executable, "-m", "vramshare.cli", "--log-level", "warning", "device-plugin",
+    proc = subprocess.Popen([sys.executable, "-m", "vramshare_cli.main", "--log-level", "warning", "device-plugin",
                              "--backend", "simulated", "--inventory", INVENTORY, "--device-plugin-dir",
                              kubelet.plugin_dir, "--quota-dir", os.path.join(work, "q"), "--metrics-port", "0"],
                             cwd=ROOT, env=env)

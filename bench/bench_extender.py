@@ -586,7 +586,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def make_tls(into: str) -> ssl.SSLContext:
     """A throw-away CA, the extender's serving certificate and kube-scheduler's client certificate (as
     ``vramshare install`` makes them); returns the client's context."""
-    from vramshare import certs
+    from vramshare_cli import certs
 
     pki = certs.generate("vramshare-system")
     files = {"ca.crt": pki.ca, "server.crt": pki.server.cert, "server.key": pki.server.key,

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_soak import node_obj, pod_obj  # noqa: E402
 from bench.soak_harness import N, ExtenderProcess, bind_body  # noqa: E402
-from vramshare.standins.apiserver import LEASES, ApiServerDouble  # noqa: E402
+from standins.apiserver import LEASES, ApiServerDouble  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "failover.json")
 NS = "vramshare-system"

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_soak import UNIT, node_obj, pod_obj  # noqa: E402
 from bench.soak_harness import N, ExtenderProcess, KubeletSim, bind_body, post  # noqa: E402
+from standins.apiserver import ApiServerDouble  # noqa: E402
 from vramshare import inventory  # noqa: E402
-from vramshare.standins.apiserver import ApiServerDouble  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hold.json")
 SILENT_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "hold_silent.json")

@@ -4,7 +4,7 @@
     python bench/bench_replay.py --pods 2000 --view memory
     python bench/bench_replay.py --scheduler-config my-scheduler-config.yaml
 
-The API server stand-in (:mod:`vramshare.standins.apiserver`) holds the openb nodes: each carries the
+The API server stand-in (:mod:`standins.apiserver`) holds the openb nodes: each carries the
 vramshare inventory annotation (share view: every GPU is 1000 units of 1 "MiB", so ``memoryUnitMiB: 1``;
 memory view: its VRAM in MiB) and ``status.allocatable`` CPU, memory and 110 pods. The extender runs
 as in production (``extender.main.start``: list + watch through the official client, HTTP verbs, binder
@@ -48,10 +48,10 @@ from extender.simulation.replay import (MAX_PODS, RunResult, Tracker, kube_model
                                         replay_as_scheduler)
 from extender.simulation.trace import GPU_MIB, REFERENCE_MIB, SHARE_UNITS, TraceNode, TracePod, load_nodes, load_pods  # noqa: E402
 from extender.workload import TargetWorkload, typical_workload  # noqa: E402
+from standins.apiserver import PODS, ApiServerDouble  # noqa: E402
+from standins.scheduler import ProfileDriver  # noqa: E402
 from vramshare import contract, inventory, traces  # noqa: E402
 from vramshare.config import Config, Policy  # noqa: E402
-from vramshare.standins.apiserver import PODS, ApiServerDouble  # noqa: E402
-from vramshare.standins.scheduler import ProfileDriver  # noqa: E402
 
 NAMES = contract.Names()
 TRACES = os.path.dirname(traces.find(traces.OPENB_NODES) or traces.OPENB_NODES)  # $VRAMSHARE_TRACES/openb

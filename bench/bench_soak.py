@@ -54,8 +54,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.soak_harness import N, ExtenderProcess, KubeletSim, ReplicatedExtender, bind_body, post  # noqa: E402
 from bench.soak_nodes import PluginNodeSim  # noqa: E402
 from deviceplugin.backend import DiscoveredGpu  # noqa: E402
+from standins.apiserver import PODS, ApiServerDouble  # noqa: E402
 from vramshare import inventory  # noqa: E402
-from vramshare.standins.apiserver import PODS, ApiServerDouble  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "soak.json")
 UNIT = 1024

@@ -9,7 +9,7 @@ The kubelet stand-in reproduces what makes placement hard on a real node:
 * devices are counted per GPU (``devicemanager``: a container gets device IDs that are free, never more
   than exist), so reality never exceeds a GPU; a pod for which the node has too few free devices fails
   admission (``UnexpectedAdmissionError``);
-* the device plugin steers ``GetPreferredAllocation`` with its real rule (``deviceplugin.steering``): the
+* the device plugin steers ``GetPreferredAllocation`` with its real rule (``deviceplugin.kubelet.steering``): the
   plan of the assumed pods of that size on the node when they are one pod or all share one plan (the
   extender's narrower hold), else no preference; without one, or when the preferred GPU lacks free
   devices, the kubelet's choice falls on whatever is free, so same-size pods with different plans may
@@ -35,9 +35,9 @@ from typing import Any
 import orjson
 import urllib3
 
-from deviceplugin import steering
+from deviceplugin.kubelet import steering
+from standins.apiserver import PODS, ApiServerDouble
 from vramshare import contract
-from vramshare.standins.apiserver import PODS, ApiServerDouble
 
 N = contract.Names()
 Obj = dict[str, Any]
@@ -65,7 +65,7 @@ class ExtenderProcess:
         config = os.path.join(self.dir, "config.yaml")
         with open(config, "w", encoding="utf-8") as fh:
             fh.write(config_yaml)
-        self.cmd = [sys.executable, "-c", "import sys; from vramshare.cli import main; sys.exit(main())",
+        self.cmd = [sys.executable, "-c", "import sys; from vramshare_cli.main import main; sys.exit(main())",
                     "--log-level", "warning", "extender", "--listen", f"127.0.0.1:{self.port}",
                     "--kubeconfig", kubeconfig, "--config", config]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -314,7 +314,7 @@ class ReplicatedExtender:
         return self.rng.choice(ready) if ready else self.members[0].url
 
     def leader(self) -> Replica | None:
-        from vramshare.standins.apiserver import LEASES
+        from standins.apiserver import LEASES
         leases = self.api.objects(LEASES, "vramshare-system")
         holder = leases[0]["spec"].get("holderIdentity") if leases else None
         return next((m for m in self.members if m.name == holder and m.alive()), None)

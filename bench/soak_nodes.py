@@ -1,13 +1,13 @@
 """The soak's nodes with the device plugin's real core in the loop (issue 17): kubelet model, Allocate,
 PodResources in upstream's shape, reconcile, quota links. Never imported by a daemon.
 
-Per node: the kubelet's device manager model (:mod:`vramshare.standins.devicemanager`: its own device
+Per node: the kubelet's device manager model (:mod:`standins.devicemanager`: its own device
 accounting, the plugin's preference as a hint, admission in creation order with ties random, a pod kept
 *active* for a random termination grace after the API forgets it, so a pod recreated under its name is
-listed twice), the plugin's :class:`~deviceplugin.allocator.Allocator` (the GPU follows the device IDs,
+listed twice), the plugin's :class:`~deviceplugin.kubelet.allocator.Allocator` (the GPU follows the device IDs,
 a quota directory per allocation, steering from the pods), and its
-:class:`~deviceplugin.reconcile_loop.Reconciler`, which reads PodResources exactly as a real kubelet
-answers it (``List`` in upstream's shape through :func:`deviceplugin.podresources.held`: one entry per
+:class:`~deviceplugin.kubelet.reconcile_loop.Reconciler`, which reads PodResources exactly as a real kubelet
+answers it (``List`` in upstream's shape through :func:`deviceplugin.kubelet.podresources.held`: one entry per
 device ID and NUMA node, no UID), patches the pods through the API server double, links the quota
 directories and prunes. PodResources goes down on a node now and then: the reconciler then records
 nothing and Allocate refuses what no single plan explains (what that costs is counted).
@@ -32,21 +32,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from deviceplugin import podresources
-from deviceplugin.allocator import Allocator
 from deviceplugin.backend import DiscoveredGpu
-from deviceplugin.kube_adapter import Conflict, Gone
+from deviceplugin.kubelet import podresources
+from deviceplugin.kubelet.allocator import Allocator
+from deviceplugin.kubelet.kube_adapter import Conflict, Gone
+from deviceplugin.kubelet.podresources import PodResourcesError
+from deviceplugin.kubelet.reconcile import Held, Patch
+from deviceplugin.kubelet.reconcile_loop import Reconciler
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
-from deviceplugin.podresources import PodResourcesError
 from deviceplugin.quota_files import QuotaFiles, allocation_key
-from deviceplugin.reconcile import Held, Patch
-from deviceplugin.reconcile_loop import Reconciler
+from standins.apiserver import PODS, ApiServerDouble
+from standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
+from standins.kubelet import admission_order, list_response
 from vramshare import contract
 from vramshare.config import Config
-from vramshare.standins.apiserver import PODS, ApiServerDouble
-from vramshare.standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
-from vramshare.standins.kubelet import admission_order, list_response
 
 N = contract.Names()
 Obj = dict[str, Any]

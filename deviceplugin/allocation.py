@@ -94,7 +94,7 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int,
     """Exactly ``size`` IDs from ``available`` including ``must_include``, packed onto as few GPUs as fit.
 
     ``targets`` (GPU UUID -> units, or a MIG/whole-GPU device ID -> 1) is the extender's plan when
-    :mod:`deviceplugin.steering` finds the one pod it can be; otherwise
+    :mod:`deviceplugin.kubelet.steering` finds the one pod it can be; otherwise
     the GPU whose available devices fit the rest with the least left over wins (best fit), and when
     none fits alone the fullest GPUs are taken first. Deterministic, no side effects.
     """

@@ -12,7 +12,7 @@ Every write goes through the one atomic writer (:func:`deviceplugin.quota.writer
 Because PodResources names pods and not UIDs, each Allocate also leaves a stamp (``allocated``: node
 clock, nanoseconds) and the reconciler records which pod UID it attributed that very stamp to
 (``owner``: "<uid> <stamp>"); a later Allocate of the same IDs makes a new stamp, which nobody owns
-yet (:class:`deviceplugin.reconcile.Allocation`). Nothing here opens anything but a regular file, or
+yet (:class:`deviceplugin.kubelet.reconcile.Allocation`). Nothing here opens anything but a regular file, or
 follows a link out of the root: ``_alloc`` and its directories must be real directories, and every
 UID and container name is checked by :func:`deviceplugin.quota.writer.safe_component`.
 """

@@ -13,7 +13,7 @@ import numpy as np
 
 from extender.cluster import SHARED
 from extender.fit import Ask
-from extender.policies import FragmentationGradient, Policy, _best_fit_columns
+from extender.policies import FragmentationGradient, Policy, best_fit_columns
 
 MAX_SCORE = 100
 MAX_SPEC_CPU = 128000  # milli-CPU the paper normalises by (gpushareutils.MaxSpecCpu)
@@ -56,7 +56,7 @@ class BestFit:
         return ((raw - lo) * MAX_SCORE // (hi - lo)).astype(np.float64)
 
     def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
-        return _best_fit_columns(ask, i)
+        return best_fit_columns(ask, i)
 
 
 class GpuPacking:
@@ -82,7 +82,7 @@ class GpuPacking:
         return score.astype(np.float64)
 
     def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
-        return _best_fit_columns(ask, i)
+        return best_fit_columns(ask, i)
 
 
 class DotProduct:
@@ -98,7 +98,7 @@ class DotProduct:
         return np.trunc(MAX_SCORE * (1.0 - dot / 2)).astype(np.float64)
 
     def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
-        return _best_fit_columns(ask, i)
+        return best_fit_columns(ask, i)
 
 
 class PaperFGD(FragmentationGradient):
@@ -124,7 +124,7 @@ class PaperFGD(FragmentationGradient):
             _, per_slot = self._ints(ask.subset(np.arange(len(ask.rows)) == i))
             assert per_slot is not None
             return [np.argmax(per_slot, axis=1)[:1]]  # first index among equal ints, as the plugin
-        return _best_fit_columns(ask, i)
+        return best_fit_columns(ask, i)
 
 
 def _sigmoid_score(x: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 
 from extender.cluster import SHARED
 from extender.fit import Ask, order
-from extender.policies import NODE_STEP, FragmentationGradient, Policy, _best_fit_columns
+from extender.policies import NODE_STEP, FragmentationGradient, Policy, best_fit_columns
 
 
 def first_fit_columns(ask: Ask, i: int) -> list[np.ndarray]:
@@ -35,7 +35,7 @@ def first_fit_columns(ask: Ask, i: int) -> list[np.ndarray]:
         cand = m & (free >= d.per_gpu) if d.kind == SHARED else m & (free == cap) & (cap > 0)
         cols = np.flatnonzero(cand)[:k]
         if len(cols) < k:  # first fit cannot seat this multi-demand pod where greedy best fit could
-            return _best_fit_columns(ask, i)
+            return best_fit_columns(ask, i)
         free[cols] -= d.per_gpu if d.kind == SHARED else free[cols]
         out[j] = cols
     return [c for c in out if c is not None]

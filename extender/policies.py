@@ -52,7 +52,7 @@ def _host_packing(ask: Ask) -> np.ndarray:
     return np.where(st.host_tracked[ask.rows], -left, 0.0)
 
 
-def _best_fit_columns(ask: Ask, i: int) -> list[np.ndarray]:
+def best_fit_columns(ask: Ask, i: int) -> list[np.ndarray]:
     place = ask.best_fit
     return [c[i] for c in place.columns]
 
@@ -66,7 +66,7 @@ class BinPack:
         return _packing(ask, ask.best_fit.free_after) + 1e-3 * _host_packing(ask)
 
     def choose(self, ask: Ask, i: int) -> list[np.ndarray]:
-        return _best_fit_columns(ask, i)
+        return best_fit_columns(ask, i)
 
 
 class Spread:
@@ -192,7 +192,7 @@ class FragmentationGradient:
             _, per_slot = self.deltas(ask.subset(np.arange(len(ask.rows)) == i))
             assert per_slot is not None
             return [self._best_columns(ask.subset(np.arange(len(ask.rows)) == i), per_slot)[:1]]
-        return _best_fit_columns(ask, i)
+        return best_fit_columns(ask, i)
 
 
 OURS: dict[str, Callable[[], Policy]] = {

@@ -162,7 +162,7 @@ def test_one_assignment_rule_for_extender_and_node(text, reason):
     the node's, for both sides and for the extender's own writing."""
     with pytest.raises(assignment.AssignmentError, match=reason):
         assignment.parse(text)
-    from deviceplugin import handshake
+    from deviceplugin import assignment as handshake
     from extender import translate
     with pytest.raises(assignment.AssignmentError, match=reason):
         handshake.parse_all(text)
@@ -217,7 +217,7 @@ def test_every_name_of_the_old_module_is_still_there():
 def test_the_reconciler_never_writes_an_assignment_the_contract_refuses():
     """A MIG device the backend reports at 0 MiB: that pod's report waits with the reason (on main it was
     written, and every reader refused it), the other pods' reports go on."""
-    from deviceplugin import reconcile
+    from deviceplugin.kubelet import reconcile
     from deviceplugin.devices import PluginDevice
     n = contract.Names()
     mig = n.mig("1g.10gb")

@@ -10,7 +10,8 @@ import tomllib
 
 import yaml
 
-from vramshare import __version__, install
+from vramshare import __version__
+from vramshare_cli import install
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -16,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from deviceplugin import simulated_usage
-from vramshare import cli, traces
+from vramshare import traces
+from vramshare_cli import main as cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the development machines' roots (written without their leading slash so this line does not match itself)

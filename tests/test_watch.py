@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from kubernetes import client
 
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import NODES
 from tests.standins.tcp_proxy import TcpProxy
 from vramshare.kube import api_client_for
 from vramshare.retry import Backoff
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import NODES
 from vramshare.watch import ListWatch, key_of, replace
 
 Obj = Mapping[str, Any]

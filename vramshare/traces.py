@@ -4,7 +4,7 @@
 ``servegen/``), the layout of a checkout's ``../shared/traces`` and of what ``vramshare traces
 download`` writes. Unset, a checkout's ``../shared/traces`` is used, then the download's default
 folder (``$XDG_CACHE_HOME/vramshare/traces``, else ``~/.cache/vramshare/traces``). Pure: paths only;
-the download lives in :mod:`vramshare.traces_download`.
+the download lives in :mod:`vramshare_cli.traces_download`.
 """
 from __future__ import annotations
 

@@ -280,7 +280,7 @@ def _dynamic_mig(backend: GpuBackend, discovered: list[Any], registry: Collector
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``vramshare dra-plugin``; returns the exit status."""
-    from deviceplugin.main import _backend  # the device plugin's backend choice, shared
+    from deviceplugin.kubelet.main import _backend  # the device plugin's backend choice, shared
     from deviceplugin.metrics import PluginMetrics
 
     try:

@@ -16,7 +16,7 @@ from kubernetes import client
 from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
 from deviceplugin.dra.preparer import tenant_container
 from deviceplugin.quota.classes import PodMeta
-from deviceplugin.quota.kube import TIMEOUT_S, _container_ids, _metrics_url, pod_meta
+from deviceplugin.quota.kube import TIMEOUT_S, container_ids, metrics_url, pod_meta
 from deviceplugin.quota.model import Tenant, TenantKey
 from vramshare import contract
 from vramshare.kube import decode
@@ -35,8 +35,8 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Mapping[str, Mapp
         pod = pods.get(uid) or {}
         pod_name = c.pod_names[0] if c.pod_names else (pod.get("metadata") or {}).get("name", "")
         out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),
-                          gpus=tuple(sorted(c.gpus.items())), metrics_url=_metrics_url(pod) if pod else None,
-                          container_ids=frozenset(_container_ids(pod).values()) if pod else frozenset(),
+                          gpus=tuple(sorted(c.gpus.items())), metrics_url=metrics_url(pod) if pod else None,
+                          container_ids=frozenset(container_ids(pod).values()) if pod else frozenset(),
                           meta=pod_meta(pod, names) if pod else PodMeta(c.namespace)))
     return out
 

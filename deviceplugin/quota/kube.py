@@ -34,7 +34,7 @@ TIMEOUT_S = 5.0
 _DONE_PHASES = {"Succeeded", "Failed"}
 
 
-def _metrics_url(pod: Mapping[str, Any]) -> str | None:
+def metrics_url(pod: Mapping[str, Any]) -> str | None:
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     port, ip = ann.get("prometheus.io/port"), (pod.get("status") or {}).get("podIP")
     if not port or not ip or ann.get("prometheus.io/scrape", "true") == "false":
@@ -43,7 +43,7 @@ def _metrics_url(pod: Mapping[str, Any]) -> str | None:
     return f"{ann.get('prometheus.io/scheme', 'http')}://{ip}:{port}/{path.lstrip('/')}"
 
 
-def _container_ids(pod: Mapping[str, Any]) -> dict[str, str]:
+def container_ids(pod: Mapping[str, Any]) -> dict[str, str]:
     """Container name -> runtime ID without its scheme (``containerd://abc`` -> ``abc``)."""
     out = {}
     for st in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -101,7 +101,7 @@ def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names,
 
 
 class HeldContainer(Protocol):
-    """What the reconciler's view says of one container (``deviceplugin.reconcile.Holding``)."""
+    """What the reconciler's view says of one container (``deviceplugin.kubelet.reconcile.Holding``)."""
 
     @property
     def owner(self) -> Any: ...  # uid, namespace, pod, container
@@ -122,9 +122,9 @@ def tenants_from_holdings(holdings: Iterable[HeldContainer], pods: Iterable[Mapp
         pod = by_uid.get(o.uid)
         if pod is None or (pod.get("status") or {}).get("phase") in _DONE_PHASES:
             continue
-        cids = _container_ids(pod)
+        cids = container_ids(pod)
         out.append(Tenant(key=TenantKey(o.namespace, o.pod, o.container, pod_uid=o.uid),
-                          gpus=tuple((g.uuid, g.mib) for g in h.gpus), metrics_url=_metrics_url(pod),
+                          gpus=tuple((g.uuid, g.mib) for g in h.gpus), metrics_url=metrics_url(pod),
                           container_ids=frozenset([cids[o.container]]) if o.container in cids else frozenset(),
                           meta=pod_meta(pod, names)))
     return out

@@ -2,7 +2,7 @@
 weight, and the choice among the best. Pure numpy, no I/O.
 
 Shared by the simulator (``vramshare simulate --as-scheduler``) and the stand-in scheduler driver
-(:mod:`vramshare.standins.scheduler`), so a trace replayed through the HTTP extender and one replayed in
+(:mod:`standins.scheduler`), so a trace replayed through the HTTP extender and one replayed in
 process make the same decisions from the same inputs. Reproduced from kube-scheduler (pkg/scheduler):
 
 * ``schedule_one.go findNodesThatFitPod``: the in-tree filters run first and the extender only sees the

@@ -156,7 +156,7 @@ def replay_as_scheduler(nodes: Sequence[TraceNode], seq: Sequence[TracePod], pol
     and pod count; for pods the extender is interested in (its managedResources), the extender's
     ``filter_nodes`` and ``score_nodes`` (0..10, one 10 per cycle) answer as the verbs do, the model adds
     its default scores and the extender's weight and picks, and the binder's ``pick`` chooses the GPUs.
-    Other pods are placed by the model alone. The stand-in driver (:class:`vramshare.standins.scheduler.
+    Other pods are placed by the model alone. The stand-in driver (:class:`standins.scheduler.
     ProfileDriver`) does the same over HTTP; ``placed`` collects ``(pod, node)`` (``""``: unschedulable)."""
     state = build_state(nodes, view)
     if policy == "fgd-paper":

@@ -8,11 +8,11 @@ import datetime
 import pytest
 
 from extender import main as extender_main
-from vramshare import certs, cli, install
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import BY_KIND
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import BY_KIND
 from tests.extender import builders as b
 from tests.fixtures.kubeconfig import write_kubeconfig
+from vramshare_cli import certs, main as cli, install
 
 NS = install.NAMESPACE
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from vramshare import cli
-from vramshare.standins import demo, demo_dra
+from standins import demo, demo_dra
+from vramshare_cli import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,7 +60,7 @@ def test_a_bad_classes_file_is_one_line_with_the_fix(capsys, tmp_path, content, 
 def test_a_closed_pipe_ends_quietly():
     """``vramshare demo | head -1``: the reader goes away; no traceback, no 'Exception ignored'."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "vramshare.cli", "demo", "--quota"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "vramshare_cli.main", "demo", "--quota"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.readline()

@@ -11,12 +11,12 @@ import time
 
 import pytest
 
+from deviceplugin.kubelet.warm_channel import WarmChannels
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import Phase, PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
 from deviceplugin.quota.warm import Sleep, WarmBroker
 from deviceplugin.quota.writer import container_dir, read_quota
-from deviceplugin.warm_channel import WarmChannels
 from vllm_patches.warm import AWAKE, SLEEPING, SocketChannel, WarmTier
 from vramshare import contract
 
@@ -211,7 +211,7 @@ def test_idle_engine_sleeps_and_its_memory_is_lent(rig):
     seen = loop._mirror.details["sleepy"]["vllm"]["GPU-0"]  # what vramshare inspect shows
     assert seen["sleep"] == "sleeping" and seen["lent"] >= 17000
     from prometheus_client import CollectorRegistry, generate_latest
-    from deviceplugin.warm_channel import WarmCollector
+    from deviceplugin.kubelet.warm_channel import WarmCollector
     reg = CollectorRegistry()
     reg.register(WarmCollector(broker))
     text = generate_latest(reg).decode()

@@ -15,7 +15,8 @@ import yaml
 from deviceplugin import devices
 from deviceplugin.dra import slices
 from deviceplugin.simulated_backend import SimulatedBackend
-from vramshare import cli, config, contract
+from vramshare import config, contract
+from vramshare_cli import main as cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DRA = ROOT / "deploy" / "daemonset" / "dra"

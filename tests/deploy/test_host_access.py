@@ -30,9 +30,11 @@ from typing import Any
 import pytest
 import yaml
 
-from deviceplugin import cdi_names, enforcement
+from deviceplugin import enforcement
+from deviceplugin.kubelet import cdi_names
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml
-from vramshare import config, contract, kustomize
+from vramshare import config, contract
+from vramshare_cli import kustomize
 from vramshare.inventory import EnforcementMode
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from vramshare import certs, cli, install, kustomize
+from standins.apiserver import ApiServerDouble
 from vramshare.errors import UsageError
-from vramshare.standins.apiserver import ApiServerDouble
+from vramshare_cli import certs, main as cli, install, kustomize
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -16,7 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from vramshare import cli, config, contract
+from vramshare import config, contract
+from vramshare_cli import main as cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "daemonset"
@@ -335,7 +336,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 #: the DRA plugin borrows only ``_backend`` (the backend choice) from the device plugin's main; the
 #: closure stops there, and a test checks that this is all it borrows and that it calls no API
-_BORROWED = "deviceplugin.main"
+_BORROWED = "deviceplugin.kubelet.main"
 
 
 def dra_plugin_modules() -> set[pathlib.Path]:
@@ -360,7 +361,7 @@ def test_the_dra_plugin_borrows_only_the_backend_choice_from_the_device_plugin()
     assert borrowed == {"_backend"}
     source = (ROOT / "deviceplugin" / "main.py").read_text(encoding="utf-8")
     [fn] = [n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "_backend"]
-    assert not _CALL.findall(ast.get_source_segment(source, fn)), "_backend calls the API: scan deviceplugin.main too"
+    assert not _CALL.findall(ast.get_source_segment(source, fn)), "_backend calls the API: scan deviceplugin.kubelet.main too"
 
 
 def test_dra_plugin_rbac_is_exactly_what_its_code_calls():

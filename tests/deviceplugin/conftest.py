@@ -13,13 +13,13 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins.apiserver import ApiServerDouble
+from standins.kubelet import FakeKubelet
 from vramshare.config import Config
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.kubelet import FakeKubelet
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "inventories")
 MIXED = os.path.join(FIXTURES, "mixed.yaml")  # H100 81559 MiB numa 0; A100 MIG [3g.40gb, 2g.20gb, 1g.10gb] numa 1

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from deviceplugin.allocation import Refusal, RefusalKind
-from deviceplugin.allocator import Allocator
 from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.inventory_file import load
+from deviceplugin.kubelet.allocator import Allocator
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota import writer

@@ -4,11 +4,11 @@ GPU, after every step, and never exceed capacity; and every container got exactl
 Many seeds of random pod mixes (same-size pods, ``gpu-count: 2`` next to single-GPU pods of the same
 total, MIG, whole GPUs), created in few distinct seconds (creation-time ties), bound in random order by a
 naive planner whose plans are often wrong or ambiguous, admitted by the kubelet's device manager model
-(``vramshare.standins.devicemanager``: its own accounting, the plugin's preference as a hint), deleted,
+(``standins.devicemanager``: its own accounting, the plugin's preference as a hint), deleted,
 re-Allocated late, GPUs turning unhealthy and back (the kubelet hands out healthy IDs only), with plugin
 restarts with and without PodResources; and bursts of same-size replicas assumed together on one plan (the
 extender's narrower hold), each of which must land on exactly that plan. The plugin's real core runs
-in-process (Allocator, steering, :func:`deviceplugin.reconcile.plan`); only gRPC and HTTP are left out,
+in-process (Allocator, steering, :func:`deviceplugin.kubelet.reconcile.plan`); only gRPC and HTTP are left out,
 and they have their own tests. A failure prints its seed and step.
 """
 from __future__ import annotations
@@ -21,17 +21,17 @@ from typing import Any
 
 import pytest
 
-from deviceplugin import podresources, reconcile
-from deviceplugin.allocator import Allocator
 from deviceplugin.backend import DiscoveredGpu, DiscoveredMig, HealthEvent
+from deviceplugin.kubelet import podresources, reconcile
+from deviceplugin.kubelet.allocator import Allocator
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota_files import QuotaFiles, allocation_key
+from standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
+from standins.kubelet import admission_order, list_response
 from vramshare import contract
 from vramshare.config import Config
 from vramshare.inventory import GpuMode
-from vramshare.standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
-from vramshare.standins.kubelet import admission_order, list_response
 
 NAMES = contract.Names()
 MEM, WHOLE = NAMES.gpu_memory, NAMES.gpu

@@ -8,8 +8,8 @@ import logging
 import pytest
 import yaml
 
-from deviceplugin import cdi_names
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet import cdi_names
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare.config import Config, DeviceListStrategy
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from deviceplugin.main import DevicePluginDaemon
-from deviceplugin.server import list_response
+from deviceplugin.kubelet.main import DevicePluginDaemon
+from deviceplugin.kubelet.server import list_response
 from deviceplugin.simulated_backend import SimulatedBackend
 from vramshare import config as vconfig
 from vramshare.config import Config, ConfigError

@@ -161,10 +161,10 @@ def test_a_refused_reload_is_an_event_on_the_node_and_a_metric(cm):
     """Issue 22: not only a log line. The Event goes through the official client to the API double."""
     from prometheus_client import generate_latest
 
-    from deviceplugin.config_refusal import REASON, RefusalReporter
+    from deviceplugin.kubelet.config_refusal import REASON, RefusalReporter
     from deviceplugin.metrics import PluginMetrics
+    from standins.apiserver import ApiServerDouble
     from vramshare.kube import api_client_for
-    from vramshare.standins.apiserver import ApiServerDouble
 
     metrics = PluginMetrics()
     with ApiServerDouble() as api, api_client_for(api.url) as http:
@@ -180,7 +180,7 @@ def test_a_refused_reload_is_an_event_on_the_node_and_a_metric(cm):
 
 
 def test_a_refusal_without_an_api_server_is_still_counted(cm):
-    from deviceplugin.config_refusal import RefusalReporter
+    from deviceplugin.kubelet.config_refusal import RefusalReporter
     from deviceplugin.metrics import PluginMetrics
     metrics = PluginMetrics()
     w, _ = watcher(cm, on_refused=RefusalReporter(metrics, None, ""))

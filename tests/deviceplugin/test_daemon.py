@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from standins.apiserver import ApiServerDouble
 from vramshare import contract
-from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.config import Config
 from vramshare.inventory import GpuMode, NodeInventory
 
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def plugin_process(kubelet, *extra: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "NODE_NAME")}
     return subprocess.Popen(
-        [sys.executable, "-m", "vramshare.cli", "device-plugin", "--backend", "simulated", "--inventory", MIXED,
+        [sys.executable, "-m", "vramshare_cli.main", "device-plugin", "--backend", "simulated", "--inventory", MIXED,
          "--device-plugin-dir", kubelet.plugin_dir, "--pod-resources-socket", kubelet.pod_resources_socket,
          "--metrics-port", "0", *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -88,7 +88,7 @@ def test_without_a_driver_the_nvml_backend_fails_with_one_line(short_dir):
     except BackendError:
         pass
     env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
-    proc = subprocess.run([sys.executable, "-m", "vramshare.cli", "device-plugin", "--backend", "nvml",
+    proc = subprocess.run([sys.executable, "-m", "vramshare_cli.main", "device-plugin", "--backend", "nvml",
                            "--device-plugin-dir", short_dir, "--metrics-port", "0"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1

@@ -7,12 +7,12 @@ from typing import Iterator
 
 import pytest
 
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.nvml_backend import NvmlBackend
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins.apiserver import ApiServerDouble
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml
 from vramshare import kube
-from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.config import Config
 
 

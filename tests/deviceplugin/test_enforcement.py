@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from deviceplugin import allocation, enforcement
 from deviceplugin.allocation import GpuShare
 from deviceplugin.enforcement import EnforcementRefused, NodeFacts, choose, probe
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
 from tests.fixtures.fake_nvml import A100_80GB_MIG, H100_80GB, FakeNvml
 from vramshare.config import Config, EnforcementConfig

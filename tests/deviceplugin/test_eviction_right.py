@@ -15,7 +15,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from deviceplugin.config_watch import ConfigWatcher
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.quota import rights
 from vramshare.config import Config, EnforcementConfig, OverLimitAction, parse_config
 

@@ -9,14 +9,14 @@ import json
 import os
 
 from deviceplugin.inventory_file import load
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.quota import writer
 from deviceplugin.quota_files import allocation_key
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins.apiserver import ApiServerDouble
 from vramshare import contract
 from vramshare.config import Config
 from vramshare.inventory import NodeInventory
-from vramshare.standins.apiserver import ApiServerDouble
 
 from .conftest import MEM, MIXED, NODE
 

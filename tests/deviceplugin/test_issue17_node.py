@@ -19,21 +19,21 @@ import grpc
 import pytest
 
 from deviceplugin.allocation import Refusal
-from deviceplugin.allocator import Allocator
 from deviceplugin.backend import DiscoveredGpu
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.allocator import Allocator
+from deviceplugin.kubelet.main import DevicePluginDaemon
+from deviceplugin.kubelet.reconcile import Held
+from deviceplugin.kubelet.reconcile_loop import Reconciler
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota import writer
 from deviceplugin.quota_files import ALLOC_DIR, QuotaFiles, allocation_key
-from deviceplugin.reconcile import Held
-from deviceplugin.reconcile_loop import Reconciler
 from deviceplugin.simulated_backend import SimulatedBackend
 from protos.podresources.v1 import api_pb2 as pr
 from protos.podresources.v1 import api_pb2_grpc as pr_grpc
+from standins.apiserver import ApiServerDouble
 from vramshare import contract
 from vramshare.config import Config
-from vramshare.standins.apiserver import ApiServerDouble
 
 from .conftest import MEM, NODE, TWO_GPUS
 from .test_issue8_regressions import actual, bound_pod

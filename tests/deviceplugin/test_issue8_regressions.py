@@ -8,11 +8,11 @@ import json
 import os
 
 from deviceplugin.inventory_file import load
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins.apiserver import ApiServerDouble
 from vramshare import contract
 from vramshare.config import Config
-from vramshare.standins.apiserver import ApiServerDouble
 
 from .conftest import MEM, MIXED, NODE, TWO_GPUS
 

@@ -19,10 +19,10 @@ import pytest
 
 from deviceplugin.simulated_backend import SimulatedBackend
 from deviceplugin.simulated_usage import UsageReplay
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import PODS
 from vramshare import contract
 from vramshare.config import parse_config
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import PODS
 
 from .conftest import MEM, NODE
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from deviceplugin import reconcile
+from deviceplugin.kubelet import reconcile
 from deviceplugin.devices import PluginDevice
 from deviceplugin.quota_files import allocation_key
 from vramshare import contract

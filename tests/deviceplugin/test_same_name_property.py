@@ -10,9 +10,9 @@ key, a new Allocate stamp); the node clock off the API server's by up to 4 s; th
 behind the API by a random lag each round; PodResources down for some rounds; the order of List's
 entries shuffled. An incarnation either lives longer than twice the clock-skew allowance or is seen by one round while
 listed and cached (the reconciler runs right after each Allocate); within that window an allocation no
-round ever saw cannot be told from the new pod's by a name and clocks (the note says so). The reconcile core (:func:`deviceplugin.reconcile.plan`) runs with what the node
+round ever saw cannot be told from the new pod's by a name and clocks (the note says so). The reconcile core (:func:`deviceplugin.kubelet.reconcile.plan`) runs with what the node
 persists (stamps, owners) and the API server's confirmation of new attributions
-(:func:`deviceplugin.reconcile.drop_unconfirmed`, as :class:`deviceplugin.reconcile_loop.Reconciler`
+(:func:`deviceplugin.kubelet.reconcile.drop_unconfirmed`, as :class:`deviceplugin.kubelet.reconcile_loop.Reconciler`
 does). After every round: every link, owner record and patch names the incarnation that made the
 allocation; at the end the last incarnation is linked and recorded with its own GPU.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from deviceplugin import reconcile
+from deviceplugin.kubelet import reconcile
 from deviceplugin.devices import PluginDevice
 from deviceplugin.quota_files import Allocation, allocation_key
 from vramshare import contract

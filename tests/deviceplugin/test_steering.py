@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from deviceplugin import handshake, steering
+from deviceplugin import assignment as handshake
+from deviceplugin.kubelet import steering
 from vramshare import contract
 
 NAMES = contract.Names()

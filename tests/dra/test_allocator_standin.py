@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kubernetes.utils import parse_quantity
 
 from deviceplugin.dra import slices
+from standins import dra_allocator as alloc
 from tests.dra.conftest import NODE
-from vramshare.standins import dra_allocator as alloc
 
 DRA_DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "daemonset" / "dra"
 Gi, Mi = 1024 ** 3, 1024 ** 2

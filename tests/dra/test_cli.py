@@ -12,9 +12,9 @@ import tempfile
 
 import pytest
 
+from standins.apiserver import RESOURCESLICES, ApiServerDouble
+from standins.dra_kubelet import DraKubelet
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import RESOURCESLICES, ApiServerDouble
-from vramshare.standins.dra_kubelet import DraKubelet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = "gpu.vramshare.io"
@@ -45,7 +45,7 @@ def test_the_subprocess_publishes_registers_and_exits_cleanly(short_dir):
                      f"users: [{{name: nobody, user: {{}}}}]\n"
                      f"contexts: [{{name: double, context: {{cluster: double, user: nobody}}}}]\n")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vramshare.cli", "dra-plugin", "--backend", "simulated", "--config", config,
+            [sys.executable, "-m", "vramshare_cli.main", "dra-plugin", "--backend", "simulated", "--config", config,
              "--kubeconfig", kubeconfig, "--node-name", "gpu-1", "--plugin-dir", f"{short_dir}/plugins/{DRIVER}",
              "--registry-dir", f"{short_dir}/registry", "--metrics-port", "0"],
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -65,7 +65,7 @@ def test_the_subprocess_publishes_registers_and_exits_cleanly(short_dir):
 
 
 def test_without_an_api_server_it_refuses_with_one_line(short_dir):
-    proc = subprocess.run([sys.executable, "-m", "vramshare.cli", "dra-plugin", "--backend", "simulated",
+    proc = subprocess.run([sys.executable, "-m", "vramshare_cli.main", "dra-plugin", "--backend", "simulated",
                            "--node-name", "n", "--metrics-port", "0"],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2

@@ -13,15 +13,15 @@ from kubernetes import client
 
 from deviceplugin.dra.main import DraPluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins import cdi_registry
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import RESOURCECLAIMS, RESOURCESLICES
+from standins.dra_kubelet import DraKubelet, PrepareError
+from standins.dra_scheduler import DraScheduler
 from tests.dra.conftest import NODE, dra_config
 from vramshare import contract
 from vramshare.inventory import NodeInventory
 from vramshare.kube import api_client_for
-from vramshare.standins import cdi_registry
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import RESOURCECLAIMS, RESOURCESLICES
-from vramshare.standins.dra_kubelet import DraKubelet, PrepareError
-from vramshare.standins.dra_scheduler import DraScheduler
 
 DRA_DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "daemonset" / "dra"
 DRIVER = "gpu.vramshare.io"
@@ -124,7 +124,7 @@ def test_gpus_a_device_plugin_advertises_are_refused(env):
 
 
 def _node_ref():
-    from vramshare.standins.apiserver import NODES
+    from standins.apiserver import NODES
     return NODES, None, NODE
 
 

@@ -7,7 +7,7 @@ import pathlib
 
 import yaml
 
-from vramshare.standins import demo_dra
+from standins import demo_dra
 
 DEPLOYED = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "daemonset" / "dra" / "deviceclasses.yaml"
 

@@ -16,8 +16,8 @@ from protos.dra.v1beta1 import api_pb2 as v1beta1
 from protos.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from protos.pluginregistration.v1 import api_pb2 as reg
 from protos.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from standins.dra_kubelet import DraKubelet
 from tests.dra.test_preparer import Claims, claim, make, share
-from vramshare.standins.dra_kubelet import DraKubelet
 
 DRIVER = "gpu.vramshare.io"
 

@@ -1,6 +1,6 @@
 """The kubelet's DRA side as upstream has it, and our plugin against it.
 
-Conformance of :mod:`vramshare.standins.dra_kubelet` to pkg/kubelet/cm/dra (``Manager.GetResources``
+Conformance of :mod:`standins.dra_kubelet` to pkg/kubelet/cm/dra (``Manager.GetResources``
 with ``ClaimInfo.cdiDevicesAsList``), and the plugin's answers as kubeletplugin's
 ``NodePrepareResources`` gives them (``stripSubrequestNames``): a container naming the request of a
 ``firstAvailable`` claim must get the claim's GPU.
@@ -15,12 +15,12 @@ from kubernetes import client
 
 from deviceplugin.dra.main import DraPluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins import cdi_registry
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import RESOURCESLICES
+from standins.dra_kubelet import DraKubelet
 from tests.dra.conftest import NODE, dra_config
 from vramshare.kube import api_client_for
-from vramshare.standins import cdi_registry
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import RESOURCESLICES
-from vramshare.standins.dra_kubelet import DraKubelet
 
 DRIVER = "gpu.vramshare.io"
 
@@ -120,7 +120,7 @@ def test_the_kubelet_stand_in_wipes_slices_as_upstream_does():
     """At start: every slice of the node, every driver (NewDRAPluginManager -> wipeResourceSlices(ctx, "")).
     After the last plugin of a driver goes: that driver's slices of the node, wipingDelay (30 s) later,
     unless it registers again first (DRAPluginManager.sync)."""
-    from vramshare.standins.dra_kubelet import WIPING_DELAY_SECONDS
+    from standins.dra_kubelet import WIPING_DELAY_SECONDS
     with ApiServerDouble() as api, api_client_for(api.url) as http:
         resource = client.ResourceV1Api(http)
         for node, domain in [(NODE, "vramshare.io"), (NODE, "other.io"), ("gpu-node-2", "vramshare.io")]:

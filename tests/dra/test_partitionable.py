@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from deviceplugin.dra import slices, validation
+from standins import dra_allocator as alloc
+from standins.demo_dra import device_classes
 from tests.dra.conftest import NODE, dra_config
 from vramshare import mig
-from vramshare.standins import dra_allocator as alloc
-from vramshare.standins.demo_dra import device_classes
 
 CLASSES = {c["metadata"]["name"]: c for c in device_classes()}
 A100 = mig.MODELS["A100-SXM4-80GB"]  # the demo node's GPU 3, in MIG mode

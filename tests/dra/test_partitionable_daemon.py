@@ -13,11 +13,11 @@ from deviceplugin.dra.main import DraPluginDaemon
 from deviceplugin.mig_dynamic import DynamicMig, MigPlan
 from deviceplugin.mig_nvml import NvmlMig
 from deviceplugin.nvml_backend import NvmlBackend
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import RESOURCESLICES
 from tests.dra.conftest import NODE, dra_config
 from tests.fixtures.fake_nvml_mig import H100_MIG, MigFakeNvml
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import RESOURCESLICES
 
 DRIVER = "gpu.vramshare.io"
 

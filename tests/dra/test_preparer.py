@@ -13,9 +13,9 @@ from deviceplugin.dra.checkpoint import PREPARED, PREPARING, Checkpoint
 from deviceplugin.dra.claims import ClaimRef
 from deviceplugin.dra.preparer import ClaimPreparer, FileEffects
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins import cdi_registry
 from tests.dra.conftest import NODE, dra_config
 from vramshare import contract
-from vramshare.standins import cdi_registry
 
 DRIVER = "gpu.vramshare.io"
 

@@ -9,10 +9,10 @@ from deviceplugin import devices
 from deviceplugin.backend import BackendError
 from deviceplugin.dra import slices
 from deviceplugin.nvml_backend import NvmlBackend
+from standins import cdi_registry
 from tests.dra.conftest import NODE, dra_config
 from tests.dra.test_preparer import Claims, claim, ref, share
 from vramshare import contract
-from vramshare.standins import cdi_registry
 
 pytestmark = pytest.mark.gpu
 

@@ -19,10 +19,10 @@ from deviceplugin import devices
 from deviceplugin.backend import DiscoveredGpu, DiscoveredMig
 from deviceplugin.dra import slices
 from deviceplugin.dra.validation import validate_resource_slice
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import RESOURCESLICES
 from vramshare.config import ConfigError, config_from_dict
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import RESOURCESLICES
 
 NODE_UID = "0b7e2c4e-1111-2222-3333-444455556666"
 _LABEL = st.from_regex(r"\A[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")

@@ -4,11 +4,11 @@ from __future__ import annotations
 import threading
 
 from deviceplugin.dra.publisher import SliceWatch
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import RESOURCESLICES
 from tests.standins.tcp_proxy import TcpProxy
 from vramshare import contract
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import RESOURCESLICES
 
 NAMES = contract.Names()
 

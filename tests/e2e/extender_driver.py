@@ -1,6 +1,6 @@
 """Ground truth for end-to-end tests: per-GPU usage and capacity recomputed from the API objects alone.
 
-The scheduler-like driver is :class:`vramshare.standins.scheduler.SchedulerDriver`, shared with the demo.
+The scheduler-like driver is :class:`standins.scheduler.SchedulerDriver`, shared with the demo.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import orjson
 import pytest
 import urllib3
 
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 
 N = b.NAMES
@@ -55,7 +55,7 @@ class Extender:
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = tmp / "config.yaml"
         cfg.write_text("version: v1\nextender:\n  policy: binpack\n  holdTimeoutSeconds: 1\n")
-        self.cmd = [sys.executable, "-c", "import sys; from vramshare.cli import main; sys.exit(main())",
+        self.cmd = [sys.executable, "-c", "import sys; from vramshare_cli.main import main; sys.exit(main())",
                     "extender", "--listen", f"127.0.0.1:{self.port}", "--kubeconfig", str(kubeconfig(tmp, url)),
                     "--config", str(cfg)]
         self.proc: subprocess.Popen[bytes] | None = None

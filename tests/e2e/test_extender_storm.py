@@ -16,12 +16,12 @@ import pytest
 import urllib3
 
 from extender import main
-from vramshare import inventory
-from vramshare.standins.apiserver import PODS, ApiServerDouble
-from vramshare.config import Config, ExtenderConfig, Policy
+from standins.apiserver import PODS, ApiServerDouble
+from standins.scheduler import SchedulerDriver
 from tests.e2e.extender_driver import capacity_from_inventories, usage_from_annotations
-from vramshare.standins.scheduler import SchedulerDriver
 from tests.extender import builders as b
+from vramshare import inventory
+from vramshare.config import Config, ExtenderConfig, Policy
 
 N = b.NAMES
 MIG = (("3g.40gb", 40192), ("3g.40gb", 40192))

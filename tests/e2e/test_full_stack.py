@@ -18,10 +18,10 @@ import pytest
 from deviceplugin.simulated_backend import SimulatedBackend
 from extender import inspection
 from extender.main import RunningExtender, start_for_url
+from standins.apiserver import ApiServerDouble
+from standins.scheduler import SchedulerDriver
+from standins.simnode import SimulatedNode
 from vramshare import contract
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.scheduler import SchedulerDriver
-from vramshare.standins.simnode import SimulatedNode
 
 NAMES = contract.Names()
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "inventories")

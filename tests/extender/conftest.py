@@ -12,7 +12,7 @@ import pytest
 import urllib3
 
 from extender import main
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from vramshare.config import Config, ExtenderConfig, Policy
 
 

@@ -9,11 +9,11 @@ import orjson
 import pytest
 
 from extender import accounting, apicalls, binder, wire
+from standins.apiserver import PODS, ApiServerDouble
+from tests.extender import builders as b
 from vramshare import contract
-from vramshare.standins.apiserver import PODS, ApiServerDouble
 from vramshare.config import Config, Policy
 from vramshare.kube import api_client_for
-from tests.extender import builders as b
 
 N = b.NAMES
 

@@ -6,10 +6,10 @@ import time
 import pytest
 
 from extender import main
-from vramshare.standins.apiserver import PODS, ApiServerDouble
-from vramshare.config import Config, ExtenderConfig, Policy
+from standins.apiserver import PODS, ApiServerDouble
 from tests.extender import builders as b
 from tests.extender.conftest import Scheduler, eventually
+from vramshare.config import Config, ExtenderConfig, Policy
 
 
 def used(ext: main.RunningExtender, node: str) -> list[int]:

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from extender import accounting, app, metrics
-from vramshare import cli, contract
+from vramshare import contract
+from vramshare_cli import main as cli
 from vramshare.config import Config, Policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

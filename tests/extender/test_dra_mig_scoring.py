@@ -7,10 +7,10 @@ from deviceplugin import devices
 from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.dra import slices
 from extender import dra_scoring
+from standins import dra_allocator
+from standins.demo_dra import device_classes
 from vramshare import contract, mig
 from vramshare.config import Config, DraConfig, DynamicMigConfig
-from vramshare.standins import dra_allocator
-from vramshare.standins.demo_dra import device_classes
 
 NAMES = contract.Names()
 DRIVER = NAMES.dra_driver

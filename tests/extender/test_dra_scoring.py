@@ -11,11 +11,11 @@ from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.dra import slices
 from extender import dra_scoring
 from extender.main import start_for_url
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import RESOURCECLAIMS
 from vramshare import contract
 from vramshare.config import Config, DraConfig, Policy
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.resources import RESOURCECLAIMS
 
 NAMES = contract.Names()
 DRIVER = NAMES.dra_driver

@@ -11,13 +11,13 @@ from typing import Iterator
 
 import pytest
 
-from deviceplugin import steering
+from deviceplugin.kubelet import steering
 from extender import accounting, apicalls, binder, holds, verbs, wire
+from standins.apiserver import PODS, ApiServerDouble
+from tests.extender import builders as b
 from vramshare import contract, podspec
 from vramshare.config import Config, ExtenderConfig, Policy
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import PODS, ApiServerDouble
-from tests.extender import builders as b
 
 N = b.NAMES
 SEC = 1_000_000_000
@@ -246,7 +246,7 @@ def test_same_plan_pods_assumed_together_each_land_on_their_plan(double: ApiServ
 
 def admit(world: World, pod: dict, real: dict[str, dict[str, int]], cap: dict[str, int],
           node_of: dict[str, str], rng: random.Random, where: str) -> None:
-    """The kubelet admits ``pod``: the device plugin steers (deviceplugin.steering), the kubelet takes
+    """The kubelet admits ``pod``: the device plugin steers (deviceplugin.kubelet.steering), the kubelet takes
     the preferred devices if free, else any free ones; then the reconcile reports ``allocated``."""
     name, node = pod["metadata"]["name"], pod["spec"]["nodeName"]
     size = int(pod["spec"]["containers"][0]["resources"]["limits"][N.gpu_memory])

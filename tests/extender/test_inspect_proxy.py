@@ -10,12 +10,12 @@ import urllib.request
 import pytest
 
 from extender import inspection, main
-from vramshare import cli
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.apiserver.proxy import split_scheme_name_port
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.proxy import split_scheme_name_port
 from tests.extender import builders as b
 from tests.extender.conftest import eventually
 from tests.fixtures.kubeconfig import write_kubeconfig
+from vramshare_cli import main as cli
 
 NS = "vramshare-system"
 
@@ -101,4 +101,4 @@ def test_split_scheme_name_port():
 
 def test_kubectl_finds_the_plugin():
     scripts = tomllib.loads((pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["kubectl-vramshare"] == scripts["vramshare"] == "vramshare.cli:main"
+    assert scripts["kubectl-vramshare"] == scripts["vramshare"] == "vramshare_cli.main:main"

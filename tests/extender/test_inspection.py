@@ -9,10 +9,10 @@ import orjson
 import pytest
 
 from extender import inspection, main
-from vramshare import cli
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 from tests.extender.conftest import Scheduler, eventually
+from vramshare_cli import main as cli
 
 
 def test_table_names_every_gpu_with_its_pods(double: ApiServerDouble, extender: main.RunningExtender,

@@ -7,12 +7,12 @@ import ssl
 import urllib.request
 
 from extender import inspection, main
-from vramshare import certs
-from vramshare.config import parse_config
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.scheduler import SchedulerDriver
+from standins.apiserver import ApiServerDouble
+from standins.scheduler import SchedulerDriver
 from tests.extender import builders as b
 from tests.extender.conftest import eventually
+from vramshare.config import parse_config
+from vramshare_cli import certs
 
 
 def test_generated_certificates_verify_through_a_port_forward(tmp_path):

@@ -8,12 +8,12 @@ import time
 from kubernetes import client
 
 from extender import leader, main
-from vramshare import contract
-from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import LEASES, ApiServerDouble
-from vramshare.standins.scheduler import SchedulerDriver
+from standins.apiserver import LEASES, ApiServerDouble
+from standins.scheduler import SchedulerDriver
 from tests.extender import builders as b
 from tests.extender.conftest import eventually
+from vramshare import contract
+from vramshare.kube import api_client_for
 
 NS = "vramshare-system"
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from extender import main
-from vramshare import cli
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
+from vramshare_cli import main as cli
 
 
 @pytest.mark.parametrize("argv, why", [
@@ -60,7 +60,7 @@ def test_the_command_serves_until_sigterm(tmp_path: Path) -> None:
             f"clusters: [{{name: d, cluster: {{server: '{api.url}'}}}}]\n"
             "users: [{name: u, user: {}}]\ncontexts: [{name: d, context: {cluster: d, user: u}}]\n")
         port = _free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "vramshare.cli", "extender", "--listen", f"127.0.0.1:{port}",
+        proc = subprocess.Popen([sys.executable, "-m", "vramshare_cli.main", "extender", "--listen", f"127.0.0.1:{port}",
                                  "--kubeconfig", str(kubeconfig), "--policy", "spread"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ})
         try:

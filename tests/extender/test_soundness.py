@@ -13,10 +13,10 @@ import orjson
 import pytest
 
 from extender import accounting, main
-from vramshare.config import Config, ExtenderConfig, Policy
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 from tests.extender.conftest import Scheduler, eventually
+from vramshare.config import Config, ExtenderConfig, Policy
 
 N = b.NAMES
 SEC = 1_000_000_000

@@ -17,14 +17,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from deviceplugin.allocation import GpuShare
-from deviceplugin.handshake import AssignedGpu
+from deviceplugin.assignment import AssignedGpu
+from deviceplugin.kubelet.reconcile import Holding, Owner
 from deviceplugin.quota.kube import NodeTenantSource
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
 from deviceplugin.quota.writer import read_quota
 from deviceplugin.quota_files import QuotaFiles
-from deviceplugin.reconcile import Holding, Owner
 from vramshare import contract
 from vramshare.config import QuotaConfig
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deviceplugin.assignment import AssignedGpu
+from deviceplugin.kubelet.reconcile import Holding, Owner
 from deviceplugin.quota.classes import DEFAULT, PodMeta, resolve, term_matches
-from deviceplugin.handshake import AssignedGpu
 from deviceplugin.quota.kube import ApiQuotaMirror, pod_meta, tenants_from_holdings
-from deviceplugin.reconcile import Holding, Owner
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import UsageSample

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from deviceplugin.handshake import AssignedGpu
+from deviceplugin.assignment import AssignedGpu
+from deviceplugin.kubelet.reconcile import Holding, Owner
 from deviceplugin.quota.kube import ApiQuotaMirror, NodeTenantSource, tenants_from_holdings
 from deviceplugin.quota.model import Claim, Tenant, TenantKey
-from deviceplugin.reconcile import Holding, Owner
 from tests.extender.builders import managed_entry
 from vramshare import contract
 

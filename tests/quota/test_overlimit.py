@@ -14,10 +14,10 @@ from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.overlimit import OverLimitWatch
 from deviceplugin.quota.telemetry import UsageSample
 from deviceplugin.quota.writer import GpuQuota, QuotaFile, container_dir, write_quota
+from standins.apiserver import ApiServerDouble
 from vramshare import contract, kube
 from vramshare.config import OverLimitAction
 from vramshare.inventory import EnforcementMode
-from vramshare.standins.apiserver import ApiServerDouble
 
 NAMES = contract.Names()
 GREEDY = TenantKey("llm", "greedy", "vllm", pod_uid="")

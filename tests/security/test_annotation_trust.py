@@ -15,14 +15,14 @@ import orjson
 import pytest
 from kubernetes import client
 
-from deviceplugin.handshake import PodRef
-from deviceplugin.kube_adapter import PodPatcher
-from deviceplugin.reconcile import Patch
+from deviceplugin.assignment import PodRef
+from deviceplugin.kubelet.kube_adapter import PodPatcher
+from deviceplugin.kubelet.reconcile import Patch
 from extender import main
+from standins.apiserver import ApiServerDouble
+from tests.extender import builders as b
 from vramshare import contract
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import ApiServerDouble
-from tests.extender import builders as b
 
 N = b.NAMES
 MERGE = "application/merge-patch+json"

@@ -26,16 +26,16 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from deviceplugin.config_watch import ConfigWatcher
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
+from deviceplugin.kubelet.server import list_response
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import UsageSample
-from deviceplugin.server import list_response
 from deviceplugin.simulated_backend import SimulatedBackend
 from extender import accounting, app, binder, metrics
+from tests.extender import builders as b
 from vramshare import config as vconfig
 from vramshare.config import Config, ConfigError, parse_config
-from tests.extender import builders as b
 
 EXAMPLES = int(os.environ.get("VRAMSHARE_FUZZ_EXAMPLES", "150")) // 3
 NASTY = [float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 2**63, 2**70, -1, 0, 0.0, 1e-9, 0.05, 1, 2]

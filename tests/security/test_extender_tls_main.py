@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from extender import main
-from vramshare.config import ConfigError, parse_config
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 from tests.fixtures.certs import make_pki
+from vramshare.config import ConfigError, parse_config
 
 
 def _open(url: str, ctx: ssl.SSLContext | None, data: bytes | None = None) -> tuple[int, bytes]:
@@ -75,7 +75,7 @@ def test_tls_config_is_validated(text: str, key: str) -> None:
 
 
 def test_vramshare_inspect_presents_a_client_certificate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from vramshare import cli
+    from vramshare_cli import main as cli
     from extender import inspection
     pki = make_pki(tmp_path)
     config = parse_config(f"version: v1\nextender:\n  tlsCertFile: {pki.server_cert}\n"

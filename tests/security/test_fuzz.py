@@ -20,11 +20,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from extender import main, translate
+from standins.apiserver import ApiServerDouble
+from tests.extender import builders as b
 from vramshare import contract
 from vramshare.config import ConfigError, _EXTENDER_KEYS, _HEALTH_KEYS, _QUOTA_KEYS, _TOP_KEYS, parse_config
 from vramshare.inventory import InventoryError, inventory_from_dict
-from vramshare.standins.apiserver import ApiServerDouble
-from tests.extender import builders as b
 
 N = contract.Names()
 FUZZ = settings(max_examples=int(os.environ.get("VRAMSHARE_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow,

@@ -25,7 +25,7 @@ import urllib.request
 import pytest
 import yaml
 
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

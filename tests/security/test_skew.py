@@ -15,12 +15,12 @@ import orjson
 import pytest
 
 from extender import main, translate
-from vramshare import contract, kube
-from vramshare.inventory import GpuMode, InventoryError, NodeInventory, inventory_from_dict
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from tests.deviceplugin.conftest import (backend, config, kubelet, short_dir,  # noqa: F401 - fixtures
                                          start_plugin)
 from tests.extender import builders as b
+from vramshare import contract, kube
+from vramshare.inventory import GpuMode, InventoryError, NodeInventory, inventory_from_dict
 
 N = contract.Names()
 GiB = 1024

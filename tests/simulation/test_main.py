@@ -9,7 +9,7 @@ import pytest
 
 from extender.simulation.replay import RunResult
 from extender.simulation.report import alloc_at, markdown, summarize
-from vramshare import cli
+from vramshare_cli import main as cli
 
 
 def test_simulate_writes_summary_table_and_plot(trace: tuple[str, str], tmp_path: Path,

@@ -6,7 +6,7 @@ from typing import Iterator
 import pytest
 from kubernetes.client import ApiClient, CoreV1Api  # imported here: its lazy first import takes seconds
 
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 from vramshare.kube import api_client_for
 
 

@@ -5,8 +5,8 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
+from standins.apiserver import RESOURCESLICES
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import RESOURCESLICES
 
 APPLY = "application/apply-patch+yaml"
 

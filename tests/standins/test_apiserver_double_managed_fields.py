@@ -14,7 +14,7 @@ import pytest
 from kubernetes.client import CoreV1Api
 from kubernetes.client.rest import ApiException
 
-from vramshare.standins.apiserver import ApiServerDouble
+from standins.apiserver import ApiServerDouble
 
 MERGE = "application/merge-patch+json"
 APPLY = "application/apply-patch+yaml"

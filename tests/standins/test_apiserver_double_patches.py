@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from vramshare.standins.apiserver.errors import ApiError
-from vramshare.standins.apiserver.patches import apply_patch, json_patch, merge_patch, strategic_merge_patch
+from standins.apiserver.errors import ApiError
+from standins.apiserver.patches import apply_patch, json_patch, merge_patch, strategic_merge_patch
 
 
 def test_merge_patch_deletes_with_null_and_replaces_lists() -> None:

@@ -8,8 +8,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from standins.apiserver import ApiServerDouble
 from tests.standins.bodies import bind, binding, node_body, pod_body
-from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.kube import api_client_for
 
 

@@ -9,8 +9,8 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
+from standins.apiserver import ApiServerDouble
 from tests.standins.bodies import pod_body
-from vramshare.standins.apiserver import ApiServerDouble
 from vramshare.kube import api_client_for
 
 

@@ -10,9 +10,9 @@ import io
 
 import pytest
 
-from vramshare import cli
+from standins import demo_mig
 from vramshare.errors import UsageError
-from vramshare.standins import demo_mig
+from vramshare_cli import main as cli
 
 
 def test_the_demo_makes_adopts_refuses_and_reaps():

@@ -9,7 +9,7 @@ import pytest
 from deviceplugin.quota.loop import QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.simulated_usage import UsageReplay, find_trace, genai_series
-from vramshare.standins import demo
+from standins import demo
 
 
 def test_demo_quota_section_shows_limits_moving_and_the_mode():
@@ -56,7 +56,7 @@ def test_demo_quota_with_the_readme_class_examples(example, classes):
     import io
     import os
 
-    from vramshare.standins.demo import show_quota
+    from standins.demo import show_quota
     path = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "examples", "quota-classes", example)
     out = io.StringIO()
     show_quota(out, classes=path)

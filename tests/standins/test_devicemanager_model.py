@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from vramshare.standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
-from vramshare.standins.kubelet import admission_order
+from standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
+from standins.kubelet import admission_order
 
 R = "vramshare.io/gpu-memory"
 

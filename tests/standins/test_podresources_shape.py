@@ -23,8 +23,8 @@ import pytest
 
 from protos.podresources.v1 import api_pb2 as pr
 from protos.podresources.v1 import api_pb2_grpc as pr_grpc
-from vramshare.standins.devicemanager import FnEndpoint
-from vramshare.standins.kubelet import FakeKubelet
+from standins.devicemanager import FnEndpoint
+from standins.kubelet import FakeKubelet
 
 R, OTHER = "vramshare.io/gpu-memory", "vramshare.io/gpu"
 

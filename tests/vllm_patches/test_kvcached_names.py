@@ -8,10 +8,10 @@ import os
 import subprocess
 import sys
 
-from deviceplugin.allocator import Allocator
 from deviceplugin.dra.cdi import claim_spec
 from deviceplugin.dra.claims import ResolvedShare, Share
 from deviceplugin.inventory_file import load
+from deviceplugin.kubelet.allocator import Allocator
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota_files import QuotaFiles

@@ -1,4 +1,4 @@
-"""``vramshare check``: read the cluster with the admin's kubeconfig, judge it (:mod:`vramshare.checks`).
+"""``vramshare check``: read the cluster with the admin's kubeconfig, judge it (:mod:`vramshare_cli.checks`).
 
 ``--pre`` before an install (API, version, admission policies, node claim, DRA); without it, also what
 an install should have made true. Exit status 0 when no line is ✗, 1 otherwise (for scripts).
@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import Any, Callable, TextIO
 
-from vramshare import checks, install, kube
+from vramshare import kube
+from vramshare_cli import checks, install
 
 Obj = dict[str, Any]
 

@@ -1,6 +1,6 @@
 """``vramshare install``: every object an install needs, for ``| kubectl apply -f -``.
 
-It renders the kustomize base in ``deploy/`` (through :mod:`vramshare.kustomize`, so whatever the base
+It renders the kustomize base in ``deploy/`` (through :mod:`vramshare_cli.kustomize`, so whatever the base
 and its components say flows through unchanged) and then does the five manual steps of a kustomize
 install: the image, the namespace, the mutual-TLS Secrets (made in place, or cert-manager objects),
 kube-scheduler's tag from the cluster's version, and the optional paths (DRA, monitoring). The
@@ -18,7 +18,8 @@ from typing import Any, Callable, TextIO
 
 import yaml
 
-from vramshare import __version__, kustomize
+from vramshare import __version__
+from vramshare_cli import kustomize
 from vramshare.errors import UsageError
 
 Obj = dict[str, Any]
@@ -36,7 +37,7 @@ NODE_SCOPE_BINDING = "vramshare-device-plugin-node-scope"
 
 
 def deploy_dir() -> pathlib.Path:
-    """The manifests: ``vramshare/deploy`` (a link to the checkout's ``deploy/``, a copy in a wheel)."""
+    """The manifests: ``vramshare_cli/deploy`` (a link to the checkout's ``deploy/``, a copy in a wheel)."""
     return pathlib.Path(__file__).resolve().parent / "deploy"
 
 
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     version = args.kubernetes_version or cluster_version(args.kubeconfig)
     try:
-        from vramshare import certs
+        from vramshare_cli import certs
 
         def tls(ns: str, days: int) -> list[Obj]:
             return certs.secrets(certs.generate(ns, days), ns)

@@ -30,7 +30,7 @@ from .store import Store
 from .traffic import FaultPlan, RequestLog, RequestRecord
 from .watch import DISCONNECT, WatchHub, WatchRequest
 
-log = logs.get("vramshare.standins.apiserver")
+log = logs.get("standins.apiserver")
 
 
 class ApiHttpServer(ThreadingHTTPServer):

@@ -5,8 +5,8 @@ says which pod it serves, but the IDs it passes name the GPU(s) and the size (``
 UUID, a GPU UUID), so the container gets exactly those, and a quota directory keyed by the allocation.
 Nothing here reads pods, so an API outage cannot fail or slow admission, and a plugin restart loses
 nothing Allocate needs. Which pod holds what is learnt afterwards from the kubelet's PodResources
-(:mod:`deviceplugin.reconcile`). The extender's plan only *steers* GetPreferredAllocation, from the
-watch-fed pod cache (:mod:`deviceplugin.steering`). Every failure is a :class:`~allocation.Refusal`
+(:mod:`deviceplugin.kubelet.reconcile`). The extender's plan only *steers* GetPreferredAllocation, from the
+watch-fed pod cache (:mod:`deviceplugin.kubelet.steering`). Every failure is a :class:`~allocation.Refusal`
 with a reason, never a fake grant.
 
 While PodResources is down (``recording`` says so) nobody can record where a pod really runs, so the
@@ -21,7 +21,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from deviceplugin import allocation, steering
+from deviceplugin import allocation
+from deviceplugin.kubelet import steering
 from deviceplugin.allocation import ContainerSpec, Refusal, RefusalKind
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.mig_dynamic import MigError

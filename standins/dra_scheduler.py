@@ -7,7 +7,7 @@ Through the official client against any API server (the double in tests), in ups
    ``<pod>-<claim>-``, owned by the pod, annotation ``resource.kubernetes.io/pod-claim-name``) and
    records it in ``pod.status.resourceClaimStatuses``;
 2. the DynamicResources plugin filters every node with the allocator stand-in
-   (:mod:`vramshare.standins.dra_allocator`), then, since DRA has no scorer for shared devices,
+   (:mod:`standins.dra_allocator`), then, since DRA has no scorer for shared devices,
    kube-scheduler takes any feasible node: here the first in a seeded random order, unless the
    caller passes a ``score`` (what vramshare's extender adds);
 3. PreBind writes ``status.allocation`` and adds the pod to ``status.reservedFor``, then the pod is
@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 
 from kubernetes import client
 
+from standins import dra_allocator
 from vramshare.kube import decode
-from vramshare.standins import dra_allocator
 
 Obj = dict[str, Any]
 POD_CLAIM_NAME_ANNOTATION = "resource.kubernetes.io/pod-claim-name"

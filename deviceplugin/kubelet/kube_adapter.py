@@ -17,7 +17,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from deviceplugin.reconcile import Patch
+from deviceplugin.kubelet.reconcile import Patch
 from vramshare import contract, logs
 from vramshare.kube import decode
 from vramshare.retry import Backoff
@@ -48,7 +48,7 @@ def _why(exc: Exception) -> str:
 
 
 class PodPatcher:
-    """Writes a reconcile :class:`~deviceplugin.reconcile.Patch`; returns the patched pod JSON."""
+    """Writes a reconcile :class:`~deviceplugin.kubelet.reconcile.Patch`; returns the patched pod JSON."""
 
     def __init__(self, api: client.ApiClient, names: contract.Names) -> None:
         self._v1 = client.CoreV1Api(api)

@@ -1,7 +1,7 @@
 """What the kubelet has handed out, from its PodResources API: the only record of which pod holds what.
 
 The kubelet never tells Allocate which pod it serves; ``v1.PodResourcesLister/List`` does, after the
-fact, per pod container and resource. The reconciler (:mod:`deviceplugin.reconcile_loop`) reads it
+fact, per pod container and resource. The reconciler (:mod:`deviceplugin.kubelet.reconcile_loop`) reads it
 on start, before the plugin registers, and then periodically. The socket's inode changes when the
 kubelet restarts (mount the directory), so every call dials afresh.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from deviceplugin.reconcile import Held
+from deviceplugin.kubelet.reconcile import Held
 from protos.podresources.v1 import api_pb2 as pr
 from protos.podresources.v1 import api_pb2_grpc as pr_grpc
 from vramshare import contract
@@ -26,7 +26,7 @@ def held(response: pr.ListPodResourcesResponse, names: contract.Names) -> list[H
 
     A real kubelet answers one entry per device ID, and one per NUMA node of its topology
     (``container_manager.go containerDevicesFromResourceDeviceInstances``), so a container holding 22
-    units comes as 22 entries; :func:`deviceplugin.reconcile.group` puts them back together per
+    units comes as 22 entries; :func:`deviceplugin.kubelet.reconcile.group` puts them back together per
     container and resource. ``entry`` is the pod's place in the answer: List names pods, not UIDs,
     and may list one name twice (a pod recreated under its name while the old one terminates)."""
     return [Held(pod.namespace, pod.name, container.name, devs.resource_name, tuple(devs.device_ids), i)

@@ -1,10 +1,10 @@
 """``vramshare demo``: the whole stack on loopback, no cluster and no GPU, ending by itself.
 
 What runs, each the real thing except the two peers no laptop has:
-  * a local stand-in for the API server (``vramshare.standins.apiserver``), reached with the official client;
+  * a local stand-in for the API server (``standins.apiserver``), reached with the official client;
   * two simulated GPU nodes, each with the real device plugin daemon serving gRPC on unix sockets to a
-    stand-in kubelet (``vramshare.standins.kubelet``) that registers it, watches devices and calls Allocate;
-  * the real extender over HTTP, driven the way kube-scheduler drives it (``vramshare.standins.scheduler``).
+    stand-in kubelet (``standins.kubelet``) that registers it, watches devices and calls Allocate;
+  * the real extender over HTTP, driven the way kube-scheduler drives it (``standins.scheduler``).
 It submits inference pods of realistic sizes, says where each landed and why, shows what the kubelet
 handed each container, prints the ``/inspect`` table, deletes a pod to show the memory coming back,
 and ends with the quota loop moving three tenants' limits on one shared GPU as their demand swings
@@ -24,21 +24,21 @@ from typing import Any, TextIO
 
 from deviceplugin import enforcement
 from deviceplugin.devices import build_inventory
+from deviceplugin.quota.classes import PodMeta
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.simulated_backend import SimulatedBackend
 from deviceplugin.simulated_usage import BUILTIN, UsageReplay
-from deviceplugin.quota.classes import PodMeta
-from vramshare.config import Config, ConfigError, load_config
-from vramshare.errors import UsageError
-from vramshare.standins.demo_args import pod_count
-from vramshare.inventory import GpuMode
 from extender import inspection
 from extender.main import start_for_url
+from standins.apiserver import ApiServerDouble
+from standins.demo_args import pod_count
+from standins.scheduler import SchedulerDriver
+from standins.simnode import SimulatedNode
 from vramshare import contract
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.scheduler import SchedulerDriver
-from vramshare.standins.simnode import SimulatedNode
+from vramshare.config import Config, ConfigError, load_config
+from vramshare.errors import UsageError
+from vramshare.inventory import GpuMode
 
 NAMES = contract.Names()
 GIB = 1024
@@ -92,10 +92,10 @@ def _say(out: TextIO, text: str = "") -> None:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if getattr(args, "dra", False):  # the DRA path (Kubernetes 1.36+): its own module
-        from vramshare.standins import demo_dra
+        from standins import demo_dra
         return demo_dra.run(args, out)
     if getattr(args, "mig", False):  # dynamic MIG on the device-plugin path (issue 24): its own module
-        from vramshare.standins import demo_mig
+        from standins import demo_mig
         return demo_mig.run(args, out)
     out = out or sys.stdout
     t0 = time.monotonic()

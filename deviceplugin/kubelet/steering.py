@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from deviceplugin.handshake import AssignmentError, parse_assignment, requested
+from deviceplugin.assignment import AssignmentError, parse_assignment, requested
 from vramshare import contract, managed
 from vramshare.podspec import PodSpecError, pod_demand
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from kubernetes import client
 
-from deviceplugin.kube_adapter import TIMEOUT_S
+from deviceplugin.kubelet.kube_adapter import TIMEOUT_S
 from vramshare import contract
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
@@ -29,7 +29,7 @@ def _rv(pod: Mapping[str, Any]) -> int:
 
 
 class NodePodCache:
-    """:class:`deviceplugin.allocator.PodSource` over a watch of the pods bound to one node."""
+    """:class:`deviceplugin.kubelet.allocator.PodSource` over a watch of the pods bound to one node."""
 
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300) -> None:
         v1 = client.CoreV1Api(api)

@@ -20,7 +20,7 @@ from .store import Obj, Store
 from .traffic import Fault, FaultPlan, RequestLog, RequestRecord
 from .watch import BOOKMARK_FREQUENCY_S, MIN_REQUEST_TIMEOUT_S, WatchHub
 
-log = logs.get("vramshare.standins.apiserver")
+log = logs.get("standins.apiserver")
 
 
 class ApiServerDouble:

@@ -1,6 +1,6 @@
 """The kubelet-facing gRPC servicer for one resource: protobuf in, :class:`ResourceManager` calls, protobuf out.
 
-No NVML, no Kubernetes, no sockets here (those live in :mod:`deviceplugin.lifecycle`). A refusal
+No NVML, no Kubernetes, no sockets here (those live in :mod:`deviceplugin.kubelet.lifecycle`). A refusal
 becomes a gRPC status with the refusal's message, because the kubelet shows it to the user as the
 pod's admission error; nothing here ever answers a request it could not serve.
 """
@@ -13,7 +13,7 @@ import grpc
 
 from deviceplugin.allocation import ContainerSpec, Refusal, RefusalKind
 from deviceplugin.devices import PluginDevice
-from deviceplugin.manager import ResourceManager
+from deviceplugin.kubelet.manager import ResourceManager
 from protos.deviceplugin.v1beta1 import api_pb2 as pb
 from protos.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from vramshare import contract

@@ -27,14 +27,14 @@ from kubernetes.utils import parse_quantity
 from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.dra.main import DraPluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins.apiserver import RESOURCECLAIMS, RESOURCESLICES, ApiServerDouble
+from standins.cdi_registry import Registry
+from standins.demo_args import pod_count
+from standins.dra_kubelet import DraKubelet, PrepareError
+from standins.dra_scheduler import DraScheduler
 from vramshare import contract
 from vramshare.config import Config, DraConfig
 from vramshare.kube import api_client_for
-from vramshare.standins.apiserver import RESOURCECLAIMS, RESOURCESLICES, ApiServerDouble
-from vramshare.standins.cdi_registry import Registry
-from vramshare.standins.demo_args import pod_count
-from vramshare.standins.dra_kubelet import DraKubelet, PrepareError
-from vramshare.standins.dra_scheduler import DraScheduler
 
 NAMES = contract.Names()
 L40S = [DiscoveredGpu(index=i, uuid=u, model="NVIDIA L40S", memory_mib=46068, numa_node=i)

@@ -19,22 +19,23 @@ import sys
 import threading
 from typing import Any, Callable
 
-from deviceplugin import allocation, cdi_names, enforcement
-from deviceplugin.allocator import Allocator
+from deviceplugin import allocation, enforcement
 from deviceplugin.backend import BackendError, GpuBackend
-from deviceplugin.config_refusal import RefusalReporter
 from deviceplugin.config_watch import ConfigWatcher
-from deviceplugin.kube_adapter import InventoryPublisher, PodPatcher
-from deviceplugin.lifecycle import PluginLifecycle
-from deviceplugin.manager import DeviceFeeds, NodeResourceManager, ResourceManager
+from deviceplugin.kubelet import cdi_names
+from deviceplugin.kubelet.allocator import Allocator
+from deviceplugin.kubelet.config_refusal import RefusalReporter
+from deviceplugin.kubelet.kube_adapter import InventoryPublisher, PodPatcher
+from deviceplugin.kubelet.lifecycle import PluginLifecycle
+from deviceplugin.kubelet.manager import DeviceFeeds, NodeResourceManager, ResourceManager
+from deviceplugin.kubelet.pod_cache import NodePodCache
+from deviceplugin.kubelet.podresources import KubeletPodResources
+from deviceplugin.kubelet.reconcile_loop import Reconciler
 from deviceplugin.metrics import MetricsServer, PluginMetrics
+from deviceplugin.mig_node import MigNode
 from deviceplugin.node_state import NodeState, Snapshot
-from deviceplugin.pod_cache import NodePodCache
-from deviceplugin.podresources import KubeletPodResources
 from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
-from deviceplugin.mig_node import MigNode
-from deviceplugin.reconcile_loop import Reconciler
 from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, keep_restart_only, load_config, node_limits
@@ -112,13 +113,13 @@ class DevicePluginDaemon:
         from deviceplugin.quota import service as quota_service
         channels = None
         if config.warm_tier.enabled:  # issue 23: the warm tier's broker and its sockets
+            from deviceplugin.kubelet.warm_channel import WarmChannels
             from deviceplugin.quota.model import PolicyParams
             from deviceplugin.quota.warm import WarmBroker
-            from deviceplugin.warm_channel import WarmChannels
             self.warm = WarmBroker(send=lambda key, msg: channels.send(key, msg) if channels else False,
                                    params=PolicyParams.from_config(config.quota))
             channels = WarmChannels(self.warm)
-            from deviceplugin.warm_channel import WarmCollector
+            from deviceplugin.kubelet.warm_channel import WarmCollector
             self.metrics.registry.register(WarmCollector(self.warm))
         from deviceplugin.quota.kube import NodeTenantSource
         pods = self.pods.pods if self.pods is not None else list  # (the API is there: so is the cache)
@@ -140,7 +141,7 @@ class DevicePluginDaemon:
         wt = self.state.snapshot.config.warm_tier
         if self.publisher is None or not (wt.model_cache_dir or wt.enabled):
             return
-        from deviceplugin.residency import ResidencyReporter
+        from deviceplugin.kubelet.residency import ResidencyReporter
 
         def engines() -> list:
             loop = self._quota_loop

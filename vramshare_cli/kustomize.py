@@ -77,7 +77,7 @@ def _build(directory: str, want_component: bool, seen: tuple[str, ...],
     unknown = sorted(set(k) - _SUPPORTED)
     if unknown:
         raise KustomizeError(f"{path}: {', '.join(unknown)} not supported by vramshare's renderer "
-                             "(vramshare/kustomize.py); extend it so install and apply -k stay equal")
+                             "(vramshare_cli/kustomize.py); extend it so install and apply -k stay equal")
     seen = seen + (directory,)
     objects: list[Obj] = [] if into is None else into  # a component transforms what it is applied to
     for entry in k.get("resources") or []:

@@ -18,8 +18,9 @@ from typing import Callable, Sequence
 
 import grpc
 
-from deviceplugin import devices, server
-from deviceplugin.manager import ResourceManager
+from deviceplugin import devices
+from deviceplugin.kubelet import server
+from deviceplugin.kubelet.manager import ResourceManager
 from deviceplugin.metrics import PluginMetrics
 from protos.deviceplugin.v1beta1 import api_pb2 as pb
 from protos.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc

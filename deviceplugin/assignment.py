@@ -2,9 +2,9 @@
 
 The annotation is the contract with the extender (DESIGN.md section 3): ``{container: [{"uuid",
 "mib"}, ...]}``, read and written by its one codec, :mod:`vramshare.contract.assignment`. The
-extender writes it at bind as a *plan* (``allocation-state: assumed``); the device plugin only reads that plan to steer GetPreferredAllocation (:mod:`deviceplugin.steering`)
+extender writes it at bind as a *plan* (``allocation-state: assumed``); the device plugin only reads that plan to steer GetPreferredAllocation (:mod:`deviceplugin.kubelet.steering`)
 and, after admission, overwrites it with what the kubelet actually handed out
-(:mod:`deviceplugin.reconcile`, ``allocation-state: allocated``). Allocate itself never reads a pod:
+(:mod:`deviceplugin.kubelet.reconcile`, ``allocation-state: allocated``). Allocate itself never reads a pod:
 the kubelet does not say which pod it serves, and the device IDs already name the GPU and the size.
 """
 from __future__ import annotations

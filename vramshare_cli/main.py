@@ -33,7 +33,7 @@ Run 'vramshare <command> --help' for the options of one command.
 """
 
 
-DEMO_PODS = 8  # the demo's pod shapes (vramshare.standins.demo.PODS; a test keeps the two equal)
+DEMO_PODS = 8  # the demo's pod shapes (standins.demo.PODS; a test keeps the two equal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "mutual-TLS Secrets, kube-scheduler's tag for the cluster's version and the "
                                       "chosen paths. 'vramshare install | kubectl apply -f -' installs or upgrades; "
                                       "the same command '| kubectl delete -f -' uninstalls.")
-    from vramshare import check_cmd, install
+    from vramshare_cli import check_cmd, install
     install.add_arguments(inst)
 
     chk = sub.add_parser("check", help="check a cluster before or after installing (✓ / ✗ with the fix)",
@@ -204,15 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _COMMANDS = {
-    "device-plugin": "deviceplugin.main",
+    "device-plugin": "deviceplugin.kubelet.main",
     "dra-plugin": "deviceplugin.dra.main",
     "extender": "extender.main",
     "simulate": "extender.simulation.main",
-    "demo": "vramshare.standins.demo",
+    "demo": "standins.demo",
     "inspect": "extender.inspection",
-    "traces": "vramshare.traces_download",
-    "install": "vramshare.install",
-    "check": "vramshare.check_cmd",
+    "traces": "vramshare_cli.traces_download",
+    "install": "vramshare_cli.install",
+    "check": "vramshare_cli.check_cmd",
 }
 
 

@@ -1,7 +1,7 @@
 """What ``vramshare check`` judges, from a snapshot of the cluster (pure: no I/O).
 
 Each check is one :class:`Line`: ✓ (fine), ✗ (broken, with the fix; the command exits 1) or ! (works,
-with a limit worth knowing). The adapter (:mod:`vramshare.check_cmd`) reads the snapshot with the
+with a limit worth knowing). The adapter (:mod:`vramshare_cli.check_cmd`) reads the snapshot with the
 admin's kubeconfig; anything it could not read is ``None`` here and judged as such.
 """
 from __future__ import annotations

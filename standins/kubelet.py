@@ -4,7 +4,7 @@ Never on a production path. It speaks the real protocol over real unix sockets, 
 test cannot tell it from a kubelet where it matters: a ``v1beta1.Registration`` server on
 ``<dir>/kubelet.sock`` that, on Register, dials the plugin's socket, calls GetDevicePluginOptions once
 and keeps a ListAndWatch stream open (``pkg/kubelet/cm/devicemanager/plugin/v1beta1`` client/handler),
-feeding each list to the device manager model (:mod:`vramshare.standins.devicemanager`: the kubelet's
+feeding each list to the device manager model (:mod:`standins.devicemanager`: the kubelet's
 own per-resource accounting, GetPreferredAllocation with available/mustInclude, Allocate with one
 container request per call, init-container reuse, checkpoint); all devices unhealthy once the stream
 breaks; a restart that wipes every socket of the directory and keeps the checkpoint; and the
@@ -31,7 +31,7 @@ from protos.deviceplugin.v1beta1 import api_pb2 as dp
 from protos.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from protos.podresources.v1 import api_pb2 as pr
 from protos.podresources.v1 import api_pb2_grpc as pr_grpc
-from vramshare.standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
+from standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
 
 API_VERSION = "v1beta1"
 
@@ -277,7 +277,7 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
 
     def admit(self, pod: Mapping[str, Any]) -> list[tuple[str, dict[str, str]]]:
         """Admit one pod through the device manager; each container's environment, per resource.
-        Raises :class:`~vramshare.standins.devicemanager.AdmissionError`."""
+        Raises :class:`~standins.devicemanager.AdmissionError`."""
         with self._cond:
             self.manager.admit(pod)
             entry = self.manager.pods[pod["metadata"]["uid"]]

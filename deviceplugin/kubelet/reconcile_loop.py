@@ -2,14 +2,14 @@
 
 Runs once at start, *before* the plugin's gRPC servers register with the kubelet (so a restarted
 plugin first learns what the kubelet already handed out), then every ``interval`` seconds and soon
-after each Allocate. The decisions are :func:`deviceplugin.reconcile.plan`'s; this module only does
+after each Allocate. The decisions are :func:`deviceplugin.kubelet.reconcile.plan`'s; this module only does
 the I/O and says what happened. Without PodResources (no socket configured, or it does not answer)
 it refuses to guess: the pods keep the extender's plan as ``assumed``, the metric
 ``vramshare_deviceplugin_pod_resources_up`` is 0 and the log says why. While it is down Allocate
 grants only what the books will still be right about (:attr:`Reconciler.recording` is False, see
-:mod:`deviceplugin.allocator`).
+:mod:`deviceplugin.kubelet.allocator`).
 
-PodResources lists one entry per device ID; :func:`deviceplugin.reconcile.plan` groups them. It has no
+PodResources lists one entry per device ID; :func:`deviceplugin.kubelet.reconcile.plan` groups them. It has no
 pod UID: the stamps and owners of the allocation directories (:meth:`QuotaFiles.allocations`) decide
 whose a listed allocation is, and each new attribution is recorded (:meth:`QuotaFiles.attribute`).
 """
@@ -19,11 +19,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol
 
-from deviceplugin import quota_files, reconcile
-from deviceplugin.kube_adapter import Conflict, DirectoryError, Gone
+from deviceplugin import quota_files
+from deviceplugin.kubelet import reconcile
+from deviceplugin.kubelet.kube_adapter import Conflict, DirectoryError, Gone
+from deviceplugin.kubelet.podresources import PodResourcesError
 from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
-from deviceplugin.podresources import PodResourcesError
 from deviceplugin.quota_files import QuotaFiles
 from vramshare import logs
 

@@ -1,7 +1,7 @@
 """A simulated GPU node for the demo and end-to-end tests: the real device plugin, a stand-in kubelet.
 
 Never on a production path. The device plugin daemon is the production one, fed by the simulated GPU
-backend; the kubelet side is :class:`vramshare.standins.kubelet.FakeKubelet`, whose device manager model
+backend; the kubelet side is :class:`standins.kubelet.FakeKubelet`, whose device manager model
 chooses device IDs as the kubelet does (healthy, not yet granted, the plugin's preference as a hint) and
 calls Allocate per container and resource.
 """
@@ -11,11 +11,11 @@ import os
 import random
 from typing import Any
 
-from deviceplugin.main import DevicePluginDaemon
+from deviceplugin.kubelet.main import DevicePluginDaemon
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins.kubelet import FakeKubelet
 from vramshare import contract, kube
 from vramshare.config import Config
-from vramshare.standins.kubelet import FakeKubelet
 
 names = contract.Names()
 

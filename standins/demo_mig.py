@@ -21,12 +21,12 @@ from typing import Any, TextIO
 from deviceplugin.simulated_backend import SimulatedBackend
 from extender import inspection
 from extender.main import start_for_url
+from standins.apiserver import ApiServerDouble
+from standins.demo_args import pod_count
+from standins.scheduler import SchedulerDriver
+from standins.simnode import SimulatedNode
 from vramshare import contract, mig, mig_plan
 from vramshare.config import Config, DynamicMigConfig
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.demo_args import pod_count
-from vramshare.standins.scheduler import SchedulerDriver
-from vramshare.standins.simnode import SimulatedNode
 
 NAMES = contract.Names()
 H100 = "GPU-8192a3b4-c5d6-47e8-b9fa-0b1c2d3e4f67"

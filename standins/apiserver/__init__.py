@@ -4,7 +4,7 @@ Never on a production code path. The real ``kubernetes`` client runs against it 
 
     from kubernetes import client, watch
     from vramshare.kube import api_client_for
-    from vramshare.standins.apiserver import ApiServerDouble
+    from standins.apiserver import ApiServerDouble
 
     with ApiServerDouble() as api, api_client_for(api.url) as http:
         v1 = client.CoreV1Api(http)

@@ -1,6 +1,6 @@
 """The narrow interface a kubelet servicer talks to: one :class:`ResourceManager` per resource.
 
-The servicer (:mod:`deviceplugin.server`) knows nothing of GPUs, NVML or pods; it only translates
+The servicer (:mod:`deviceplugin.kubelet.server`) knows nothing of GPUs, NVML or pods; it only translates
 protobuf to these five calls and back (NVIDIA's ``rm.ResourceManager`` split). Device changes reach
 every open ListAndWatch stream through a per-stream queue fed by one :class:`DeviceFeeds` hub, which
 listens to the node state once for the life of the process (servers come and go on restarts).
@@ -12,8 +12,8 @@ import threading
 from typing import Callable, Protocol, Sequence
 
 from deviceplugin.allocation import ContainerSpec
-from deviceplugin.allocator import Allocator
 from deviceplugin.devices import PluginDevice
+from deviceplugin.kubelet.allocator import Allocator
 from deviceplugin.node_state import NodeState, Snapshot
 
 _CLOSED = None
@@ -77,7 +77,7 @@ class DeviceFeeds:
 
 
 class ResourceManager(Protocol):
-    """What one kubelet servicer needs; nothing else crosses into :mod:`deviceplugin.server`."""
+    """What one kubelet servicer needs; nothing else crosses into :mod:`deviceplugin.kubelet.server`."""
 
     resource: str
 

@@ -40,9 +40,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from deviceplugin.devices import PluginDevice
-from deviceplugin.handshake import (AssignedGpu, AssignmentError, PodRef, encode_assignment, parse_all,
+from deviceplugin.assignment import (AssignedGpu, AssignmentError, PodRef, encode_assignment, parse_all,
                                     requested, resources_of, same_assignment)
+from deviceplugin.devices import PluginDevice
 from deviceplugin.quota.writer import UnsafePathError, safe_component
 from deviceplugin.quota_files import Allocation, allocation_key
 from vramshare import contract, managed
