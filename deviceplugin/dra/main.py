@@ -28,6 +28,7 @@ from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from deviceplugin.backend import BackendError, GpuBackend
+from deviceplugin.backend_choice import open_backend
 from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
@@ -280,9 +281,6 @@ def _dynamic_mig(backend: GpuBackend, discovered: list[Any], registry: Collector
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``vramshare dra-plugin``; returns the exit status."""
-    from deviceplugin.kubelet.main import _backend  # the device plugin's backend choice, shared
-    from deviceplugin.metrics import PluginMetrics
-
     try:
         config = load_config(args.config, os.environ)
     except ConfigError as exc:
@@ -299,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     driver = config.names.dra_driver
     plugin_dir = args.plugin_dir or os.path.join(contract.KUBELET_PLUGINS_DIR, driver)
     try:
-        daemon = DraPluginDaemon(_backend(args, PluginMetrics()), config, api, args.node_name,
+        daemon = DraPluginDaemon(open_backend(args.backend, args.inventory), config, api, args.node_name,
                                  plugin_dir=plugin_dir, registry_dir=args.registry_dir,
                                  metrics_port=args.metrics_port)
     except (BackendError, rights.RightRefused) as exc:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from deviceplugin import allocation, enforcement
 from deviceplugin.backend import BackendError, GpuBackend
+from deviceplugin.backend_choice import open_backend
 from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.kubelet import cdi_names
 from deviceplugin.kubelet.allocator import Allocator
@@ -262,17 +263,6 @@ class DevicePluginDaemon:
         self.close()
 
 
-def _backend(args: argparse.Namespace, metrics: PluginMetrics) -> GpuBackend:
-    kind = args.backend
-    if kind == "auto":
-        kind = "simulated" if args.inventory else "nvml"
-    if kind == "simulated":
-        from deviceplugin.simulated_backend import SimulatedBackend
-        return SimulatedBackend.from_file(args.inventory) if args.inventory else SimulatedBackend.demo()
-    from deviceplugin.nvml_backend import NvmlBackend
-    return NvmlBackend(on_nvml_error=lambda function, kind: metrics.backend_error("nvml"))
-
-
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``vramshare device-plugin``; returns the exit status."""
     overrides = {"quota_host_dir": args.quota_dir}
@@ -290,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     metrics = PluginMetrics()
     try:
-        daemon = DevicePluginDaemon(_backend(args, metrics), config, args.device_plugin_dir,
+        backend = open_backend(args.backend, args.inventory, lambda function, kind: metrics.backend_error("nvml"))
+        daemon = DevicePluginDaemon(backend, config, args.device_plugin_dir,
                                     node_name=args.node_name or "", api=api,
                                     pod_resources_socket=args.pod_resources_socket,
                                     metrics_port=args.metrics_port, metrics=metrics)
