@@ -19,7 +19,7 @@ import kubernetes
 from kubernetes import client, watch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("vramshare", "deviceplugin", "extender", "vllm_patches", "bench")
+PACKAGES = ("vramshare", "vramshare_cli", "standins", "deviceplugin", "extender", "vllm_patches", "bench")
 
 
 @functools.lru_cache(maxsize=1)

@@ -27,7 +27,7 @@ def test_two_daemons_that_failed_together_do_not_retry_together():
 
 def test_no_retry_loop_doubles_its_own_delay():
     doubling = re.compile(r"\b\w*(delay|backoff|wait|retry)\w*\s*\*\s*2\b", re.I)
-    found = [f"{p.relative_to(ROOT)}:{n}" for pkg in ("deviceplugin", "extender", "vramshare", "vllm_patches")
+    found = [f"{p.relative_to(ROOT)}:{n}" for pkg in ("deviceplugin", "extender", "vramshare", "vramshare_cli", "vllm_patches")
              for p in (ROOT / pkg).rglob("*.py") if p.name != "retry.py"
              and "standins" not in p.parts  # stand-ins copy their peer (kube-scheduler's pod backoff has no jitter)
              for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if doubling.search(line)]

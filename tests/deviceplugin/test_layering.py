@@ -9,12 +9,12 @@ import pytest
 
 import deviceplugin
 
-PKG = os.path.dirname(deviceplugin.__file__)
+ROOT = os.path.dirname(os.path.dirname(deviceplugin.__file__))
 IO_LIBRARIES = {"grpc", "kubernetes", "pynvml", "protos", "urllib3", "prometheus_client"}
 
 
 def imported_roots(module: str) -> set[str]:
-    with open(os.path.join(PKG, f"{module}.py"), encoding="utf-8") as fh:
+    with open(os.path.join(ROOT, *module.split(".")) + ".py", encoding="utf-8") as fh:
         tree = ast.parse(fh.read())
     roots = set()
     for node in ast.walk(tree):
@@ -25,11 +25,13 @@ def imported_roots(module: str) -> set[str]:
     return roots
 
 
-@pytest.mark.parametrize("module", ["devices", "allocation", "handshake", "node_state"])
+@pytest.mark.parametrize("module", ["deviceplugin.devices", "deviceplugin.allocation",
+                                    "deviceplugin.assignment", "deviceplugin.node_state"])
 def test_the_core_does_no_io(module):
     assert imported_roots(module) & IO_LIBRARIES == set()
 
 
-@pytest.mark.parametrize("module", ["server", "lifecycle", "manager"])
+@pytest.mark.parametrize("module", ["deviceplugin.kubelet.server", "deviceplugin.kubelet.lifecycle",
+                                    "deviceplugin.kubelet.manager"])
 def test_the_kubelet_side_knows_no_gpu_library_or_api_server(module):
     assert imported_roots(module) & {"pynvml", "kubernetes"} == set()

@@ -64,7 +64,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     deps.mkdir()
     for entry in pathlib.Path(sysconfig.get_paths()["purelib"]).iterdir():
         name = entry.name.lower()
-        if "vramshare" in name or name in {"deviceplugin", "extender", "protos", "vllm_patches", "tests"} \
+        if "vramshare" in name or name in {"deviceplugin", "extender", "protos", "vllm_patches", "standins", "tests"} \
                 or name.endswith(".pth") or name in {"pip", "setuptools", "_distutils_hack"} \
                 or name.startswith(("pip-", "setuptools-")):
             continue
