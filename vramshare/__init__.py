@@ -2,7 +2,9 @@
 
 The shared core lives here: the contract between the parts (``contract``), the GPU inventory model
 (``inventory``), the versioned configuration (``config``) and structured logging (``logs``).
-``deviceplugin``, ``extender`` and ``vllm_patches`` build on it and never on each other's insides.
+``deviceplugin``, ``extender`` and ``vllm_patches`` build on it and never on each other's insides; the
+stand-ins and demo (``standins``) and the ``vramshare`` command (``vramshare_cli``) sit above them. The
+core imports nothing of ours above it (tests/test_layering.py).
 """
 
 __all__ = ["__version__"]
