@@ -82,7 +82,8 @@ def run_seed(seed: int, args: argparse.Namespace, costs: cs.Costs, loads: np.nda
     deps = []
     for d in deployments(seed, args.days):
         sleepy = cs.asleep_fraction(d.segments, args.idle_s, train) >= args.sleepy
-        deps.append(dataclasses.replace(d, overcommit=sleepy, rank=0 if sleepy else 10,
+        low, high = (10, 0) if args.oc_class_higher else (0, 10)
+        deps.append(dataclasses.replace(d, overcommit=sleepy, rank=low if sleepy else high,
                                         idle_s=args.oc_idle_s if sleepy and args.oc_idle_s else None))
     hours = horizon / 3600.0
     gpu = args.gpu_gib * GIB
@@ -179,6 +180,8 @@ def plot(result: dict, path: str) -> None:
     sw = first["warm_overcommit"]
     ax[2].plot([r["deployments_per_gpu"] for r in sw], [r["ttft_first_p99_s"] for r in sw], "o-", color="C2",
                label="(c) warm tier, overcommit 1..")
+    ax[2].plot([r["deployments_per_gpu"] for r in sw], [r.get("ttft_first_p999_s", np.nan) for r in sw], "^:",
+               color="C2", alpha=0.5, label="(c) p99.9")
     for r in sw:
         ax[2].annotate(f"x{r['overcommit']:g}", (r["deployments_per_gpu"], r["ttft_first_p99_s"]), fontsize=7)
     ax[2].plot([first["keep"]["deployments_per_gpu"]], [first["keep"]["ttft_first_p99_s"]], "s", color="C0", label="(b) keep")
@@ -214,6 +217,9 @@ def main() -> int:
                     help="1 / sleepBookedFraction of the overcommitted class")
     ap.add_argument("--oc-idle-s", type=float, default=None,
                     help="the overcommitted class's idleSeconds under the warm tier (default: --idle-s)")
+    ap.add_argument("--oc-class-higher", action="store_true",
+                    help="give the overcommitted class the higher lendingPriority (its wakes may displace idle "
+                         "pods of the other class; default: it is the lower class)")
     ap.add_argument("--wake-reserve", type=int, default=1, help="the class's wakeReserve (wakes per GPU at once)")
     ap.add_argument("--relocate", action="store_true",
                     help="last round's model: a wake without memory restarts on another GPU (the live broker "
