@@ -77,7 +77,8 @@ class ModelFiles:
 
 
 def run(nodes, seq, seed: int, typical, max_steps: float | None, cfg: residency.ResidencyConfig) -> dict:
-    rows = max(build_state(nodes, "share").row(n.name) for n in nodes) + 1
+    state = build_state(nodes, "share")  # the replay builds the same rows: sizes the held-files table
+    rows = max(state.row(n.name) for n in nodes) + 1
     files = ModelFiles(seq, seed, rows, max_steps, cfg)
     res = replay(nodes, seq, "fgd", "share", seed, typical, bonus=files)
     return {"allocated_pct_at_100": round(report.alloc_at(res, 100), 3),
