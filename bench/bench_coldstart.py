@@ -6,7 +6,12 @@
 Compares, on the same sampled arrivals (per seed): (a) ``zero`` scale to zero, every cold start a full
 load; (b) ``keep`` warm pods that keep their slice (Knative ``minScale: 1``); (c) ``warm`` vramshare's warm
 tier (sleep level 1, lend, take back, wake in place; sleepers past the node's host RAM restart from its
-disk cache), at today's books (overcommit 1.0) and with sleeping pods overcommitted (item 5). The model
+disk cache), at today's books (overcommit 1.0) and with sleeping pods overcommitted (item 5) as the live
+system does it: placed with the books' rule of :mod:`vramshare.overcommit` (a pod awake when placed is
+booked whole; sleepers of the overcommitted class at slice / ratio, plus the largest wake per GPU), woken
+with the node broker's rule (a wake without memory waits on its GPU and displaces only idle pods of a
+strictly lower class; ``--relocate`` restores last round's restart elsewhere, which the live broker does
+not do). Every p99 is over all first requests after idleness, those that waited included. The model
 is :mod:`vramshare.coldstart` (pure); this file reads the traces and writes
 ``bench/results/<name>.json`` and ``<name>.png``.
 
