@@ -72,6 +72,7 @@ class EngineView:
     refusals: int = 0
     displaced: int = 0  # sleeps asked of it to make room for a higher class's wake
     ungranted_ticks: int = 0  # ticks a wake has waited for its memory
+    waited: int = 0  # wakes that found no memory for a tick or more (the reserve ran out)
 
 
 @dataclass
@@ -240,12 +241,15 @@ class WarmBroker:
             gpus_of.setdefault(k, set()).add(g)
         for key, e in sorted(self._engines.items(), key=lambda kv: -self._rank.get(kv[0], 0)):
             ds = per_key.get(key, [])
-            if e.state is not Sleep.WAKING or not all(self._first_on(key, g) for g in gpus_of.get(key, ())):
-                continue  # queued behind an earlier wake: that one displaces first
+            if e.state is not Sleep.WAKING:
+                continue
             if not ds or all(d.limit_mib >= reserve(key, d.gpu_uuid) for d in ds):
                 e.ungranted_ticks = 0
                 continue
             e.ungranted_ticks += 1
+            e.waited += e.ungranted_ticks == 1
+            if not all(self._first_on(key, g) for g in gpus_of.get(key, ())):
+                continue  # queued behind an earlier wake: that one displaces first
             if e.ungranted_ticks <= self.displace_after_ticks:
                 continue
             short = {d.gpu_uuid for d in ds if d.limit_mib < reserve(key, d.gpu_uuid)}

@@ -213,6 +213,14 @@ def test_a_wake_beyond_the_reserve_waits_and_displaces_only_a_lower_class():
     grants = [k for _ in range(3) for k, m in r.tick(5) if m.op == contract.WARM_GRANT]
     assert grants[:1] == [high]
     assert r.broker.views()[peer].displaced == 0
+    assert r.broker.views()[high].waited == 1  # the reserve ran out once: counted (vramshare_warm_wakes_waited)
+    from prometheus_client import CollectorRegistry, generate_latest
+    from deviceplugin.warm_channel import WarmCollector
+    reg = CollectorRegistry()
+    reg.register(WarmCollector(r.broker))
+    text = generate_latest(reg).decode()
+    assert 'vramshare_warm_wakes_waited_total{container="c",namespace="ns",pod="high"} 1.0' in text
+    assert 'vramshare_warm_displaced_total{container="c",namespace="ns",pod="low"} 2.0' in text
 
 
 def test_a_lower_class_wake_displaces_nobody_it_waits():
