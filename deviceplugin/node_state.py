@@ -16,7 +16,7 @@ from deviceplugin import devices
 from deviceplugin.devices import PluginDevice
 from deviceplugin.backend import DiscoveredGpu, HealthEvent
 from vramshare import logs
-from vramshare.config import Config
+from vramshare.config import MAX_DEVICES_PER_MESSAGE, Config
 from vramshare.inventory import GpuMode, NodeInventory
 
 log = logs.get(__name__)
@@ -39,13 +39,27 @@ Listener = Callable[[Snapshot, Snapshot], None]  # (old, new)
 def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: frozenset[str],
               dra: bool = False, credits: Mapping[str, int] | None = None) -> Snapshot:
     inventory = devices.build_inventory(discovered, config, unhealthy, dra=dra)
-    if credits:  # issue 23 item 5: sleeping pods' credit, on shared GPUs only, whole units
-        inventory = replace(inventory, gpus=tuple(
-            replace(g, sleep_credit_mib=credits.get(g.uuid, 0) // inventory.unit_mib * inventory.unit_mib)
-            if g.mode is GpuMode.SHARED and g.healthy else g for g in inventory.gpus))
+    if credits:
+        inventory = with_credits(inventory, credits)
     per_resource = devices.resource_devices(inventory, config.names)
     owners = {d.id: r for r, ds in per_resource.items() for d in ds}
     return Snapshot(config, inventory, per_resource, owners)
+
+
+def with_credits(inventory: NodeInventory, credits: Mapping[str, int]) -> NodeInventory:
+    """Issue 23 item 5: the sleeping pods' credit on healthy shared GPUs, in whole units, at most the GPU's
+    own units (a GPU is never booked past twice its memory) and, over the node, at most what keeps every
+    device in one ListAndWatch message (:data:`vramshare.config.MAX_DEVICES_PER_MESSAGE`)."""
+    unit = inventory.unit_mib
+    budget = MAX_DEVICES_PER_MESSAGE - sum(g.units for g in inventory.gpus if g.mode is GpuMode.SHARED)
+    gpus = []
+    for g in inventory.gpus:
+        extra = 0
+        if g.mode is GpuMode.SHARED and g.healthy:
+            extra = max(0, min(credits.get(g.uuid, 0) // unit, g.units, budget))
+            budget -= extra
+        gpus.append(replace(g, sleep_credit_mib=extra * unit) if extra else g)
+    return replace(inventory, gpus=tuple(gpus))
 
 
 class NodeState:

@@ -97,6 +97,9 @@ def test_node_state_offers_credit_units_and_withdraws_them_on_wake():
     assert len(state.snapshot.devices[cfg.names.gpu_memory]) == base + 20
     devices.check_ids(d.id for d in state.snapshot.devices[cfg.names.gpu_memory])
     state.on_credits({"GPU-a": 20 * GIB})  # no change: no new snapshot
+    state.on_credits({"GPU-a": 500 * GIB})  # never past the GPU's own units (twice its memory at most)
+    assert len(state.snapshot.devices[cfg.names.gpu_memory]) == 2 * base
+    seen.pop()
     state.on_credits({})  # the sleeper woke
     assert len(state.snapshot.devices[cfg.names.gpu_memory]) == base
     assert seen == [20 * GIB, 0]
