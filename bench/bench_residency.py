@@ -2,8 +2,9 @@
 
     python bench/bench_residency.py [--seeds 3] [--trace default] [--max-steps 0.9 3]
 
-The replay of ``vramshare simulate`` (fgd, share view, shuffled arrivals, seeds 42..), side by side in
-one process: fgd alone, and fgd plus :func:`extender.residency.bonus` for each ``--max-steps``. openb has
+The replay of ``vramshare simulate`` (:func:`extender.simulation.replay.replay`: fgd, share view, shuffled
+arrivals, seeds 42..), side by side in one process: fgd alone, and fgd plus the residency term (its
+``bonus`` hook, :class:`ModelFiles`) for each ``--max-steps``. openb has
 no model names, so every GPU pod is given one (seeded): a Zipf(1.1) draw over 300 models, each 15, 27.5
 or 60 GiB; a node holds a model's files once a pod of that model was placed on it (nothing departs, as in
 the paper's replay). Reports allocation at 100% arrived (the paper's metric; the target is at most 0.5
@@ -25,10 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from extender import residency  # noqa: E402
-from extender.placement import ask_for, choose, fit_rows, rank_rows  # noqa: E402
 from extender.simulation import report  # noqa: E402
-from extender.simulation.arrival import arrivals, gpu_capacity  # noqa: E402
-from extender.simulation.replay import Tracker, build_state  # noqa: E402
+from extender.simulation.arrival import arrivals  # noqa: E402
+from extender.simulation.replay import build_state, replay  # noqa: E402
 from extender.simulation.trace import load_nodes, load_pods  # noqa: E402
 from extender.workload import typical_workload  # noqa: E402
 from vramshare import traces  # noqa: E402
@@ -38,51 +38,52 @@ N_MODELS = 300
 SIZES = np.array([15, 27.5, 60]) * GIB
 
 
+@dataclasses.dataclass
+class ModelFiles:
+    """The residency term in the replay (:class:`extender.simulation.replay.Bonus`): each GPU pod names
+    a model (seeded Zipf draw); a node holds a model's files once a pod of it was placed there."""
+
+    pods: list
+    seed: int
+    n_rows: int
+    max_steps: float | None
+    cfg: residency.ResidencyConfig
+    placed_pods: int = 0
+    hits: int = 0
+
+    def __post_init__(self) -> None:
+        mrng = np.random.default_rng(7 + self.seed)
+        self.model_of = {p.name: int(mrng.zipf(1.1) % N_MODELS) for p in self.pods}
+        self.size_of = SIZES[np.arange(N_MODELS) % 3]
+        self.held: dict[int, np.ndarray] = {}
+
+    def steps(self, pod, rows: np.ndarray) -> np.ndarray | None:
+        m = self.model_of[pod.name]
+        where = self.held.get(m)
+        if self.max_steps is None or where is None or not pod.demands("share"):
+            return None
+        size = self.size_of[m]
+        saved = size / self.cfg.remote_bytes_per_s - size / self.cfg.disk_bytes_per_s
+        return np.where(where[rows], min(1.0, saved / self.cfg.saturate_s) * self.max_steps, 0.0)
+
+    def placed(self, pod, row: int) -> None:
+        if not pod.demands("share"):
+            return
+        m = self.model_of[pod.name]
+        where = self.held.get(m)
+        self.placed_pods += 1
+        self.hits += int(where is not None and bool(where[row]))
+        self.held.setdefault(m, np.zeros(self.n_rows, bool))[row] = True
+
+
 def run(nodes, seq, seed: int, typical, max_steps: float | None, cfg: residency.ResidencyConfig) -> dict:
-    state = build_state(nodes, "share")
-    rng = np.random.default_rng(1_000_003 + seed)
-    rows = np.array([state.row(n.name) for n in nodes], np.int64)
-    rank = np.empty(len(rows), np.int64)
-    rank[rows] = rng.permutation(len(rows))
-    mrng = np.random.default_rng(7 + seed)
-    model_of = {p.name: int(mrng.zipf(1.1) % N_MODELS) for p in seq}
-    size_of = SIZES[np.arange(N_MODELS) % 3]
-    held: dict[int, np.ndarray] = {}
-    track = Tracker(float(gpu_capacity(nodes, "share")), typical, len(seq))
-    placed = hits = 0
-    t0 = time.monotonic()
-    for t, pod in enumerate(seq):
-        demands, host = pod.demands("share"), pod.host
-        state.observe(demands, host)
-        ask = ask_for(state, demands, rows, host, rng)
-        ok = fit_rows(ask)
-        got = None
-        if ok.any():
-            fitting = ask.subset(ok)
-            raw = rank_rows(fitting, "fgd")
-            m = model_of[pod.name]
-            where = held.get(m)
-            if max_steps is not None and where is not None and demands:
-                size = size_of[m]
-                saved = size / cfg.remote_bytes_per_s - size / cfg.disk_bytes_per_s
-                steps = np.where(where[fitting.rows], min(1.0, saved / cfg.saturate_s) * max_steps, 0.0)
-                raw = residency.with_bonus(raw, steps)
-            best = np.flatnonzero(raw >= raw.max())
-            i = int(best[np.argmin(rank[fitting.rows[best]])]) if len(best) > 1 else int(best[0])
-            alloc = choose(fitting, i, "fgd")
-            flat = [a for per in alloc for a in per]
-            row = int(fitting.rows[i])
-            state.add_pod(pod.name, state.name(row), flat, host)
-            got = sum(a for _, a in flat)
-            if demands:
-                placed += 1
-                hits += int(where is not None and bool(where[row]))
-                held.setdefault(m, np.zeros(int(rows.max()) + 1, bool))[row] = True
-        track.record(t, state, pod.gpu_request("share"), got)
-    res = track.result("fgd", seed, time.monotonic() - t0)
+    state = build_state(nodes, "share")  # the replay builds the same rows: sizes the held-files table
+    rows = max(state.row(n.name) for n in nodes) + 1
+    files = ModelFiles(seq, seed, rows, max_steps, cfg)
+    res = replay(nodes, seq, "fgd", "share", seed, typical, bonus=files)
     return {"allocated_pct_at_100": round(report.alloc_at(res, 100), 3),
             "unallocated_pct_at_130": round(100 - report.alloc_at(res, 130), 3),
-            "residency_hit_pct": round(100.0 * hits / placed, 2) if placed else 0.0,
+            "residency_hit_pct": round(100.0 * files.hits / files.placed_pods, 2) if files.placed_pods else 0.0,
             "seconds": round(res.seconds, 1)}
 
 

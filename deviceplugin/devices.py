@@ -101,7 +101,7 @@ def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[st
             out.setdefault(names.gpu_memory, []).extend(
                 PluginDevice(contract.unit_device_id(g.uuid, n), g.uuid, g.numa_node, g.healthy,
                              inventory.unit_mib)
-                for n in range(g.units))
+                for n in range(g.units + inventory.credit_units(g)))  # + units of the sleep credit (issue 23)
         elif g.mode is GpuMode.EXCLUSIVE:
             out.setdefault(names.gpu, []).append(
                 PluginDevice(g.uuid, g.uuid, g.numa_node, g.healthy, g.memory_mib))

@@ -200,7 +200,7 @@ NUMERIC_KEYS = {  # every numeric key as a document path, and a value its consum
     "warmTier.residencyMaxSteps": 0.9, "dynamicMig.graceSeconds": 60.0,
 }
 CLASS_KEYS = ("floorFraction", "ceilingFraction", "floorMiB", "ceilingMiB", "marginMiB", "idleSeconds",
-              "lendingPriority")
+              "lendingPriority", "sleepBookedFraction", "wakeReserve")
 
 
 def _doc(path: str, value: object) -> str:

@@ -88,6 +88,11 @@ class Deployment:
     #: may the books count it below its slice (item 5)? Its quota class's choice; the bench sets it for
     #: deployments that slept most of a training period (a pod that never sleeps gains nothing from it)
     overcommit: bool = True
+    #: its quota class's lendingPriority: a wake that finds no memory may displace (sleep early) only
+    #: co-tenants of a strictly lower class, as the live broker does (``live=True``)
+    rank: int = 0
+    #: its class's idleSeconds under the warm tier (None: the replay's ``idle_s``)
+    idle_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -211,40 +216,50 @@ def booked_bytes(d: Deployment, overcommit: float) -> float:
 
 
 def place(deployments: Sequence[Deployment], gpu_bytes: float, overcommit: float = 1.0,
-          residual_bytes: float = 0.0, max_gpus: int = 1 << 16) -> Placement:
-    """First fit decreasing by slice. A GPU admits a pod while (1) the booked amounts
-    (:func:`booked_bytes`) stay within ``gpu_bytes`` and (2) the reserve holds: every pod that may not be
-    overcommitted awake, plus the largest overcommitted one waking, plus the others' residuals, fit. So
-    at least one wake at a time always finds memory; more at once may wait. ``overcommit`` 1.0 is
-    today's books (every slice)."""
+          residual_bytes: float = 0.0, max_gpus: int = 1 << 16, awake: frozenset[str] = frozenset(),
+          wake_reserve: int = 1) -> Placement:
+    """First fit decreasing by slice, with the live books' rule (:func:`vramshare.overcommit.books`, the
+    one the node and the extender use): a pod of the overcommitted class that sleeps at placement is
+    booked at ``slice / overcommit`` (its class's ``sleepBookedFraction`` = 1 / ``overcommit``, never below
+    ``residual_bytes``), while each GPU keeps room for the ``wake_reserve`` largest wakes; every other pod,
+    and one that is ``awake`` when placed, is booked whole. So ``wake_reserve`` wakes at a time always find
+    memory; more at once wait. ``overcommit`` 1.0 is today's books (every slice)."""
+    from vramshare import overcommit as oc
     order = sorted(deployments, key=lambda d: (-d.slice_bytes, d.name))
-    booked: list[float] = []
-    firm: list[float] = []  # slices of pods that are never overcommitted
-    biggest: list[float] = []  # largest overcommitted slice
-    sleepers: list[int] = []
+    firm: list[list[float]] = []
+    sleepers: list[list[oc.Sleeper]] = []
     gpu_of: dict[str, int] = {}
+    fraction = 1.0 / overcommit if overcommit > 1.0 else 1.0
     for d in order:
-        b = booked_bytes(d, overcommit)
-        oc = b < d.slice_bytes
-        for g in range(len(booked)):
-            f = firm[g] + (0.0 if oc else d.slice_bytes)
-            big = max(biggest[g], d.slice_bytes if oc else 0.0)
-            n = sleepers[g] + int(oc)
-            if booked[g] + b <= gpu_bytes + 1e-6 and f + big + max(0, n - 1) * residual_bytes <= gpu_bytes + 1e-6:
+        asleep = d.overcommit and overcommit > 1.0 and d.name not in awake
+        me = oc.Sleeper("g", d.slice_bytes, residual_bytes, fraction, wake_reserve) if asleep else None
+        for g in range(len(firm)):
+            f = firm[g] if me else firm[g] + [d.slice_bytes]
+            ss = sleepers[g] + [me] if me else sleepers[g]
+            if oc.books(f, ss) <= gpu_bytes + 1e-6:
                 break
         else:
-            if len(booked) >= max_gpus:
+            if len(firm) >= max_gpus:
                 raise ValueError(f"{d.name}: no GPU of {max_gpus} has room")
-            booked.append(0.0), firm.append(0.0), biggest.append(0.0), sleepers.append(0)
-            g = len(booked) - 1
-        booked[g] += b
-        if oc:
-            biggest[g] = max(biggest[g], d.slice_bytes)
-            sleepers[g] += 1
+            firm.append([]), sleepers.append([])
+            g = len(firm) - 1
+        if me:
+            sleepers[g].append(me)
         else:
-            firm[g] += d.slice_bytes
+            firm[g].append(d.slice_bytes)
         gpu_of[d.name] = g
-    return Placement(gpu_of, len(booked))
+    return Placement(gpu_of, len(firm))
+
+
+def awake_at(deps: Sequence[Deployment], t: float, idle_s: float) -> frozenset[str]:
+    """The deployments whose replica is up at ``t`` (a request within the last ``idle_s``)."""
+    out = set()
+    for d in deps:
+        iv = busy_intervals(d.segments, d.idle_s or idle_s)
+        k = int(np.searchsorted(iv[:, 0], t, side="right")) - 1 if len(iv) else -1
+        if k >= 0 and iv[k, 1] > t:
+            out.add(d.name)
+    return frozenset(out)
 
 
 def asleep_fraction(segments: np.ndarray, idle_s: float, until_s: float) -> float:
@@ -283,9 +298,10 @@ class PolicyResult:
             "avoided_full_load_pct": round(100.0 * (n - self.full_loads) / n, 2) if n else None,
             "cold_starts_per_hour": round(self.full_loads / hours, 3),
             "ttft_first_p50_s": pct(50), "ttft_first_p90_s": pct(90), "ttft_first_p99_s": pct(99),
-            "ttft_first_max_s": round(float(t.max()), 3),
+            "ttft_first_p999_s": pct(99.9), "ttft_first_max_s": round(float(t.max()), 3),
             "wakes": self.wakes, "reclaims_from_cotenants": self.reclaims,
             "waited_for_memory": self.waited_for_memory,
+            "waited_pct": round(100.0 * self.waited_for_memory / n, 3) if n else None,
             "wait_p99_s": round(float(np.percentile(self.wait_s, 99)), 3) if self.wait_s else 0.0,
             "evicted_to_zero": self.evictions, "relocated": self.relocations,
             "displaced_early_sleeps": self.displaced,
@@ -345,20 +361,24 @@ class _Pod:
 
 
 def warm_tier(deps: Sequence[Deployment], cluster: Cluster, placement: Placement, idle_s: float,
-              horizon: float, costs: Costs, count_from: float | None = None, relocate: bool = True) -> PolicyResult:
+              horizon: float, costs: Costs, count_from: float | None = None, relocate: bool = True,
+              live: bool = False) -> PolicyResult:
     """(c) sleep after ``idle_s``, lend, take back, wake in place. A wake that finds no memory on its GPU
     is never refused: with ``relocate`` it restarts at once on a GPU with room (its files are in the
     node's cache: :meth:`Costs.restart_s`, counted as a cold start), else it waits for a co-tenant to
-    sleep."""
+    sleep. ``live``: as the node's broker does it (:mod:`deviceplugin.quota.warm`): no restart elsewhere,
+    the wake waits on its GPU, wakes are served higher class first, and a waiting wake displaces (sleeps
+    early) only co-tenants of a strictly lower class (``Deployment.rank``) with no request for
+    ``displace_idle_s``, asked again every ``max_wait_s`` while it waits."""
     res = PolicyResult("warm", gpus=placement.gpus_used)
     pods = [_Pod(d, placement.gpu_of[d.name], i) for i, d in enumerate(deps)]
     _run(pods, cluster, placement.gpus_used, idle_s, horizon, costs, res,
-         idle_s if count_from is None else count_from, relocate)
+         idle_s if count_from is None else count_from, relocate and not live, live)
     return res
 
 
 def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: float, costs: Costs,
-         res: PolicyResult, count_from: float, relocate: bool) -> None:
+         res: PolicyResult, count_from: float, relocate: bool, live: bool = False) -> None:
     per_node = cluster.gpus_per_node
     held = [0.0] * gpus
     on_gpu: list[set[int]] = [set() for _ in range(gpus)]
@@ -368,7 +388,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
     events: list[tuple[float, int, int, float]] = []  # (time, 0 sleep | 1 wake | 2 patience, pod, end)
     for p in pods:
         on_gpu[p.gpu].add(p.idx)
-        for s, e in busy_intervals(p.dep.segments, idle_s):
+        for s, e in busy_intervals(p.dep.segments, p.dep.idle_s or idle_s):
             if s < horizon:
                 heapq.heappush(events, (float(s), 1, p.idx, float(e)))
 
@@ -439,12 +459,13 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         p.gpu = g
         on_gpu[g].add(p.idx)
 
-    def displace(gpu: int, now: float) -> None:
-        """Send to sleep now the overcommitted awake co-tenants with no request for ``displace_idle_s``;
-        the rest of their busy interval is re-armed as wakes at their next request."""
-        for j in list(on_gpu[gpu]):
+    def displace(p: _Pod, now: float) -> None:
+        """Send to sleep now the awake co-tenants with no request for ``displace_idle_s`` that may be
+        displaced (live: a strictly lower class than ``p``'s; else: the overcommitted ones); the rest of
+        their busy interval is re-armed as wakes at their next request."""
+        for j in list(on_gpu[p.gpu]):
             q = pods[j]
-            if q.state != "awake" or not q.dep.overcommit:
+            if q.state != "awake" or not (q.dep.rank < p.dep.rank if live else q.dep.overcommit):
                 continue
             seg = q.dep.segments
             k = int(np.searchsorted(seg[:, 0], now, side="right")) - 1
@@ -469,6 +490,12 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
     def give_up_waiting(p: _Pod, now: float) -> None:
         """``p`` waited ``max_wait_s``: restart it on any GPU with room now, else look again later."""
         if p.state != "queued":
+            return
+        if live:  # the broker asks lower classes again while the wake waits
+            displace(p, now)
+            serve_queue(p.gpu, now)
+            if p.state == "queued":
+                heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
             return
         target = next((g for g in sorted(range(gpus), key=lambda g: held[g])
                        if g != p.gpu and fits(g, p) and not queue.get(g)), None) if relocate else None
@@ -514,7 +541,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
             leave_host(p)
             start(p, now, [now], cold)
             continue
-        displace(p.gpu, now)
+        displace(p, now)
         if fits(p.gpu, p) and not queue.get(p.gpu):
             leave_host(p)
             start(p, now, [now], cold)
@@ -530,6 +557,11 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         leave_host(p)
         p.resume, p.state, p.pending = ("zero" if cold else "asleep"), "queued", [now]
         queue.setdefault(p.gpu, []).append(p)
+        if live:  # the broker's order: higher class first, then the earlier request
+            queue[p.gpu].sort(key=lambda q: (-q.dep.rank, q.pending[0]))
+            serve_queue(p.gpu, now)
+            if p.state != "queued":
+                continue
         heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
     for p in pods:
         account(p, horizon)

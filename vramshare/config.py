@@ -77,6 +77,8 @@ BOUNDS: dict[str, Bound] = {
     "quota.classes.marginMiB": Bound(0, MAX_GPU_MIB, "headroom on one GPU"),
     "quota.classes.idleSeconds": Bound(0, WEEK_S, "0: never warm"),
     "quota.classes.lendingPriority": Bound(-1_000_000, 1_000_000, "an ordering"),
+    "quota.classes.sleepBookedFraction": Bound(0, 1, "a fraction of the request; 1: a sleeping pod is booked whole"),
+    "quota.classes.wakeReserve": Bound(1, 64, "wakes of this class's sleeping pods one GPU keeps room for at once"),
     "quota.startupTicks": Bound(0, 100_000, "ticks a new container counts at its request while it loads"),
     "enforcement.overLimitGraceSeconds": Bound(0, WEEK_S, "how long a container may stay over its limit"),
     "warmTier.scanIntervalSeconds": Bound(1, DAY_S, "how often the node rescans its model cache"),
@@ -216,6 +218,11 @@ class QuotaClass:
     over_limit_action: "OverLimitAction | None" = None  # None: enforcement.overLimitAction
     allow_pod_selection: bool = False  # pods may name it with the <domain>/quota-class annotation
     match: tuple[ClassMatch, ...] = ()
+    # issue 23 item 5, overcommit of sleeping pods (an admin's choice; off unless set): the extender books
+    # a pod of this class that sleeps at this fraction of its request (never below what it still holds),
+    # while each GPU keeps room for ``wake_reserve`` of its sleepers waking at once (vramshare/overcommit.py)
+    sleep_booked_fraction: float | None = None  # None: booked whole, as every pod (no overcommit)
+    wake_reserve: int = 1
 
 
 @dataclass(frozen=True)
@@ -357,7 +364,8 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "shareSpare": "share_spare", "idleSeconds": "idle_seconds", "classes": "classes",
                "headroom": "headroom", "loans": "loans", "startupTicks": "startup_ticks"}
 _CLASS_KEYS = {k: k for k in ("name", "floorFraction", "floorMiB", "ceilingFraction", "ceilingMiB", "marginMiB",
-                              "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match")}
+                              "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match",
+                              "sleepBookedFraction", "wakeReserve")}
 _MATCH_KEYS = {"namespaces": "namespaces", "selector": "selector", "priorityClassNames": "priority_class_names"}
 _SELECTOR_KEYS = {"matchLabels": "match_labels", "matchExpressions": "match_expressions"}
 _EXPRESSION_KEYS = {"key": "key", "operator": "operator", "values": "values"}
@@ -740,7 +748,10 @@ def _quota_class(raw: Any, at: str) -> QuotaClass:
         lending_priority=_typed(c.get("lendingPriority", 0), int, f"{at}.lendingPriority"),
         over_limit_action=None if action is None else _enum(action, OverLimitAction, f"{at}.overLimitAction"),
         allow_pod_selection=_typed(c.get("allowPodSelection", False), bool, f"{at}.allowPodSelection"),
-        match=_class_match(c.get("match"), f"{at}.match"))
+        match=_class_match(c.get("match"), f"{at}.match"),
+        sleep_booked_fraction=(_typed(c["sleepBookedFraction"], float, f"{at}.sleepBookedFraction")
+                               if "sleepBookedFraction" in c else None),
+        wake_reserve=_typed(c.get("wakeReserve", 1), int, f"{at}.wakeReserve"))
 
 
 def _quota_classes(raw: Any) -> tuple[QuotaClass, ...]:

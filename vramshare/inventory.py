@@ -83,6 +83,9 @@ class Gpu:
     mig: tuple[MigInstance, ...] = ()
     units: int = 0  # gpu-memory devices this GPU offers (0 unless mode is shared)
     dynamic_mig: DynamicMig | None = None  # set when instances may be made for pods (mode is mig)
+    # issue 23 item 5: memory sleeping pods of overcommit classes lend to the books beyond their reserve
+    # (vramshare/overcommit.py); offered as extra units, optional (absent: 0, what older readers assume)
+    sleep_credit_mib: int = 0
 
     def with_health(self, healthy: bool) -> "Gpu":
         return replace(self, healthy=healthy)
@@ -132,8 +135,17 @@ class NodeInventory:
         return next((g for g in self.gpus if g.uuid == uuid), None)
 
     def capacity_mib(self, gpu: Gpu) -> int:
-        """Schedulable memory of a shared GPU: whole units only (what the kubelet can hand out)."""
+        """Memory of a shared GPU in whole units: what the quota loop divides among the awake."""
         return gpu.units * self.unit_mib
+
+    def credit_units(self, gpu: Gpu) -> int:
+        """Extra units a shared GPU offers for its sleep credit (issue 23 item 5; whole units)."""
+        return gpu.sleep_credit_mib // self.unit_mib if gpu.mode is GpuMode.SHARED else 0
+
+    def bookable_mib(self, gpu: Gpu) -> int:
+        """What the extender books a shared GPU against: its units plus the sleep credit's units (what
+        the kubelet can hand out, :func:`deviceplugin.devices.resource_devices` advertises both)."""
+        return (gpu.units + self.credit_units(gpu)) * self.unit_mib
 
     # -- the annotation codec -------------------------------------------------------------
     def to_json(self) -> str:
@@ -202,6 +214,7 @@ def _inventory_doc(inv: NodeInventory) -> dict[str, Any]:
                 "mode": g.mode.value,
                 "healthy": g.healthy,
                 "units": g.units,
+                **({"sleepCreditMiB": g.sleep_credit_mib} if g.sleep_credit_mib else {}),
                 "mig": [
                     {"uuid": m.uuid, "profile": m.profile, "memoryMiB": m.memory_mib,
                      "gi": m.gi, "ci": m.ci, "healthy": m.healthy,
@@ -333,6 +346,7 @@ def inventory_from_dict(data: Any) -> NodeInventory:
             numa_node=numa, mode=mode, healthy=_bool(g, "healthy", where), mig=tuple(migs),
             units=_int(g, "units", where, 0, memory // unit, default=derived),
             dynamic_mig=_dynamic_from(g.get("dynamicMig"), f"{where}.dynamicMig") if mode is GpuMode.MIG else None,
+            sleep_credit_mib=_int(g, "sleepCreditMiB", where, 0, MAX_MIB, default=0),
         ))
     enforcement = None
     if data.get("enforcement") is not None:

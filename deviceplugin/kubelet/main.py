@@ -118,7 +118,8 @@ class DevicePluginDaemon:
             from deviceplugin.quota.model import PolicyParams
             from deviceplugin.quota.warm import WarmBroker
             self.warm = WarmBroker(send=lambda key, msg: channels.send(key, msg) if channels else False,
-                                   params=PolicyParams.from_config(config.quota))
+                                   params=PolicyParams.from_config(config.quota),
+                                   on_credits=self.state.on_credits)  # issue 23 item 5: overcommit
             channels = WarmChannels(self.warm)
             from deviceplugin.kubelet.warm_channel import WarmCollector
             self.metrics.registry.register(WarmCollector(self.warm))

@@ -205,6 +205,15 @@ class WarmCollector:
                                  labels=labels)
         sleeps = CounterMetricFamily("vramshare_warm_sleeps", "Sleeps the engine confirmed", labels=labels)
         wakes = CounterMetricFamily("vramshare_warm_wakes", "Wakes the engine confirmed", labels=labels)
+        waited = CounterMetricFamily("vramshare_warm_wakes_waited", "Wakes that found no memory for a tick or "
+                                     "more (beyond the wake reserve: issue 23 item 5)", labels=labels)
+        displaced = CounterMetricFamily("vramshare_warm_displaced", "Sleeps asked of the engine to make room "
+                                        "for a higher class's wake", labels=labels)
+        credit = GaugeMetricFamily("vramshare_warm_sleep_credit_bytes", "GPU memory the sleeping pods of "
+                                   "overcommit classes lend to the scheduler's books beyond the wake reserve",
+                                   labels=["gpu"])
+        for gpu, mib in sorted(self._broker.sleep_credits().items()):
+            credit.add_metric([gpu], float(mib) * (1 << 20))
         for key, e in sorted(self._broker.views().items()):
             if not e.can_sleep:
                 continue
@@ -216,4 +225,6 @@ class WarmCollector:
                 wake.add_metric(lv, e.last_wake_s)
             sleeps.add_metric(lv, float(e.sleeps))
             wakes.add_metric(lv, float(e.wakes))
-        yield from (state, lent, wake, sleeps, wakes)
+            waited.add_metric(lv, float(e.waited))
+            displaced.add_metric(lv, float(e.displaced))
+        yield from (state, lent, wake, sleeps, wakes, waited, displaced, credit)

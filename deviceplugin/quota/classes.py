@@ -106,6 +106,8 @@ class ClassTerms:
     idle_seconds: float
     lending_priority: int
     over_limit_action: OverLimitAction
+    sleep_booked_fraction: float | None = None  # issue 23 item 5: overcommit of this class's sleeping pods
+    wake_reserve: int = 1
 
     def floor_of(self, request_mib: int) -> int:
         """Rounded down, as the default class's floor (PolicyParams.floor_of)."""
@@ -129,7 +131,8 @@ def terms(qc: QuotaClass, base: ClassTerms) -> ClassTerms:
         margin_mib=base.margin_mib if qc.margin_mib is None else qc.margin_mib,
         idle_seconds=base.idle_seconds if qc.idle_seconds is None else qc.idle_seconds,
         lending_priority=qc.lending_priority,
-        over_limit_action=qc.over_limit_action or base.over_limit_action)
+        over_limit_action=qc.over_limit_action or base.over_limit_action,
+        sleep_booked_fraction=qc.sleep_booked_fraction, wake_reserve=qc.wake_reserve)
 
 
 def default_terms(quota: QuotaConfig, action: OverLimitAction) -> ClassTerms:

@@ -389,7 +389,7 @@ class QuotaLoop:
                                  starting=self._starting(t.key),
                                  shrink_acked=acked, unacked_mib=unacked,
                                  engine_mib=follows)
-                per_gpu[gpu].append(self.warm.prepare(ts, gpu) if self.warm else ts)
+                per_gpu[gpu].append(self.warm.prepare(ts, gpu, ct or base) if self.warm else ts)
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}

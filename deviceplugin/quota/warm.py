@@ -15,6 +15,16 @@ Pure (no I/O: messages go out through the ``send`` callable the adapter gives it
   released: the wake never finds its memory taken, and with books at the requests (no overcommit) it
   always comes (co-tenants are cut back to their requests first), it only waits.
 
+Overcommit (issue 23 item 5, :mod:`vramshare.overcommit`): a tenant whose class sets
+``sleepBookedFraction`` lends its sleeping gap to the scheduler's books beyond the GPU's wake reserve;
+:meth:`WarmBroker.sleep_credits` is that credit per GPU, handed to ``on_credits`` after each tick (the
+node's inventory and kubelet units follow; a wake withdraws it at once). More wakes at once than the
+reserve covers find no memory: such a wake is never refused, it waits for its grant; after
+``displace_after_ticks`` ungranted ticks the broker asks awake engines of *strictly lower* classes
+(``lendingPriority``) on its GPUs to sleep, lowest first, one per tick (an engine that is serving
+refuses, the next is asked). Equal or higher classes are never displaced: the wake waits for them to
+sleep on their own idle timer or to shrink.
+
 A wake request pokes the loop (the adapter's ``poke``) so it ticks at once and again every
 ``fast_tick_s`` while a wake is pending: the wake path never waits for the regular interval.
 """
@@ -24,10 +34,10 @@ import dataclasses
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from deviceplugin.quota.model import Bounds, Decision, Phase, PolicyParams, TenantKey, TenantState
-from vramshare import contract, logs
+from vramshare import contract, logs, overcommit
 
 log = logs.get(__name__)
 
@@ -60,6 +70,9 @@ class EngineView:
     wakes: int = 0
     sleeps: int = 0
     refusals: int = 0
+    displaced: int = 0  # sleeps asked of it to make room for a higher class's wake
+    ungranted_ticks: int = 0  # ticks a wake has waited for its memory
+    waited: int = 0  # wakes that found no memory for a tick or more (the reserve ran out)
 
 
 @dataclass
@@ -69,6 +82,11 @@ class WarmBroker:
     fast_tick_s: float = 0.2
     sleep_answer_s: float = 60.0  # an engine sleeps in seconds; no answer by then: the message was lost
     params: PolicyParams = field(default_factory=PolicyParams)
+    on_credits: Callable[[dict[str, int]], None] | None = None  # the node's inventory/units (item 5)
+    displace_after_ticks: int = 1  # a wake first lets the policy take back loans, then displaces
+    _overcommit: dict[tuple[TenantKey, str], tuple[int, int | None, float, int]] = field(default_factory=dict)
+    _rank: dict[TenantKey, int] = field(default_factory=dict)
+    _credits: dict[str, int] = field(default_factory=dict)
     _reserve: dict[tuple[TenantKey, str], int] = field(default_factory=dict)
     _engines: dict[TenantKey, EngineView] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -118,6 +136,8 @@ class WarmBroker:
         with self._lock:
             self._engines = {k: v for k, v in self._engines.items() if k in keep}
             self._reserve = {k: v for k, v in self._reserve.items() if k[0] in keep}
+            self._overcommit = {k: v for k, v in self._overcommit.items() if k[0] in keep}
+            self._rank = {k: v for k, v in self._rank.items() if k in keep}
 
     def disconnected(self, key: TenantKey) -> None:
         """The engine's connection closed (process gone): its memory is no longer asleep or waking."""
@@ -125,20 +145,40 @@ class WarmBroker:
             self._engines.pop(key, None)
 
     # -- the loop's tick --------------------------------------------------------------------------------
-    def prepare(self, t: TenantState, gpu: str) -> TenantState:
+    def prepare(self, t: TenantState, gpu: str, terms: Any = None) -> TenantState:
         """The tenant as the policy should see it: asleep -> WARM at floor 0; waking -> WAKING, demand =
-        its request. Awake engines (and tenants without one) are left as the loop saw them."""
+        its request. Awake engines (and tenants without one) are left as the loop saw them. ``terms``
+        (its class, :class:`~deviceplugin.quota.classes.ClassTerms`) says whether it may be overcommitted."""
         with self._lock:
             e = self._engines.get(t.key)
             state = e.state if e else Sleep.AWAKE
         b = t.bounds or self.params.bounds_of(t.request_mib)
+        fraction = getattr(terms, "sleep_booked_fraction", None)
         with self._lock:
             self._reserve[(t.key, gpu)] = b.clamp(t.request_mib)
+            self._rank[t.key] = t.rank
+            if fraction is None:
+                self._overcommit.pop((t.key, gpu), None)
+            else:
+                self._overcommit[(t.key, gpu)] = (t.request_mib, t.used_mib, float(fraction),
+                                                  int(getattr(terms, "wake_reserve", 1)))
         if state is Sleep.AWAKE or t.used_mib is None:
             return t
-        if state is Sleep.SLEEPING:
+        if state is Sleep.SLEEPING or not self._first_waking(t.key, gpu):
+            # a wake queued behind an earlier one on this GPU waits asleep: wakes that compete for the same
+            # memory are restored one whole request at a time, never each a part that reaches none
             return dataclasses.replace(t, phase=Phase.WARM, bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
         return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
+
+    def _wake_order(self, key: TenantKey) -> tuple:
+        e = self._engines[key]
+        return (-self._rank.get(key, 0), e.wake_since if e.wake_since is not None else 0.0, key)
+
+    def _first_waking(self, key: TenantKey, gpu: str) -> bool:
+        """Is ``key`` the first wake on ``gpu`` (higher class first, then the earlier request)? Every GPU
+        orders wakes alike, so the first of all is first on each of its GPUs: some wake always proceeds."""
+        with self._lock:
+            return self._first_on(key, gpu)
 
     def note(self, decided: Mapping[tuple[TenantKey, str], Decision]) -> None:
         """Record what each sleeping engine lends under this tick's decisions (its reserve minus its new
@@ -178,6 +218,7 @@ class WarmBroker:
                     e.sleep_seq += 1
                     e.sleep_pending, e.sleep_sent_at = True, now
                     out.append((key, contract.WarmMessage.of(contract.WARM_SLEEP, seq=e.sleep_seq, level=1)))
+            out.extend(self._displace(per_key, reserve, now))
         sent = []
         for key, msg in out:
             if self.send(key, msg):
@@ -187,7 +228,69 @@ class WarmBroker:
                 with self._lock:
                     if key in self._engines:
                         self._engines[key].sleep_pending = False
+        self._publish_credits()
         return sent
+
+    def _displace(self, per_key: Mapping[TenantKey, list[Decision]],
+                  reserve: Callable[[TenantKey, str], int], now: float | None) -> list[tuple[TenantKey, contract.WarmMessage]]:
+        """Sleep asked of one awake engine of a strictly lower class per waiting wake (lock held)."""
+        out: list[tuple[TenantKey, contract.WarmMessage]] = []
+        asked: set[TenantKey] = set()
+        gpus_of: dict[TenantKey, set[str]] = {}
+        for k, g in self._reserve:
+            gpus_of.setdefault(k, set()).add(g)
+        for key, e in sorted(self._engines.items(), key=lambda kv: -self._rank.get(kv[0], 0)):
+            ds = per_key.get(key, [])
+            if e.state is not Sleep.WAKING:
+                continue
+            if not ds or all(d.limit_mib >= reserve(key, d.gpu_uuid) for d in ds):
+                e.ungranted_ticks = 0
+                continue
+            e.ungranted_ticks += 1
+            e.waited += e.ungranted_ticks == 1
+            if not all(self._first_on(key, g) for g in gpus_of.get(key, ())):
+                continue  # queued behind an earlier wake: that one displaces first
+            if e.ungranted_ticks <= self.displace_after_ticks:
+                continue
+            short = {d.gpu_uuid for d in ds if d.limit_mib < reserve(key, d.gpu_uuid)}
+            rank = self._rank.get(key, 0)
+            victims = sorted((self._rank.get(k, 0), k) for k, v in self._engines.items()
+                             if k not in asked and k != key and v.state is Sleep.AWAKE and v.can_sleep
+                             and not v.sleep_pending and self._rank.get(k, 0) < rank
+                             and gpus_of.get(k, set()) & short)
+            if not victims:
+                continue  # nothing lower to displace: the wake waits (it is never refused)
+            _, victim = victims[0]
+            v = self._engines[victim]
+            v.sleep_seq += 1
+            v.sleep_pending, v.sleep_sent_at, v.displaced = True, now, v.displaced + 1
+            asked.add(victim)
+            log.info("asking a lower class to sleep for a wake", tenant=str(victim), waking=str(key),
+                     rank=self._rank.get(victim, 0), waking_rank=rank)
+            out.append((victim, contract.WarmMessage.of(contract.WARM_SLEEP, seq=v.sleep_seq, level=1)))
+        return out
+
+    def _first_on(self, key: TenantKey, gpu: str) -> bool:
+        mine = self._wake_order(key)
+        return not any(e.state is Sleep.WAKING and k != key and (k, gpu) in self._reserve
+                       and self._wake_order(k) < mine for k, e in self._engines.items())
+
+    def sleep_credits(self) -> dict[str, int]:
+        """Per GPU, MiB the sleeping tenants of overcommit classes lend to the books beyond the reserve
+        (:func:`vramshare.overcommit.credits`); a waking engine lends nothing."""
+        with self._lock:
+            sleepers = [overcommit.Sleeper(gpu, req, used if used is not None else req, frac, k)
+                        for (key, gpu), (req, used, frac, k) in self._overcommit.items()
+                        if (e := self._engines.get(key)) is not None and e.state is Sleep.SLEEPING]
+        return overcommit.credits(sleepers)
+
+    def _publish_credits(self) -> None:
+        if self.on_credits is None:
+            return
+        credits = self.sleep_credits()
+        if credits != self._credits:
+            self._credits = credits
+            self.on_credits(dict(credits))
 
     def wake_pending(self) -> bool:
         """A wake waits for memory: the loop should tick again within ``fast_tick_s``."""

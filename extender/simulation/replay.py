@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from vramshare.config import ExtenderConfig
 from vramshare.contract import Names
 
+from extender import residency
 from extender.cluster import ClusterState
 from extender.fragmentation import cluster_frag
 from extender.placement import ask_for, choose, filter_nodes, fit_rows, pick, rank_rows, score_nodes
@@ -28,6 +29,17 @@ from extender.simulation.trace import TraceNode, TracePod
 from extender.workload import TargetWorkload
 
 Progress = Callable[[str], None]
+
+
+class Bonus(Protocol):
+    """A term added to the policy's raw scores (the residency term, issue 23): steps per fitting row,
+    and what was placed where (so it can learn, e.g. which node now holds a model's files)."""
+
+    def steps(self, pod: TracePod, rows: np.ndarray) -> np.ndarray | None:
+        """Steps of the policy's score for each of ``rows`` (the fitting rows); ``None``: no bonus."""
+
+    def placed(self, pod: TracePod, row: int) -> None:
+        """``pod`` was placed on ``row``."""
 
 
 @dataclass
@@ -77,8 +89,9 @@ def frag_rate(state: ClusterState, typical: TargetWorkload) -> float:
 
 
 def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, view: str, seed: int,
-           typical: TargetWorkload, progress: Progress | None = None) -> RunResult:
-    """Place ``seq`` in order; ``typical`` pins fgd-paper's workload and measures fragmentation."""
+           typical: TargetWorkload, progress: Progress | None = None, bonus: Bonus | None = None) -> RunResult:
+    """Place ``seq`` in order; ``typical`` pins fgd-paper's workload and measures fragmentation.
+    ``bonus`` adds its steps to the raw scores (:func:`extender.residency.with_bonus`, fgd's unit)."""
     state = build_state(nodes, view)
     if policy == "fgd-paper":
         state.pinned = typical
@@ -97,12 +110,17 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, vie
         if ok.any():
             fitting = ask.subset(ok)
             raw = rank_rows(fitting, policy)
+            steps = bonus.steps(pod, fitting.rows) if bonus is not None else None
+            if steps is not None:
+                raw = residency.with_bonus(raw, steps)
             best = np.flatnonzero(raw >= raw.max())
             i = int(best[np.argmin(rank[fitting.rows[best]])]) if len(best) > 1 else int(best[0])
             alloc = choose(fitting, i, policy)
             flat = [a for per_demand in alloc for a in per_demand]
             state.add_pod(pod.name, state.name(int(fitting.rows[i])), flat, host)
             got = sum(amount for _, amount in flat)
+            if bonus is not None:
+                bonus.placed(pod, int(fitting.rows[i]))
         track.record(t, state, pod.gpu_request(view), got)
         now = time.monotonic()
         if progress and (now - last_report > 5 or t == len(seq) - 1):

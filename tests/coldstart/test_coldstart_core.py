@@ -1,6 +1,8 @@
 """The cold-start replay core (vramshare/coldstart.py): behaviour on small hand-built deployments."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -29,10 +31,14 @@ def test_window_arrivals_keep_the_rate():
 
 
 def test_place_today_books_every_slice_and_keeps_the_reserve():
+    """The live books' rule (vramshare.overcommit.books): awake whole + sleepers booked + the largest wake."""
     deps = [dep(f"d{i}", [[0, 1]]) for i in range(4)]
     assert cs.place(deps, 80 * GIB).gpus_used == 2
-    over = cs.place(deps, 80 * GIB, overcommit=2.0, residual_bytes=1.5 * GIB)
-    assert over.gpus_used == 1  # 4 x 40 / 2 = 80, and one 40 GiB wake beside 3 residuals fits
+    over = cs.place(deps[:3], 80 * GIB, overcommit=2.0, residual_bytes=1.5 * GIB)
+    assert over.gpus_used == 1  # 3 x 40 / 2 = 60 booked, plus one 20 GiB gap kept for a wake = 80
+    assert cs.place(deps, 80 * GIB, overcommit=2.0, residual_bytes=1.5 * GIB).gpus_used == 2
+    up = cs.place(deps[:3], 80 * GIB, overcommit=2.0, residual_bytes=1.5 * GIB, awake=frozenset({"d0"}))
+    assert up.gpus_used == 2  # awake when placed: booked whole, as the live books count it
     firm = [dep(f"f{i}", [[0, 1]], overcommit=False) for i in range(2)]
     mixed = cs.place(firm + deps, 80 * GIB, overcommit=4.0, residual_bytes=1.5 * GIB)
     for g in set(mixed.gpu_of.values()):  # never two firm 40s plus a wake on one GPU
@@ -58,9 +64,9 @@ def test_warm_tier_wakes_instead_of_loading_and_holds_only_the_residual():
 
 
 def test_a_wake_without_memory_waits_or_moves_never_fails():
-    # three 39 GiB pods booked on one 80 GiB GPU (overcommit 1.5); a and b busy together, c wakes meanwhile
+    # three 39 GiB pods booked on one 80 GiB GPU (overcommit 3); a and b busy together, c wakes meanwhile
     deps = [dep(n, seg, slice_gib=39) for n, seg in (("a", [[0, 3000]]), ("b", [[0, 3000]]), ("c", [[1000, 1001]]))]
-    pl = cs.place(deps, 80 * GIB, overcommit=1.5, residual_bytes=1.5 * GIB)
+    pl = cs.place(deps, 80 * GIB, overcommit=3.0, residual_bytes=1.5 * GIB)
     assert pl.gpus_used == 1
     stuck = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 300, 10_000, COSTS, count_from=0, relocate=False)
     assert stuck.waited_for_memory == 1 and len(stuck.ttft_s) == 3
@@ -74,10 +80,24 @@ def test_a_wake_without_memory_waits_or_moves_never_fails():
 def test_idle_cotenants_are_sent_to_sleep_before_a_wake_waits():
     # a and b stop sending at 100 but their idle timers run to 400; c arrives at 200
     deps = [dep(n, seg, slice_gib=39) for n, seg in (("a", [[0, 100], [350, 351]]), ("b", [[0, 100]]), ("c", [[200, 201]]))]
-    pl = cs.place(deps, 80 * GIB, overcommit=1.5, residual_bytes=1.5 * GIB)
+    pl = cs.place(deps, 80 * GIB, overcommit=3.0, residual_bytes=1.5 * GIB)
     r = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 300, 5000, COSTS, count_from=0, relocate=False)
     assert r.waited_for_memory == 0 and r.displaced >= 1
     assert len(r.ttft_s) == 4  # a's request at 350 now wakes it: counted as a first request
+
+
+def test_live_rule_displaces_only_lower_classes_and_never_relocates():
+    segs = (("a", [[0, 100], [350, 351]]), ("b", [[0, 100]]), ("c", [[200, 201]]))
+    same = [dep(n, seg, slice_gib=39) for n, seg in segs]
+    pl = cs.place(same, 80 * GIB, overcommit=3.0, residual_bytes=1.5 * GIB)
+    spare = cs.Cluster(2, 80 * GIB)  # room elsewhere: the live broker does not move a replica
+    r = cs.warm_tier(same, spare, cs.Placement(pl.gpu_of, 2), 300, 5000, COSTS, count_from=0, live=True)
+    assert r.displaced == 0 and r.relocations == 0 and r.waited_for_memory == 1
+    assert max(r.wait_s) == pytest.approx(400 - 200)  # until a co-tenant's own idle timer ran out
+    assert len(r.ttft_s) == len(r.wait_s) + 2 and max(r.ttft_s) > 200  # the wait is in its first-token time
+    ranked = [dataclasses.replace(d, rank=10 if d.name == "c" else 0) for d in same]
+    r = cs.warm_tier(ranked, spare, cs.Placement(pl.gpu_of, 2), 300, 5000, COSTS, count_from=0, live=True)
+    assert r.waited_for_memory == 0 and r.displaced >= 1  # c's class is higher: the idle lower ones sleep
 
 
 def test_host_ram_budget_drops_the_least_recently_slept():

@@ -79,6 +79,17 @@ def test_warm_tier_and_residency_start_with_the_loop(api_url: str, tmp_path) -> 
                     break
                 time.sleep(0.1)
             assert models == [{"name": "org/m", "revision": "r1", "bytes": 100, "engines": []}]
+            # issue 23 item 5: the broker's sleep credit reaches the node annotation and the kubelet's units
+            gpu = daemon.state.snapshot.inventory.gpus[0]
+            units = len(daemon.state.snapshot.devices[config.names.gpu_memory])
+            daemon.warm.on_credits({gpu.uuid: 20 * 1024})
+            assert len(daemon.state.snapshot.devices[config.names.gpu_memory]) == units + 20
+            credit = None
+            while time.monotonic() < deadline + 10 and credit != 20 * 1024:
+                text = (client.CoreV1Api(api).read_node("gpu-1").metadata.annotations or {})[config.names.inventory]
+                credit = json.loads(text)["gpus"][0].get("sleepCreditMiB")
+                time.sleep(0.1)
+            assert credit == 20 * 1024 and "models" in json.loads(text)
         finally:
             daemon.close()
     assert [t.name for t in daemon._threads if t.is_alive()] == []

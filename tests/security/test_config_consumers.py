@@ -72,6 +72,7 @@ KEYS: dict[str, tuple[float, float]] = {
     "quota.classes.lendingPriority": (-10, 10), "enforcement.overLimitGraceSeconds": (0, 600),
     "quota.startupTicks": (0, 60), "warmTier.scanIntervalSeconds": (1, 600), "warmTier.maxCacheEntries": (1, 500_000),
     "warmTier.residencyMaxSteps": (0, 3), "dynamicMig.graceSeconds": (0, 600),
+    "quota.classes.sleepBookedFraction": (0, 1), "quota.classes.wakeReserve": (1, 8),
 }
 HUGE = [1e6, 1e9, 1e12, 2**40, 2**62]
 

@@ -48,3 +48,33 @@ def test_fragmentation_rate_counts_slivers_nobody_can_use() -> None:
     state.add_pod("x", "a", [("a/gpu0", 700)])
     # idle: 300 on a (too small for a whole-GPU task) + 1000 on b
     assert frag_rate(state, ONE_GPU) == 100.0 * 300 / 1300
+
+
+class _Prefer:
+    """A bonus hook (the residency term's shape): steps on one node's row, and what was placed where."""
+
+    def __init__(self, state, node: str, steps: float) -> None:
+        self.row, self.steps_, self.seen = state.row(node), steps, []
+
+    def steps(self, pod, rows):
+        return np.where(rows == self.row, self.steps_, 0.0)
+
+    def placed(self, pod, row):
+        self.seen.append((pod.name, row))
+
+
+def test_a_bonus_hook_breaks_ties_and_learns_placements_without_changing_fit() -> None:
+    seq = [pod("p0", 400), pod("p1", 400)]
+    state = build_state(TWO_NODES, "share")
+    plain = replay(TWO_NODES, seq, "spread", "share", 1, ONE_GPU)
+    none = _Prefer(state, "a", 0.0)
+    same = replay(TWO_NODES, seq, "spread", "share", 1, ONE_GPU, bonus=none)
+    assert (same.allocated == plain.allocated).all() and len(none.seen) == 2
+    rows = {r for _, r in none.seen}
+    assert len(rows) == 2  # spread: one pod per GPU
+    pull = _Prefer(state, "a", 50.0)
+    replay(TWO_NODES, seq, "spread", "share", 1, ONE_GPU, bonus=pull)
+    assert {r for _, r in pull.seen} == {state.row("a")}  # a large bonus outweighs spread, never the fit
+    big = _Prefer(state, "a", 50.0)
+    out = replay(TWO_NODES, [pod("p0", 700), pod("p1", 700)], "spread", "share", 1, ONE_GPU, bonus=big)
+    assert out.failed == 0 and {r for _, r in big.seen} == {state.row("a"), state.row("b")}
