@@ -93,8 +93,21 @@ def placement_devices(g: Gpu) -> list[tuple[str, PluginDevice]]:
     return out
 
 
-def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[str, tuple[PluginDevice, ...]]:
-    """Kubelet devices per extended resource; a resource appears only when it has a device."""
+def isolation_units(g: Gpu, unit_mib: int) -> int:
+    """Memory units a dynamic-MIG GPU offers ``isolation: mig`` pods (issue 24): its largest plain profile's
+    memory. Each such pod holds its ask in units and gets a partition at least that large, so the units
+    run out no sooner than the partitions; the extender's books, not these units, keep partitions apart."""
+    assert g.dynamic_mig is not None
+    return max((p.memory_mib for p in mig.MODELS[g.dynamic_mig.table].profiles if not p.media), default=0) // unit_mib
+
+
+def resource_devices(inventory: NodeInventory, names: contract.Names,
+                     isolation: bool = False) -> dict[str, tuple[PluginDevice, ...]]:
+    """Kubelet devices per extended resource; a resource appears only when it has a device.
+
+    ``isolation``: the plugin serves ``isolation: mig`` pods (dynamic MIG on, and a pod cache to find
+    each Allocate's plan in), so each dynamic-MIG GPU also offers gpu-memory units (:func:`isolation_units`),
+    which Allocate grants only as the partition planned for such a pod (:mod:`deviceplugin.allocator`)."""
     out: dict[str, list[PluginDevice]] = {}
     for g in inventory.gpus:
         if g.mode is GpuMode.SHARED:
@@ -110,6 +123,11 @@ def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[st
                 out.setdefault(names.mig(p.name), [])
             for profile, dev in placement_devices(g):
                 out.setdefault(names.mig(profile), []).append(dev)
+            if isolation:
+                out.setdefault(names.gpu_memory, []).extend(
+                    PluginDevice(contract.unit_device_id(g.uuid, n), g.uuid, g.numa_node, g.healthy,
+                                 inventory.unit_mib)
+                    for n in range(isolation_units(g, inventory.unit_mib)))
         else:
             for m in g.mig:
                 out.setdefault(names.mig(m.profile), []).append(

@@ -37,9 +37,9 @@ Listener = Callable[[Snapshot, Snapshot], None]  # (old, new)
 
 
 def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: frozenset[str],
-              dra: bool = False) -> Snapshot:
+              dra: bool = False, isolation: bool = False) -> Snapshot:
     inventory = devices.build_inventory(discovered, config, unhealthy, dra=dra)
-    per_resource = devices.resource_devices(inventory, config.names)
+    per_resource = devices.resource_devices(inventory, config.names, isolation)
     owners = {d.id: r for r, ds in per_resource.items() for d in ds}
     return Snapshot(config, inventory, per_resource, owners)
 
@@ -50,6 +50,7 @@ class NodeState:
     def __init__(self, discovered: Sequence[DiscoveredGpu], config: Config, *, dra: bool = False) -> None:
         """``dra``: hold the GPUs the config gives the DRA plugin (``dra.gpus``) instead of the others."""
         self._dra = dra
+        self._isolation = False  # dynamic-MIG GPUs offer gpu-memory units to isolation: mig pods (issue 24)
         self._discovered = tuple(discovered)
         self._unhealthy: frozenset[str] = frozenset()
         self._lock = threading.Lock()
@@ -74,17 +75,22 @@ class NodeState:
             self._unhealthy = unhealthy
         log.warning("gpu health changed", gpu=event.uuid, mig=event.mig_uuid or "", healthy=event.healthy,
                     reason=event.reason)
-        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra))
+        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra, self._isolation))
 
     def on_discovered(self, discovered: Sequence[DiscoveredGpu]) -> None:
         """The GPUs were read again (a MIG instance was made or destroyed): lists follow what exists."""
         with self._lock:
             self._discovered = tuple(discovered)
-        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra))
+        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra, self._isolation))
+
+    def serve_isolation(self) -> None:
+        """Dynamic MIG is on and Allocate can find each pod's plan: offer ``isolation: mig`` units."""
+        self._isolation = True
+        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra, self._isolation))
 
     def on_config(self, config: Config) -> None:
         """A new config (SIGHUP or file change); modes and unit size may change the device lists."""
-        self._swap(lambda s: _snapshot(self._discovered, config, self._unhealthy, self._dra))
+        self._swap(lambda s: _snapshot(self._discovered, config, self._unhealthy, self._dra, self._isolation))
 
     def _swap(self, build: Callable[[Snapshot], Snapshot]) -> None:
         with self._lock:

@@ -58,6 +58,19 @@ def geometry(slots: Sequence[Slot]) -> dict[str, GpuGeometry]:
     return {g: GpuGeometry(mig.MODELS[t], tuple(e), tuple(p)) for g, (t, e, p) in found.items()}
 
 
+def fit_profile(geo: GpuGeometry, mib: int) -> str | None:
+    """The profile an ``isolation: mig`` ask of ``mib`` takes on this GPU: the smallest that holds it
+    (:func:`vramshare.mig.smallest_fitting`), None when none does."""
+    p = mig.smallest_fitting(geo.table, mib)
+    return p.name if p is not None else None
+
+
+def fit_columns(geo: GpuGeometry, mib: int) -> list[int]:
+    """The slot columns of every placement of :func:`fit_profile` on this GPU (open or not)."""
+    profile = fit_profile(geo, mib)
+    return [p.col for p in geo.placements if p.plan.profile == profile] if profile else []
+
+
 def open_capacity(geo: GpuGeometry, used: Mapping[int, int]) -> dict[int, int]:
     """Column -> capacity for each placement: its memory where a plan may take it or a pod holds it, else 0."""
     planned = [p.plan.placed for p in geo.placements if used.get(p.col, 0) > 0]
