@@ -130,21 +130,25 @@ class Allocator:
             raise Refusal(RefusalKind.PRECONDITION,
                           f"memory units of dynamic-MIG GPU {on_mig[0]} are served only as the partition planned "
                           f"for a pod annotated {names.isolation}: mig, and this plugin cannot make it")
-        placement_id, why = steering.isolation_plan(self._pods.pods(), names, self._node, on_mig[0], size)
+        gpu = next(g for g in snap.inventory.gpus if g.uuid == on_mig[0])
+        assert gpu.dynamic_mig is not None
+        table = mig.MODELS[gpu.dynamic_mig.table]
+        fit = mig.smallest_fitting(table, size * snap.inventory.unit_mib)
+        if fit is None:
+            raise Refusal(RefusalKind.PRECONDITION,
+                          f"no MIG profile of GPU {on_mig[0]} ({table.name}) holds {size} memory units")
+        placement_id, why = steering.isolation_plan(self._pods.pods(), names, self._node, on_mig[0], size, fit.name)
         if placement_id is None:
             raise Refusal(RefusalKind.PRECONDITION,
                           f"memory units of dynamic-MIG GPU {on_mig[0]} go only to a pod annotated "
                           f"{names.isolation}: mig, as the partition the scheduler planned for it: {why}")
         try:
-            plan = mig_plan.parse(placement_id)
             mig_uuid = self.make_mig(placement_id)
         except (MigError, mig_plan.PlanError) as exc:
             raise Refusal(RefusalKind.PRECONDITION, str(exc)) from None
-        table = next(mig.MODELS[g.dynamic_mig.table] for g in snap.inventory.gpus
-                     if g.uuid == plan.gpu_uuid and g.dynamic_mig is not None)
-        log.info("isolation: mig units served as a partition", gpu=plan.gpu_uuid, units=size,
+        log.info("isolation: mig units served as a partition", gpu=gpu.uuid, units=size,
                  placement=placement_id, mig=mig_uuid)
-        return placement_id, allocation.GpuShare(mig_uuid, table.profile(plan.profile).memory_mib)
+        return placement_id, allocation.GpuShare(mig_uuid, fit.memory_mib)
 
     def _allocate(self, resource: str, ids: list[str]) -> tuple[ContainerSpec, dict[str, str]]:
         snap = self._state.snapshot

@@ -134,7 +134,7 @@ def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, r
 
 
 def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, gpu_uuid: str,
-                   size: int) -> tuple[str | None, str]:
+                   size: int, profile: str) -> tuple[str | None, str]:
     """The dynamic-MIG placement an Allocate of ``size`` gpu-memory units on ``gpu_uuid`` serves (issue 24),
     as ``(placement ID, "")``, else ``(None, why)``.
 
@@ -142,7 +142,9 @@ def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, nod
     GPU and assumed it here (:func:`_assumed_here`). Its container asking ``size`` units names the
     placement in the assignment. Like :func:`tie`, a plan is used only when it cannot be the wrong one:
     every matching container of every matching pod must name the same placement (the extender's same-size
-    hold keeps it so); otherwise nothing is guessed and the Allocate is refused with the reason."""
+    hold keeps it so); otherwise nothing is guessed and the Allocate is refused with the reason. Only
+    placements of ``profile`` count (the smallest that holds ``size`` units on this GPU, as the extender
+    maps it), so a ``mig-<profile>`` device the same container also asks is never taken for it."""
     found: dict[str, set[str]] = {}
     for pod in pods:
         ann = ((pod.get("metadata") or {}).get("annotations") or {})
@@ -161,10 +163,10 @@ def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, nod
                 continue
             for g in gpus:
                 p = mig_plan.try_parse(g.uuid)
-                if p is not None and p.gpu_uuid == gpu_uuid:
+                if p is not None and p.gpu_uuid == gpu_uuid and p.profile == profile:
                     found.setdefault(g.uuid, set()).add(f"{demand.namespace}/{demand.name}")
     if not found:
-        return None, (f"no pod assumed on this node with {names.isolation}: {ISOLATION_MIG} plans a MIG "
+        return None, (f"no pod assumed on this node with {names.isolation}: {ISOLATION_MIG} plans a {profile} "
                       f"partition on GPU {gpu_uuid} for {size} units")
     if len(found) > 1:
         who = "; ".join(f"{pid} for {', '.join(sorted(ps))}" for pid, ps in sorted(found.items()))

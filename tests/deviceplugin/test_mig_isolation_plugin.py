@@ -140,3 +140,54 @@ def test_two_assumed_pods_of_one_size_with_different_partitions_are_not_guessed_
         kubelet.allocate(MEM, units_of(kubelet, A100)[:8])
     assert "different partitions" in err.value.details()
     assert len(backend.mig_nvml.layout(A100)) == 1
+
+
+def test_after_a_plugin_restart_the_partition_is_still_recorded_and_kept(
+        api, http, kubelet, start_plugin, dynamic, backend):
+    """Nothing of the tie lives only in memory: the allocation directory says which partition the units got."""
+    first = start_plugin(dynamic, api=http)
+    pod(api, "iso", 8, [(pid("1g.10gb", 5), 10240)])
+    synced(first, api, "iso")
+    ids = kubelet.preferred(MEM, kubelet.healthy_ids(MEM), 8)
+    made = kubelet.allocate(MEM, ids, pod=("default", "iso", "c")).envs[contract.ENV_VISIBLE_DEVICES]
+    first.close()
+    second = start_plugin(dynamic, api=http, gpus=backend.restarted())
+    synced(second, api, "iso")
+    second.mig.fresh_seconds = second.mig.dynamic.grace_seconds = 0.0
+    second.reconciler.run_once()  # (a restart reconciles before Register, so it may be patched already)
+    ann = api.get_pod("default", "iso")["metadata"]["annotations"]
+    assert ann[NAMES.allocation_state] == contract.STATE_ALLOCATED
+    assert json.loads(ann[NAMES.assignment]) == {"c": [{"uuid": pid("1g.10gb", 5), "mib": 10240}]}
+    assert [(x.profile, x.start) for x in backend.mig_nvml.layout(A100)] == [("1g.10gb", 5)]  # 3g@0 reaped
+    assert [m.uuid for m in second.state.snapshot.inventory.gpus[1].mig] == [made]
+
+
+def test_the_partition_of_the_memory_ask_is_told_from_a_mig_device_the_container_also_asks(
+        api, http, kubelet, start_plugin, dynamic, backend):
+    """A container asking 8 units with isolation and a mig-2g.20gb device has two placements in its plan:
+    the memory units get the smallest profile holding 8 GiB (1g.10gb), never the 2g.20gb."""
+    daemon = start_plugin(dynamic, api=http)
+    p = pod(api, "both", 8, [(pid("2g.20gb", 4), 20480), (pid("1g.10gb", 6), 10240)])
+    assert p["metadata"]["annotations"][NAMES.isolation] == "mig"
+    synced(daemon, api, "both")
+    resp = kubelet.allocate(MEM, units_of(kubelet, A100)[:8])
+    assert resp.envs[contract.ENV_MEMORY_LIMIT_MIB] == "10240"
+    assert [(x.profile, x.start) for x in backend.mig_nvml.layout(A100)] == [("3g.40gb", 0), ("1g.10gb", 6)]
+
+
+def test_with_podresources_down_an_isolated_allocate_is_tied_to_its_plan():
+    """Issue 17's rule holds for isolation: mig too: the units a kubelet asks are the pod's plan."""
+    from deviceplugin import steering
+    meta = {"name": "iso", "namespace": "default", "uid": "u", "annotations": {
+        NAMES.isolation: "mig", NAMES.allocation_state: contract.STATE_ASSUMED, NAMES.assume_time: "1",
+        NAMES.assignment: json.dumps({"c": [{"uuid": pid("1g.10gb", 6), "mib": 10240}]})},
+        "managedFields": [{"manager": contract.FIELD_MANAGER_EXTENDER, "operation": "Update", "apiVersion": "v1",
+                           "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {"f:annotations": {
+                               f"f:{NAMES.assignment}": {}}}}}]}
+    iso = {"metadata": meta, "status": {"phase": "Pending"}, "spec": {"nodeName": "gpu-1", "containers": [
+        {"name": "c", "resources": {"limits": {MEM: "8"}}}]}}
+    assert steering.tie([iso], NAMES, "gpu-1", MEM, {A100: 8}, 1024) is None
+    assert "is not these devices" in steering.tie([iso], NAMES, "gpu-1", MEM, {H100: 8}, 1024)
+    assert steering.steer([iso], NAMES, "gpu-1", MEM, 8, 1024, {A100: 80, H100: 79}).targets == {A100: 8}
+    assert steering.isolation_plan([iso], NAMES, "gpu-1", A100, 8, "1g.10gb") == (pid("1g.10gb", 6), "")
+    assert steering.isolation_plan([iso], NAMES, "gpu-1", A100, 8, "2g.20gb")[0] is None
