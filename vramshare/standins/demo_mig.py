@@ -40,6 +40,8 @@ PODS = [  # name, profile, what
 ]
 #: After the first pod is deleted: a plain memory ask with ``isolation: mig`` (name, GiB, what).
 ISOLATED = ("phi3-mini-iso", 6, "Phi-3-mini, 6 GiB, isolation: mig: the smallest fitting profile, 1g.10gb")
+#: Then the same ask without the annotation: shared memory, which a MIG GPU never lends (name, GiB, what).
+PLAIN = ("phi3-mini-shared", 6, "Phi-3-mini, 6 GiB of shared memory: a MIG GPU has none to lend")
 
 
 def _say(out: TextIO, text: str = "") -> None:
@@ -145,7 +147,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 ann = (api.get_pod("inference", name) or {})["metadata"].get("annotations") or {}
                 _say(out, f"    device plugin recorded: {ann.get(NAMES.allocation_state)}, holds "
                           f"{', '.join(_uuids(ann.get(NAMES.assignment) or '{}'))} (the partition, not shared memory)")
-        _say(out, f"\nDemo finished in {time.monotonic() - t0:.1f} s: {len(placed)} of {len(pods) + bool(placed)} pods got a "
+            name, gib, what = PLAIN
+            _say(out, f"\n* {name}: {what}; asks {NAMES.gpu_memory}: {gib}, no {NAMES.isolation}")
+            plain = isolated_manifest(name, gib, what)
+            del plain["metadata"]["annotations"][NAMES.isolation]
+            place(name, plain)
+        _say(out, f"\nDemo finished in {time.monotonic() - t0:.1f} s: {len(placed)} of {len(pods) + 2 * bool(placed)} pods got a "
                   "MIG partition.")
     return 0
 
