@@ -119,9 +119,16 @@ class Allocator:
         are granted to nobody else: a memory request without the annotation never lands on a MIG GPU."""
         dynamic = {g.uuid for g in snap.inventory.gpus if g.dynamic_mig is not None}
         on_mig = [s.uuid for s in shares if s.uuid in dynamic]
-        if not on_mig:
-            return None
         names = snap.config.names
+        if not on_mig:
+            who = (steering.isolated_here(self._pods.pods(), names, self._node, size)
+                   if dynamic and self._pods is not None else [])
+            if who:
+                raise Refusal(RefusalKind.PRECONDITION,
+                              f"{size} units of shared GPU(s) {', '.join(s.uuid for s in shares)}: the pod assumed "
+                              f"here with this size is {', '.join(who)}, annotated {names.isolation}: mig with a "
+                              "MIG partition planned; refusing to run it on shared memory")
+            return None
         if len(shares) != 1:
             raise Refusal(RefusalKind.PRECONDITION,
                           f"memory units of dynamic-MIG GPU {on_mig[0]} are one MIG partition and cannot be "

@@ -133,18 +133,10 @@ def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, r
     return Steer(None, pod=keys, reason=f"the plan of {keys} no longer fits the available devices")
 
 
-def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, gpu_uuid: str,
-                   size: int, profile: str) -> tuple[str | None, str]:
-    """The dynamic-MIG placement an Allocate of ``size`` gpu-memory units on ``gpu_uuid`` serves (issue 24),
-    as ``(placement ID, "")``, else ``(None, why)``.
-
-    Such units go only to a pod annotated ``isolation: mig``: the extender planned it a placement on that
-    GPU and assumed it here (:func:`_assumed_here`). Its container asking ``size`` units names the
-    placement in the assignment. Like :func:`tie`, a plan is used only when it cannot be the wrong one:
-    every matching container of every matching pod must name the same placement (the extender's same-size
-    hold keeps it so); otherwise nothing is guessed and the Allocate is refused with the reason. Only
-    placements of ``profile`` count (the smallest that holds ``size`` units on this GPU, as the extender
-    maps it), so a ``mig-<profile>`` device the same container also asks is never taken for it."""
+def _isolation_plans(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str,
+                     size: int) -> dict[str, set[str]]:
+    """Placement ID -> the pods (namespace/name) assumed on ``node`` with ``isolation: mig`` whose
+    container asking ``size`` gpu-memory units names it in the extender's plan."""
     found: dict[str, set[str]] = {}
     for pod in pods:
         ann = ((pod.get("metadata") or {}).get("annotations") or {})
@@ -162,9 +154,25 @@ def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, nod
             except AssignmentError:
                 continue
             for g in gpus:
-                p = mig_plan.try_parse(g.uuid)
-                if p is not None and p.gpu_uuid == gpu_uuid and p.profile == profile:
+                if mig_plan.try_parse(g.uuid) is not None:
                     found.setdefault(g.uuid, set()).add(f"{demand.namespace}/{demand.name}")
+    return found
+
+
+def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, gpu_uuid: str,
+                   size: int, profile: str) -> tuple[str | None, str]:
+    """The dynamic-MIG placement an Allocate of ``size`` gpu-memory units on ``gpu_uuid`` serves (issue 24),
+    as ``(placement ID, "")``, else ``(None, why)``.
+
+    Such units go only to a pod annotated ``isolation: mig``: the extender planned it a placement on that
+    GPU and assumed it here (:func:`_assumed_here`). Its container asking ``size`` units names the
+    placement in the assignment. Like :func:`tie`, a plan is used only when it cannot be the wrong one:
+    every matching container of every matching pod must name the same placement (the extender's same-size
+    hold keeps it so); otherwise nothing is guessed and the Allocate is refused with the reason. Only
+    placements of ``profile`` count (the smallest that holds ``size`` units on this GPU, as the extender
+    maps it), so a ``mig-<profile>`` device the same container also asks is never taken for it."""
+    found = {pid: who for pid, who in _isolation_plans(pods, names, node, size).items()
+             if (p := mig_plan.parse(pid)).gpu_uuid == gpu_uuid and p.profile == profile}
     if not found:
         return None, (f"no pod assumed on this node with {names.isolation}: {ISOLATION_MIG} plans a {profile} "
                       f"partition on GPU {gpu_uuid} for {size} units")
@@ -172,3 +180,10 @@ def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, nod
         who = "; ".join(f"{pid} for {', '.join(sorted(ps))}" for pid, ps in sorted(found.items()))
         return None, f"several assumed pods of this size plan different partitions on GPU {gpu_uuid} ({who})"
     return next(iter(found)), ""
+
+
+def isolated_here(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, size: int) -> list[str]:
+    """The ``isolation: mig`` pods assumed on ``node`` with a partition planned for ``size`` units: an
+    Allocate of that many units of a *shared* GPU would be one of them misrouted (the same-size hold lets
+    no other pod of that size be assumed beside them), so it is refused rather than run unisolated."""
+    return sorted({p for ps in _isolation_plans(pods, names, node, size).values() for p in ps})

@@ -191,3 +191,15 @@ def test_with_podresources_down_an_isolated_allocate_is_tied_to_its_plan():
     assert steering.steer([iso], NAMES, "gpu-1", MEM, 8, 1024, {A100: 80, H100: 79}).targets == {A100: 8}
     assert steering.isolation_plan([iso], NAMES, "gpu-1", A100, 8, "1g.10gb") == (pid("1g.10gb", 6), "")
     assert steering.isolation_plan([iso], NAMES, "gpu-1", A100, 8, "2g.20gb")[0] is None
+
+
+def test_an_isolated_pod_misrouted_to_shared_memory_is_refused_not_run_unisolated(
+        api, http, kubelet, start_plugin, dynamic, backend):
+    daemon = start_plugin(dynamic, api=http)
+    pod(api, "iso", 8, [(pid("1g.10gb", 6), 10240)])
+    synced(daemon, api, "iso")
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate(MEM, units_of(kubelet, H100)[:8])  # a kubelet that ignored the preferred answer
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "default/iso, annotated vramshare.io/isolation: mig" in err.value.details()
+    assert kubelet.allocate(MEM, units_of(kubelet, H100)[:4]).envs[contract.ENV_VISIBLE_DEVICES] == H100  # other sizes
