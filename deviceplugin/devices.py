@@ -8,6 +8,7 @@ GPU it is, even after a restart. No I/O, no grpc: plain frozen values in, plain 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import AbstractSet, Iterable, Mapping, Sequence
 
@@ -33,7 +34,8 @@ class DeviceIdError(ValueError):
 
 
 def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
-                    unhealthy: AbstractSet[str] = frozenset(), *, dra: bool = False) -> NodeInventory:
+                    unhealthy: AbstractSet[str] = frozenset(), *, dra: bool = False,
+                    isolation: bool = False) -> NodeInventory:
     """The node inventory: mode per GPU from the config, units per shared GPU, MIG instances.
 
     ``unhealthy`` holds GPU and MIG UUIDs the health watch reported; a MIG instance is also
@@ -53,6 +55,8 @@ def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
         ) if mode is GpuMode.MIG else ()
         dynamic = (dynamic_mig(d.model, d.memory_mib, d.mig)
                    if mode is GpuMode.MIG and config.dynamic_mig.allows(d.index, d.uuid) else None)
+        if dynamic is not None and isolation:  # isolation: mig asks are served here (resource_devices)
+            dynamic = dataclasses.replace(dynamic, isolation=True)
         units = (units_for(d.memory_mib - d.reserved_mib, config.reserved_mib_per_gpu, config.memory_unit_mib)
                  if mode is GpuMode.SHARED else 0)
         gpus.append(Gpu(index=d.index, uuid=d.uuid, model=d.model, memory_mib=d.memory_mib,

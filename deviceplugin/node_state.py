@@ -38,7 +38,7 @@ Listener = Callable[[Snapshot, Snapshot], None]  # (old, new)
 
 def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: frozenset[str],
               dra: bool = False, isolation: bool = False) -> Snapshot:
-    inventory = devices.build_inventory(discovered, config, unhealthy, dra=dra)
+    inventory = devices.build_inventory(discovered, config, unhealthy, dra=dra, isolation=isolation)
     per_resource = devices.resource_devices(inventory, config.names, isolation)
     owners = {d.id: r for r, ds in per_resource.items() for d in ds}
     return Snapshot(config, inventory, per_resource, owners)

@@ -42,6 +42,7 @@ class Slot:
     index: int = 0  # GPU index on the node, for messages ("GPU 3")
     mig_table: str = ""  # dynamic MIG (issue 24): the placement's profile table (vramshare.mig.MODELS)
     mig_exists: bool = False  # dynamic MIG: an instance sits at this very placement now
+    mig_isolation: bool = False  # dynamic MIG: the node's plugin serves isolation: mig memory asks on this GPU
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,9 @@ def _no_fit_profile(ask: Ask, row: int, d: Demand) -> str:
     geo = ask.state.mig_geometry(ask.state.name(row))
     if not geo:
         return f"node has no GPU with dynamic MIG for a {_kind_words(d)}"
+    if not any(g.isolation for g in geo.values()):
+        return ("the node's device plugin does not serve isolation: mig (it needs the pod cache, and a "
+                "version that offers MIG GPUs' memory units)")
     largest = max(p.memory_mib for g in geo.values() for p in g.table.profiles if not p.media)
     return (f"no MIG profile holds {mib(d.per_gpu)} (isolation: mig); the largest on this node is "
             f"{mib(largest)}")

@@ -70,7 +70,8 @@ def placement_slots(gpu: inventory.Gpu, dyn: inventory.DynamicMig) -> list[clust
     return [cluster.Slot(uuid=mig_plan.encode(mig_plan.MigPlacement(gpu.uuid, p.profile, p.start)), model=gpu.model,
                          kind=mig_kind(p.profile), capacity=table.profile(p.profile).memory_mib,
                          healthy=gpu.healthy and (p.profile, p.start) not in sick, index=gpu.index,
-                         mig_table=table.name, mig_exists=(p.profile, p.start) in existing)
+                         mig_table=table.name, mig_exists=(p.profile, p.start) in existing,
+                         mig_isolation=dyn.isolation)
             for p in mig.all_placements(table)]
 
 

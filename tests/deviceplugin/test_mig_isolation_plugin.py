@@ -72,8 +72,9 @@ def units_of(kubelet, gpu: str) -> list[str]:
 
 
 def test_without_a_pod_cache_a_dynamic_mig_gpu_offers_no_memory_units(start_plugin, kubelet, dynamic):
-    start_plugin(dynamic)  # no API: Allocate could never find a plan, so nothing is offered
+    daemon = start_plugin(dynamic)  # no API: Allocate could never find a plan, so nothing is offered
     assert units_of(kubelet, A100) == [] and len(units_of(kubelet, H100)) > 0
+    assert daemon.state.snapshot.inventory.gpus[1].dynamic_mig.isolation is False  # and the extender is told
 
 
 def test_an_isolated_memory_ask_gets_the_planned_partition_recorded_and_kept(
@@ -203,3 +204,9 @@ def test_an_isolated_pod_misrouted_to_shared_memory_is_refused_not_run_unisolate
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "default/iso, annotated vramshare.io/isolation: mig" in err.value.details()
     assert kubelet.allocate(MEM, units_of(kubelet, H100)[:4]).envs[contract.ENV_VISIBLE_DEVICES] == H100  # other sizes
+
+
+def test_the_inventory_says_whether_isolation_is_served(api, http, start_plugin, dynamic):
+    from vramshare.inventory import NodeInventory
+    served = NodeInventory.from_json(start_plugin(dynamic, api=http).state.snapshot.inventory.to_json())
+    assert served.gpus[1].dynamic_mig.isolation is True and served.gpus[0].dynamic_mig is None

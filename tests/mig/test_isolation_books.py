@@ -8,6 +8,8 @@ shared memory and fit no dynamic-MIG GPU at all (or, on a shared GPU, landed the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,9 +19,21 @@ from extender import cluster, mig_books, placement, reasons, translate
 from extender.fit import Ask
 from vramshare import contract, mig, mig_plan, podspec
 
-from .test_extender_books import A, B, TABLE, state_with
+from vramshare.inventory import NodeInventory
+
+from .test_extender_books import A, B, TABLE, inventory
 
 NAMES = contract.Names()
+
+
+def state_with(existing: tuple[tuple[str, int], ...] = (), isolation: bool = True) -> cluster.ClusterState:
+    """Two dynamic-MIG A100s whose device plugin serves isolation: mig (inventory ``dynamicMig.isolation``)."""
+    inv = inventory(existing)
+    inv = dataclasses.replace(inv, gpus=tuple(dataclasses.replace(
+        g, dynamic_mig=dataclasses.replace(g.dynamic_mig, isolation=isolation)) for g in inv.gpus))
+    state = cluster.ClusterState()
+    state.set_node("n", translate.slots_from_inventory(NodeInventory.from_json(inv.to_json())))
+    return state
 
 
 def iso_pod(units: int, isolation: str | None = "mig", **ann: str) -> dict:
@@ -75,6 +89,16 @@ def test_an_ask_no_profile_holds_fits_nowhere_and_says_why():
     assert why == "no MIG profile holds 81 GiB (isolation: mig); the largest on this node is 80 GiB"
 
 
+def test_a_node_whose_plugin_does_not_serve_isolation_gets_no_isolated_pod():
+    """An older device plugin (or one without the pod cache) would grant shared units of another GPU."""
+    state = state_with(isolation=False)
+    assert bind(state, "p", 8) is None
+    demands = tuple(translate.demands_of(translate.pod_asks(iso_pod(8), NAMES, 1024)))
+    assert reasons.why_not(Ask(state, demands, np.array([0])), 0).startswith(
+        "the node's device plugin does not serve isolation: mig")
+    assert bind(state_with(isolation=True), "p", 8) is not None
+
+
 def test_a_node_without_dynamic_mig_says_so():
     state = cluster.ClusterState()
     state.set_node("n", [cluster.Slot(uuid="GPU-s", model="H100", kind=cluster.SHARED, capacity=81920)])
@@ -112,3 +136,15 @@ def test_isolated_memory_asks_never_overlap_partitions_in_any_order(existing, op
             shown = [mig.Placed(s, p) for p, s in existing] if gpu == A else []
             assert mig.check_layout(TABLE, list(dict.fromkeys([*shown, *planned]))) == [], (gpu, planned, shown)
             assert len(set(planned)) == len(planned)  # never two pods on one partition
+
+
+def test_the_inventory_flag_round_trips_and_a_bad_one_is_refused_by_name():
+    inv = inventory()
+    flagged = dataclasses.replace(inv, gpus=(dataclasses.replace(
+        inv.gpus[0], dynamic_mig=dataclasses.replace(inv.gpus[0].dynamic_mig, isolation=True)), inv.gpus[1]))
+    back = NodeInventory.from_json(flagged.to_json())
+    assert back == flagged and back.gpus[1].dynamic_mig.isolation is False
+    assert '"isolation"' not in inv.to_json()  # absent when false: older readers see what they saw
+    bad = flagged.to_json().replace('"isolation":true', '"isolation":"yes"')
+    with pytest.raises(ValueError, match=r"gpus\[0\]\.dynamicMig\.isolation: expected true or false"):
+        NodeInventory.from_json(bad)
