@@ -148,3 +148,20 @@ def test_the_inventory_flag_round_trips_and_a_bad_one_is_refused_by_name():
     bad = flagged.to_json().replace('"isolation":true', '"isolation":"yes"')
     with pytest.raises(ValueError, match=r"gpus\[0\]\.dynamicMig\.isolation: expected true or false"):
         NodeInventory.from_json(bad)
+
+
+@pytest.mark.parametrize("policy", ["binpack", "spread", "fgd"])
+def test_filter_and_prioritize_score_isolated_asks_on_a_mixed_cluster(policy):
+    """A shared-GPU node and a dynamic-MIG node: the isolated pod fits only the MIG node (the shared one
+    says why), and every policy scores it there; a plain ask is the reverse."""
+    from extender import placement as pl
+    state = state_with()
+    state.set_node("s", [cluster.Slot(uuid="GPU-s", model="NVIDIA H100 80GB HBM3", kind=cluster.SHARED,
+                                      capacity=81920)])
+    iso = translate.demands_of(translate.pod_asks(iso_pod(15), NAMES, 1024))
+    fitting, failed = pl.filter_nodes(state, iso, ["n", "s"])
+    assert fitting == ["n"] and failed["s"].startswith("node has no GPU with dynamic MIG")
+    scores = dict(pl.score_nodes(state, iso, ["n", "s"], policy))
+    assert scores["n"] == 10 and scores["s"] == 0
+    plain = translate.demands_of(translate.pod_asks(iso_pod(15, None), NAMES, 1024))
+    assert pl.filter_nodes(state, plain, ["n", "s"])[0] == ["s"]
