@@ -183,6 +183,8 @@ class Allocator:
                 self._quota.stamp(quota_dir)  # PodResources has no UID: whose this Allocate is, is decided later
                 if isolated is not None:
                     self._quota.record_mig_plan(quota_dir, isolated[0], isolated[1].mib)
+                else:
+                    self._quota.clear_mig_plan(quota_dir)
             except (OSError, ValueError) as exc:
                 why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
                 raise Refusal(RefusalKind.PRECONDITION, f"cannot write quota file under {quota_dir}: {why}") from None

@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
+from deviceplugin import reconcile
 from deviceplugin.backend import GpuBackend
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics, MigPlan
-from deviceplugin import reconcile
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota_files import QuotaFiles, allocation_key
 from vramshare import logs, mig_plan

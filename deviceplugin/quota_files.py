@@ -112,6 +112,14 @@ class QuotaFiles:
         self._write_small(directory, MIG_PLAN_FILE, f"{placement_id} {mib}")
 
     @staticmethod
+    def clear_mig_plan(directory: str) -> None:
+        """These IDs were granted as plain units this time: an earlier partition record no longer applies."""
+        try:
+            os.unlink(os.path.join(directory, MIG_PLAN_FILE))
+        except FileNotFoundError:
+            pass
+
+    @staticmethod
     def _write_small(directory: str, name: str, text: str) -> None:
         """Atomically replace ``<directory>/<name>`` (a link or FIFO there is replaced, never followed)."""
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)

@@ -210,3 +210,14 @@ def test_the_inventory_says_whether_isolation_is_served(api, http, start_plugin,
     from vramshare.inventory import NodeInventory
     served = NodeInventory.from_json(start_plugin(dynamic, api=http).state.snapshot.inventory.to_json())
     assert served.gpus[1].dynamic_mig.isolation is True and served.gpus[0].dynamic_mig is None
+
+
+def test_a_plain_grant_of_the_same_ids_drops_an_earlier_partition_record(start_plugin, kubelet, config):
+    start_plugin()
+    ids = units_of(kubelet, H100)[:4]
+    stale = os.path.join(config.quota_host_dir, "_alloc", allocation_key(ids))
+    os.makedirs(stale)
+    with open(os.path.join(stale, MIG_PLAN_FILE), "w", encoding="utf-8") as fh:
+        fh.write(f"{pid('1g.10gb', 6)} 10240")
+    assert kubelet.allocate(MEM, ids).envs[contract.ENV_VISIBLE_DEVICES] == H100
+    assert not os.path.exists(os.path.join(stale, MIG_PLAN_FILE))  # never read back as a partition
