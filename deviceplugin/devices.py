@@ -8,6 +8,7 @@ GPU it is, even after a restart. No I/O, no grpc: plain frozen values in, plain 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import AbstractSet, Iterable, Mapping, Sequence
 
@@ -33,7 +34,8 @@ class DeviceIdError(ValueError):
 
 
 def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
-                    unhealthy: AbstractSet[str] = frozenset(), *, dra: bool = False) -> NodeInventory:
+                    unhealthy: AbstractSet[str] = frozenset(), *, dra: bool = False,
+                    isolation: bool = False) -> NodeInventory:
     """The node inventory: mode per GPU from the config, units per shared GPU, MIG instances.
 
     ``unhealthy`` holds GPU and MIG UUIDs the health watch reported; a MIG instance is also
@@ -53,6 +55,8 @@ def build_inventory(discovered: Iterable[DiscoveredGpu], config: Config,
         ) if mode is GpuMode.MIG else ()
         dynamic = (dynamic_mig(d.model, d.memory_mib, d.mig)
                    if mode is GpuMode.MIG and config.dynamic_mig.allows(d.index, d.uuid) else None)
+        if dynamic is not None and isolation:  # isolation: mig asks are served here (resource_devices)
+            dynamic = dataclasses.replace(dynamic, isolation=True)
         units = (units_for(d.memory_mib - d.reserved_mib, config.reserved_mib_per_gpu, config.memory_unit_mib)
                  if mode is GpuMode.SHARED else 0)
         gpus.append(Gpu(index=d.index, uuid=d.uuid, model=d.model, memory_mib=d.memory_mib,
@@ -93,8 +97,21 @@ def placement_devices(g: Gpu) -> list[tuple[str, PluginDevice]]:
     return out
 
 
-def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[str, tuple[PluginDevice, ...]]:
-    """Kubelet devices per extended resource; a resource appears only when it has a device."""
+def isolation_units(g: Gpu, unit_mib: int) -> int:
+    """Memory units a dynamic-MIG GPU offers ``isolation: mig`` pods (issue 24): its largest plain profile's
+    memory. Each such pod holds its ask in units and gets a partition at least that large, so the units
+    run out no sooner than the partitions; the extender's books, not these units, keep partitions apart."""
+    assert g.dynamic_mig is not None
+    return max((p.memory_mib for p in mig.MODELS[g.dynamic_mig.table].profiles if not p.media), default=0) // unit_mib
+
+
+def resource_devices(inventory: NodeInventory, names: contract.Names,
+                     isolation: bool = False) -> dict[str, tuple[PluginDevice, ...]]:
+    """Kubelet devices per extended resource; a resource appears only when it has a device.
+
+    ``isolation``: the plugin serves ``isolation: mig`` pods (dynamic MIG on, and a pod cache to find
+    each Allocate's plan in), so each dynamic-MIG GPU also offers gpu-memory units (:func:`isolation_units`),
+    which Allocate grants only as the partition planned for such a pod (:mod:`deviceplugin.allocator`)."""
     out: dict[str, list[PluginDevice]] = {}
     for g in inventory.gpus:
         if g.mode is GpuMode.SHARED:
@@ -110,6 +127,11 @@ def resource_devices(inventory: NodeInventory, names: contract.Names) -> dict[st
                 out.setdefault(names.mig(p.name), [])
             for profile, dev in placement_devices(g):
                 out.setdefault(names.mig(profile), []).append(dev)
+            if isolation:
+                out.setdefault(names.gpu_memory, []).extend(
+                    PluginDevice(contract.unit_device_id(g.uuid, n), g.uuid, g.numa_node, g.healthy,
+                                 inventory.unit_mib)
+                    for n in range(isolation_units(g, inventory.unit_mib)))
         else:
             for m in g.mig:
                 out.setdefault(names.mig(m.profile), []).append(

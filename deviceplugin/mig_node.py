@@ -21,9 +21,11 @@ from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
+from deviceplugin import reconcile
 from deviceplugin.backend import GpuBackend
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics, MigPlan
 from deviceplugin.node_state import NodeState
+from deviceplugin.quota_files import QuotaFiles, allocation_key
 from vramshare import logs, mig_plan
 
 log = logs.get(__name__)
@@ -42,6 +44,7 @@ class MigNode:
         self._clock = clock
         self.fresh_seconds = FRESH_S
         self._fresh: dict[MigPlan, float] = {}
+        self.quota: QuotaFiles | None = None  # allocation dirs: which partition isolation: mig units got
         self._lock = threading.Lock()
 
     @classmethod
@@ -90,6 +93,13 @@ class MigNode:
             self.refresh()
         return gone
 
+    def _isolation_held(self, held: list[Any]) -> list[str]:
+        """The placement IDs memory-unit holders were served as (issue 24), from their allocation dirs."""
+        if self.quota is None:
+            return []
+        keys = {allocation_key(ids) for e in reconcile.group(held).values() for ids in e.values()}
+        return [a.mig_plan for a in self.quota.allocations(keys).values() if a.mig_plan]
+
     def refresh(self) -> None:
         """Read the GPUs again: the device lists and the inventory follow what NVML shows now."""
         try:
@@ -98,8 +108,10 @@ class MigNode:
             log.warning("rediscovery after a MIG change failed", error=f"{type(exc).__name__}: {exc}")
 
     def on_held(self, held: Any) -> None:
-        """Reconciler hook: the PodResources answer of a round (``reconcile.Held`` values)."""
+        """Reconciler hook: the PodResources answer of a round (``reconcile.Held`` values). Memory units
+        served as an ``isolation: mig`` partition hold it too: their allocation directory says which."""
         try:
-            self.reap(i for h in held for i in h.device_ids)
+            held = list(held)
+            self.reap([*(i for h in held for i in h.device_ids), *self._isolation_held(held)])
         except Exception as exc:  # noqa: BLE001 - reaping waits for the next round
             log.warning("mig reap failed", error=f"{type(exc).__name__}: {exc}")

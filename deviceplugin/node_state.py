@@ -37,11 +37,11 @@ Listener = Callable[[Snapshot, Snapshot], None]  # (old, new)
 
 
 def _snapshot(discovered: Sequence[DiscoveredGpu], config: Config, unhealthy: frozenset[str],
-              dra: bool = False, credits: Mapping[str, int] | None = None) -> Snapshot:
-    inventory = devices.build_inventory(discovered, config, unhealthy, dra=dra)
+              dra: bool = False, isolation: bool = False, credits: Mapping[str, int] | None = None) -> Snapshot:
+    inventory = devices.build_inventory(discovered, config, unhealthy, dra=dra, isolation=isolation)
     if credits:
         inventory = with_credits(inventory, credits)
-    per_resource = devices.resource_devices(inventory, config.names)
+    per_resource = devices.resource_devices(inventory, config.names, isolation)
     owners = {d.id: r for r, ds in per_resource.items() for d in ds}
     return Snapshot(config, inventory, per_resource, owners)
 
@@ -68,6 +68,7 @@ class NodeState:
     def __init__(self, discovered: Sequence[DiscoveredGpu], config: Config, *, dra: bool = False) -> None:
         """``dra``: hold the GPUs the config gives the DRA plugin (``dra.gpus``) instead of the others."""
         self._dra = dra
+        self._isolation = False  # dynamic-MIG GPUs offer gpu-memory units to isolation: mig pods (issue 24)
         self._discovered = tuple(discovered)
         self._unhealthy: frozenset[str] = frozenset()
         self._credits: dict[str, int] = {}  # GPU uuid -> sleep credit MiB (issue 23 item 5)
@@ -93,7 +94,7 @@ class NodeState:
             self._unhealthy = unhealthy
         log.warning("gpu health changed", gpu=event.uuid, mig=event.mig_uuid or "", healthy=event.healthy,
                     reason=event.reason)
-        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra, self._credits))
+        self._swap(lambda s: self._build(s.config))
 
     def on_credits(self, credits: Mapping[str, int]) -> None:
         """The quota loop's sleep credits changed (a pod of an overcommit class slept or woke): the
@@ -104,17 +105,25 @@ class NodeState:
                 return
             self._credits = new
         log.info("sleep credits changed", credits_mib=new or None)
-        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra, self._credits))
+        self._swap(lambda s: self._build(s.config))
 
     def on_discovered(self, discovered: Sequence[DiscoveredGpu]) -> None:
         """The GPUs were read again (a MIG instance was made or destroyed): lists follow what exists."""
         with self._lock:
             self._discovered = tuple(discovered)
-        self._swap(lambda s: _snapshot(self._discovered, s.config, self._unhealthy, self._dra))
+        self._swap(lambda s: self._build(s.config))
+
+    def serve_isolation(self) -> None:
+        """Dynamic MIG is on and Allocate can find each pod's plan: offer ``isolation: mig`` units."""
+        self._isolation = True
+        self._swap(lambda s: self._build(s.config))
 
     def on_config(self, config: Config) -> None:
         """A new config (SIGHUP or file change); modes and unit size may change the device lists."""
-        self._swap(lambda s: _snapshot(self._discovered, config, self._unhealthy, self._dra, self._credits))
+        self._swap(lambda s: self._build(config))
+
+    def _build(self, config: Config) -> Snapshot:
+        return _snapshot(self._discovered, config, self._unhealthy, self._dra, self._isolation, self._credits)
 
     def _swap(self, build: Callable[[Snapshot], Snapshot]) -> None:
         with self._lock:

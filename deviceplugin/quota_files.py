@@ -37,6 +37,7 @@ log = logs.get(__name__)
 ALLOC_DIR = "_alloc"
 STAMP_FILE = "allocated"  # written by Allocate: when (node clock, ns)
 OWNER_FILE = "owner"  # written by the reconciler: "<pod uid> <stamp it was attributed for>"
+MIG_PLAN_FILE = "mig-plan"  # written by Allocate for isolation: mig units (issue 24): "<placement ID> <MiB>"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class Allocation:
 
     stamp_ns: int | None = None
     owner: str = ""
+    #: isolation: mig (issue 24): the dynamic-MIG placement these memory units were served as, and its MiB
+    #: (what the pod really holds: the reconciler records it, the reaper keeps its instance); "" none.
+    mig_plan: str = ""
+    mig_mib: int = 0
 
 
 def allocation_key(device_ids: Sequence[str]) -> str:
@@ -101,6 +106,19 @@ class QuotaFiles:
         these IDs applies to this one (:meth:`allocations`)."""
         self._write_small(directory, STAMP_FILE, str(time.time_ns()))
 
+    def record_mig_plan(self, directory: str, placement_id: str, mib: int) -> None:
+        """Allocate served these memory units as the partition ``placement_id`` (``mib``): say so beside the
+        stamp, so the reconciler and the reaper know it after a restart (the IDs alone name only the GPU)."""
+        self._write_small(directory, MIG_PLAN_FILE, f"{placement_id} {mib}")
+
+    @staticmethod
+    def clear_mig_plan(directory: str) -> None:
+        """These IDs were granted as plain units this time: an earlier partition record no longer applies."""
+        try:
+            os.unlink(os.path.join(directory, MIG_PLAN_FILE))
+        except FileNotFoundError:
+            pass
+
     @staticmethod
     def _write_small(directory: str, name: str, text: str) -> None:
         """Atomically replace ``<directory>/<name>`` (a link or FIFO there is replaced, never followed)."""
@@ -142,7 +160,9 @@ class QuotaFiles:
                 uid, _, for_stamp = owner_text.partition(" ")
                 if for_stamp == str(stamp or 0):
                     owner = uid
-            out[key] = Allocation(stamp, owner)
+            plan_id, _, plan_mib = (self._read_small(d, MIG_PLAN_FILE) or "").partition(" ")
+            ok = bool(plan_id) and plan_mib.isdigit()
+            out[key] = Allocation(stamp, owner, plan_id if ok else "", int(plan_mib) if ok else 0)
         return out
 
     def attribute(self, key: str, uid: str, stamp_ns: int | None) -> None:

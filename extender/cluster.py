@@ -19,7 +19,7 @@ import numpy as np
 
 from extender import mig_books
 from extender.memo import RowMemo
-from extender.slottable import EXCLUSIVE, MIG_PREFIX, NO_SLOT, SHARED, SlotTable
+from extender.slottable import EXCLUSIVE, MIG_FIT, MIG_PREFIX, NO_SLOT, SHARED, SlotTable
 from extender.workload import Shape, TargetWorkload, WorkloadWindow
 
 T = TypeVar("T")
@@ -42,6 +42,7 @@ class Slot:
     index: int = 0  # GPU index on the node, for messages ("GPU 3")
     mig_table: str = ""  # dynamic MIG (issue 24): the placement's profile table (vramshare.mig.MODELS)
     mig_exists: bool = False  # dynamic MIG: an instance sits at this very placement now
+    mig_isolation: bool = False  # dynamic MIG: the node's plugin serves isolation: mig memory asks on this GPU
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,19 @@ class ClusterState(SlotTable):
         """The node's dynamic-MIG GPUs (empty for most nodes)."""
         row = self._rows.get(node)
         return self._mig.get(row, {}) if row is not None else {}
+
+    def kind_mask(self, d: Demand, rows: np.ndarray) -> np.ndarray:
+        """``[n, G]`` slots of the kind demand ``d`` takes (health and models aside). A :data:`MIG_FIT` ask
+        (``isolation: mig``) takes the placements of the smallest profile of each dynamic-MIG GPU's
+        table that holds ``d.per_gpu`` (:func:`mig_books.fit_columns`): none where no profile does."""
+        if d.kind != MIG_FIT:
+            return self.kind[rows] == self.kind_code(d.kind)
+        out = np.zeros((len(rows), self.kind.shape[1]), bool)
+        if self._mig:
+            for i, r in enumerate(rows.tolist()):
+                for g in self._mig.get(r, {}).values():
+                    out[i, mig_books.fit_columns(g, d.per_gpu)] = True
+        return out
 
     def set_host(self, name: str, cpu_milli: int, memory_mib: int) -> None:
         """Track a node's allocatable CPU and memory (live: ``status.allocatable``; simulator: the trace)."""

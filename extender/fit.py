@@ -77,7 +77,7 @@ class Ask:
         """``[n, G]`` slots demand i may use at all: its kind, an allowed model, healthy."""
         if i not in self._masks:
             d, st = self.demands[i], self.state
-            m = (st.kind[self.rows] == st.kind_code(d.kind)) & st.healthy[self.rows]
+            m = st.kind_mask(d, self.rows) & st.healthy[self.rows]
             if d.models:
                 m &= st.model_mask(d.models)[st.model[self.rows]]
             self._masks[i] = m

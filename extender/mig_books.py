@@ -40,11 +40,13 @@ class GpuGeometry:
     table: mig.MigModel
     existing: tuple[mig.Placed, ...]  # instances the device plugin reports
     placements: tuple[Placement, ...]
+    isolation: bool = False  # the node's plugin serves isolation: mig memory asks here (inventory)
 
 
 def geometry(slots: Sequence[Slot]) -> dict[str, GpuGeometry]:
     """GPU UUID -> its geometry, for the dynamic-MIG slots among a node's slots (empty for most nodes)."""
     found: dict[str, tuple[str, list[mig.Placed], list[Placement]]] = {}
+    isolation: set[str] = set()
     for col, s in enumerate(slots):
         if not s.mig_table:
             continue
@@ -53,9 +55,25 @@ def geometry(slots: Sequence[Slot]) -> dict[str, GpuGeometry]:
             continue
         table, existing, placements = found.setdefault(plan.gpu_uuid, (s.mig_table, [], []))
         placements.append(Placement(col, plan, s.capacity))
+        if s.mig_isolation:
+            isolation.add(plan.gpu_uuid)
         if s.mig_exists:
             existing.append(plan.placed)
-    return {g: GpuGeometry(mig.MODELS[t], tuple(e), tuple(p)) for g, (t, e, p) in found.items()}
+    return {g: GpuGeometry(mig.MODELS[t], tuple(e), tuple(p), g in isolation) for g, (t, e, p) in found.items()}
+
+
+def fit_profile(geo: GpuGeometry, mib: int) -> str | None:
+    """The profile an ``isolation: mig`` ask of ``mib`` takes on this GPU: the smallest that holds it
+    (:func:`vramshare.mig.smallest_fitting`), None when none does."""
+    p = mig.smallest_fitting(geo.table, mib)
+    return p.name if p is not None else None
+
+
+def fit_columns(geo: GpuGeometry, mib: int) -> list[int]:
+    """The slot columns of every placement of :func:`fit_profile` on this GPU (open or not); none where
+    the node's device plugin does not serve ``isolation: mig`` (an older one would grant shared memory)."""
+    profile = fit_profile(geo, mib) if geo.isolation else None
+    return [p.col for p in geo.placements if p.plan.profile == profile] if profile else []
 
 
 def open_capacity(geo: GpuGeometry, used: Mapping[int, int]) -> dict[int, int]:

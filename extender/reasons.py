@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from extender.cluster import EXCLUSIVE, MIG_PREFIX, SHARED, Demand
+from extender.cluster import EXCLUSIVE, MIG_FIT, MIG_PREFIX, SHARED, Demand
 from extender.fit import Ask
 
 
@@ -28,6 +28,8 @@ def _kind_words(d: Demand) -> str:
         return "GPU in shared mode"
     if d.kind == EXCLUSIVE:
         return "whole GPU (exclusive mode)"
+    if d.kind == MIG_FIT:
+        return f"MIG partition for {mib(d.per_gpu)} (isolation: mig)"
     return f"MIG instance of profile {d.kind[len(MIG_PREFIX):]}"
 
 
@@ -36,8 +38,10 @@ def _alone(ask: Ask, j: int, i: int) -> str | None:
     st, d = ask.state, ask.demands[i]
     row = int(ask.rows[j])
     index = st.index[row]
-    of_kind = st.kind[row] == st.kind_code(d.kind)
+    of_kind = st.kind_mask(d, np.array([row]))[0]
     if not of_kind.any():
+        if d.kind == MIG_FIT:
+            return _no_fit_profile(ask, row, d)
         return f"node has no {_kind_words(d)}"
     allowed = of_kind
     if d.models:
@@ -63,10 +67,25 @@ def _alone(ask: Ask, j: int, i: int) -> str | None:
         return None
     if d.kind == EXCLUSIVE:
         return f"needs {k} free whole GPU{'s' if k > 1 else ''}; {whole} of {int(usable.sum())} free"
+    if d.kind == MIG_FIT:
+        return f"no free MIG placement of the smallest profile holding {mib(d.per_gpu)} (isolation: mig)"
     profile = d.kind[len(MIG_PREFIX):]
     if k == 1:
         return f"no free MIG instance of profile {profile}"
     return f"needs {k} free MIG instances of profile {profile}; only {whole} free"
+
+
+def _no_fit_profile(ask: Ask, row: int, d: Demand) -> str:
+    """Why an ``isolation: mig`` ask has no placement kind at all on this node."""
+    geo = ask.state.mig_geometry(ask.state.name(row))
+    if not geo:
+        return f"node has no GPU with dynamic MIG for a {_kind_words(d)}"
+    if not any(g.isolation for g in geo.values()):
+        return ("the node's device plugin does not serve isolation: mig (it needs the pod cache, and a "
+                "version that offers MIG GPUs' memory units)")
+    largest = max(p.memory_mib for g in geo.values() for p in g.table.profiles if not p.media)
+    return (f"no MIG profile holds {mib(d.per_gpu)} (isolation: mig); the largest on this node is "
+            f"{mib(largest)}")
 
 
 def why_not(ask: Ask, j: int) -> str:

@@ -15,6 +15,9 @@ from vramshare.inventory import model_matches
 SHARED = "shared"
 EXCLUSIVE = "exclusive"
 MIG_PREFIX = "mig:"
+#: A gpu-memory ask with ``isolation: mig`` (issue 24): it takes one dynamic-MIG placement slot of the
+#: smallest profile of that GPU's table that holds ``per_gpu`` (:meth:`ClusterState.kind_mask`).
+MIG_FIT = "mig-fit"
 NO_SLOT = -1  # kind code of an empty column
 UNLIMITED = np.iinfo(np.int64).max // 4
 

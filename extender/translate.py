@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from extender import cluster
+from extender.slottable import MIG_FIT
 from vramshare import contract, inventory, mig, mig_plan, podspec, quantity
 from vramshare.contract import assignment
 from vramshare.contract.assignment import AssignedGpu
@@ -69,7 +70,8 @@ def placement_slots(gpu: inventory.Gpu, dyn: inventory.DynamicMig) -> list[clust
     return [cluster.Slot(uuid=mig_plan.encode(mig_plan.MigPlacement(gpu.uuid, p.profile, p.start)), model=gpu.model,
                          kind=mig_kind(p.profile), capacity=table.profile(p.profile).memory_mib,
                          healthy=gpu.healthy and (p.profile, p.start) not in sick, index=gpu.index,
-                         mig_table=table.name, mig_exists=(p.profile, p.start) in existing)
+                         mig_table=table.name, mig_exists=(p.profile, p.start) in existing,
+                         mig_isolation=dyn.isolation)
             for p in mig.all_placements(table)]
 
 
@@ -166,11 +168,15 @@ def pod_asks(pod: Obj, names: contract.Names, unit_mib: int) -> list[ContainerAs
     return asks_of(podspec.pod_demand(pod, names), unit_mib)
 
 
-def _container_asks(c: podspec.ContainerDemand, models: tuple[str, ...], unit_mib: int) -> list[ContainerAsk]:
+def _container_asks(c: podspec.ContainerDemand, models: tuple[str, ...], unit_mib: int,
+                    isolated: bool = False) -> list[ContainerAsk]:
+    """``isolated`` (``isolation: mig``, issue 24): the gpu-memory ask takes one dynamic-MIG placement of
+    the smallest profile that holds it (kind :data:`extender.slottable.MIG_FIT`), never shared memory."""
     asks: list[ContainerAsk] = []
     if c.units:
         asks.append(ContainerAsk(c.container, cluster.Demand(
-            per_gpu=c.units_per_gpu * unit_mib, count=c.gpu_count, kind=SHARED, models=models)))
+            per_gpu=c.units_per_gpu * unit_mib, count=c.gpu_count, kind=MIG_FIT if isolated else SHARED,
+            models=models)))
     if c.whole_gpus:
         asks.append(ContainerAsk(c.container, cluster.Demand(
             per_gpu=0, count=c.whole_gpus, kind=EXCLUSIVE, models=models)))
@@ -200,11 +206,12 @@ def asks_of(want: podspec.PodDemand, unit_mib: int) -> list[ContainerAsk]:
     which never exceeds what these asks reserved.
     """
     models = want.models
+    isolated = want.isolation == podspec.ISOLATION_MIG
     asks: list[ContainerAsk] = []
     for c in [*(i for i in want.init_containers if i.restartable), *want.containers]:
-        asks.extend(_container_asks(c, models, unit_mib))
+        asks.extend(_container_asks(c, models, unit_mib, isolated))
     for init in (i for i in want.init_containers if not i.restartable):
-        for own in _container_asks(init, models, unit_mib):
+        for own in _container_asks(init, models, unit_mib, isolated):
             d = own.demand
             hosts = [i for i, a in enumerate(asks) if a.demand.kind == d.kind and a.demand.count >= d.count]
             if not hosts:

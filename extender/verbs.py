@@ -81,7 +81,7 @@ def never_fit(state: cluster.ClusterState, demands: Sequence[cluster.Demand], ro
         return out
     cap, kind, healthy = state.capacity[rows], state.kind[rows], state.healthy[rows]
     for d in demands:
-        usable = (kind == state.kind_code(d.kind)) & healthy & (cap >= max(1, d.per_gpu))
+        usable = state.kind_mask(d, rows) & healthy & (cap >= max(1, d.per_gpu))
         if d.models:
             usable &= state.model_mask(d.models)[state.model[rows]]
         out |= usable.sum(axis=1) < max(1, d.count)

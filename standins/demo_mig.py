@@ -38,6 +38,10 @@ PODS = [  # name, profile, what
     ("bge-embedder", "2g.20gb", "BGE-large embeddings"),
     ("qwen2-14b", "4g.40gb", "Qwen2-14B: no 4g.40gb placement is left"),
 ]
+#: After the first pod is deleted: a plain memory ask with ``isolation: mig`` (name, GiB, what).
+ISOLATED = ("phi3-mini-iso", 6, "Phi-3-mini, 6 GiB, isolation: mig: the smallest fitting profile, 1g.10gb")
+#: Then the same ask without the annotation: shared memory, which a MIG GPU never lends (name, GiB, what).
+PLAIN = ("phi3-mini-shared", 6, "Phi-3-mini, 6 GiB of shared memory: a MIG GPU has none to lend")
 
 
 def _say(out: TextIO, text: str = "") -> None:
@@ -50,6 +54,14 @@ def manifest(name: str, profile: str, what: str) -> dict[str, Any]:
             "spec": {"schedulerName": "vramshare-scheduler",
                      "containers": [{"name": "server", "image": "vllm/vllm-openai",
                                      "resources": {"limits": {NAMES.mig(profile): "1"}}}]}}
+
+
+def isolated_manifest(name: str, gib: int, what: str) -> dict[str, Any]:
+    """A gpu-memory ask (1 GiB units) annotated ``isolation: mig``: a partition of the smallest fitting profile."""
+    pod = manifest(name, "1g.10gb", what)
+    pod["metadata"]["annotations"][NAMES.isolation] = "mig"
+    pod["spec"]["containers"][0]["resources"]["limits"] = {NAMES.gpu_memory: str(gib)}
+    return pod
 
 
 def layout(backend: SimulatedBackend) -> str:
@@ -89,14 +101,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         driver = SchedulerDriver(ext.url, ["mig-node"])
         stack.callback(driver.close)
         placed = []
-        for name, profile, what in pods:
-            _say(out, f"\n* {name}: {what}; asks {NAMES.mig(profile)}")
+
+        def place(name: str, pod: dict[str, Any]) -> bool:
             before = layout(backend)
-            res = driver.schedule(api.create_pod(manifest(name, profile, what)))
+            res = driver.schedule(api.create_pod(pod))
             if not res.node:
                 why = next(iter(res.failed.values()), res.error)
                 _say(out, f"    => stays Pending: {why}")
-                continue
+                return False
             bound = api.get_pod("inference", name) or {}
             plan = next(mig_plan.parse(e) for e in _uuids(bound["metadata"]["annotations"][NAMES.assignment]))
             _say(out, f"    extender plan: GPU {plan.gpu_uuid[:12]}..., {plan.profile} at memory slot {plan.start}")
@@ -108,7 +120,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             _say(out, f"    partition {'made for it' if after != before else 'adopted (it existed)'}: "
                       f"instances now {after}")
             api.set_pod_phase("inference", name, "Running")
-            placed.append(name)
+            return True
+
+        for name, profile, what in pods:
+            _say(out, f"\n* {name}: {what}; asks {NAMES.mig(profile)}")
+            if place(name, manifest(name, profile, what)):
+                placed.append(name)
         _say(out, "\nPer-GPU view from the extender (GET /inspect; one row per booked partition):")
         _say(out, inspection.format_table(inspection.fetch(ext.url)).split("\n\n")[0])
         made = node.daemon.metrics.registry.get_sample_value
@@ -123,7 +140,19 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             node.daemon.reconciler.run_once()  # PodResources no longer lists it: unheld
             _say(out, f"Deleted {placed[0]}: no container holds its instance, so it is destroyed (after "
                       f"dynamicMig.graceSeconds, 0 for the demo); instances now {layout(backend)}")
-        _say(out, f"\nDemo finished in {time.monotonic() - t0:.1f} s: {len(placed)} of {len(pods)} pods got a "
+            name, gib, what = ISOLATED
+            _say(out, f"\n* {name}: {what}; asks {NAMES.gpu_memory}: {gib} with {NAMES.isolation}: mig")
+            if place(name, isolated_manifest(name, gib, what)):
+                placed.append(name)
+                ann = (api.get_pod("inference", name) or {})["metadata"].get("annotations") or {}
+                _say(out, f"    device plugin recorded: {ann.get(NAMES.allocation_state)}, holds "
+                          f"{', '.join(_uuids(ann.get(NAMES.assignment) or '{}'))} (the partition, not shared memory)")
+            name, gib, what = PLAIN
+            _say(out, f"\n* {name}: {what}; asks {NAMES.gpu_memory}: {gib}, no {NAMES.isolation}")
+            plain = isolated_manifest(name, gib, what)
+            del plain["metadata"]["annotations"][NAMES.isolation]
+            place(name, plain)
+        _say(out, f"\nDemo finished in {time.monotonic() - t0:.1f} s: {len(placed)} of {len(pods) + 2 * bool(placed)} pods got a "
                   "MIG partition.")
     return 0
 

@@ -62,11 +62,14 @@ class DynamicMig:
 
     ``table`` names the profile table (:data:`vramshare.mig.MODELS`); ``instances`` are the GPU
     instances NVML shows, ``(profile, placement start)``; ``free`` is, per profile, the starts where
-    one more could be created now (NVML's possible placements minus what the instances take)."""
+    one more could be created now (NVML's possible placements minus what the instances take);
+    ``isolation``: the node's device plugin serves ``isolation: mig`` memory asks here (it offers the GPU's
+    memory units and finds each one's plan at Allocate), so the extender may plan them on it."""
 
     table: str
     instances: tuple[tuple[str, int], ...] = ()
     free: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    isolation: bool = False
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ def _inventory_doc(inv: NodeInventory) -> dict[str, Any]:
 
 def _dynamic_doc(d: DynamicMig) -> dict[str, Any]:
     return {"table": d.table, "instances": [{"profile": p, "start": s} for p, s in d.instances],
-            "free": {p: list(starts) for p, starts in d.free}}
+            "free": {p: list(starts) for p, starts in d.free}, **({"isolation": True} if d.isolation else {})}
 
 
 _MIG_SLOTS = 8  # memory slots of a MIG GPU (vramshare.mig.MEMORY_SLOTS; inventory stays free of it)
@@ -264,7 +267,10 @@ def _dynamic_from(raw: Any, where: str) -> DynamicMig | None:
                 or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _MIG_SLOTS for x in starts)):
             raise InventoryError(f"{where}.free.{p}: expected a list of memory slots 0..{_MIG_SLOTS - 1}")
         free.append((p, tuple(starts)))
-    return DynamicMig(table, tuple(instances), tuple(free))
+    isolation = raw.get("isolation", False)
+    if not isinstance(isolation, bool):
+        raise InventoryError(f"{where}.isolation: expected true or false")
+    return DynamicMig(table, tuple(instances), tuple(free), isolation)
 
 
 MAX_CHARS = 256 * 1024  # an annotation value can be no longer (the API server's limit for all of them)

@@ -17,6 +17,9 @@ MAX_DEVICES = 1 << 20
 MAX_GPU_COUNT = 64
 
 
+ISOLATION_MIG = "mig"  # the one isolation served today: a MIG partition made for the pod (issue 24)
+
+
 class PodSpecError(ValueError):
     """A pod whose vramshare request cannot be served as written; the message says what to change."""
 
@@ -56,6 +59,9 @@ class PodDemand:
     #: parse leaves ``model`` None (scheduling as without it) and says why in ``model_error`` to log.
     model: contract.ModelRef | None = None
     model_error: str | None = None
+    #: Annotation ``isolation`` (issue 24): :data:`ISOLATION_MIG` serves every gpu-memory ask of the pod as
+    #: a dynamic-MIG partition of the smallest profile that holds it; None: shared memory, as always.
+    isolation: str | None = None
 
     @property
     def key(self) -> str:
@@ -98,8 +104,26 @@ def pod_demand(pod: Mapping[str, Any], names: contract.Names) -> PodDemand:
     inits = [_container_demand(c, names, gpu_count) for c in spec.get("initContainers") or []]
     models = tuple(p.strip() for p in str(ann.get(names.gpu_models, "")).split("|") if p.strip())
     model, model_error = pod_model(ann, names)
+    isolation = pod_isolation(ann, names, gpu_count)
     return PodDemand(ns, name, meta.get("uid", ""), tuple(containers), models, ann.get(names.policy),
-                     tuple(c for c in inits if not c.empty), model, model_error)
+                     tuple(c for c in inits if not c.empty), model, model_error, isolation)
+
+
+def pod_isolation(annotations: Mapping[str, Any], names: contract.Names, gpu_count: int) -> str | None:
+    """The pod's ``isolation`` annotation: None when absent, else :data:`ISOLATION_MIG`. Any other value,
+    or ``mig`` with ``gpu-count`` above 1 (one partition serves one container's memory on one GPU), is a
+    :class:`PodSpecError`: a pod that asked to be isolated must never be placed as if it had not."""
+    raw = annotations.get(names.isolation)
+    if raw is None:
+        return None
+    if raw != ISOLATION_MIG:
+        raise PodSpecError(f"annotation {names.isolation}: {str(raw)[:64]!r} is not an isolation vramshare "
+                           f"serves (want {ISOLATION_MIG!r})")
+    if gpu_count > 1:
+        raise PodSpecError(f"annotation {names.isolation}: {ISOLATION_MIG!r} serves each container's "
+                           f"{names.gpu_memory} with one MIG partition on one GPU; drop {names.gpu_count} "
+                           f"or ask {names.mig_prefix}<profile> devices")
+    return raw
 
 
 def pod_model(annotations: Mapping[str, Any], names: contract.Names) -> tuple[contract.ModelRef | None, str | None]:

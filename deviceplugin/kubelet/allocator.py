@@ -28,7 +28,7 @@ from deviceplugin.metrics import PluginMetrics
 from deviceplugin.mig_dynamic import MigError
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota_files import QuotaFiles, allocation_key
-from vramshare import logs, mig_plan
+from vramshare import logs, mig, mig_plan
 
 log = logs.get(__name__)
 
@@ -77,6 +77,8 @@ class Allocator:
             self._metrics.steering(resource, "steered" if targets else "best-fit")
             log.debug("preferred allocation", resource=resource, size=size, pod=hint.pod or "(none)",
                       steered=targets is not None, reason=hint.reason)
+        if resource == snap.config.names.gpu_memory:
+            available = _outside_isolation(snap, available, must_include, size, gpu_of, targets)
         return allocation.preferred(available, must_include, size, gpu_of, targets)
 
     # -- Allocate ---------------------------------------------------------------------------
@@ -111,6 +113,51 @@ class Allocator:
                 out.append(s)
         return tuple(out)
 
+    def _isolated(self, shares: tuple[allocation.GpuShare, ...], size: int,
+                  snap: Any) -> tuple[str, allocation.GpuShare] | None:
+        """Memory units of a dynamic-MIG GPU (issue 24): the ``isolation: mig`` pod's planned partition,
+        made now, as (placement ID, the MIG device and its MiB); None for units of shared GPUs. Units there
+        are granted to nobody else: a memory request without the annotation never lands on a MIG GPU."""
+        dynamic = {g.uuid for g in snap.inventory.gpus if g.dynamic_mig is not None}
+        on_mig = [s.uuid for s in shares if s.uuid in dynamic]
+        names = snap.config.names
+        if not on_mig:
+            who = (steering.isolated_here(self._pods.pods(), names, self._node, size)
+                   if dynamic and self._pods is not None else [])
+            if who:
+                raise Refusal(RefusalKind.PRECONDITION,
+                              f"{size} units of shared GPU(s) {', '.join(s.uuid for s in shares)}: the pod assumed "
+                              f"here with this size is {', '.join(who)}, annotated {names.isolation}: mig with a "
+                              "MIG partition planned; refusing to run it on shared memory")
+            return None
+        if len(shares) != 1:
+            raise Refusal(RefusalKind.PRECONDITION,
+                          f"memory units of dynamic-MIG GPU {on_mig[0]} are one MIG partition and cannot be "
+                          "combined with units of other GPUs")
+        if self.make_mig is None or self._pods is None:
+            raise Refusal(RefusalKind.PRECONDITION,
+                          f"memory units of dynamic-MIG GPU {on_mig[0]} are served only as the partition planned "
+                          f"for a pod annotated {names.isolation}: mig, and this plugin cannot make it")
+        gpu = next(g for g in snap.inventory.gpus if g.uuid == on_mig[0])
+        assert gpu.dynamic_mig is not None
+        table = mig.MODELS[gpu.dynamic_mig.table]
+        fit = mig.smallest_fitting(table, size * snap.inventory.unit_mib)
+        if fit is None:
+            raise Refusal(RefusalKind.PRECONDITION,
+                          f"no MIG profile of GPU {on_mig[0]} ({table.name}) holds {size} memory units")
+        placement_id, why = steering.isolation_plan(self._pods.pods(), names, self._node, on_mig[0], size, fit.name)
+        if placement_id is None:
+            raise Refusal(RefusalKind.PRECONDITION,
+                          f"memory units of dynamic-MIG GPU {on_mig[0]} go only to a pod annotated "
+                          f"{names.isolation}: mig, as the partition the scheduler planned for it: {why}")
+        try:
+            mig_uuid = self.make_mig(placement_id)
+        except (MigError, mig_plan.PlanError) as exc:
+            raise Refusal(RefusalKind.PRECONDITION, str(exc)) from None
+        log.info("isolation: mig units served as a partition", gpu=gpu.uuid, units=size,
+                 placement=placement_id, mig=mig_uuid)
+        return placement_id, allocation.GpuShare(mig_uuid, fit.memory_mib)
+
     def _allocate(self, resource: str, ids: list[str]) -> tuple[ContainerSpec, dict[str, str]]:
         snap = self._state.snapshot
         devs = allocation.validate_request(ids, resource, snap.device_map(resource), snap.resource_of)
@@ -126,11 +173,19 @@ class Allocator:
                               "refusing rather than granting GPUs the scheduler's books would not show; "
                               "the pod's controller retries")
         shares = self._made(shares)
+        isolated = (self._isolated(shares, len(ids), snap) if resource == snap.config.names.gpu_memory
+                    else None)
+        if isolated is not None:
+            shares = (isolated[1],)
         quota_dir = self._quota.allocation_dir(ids)
         with self._lock:
             try:
                 self._quota.write_initial(quota_dir, shares)
                 self._quota.stamp(quota_dir)  # PodResources has no UID: whose this Allocate is, is decided later
+                if isolated is not None:
+                    self._quota.record_mig_plan(quota_dir, isolated[0], isolated[1].mib)
+                else:
+                    self._quota.clear_mig_plan(quota_dir)
             except (OSError, ValueError) as exc:
                 why = (exc.strerror or str(exc)) if isinstance(exc, OSError) else str(exc)
                 raise Refusal(RefusalKind.PRECONDITION, f"cannot write quota file under {quota_dir}: {why}") from None
@@ -138,3 +193,15 @@ class Allocator:
                  "quota_dir": quota_dir}
         key = allocation_key(ids)
         return allocation.container_spec(shares, snap.config, quota_dir, key), where
+
+
+def _outside_isolation(snap: Any, available: Sequence[str], must_include: Sequence[str], size: int,
+                       gpu_of: Mapping[str, str], targets: Mapping[str, int] | None) -> list[str]:
+    """``available`` less the memory units of dynamic-MIG GPUs the plan does not name (issue 24): they are
+    granted only as an ``isolation: mig`` pod's partition, so best fit never offers them to anyone else.
+    Left as they are when too few would remain (Allocate then refuses, saying why)."""
+    dynamic = {g.uuid for g in snap.inventory.gpus if g.dynamic_mig is not None} - set(targets or {})
+    if not dynamic:
+        return list(available)
+    kept = [i for i in available if gpu_of.get(i, i) not in dynamic]
+    return kept if len(set(kept) | set(must_include)) >= size else list(available)

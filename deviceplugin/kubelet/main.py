@@ -81,6 +81,9 @@ class DevicePluginDaemon:
         if self.mig is not None:
             self.allocator.make_mig = self.mig.make
             self.reconciler.on_held = self.mig.on_held
+            self.mig.quota = quota
+            if self.pods is not None:  # Allocate finds each isolation: mig pod's plan in the pod cache
+                self.state.serve_isolation()
         self._reconcile_seconds = reconcile_seconds
         self._startup_sync_seconds = startup_sync_seconds
         self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,

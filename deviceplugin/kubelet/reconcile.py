@@ -178,8 +178,13 @@ def _ours(pod: Mapping[str, Any], names: contract.Names) -> bool:
 
 
 def actual_assignment(pod: Mapping[str, Any], held: Iterable[Held], devices: Mapping[str, PluginDevice],
-                      names: contract.Names, unit_mib: int) -> dict[str, tuple[AssignedGpu, ...]]:
+                      names: contract.Names, unit_mib: int,
+                      mig_plans: Mapping[str, tuple[str, int]] | None = None) -> dict[str, tuple[AssignedGpu, ...]]:
     """Per container, the GPUs (or MIG/whole-GPU UUIDs) and MiB its device IDs stand for.
+
+    ``mig_plans``: allocation key -> (placement ID, MiB) of memory units Allocate served as an
+    ``isolation: mig`` partition (issue 24); such a container holds that placement, as the extender planned
+    it, so the books keep counting the partition and not shared memory of a MIG GPU.
 
     Raises ``KeyError`` for a MIG or whole-GPU ID this node does not know (its size is unknown) and
     ``ValueError`` for a memory-unit ID that does not parse."""
@@ -190,6 +195,11 @@ def actual_assignment(pod: Mapping[str, Any], held: Iterable[Held], devices: Map
     seen: set[str] = set()
     out: dict[str, dict[str, int]] = {}
     for h in sorted(held, key=lambda h: (rank.get(h.container, len(rank)), h.container, h.resource)):
+        plan = (mig_plans or {}).get(allocation_key(h.device_ids)) if h.resource == names.gpu_memory else None
+        if plan is not None and not seen & set(h.device_ids):
+            seen.update(h.device_ids)
+            out.setdefault(h.container, {})[plan[0]] = plan[1]
+            continue
         for device_id in sorted(h.device_ids):
             if device_id in seen:
                 continue
@@ -340,7 +350,8 @@ def plan(held: Iterable[Held], pods: Iterable[Mapping[str, Any]], devices: Mappi
             out.waiting[key] = why
             continue
         try:
-            actual = actual_assignment(pod, hs, devices, names, unit_mib)
+            actual = actual_assignment(pod, hs, devices, names, unit_mib,
+                                       {k: (a.mig_plan, a.mig_mib) for k, a in allocs.items() if a.mig_plan})
         except (KeyError, ValueError) as exc:
             out.waiting[key] = f"device {exc} is not a device of this node; its size is unknown"
             continue

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from deviceplugin.assignment import AssignmentError, parse_assignment, requested
-from vramshare import contract, managed
-from vramshare.podspec import PodSpecError, pod_demand
+from vramshare import contract, managed, mig_plan
+from vramshare.podspec import ISOLATION_MIG, PodSpecError, pod_demand
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,10 @@ def _assumed_here(pod: Mapping[str, Any], node: str, names: contract.Names) -> b
 
 
 def _targets(text: str | None, container: str, resource: str, names: contract.Names,
-             unit_mib: int) -> dict[str, int]:
+             unit_mib: int, size: int = 0, isolated: bool = False) -> dict[str, int]:
     gpus = parse_assignment(text, container)
+    if resource == names.gpu_memory and isolated:  # isolation: mig: the placement is ``size`` units of its GPU
+        return {p.gpu_uuid: size for p in map(mig_plan.try_parse, (g.uuid for g in gpus)) if p is not None}
     if resource == names.gpu_memory:
         return {g.uuid: g.mib // unit_mib for g in gpus if g.mib >= unit_mib}
     return {g.uuid: 1 for g in gpus}  # a MIG instance or a whole GPU is one device, its ID its UUID
@@ -68,13 +70,14 @@ def _candidates(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: 
             demand = pod_demand(pod, names)
         except PodSpecError:
             continue
-        text = ((pod.get("metadata") or {}).get("annotations") or {}).get(names.assignment)
+        ann = (pod.get("metadata") or {}).get("annotations") or {}
+        text, isolated = ann.get(names.assignment), ann.get(names.isolation) == ISOLATION_MIG
         plans = []
         for c in (*demand.init_containers, *demand.containers):  # the kubelet's order
             if requested(c, resource, names) != size:
                 continue
             try:
-                plans.append(_targets(text, c.container, resource, names, unit_mib))
+                plans.append(_targets(text, c.container, resource, names, unit_mib, size, isolated))
             except AssignmentError:
                 continue
         if plans:
@@ -128,3 +131,59 @@ def steer(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, r
         if sum(plan.values()) == size and all(free_per_target.get(t, 0) >= n for t, n in plan.items()):
             return Steer(plan, pod=keys)
     return Steer(None, pod=keys, reason=f"the plan of {keys} no longer fits the available devices")
+
+
+def _isolation_plans(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str,
+                     size: int) -> dict[str, set[str]]:
+    """Placement ID -> the pods (namespace/name) assumed on ``node`` with ``isolation: mig`` whose
+    container asking ``size`` gpu-memory units names it in the extender's plan."""
+    found: dict[str, set[str]] = {}
+    for pod in pods:
+        ann = ((pod.get("metadata") or {}).get("annotations") or {})
+        if ann.get(names.isolation) != ISOLATION_MIG or not _assumed_here(pod, node, names):
+            continue
+        try:
+            demand = pod_demand(pod, names)
+        except PodSpecError:
+            continue
+        for c in (*demand.init_containers, *demand.containers):
+            if requested(c, names.gpu_memory, names) != size:
+                continue
+            try:
+                gpus = parse_assignment(ann.get(names.assignment), c.container)
+            except AssignmentError:
+                continue
+            for g in gpus:
+                if mig_plan.try_parse(g.uuid) is not None:
+                    found.setdefault(g.uuid, set()).add(f"{demand.namespace}/{demand.name}")
+    return found
+
+
+def isolation_plan(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, gpu_uuid: str,
+                   size: int, profile: str) -> tuple[str | None, str]:
+    """The dynamic-MIG placement an Allocate of ``size`` gpu-memory units on ``gpu_uuid`` serves (issue 24),
+    as ``(placement ID, "")``, else ``(None, why)``.
+
+    Such units go only to a pod annotated ``isolation: mig``: the extender planned it a placement on that
+    GPU and assumed it here (:func:`_assumed_here`). Its container asking ``size`` units names the
+    placement in the assignment. Like :func:`tie`, a plan is used only when it cannot be the wrong one:
+    every matching container of every matching pod must name the same placement (the extender's same-size
+    hold keeps it so); otherwise nothing is guessed and the Allocate is refused with the reason. Only
+    placements of ``profile`` count (the smallest that holds ``size`` units on this GPU, as the extender
+    maps it), so a ``mig-<profile>`` device the same container also asks is never taken for it."""
+    found = {pid: who for pid, who in _isolation_plans(pods, names, node, size).items()
+             if (p := mig_plan.parse(pid)).gpu_uuid == gpu_uuid and p.profile == profile}
+    if not found:
+        return None, (f"no pod assumed on this node with {names.isolation}: {ISOLATION_MIG} plans a {profile} "
+                      f"partition on GPU {gpu_uuid} for {size} units")
+    if len(found) > 1:
+        who = "; ".join(f"{pid} for {', '.join(sorted(ps))}" for pid, ps in sorted(found.items()))
+        return None, f"several assumed pods of this size plan different partitions on GPU {gpu_uuid} ({who})"
+    return next(iter(found)), ""
+
+
+def isolated_here(pods: Iterable[Mapping[str, Any]], names: contract.Names, node: str, size: int) -> list[str]:
+    """The ``isolation: mig`` pods assumed on ``node`` with a partition planned for ``size`` units: an
+    Allocate of that many units of a *shared* GPU would be one of them misrouted (the same-size hold lets
+    no other pod of that size be assumed beside them), so it is refused rather than run unisolated."""
+    return sorted({p for ps in _isolation_plans(pods, names, node, size).values() for p in ps})

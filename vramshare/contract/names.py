@@ -71,6 +71,11 @@ class Names:
         return f"{self.domain}/gpu-models"
 
     @property
+    def isolation(self) -> str:
+        """``mig``: the pod's gpu-memory ask is served by a MIG partition made for it (issue 24)."""
+        return f"{self.domain}/isolation"
+
+    @property
     def policy(self) -> str:
         """Per-pod override of the extender's scoring policy."""
         return f"{self.domain}/policy"

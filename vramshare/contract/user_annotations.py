@@ -7,8 +7,9 @@ from __future__ import annotations
 #: these from its protection (tests/security/test_admission_policies.py evaluates its CEL against this
 #: tuple) and every one README tells users to write must be here (tests/test_readme_pod.py).
 #: gpu-count, gpu-models: placement; policy: scoring override; quota-class: the pod's choice of quota
-#: class (issue 14); model: the model a pod serves (issue 23, cold starts).
-USER_ANNOTATIONS: tuple[str, ...] = ("gpu-count", "gpu-models", "policy", "quota-class", "model")
+#: class (issue 14); model: the model a pod serves (issue 23, cold starts); isolation: ``mig`` serves the
+#: pod's gpu-memory ask as a MIG partition of the smallest fitting profile (issue 24, dynamic MIG).
+USER_ANNOTATIONS: tuple[str, ...] = ("gpu-count", "gpu-models", "policy", "quota-class", "model", "isolation")
 
 
 #: The pod annotations only vramshare writes: the bind handshake (the extender's plan, rewritten by the
