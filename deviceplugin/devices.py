@@ -111,7 +111,7 @@ def resource_devices(inventory: NodeInventory, names: contract.Names,
 
     ``isolation``: the plugin serves ``isolation: mig`` pods (dynamic MIG on, and a pod cache to find
     each Allocate's plan in), so each dynamic-MIG GPU also offers gpu-memory units (:func:`isolation_units`),
-    which Allocate grants only as the partition planned for such a pod (:mod:`deviceplugin.allocator`)."""
+    which Allocate grants only as the partition planned for such a pod (:mod:`deviceplugin.kubelet.allocator`)."""
     out: dict[str, list[PluginDevice]] = {}
     for g in inventory.gpus:
         if g.mode is GpuMode.SHARED:

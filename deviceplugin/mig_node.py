@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
-from deviceplugin import reconcile
+from deviceplugin.kubelet import reconcile
 from deviceplugin.backend import GpuBackend
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics, MigPlan
 from deviceplugin.node_state import NodeState

@@ -17,10 +17,10 @@ import pytest
 
 from deviceplugin.quota_files import MIG_PLAN_FILE, allocation_key
 from deviceplugin.simulated_backend import SimulatedBackend
+from standins.apiserver import ApiServerDouble
 from vramshare import contract, mig_plan
 from vramshare.config import Config, DynamicMigConfig
 from vramshare.mig_plan import MigPlacement
-from vramshare.standins.apiserver import ApiServerDouble
 
 A100 = "GPU-5e6f7081-92a3-44b5-86d7-e8f90a1b2c34"
 H100 = "GPU-aaaa"
@@ -178,7 +178,7 @@ def test_the_partition_of_the_memory_ask_is_told_from_a_mig_device_the_container
 
 def test_with_podresources_down_an_isolated_allocate_is_tied_to_its_plan():
     """Issue 17's rule holds for isolation: mig too: the units a kubelet asks are the pod's plan."""
-    from deviceplugin import steering
+    from deviceplugin.kubelet import steering
     meta = {"name": "iso", "namespace": "default", "uid": "u", "annotations": {
         NAMES.isolation: "mig", NAMES.allocation_state: contract.STATE_ASSUMED, NAMES.assume_time: "1",
         NAMES.assignment: json.dumps({"c": [{"uuid": pid("1g.10gb", 6), "mib": 10240}]})},

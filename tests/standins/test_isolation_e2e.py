@@ -15,11 +15,11 @@ import time
 
 from deviceplugin.simulated_backend import SimulatedBackend
 from extender.main import start_for_url
+from standins.apiserver import ApiServerDouble
+from standins.scheduler import SchedulerDriver
+from standins.simnode import SimulatedNode
 from vramshare import contract, mig, mig_plan
 from vramshare.config import Config, DynamicMigConfig
-from vramshare.standins.apiserver import ApiServerDouble
-from vramshare.standins.scheduler import SchedulerDriver
-from vramshare.standins.simnode import SimulatedNode
 
 NAMES = contract.Names()
 H100 = "GPU-8192a3b4-c5d6-47e8-b9fa-0b1c2d3e4f67"
