@@ -29,11 +29,11 @@ from deviceplugin.kubelet.config_refusal import RefusalReporter
 from deviceplugin.kubelet.kube_adapter import InventoryPublisher, PodPatcher
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.manager import DeviceFeeds, NodeResourceManager, ResourceManager
+from deviceplugin.kubelet.mig_node import MigNode
 from deviceplugin.kubelet.pod_cache import NodePodCache
 from deviceplugin.kubelet.podresources import KubeletPodResources
 from deviceplugin.kubelet.reconcile_loop import Reconciler
 from deviceplugin.metrics import MetricsServer, PluginMetrics
-from deviceplugin.mig_node import MigNode
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles

@@ -163,9 +163,9 @@ def test_the_nvml_backend_reads_placements_and_serves_the_node_path() -> None:
     gets dynamicMig in the inventory, and the daemon's MigNode makes plans through the same NVML calls."""
     import dataclasses
 
-    from deviceplugin.mig_node import MigNode
-    from deviceplugin.nvml_backend import NvmlBackend
+    from deviceplugin.kubelet.mig_node import MigNode
     from deviceplugin.node_state import NodeState
+    from deviceplugin.nvml_backend import NvmlBackend
     from prometheus_client import CollectorRegistry
     from vramshare import mig_plan
     from vramshare.config import Config, DynamicMigConfig
