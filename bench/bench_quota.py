@@ -14,7 +14,9 @@ the loop's window of those uses, preemptions when fenced, a releasing engine; in
 the default), ``learned`` (``headroom: learned``, wide bounds), ``*-fewest-over`` (``protectRequests:
 false``, which breaks the no-one-below-its-request guarantee). References: ``clairvoyant`` (knows
 minute t's demands, fits the most whole tenants), ``clairvoyant-release`` (the same, keeping the rule
-that memory held at t-1 is not free at t), ``naive`` (last minute x 1.1, scaled to fit, the rest
+that memory held at t-1 is not free at t), ``clairvoyant-protected`` (keeping protected requests:
+nobody below min(request, demand) while another borrows, the guarantee issue 19's property test
+asks for), ``clairvoyant-fair`` (keeping both: the fair reference for the default), ``naive`` (last minute x 1.1, scaled to fit, the rest
 split evenly: the issue's naive rule), ``static-equal``.
 
 The world: a tenant holds ``min(demand, limit)``; a cut is honoured by the next sample. Scored: %
@@ -158,6 +160,48 @@ def run_clairvoyant_release(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return _world(demand, decide)
 
 
+def _cover(d: np.ndarray, base: np.ndarray, free: int, protect: int | None) -> np.ndarray:
+    """Limits covering demands ``d`` from ``base`` (what each already has for nothing) with ``free``
+    MiB: with ``protect`` (the request), everyone's demand up to it first (smallest rise first, the
+    last one partly), then whole rises, smallest first. The clairvoyant rows' one filling rule."""
+    out = np.maximum(base, 0).astype(np.int64)
+    if protect is not None:
+        goal = np.maximum(out, np.minimum(d, protect))
+        for i in np.argsort(goal - out, kind="stable"):
+            give = min(int(goal[i] - out[i]), max(0, free))
+            out[i] += give
+            free -= give
+    for i in np.argsort(np.maximum(0, d - out), kind="stable"):
+        rise = max(0, int(d[i] - out[i]))
+        if rise <= free:
+            out[i] += rise
+            free -= rise
+    return out
+
+
+def run_clairvoyant_protected(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knows minute t's demands and keeps the guarantee the default keeps (``protectRequests``:
+    nobody below min(request, demand) while another borrows), but not the release rule: what the
+    protection alone costs a perfect forecaster."""
+    k = len(demand)
+
+    def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
+        return _cover(demand[:, t], np.zeros(k, dtype=np.int64), GPU_MIB, GPU_MIB // k)
+    return _world(demand, decide)
+
+
+def run_clairvoyant_fair(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knows minute t's demands and keeps both rules every causal row must keep: memory held at t-1
+    is not free at t (it may keep what it holds for nothing) and protected requests. The fair
+    reference for the default: what perfect foresight reaches under the same guarantees."""
+    k = len(demand)
+
+    def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
+        h = held[:, t - 1]
+        return _cover(demand[:, t], h, GPU_MIB - int(h.sum()), GPU_MIB // k)
+    return _world(demand, decide)
+
+
 def run_naive(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
         want = demand[:, t - 1] * 1.1
@@ -216,6 +260,8 @@ CAUSAL: dict[str, Callable[[int], PolicyParams]] = {
 REFERENCE: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "clairvoyant": run_clairvoyant,
     "clairvoyant-release": run_clairvoyant_release,
+    "clairvoyant-protected": run_clairvoyant_protected,
+    "clairvoyant-fair": run_clairvoyant_fair,
     "naive": run_naive_spare,  # the issue's "last minute x 1.1, spare split evenly"
     "static-equal": run_static,
 }
@@ -292,8 +338,11 @@ def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]
     for parts in out.values():
         for rows in parts.values():  # type: ignore[union-attr]
             ref = rows.get("clairvoyant", {}).get("pct_container_minutes_over_limit")
+            fair = rows.get("clairvoyant-fair", {}).get("pct_container_minutes_over_limit")
             for v in rows.values():
                 v["ratio_to_clairvoyant"] = round(v["pct_container_minutes_over_limit"] / ref, 2) if ref else None
+                if fair:  # to the perfect forecaster under the same two rules (release, protected requests)
+                    v["ratio_to_clairvoyant_fair"] = round(v["pct_container_minutes_over_limit"] / fair, 2)
     return out
 
 
@@ -324,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     tasks = []
     for part, part_ks, part_rows in (("held_back", ks, rows),
                                      ("tune", [3] if 3 in ks else [], [r for r in args.tune_rows.split(",") if r]
-                                      + ["clairvoyant"])):
+                                      + ["clairvoyant", "clairvoyant-protected", "clairvoyant-fair"])):
         for k in part_ks:
-            for r in part_rows:
+            for r in dict.fromkeys(part_rows):  # once each, in order
                 for w in ([None] if r in REFERENCE else worlds):
                     tasks.extend((part, k, r, w, seed) for seed in seeds)
     with multiprocessing.Pool(args.jobs, initializer=_init, initargs=(demand, args.model)) as pool:
