@@ -27,6 +27,7 @@ container-hour. ``--fit`` refits ``deviceplugin/quota/learned_model.json`` on th
 Writes ``bench/results/quota.json``; the machine is shared, CPU seconds are only indicative.
 
     nice -n 10 python bench/bench_quota.py [--seeds N] [--ks 2,3,4] [--rows ...] [--fit]
+    python bench/bench_quota.py --merge a.json,b.json --out bench/results/quota.json
 """
 from __future__ import annotations
 
@@ -346,6 +347,26 @@ def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]
     return out
 
 
+def merge(paths: list[str], out: str) -> dict[str, object]:
+    """Several runs' JSON as one (each run under ~8 minutes on the shared machine): rows of later
+    files win; ``setup.runs`` keeps each run's command, groupings and wall time."""
+    doc: dict[str, object] = {"results": {}, "setup": {}}
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            part = json.load(fh)
+        for p, ks in part["results"].items():
+            for k, rows in ks.items():
+                doc["results"].setdefault(p, {}).setdefault(k, {}).update(rows)  # type: ignore[union-attr]
+        setup = dict(part["setup"])
+        runs.append({x: setup.pop(x, None) for x in ("command", "groupings_per_part_and_k", "wall_seconds")})
+        doc["setup"].update({x: v for x, v in setup.items() if x != "runs"})  # type: ignore[union-attr]
+    doc["setup"]["runs"] = runs  # type: ignore[index]
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=20, help="random groupings per part and k")
@@ -359,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the learned model on the tuning containers first")
     ap.add_argument("--model", default=None, help="learned model JSON (default: the shipped one)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "quota.json"))
+    ap.add_argument("--merge", default="", help="comma-separated result files to merge into --out (no run)")
     args = ap.parse_args(argv)
+    if args.merge:
+        merge(args.merge.split(","), args.out)
+        return 0
     t_start, wall = time.process_time(), time.perf_counter()
     demand = load_demand(args.trace)
     fitted = None
@@ -391,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "held": "no demand export: held memory, window, preemptions only"},
                      "requests": "equal share (capacity / k)", "fitted": fitted,
                      "trace": "genai/pod_gpu_memory_used_bytes.csv",
+                     "command": "nice -n 10 python bench/bench_quota.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "cpu_seconds_main": round(time.process_time() - t_start, 2), "jobs": args.jobs,
                      "wall_seconds": round(time.perf_counter() - wall, 1), "machine": "shared, 2 cores"}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
