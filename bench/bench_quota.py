@@ -336,6 +336,12 @@ def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]
             "over_limit_gib_min": round(tot["over_mib_min"] / 1024, 1),
             "invariant_broken_gpu_minutes": int(tot["invariant_broken_gpu_minutes"]),
             "limit_changes_per_container_hour": round(tot["limit_changes"] / (tot["minutes"] / 60), 2)}
+    _ratios(out)
+    return out
+
+
+def _ratios(out: dict[str, object]) -> None:
+    """Each row's ratio to the clairvoyant (and to ``clairvoyant-fair``) of its part and k."""
     for parts in out.values():
         for rows in parts.values():  # type: ignore[union-attr]
             ref = rows.get("clairvoyant", {}).get("pct_container_minutes_over_limit")
@@ -344,7 +350,6 @@ def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]
                 v["ratio_to_clairvoyant"] = round(v["pct_container_minutes_over_limit"] / ref, 2) if ref else None
                 if fair:  # to the perfect forecaster under the same two rules (release, protected requests)
                     v["ratio_to_clairvoyant_fair"] = round(v["pct_container_minutes_over_limit"] / fair, 2)
-    return out
 
 
 def merge(paths: list[str], out: str) -> dict[str, object]:
@@ -361,6 +366,7 @@ def merge(paths: list[str], out: str) -> dict[str, object]:
         setup = dict(part["setup"])
         runs.append({x: setup.pop(x, None) for x in ("command", "groupings_per_part_and_k", "wall_seconds")})
         doc["setup"].update({x: v for x, v in setup.items() if x != "runs"})  # type: ignore[union-attr]
+    _ratios(doc["results"])  # type: ignore[arg-type]
     doc["setup"]["runs"] = runs  # type: ignore[index]
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)
