@@ -362,6 +362,8 @@ def merge(paths: list[str], out: str) -> dict[str, object]:
             part = json.load(fh)
         for p, ks in part["results"].items():
             for k, rows in ks.items():
+                for v in rows.values():  # which run's groupings each row is over
+                    v["groupings"] = part["setup"]["groupings_per_part_and_k"]
                 doc["results"].setdefault(p, {}).setdefault(k, {}).update(rows)  # type: ignore[union-attr]
         setup = dict(part["setup"])
         runs.append({x: setup.pop(x, None) for x in ("command", "groupings_per_part_and_k", "wall_seconds")})
