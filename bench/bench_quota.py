@@ -353,23 +353,39 @@ def _ratios(out: dict[str, object]) -> None:
 
 
 def merge(paths: list[str], out: str) -> dict[str, object]:
-    """Several runs' JSON as one (each run under ~8 minutes on the shared machine): rows of later
-    files win; ``setup.runs`` keeps each run's command, groupings and wall time."""
+    """Several runs' JSON as one (each run under ~8 minutes on the shared machine). Seeds are the same
+    in every run (groupings 0..n-1), so a row over n groupings is compared with the clairvoyant over
+    the same n; where two runs have the same row, the one over more groupings is kept. ``setup.runs``
+    keeps each run's command, groupings and wall time."""
     doc: dict[str, object] = {"results": {}, "setup": {}}
+    refs: dict[tuple[str, str, int], dict[str, float]] = {}  # (part, k, groupings) -> reference % by row
     runs = []
     for path in paths:
         with open(path, encoding="utf-8") as fh:
             part = json.load(fh)
+        n = part["setup"]["groupings_per_part_and_k"]
         for p, ks in part["results"].items():
             for k, rows in ks.items():
-                for v in rows.values():  # which run's groupings each row is over
-                    v["groupings"] = part["setup"]["groupings_per_part_and_k"]
-                doc["results"].setdefault(p, {}).setdefault(k, {}).update(rows)  # type: ignore[union-attr]
+                have = doc["results"].setdefault(p, {}).setdefault(k, {})  # type: ignore[union-attr]
+                for r, v in rows.items():
+                    v["groupings"] = n
+                    if r.startswith("clairvoyant"):
+                        refs.setdefault((p, k, n), {})[r] = v["pct_container_minutes_over_limit"]
+                    if r not in have or have[r]["groupings"] <= n:
+                        have[r] = v
         setup = dict(part["setup"])
         runs.append({x: setup.pop(x, None) for x in ("command", "groupings_per_part_and_k", "wall_seconds")})
         doc["setup"].update({x: v for x, v in setup.items() if x != "runs"})  # type: ignore[union-attr]
-    _ratios(doc["results"])  # type: ignore[arg-type]
+    for p, ks in doc["results"].items():  # type: ignore[union-attr]
+        for k, rows in ks.items():
+            for v in rows.values():
+                ref = refs.get((p, k, v["groupings"]), {})
+                pct = v["pct_container_minutes_over_limit"]
+                v["ratio_to_clairvoyant"] = round(pct / ref["clairvoyant"], 2) if ref.get("clairvoyant") else None
+                fair = ref.get("clairvoyant-fair")
+                v["ratio_to_clairvoyant_fair"] = round(pct / fair, 2) if fair else None
     doc["setup"]["runs"] = runs  # type: ignore[index]
+    doc["setup"]["groupings_per_part_and_k"] = "per row: see each row's groupings"  # type: ignore[index]
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)
     return doc
