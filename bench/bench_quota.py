@@ -14,7 +14,9 @@ the loop's window of those uses, preemptions when fenced, a releasing engine; in
 the default), ``learned`` (``headroom: learned``, wide bounds), ``*-fewest-over`` (``protectRequests:
 false``, which breaks the no-one-below-its-request guarantee). References: ``clairvoyant`` (knows
 minute t's demands, fits the most whole tenants), ``clairvoyant-release`` (the same, keeping the rule
-that memory held at t-1 is not free at t), ``naive`` (last minute x 1.1, scaled to fit, the rest
+that memory held at t-1 is not free at t), ``clairvoyant-protected`` (keeping protected requests:
+nobody below min(request, demand) while another borrows, the guarantee issue 19's property test
+asks for), ``clairvoyant-fair`` (keeping both: the fair reference for the default), ``naive`` (last minute x 1.1, scaled to fit, the rest
 split evenly: the issue's naive rule), ``static-equal``.
 
 The world: a tenant holds ``min(demand, limit)``; a cut is honoured by the next sample. Scored: %
@@ -25,6 +27,7 @@ container-hour. ``--fit`` refits ``deviceplugin/quota/learned_model.json`` on th
 Writes ``bench/results/quota.json``; the machine is shared, CPU seconds are only indicative.
 
     nice -n 10 python bench/bench_quota.py [--seeds N] [--ks 2,3,4] [--rows ...] [--fit]
+    python bench/bench_quota.py --merge a.json,b.json --out bench/results/quota.json
 """
 from __future__ import annotations
 
@@ -158,6 +161,48 @@ def run_clairvoyant_release(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return _world(demand, decide)
 
 
+def _cover(d: np.ndarray, base: np.ndarray, free: int, protect: int | None) -> np.ndarray:
+    """Limits covering demands ``d`` from ``base`` (what each already has for nothing) with ``free``
+    MiB: with ``protect`` (the request), everyone's demand up to it first (smallest rise first, the
+    last one partly), then whole rises, smallest first. The clairvoyant rows' one filling rule."""
+    out = np.maximum(base, 0).astype(np.int64)
+    if protect is not None:
+        goal = np.maximum(out, np.minimum(d, protect))
+        for i in np.argsort(goal - out, kind="stable"):
+            give = min(int(goal[i] - out[i]), max(0, free))
+            out[i] += give
+            free -= give
+    for i in np.argsort(np.maximum(0, d - out), kind="stable"):
+        rise = max(0, int(d[i] - out[i]))
+        if rise <= free:
+            out[i] += rise
+            free -= rise
+    return out
+
+
+def run_clairvoyant_protected(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knows minute t's demands and keeps the guarantee the default keeps (``protectRequests``:
+    nobody below min(request, demand) while another borrows), but not the release rule: what the
+    protection alone costs a perfect forecaster."""
+    k = len(demand)
+
+    def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
+        return _cover(demand[:, t], np.zeros(k, dtype=np.int64), GPU_MIB, GPU_MIB // k)
+    return _world(demand, decide)
+
+
+def run_clairvoyant_fair(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Knows minute t's demands and keeps both rules every causal row must keep: memory held at t-1
+    is not free at t (it may keep what it holds for nothing) and protected requests. The fair
+    reference for the default: what perfect foresight reaches under the same guarantees."""
+    k = len(demand)
+
+    def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
+        h = held[:, t - 1]
+        return _cover(demand[:, t], h, GPU_MIB - int(h.sum()), GPU_MIB // k)
+    return _world(demand, decide)
+
+
 def run_naive(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
         want = demand[:, t - 1] * 1.1
@@ -216,6 +261,8 @@ CAUSAL: dict[str, Callable[[int], PolicyParams]] = {
 REFERENCE: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "clairvoyant": run_clairvoyant,
     "clairvoyant-release": run_clairvoyant_release,
+    "clairvoyant-protected": run_clairvoyant_protected,
+    "clairvoyant-fair": run_clairvoyant_fair,
     "naive": run_naive_spare,  # the issue's "last minute x 1.1, spare split evenly"
     "static-equal": run_static,
 }
@@ -289,12 +336,59 @@ def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]
             "over_limit_gib_min": round(tot["over_mib_min"] / 1024, 1),
             "invariant_broken_gpu_minutes": int(tot["invariant_broken_gpu_minutes"]),
             "limit_changes_per_container_hour": round(tot["limit_changes"] / (tot["minutes"] / 60), 2)}
+    _ratios(out)
+    return out
+
+
+def _ratios(out: dict[str, object]) -> None:
+    """Each row's ratio to the clairvoyant (and to ``clairvoyant-fair``) of its part and k."""
     for parts in out.values():
         for rows in parts.values():  # type: ignore[union-attr]
             ref = rows.get("clairvoyant", {}).get("pct_container_minutes_over_limit")
+            fair = rows.get("clairvoyant-fair", {}).get("pct_container_minutes_over_limit")
             for v in rows.values():
                 v["ratio_to_clairvoyant"] = round(v["pct_container_minutes_over_limit"] / ref, 2) if ref else None
-    return out
+                if fair:  # to the perfect forecaster under the same two rules (release, protected requests)
+                    v["ratio_to_clairvoyant_fair"] = round(v["pct_container_minutes_over_limit"] / fair, 2)
+
+
+def merge(paths: list[str], out: str) -> dict[str, object]:
+    """Several runs' JSON as one (each run under ~8 minutes on the shared machine). Seeds are the same
+    in every run (groupings 0..n-1), so a row over n groupings is compared with the clairvoyant over
+    the same n; where two runs have the same row, the one over more groupings is kept. ``setup.runs``
+    keeps each run's command, groupings and wall time."""
+    doc: dict[str, object] = {"results": {}, "setup": {}}
+    refs: dict[tuple[str, str, int], dict[str, float]] = {}  # (part, k, groupings) -> reference % by row
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            part = json.load(fh)
+        n = part["setup"]["groupings_per_part_and_k"]
+        for p, ks in part["results"].items():
+            for k, rows in ks.items():
+                have = doc["results"].setdefault(p, {}).setdefault(k, {})  # type: ignore[union-attr]
+                for r, v in rows.items():
+                    v["groupings"] = n
+                    if r.startswith("clairvoyant"):
+                        refs.setdefault((p, k, n), {})[r] = v["pct_container_minutes_over_limit"]
+                    if r not in have or have[r]["groupings"] <= n:
+                        have[r] = v
+        setup = dict(part["setup"])
+        runs.append({x: setup.pop(x, None) for x in ("command", "groupings_per_part_and_k", "wall_seconds")})
+        doc["setup"].update({x: v for x, v in setup.items() if x != "runs"})  # type: ignore[union-attr]
+    for p, ks in doc["results"].items():  # type: ignore[union-attr]
+        for k, rows in ks.items():
+            for v in rows.values():
+                ref = refs.get((p, k, v["groupings"]), {})
+                pct = v["pct_container_minutes_over_limit"]
+                v["ratio_to_clairvoyant"] = round(pct / ref["clairvoyant"], 2) if ref.get("clairvoyant") else None
+                fair = ref.get("clairvoyant-fair")
+                v["ratio_to_clairvoyant_fair"] = round(pct / fair, 2) if fair else None
+    doc["setup"]["runs"] = runs  # type: ignore[index]
+    doc["setup"]["groupings_per_part_and_k"] = "per row: see each row's groupings"  # type: ignore[index]
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fit", action="store_true", help="refit the learned model on the tuning containers first")
     ap.add_argument("--model", default=None, help="learned model JSON (default: the shipped one)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "quota.json"))
+    ap.add_argument("--merge", default="", help="comma-separated result files to merge into --out (no run)")
     args = ap.parse_args(argv)
+    if args.merge:
+        merge(args.merge.split(","), args.out)
+        return 0
     t_start, wall = time.process_time(), time.perf_counter()
     demand = load_demand(args.trace)
     fitted = None
@@ -324,9 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     tasks = []
     for part, part_ks, part_rows in (("held_back", ks, rows),
                                      ("tune", [3] if 3 in ks else [], [r for r in args.tune_rows.split(",") if r]
-                                      + ["clairvoyant"])):
+                                      + ["clairvoyant", "clairvoyant-protected", "clairvoyant-fair"])):
         for k in part_ks:
-            for r in part_rows:
+            for r in dict.fromkeys(part_rows):  # once each, in order
                 for w in ([None] if r in REFERENCE else worlds):
                     tasks.extend((part, k, r, w, seed) for seed in seeds)
     with multiprocessing.Pool(args.jobs, initializer=_init, initargs=(demand, args.model)) as pool:
@@ -342,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "held": "no demand export: held memory, window, preemptions only"},
                      "requests": "equal share (capacity / k)", "fitted": fitted,
                      "trace": "genai/pod_gpu_memory_used_bytes.csv",
+                     "command": "nice -n 10 python bench/bench_quota.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "cpu_seconds_main": round(time.process_time() - t_start, 2), "jobs": args.jobs,
                      "wall_seconds": round(time.perf_counter() - wall, 1), "machine": "shared, 2 cores"}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

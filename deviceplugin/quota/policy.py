@@ -8,7 +8,9 @@ Two layers, each explaining part of :func:`rebalance`:
    defaults come from ``PolicyParams``), so a quota class can supply different ones. Limits stay in
    [floor, ceiling].
 2. A tenant's *need* is its use (or its reported demand, when higher; a tenant at its limit with no
-   reported demand counts one margin more, since a fence hides what it wants) plus headroom: at least its
+   reported demand counts one margin more, since a fence hides what it wants, and at least its
+   window's peak when it shows the fence bites: preemptions or waiting requests; bench_quota,
+   held-back k = 3 without exported demand: see README) plus headroom: at least its
    margin, and up to the peak of its use over the recent window (the loop keeps the window), since
    a tenant that fell from 30 GiB to 10 GiB a few minutes ago rises back by more than one margin.
    A tenant without telemetry holds its limit (never cut blind). A ``warm`` (idle) tenant needs only
@@ -143,6 +145,8 @@ def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
     fence = cur if t.engine_mib is None else min(cur, b.clamp(t.engine_mib))
     if t.demand_mib is None and t.used_mib >= fence:  # at its (hard) limit: what it wants beyond is unseen,
         seen = t.used_mib + b.margin_mib  # so count one margin more as use, not as headroom
+        if (t.signals.preemptions or t.signals.waiting) and t.peak_mib:  # fenced and showing it: it wants
+            seen = max(seen, t.peak_mib)  # at least the level it held within the window (bench_quota @held)
         if not t.starting and t.phase is not Phase.WARM:  # an owner pressing on a fence below its request
             seen = max(seen, b.clamp(t.request_mib))  # takes its reservation back at once (issue 19)
     why: list[str] = []

@@ -120,7 +120,8 @@ class Node:
 
     def read_signals(self, url: str) -> VllmSample:
         e = next(e for e in self.engines if f"//{e.name}:" in url)
-        sig = dict(kv_usage=None, waiting=0, running=1, release_mode=e.mode, kv_held_bytes=float(e.use * MIB),
+        fenced = e.demand_at(self.t) > e.use  # its engine queues what the cap does not let it hold
+        sig = dict(kv_usage=None, waiting=3 if fenced else 0, running=1, release_mode=e.mode, kv_held_bytes=float(e.use * MIB),
                    generation_applied=e.applied[0] if e.applied else None)
         known = {f.name for f in dataclasses.fields(VllmSample)}  # (before issue 19 it had fewer fields)
         return VllmSample(**{k: v for k, v in sig.items() if k in known})

@@ -1,6 +1,7 @@
 """The pure quota policy: bounds, capacity, use protection, pressure first, hysteresis, reasons."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from deviceplugin.quota.model import GpuState, PolicyParams, Signals, TenantKey, TenantState
@@ -180,3 +181,24 @@ def test_invariants_hold_on_random_gpus():
         if sum(lo for _, lo in needs) <= cap and sum(d.held_mib for d in out) <= cap and \
                 all(t.used_mib is None or t.used_mib <= d.limit_mib for t, d in zip(sorted(ts, key=lambda t: t.key), out)):
             assert all(d.limit_mib >= lo for d, lo in needs)
+
+
+
+def test_a_fenced_tenant_showing_preemptions_is_seen_at_least_at_its_window_peak():
+    """Without exported demand a fence hides what a tenant wants; when its engine shows the fence
+    bites (preemptions), the level it held within the window is a better guess than use + one
+    margin (bench_quota, k=3 without exported demand: see README). Here the GPU is tight: it wants
+    back to 26,000 MiB and cannot get there this tick, so co-tenants are not shrunk to give it a
+    raise that still leaves it fenced (the old guess, 23,024, took 341 MiB from each)."""
+    def t(name, current, used, window, **sig):
+        return TenantState(key(name), 20000, current, used, Signals(release_mode="unmap", **sig),
+                           peak_mib=max(window), recent_mib=tuple(window))
+    fenced = t("fenced", 22000, 22000, [26000] * 30 + [22000] * 30, preemptions=2)
+    gpu = GpuState("GPU-0", 60000, (fenced, t("a", 19000, 18000, [18000] * 60), t("b", 18000, 17000, [17000] * 60)))
+    out = {d.key.pod: d for d in rebalance(gpu, PolicyParams())}
+    assert {n: d.limit_mib for n, d in out.items()} == {"fenced": 23000, "a": 19000, "b": 18000}
+    assert "covering its use 26000" in out["fenced"].reason
+    calm = dataclasses.replace(fenced, signals=Signals(release_mode="unmap"))  # at its limit, no signal:
+    out = {d.key.pod: d for d in rebalance(dataclasses.replace(gpu, tenants=(calm,) + gpu.tenants[1:]),
+                                           PolicyParams())}
+    assert out["fenced"].limit_mib > 23000 and out["a"].limit_mib < 19000  # use + one margin, as before
