@@ -39,6 +39,7 @@ FILE_PREFIX = "nvidia.com-gpu_vramshare-"  # the CDI convention for transient sp
 MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DIR = "/dev/nvidia-caps"
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")  # pkg/parser ValidateDeviceName
 
 
 class MigCdiError(RuntimeError):
@@ -62,7 +63,9 @@ def parse_mig_minors(text: str) -> dict[str, int]:
 def instance_spec(mig_uuid: str, gpu_uuid: str, gi: int, ci: int, node_specs: Sequence[Any],
                   minors: Mapping[str, int]) -> dict[str, Any]:
     """The transient spec defining ``nvidia.com/gpu=<mig_uuid>``. Pure; :class:`MigCdiError` when no node
-    spec defines the parent GPU (nothing to take the driver's edits from)."""
+    spec defines the parent GPU with its ``/dev/nvidia<minor>`` (nothing to take the driver's edits from)."""
+    if not _DEVICE_NAME.match(mig_uuid):  # e.g. a pre-R470 driver's MIG-GPU-<uuid>/<gi>/<ci>
+        raise MigCdiError(f"MIG device {mig_uuid!r} is no valid CDI device name; use deviceListStrategy envvar")
     parent = cdi_name(gpu_uuid)
     for doc in node_specs:
         if not isinstance(doc, dict) or doc.get("kind") != KIND:
@@ -75,16 +78,16 @@ def instance_spec(mig_uuid: str, gpu_uuid: str, gi: int, ci: int, node_specs: Se
                           f"{cdi_names.FIX}")
     nodes = [n for n in (dev.get("containerEdits") or {}).get("deviceNodes") or []
              if isinstance(n, dict) and _GPU_NODE.match(str(n.get("path", "")))]
-    m = _GPU_NODE.match(str(nodes[0]["path"])) if nodes else None
-    if m is not None:
+    if not nodes:
+        raise MigCdiError(f"{parent} has no /dev/nvidia<minor> device node in its CDI spec, so made MIG device "
+                          f"{mig_uuid} would have none; {cdi_names.FIX}")
+    m = _GPU_NODE.match(str(nodes[0]["path"]))
+    if m is not None:  # nvcdi: the GPU instance's and compute instance's access nodes
         for key in (f"gpu{m.group(1)}/gi{gi}/access", f"gpu{m.group(1)}/gi{gi}/ci{ci}/access"):
             if key in minors:
                 nodes.append({"path": f"{CAPS_DIR}/nvidia-cap{minors[key]}"})
-    edits: dict[str, Any] = {"deviceNodes": nodes} if nodes else {}
-    if not edits:  # CDI refuses a device without edits; say which MIG device it is, as NVIDIA's env would
-        edits = {"env": [f"NVIDIA_VISIBLE_DEVICES={mig_uuid}"]}
     spec: dict[str, Any] = {"cdiVersion": CDI_VERSION, "kind": KIND,
-                            "devices": [{"name": mig_uuid, "containerEdits": edits}]}
+                            "devices": [{"name": mig_uuid, "containerEdits": {"deviceNodes": nodes}}]}
     if doc.get("containerEdits"):
         spec["containerEdits"] = doc["containerEdits"]
     return spec

@@ -166,3 +166,14 @@ def test_instance_spec_is_valid_cdi_and_pure():
     validate_spec(doc, "made")
     assert [n["path"] for n in doc["devices"][0]["containerEdits"]["deviceNodes"]] == [
         "/dev/nvidia3", "/dev/nvidia-caps/nvidia-cap48", "/dev/nvidia-caps/nvidia-cap49"]
+
+
+@pytest.mark.parametrize("mig_uuid,node,why", [
+    ("MIG-GPU-x/5/0", {"path": "/dev/nvidia3"}, "no valid CDI device name"),
+    ("MIG-y", {"path": "/dev/dri/card3"}, "no /dev/nvidia<minor> device node"),
+])
+def test_an_entry_that_would_not_work_is_refused_with_the_reason(mig_uuid, node, why):
+    spec = [{"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+             "devices": [{"name": "GPU-x", "containerEdits": {"deviceNodes": [node]}}]}]
+    with pytest.raises(mig_cdi.MigCdiError, match=why):
+        mig_cdi.instance_spec(mig_uuid, "GPU-x", 5, 0, spec, {})
