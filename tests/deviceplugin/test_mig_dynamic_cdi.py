@@ -177,3 +177,25 @@ def test_an_entry_that_would_not_work_is_refused_with_the_reason(mig_uuid, node,
              "devices": [{"name": "GPU-x", "containerEdits": {"deviceNodes": [node]}}]}]
     with pytest.raises(mig_cdi.MigCdiError, match=why):
         mig_cdi.instance_spec(mig_uuid, "GPU-x", 5, 0, spec, {})
+
+
+def test_an_isolated_memory_ask_gets_a_partition_whose_cdi_name_resolves(
+        api, http, kubelet, start_plugin, cdi_config, roots, tmp_path):
+    """``isolation: mig`` (m24iso): the gpu-memory units are served as the planned partition, made at
+    Allocate; with cdi-cri its name must resolve too, and go with the reaped instance."""
+    from tests.deviceplugin.test_mig_isolation_plugin import MEM, pod, synced
+    daemon = start(start_plugin, cdi_config, roots, tmp_path, api=http)
+    pod(api, "iso", 15, [(mig_plan.encode(MigPlacement(A100, "1g.20gb", 4)), 20480)])
+    synced(daemon, api, "iso")
+    ids = kubelet.preferred(MEM, kubelet.healthy_ids(MEM), 15)
+    names = [d.name for d in kubelet.allocate(MEM, ids, pod=("default", "iso", "c")).cdi_devices]
+    assert len(names) == 1 and names[0].startswith("nvidia.com/gpu=MIG-")
+    Registry(roots).inject(names)
+    daemon.mig.fresh_seconds = daemon.mig.dynamic.grace_seconds = 0.0
+    daemon.reconciler.run_once()
+    Registry(roots).inject(names)  # still held by the units' allocation: kept
+    kubelet.forget_pod("default", "iso")
+    daemon.reconciler.run_once()
+    assert ours(roots[1]) == []
+    with pytest.raises(CdiError, match="unresolvable"):
+        Registry(roots).inject(names)
