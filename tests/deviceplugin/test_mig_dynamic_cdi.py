@@ -199,3 +199,22 @@ def test_an_isolated_memory_ask_gets_a_partition_whose_cdi_name_resolves(
     assert ours(roots[1]) == []
     with pytest.raises(CdiError, match="unresolvable"):
         Registry(roots).inject(names)
+
+
+def test_the_cdi_registry_standin_resolves_conflicts_as_the_runtime(tmp_path):
+    """``pkg/cdi/cache.go`` ``resolveConflict``: roots have rising priority (``/etc/cdi`` then
+    ``/var/run/cdi``); a name two roots define is the later root's, two specs of one root make it
+    unusable. On main the stand-in made every double definition a conflict."""
+    low, high = tmp_path / "etc", tmp_path / "run"
+    low.mkdir()
+    high.mkdir()
+
+    def spec(env: str) -> str:
+        return json.dumps({"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+                           "devices": [{"name": "MIG-x", "containerEdits": {"env": [env]}}]})
+    (low / "a.json").write_text(spec("FROM=etc"))
+    (high / "b.json").write_text(spec("FROM=run"))
+    assert Registry([str(low), str(high)]).inject(["nvidia.com/gpu=MIG-x"]).env == {"FROM": "run"}
+    (high / "c.json").write_text(spec("FROM=run2"))
+    with pytest.raises(CdiError, match="more than one spec"):
+        Registry([str(low), str(high)]).inject(["nvidia.com/gpu=MIG-x"])
