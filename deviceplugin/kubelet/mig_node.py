@@ -118,8 +118,11 @@ class MigNode:
         if self.cdi is None:
             return
         with self._cdi_lock:
-            live = {i.mig_uuid for u in self.dynamic.gpus for _n, i in self.dynamic.instances(u) if i.mig_uuid}
-            self.cdi.sync(live)
+            try:
+                live = {i.mig_uuid for u in self.dynamic.gpus for _n, i in self.dynamic.instances(u) if i.mig_uuid}
+                self.cdi.sync(live)
+            except Exception as exc:  # noqa: BLE001 - the next round sweeps again
+                log.warning("mig cdi sweep failed", error=f"{type(exc).__name__}: {exc}")
 
     def _isolation_held(self, held: list[Any]) -> list[str]:
         """The placement IDs memory-unit holders were served as (issue 24), from their allocation dirs."""
