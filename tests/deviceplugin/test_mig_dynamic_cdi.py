@@ -15,6 +15,8 @@ import os
 import pathlib
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from deviceplugin.kubelet import mig_cdi
 from deviceplugin.simulated_backend import SimulatedBackend
@@ -218,3 +220,41 @@ def test_the_cdi_registry_standin_resolves_conflicts_as_the_runtime(tmp_path):
     (high / "c.json").write_text(spec("FROM=run2"))
     with pytest.raises(CdiError, match="more than one spec"):
         Registry([str(low), str(high)]).inject(["nvidia.com/gpu=MIG-x"])
+
+
+_UUIDS = ("MIG-a", "MIG-b", "MIG-c")
+_OPS = st.lists(st.tuples(st.sampled_from(("write", "crash", "sync", "theirs")), st.sampled_from(_UUIDS),
+                          st.frozensets(st.sampled_from(_UUIDS))), max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS, live=st.frozensets(st.sampled_from(_UUIDS)))
+def test_after_any_interleaving_a_sweep_leaves_exactly_the_live_entries(tmp_path_factory, ops, live):
+    """Writes, crashes mid-write (a temporary left), sweeps and the admin's spec gaining a name, in any
+    order: after a sweep with ``live`` every live name resolves exactly once (ours, or theirs alone), no
+    temporary and no gone instance's file is left, and the admin's spec is never touched."""
+    root = tmp_path_factory.mktemp("cdi")
+    node = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu",
+            "devices": [{"name": "GPU-x", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}}]}
+    (root / "nvidia.json").write_text(json.dumps(node))
+    cdi = mig_cdi.MigCdi([str(root)], mig_minors=str(root / "absent"))
+    for op, uuid, subset in ops:
+        if op == "write":
+            cdi.write(uuid, "GPU-x", 1, 0)
+        elif op == "crash":  # died between opening the temporary and the rename
+            (root / (mig_cdi.file_name(uuid) + ".tmp")).write_text('{"cdiVersion": "0.5.0", "ki')
+        elif op == "sync":
+            cdi.sync(subset)
+        elif all(d["name"] != uuid for d in node["devices"]):  # the admin regenerates the node spec with it
+            node["devices"].append({"name": uuid, "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}})
+            (root / "nvidia.json").write_text(json.dumps(node))
+    for uuid in live:
+        cdi.write(uuid, "GPU-x", 1, 0)
+    cdi.sync(live)
+    registry = Registry([str(root)])
+    assert registry.errors == {}
+    for uuid in live:
+        registry.inject([f"nvidia.com/gpu={uuid}"])
+    theirs = {d["name"] for d in node["devices"]}
+    assert set(ours(str(root))) == {mig_cdi.file_name(u) for u in live - theirs}
+    assert json.loads((root / "nvidia.json").read_text()) == node
