@@ -1,9 +1,9 @@
 """A stand-in for the container runtime's CDI registry (tags.cncf.io/container-device-interface ``pkg/cdi``).
 
 What the runtime does with the CDI names the kubelet passes: read every spec under the CDI roots
-(``cache.refresh``: ``*.json``/``*.yaml``; a device defined by two specs is a conflict and neither
-is usable), validate each spec (``specs-go``/``pkg/cdi/spec.go``: a known ``cdiVersion``, ``kind``
-``vendor/class`` with the allowed characters, device names alphanumeric plus ``_.:-``, no device
+(``cache.refresh``: ``*.json``/``*.yaml``; a device defined by two specs of one root is a conflict and
+neither is usable; of two roots, the later one's wins, ``resolveConflict``), validate each spec
+(``specs-go``/``pkg/cdi/spec.go``: a known ``cdiVersion``, ``kind`` ``vendor/class`` with the allowed characters, device names alphanumeric plus ``_.:-``, no device
 without container edits, env ``KEY=VALUE``, mounts with absolute paths), then inject: the spec's
 top-level edits once per spec, each named device's edits (``InjectDevices``; an unresolvable
 name fails the whole injection). Tests and the demo use it to prove the names Prepare returns
@@ -91,7 +91,8 @@ class Registry:
         self.devices: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}  # qualified -> (file, spec, dev)
         self.errors: dict[str, str] = {}
         conflicts: set[str] = set()
-        for root in roots:
+        prio: dict[str, int] = {}
+        for priority, root in enumerate(roots):  # pkg/cdi/cache.go refresh: a later root has precedence
             if not os.path.isdir(root):
                 continue
             for name in sorted(os.listdir(root)):
@@ -107,9 +108,10 @@ class Registry:
                     continue
                 for d in doc["devices"]:
                     qualified = f"{doc['kind']}={d['name']}"
-                    if qualified in self.devices:
-                        conflicts.add(qualified)
-                    self.devices[qualified] = (path, doc, d)
+                    if qualified in self.devices and prio[qualified] == priority:  # resolveConflict
+                        conflicts.add(qualified)  # dropped at the end, whatever a later root defines
+                    self.devices[qualified] = (path, doc, d)  # a later root's replaces an earlier one's
+                    prio[qualified] = priority
         for q in conflicts:
             del self.devices[q]
             self.errors[q] = "device defined by more than one spec"

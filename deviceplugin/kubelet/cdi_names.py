@@ -39,8 +39,9 @@ def missing(wanted: Iterable[str], specs: Iterable[Any]) -> list[str]:
     return [n for n in wanted if n not in have]
 
 
-def read_specs(roots: Sequence[str] = DEFAULT_ROOTS) -> tuple[list[Any], list[str]]:
-    """The spec documents under ``roots``, and one line per file that could not be read."""
+def read_specs(roots: Sequence[str] = DEFAULT_ROOTS, skip_prefix: str = "") -> tuple[list[Any], list[str]]:
+    """The spec documents under ``roots`` (less files named ``skip_prefix...``), and one line per file
+    that could not be read."""
     docs: list[Any] = []
     problems: list[str] = []
     for root in roots:
@@ -49,7 +50,7 @@ def read_specs(roots: Sequence[str] = DEFAULT_ROOTS) -> tuple[list[Any], list[st
         except OSError:
             continue
         for entry in entries:
-            if not entry.endswith((".json", ".yaml", ".yml")):
+            if not entry.endswith((".json", ".yaml", ".yml")) or (skip_prefix and entry.startswith(skip_prefix)):
                 continue
             path = os.path.join(root, entry)
             try:

@@ -29,6 +29,7 @@ from deviceplugin.kubelet.config_refusal import RefusalReporter
 from deviceplugin.kubelet.kube_adapter import InventoryPublisher, PodPatcher
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.manager import DeviceFeeds, NodeResourceManager, ResourceManager
+from deviceplugin.kubelet.mig_cdi import MigCdi
 from deviceplugin.kubelet.mig_node import MigNode
 from deviceplugin.kubelet.pod_cache import NodePodCache
 from deviceplugin.kubelet.podresources import KubeletPodResources
@@ -82,6 +83,9 @@ class DevicePluginDaemon:
             self.allocator.make_mig = self.mig.make
             self.reconciler.on_held = self.mig.on_held
             self.mig.quota = quota
+            if config.device_list_strategy is DeviceListStrategy.CDI_CRI:  # made instances' CDI names resolve
+                self.mig.cdi = MigCdi(cdi_roots)
+                self.mig.sync_cdi()
             if self.pods is not None:  # Allocate finds each isolation: mig pod's plan in the pod cache
                 self.state.serve_isolation()
         self._reconcile_seconds = reconcile_seconds

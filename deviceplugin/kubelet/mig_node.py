@@ -12,6 +12,9 @@ Reaping follows each reconcile round that read PodResources: an instance no cont
 after ``dynamicMig.graceSeconds``. An instance made in the last :data:`FRESH_S` seconds counts as held
 whatever PodResources says (the kubelet records an allocation only after Allocate answers). Only GPUs
 the admin listed in ``dynamicMig.gpus`` are ever changed.
+
+With ``deviceListStrategy: cdi-cri`` each made instance gets its CDI entry before Allocate answers, and
+each round drops the entries of instances NVML no longer shows (:mod:`deviceplugin.kubelet.mig_cdi`).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from typing import Any, Callable, Iterable
 from prometheus_client import CollectorRegistry
 
 from deviceplugin.kubelet import reconcile
+from deviceplugin.kubelet.mig_cdi import MigCdi, MigCdiError
 from deviceplugin.backend import GpuBackend
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics, MigPlan
 from deviceplugin.node_state import NodeState
@@ -45,7 +49,9 @@ class MigNode:
         self.fresh_seconds = FRESH_S
         self._fresh: dict[MigPlan, float] = {}
         self.quota: QuotaFiles | None = None  # allocation dirs: which partition isolation: mig units got
+        self.cdi: MigCdi | None = None  # cdi-cri: made instances' CDI specs
         self._lock = threading.Lock()
+        self._cdi_lock = threading.Lock()  # a spec written vs. the sweep listing what NVML shows
 
     @classmethod
     def build(cls, backend: GpuBackend, state: NodeState, registry: CollectorRegistry) -> "MigNode | None":
@@ -72,6 +78,8 @@ class MigNode:
             self._fresh[plan] = self._clock()
         if not made.mig_uuid:
             raise MigError(f"MIG {plan.key}: NVML shows no MIG device for GPU instance {made.gi}")
+        if self.cdi is not None:
+            self._write_cdi(plan, made.gi, made.mig_uuid)
         log.info("mig instance ready", gpu=plan.gpu_uuid, profile=plan.profile, start=plan.start,
                  mig=made.mig_uuid, adopted=made.adopted)
         self.refresh()
@@ -91,7 +99,30 @@ class MigNode:
         gone = self.dynamic.reap(held)
         if gone:
             self.refresh()
+        self.sync_cdi()
         return gone
+
+    def _write_cdi(self, plan: MigPlan, gi: int, mig_uuid: str) -> None:
+        """The instance's CDI entry, in place before Allocate answers; :class:`MigError` if it cannot be."""
+        assert self.cdi is not None
+        inst = next((i for _n, i in self.dynamic.instances(plan.gpu_uuid) if i.gi == gi), None)
+        ci = inst.cis[0] if inst is not None and inst.cis else 0
+        with self._cdi_lock:
+            try:
+                self.cdi.write(mig_uuid, plan.gpu_uuid, gi, ci)
+            except MigCdiError as exc:
+                raise MigError(f"MIG {plan.key}: {exc}") from None
+
+    def sync_cdi(self) -> None:
+        """Drop the CDI entries of instances NVML no longer shows (reaped, crashed before answering)."""
+        if self.cdi is None:
+            return
+        with self._cdi_lock:
+            try:
+                live = {i.mig_uuid for u in self.dynamic.gpus for _n, i in self.dynamic.instances(u) if i.mig_uuid}
+                self.cdi.sync(live)
+            except Exception as exc:  # noqa: BLE001 - the next round sweeps again
+                log.warning("mig cdi sweep failed", error=f"{type(exc).__name__}: {exc}")
 
     def _isolation_held(self, held: list[Any]) -> list[str]:
         """The placement IDs memory-unit holders were served as (issue 24), from their allocation dirs."""

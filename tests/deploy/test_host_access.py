@@ -78,6 +78,8 @@ def device_plugin_needs(cfg: config.Config, mode: EnforcementMode) -> HostAccess
              cfg.quota_host_dir: RW}  # quota files and links (quota_files.py, reconcile.py)
     if cfg.device_list_strategy is config.DeviceListStrategy.CDI_CRI:
         paths |= {root: RO for root in cdi_names.DEFAULT_ROOTS}  # main.py _check_cdi_names
+        if cfg.dynamic_mig.gpus:  # mig_cdi.py: made MIG instances' specs go into the last (dynamic) root
+            paths[cdi_names.DEFAULT_ROOTS[-1]] = RW
     caps: set[str] = set()
     if mode is EnforcementMode.DRIVER:
         paths[enforcement.HOST_CGROUP_ROOT] = RO  # CgroupFinder searches it; the driver moves the limits
@@ -246,6 +248,9 @@ def test_the_needs_follow_the_config() -> None:
     cfg = config.parse_config("deviceListStrategy: cdi-cri\nquota: {processAttribution: true}")
     needs = device_plugin_needs(cfg, EnforcementMode.COOPERATIVE)
     assert set(cdi_names.DEFAULT_ROOTS) <= set(needs.paths) and needs.host_pid
+    made = device_plugin_needs(config.parse_config("deviceListStrategy: cdi-cri\ndynamicMig: {gpus: [all]}"),
+                               EnforcementMode.COOPERATIVE)
+    assert made.paths[cdi_names.DEFAULT_ROOTS[-1]] == RW and made.paths[cdi_names.DEFAULT_ROOTS[0]] == RO
     driver = device_plugin_needs(config.Config(), EnforcementMode.DRIVER)
     assert driver.paths[contract.HOST_CGROUP_ROOT] is RO and driver.capabilities == {"SYS_ADMIN"}
     mps = device_plugin_needs(config.Config(), EnforcementMode.MPS)
