@@ -103,6 +103,9 @@ class ClusterState(SlotTable):
         self._fits: dict[tuple[tuple[Demand, ...], HostDemand], object] = {}  # valid for _fits_version
         self._fits_version = -1
         self._recent_rows: list[tuple[list[str], np.ndarray]] = []  # cleared when rows change hands
+        #: Bumped whenever a row changes hands (a node added to a row or removed from one): whatever
+        #: is cached per row about its *name* (the wire's encoded entries) is valid for one epoch.
+        self.names_epoch = 0
         self._mig: dict[int, dict[str, mig_books.GpuGeometry]] = {}  # row -> dynamic-MIG GPUs (issue 24)
 
     # -- nodes ------------------------------------------------------------------------------
@@ -130,6 +133,7 @@ class ClusterState(SlotTable):
             self._names[row] = name
             self._rows[name] = row
             self._recent_rows.clear()
+            self.names_epoch += 1
         self._grow(row + 1, len(slots))
         self.tie_rank[row] = zlib.crc32(name.encode())
         old = {s.uuid: (col, int(self.used[row, col])) for col, s in enumerate(self._slots[row])}
@@ -186,6 +190,7 @@ class ClusterState(SlotTable):
         if row is None:
             return
         self._recent_rows.clear()
+        self.names_epoch += 1
         for col, s in enumerate(self._slots[row]):
             self._uuids.pop(s.uuid, None)
             self._holders.pop((row, col), None)
