@@ -227,7 +227,7 @@ class HostFragments:
         if epoch != self._epoch:
             self._built[:] = False
             self._epoch = epoch
-        top = int(rows.max())
+        top = max(int(rows.max()), 0)  # row 0 stands in for unknown names below
         if top >= len(self._table):
             size = max(top + 1, 2 * len(self._table))
             table = np.empty((size, MAX_EXTENDER_PRIORITY + 1), object)
