@@ -376,7 +376,7 @@ def serve_child(argv: list[str]) -> None:
         d = a.tls_dir
         tls = Reloader(TlsFiles(f"{d}/server.crt", f"{d}/server.key", f"{d}/ca.crt"))
     server = http_server.ExtenderHTTPServer(ext, "127.0.0.1", 0, tls=tls)
-    prof = cProfile.Profile() if a.profile else None
+    prof = cProfile.Profile(time.thread_time) if a.profile else None  # CPU, not GIL waits
 
     def serve() -> None:  # the loop thread answers filter and prioritize: profile it there
         if prof is not None:
