@@ -21,6 +21,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import orjson
 
 from extender import accounting, binder, cache, dra_scoring, inspection, metrics, preemption, verbs, wire
@@ -54,6 +55,7 @@ class Extender:
         # books decides every placement; ``peer_tls`` is the client context it calls the leader with.
         self.leader: Any = None
         self.peer_tls: ssl.SSLContext | None = None
+        self._priorities = wire.HostFragments()  # each node's encoded HostPriority entries, per row
         self._post: dict[str, Callable[[bytes], bytes]] = {
             "/filter": self._filter, "/prioritize": self._prioritize, "/bind": self._bind,
             "/preempt": self._preempt,
@@ -149,11 +151,12 @@ class Extender:
             return wire.encode_host_priorities(dra)
         with self.acct.lock:
             view = self.acct.view(self.policy)
-            scores = verbs.prioritize_pod(view, args)
-            values = [s for _, s in scores]
-            top = max(values, default=0)  # the first best-scored node, as max(scores, key=score) finds it
-            self.acct.commit(verbs.expectation(view, args, scores[values.index(top)][0] if top > 0 else None))
-        return wire.encode_host_priorities(scores)
+            rows, scores = verbs.prioritize_rows(view, args)
+            best = int(np.argmax(scores)) if len(scores) else 0  # the first best-scored, as max(key=score)
+            top = int(scores[best]) if len(scores) else 0
+            self.acct.commit(verbs.expectation(view, args, args.names[best] if top > 0 else None))
+            epoch = self.acct.state.names_epoch
+        return self._priorities.encode(args.names, rows, scores, epoch)
 
     def _preempt(self, body: bytes) -> bytes:
         args = wire.decode_preemption_args(body)

@@ -101,9 +101,12 @@ class ClusterState(SlotTable):
         self.window = WorkloadWindow(workload_window)
         self.pinned: TargetWorkload | None = None
         self.memo = RowMemo()
-        self._fits: dict[tuple[tuple[Demand, ...], HostDemand], object] = {}  # valid for _fits_version
-        self._fits_version = -1
+        #: (demands, host) -> (state version, row versions, value): :meth:`memo_fit`
+        self._fits: dict[tuple[tuple[Demand, ...], HostDemand], tuple[int, np.ndarray, object]] = {}
         self._recent_rows: list[tuple[list[str], np.ndarray]] = []  # cleared when rows change hands
+        #: Bumped whenever a row changes hands (a node added to a row or removed from one): whatever
+        #: is cached per row about its *name* (the wire's encoded entries) is valid for one epoch.
+        self.names_epoch = 0
         self._mig: dict[int, dict[str, mig_books.GpuGeometry]] = {}  # row -> dynamic-MIG GPUs (issue 24)
 
     # -- nodes ------------------------------------------------------------------------------
@@ -131,6 +134,7 @@ class ClusterState(SlotTable):
             self._names[row] = name
             self._rows[name] = row
             self._recent_rows.clear()
+            self.names_epoch += 1
         self._grow(row + 1, len(slots))
         self.tie_rank[row] = zlib.crc32(name.encode())
         old = {s.uuid: (col, int(self.used[row, col])) for col, s in enumerate(self._slots[row])}
@@ -200,6 +204,7 @@ class ClusterState(SlotTable):
         if row is None:
             return
         self._recent_rows.clear()
+        self.names_epoch += 1
         for col, s in enumerate(self._slots[row]):
             self._uuids.pop(s.uuid, None)
             self._holders.pop((row, col), None)
@@ -220,19 +225,28 @@ class ClusterState(SlotTable):
             return self.all_rows()
         return np.array(sorted(self._rows.values()), np.int64)
 
-    def memo_fit(self, demands: tuple[Demand, ...], host: HostDemand, compute: Callable[[], T]) -> T:
-        """``compute()`` once per pod shape and state version: kube-scheduler asks filter, then
-        prioritize, for one pod against one state, and the policies read the same greedy fit."""
-        if self._fits_version != self.version:
-            self._fits.clear()
-            self._fits_version = self.version
+    def memo_fit(self, demands: tuple[Demand, ...], host: HostDemand,
+                 compute: Callable[[T | None, np.ndarray], T]) -> T:
+        """The greedy fit of one pod shape over every row, kept per shape and brought up to date row by
+        row: kube-scheduler asks filter, then prioritize, for one pod against one state, and the
+        policies read the same fit; after a bind or a watch event only the rows it touched are stale.
+        ``compute(previous, rows)`` returns the value for every row given the previous one (``None``:
+        compute every row, then ``rows`` is :meth:`all_rows`) and the rows whose version moved."""
         key = (demands, host)
-        hit = self._fits.get(key)
-        if hit is None:
-            if len(self._fits) >= 64:
-                self._fits.clear()
-            hit = self._fits[key] = compute()
-        return hit  # type: ignore[return-value]
+        entry = self._fits.get(key)
+        if entry is not None and entry[0] == self.version:
+            return entry[2]  # type: ignore[no-any-return]
+        n = len(self._names)
+        versions = self.row_version[:n]
+        if entry is None or len(entry[1]) != n:
+            value = compute(None, self.all_rows())
+        else:
+            stale = np.flatnonzero(entry[1] != versions)
+            value = compute(entry[2], stale) if len(stale) else entry[2]
+        if entry is None and len(self._fits) >= 64:
+            self._fits.clear()
+        self._fits[key] = (self.version, versions.copy(), value)
+        return value
 
     def nodes(self) -> list[str]:
         return list(self._rows)

@@ -92,13 +92,32 @@ class Ask:
         """Greedy best fit on these rows: computed once over every row per pod shape and state version
         (:meth:`ClusterState.memo_fit`), then sliced, since filter, prioritize and the policies all ask."""
         st = self.state
-        full = st.memo_fit(self.demands, self.host,
-                           lambda: Ask(st, self.demands, st.all_rows(), self.host).place("least"))
+
+        def compute(previous: Placement | None, rows: np.ndarray) -> Placement:
+            part = Ask(st, self.demands, rows, self.host).place("least")
+            if previous is None or previous.free_after.shape[1] != part.free_after.shape[1]:
+                return part if previous is None else Ask(st, self.demands, st.all_rows(), self.host).place("least")
+            return _patched(previous, rows, part)
+
+        full = st.memo_fit(self.demands, self.host, compute)
         return Placement(full.ok[self.rows], tuple(c[self.rows] for c in full.columns),
                          full.free_after[self.rows])
 
     def subset(self, keep: np.ndarray) -> "Ask":
         return Ask(self.state, self.demands, self.rows[keep], self.host, self.rng)
+
+
+def _patched(full: Placement, rows: np.ndarray, part: Placement) -> Placement:
+    """``full`` with ``rows`` replaced by ``part`` (their fresh placement), in new arrays: a row's greedy
+    fit depends on that row alone, so patching the rows that changed equals placing every row again."""
+    ok, free_after = full.ok.copy(), full.free_after.copy()
+    ok[rows], free_after[rows] = part.ok, part.free_after
+    columns = []
+    for old, new in zip(full.columns, part.columns):
+        cols = old.copy()
+        cols[rows] = new
+        columns.append(cols)
+    return Placement(ok, tuple(columns), free_after)
 
 
 def order(demands: Sequence[Demand]) -> list[int]:

@@ -85,7 +85,18 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
 def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str], policy: str,
                 host: HostDemand = HostDemand(), rng: np.random.Generator | None = None,
                 bonus: np.ndarray | None = None) -> list[tuple[str, int]]:
-    """Integer 0..10 per input name: one best fitting node gets 10, names that do not fit get 0.
+    """``(name, score)`` per input name, as :func:`score_rows` scores them."""
+    _, out = score_rows(state, demands, node_names, policy, host, rng, bonus)
+    return list(zip(node_names, out.tolist()))
+
+
+def score_rows(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str], policy: str,
+               host: HostDemand = HostDemand(), rng: np.random.Generator | None = None,
+               bonus: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each input name's row (-1: unknown) and its integer score 0..10, as ``[n]`` int64 arrays (the
+    extender encodes them without a Python object per node, :class:`extender.wire.HostFragments`).
+
+    Integer 0..10 per input name: one best fitting node gets 10, names that do not fit get 0.
 
     Raw scores are min-max scaled over the fitting nodes, so the extender's weight decides how much
     VRAM placement counts against kube-scheduler's own plugins, whatever the policy's raw units.
@@ -101,7 +112,9 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
     policy's step is its ``score_step`` (fgd: 1, its scores are whole steps), else a tenth of the raw
     range (one point of the 0..10 scale). It never reaches a node that does not fit.
     """
-    rows, known = _rows(state, node_names)
+    found = state.rows_of(node_names)
+    known = found >= 0
+    rows = found[known]
     out = np.full(len(node_names), MIN_EXTENDER_PRIORITY, np.int64)
     if len(rows):
         ask = Ask(state, tuple(demands), rows, host, rng)
@@ -125,7 +138,7 @@ def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
             per_row = np.full(len(rows), MIN_EXTENDER_PRIORITY, np.int64)
             per_row[ok] = scaled
             out[known] = per_row
-    return list(zip(node_names, out.tolist()))
+    return found, out
 
 
 def warm(state: ClusterState, policy: str, max_rows: int = 512) -> bool:

@@ -178,6 +178,14 @@ class FragmentationGradient:
         return before - after
 
     def scores(self, ask: Ask) -> np.ndarray:
+        """Memoised per row like :meth:`deltas` (a node's score depends on that node, the pod's shape, the
+        target workload and the GPU scale alone): after a bind only the rows it touched are scored again."""
+        st = ask.state
+        key = ("score", ask.demands, ask.host.cpu_milli, ask.host.memory_mib, ask.scale)
+        return st.memo.get(key, st.target_workload(), ask.rows, st.row_version,
+                           lambda stale: self._scores(ask.subset(stale)))
+
+    def _scores(self, ask: Ask) -> np.ndarray:
         delta, _ = self.deltas(ask)
         return np.floor((delta + self.stranding_removed(ask)) / ask.scale / NODE_STEP + 1e-9)
 

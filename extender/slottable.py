@@ -44,8 +44,8 @@ class SlotTable:
         self.host_tracked = np.zeros(0, bool)
         self.row_version = np.zeros(0, np.int64)  # bumped whenever a row's slots, usage or host change
         self.tie_rank = np.zeros(0, np.uint32)  # a stable per-node order for equal scores (CRC-32 of the name)
-        self._views: dict[str, np.ndarray] = {}
-        self._views_version = -1
+        self._views: dict[str, tuple[int, np.ndarray]] = {}  # name -> (version computed at, values)
+        self._scale: tuple[int, float] = (-1, 1.0)
         self._model_masks: dict[tuple[tuple[str, ...], int], np.ndarray] = {}
 
     def _touch(self, row: int) -> None:
@@ -86,36 +86,48 @@ class SlotTable:
         self.row_version = widen(self.row_version, 0)
         self.tie_rank = widen(self.tie_rank, 0)
 
-    # -- views for placement (computed once per state version) ------------------------------
-    def _view(self, name: str, compute: Callable[[], np.ndarray]) -> np.ndarray:
-        if self._views_version != self.version:
-            self._views.clear()
-            self._views_version = self.version
-        if name not in self._views:
-            self._views[name] = compute()
-        return self._views[name]
+    # -- views for placement (kept current row by row) ---------------------------------------
+    def _view(self, name: str, compute: Callable[[slice | np.ndarray], np.ndarray]) -> np.ndarray:
+        """``compute(rows)`` for every row once, then only for the rows whose version moved since: after
+        a bind one row changed, and recomputing 40,000 slots per view per cycle was most of a filter's
+        fixed cost at 5,000 nodes. Callers copy what they take (fancy indexing), so patching in place
+        changes nothing they hold."""
+        hit = self._views.get(name)
+        if hit is not None and hit[0] == self.version:
+            return hit[1]
+        if hit is None or hit[1].shape[0] != self.capacity.shape[0] or (
+                hit[1].ndim == 2 and hit[1].shape[1] != self.capacity.shape[1]):
+            values = compute(slice(None))
+        else:
+            values = hit[1]
+            rows = np.flatnonzero(self.row_version > hit[0])
+            if len(rows):
+                values[rows] = compute(rows)
+        self._views[name] = (self.version, values)
+        return values
 
     def free(self) -> np.ndarray:
         """Free amount per slot, 0 for unhealthy or absent slots and never negative. Read-only."""
-        return self._view("free", lambda: np.where(self.healthy, np.maximum(self.capacity - self.used, 0), 0))
+        return self._view("free", lambda r: np.where(self.healthy[r], np.maximum(self.capacity[r] - self.used[r], 0), 0))
 
     def shared_mask(self) -> np.ndarray:
         """Healthy slots in shared mode: the only ones that fragment."""
-        return self._view("shared", lambda: (self.kind == self.kind_code(SHARED)) & self.healthy)
+        code = self.kind_code(SHARED)
+        return self._view("shared", lambda r: (self.kind[r] == code) & self.healthy[r])
 
     def cpu_free(self) -> np.ndarray:
         """Free CPU per row; untracked rows are unlimited."""
-        return self._view("cpu", lambda: np.where(self.host_tracked, self.cpu_cap - self.cpu_used, UNLIMITED))
+        return self._view("cpu", lambda r: np.where(self.host_tracked[r], self.cpu_cap[r] - self.cpu_used[r], UNLIMITED))
 
     def mem_free(self) -> np.ndarray:
-        return self._view("mem", lambda: np.where(self.host_tracked, self.mem_cap - self.mem_used, UNLIMITED))
+        return self._view("mem", lambda r: np.where(self.host_tracked[r], self.mem_cap[r] - self.mem_used[r], UNLIMITED))
 
     def gpu_scale(self) -> float:
         """Capacity of the largest shared GPU (1000 in the share view): the unit scores compare in."""
-        def compute() -> np.ndarray:
+        if self._scale[0] != self.version:
             caps = self.capacity[self.shared_mask()]
-            return np.array(float(caps.max()) if caps.size and caps.max() > 0 else 1.0)
-        return float(self._view("scale", compute))
+            self._scale = (self.version, float(caps.max()) if caps.size and caps.max() > 0 else 1.0)
+        return self._scale[1]
 
     def model_mask(self, patterns: Sequence[str]) -> np.ndarray:
         """Which model codes a ``gpu-models`` constraint allows (substring match, empty = all)."""

@@ -24,7 +24,7 @@ from vramshare.config import Policy
 if TYPE_CHECKING:
     from extender.holds import Holds
 
-__all__ = ["View", "Expectation", "filter_pod", "prioritize_pod", "expectation", "policy_for", "NOT_A_GPU_NODE"]
+__all__ = ["View", "Expectation", "filter_pod", "prioritize_pod", "prioritize_rows", "expectation", "policy_for", "NOT_A_GPU_NODE"]
 
 log = logs.get("vramshare.extender.verbs")
 NOT_A_GPU_NODE = "node publishes no vramshare GPU inventory"
@@ -161,29 +161,38 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod, fit
 def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]:
     """Scores 0..10 for every candidate (0 where the pod does not fit); a pod that asks no GPU is scored
     by where its CPU and memory strand the fewest GPUs (fgd), as the simulator places it."""
+    _, scores = prioritize_rows(view, args)
+    return list(zip(args.names, scores.tolist()))
+
+
+def prioritize_rows(view: View, args: wire.ExtenderArgs) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`prioritize_pod` as arrays: each candidate's row in the books (-1: unknown) and its score,
+    so the app encodes the answer without a Python object per node (:class:`wire.HostFragments`)."""
     names = args.names
     # A pod that asks no GPU is scored too (kube-scheduler only sends it when the profile's
     # managedResources include one it asks, e.g. cpu): its CPU and memory strand GPUs as well.
     pod = view.read(args.pod)
     if pod.error is not None:
-        return [(n, 0) for n in names]
+        return view.state.rows_of(names), np.zeros(len(names), np.int64)
     assert pod.want is not None and pod.host is not None
     want, demands, host = pod.want, list(pod.demands), pod.host
-    # placement.score_nodes answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
+    # placement.score_rows answers every input name with an integer in MIN..MAX_EXTENDER_PRIORITY
     # (0 where the pod does not fit or the node is unknown): already the wire's HostPriorityList.
     bonus = None
     if want.model_error:
         log.info("model annotation ignored", pod=want.key, reason=want.model_error)
     if want.model is not None and view.models:
         bonus = _residency(view, want.model, names)
-    scores = placement.score_nodes(view.state, demands, names, policy_for(want.policy, view.policy).value, host,
-                                   bonus=bonus)
-    if view.silent and demands and any(n not in view.silent for n in names):
-        # placement elsewhere first: a node whose plugin does not report scores the minimum (its pods may
-        # not start, its books cannot be confirmed; filter still passes it). Where every candidate is
-        # silent the policy's own scores stand: flattening them would pile a burst onto one node.
-        scores = [(n, contract.MIN_EXTENDER_PRIORITY if n in view.silent else s) for n, s in scores]
-    return scores
+    rows, scores = placement.score_rows(view.state, demands, names, policy_for(want.policy, view.policy).value,
+                                        host, bonus=bonus)
+    if view.silent and demands:
+        silent = np.fromiter((n in view.silent for n in names), bool, len(names))
+        if not silent.all():
+            # placement elsewhere first: a node whose plugin does not report scores the minimum (its pods
+            # may not start, its books cannot be confirmed; filter still passes it). Where every candidate
+            # is silent the policy's own scores stand: flattening them would pile a burst onto one node.
+            scores = np.where(silent, contract.MIN_EXTENDER_PRIORITY, scores)
+    return rows, scores
 
 
 def expectation(view: View, args: wire.ExtenderArgs, node: str | None) -> Expectation | None:

@@ -10,9 +10,11 @@ below and this module only turns them into bytes, so the golden tests can assert
 from __future__ import annotations
 
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import orjson
 
 from vramshare.contract import MAX_EXTENDER_PRIORITY
@@ -20,7 +22,7 @@ from vramshare.contract import MAX_EXTENDER_PRIORITY
 __all__ = [
     "WireError", "ExtenderArgs", "FilterResult", "BindingArgs", "PreemptionArgs",
     "decode_extender_args", "decode_binding_args", "decode_preemption_args",
-    "encode_filter_result", "encode_host_priorities", "encode_binding_result", "encode_preemption_result",
+    "encode_filter_result", "encode_host_priorities", "HostFragments", "encode_binding_result", "encode_preemption_result",
 ]
 
 Obj = dict[str, Any]
@@ -111,6 +113,16 @@ class ExtenderArgs:
         return f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
 
 
+def _all_strings(items: list[Any]) -> bool:
+    """Every item is a ``str``: ``str.join`` checks that in C, ~5x faster than collecting the types of
+    5,000 freshly decoded names (the check runs on every filter and prioritize)."""
+    try:
+        "".join(items)
+    except TypeError:
+        return False
+    return True
+
+
 def decode_extender_args(body: bytes) -> ExtenderArgs:
     """Parse ``ExtenderArgs``; raises :class:`WireError` naming the bad field."""
     data = _loads(body, "ExtenderArgs")
@@ -118,7 +130,7 @@ def decode_extender_args(body: bytes) -> ExtenderArgs:
     names = _field(data, "NodeNames")
     raw_nodes = _field(data, "Nodes")
     if names is not None:
-        if not isinstance(names, list) or not set(map(type, names)) <= {str}:  # C speed for 5,000 names
+        if not isinstance(names, list) or not _all_strings(names):
             raise WireError("ExtenderArgs.NodeNames: expected a list of node names")
         return ExtenderArgs(pod=pod, node_names=names)
     if raw_nodes is None:
@@ -193,6 +205,65 @@ def encode_host_priorities(scores: Sequence[tuple[str, int]]) -> bytes:
         return b"[" + b",".join(map(operator.getitem, per_host, values)) + b"]"
     except (IndexError, TypeError):
         return orjson.dumps([{"Host": h, "Score": int(v)} for h, v in scores])
+
+
+class HostFragments:
+    """``HostPriorityList`` from arrays: per input name its row in the books (-1: unknown) and its score.
+
+    Each row's eleven entries (``{"Host":"<name>","Score":s}`` for s in 0..10) are encoded once and
+    kept in an object table ``[rows, 11]``; an answer is one fancy index and one join, with no Python
+    object made per node (5,000 tuples, dict lookups by freshly decoded names and fragment lists cost
+    more than the scoring). The table is valid for one ``epoch`` of the books' row names
+    (:attr:`extender.cluster.ClusterState.names_epoch`): a row that changes hands drops it all. The
+    bytes are exactly :func:`encode_host_priorities`'s for the same ``(name, score)`` pairs.
+    """
+
+    def __init__(self) -> None:
+        self._table = np.empty((0, MAX_EXTENDER_PRIORITY + 1), object)
+        self._built = np.zeros(0, bool)
+        self._epoch: object = None
+        self._lock = threading.Lock()  # the HTTP loop and a forwarded verb may encode at once
+
+    def encode(self, names: Sequence[str], rows: np.ndarray, scores: np.ndarray, epoch: object) -> bytes:
+        """The answer for ``names`` (their ``rows`` in the books of ``epoch``) scored ``scores``."""
+        if not len(names):
+            return b"[]"
+        if int(scores.min()) < 0 or int(scores.max()) > MAX_EXTENDER_PRIORITY:
+            return encode_host_priorities(list(zip(names, scores.tolist())))
+        with self._lock:
+            return self._encode(names, rows, scores, epoch)
+
+    def _encode(self, names: Sequence[str], rows: np.ndarray, scores: np.ndarray, epoch: object) -> bytes:
+        if epoch != self._epoch:
+            self._built[:] = False
+            self._epoch = epoch
+        top = max(int(rows.max()), 0)  # row 0 stands in for unknown names below
+        if top >= len(self._table):
+            size = max(top + 1, 2 * len(self._table))
+            table = np.empty((size, MAX_EXTENDER_PRIORITY + 1), object)
+            table[:len(self._table)] = self._table
+            built = np.zeros(size, bool)
+            built[:len(self._built)] = self._built
+            self._table, self._built = table, built
+        known = rows >= 0
+        safe = np.where(known, rows, 0)
+        missing = known & ~self._built[safe]
+        if missing.any():  # first sight of these rows (or of their names in this epoch)
+            new_rows, first = np.unique(safe[missing], return_index=True)
+            at = np.flatnonzero(missing)[first]
+            for row, i in zip(new_rows.tolist(), at.tolist()):
+                self._table[row] = _entries(names[i])
+            self._built[new_rows] = True
+        out = self._table[safe, scores].tolist()
+        if not known.all():  # names the books do not know: encoded by name, as encode_host_priorities does
+            for i in np.flatnonzero(~known).tolist():
+                out[i] = _entries(names[i])[int(scores[i])]
+        return b"[" + b",".join(out) + b"]"
+
+
+def _entries(host: str) -> tuple[bytes, ...]:
+    frags = _HOST_FRAGMENTS.get(host)
+    return frags if frags is not None else _fragments(host)
 
 
 # -- bind -------------------------------------------------------------------------------------
