@@ -19,7 +19,6 @@ import tempfile
 import pytest
 
 from deviceplugin.dra.main import DraPluginDaemon
-from deviceplugin.dra.tenants import ClaimTenantSource, PodCacheNotSynced
 from deviceplugin.simulated_backend import SimulatedBackend
 from deviceplugin.simulated_usage import UsageReplay
 from standins.apiserver import ApiServerDouble
@@ -118,6 +117,7 @@ def test_a_tick_makes_no_list_call_and_a_deleted_pods_claim_leaves_no_state(node
 
 def test_before_the_pod_cache_has_listed_a_tick_is_skipped_not_emptied():
     """Every claim would look departed (and lose its state) if an empty, never-listed cache were believed."""
+    from deviceplugin.dra.tenants import ClaimTenantSource, PodCacheNotSynced
     source = ClaimTenantSource(dict, list, lambda: False)
     with pytest.raises(PodCacheNotSynced):
         source.list_tenants()
