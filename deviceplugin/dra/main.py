@@ -5,8 +5,9 @@ Threads (named, started by :meth:`DraPluginDaemon.start`, stopped by ``close``):
 registered the plugin, and again on every health or config change, on every registration and
 whenever ``slice-watch`` sees one deleted: the kubelet wipes them at its start and after a
 deregistration; retrying failures),
-``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration)
-and ``metrics-http``. Same backends and config file as the device plugin; the config's
+``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration),
+``metrics-http``, and with the quota loop ``quota-loop`` and ``pod-watch`` (the claims' pods, by
+list+watch: a tick reads no API server). Same backends and config file as the device plugin; the config's
 ``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
 
 Dynamic MIG (issue 24): on NVML, GPUs in MIG mode listed in ``dynamicMig.gpus`` are published as
@@ -38,6 +39,7 @@ from deviceplugin.metrics import MetricsServer
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
 from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
 from deviceplugin.node_state import NodeState, Snapshot
+from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
 from deviceplugin.serve import serve, spawn
 from vramshare import contract, kube, logs, mig
@@ -89,15 +91,19 @@ class DraPluginDaemon:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.refused: frozenset[str] = frozenset()
+        self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
+        self._quota_loop: Any = None
         self.failed: str | None = None
         self.state.add_listener(self._changed)
 
     def _start_quota_loop(self) -> None:
-        """The quota loop over prepared claims: needs per-process memory from NVML (a real node)."""
+        """The quota loop over prepared claims: needs per-process memory from NVML (a real node), or a
+        simulated node's replayed use. Its tenants' pods come from a pod cache it starts (list+watch)."""
         config = self.state.snapshot.config
         if not config.quota.enabled:
             return
-        if self.backend.name != "nvml":
+        replay = getattr(self.backend, "usage_replay", None)  # a simulated node replaying a trace
+        if self.backend.name != "nvml" and replay is None:
             log.info("quota loop off: it reads per-process GPU memory from NVML", backend=self.backend.name)
             return
         from deviceplugin.dra.tenants import ClaimTenantSource
@@ -106,10 +112,14 @@ class DraPluginDaemon:
         def capacities() -> dict[str, int]:  # schedulable MiB of each shared GPU, what the loop divides
             inv = self.state.snapshot.inventory
             return {g.uuid: inv.capacity_mib(g) for g in inv.gpus if g.mode is GpuMode.SHARED}
-        loop = quota_service.build_loop(config, self._api, self.node, capacities,
+        pods = self.pods = NodePodCache(self._api, self.node, config.names)  # the claims' pods, by watch
+        self._spawn("pod-watch", lambda: pods.run(self._stop))
+        tenants = ClaimTenantSource(self.preparer.prepared, pods.pods, pods.synced.is_set,
+                                    config.names)  # no API call per tick (issue 21)
+        loop = quota_service.build_loop(config, self._api, self.node, capacities, tenants,
                                         nvml=getattr(self.backend, "nvml", None),
-                                        tenants=ClaimTenantSource(self.preparer.prepared, client.CoreV1Api(self._api),
-                                                                  self.node, config.names))
+                                        usage=[replay] if replay is not None else None)
+        self._quota_loop = loop
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
 
@@ -251,6 +261,8 @@ class DraPluginDaemon:
         self._stop.set()
         self._dirty.set()
         self.slice_watch.stop()
+        if self.pods is not None:
+            self.pods.stop()
         self.plugin.stop()
         self.backend.close()
         for thread in self._threads:

@@ -31,7 +31,7 @@ from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.manager import DeviceFeeds, NodeResourceManager, ResourceManager
 from deviceplugin.kubelet.mig_cdi import MigCdi
 from deviceplugin.kubelet.mig_node import MigNode
-from deviceplugin.kubelet.pod_cache import NodePodCache
+from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.kubelet.podresources import KubeletPodResources
 from deviceplugin.kubelet.reconcile_loop import Reconciler
 from deviceplugin.metrics import MetricsServer, PluginMetrics

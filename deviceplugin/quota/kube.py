@@ -31,7 +31,7 @@ from vramshare.config import OverLimitAction
 log = logs.get("vramshare.quota.kube")
 MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT_S = 5.0
-_DONE_PHASES = {"Succeeded", "Failed"}
+DONE_PHASES = {"Succeeded", "Failed"}
 
 
 def metrics_url(pod: Mapping[str, Any]) -> str | None:
@@ -82,7 +82,7 @@ def pending_from_pods(pods: Iterable[Mapping[str, Any]], names: contract.Names,
     for pod in pods:
         meta = pod.get("metadata") or {}
         text = (meta.get("annotations") or {}).get(names.assignment)
-        if not text or meta.get("uid", "") in tenants or (pod.get("status") or {}).get("phase") in _DONE_PHASES:
+        if not text or meta.get("uid", "") in tenants or (pod.get("status") or {}).get("phase") in DONE_PHASES:
             continue
         where = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
         if not _believed_assignment(pod, names):
@@ -120,7 +120,7 @@ def tenants_from_holdings(holdings: Iterable[HeldContainer], pods: Iterable[Mapp
     for h in holdings:
         o = h.owner
         pod = by_uid.get(o.uid)
-        if pod is None or (pod.get("status") or {}).get("phase") in _DONE_PHASES:
+        if pod is None or (pod.get("status") or {}).get("phase") in DONE_PHASES:
             continue
         cids = container_ids(pod)
         out.append(Tenant(key=TenantKey(o.namespace, o.pod, o.container, pod_uid=o.uid),

@@ -328,11 +328,17 @@ def test_the_quota_loop_rewrites_the_file_a_prepared_claim_mounts(tmp_path):
     p = make(tmp_path, claims)
     for c in (hot, idle, shared_claim):
         assert p.prepare(ref(c)).error == ""
-    pods = {"pod-hot": {"metadata": {"name": "p", "annotations": {"prometheus.io/port": "8000"}},
-                        "status": {"podIP": "10.0.0.1"}}}
+    pods = [{"metadata": {"name": "p", "uid": "pod-hot", "annotations": {"prometheus.io/port": "8000"}},
+             "status": {"podIP": "10.0.0.1"}},
+            {"metadata": {"name": "pod-idle", "uid": "pod-idle"}},
+            {"metadata": {"name": "p2", "uid": "pod-s2"}}]
     tenants = tenants_from_claims(p.prepared().values(), pods)
     assert [(t.key.pod_uid, t.key.container) for t in tenants] == [  # a claim of two pods is no tenant
         ("pod-hot", "claim-claim-uid-hot"), ("pod-idle", "claim-claim-uid-idle")]
+    # a claim whose pod left the node's pods (deleted, or done) has departed: no tenant
+    assert [t.key.pod_uid for t in tenants_from_claims(p.prepared().values(), pods[:1])] == ["pod-hot"]
+    done = [pods[0], {"metadata": {"uid": "pod-idle"}, "status": {"phase": "Succeeded"}}]
+    assert [t.key.pod_uid for t in tenants_from_claims(p.prepared().values(), done)] == ["pod-hot"]
     gpu0 = SimulatedBackend.demo().discover()[0].uuid
     assert tenants[0].gpus == ((gpu0, 20 * 1024),) and tenants[0].metrics_url == "http://10.0.0.1:8000/metrics"
 

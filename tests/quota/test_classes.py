@@ -345,7 +345,7 @@ def test_dra_tenants_carry_pod_metadata_too():
                         "annotations": {names.quota_class: "batch"}}, "spec": {"priorityClassName": "hi"}}
     claim = PreparedClaim(uid="cu", namespace="prod", name="c", state=PREPARED, cdi_spec="vramshare.io/gpu=c",
                           pod_uids=("u1",), gpus={"GPU-0": 8192})
-    (t,) = tenants_from_claims([claim], {"u1": pod}, names)
+    (t,) = tenants_from_claims([claim], [pod], names)
     assert t.meta == PodMeta.of("prod", {"team": "eval"}, "hi", "batch")
     assert resolve(t.meta, CLASSES).qclass.name == "batch"
 

@@ -1,8 +1,9 @@
-"""This node's pods, kept by list + watch: what steering and the reconciler read, never an API call.
+"""This node's pods, kept by list + watch: what the node plugins read, never an API call.
 
-GetPreferredAllocation reads the extender's plans from here and the reconciler the pods' UIDs,
-resourceVersions and annotations; neither waits on the API server, so an outage only makes the view
-older (steering then falls back to best fit, the reconciler's patches wait). The reconciler's own
+Shared by both node plugins: the kubelet plugin's steering and reconciler, and the DRA plugin's quota
+tenants (a claim's pod: metrics URL, container IDs, quota-class metadata). GetPreferredAllocation
+reads the extender's plans from here and the reconciler the pods' UIDs, resourceVersions and
+annotations; neither waits on the API server, so an outage only makes the view older (steering then falls back to best fit, the reconciler's patches wait). The reconciler's own
 patches are written through, so the next round starts from the resourceVersion it produced. The
 watching is :class:`vramshare.watch.ListWatch`'s (a list replaces the view, 410 relists, bookmarks,
 backoff with jitter).
@@ -14,10 +15,11 @@ from typing import Any, Mapping
 
 from kubernetes import client
 
-from deviceplugin.kubelet.kube_adapter import TIMEOUT_S
 from vramshare import contract
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
+
+TIMEOUT_S = 5.0  # connect and read timeout of the list (a watch reads for its timeoutSeconds more)
 
 
 def _rv(pod: Mapping[str, Any]) -> int:
@@ -29,7 +31,7 @@ def _rv(pod: Mapping[str, Any]) -> int:
 
 
 class NodePodCache:
-    """:class:`deviceplugin.kubelet.allocator.PodSource` over a watch of the pods bound to one node."""
+    """:class:`deviceplugin.kubelet.allocator.PodSource` (and the DRA quota tenants' pods) over a watch of the pods bound to one node."""
 
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300) -> None:
         v1 = client.CoreV1Api(api)

@@ -1,0 +1,124 @@
+"""Issue 21 (the quota tick without a round trip) on the DRA path, through the whole DRA plugin: the API
+server double (real kubernetes client), the stand-in DRA scheduler and kubelet (real gRPC Prepare) and
+the simulated GPU backend with replayed use at the edges; the daemon's own preparer, pod cache and quota
+loop inside.
+
+* A quota tick makes no LIST call: its tenants are the preparer's prepared claims (in-process), the
+  claim pods' metadata comes from the watch-fed pod cache and follows a change at watch speed. On
+  954fe28 every tick LISTed the node's pods (``dra/tenants.py ClaimTenantSource``), and the loop did
+  not run on a simulated node at all.
+* A claim whose pod was deleted (the kubelet has not unprepared it yet) leaves no state in the loop,
+  from the next tick on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+
+import pytest
+
+from deviceplugin.dra.main import DraPluginDaemon
+from deviceplugin.simulated_backend import SimulatedBackend
+from deviceplugin.simulated_usage import UsageReplay
+from standins.apiserver import ApiServerDouble
+from standins.dra_kubelet import DraKubelet
+from standins.dra_scheduler import DraScheduler
+from tests.dra.conftest import NODE, dra_config
+from tests.dra.test_daemon import DRIVER, _apply_deploy, devices_of
+from vramshare.kube import api_client_for
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A running DRA plugin on the demo node whose use is replayed (so its quota loop runs), ticking only
+    when the test says, with a registered kubelet and scheduler."""
+    sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        api.create_node({"metadata": {"name": NODE}})
+        _apply_deploy(http)
+        config = dra_config(tmp_path)
+        config = dataclasses.replace(config, quota=dataclasses.replace(config.quota, interval_seconds=3600))
+        backend = SimulatedBackend.demo()
+        backend.usage_replay = UsageReplay([[2000]])
+        daemon = DraPluginDaemon(backend, config, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
+                                 registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2)
+        with daemon:
+            loop = getattr(daemon, "_quota_loop", None)  # the daemon's own loop, driven tick by tick
+            assert loop is not None, "the DRA plugin's quota loop runs on a node with replayed use"
+            assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+            kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
+            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+            yield api, daemon, loop, DraScheduler(http, [NODE], seed=1), kubelet
+    shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _running(api: ApiServerDouble, scheduler: DraScheduler, name: str) -> dict:
+    """A vLLM pod with a 22 GiB shared claim, scheduled here and given a pod IP (its metrics URL)."""
+    api.create_pod({"metadata": {"name": name, "namespace": "default",
+                                 "annotations": {"prometheus.io/port": "8000"}},
+                    "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "vllm-22gi"}],
+                             "containers": [{"name": "vllm", "image": "vllm",
+                                             "resources": {"claims": [{"name": "gpu"}]}}]}})
+    placement = scheduler.schedule(scheduler.create_claims(api.get_pod("default", name)))
+    assert placement is not None and placement.node == NODE
+    _ip(api, name, "10.0.0.1")
+    return api.get_pod("default", name)
+
+
+def _ip(api: ApiServerDouble, name: str, ip: str) -> None:
+    from standins.apiserver.resources import PODS
+
+    def set_ip(pod: dict) -> None:
+        pod.setdefault("status", {}).update(phase="Running", podIP=ip)
+    api.update(PODS, "default", name, set_ip)
+
+
+def _cached(daemon, api: ApiServerDouble, name: str) -> None:
+    """The plugin's pod cache has the API's current version of the pod (watch events are asynchronous)."""
+    rv = api.get_pod("default", name)["metadata"]["resourceVersion"]
+    assert api.wait_for(lambda _: any(p["metadata"]["name"] == name and p["metadata"]["resourceVersion"] == rv
+                                      for p in daemon.pods.pods()))
+
+
+def _lists(api: ApiServerDouble) -> int:
+    return sum(1 for r in api.requests("GET", r"/pods$") if "watch" not in r.query)
+
+
+def test_a_tick_makes_no_list_call_and_a_deleted_pods_claim_leaves_no_state(node):
+    api, daemon, loop, scheduler, kubelet = node
+    pod = _running(api, scheduler, "chat")
+    kubelet.prepare_pod(pod)
+    assert len(daemon.preparer.prepared()) == 1
+    _cached(daemon, api, "chat")
+    api.clear_requests()
+    for _ in range(3):
+        report = loop.run_once()
+        assert report.skipped is None, report.skipped
+    assert _lists(api) == 0, "a quota tick read the node's pods back from the API server"
+    [tenant] = loop.tenants_now
+    assert tenant.key.pod == "chat" and tenant.key.container.startswith("claim-")
+    assert tenant.metrics_url == "http://10.0.0.1:8000/metrics"
+    assert [k.pod for k, _gpu in loop.views()] == ["chat"] and loop.limits()
+    _ip(api, "chat", "10.0.0.2")  # the pod's metadata changes: the next tick sees it, at watch speed
+    _cached(daemon, api, "chat")
+    assert loop.run_once().skipped is None
+    assert [t.metrics_url for t in loop.tenants_now] == ["http://10.0.0.2:8000/metrics"]
+    api.delete_pod("default", "chat")  # gone from the API; the kubelet has not unprepared its claim yet
+    assert api.wait_for(lambda _: all(p["metadata"]["name"] != "chat" for p in daemon.pods.pods()))
+    assert len(daemon.preparer.prepared()) == 1
+    report = loop.run_once()
+    assert report.skipped is None, report.skipped
+    assert loop.tenants_now == []
+    assert loop.limits() == {} and loop.views() == {} and loop.phases() == {} and loop.classes() == {}
+    assert loop.tracked() == set()  # every per-tenant state, in one place
+    assert _lists(api) == 0
+
+
+def test_before_the_pod_cache_has_listed_a_tick_is_skipped_not_emptied():
+    """Every claim would look departed (and lose its state) if an empty, never-listed cache were believed."""
+    from deviceplugin.dra.tenants import ClaimTenantSource, PodCacheNotSynced
+    source = ClaimTenantSource(dict, list, lambda: False)
+    with pytest.raises(PodCacheNotSynced):
+        source.list_tenants()
+    assert ClaimTenantSource(dict, list, lambda: True).list_tenants() == []
