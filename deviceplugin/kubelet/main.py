@@ -31,11 +31,11 @@ from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.manager import DeviceFeeds, NodeResourceManager, ResourceManager
 from deviceplugin.kubelet.mig_cdi import MigCdi
 from deviceplugin.kubelet.mig_node import MigNode
-from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.kubelet.podresources import KubeletPodResources
 from deviceplugin.kubelet.reconcile_loop import Reconciler
 from deviceplugin.metrics import MetricsServer, PluginMetrics
 from deviceplugin.node_state import NodeState, Snapshot
+from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.serve import serve, spawn
