@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.quota.node_sim import Engine, Node
@@ -46,6 +46,31 @@ def test_a_throttling_engine_is_never_lent_memory(tmp_path):
     assert b.use == b.request
 
 
+def _throttler_cut_while_idle(tmp_path, returns_at: int):
+    """A borrower (releasing, acknowledges at once) beside a throttling engine that stays idle past
+    its start-up and wants its whole request back at ``returns_at``, acknowledging files 2 ticks late."""
+    a = Engine("a", CAP - 4 * GIB, "unmap", bind=0, demand=[CAP], startup=6, ack_lag=0, alloc_after=0, link_after=0)
+    b = Engine("b", 4 * GIB, "throttle", bind=0, demand=[0] * (returns_at - 6) + [4 * GIB], startup=6, ack_lag=2,
+               alloc_after=0, link_after=0)
+    return Node(str(tmp_path), CAP, [a, b]), a, b
+
+
+def test_a_cut_the_engine_has_not_acknowledged_is_not_lent_when_it_still_follows_allocates_file(tmp_path_factory):
+    """Regression (fails before the fix; found by the property test below): the loop cuts an idle
+    throttling engine below its request, on the first file it writes for it. Until the engine
+    acknowledges that file it still follows the one Allocate wrote (its request), but the loop
+    remembered only the files it wrote itself, so the limit it "may still grow to" was the cut: the
+    cut was lent to the borrower at once, and the engine growing back to its request before its
+    acknowledgement put the sum of uses over the GPU (82,432 MiB on 80,896)."""
+    for returns_at in range(26, 42):
+        node, a, b = _throttler_cut_while_idle(tmp_path_factory.mktemp("node"), returns_at)
+        for _ in range(returns_at + 8):
+            node.step()
+            assert a.use + b.use <= CAP, (returns_at, node.t - 1, a.use, a.limit(), b.use, b.limit())
+            assert node.committed() <= CAP, (returns_at, node.t - 1, a.use, a.limit(), b.use, b.limit())
+        assert node.loop.counts["node_overcommit"] == 0
+
+
 @st.composite
 def nodes(draw):
     """Up to three containers, requests that fit the GPU (the extender's books), random arrivals,
@@ -70,7 +95,23 @@ def nodes(draw):
     return engines
 
 
+# the counterexample hypothesis found (demand walks cut after the tick that failed, 31): e1 is cut below
+# its request at 30 on the loop's first file for it, and wants its request back at 31, before it acknowledges
+_E1 = [3040, 4064, 8160, 8160, 8192, 7168, 8192, 8192, 8192, 8192, 8192, 8192, 4096, 4096, 3072, 2048, 2048, 0,
+       4096, 0, 0, 1024, 5120]
+_E2 = [58686, 58686, 54590, 54590, 55614, 55614, 55614, 63806, 69632, 69632, 69632, 69632, 69632, 68608, 69632,
+       68608, 68608, 67584, 69632, 65536, 66560, 69632, 69632, 69632, 69632, 69632]
+_E0 = [18068, 22164, 22164, 18068, 18068, 18068, 22164, 22164, 22164, 21140, 20116, 28308, 24212, 23188, 31380,
+       31380, 34816, 34816, 33792, 33792]
+
+
 @settings(max_examples=40, deadline=None)
+@example(engines=[Engine("e0", 17408, "unmap", bind=5, demand=_E0, list_lag=1, alloc_after=0, link_after=0, startup=7,
+                         ack_lag=1),
+                  Engine("e1", 4096, "throttle", bind=0, demand=_E1, list_lag=0, alloc_after=0, link_after=0, startup=9,
+                         ack_lag=2),
+                  Engine("e2", 34816, "unmap", bind=0, demand=_E2, list_lag=0, alloc_after=0, link_after=0, startup=6,
+                         ack_lag=0)])
 @given(nodes())
 def test_sum_of_uses_fits_and_nobody_is_fenced_below_its_request_while_another_borrows(tmp_path_factory, engines):
     """Over 45 ticks: the sum of uses never exceeds the GPU, the node-level sum of max(limit, use)
