@@ -324,6 +324,9 @@ class QuotaLoop:
             if on_disk is not None:
                 if b.generation is None:
                     b.generation = on_disk.generation
+                    # the file it found is one its engine may still follow (Allocate's, or a previous
+                    # loop's): remembered like its own, so a cut is not lent before it is acknowledged
+                    b.history.append((on_disk.generation, on_disk.limits()))
                 if on_disk.state:  # the loop wrote it before (Allocate's first file has no state)
                     b.managed = True
                 for g, mib in on_disk.limits().items():
@@ -379,7 +382,7 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
-                acked, unacked, follows = self._acked(t.key, gpu, req if cur is None else cur)
+                acked, unacked, follows = self._acked(t.key, gpu, req if cur is None else cur, req)
                 ts = TenantState(t.key, req, cur, u, sig, peak_mib=peak,
                                  phase=phase if u is not None else Phase.HOT,
                                  bounds=self._bounds(ct, req, cur),
@@ -584,12 +587,14 @@ class QuotaLoop:
         b = self._book(key)
         return not b.managed and self.counts["ticks"] - b.first_tick < self.settings.startup_ticks
 
-    def _acked(self, key: TenantKey, gpu: str, cur: int) -> tuple[bool, int | None, int | None]:
+    def _acked(self, key: TenantKey, gpu: str, cur: int, request: int) -> tuple[bool, int | None, int | None]:
         """For an engine that reports the generation it applied: (it applied the file carrying its
         current limit, the highest limit it may still grow to, the limit it follows now). Until it
         acknowledges a shrink the memory cut is not anyone else's; "at its limit" is measured
         against the limit it follows. Engines that report none: (False, None, None): their use
-        shows what they hold, and they follow the file in force."""
+        shows what they hold, and they follow the file in force. The history starts with the file
+        the loop first found (Allocate's: the request); an engine on a file older than every one
+        remembered may follow any of them, or its request."""
         b = self._book(key)
         applied = b.applied
         if applied is None:
@@ -599,8 +604,9 @@ class QuotaLoop:
         if applied >= (b.generation or 0):
             return True, cur, cur
         later = [lim for g, lim in hist if g > applied]
-        # an older file than the history holds: it may follow any limit this process remembers
-        top = max(later + [cur] + ([follows] if follows is not None else [lim for _, lim in hist]))
+        # an older file than the history holds: it may follow any limit this process remembers, or
+        # Allocate's (its request), which a restarted loop never saw (issue 19: never lent twice)
+        top = max(later + [cur] + ([follows] if follows is not None else [lim for _, lim in hist] + [request]))
         return False, top, follows
 
     def _reserved(self, files: list[Claim]) -> dict[str, int]:
