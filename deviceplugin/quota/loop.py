@@ -165,6 +165,9 @@ class TenantBook:
     # follows from the generation it reports applied
     history: deque[tuple[int, dict[str, int]]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
     managed: bool = False  # its file was written by a quota loop when first listed
+    # per GPU, the most a file older than any remembered may have given its engine: found written by
+    # an earlier loop (a restart), the ceiling on its line, since that loop's files are not known
+    before: dict[str, int] = field(default_factory=dict)
 
     def gpu(self, uuid: str) -> GpuBook:
         return self.gpus.setdefault(uuid, GpuBook())
@@ -327,6 +330,8 @@ class QuotaLoop:
                     # the file it found is one its engine may still follow (Allocate's, or a previous
                     # loop's): remembered like its own, so a cut is not lent before it is acknowledged
                     b.history.append((on_disk.generation, on_disk.limits()))
+                    if on_disk.state:
+                        b.before = {line.uuid: max(line.limit_mib, line.ceiling_mib) for line in on_disk.gpus}
                 if on_disk.state:  # the loop wrote it before (Allocate's first file has no state)
                     b.managed = True
                 for g, mib in on_disk.limits().items():
@@ -594,7 +599,8 @@ class QuotaLoop:
         against the limit it follows. Engines that report none: (False, None, None): their use
         shows what they hold, and they follow the file in force. The history starts with the file
         the loop first found (Allocate's: the request); an engine on a file older than every one
-        remembered may follow any of them, or its request."""
+        remembered may follow any of them, its request, or, when the file found was an earlier
+        loop's (a restart), up to that file's ceiling."""
         b = self._book(key)
         applied = b.applied
         if applied is None:
@@ -604,9 +610,10 @@ class QuotaLoop:
         if applied >= (b.generation or 0):
             return True, cur, cur
         later = [lim for g, lim in hist if g > applied]
-        # an older file than the history holds: it may follow any limit this process remembers, or
-        # Allocate's (its request), which a restarted loop never saw (issue 19: never lent twice)
-        top = max(later + [cur] + ([follows] if follows is not None else [lim for _, lim in hist] + [request]))
+        # an older file than the history holds: it may follow any limit this process remembers,
+        # Allocate's (its request), or one of an earlier loop's (issue 19: never lent twice)
+        older = [lim for _, lim in hist] + [request, b.before.get(gpu, 0)]
+        top = max(later + [cur] + ([follows] if follows is not None else older))
         return False, top, follows
 
     def _reserved(self, files: list[Claim]) -> dict[str, int]:

@@ -71,6 +71,31 @@ def test_a_cut_the_engine_has_not_acknowledged_is_not_lent_when_it_still_follows
         assert node.loop.counts["node_overcommit"] == 0
 
 
+def test_a_restarted_loop_does_not_lend_what_an_engine_on_an_older_file_may_still_use(tmp_path):
+    """Regression (fails before the fix; found by the property test with restarts): the loop lent e1
+    up to 12,288 MiB (its ceiling, request 8,192), then cut it to 10,240; it restarted before e1's
+    engine (2 ticks behind) applied the cut. The new loop knew only the file on disk (10,240) and
+    treated 10,240 as the most e1 could grow to, so it raised e0 into the 2,048 MiB e1 was still
+    using under the older file: 81,920 MiB used on 80,896."""
+    e0 = Engine("e0", 25600, "unmap", bind=0, link_after=1, alloc_after=0, startup=4, ack_lag=0, demand=[
+        16619, 17643, 16619, 16619, 17643, 17643, 21739, 22763, 18667, 19691, 15595, 23787, 23787, 23787, 24811, 23787,
+        22763, 26859, 26859, 27883, 36075, 37099, 37099, 37099, 41195, 49387, 48363, 47339, 51200, 50176, 51200])
+    e1 = Engine("e1", 8192, "unmap", bind=0, list_lag=1, alloc_after=0, link_after=0, startup=8, ack_lag=2, demand=[
+        5426, 13618, 16384, 16384, 12288, 12288, 8192, 8192, 16384, 16384, 16384, 16384, 16384, 16384, 15360, 11264,
+        11264, 7168, 15360, 15360, 15360, 16384, 16384, 16384, 12288, 16384, 16384])
+    e2 = Engine("e2", 28672, "unmap", bind=5, alloc_after=0, link_after=0, startup=4, ack_lag=1, demand=[
+        55340, 57344, 57344, 53248, 53248, 54272, 54272, 54272, 57344, 57344, 57344, 57344, 57344, 57344, 56320, 57344,
+        56320, 56320, 55296, 57344, 53248, 54272, 57344, 57344, 57344, 57344])
+    node = Node(str(tmp_path), CAP, [e0, e1, e2])
+    for _ in range(45):
+        if node.t == 34:
+            node.restart()
+        node.step()
+        assert e0.use + e1.use + e2.use <= CAP, (node.t - 1, [(e.name, e.use, e.limit()) for e in (e0, e1, e2)])
+        assert node.committed() <= CAP, (node.t - 1, [(e.name, e.use, e.limit()) for e in (e0, e1, e2)])
+    assert node.loop.counts["node_overcommit"] == 0
+
+
 @st.composite
 def nodes(draw):
     """Up to three containers, requests that fit the GPU (the extender's books), random arrivals,
@@ -111,18 +136,22 @@ _E0 = [18068, 22164, 22164, 18068, 18068, 18068, 22164, 22164, 22164, 21140, 201
                   Engine("e1", 4096, "throttle", bind=0, demand=_E1, list_lag=0, alloc_after=0, link_after=0, startup=9,
                          ack_lag=2),
                   Engine("e2", 34816, "unmap", bind=0, demand=_E2, list_lag=0, alloc_after=0, link_after=0, startup=6,
-                         ack_lag=0)])
-@given(nodes())
-def test_sum_of_uses_fits_and_nobody_is_fenced_below_its_request_while_another_borrows(tmp_path_factory, engines):
+                         ack_lag=0)], restart=None)
+@given(nodes(), st.one_of(st.none(), st.integers(1, 44)))
+def test_sum_of_uses_fits_and_nobody_is_fenced_below_its_request_while_another_borrows(tmp_path_factory, engines,
+                                                                                       restart):
     """Over 45 ticks: the sum of uses never exceeds the GPU, the node-level sum of max(limit, use)
     over every container with a quota file never does either, and no started container is fenced
     below min(its request, its demand) while another uses more than its request for longer than the
     loop needs to react (see it at its fence, the lender's acknowledgement, the raise's
-    acknowledgement: 2 x the largest ack lag + 4 ticks)."""
+    acknowledgement: 2 x the largest ack lag + 4 ticks); also when the quota loop restarts at
+    ``restart`` (a new process on the same files, remembering nothing)."""
     node = Node(str(tmp_path_factory.mktemp("node")), CAP, engines)
     react = 2 * max(e.ack_lag for e in engines) + 4
     fenced = {e.name: 0 for e in engines}
     for _ in range(45):
+        if node.t == restart:
+            node.restart()
         node.step()
         t = node.t - 1
         assert sum(e.use for e in engines) <= CAP, [(e.name, e.use, e.limit()) for e in engines]
