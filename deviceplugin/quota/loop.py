@@ -388,12 +388,16 @@ class QuotaLoop:
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
                 acked, unacked, follows = self._acked(t.key, gpu, req if cur is None else cur, req)
-                ts = TenantState(t.key, req, cur, u, sig, peak_mib=peak,
-                                 phase=phase if u is not None else Phase.HOT,
+                # an engine on a file this process never saw (after a restart) may hold up to a bound
+                # it cannot know exactly: its limit is held, as for a tenant without telemetry, and
+                # the bound is counted as held, until it acknowledges a file this process knows
+                seen_u = None if unacked is not None and follows is None and not acked else u
+                ts = TenantState(t.key, req, cur, seen_u, sig, peak_mib=peak,
+                                 phase=phase if seen_u is not None else Phase.HOT,
                                  bounds=self._bounds(ct, req, cur),
                                  rank=self._rank(t.key, ct),
                                  recent_mib=tuple(self._book(t.key).gpu(gpu).window),
-                                 demand_mib=_demand(u, sig) if len(t.gpus) == 1 else None,
+                                 demand_mib=_demand(seen_u, sig) if len(t.gpus) == 1 else None,
                                  starting=self._starting(t.key),
                                  shrink_acked=acked, unacked_mib=unacked,
                                  engine_mib=follows)
