@@ -130,6 +130,26 @@ def test_a_restarted_loop_holds_the_limit_of_an_engine_on_a_file_it_never_saw(tm
     assert node.loop.counts["node_overcommit"] == 0
 
 
+def test_a_raise_into_a_limit_not_yet_let_go_of_must_fit_once_it_is(tmp_path):
+    """Regression (fails before the fix; found with 100 ticks and later binds, default policy): e1
+    was lent up to 30,720 MiB; e3 (30,720) is bound. e1 is cut to 25,339 but has not acknowledged,
+    so it still counts at 30,720; the policy then raised it to 26,363 "for free" (within what it
+    held), and e2 back to 19,968: once the acknowledgements were in, 81,920 MiB were promised on
+    80,896. Every raise must also fit the GPU as it will be when the pending cuts are acknowledged."""
+    quick = dict(alloc_after=0, link_after=0)
+    engines = [Engine("e0", 4096, "unmap", bind=0, demand=_walk(0, 4096, 100), startup=2, ack_lag=0, **quick),
+               Engine("e1", 20480, "unmap", bind=6, demand=_walk(46187, 20480, 100), startup=7, ack_lag=1, **quick),
+               Engine("e2", 13312, "unmap", bind=0, demand=_walk(0, 13312, 100), startup=4, ack_lag=1, **quick),
+               Engine("e3", 30720, "unmap", bind=22, demand=_walk(0, 30720, 100), list_lag=2, startup=6, ack_lag=1,
+                      **quick)]
+    node = Node(str(tmp_path), CAP, engines)
+    for _ in range(60):
+        node.step()
+        assert sum(e.use for e in engines) <= CAP, (node.t - 1, [(e.name, e.use, e.limit()) for e in engines])
+        assert node.committed() <= CAP, (node.t - 1, [(e.name, e.use, e.limit()) for e in engines])
+    assert node.loop.counts["node_overcommit"] == 0
+
+
 @st.composite
 def nodes(draw):
     """Up to three containers, requests that fit the GPU (the extender's books), random arrivals,
