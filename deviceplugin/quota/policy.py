@@ -41,7 +41,9 @@ tick, from each tenant's window of uses, paying only for memory nobody holds (be
 **Grants** (what may be handed out now): memory is counted as held by a tenant at max(limit,
 measured use). A shrink the tenant has not yet honoured (its use is still above its new limit:
 capping vLLM's KV pool frees no GPU memory by itself) is not free, so it is not granted to anyone
-until measured use shows it released. Raises beyond use are granted from truly free memory only,
+until measured use shows it released (or, for an engine that reports the generation it applied,
+until it acknowledges the cut); a raise into such a not-yet-released limit must also fit the GPU as
+it will be once the cuts are acknowledged. Raises beyond use are granted from truly free memory only,
 waking tenants first, then by the targets' order. So for every GPU and tick, the sum over tenants of
 max(limit, use) never exceeds the capacity (or the sum of uses, when the tenants already hold more
 than the capacity: then nobody is raised above its use).
