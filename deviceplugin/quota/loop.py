@@ -375,6 +375,7 @@ class QuotaLoop:
         seen = attribute(samples, tenants)
         now, st = self._clock(), self.settings
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
+        unknown: set[tuple[TenantKey, str]] = set()  # engines on a file this process never saw: never raised
         phases: dict[TenantKey, Phase] = {}
         base = st.default_terms()
         for t in tenants:
@@ -392,6 +393,8 @@ class QuotaLoop:
                 # it cannot know exactly: its limit is held, as for a tenant without telemetry, and
                 # the bound is counted as held, until it acknowledges a file this process knows
                 seen_u = None if unacked is not None and follows is None and not acked else u
+                if seen_u is None and u is not None:
+                    unknown.add((t.key, gpu))
                 ts = TenantState(t.key, req, cur, seen_u, sig, peak_mib=peak,
                                  phase=phase if seen_u is not None else Phase.HOT,
                                  bounds=self._bounds(ct, req, cur),
@@ -421,6 +424,9 @@ class QuotaLoop:
             self._check_node(gpu, cap, out, states, reserved.get(gpu, 0), report)
             for d in out:
                 b = self._book(d.key)
+                if (d.key, gpu) in unknown and d.limit_mib > d.previous_mib:  # a raise only ever frees nothing
+                    d = dataclasses.replace(d, limit_mib=d.previous_mib, reason="hold: its engine follows a file "
+                                            "this loop never saw (a restart), not raised until it acknowledges one")
                 if b.orphan_of is not None:
                     d = dataclasses.replace(d, reason=f"hold: class {b.orphan_of!r} removed from the "
                                             f"config, limits kept until the next valid config")

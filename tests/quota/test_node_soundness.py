@@ -150,6 +150,28 @@ def test_a_raise_into_a_limit_not_yet_let_go_of_must_fit_once_it_is(tmp_path):
     assert node.loop.counts["node_overcommit"] == 0
 
 
+def test_a_tenant_on_a_file_the_loop_never_saw_is_not_raised(tmp_path):
+    """Regression (fails before the fix; found with two restarts, headroom ``learned``): after the
+    restart at 64, e2's engine follows a file the new loop never saw and is counted at up to its
+    ceiling (39,936 MiB); planned without telemetry, rule 3 raised it back toward its request
+    (24,576 -> 26,624) inside that guess: 81,920 MiB promised on 80,896 the next tick."""
+    engines = [Engine("e0", 14336, "unmap", bind=34, demand=_walk(4351, 14336, 100), alloc_after=0, link_after=0,
+                      startup=2, ack_lag=0),
+               Engine("e1", 4096, "unmap", bind=29, demand=_walk(65535, 4096, 100), alloc_after=0, link_after=1,
+                      startup=4, ack_lag=1),
+               Engine("e2", 26624, "unmap", bind=56, demand=_walk(237, 26624, 100), list_lag=3, alloc_after=1,
+                      link_after=2, startup=12, ack_lag=2),
+               Engine("e3", 24576, "unmap", bind=7, demand=_walk(5429, 24576, 100), list_lag=2, alloc_after=0,
+                      link_after=2, startup=13, ack_lag=3)]
+    node = Node(str(tmp_path), CAP, engines, PolicyParams(headroom="learned"))
+    for _ in range(80):
+        if node.t in (35, 64):
+            node.restart()
+        node.step()
+        assert sum(e.use for e in engines) <= CAP, (node.t - 1, [(e.name, e.use, e.limit()) for e in engines])
+        assert node.committed() <= CAP, (node.t - 1, [(e.name, e.use, e.limit()) for e in engines])
+
+
 @st.composite
 def nodes(draw):
     """Up to three containers, requests that fit the GPU (the extender's books), random arrivals,
