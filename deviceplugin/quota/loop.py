@@ -165,6 +165,9 @@ class TenantBook:
     # follows from the generation it reports applied
     history: deque[tuple[int, dict[str, int]]] = field(default_factory=lambda: deque(maxlen=_HISTORY))
     managed: bool = False  # its file was written by a quota loop when first listed
+    # per GPU, the most a file older than any remembered may have given its engine: found written by
+    # an earlier loop (a restart), the ceiling on its line, since that loop's files are not known
+    before: dict[str, int] = field(default_factory=dict)
 
     def gpu(self, uuid: str) -> GpuBook:
         return self.gpus.setdefault(uuid, GpuBook())
@@ -324,6 +327,11 @@ class QuotaLoop:
             if on_disk is not None:
                 if b.generation is None:
                     b.generation = on_disk.generation
+                    # the file it found is one its engine may still follow (Allocate's, or a previous
+                    # loop's): remembered like its own, so a cut is not lent before it is acknowledged
+                    b.history.append((on_disk.generation, on_disk.limits()))
+                    if on_disk.state:
+                        b.before = {line.uuid: max(line.limit_mib, line.ceiling_mib) for line in on_disk.gpus}
                 if on_disk.state:  # the loop wrote it before (Allocate's first file has no state)
                     b.managed = True
                 for g, mib in on_disk.limits().items():
@@ -367,6 +375,7 @@ class QuotaLoop:
         seen = attribute(samples, tenants)
         now, st = self._clock(), self.settings
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
+        unknown: set[tuple[TenantKey, str]] = set()  # engines on a file this process never saw: never raised
         phases: dict[TenantKey, Phase] = {}
         base = st.default_terms()
         for t in tenants:
@@ -379,13 +388,19 @@ class QuotaLoop:
             for (gpu, req), u in zip(t.gpus, used):
                 peak = self._remember(t.key, gpu, u, st.peak_window_ticks)
                 cur = self._current(t, gpu)
-                acked, unacked, follows = self._acked(t.key, gpu, req if cur is None else cur)
-                ts = TenantState(t.key, req, cur, u, sig, peak_mib=peak,
-                                 phase=phase if u is not None else Phase.HOT,
+                acked, unacked, follows = self._acked(t.key, gpu, req if cur is None else cur, req)
+                # an engine on a file this process never saw (after a restart) may hold up to a bound
+                # it cannot know exactly: its limit is held, as for a tenant without telemetry, and
+                # the bound is counted as held, until it acknowledges a file this process knows
+                seen_u = None if unacked is not None and follows is None and not acked else u
+                if seen_u is None and u is not None:
+                    unknown.add((t.key, gpu))
+                ts = TenantState(t.key, req, cur, seen_u, sig, peak_mib=peak,
+                                 phase=phase if seen_u is not None else Phase.HOT,
                                  bounds=self._bounds(ct, req, cur),
                                  rank=self._rank(t.key, ct),
                                  recent_mib=tuple(self._book(t.key).gpu(gpu).window),
-                                 demand_mib=_demand(u, sig) if len(t.gpus) == 1 else None,
+                                 demand_mib=_demand(seen_u, sig) if len(t.gpus) == 1 else None,
                                  starting=self._starting(t.key),
                                  shrink_acked=acked, unacked_mib=unacked,
                                  engine_mib=follows)
@@ -409,6 +424,9 @@ class QuotaLoop:
             self._check_node(gpu, cap, out, states, reserved.get(gpu, 0), report)
             for d in out:
                 b = self._book(d.key)
+                if (d.key, gpu) in unknown and d.limit_mib > d.previous_mib:  # a raise only ever frees nothing
+                    d = dataclasses.replace(d, limit_mib=d.previous_mib, reason="hold: its engine follows a file "
+                                            "this loop never saw (a restart), not raised until it acknowledges one")
                 if b.orphan_of is not None:
                     d = dataclasses.replace(d, reason=f"hold: class {b.orphan_of!r} removed from the "
                                             f"config, limits kept until the next valid config")
@@ -584,12 +602,15 @@ class QuotaLoop:
         b = self._book(key)
         return not b.managed and self.counts["ticks"] - b.first_tick < self.settings.startup_ticks
 
-    def _acked(self, key: TenantKey, gpu: str, cur: int) -> tuple[bool, int | None, int | None]:
+    def _acked(self, key: TenantKey, gpu: str, cur: int, request: int) -> tuple[bool, int | None, int | None]:
         """For an engine that reports the generation it applied: (it applied the file carrying its
         current limit, the highest limit it may still grow to, the limit it follows now). Until it
         acknowledges a shrink the memory cut is not anyone else's; "at its limit" is measured
         against the limit it follows. Engines that report none: (False, None, None): their use
-        shows what they hold, and they follow the file in force."""
+        shows what they hold, and they follow the file in force. The history starts with the file
+        the loop first found (Allocate's: the request); an engine on a file older than every one
+        remembered may follow any of them, its request, or, when the file found was an earlier
+        loop's (a restart), up to that file's ceiling."""
         b = self._book(key)
         applied = b.applied
         if applied is None:
@@ -599,8 +620,10 @@ class QuotaLoop:
         if applied >= (b.generation or 0):
             return True, cur, cur
         later = [lim for g, lim in hist if g > applied]
-        # an older file than the history holds: it may follow any limit this process remembers
-        top = max(later + [cur] + ([follows] if follows is not None else [lim for _, lim in hist]))
+        # an older file than the history holds: it may follow any limit this process remembers,
+        # Allocate's (its request), or one of an earlier loop's (issue 19: never lent twice)
+        older = [lim for _, lim in hist] + [request, b.before.get(gpu, 0)]
+        top = max(later + [cur] + ([follows] if follows is not None else older))
         return False, top, follows
 
     def _reserved(self, files: list[Claim]) -> dict[str, int]:

@@ -43,7 +43,9 @@ tick, from each tenant's window of uses, paying only for memory nobody holds (be
 **Grants** (what may be handed out now): memory is counted as held by a tenant at max(limit,
 measured use). A shrink the tenant has not yet honoured (its use is still above its new limit:
 capping vLLM's KV pool frees no GPU memory by itself) is not free, so it is not granted to anyone
-until measured use shows it released. Raises beyond use are granted from truly free memory only,
+until measured use shows it released (or, for an engine that reports the generation it applied,
+until it acknowledges the cut); a raise into such a not-yet-released limit must also fit the GPU as
+it will be once the cuts are acknowledged. Raises beyond use are granted from truly free memory only,
 waking tenants first, then by the targets' order. So for every GPU and tick, the sum over tenants of
 max(limit, use) never exceeds the capacity (or the sum of uses, when the tenants already hold more
 than the capacity: then nobody is raised above its use).
@@ -77,6 +79,7 @@ class _Plan:
     spare: int = 0  # part of the target that is shared spare memory (rule 3's last line)
     cut_note: str = ""  # why the forecast rule left it below its use (quota/headroom.py)
     ceiling: int = 0  # its class's ceiling, as the file states it (``b`` may hold loans back below it)
+    settled: int = 0  # what it holds once its engine acknowledged every file (``held`` less unacked limits)
 
     @property
     def reserve(self) -> int:
@@ -123,11 +126,16 @@ def _held(t: TenantState, cur: int) -> int:
         held = max(used, s.kv_held_mib)
     else:
         held = used
+    return held
+
+
+def _unacked(t: TenantState, held: int) -> int:
     return max(held, t.unacked_mib or 0)  # it may still grow to a limit it has not let go of
 
 
 def _plan(t: TenantState, p: PolicyParams) -> _Plan:
     pl = _plan_of(t, p)
+    pl.settled, pl.held = pl.held, _unacked(t, pl.held)
     pl.ceiling = max(pl.b.ceiling_mib, (t.bounds or p.bounds_of(t.request_mib)).ceiling_mib)
     return pl
 
@@ -138,7 +146,7 @@ def _plan_of(t: TenantState, p: PolicyParams) -> _Plan:
     cur = b.clamp(t.request_mib if t.current_mib is None else t.current_mib)
     if t.used_mib is None:  # it holds its limit, or what it last held if a cut was not honoured yet
         last = t.recent_mib[-1] if t.recent_mib else 0
-        return _Plan(t, b, cur, held=max(cur, last, t.unacked_mib or 0), seen=cur, need=cur, want=cur, score=0,
+        return _Plan(t, b, cur, held=max(cur, last), seen=cur, need=cur, want=cur, score=0,
                      why=["no telemetry"], blind=True)
     held = _held(t, cur)
     seen = max(t.used_mib, t.demand_mib or 0)
@@ -322,28 +330,40 @@ def _hysteresis(plans: list[_Plan], cap: int, step: int) -> None:
 
 def _grant(plans: list[_Plan], cap: int) -> None:
     """The grant layer: raises beyond held memory come only out of memory nobody holds."""
+    grow = sorted(plans, key=lambda pl: (-pl.t.rank, pl.t.phase is not Phase.WAKING, -pl.score, pl.beyond,
+                                         pl.t.key))
     for pl in plans:
         pl.alloc = min(pl.target, pl.held)
+    # a limit it has not let go of yet is held now but not for long: a raise into it is no new
+    # promise today, but it is once the engine acknowledges; so every raise must also fit the GPU
+    # as it will be then (``settled``), else a loan made before a claim came is never returned
+    after = cap - sum(max(pl.alloc, pl.settled) for pl in plans)
+    for pl in reversed(grow):  # the last to grow give such raises back first
+        if after >= 0:
+            break
+        back = min(pl.alloc - min(pl.alloc, max(pl.cur, pl.settled)), -after)
+        pl.alloc -= back
+        after += back
     free = cap - sum(pl.commit(pl.alloc) for pl in plans)
     keep = sorted(plans, key=lambda pl: pl.t.key)
     for pl in keep:  # what it already had is not a new promise: served first
-        free = _give(pl, min(pl.target, max(pl.cur, pl.held)), free)
-    grow = sorted(plans, key=lambda pl: (-pl.t.rank, pl.t.phase is not Phase.WAKING, -pl.score, pl.beyond,
-                                         pl.t.key))
+        free, after = _give(pl, min(pl.target, max(pl.cur, pl.held)), free, after)
     for pl in grow:  # reservations come back before anybody borrows more (issue 19)
-        free = _give(pl, min(pl.target, pl.reserve), free)
+        free, after = _give(pl, min(pl.target, pl.reserve), free, after)
     for pl in grow:
-        free = _give(pl, pl.target, free)
+        free, after = _give(pl, pl.target, free, after)
 
 
-def _give(pl: _Plan, level: int, free: int) -> int:
+def _give(pl: _Plan, level: int, free: int, after: int) -> tuple[int, int]:
     if level <= pl.alloc:
-        return free
+        return free, after
     reach = max(pl.alloc, pl.held) + max(0, free)  # every MiB above what it holds costs one free MiB
-    new = min(level, reach)
+    reach = min(reach, max(pl.alloc, pl.settled) + max(0, after))  # and one once its acknowledgements are in
+    new = max(pl.alloc, min(level, reach))
     free -= pl.commit(new) - pl.commit(pl.alloc)
+    after -= max(new, pl.settled) - max(pl.alloc, pl.settled)
     pl.alloc = new
-    return free
+    return free, after
 
 
 def _phase(pl: _Plan) -> Phase:

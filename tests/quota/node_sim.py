@@ -74,8 +74,13 @@ class Node:
         self.root, self.capacity, self.engines, self.t = root, capacity, engines, 0
         self.files = QuotaFiles(root, QuotaConfig())
         self.source = NodeTenantSource(self._holdings, self._listed, NAMES)
-        self.loop = QuotaLoop(self, lambda: {GPU: capacity}, [self], params or PolicyParams(), root, signals=self,
-                              settings=LoopSettings(params=params or PolicyParams()))
+        self.params = params or PolicyParams()
+        self.restart()
+
+    def restart(self) -> None:
+        """A new quota loop on the same files (the DaemonSet restarted): it remembers nothing."""
+        self.loop = QuotaLoop(self, lambda: {GPU: self.capacity}, [self], self.params, self.root, signals=self,
+                              settings=LoopSettings(params=self.params))
 
     # -- the world ---------------------------------------------------------------------------
     def _state(self, e: Engine, t: int) -> str | None:
