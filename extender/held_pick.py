@@ -110,30 +110,40 @@ class FollowMemo:
     Keyed by node, its row, the row's ``row_version`` (bumped by every write to the row's slots, usage
     or host), ``names_epoch`` (a row changing hands), the held plans and the pod's :func:`template`.
     An answer that asked ``free_picks`` (the policy's choice for asks nobody holds, which may read
-    more than the row) is kept only for the books' exact ``version``. Pinned to one ClusterState;
+    more than the row) is kept only for the books' exact ``version``. Pinned to one ClusterState
+    and one Names;
     bounded, least recently used dropped. Not thread-safe: used under the accounting lock."""
 
     def __init__(self, max_entries: int = 4096) -> None:
         self._entries: OrderedDict[Hashable, tuple[int | None, Choice | str]] = OrderedDict()
+        self._templates: dict[Hashable, int] = {}  # pod template -> a small id, so a key hashes cheaply
         self._state: cluster.ClusterState | None = None
+        self._names: contract.Names | None = None
         self._max = max_entries
         self.hits = 0
         self.misses = 0
 
+    def intern(self, pod_template: Hashable) -> int:
+        """The id of a pod's :func:`template` (hashed once per request, not once per held node)."""
+        if len(self._templates) >= self._max:
+            self._templates.clear()
+            self._entries.clear()
+        return self._templates.setdefault(pod_template, len(self._templates))
+
     def follow(self, state: cluster.ClusterState, node: str, pod: Mapping[str, Any], want: podspec.PodDemand,
                asks: Sequence[translate.ContainerAsk], names: contract.Names,
                need: Mapping[holds.Element, holds.Plan], free_picks: Callable[[], Picks],
-               pod_template: Hashable) -> Choice | str:
+               pod_template: int) -> Choice | str:
         """:func:`follow`, answered from the memo when the same question was asked since the row last
-        changed. ``pod_template`` is :func:`template` of the pod (computed once per request)."""
-        if state is not self._state:
-            self._entries.clear()
-            self._state = state
+        changed. ``pod_template`` is :meth:`intern` of the pod's :func:`template` (once per request)."""
+        if state is not self._state or names is not self._names:
+            self._entries.clear()  # template ids stay: they name pod templates, not answers
+            self._state, self._names = state, names
         row = state.row(node)
         if row is None:
             return follow(state, node, pod, want, asks, names, need, free_picks)
-        key = (node, row, int(state.row_version[row]), state.names_epoch, names,
-               tuple(sorted(need.items())), pod_template)
+        key = (node, row, int(state.row_version[row]), state.names_epoch, tuple(sorted(need.items())),
+               pod_template)
         hit = self._entries.get(key)
         if hit is not None and (hit[0] is None or hit[0] == state.version):
             self.hits += 1

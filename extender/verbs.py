@@ -149,7 +149,7 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod, fit
                 choice = held_pick.follow(view.state, n, args.pod, want, asks, view.names, need.plans, picks)
             else:
                 if pod_template is None:
-                    pod_template = held_pick.template(args.pod, want, asks, demands, policy, host)
+                    pod_template = memo.intern(held_pick.template(args.pod, want, asks, demands, policy, host))
                 choice = memo.follow(view.state, n, args.pod, want, asks, view.names, need.plans, picks,
                                      pod_template)
             if isinstance(choice, str):
