@@ -109,7 +109,7 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     result = wire.FilterResult(passed=fitting)
     if failed:
         known = [n for n in failed if n in view.slots]
-        rows = np.array([view.state.row(n) for n in known], np.int64)
+        rows = view.state.rows_of(known, remember=False)  # every known name has a row
         hopeless = dict(zip(known, never_fit(view.state, demands, rows).tolist()))
         for name, reason in failed.items():  # input order
             if name not in hopeless:
