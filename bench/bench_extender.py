@@ -367,8 +367,13 @@ def serve_child(argv: list[str]) -> None:
     stop = threading.Event()
     bind = binder.Binder(acct, BenchKube(acct, feed), policy)  # type: ignore[arg-type]
     ext = app.Extender(acct, bind, None, metrics.ExtenderMetrics(acct), policy)
-    gc.collect()  # as extender.main does once the cache is in
-    gc.freeze()
+    try:  # as the tree's extender.main does once the cache is in (a tree without settle_heap: freeze)
+        from extender.main import settle_heap
+    except ImportError:
+        def settle_heap() -> None:
+            gc.collect()
+            gc.freeze()
+    settle_heap()
     tls = None
     if a.tls_dir:
         from extender.tls import Reloader, TlsFiles

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from extender import cluster, holds, parsed, placement, translate, verbs
+from extender import cluster, held_pick, holds, parsed, placement, translate, verbs
 from vramshare import contract, logs, managed, podspec
 from vramshare.config import Config, Policy
 
@@ -129,13 +129,14 @@ class Accounting:
         self.models: dict[str, tuple] = {}  # node -> resident models it reports (issue 23)
         # Every pod read once per resourceVersion: the watch's events and the verbs share the reading.
         self.pods_read = parsed.PodReader(self.names, config.memory_unit_mib)
+        self.follows = held_pick.FollowMemo()  # filter's held-plan answers (extender.held_pick)
         self.last_verb = 0.0  # time.monotonic() of the last filter/prioritize/bind: the warmer waits for a lull
 
     def view(self, policy: Policy) -> verbs.View:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
                           self.holds if len(self.holds) else None, self.clock(), self.models,
                           self.config.warm_tier.residency_max_steps, frozenset(self.holds.silent),
-                          self.pods_read, self.holds.timeout_ns)
+                          self.pods_read, self.holds.timeout_ns, self.follows)
 
     def commit(self, expected: verbs.Expectation | None) -> None:
         """The one place a filter or prioritize answer changes state: the expected bind it implies

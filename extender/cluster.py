@@ -254,10 +254,13 @@ class ClusterState(SlotTable):
     def row(self, name: str) -> int | None:
         return self._rows.get(name)
 
-    def rows_of(self, names: Sequence[str]) -> np.ndarray:
+    def rows_of(self, names: Sequence[str], remember: bool = True) -> np.ndarray:
         """Row per name, -1 where the name is unknown. kube-scheduler sends the same node list cycle
         after cycle, so the last few lists are remembered: comparing a list is cheaper than hashing
-        every freshly decoded name again."""
+        every freshly decoded name again. ``remember=False``: a one-off list (filter's failed nodes),
+        looked up without pushing the lists kube-scheduler repeats out of the few remembered."""
+        if not remember:
+            return np.fromiter(map(self._rows.get, names, itertools.repeat(-1)), np.int64, len(names))
         names = list(names)
         for i, (known, rows) in enumerate(self._recent_rows):
             if known == names:

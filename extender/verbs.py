@@ -47,6 +47,9 @@ class View:
     #: How pods are read: the accounting's cache (by UID and resourceVersion), shared with its watch.
     pods: parsed.PodReader | None = None
     hold_timeout_ns: int = 0  # extender.holdTimeoutSeconds; 0: holds are off, nothing is expected
+    #: Filter's answers of :func:`extender.held_pick.follow` per node and pod template (None: computed
+    #: afresh each time); the accounting keeps one across requests.
+    follows: held_pick.FollowMemo | None = None
 
     def read(self, pod: wire.Obj) -> parsed.ParsedPod:
         return self.pods.read(pod) if self.pods is not None else parsed.parse_pod(pod, self.names, self.unit_mib)
@@ -106,7 +109,7 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     result = wire.FilterResult(passed=fitting)
     if failed:
         known = [n for n in failed if n in view.slots]
-        rows = np.array([view.state.row(n) for n in known], np.int64)
+        rows = view.state.rows_of(known, remember=False)  # every known name has a row
         hopeless = dict(zip(known, never_fit(view.state, demands, rows).tolist()))
         for name, reason in failed.items():  # input order
             if name not in hopeless:
@@ -134,14 +137,21 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod, fit
         return fitting, dict(failed)
     waiting: dict[str, str] = {}
     blocked: list[int] = []
+    memo, pod_template = view.follows, None
     for i in np.flatnonzero(np.isin(rows, held_rows)).tolist():
         n = fitting[i]
         need = view.holds.required(n, args.pod_key, signature, view.now_ns, record=False)
         if need.blocker is not None:
             waiting[n] = view.holds.reason(need.blocker, view.now_ns, record=False)
         elif need.plans:
-            choice = held_pick.follow(view.state, n, args.pod, want, asks, view.names, need.plans,
-                                      lambda n=n: placement.pick(view.state, demands, n, policy, host))
+            picks = lambda n=n: placement.pick(view.state, demands, n, policy, host)  # noqa: E731
+            if memo is None:
+                choice = held_pick.follow(view.state, n, args.pod, want, asks, view.names, need.plans, picks)
+            else:
+                if pod_template is None:
+                    pod_template = memo.intern(held_pick.template(args.pod, want, asks, demands, policy, host))
+                choice = memo.follow(view.state, n, args.pod, want, asks, view.names, need.plans, picks,
+                                     pod_template)
             if isinstance(choice, str):
                 holder = next(iter(need.holders.values()))
                 waiting[n] = f"{view.holds.reason(holder, view.now_ns, record=False)}; {choice}"
