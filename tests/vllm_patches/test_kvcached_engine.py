@@ -42,6 +42,11 @@ def kv_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
     quota = str(root / "quota.json")
     write_quota(quota, START_MIB, 1)
     kvc = load_kvcached()
+    # The fake device is one per process; pages earlier tests' kvcached managers left mapped on it are
+    # another tenant's memory to this engine (cudaMemGetInfo counts them as used, not as ours).
+    device = kvc.vmm_ops.DEVICE
+    others = device.mapped_bytes
+    device.other_bytes, device.mapped_bytes = device.other_bytes + others, 0
     env = {"VRAMSHARE_QUOTA_FILE": quota, "VRAMSHARE_ACTIVATION_MIB": "4",
            "VRAMSHARE_QUOTA_POLL_S": "3600", "VRAMSHARE_VLLM_STATE_DIR": str(root / "state"),
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ENABLE_KVCACHED": "true",
@@ -65,6 +70,7 @@ def kv_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         kv_cache_coordinator.BlockPool = original
     yield {"llm": llm, "quota": quota, "kvc": kvc}
     llm.llm_engine.engine_core.shutdown()
+    device.other_bytes, device.mapped_bytes = device.other_bytes - others, device.mapped_bytes + others
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
