@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
 from deviceplugin.dra.preparer import tenant_container
-from deviceplugin.quota.kube import DONE_PHASES, container_ids, metrics_url, pod_meta
+from deviceplugin.quota.kube import container_ids, metrics_url, pod_meta, running_pods_by_uid
 from deviceplugin.quota.model import Tenant, TenantKey
 from vramshare import contract
 
@@ -27,14 +27,14 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
     tenant, even while the kubelet has not unprepared it yet. The pod's metadata (labels,
     priorityClassName, quota-class annotation) picks its quota class."""
     names = names or contract.Names(contract.DEFAULT_DOMAIN)
-    by_uid = {str((p.get("metadata") or {}).get("uid") or ""): p for p in pods}
+    running = running_pods_by_uid(pods)
     out = []
     for c in sorted(claims, key=lambda c: (c.namespace, c.name)):
         if c.state != PREPARED or len(c.pod_uids) != 1 or not c.gpus:
             continue
         uid = c.pod_uids[0]
-        pod = by_uid.get(uid)
-        if pod is None or (pod.get("status") or {}).get("phase") in DONE_PHASES:
+        pod = running.get(uid)
+        if pod is None:
             continue
         pod_name = c.pod_names[0] if c.pod_names else str((pod.get("metadata") or {}).get("name") or "")
         out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),

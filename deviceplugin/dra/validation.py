@@ -505,29 +505,26 @@ def _counters(counters: Any, limit: int, path: str) -> Errors:
 
 def validate_counter_set(counter_set: Any, path: str) -> Errors:
     """validateCounterSet: a DNS-label name and 1..32 counters."""
-    if not isinstance(counter_set, Mapping):
-        return [invalid(path, counter_set, "must be an object")]
-    name = counter_set.get("name")
-    out = [required(f"{path}.name")] if not name else dns_label(name, f"{path}.name")
-    counters = counter_set.get("counters")
-    if not counters:
-        out.append(required(f"{path}.counters"))
-    else:
-        out += _counters(counters, RESOURCE_SLICE_MAX_COUNTERS_PER_COUNTER_SET, f"{path}.counters")
-    return out
+    return _named_counters(counter_set, path, "name", RESOURCE_SLICE_MAX_COUNTERS_PER_COUNTER_SET)
 
 
 def validate_device_counter_consumption(consumption: Any, path: str) -> Errors:
     """validateDeviceCounterConsumption: a DNS-label counterSet and 1..32 counters."""
-    if not isinstance(consumption, Mapping):
-        return [invalid(path, consumption, "must be an object")]
-    name = consumption.get("counterSet")
-    out = [required(f"{path}.counterSet")] if not name else dns_label(name, f"{path}.counterSet")
-    counters = consumption.get("counters")
+    return _named_counters(consumption, path, "counterSet", RESOURCE_SLICE_MAX_COUNTERS_PER_DEVICE_COUNTER_CONSUMPTION)
+
+
+def _named_counters(obj: Any, path: str, name_key: str, limit: int) -> Errors:
+    """What both upstream functions check: ``name_key`` a required DNS label, ``counters`` required
+    and at most ``limit``."""
+    if not isinstance(obj, Mapping):
+        return [invalid(path, obj, "must be an object")]
+    name = obj.get(name_key)
+    out = [required(f"{path}.{name_key}")] if not name else dns_label(name, f"{path}.{name_key}")
+    counters = obj.get("counters")
     if not counters:
         out.append(required(f"{path}.counters"))
     else:
-        out += _counters(counters, RESOURCE_SLICE_MAX_COUNTERS_PER_DEVICE_COUNTER_CONSUMPTION, f"{path}.counters")
+        out += _counters(counters, limit, f"{path}.counters")
     return out
 
 

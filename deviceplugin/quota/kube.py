@@ -110,17 +110,24 @@ class HeldContainer(Protocol):
     def gpus(self) -> tuple[Any, ...]: ...  # (uuid, mib) as ``AssignedGpu``
 
 
+def running_pods_by_uid(pods: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The pods that can still hold a tenant, by UID: a holding or claim whose pod is missing here
+    (deleted) or done has departed, whatever PodResources or the checkpoint still say."""
+    return {str((p.get("metadata") or {}).get("uid") or ""): p for p in pods
+            if (p.get("status") or {}).get("phase") not in DONE_PHASES}
+
+
 def tenants_from_holdings(holdings: Iterable[HeldContainer], pods: Iterable[Mapping[str, Any]],
                           names: contract.Names) -> list[Tenant]:
     """Pure: the containers the reconciler found holding their devices, joined with their pods (by UID)
     for what only the pod says: metrics URL, runtime IDs, quota-class metadata. A container whose pod is
     gone from the cache (deleted) or done is no tenant: it departed, even while PodResources lists it."""
-    by_uid = {str((p.get("metadata") or {}).get("uid") or ""): p for p in pods}
+    running = running_pods_by_uid(pods)
     out: list[Tenant] = []
     for h in holdings:
         o = h.owner
-        pod = by_uid.get(o.uid)
-        if pod is None or (pod.get("status") or {}).get("phase") in DONE_PHASES:
+        pod = running.get(o.uid)
+        if pod is None:
             continue
         cids = container_ids(pod)
         out.append(Tenant(key=TenantKey(o.namespace, o.pod, o.container, pod_uid=o.uid),
