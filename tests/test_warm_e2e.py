@@ -1,0 +1,420 @@
+"""Issue 23 end to end: an idle engine sleeps, its node lends and publishes it, the extender places by it,
+and a request wakes it, through every real part and the stand-ins only at the edges.
+
+Real: the device plugin daemon (``DevicePluginDaemon`` on the simulated backend, as ``SimulatedNode`` runs
+it) with its quota loop, warm broker and warm sockets, node state and inventory publisher; the plugin's
+:class:`~vllm_patches.warm.WarmTier` with its :class:`~vllm_patches.warm.SocketChannel` and reader thread
+on the other end of each socket; the API server double (the official client unchanged on both sides);
+the extender over its HTTP API (filter, prioritize, bind) and the kubelet stand-in (Allocate).
+Edges: the engine (:class:`FakeEngine` at the plugin's engine boundary, as in
+``tests/coldstart/test_warm_tier.py``), the GPU's per-container use (:class:`Gpu`, the usage reader a
+simulated node replays) and each engine's ``/metrics`` (a loopback HTTP page in vLLM's names).
+
+Two identical nodes, each one 80 GiB GPU with a co-tenant that wants more than its request (30 GiB,
+``busy``) and two 20 GiB replicas of one model in an overcommit class (``sleepBookedFraction: 0.25``):
+model M on ``node-m``, model N on ``node-n``. The scenario: the replicas go idle -> the loop asks their
+engines to sleep -> their limits fall to what a sleeping engine holds and the co-tenant's quota file
+rises into it -> the node publishes the sleeping engines and its sleep credit (two 15 GiB gaps, one kept
+as the wake reserve: 15 GiB) -> the extender, reading the annotation through the double, fits a new
+20 GiB replica on a GPU whose requests already add up to 70 of 80 GiB (the credit) and prefers the node
+that holds the pod's model (residency: M to node-m, N to node-n, as the nodes are otherwise alike) ->
+a request reaches a sleeping engine of node-m -> the co-tenant is cut back and releases first, the
+engine wakes on memory that is free (its wake never fails), the request is served, and the credit is
+withdrawn from the inventory.
+"""
+from __future__ import annotations
+
+import http.server
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from deviceplugin.quota.model import TenantKey
+from deviceplugin.quota.warm import Sleep
+from deviceplugin.quota.writer import container_dir, read_quota
+from deviceplugin.simulated_backend import SimulatedBackend
+from deviceplugin.quota.telemetry import UsageSample
+from extender import inspection
+from extender.main import start_for_url
+from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import PODS
+from standins.scheduler import SchedulerDriver
+from standins.simnode import SimulatedNode
+from vllm_patches.warm import AWAKE, SLEEPING, SocketChannel, WarmTier, start_reader
+from vramshare import contract
+from vramshare.config import config_from_dict
+from vramshare.inventory import NodeInventory
+
+NAMES = contract.Names()
+GIB = 1024
+GPU_MIB = 80 * GIB
+AWAKE_MIB, ASLEEP_MIB = 17000, 1000  # an engine's use awake (weights + KV) and asleep (context, graphs)
+BUSY_WANTS = 76000  # the co-tenant's KV grows to this when allowed
+MODELS = {"node-m": "acme/chat-8b@r1", "node-n": "acme/code-8b@r1"}
+CONFIG = {
+    "warmTier": {"enabled": True},
+    "quota": {"intervalSeconds": 1, "startupTicks": 0, "ceilingFraction": 2.5, "idleSeconds": 0,
+              "classes": [{"name": "replicas", "match": [{"namespaces": ["warm"]}], "idleSeconds": 0.2,
+                           "floorFraction": 0.25, "sleepBookedFraction": 0.25}]},
+}
+
+
+def eventually(predicate: Callable[[], bool], what: str, poke: Callable[[], None] = lambda: None,
+               timeout: float = 20.0) -> None:
+    """Wait for ``predicate``; ``poke`` asks the quota loops to tick now (as a wake request does)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        poke()
+        time.sleep(0.03)
+
+
+# -- the edges -------------------------------------------------------------------------------------------
+class Gpu:
+    """One node's GPU: measured use per pod UID (the usage reader's edge, ``backend.usage_replay``). The
+    co-tenant's use follows its quota file (it grows into what it is lent and releases what is cut, as a
+    releasing engine does), read at each tick."""
+
+    name = "e2e-gpu"
+
+    def __init__(self, uuid: str, quota_root: str) -> None:
+        self.uuid, self.quota_root = uuid, quota_root
+        self.used: dict[str, int] = {}
+        self.busy_uid = ""
+        self._tenants: Callable[[], Any] = list
+        self.lock = threading.Lock()
+
+    def bind(self, tenants: Callable[[], Any]) -> None:
+        self._tenants = tenants
+
+    def limit(self, uid: str) -> int:
+        return read_quota(container_dir(self.quota_root, uid, "vllm")).gpus[0].limit_mib
+
+    def read_usage(self) -> list[UsageSample]:
+        with self.lock:
+            if self.busy_uid:
+                try:
+                    self.used[self.busy_uid] = min(BUSY_WANTS, self.limit(self.busy_uid))
+                except (OSError, ValueError):
+                    pass
+            return [UsageSample(self.uuid, self.used[t.key.pod_uid], pod_uid=t.key.pod_uid)
+                    for t in self._tenants() if t.key.pod_uid in self.used]
+
+    def free(self) -> int:
+        with self.lock:
+            return GPU_MIB - sum(self.used.values())
+
+
+@dataclass
+class FakeEngine:
+    """The plugin's engine boundary for one replica: sleeping frees its weights and KV on the GPU; waking
+    takes them back and fails (as CUDA would) when they are not free."""
+
+    gpu: Gpu
+    uid: str
+    model: str
+    in_flight: int = 0
+    calls: list[str] = field(default_factory=list)
+    at_wake: dict[str, int] = field(default_factory=dict)  # what the co-tenant held when the wake ran
+
+    def can_sleep(self) -> tuple[bool, str]:
+        return True, ""
+
+    def model_name(self) -> str:
+        return self.model  # VRAMSHARE_MODEL: the pod's vramshare.io/model through the downward API
+
+    def weights_bytes(self) -> int:
+        return 15000 << 20
+
+    def idle(self) -> bool:
+        return self.in_flight == 0
+
+    def sleep(self) -> int:
+        self.calls.append("sleep")
+        with self.gpu.lock:
+            self.gpu.used[self.uid] = ASLEEP_MIB
+        return (AWAKE_MIB - ASLEEP_MIB) << 20
+
+    def wake_up(self) -> None:
+        self.calls.append("wake_up")
+        busy = self.gpu.busy_uid
+        self.at_wake = {"busy_used": self.gpu.used[busy], "busy_limit": self.gpu.limit(busy)}
+        need = AWAKE_MIB - ASLEEP_MIB
+        if self.gpu.free() < need:
+            raise RuntimeError(f"CUDA out of memory: need {need} MiB, {self.gpu.free()} free")
+        with self.gpu.lock:
+            self.gpu.used[self.uid] = AWAKE_MIB
+
+
+class Metrics:
+    """Each engine's ``/metrics`` in vLLM's names (the loop's signals edge), one path per pod."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, Callable[[], str]] = {}
+        pages = self.pages
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                page = pages.get(self.path.strip("/"))
+                body = page().encode() if page else b""
+                self.send_response(200 if page else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, name="e2e-metrics", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def page(running: Callable[[], int], waiting: int, kv: float) -> Callable[[], str]:
+    return lambda: (f"vllm:num_requests_running {running()}\nvllm:num_requests_waiting {waiting}\n"
+                    f"vllm:kv_cache_usage_perc {kv}\n"
+                    'vramshare_vllm_release_mode{engine="0",mode="unmap"} 1\n')
+
+
+# -- the stack -------------------------------------------------------------------------------------------
+@dataclass
+class Replica:
+    node: str
+    pod: dict
+    engine: FakeEngine
+    tier: WarmTier
+    channel: SocketChannel
+
+    @property
+    def key(self) -> TenantKey:
+        m = self.pod["metadata"]
+        return TenantKey(m["namespace"], m["name"], "vllm", pod_uid=m["uid"])
+
+
+@dataclass
+class Stack:
+    api: ApiServerDouble
+    nodes: dict[str, SimulatedNode]
+    gpus: dict[str, Gpu]
+    driver: SchedulerDriver
+    ext: Any
+    replicas: list[Replica] = field(default_factory=list)
+    busy: dict[str, dict] = field(default_factory=dict)
+
+    def poke(self) -> None:
+        for n in self.nodes.values():
+            if n.daemon._quota_loop is not None:
+                n.daemon._quota_loop.poke()
+
+    def inventory(self, node: str) -> NodeInventory:
+        text = self.api.get_node(node)["metadata"]["annotations"][NAMES.inventory]
+        return NodeInventory.from_json(text)
+
+    def filter(self, pod: dict) -> tuple[list[str], dict[str, str]]:
+        got = self.driver._post("filter", {"Pod": pod, "Nodes": None, "NodeNames": sorted(self.nodes)})
+        return got["NodeNames"], {**(got.get("FailedNodes") or {}), **(got.get("FailedAndUnresolvableNodes") or {})}
+
+    def prioritize(self, pod: dict) -> dict[str, int]:
+        got = self.driver._post("prioritize", {"Pod": pod, "Nodes": None, "NodeNames": sorted(self.nodes)})
+        return {s["Host"]: s["Score"] for s in got}
+
+
+def pod(name: str, ns: str, gib: int, port: int, model: str | None = None) -> dict:
+    ann = {"prometheus.io/port": str(port), "prometheus.io/path": f"/{ns}/{name}"}
+    if model:
+        ann[NAMES.model] = model
+    return {"metadata": {"name": name, "namespace": ns, "annotations": ann},
+            "spec": {"schedulerName": "vramshare-scheduler",
+                     "containers": [{"name": "vllm", "image": "vllm",
+                                     "resources": {"limits": {NAMES.gpu_memory: str(gib)}}}]}}
+
+
+def start_pod(stack: Stack, node: str, body: dict) -> dict:
+    """Scheduled by the extender onto ``node``, admitted by its kubelet, running at 127.0.0.1."""
+    created = stack.api.create_pod(body)
+    out = SchedulerDriver(stack.ext.url, [node]).schedule(created)
+    assert out.node == node, out.error
+    bound = stack.api.get_pod(body["metadata"]["namespace"], body["metadata"]["name"])
+    stack.nodes[node].admit(bound)
+
+    def running(p: dict) -> None:
+        p.setdefault("status", {}).update(phase="Running", podIP="127.0.0.1")
+
+    return stack.api.update(PODS, body["metadata"]["namespace"], body["metadata"]["name"], running)
+
+
+@pytest.fixture
+def stack() -> Iterator[Stack]:
+    with tempfile.TemporaryDirectory(prefix="vs-warm-") as root, ApiServerDouble() as api:
+        metrics = Metrics()
+        nodes: dict[str, SimulatedNode] = {}
+        gpus: dict[str, Gpu] = {}
+        cfg = config_from_dict(CONFIG)
+        try:
+            for name in MODELS:
+                api.create_node({"metadata": {"name": name}})
+                backend = SimulatedBackend.from_dict({"gpus": [{"model": "NVIDIA A100-SXM4-80GB", "memoryMiB": GPU_MIB,
+                                                                "numaNode": 0, "uuid": f"GPU-{name}"}]})
+                node = SimulatedNode(name, backend, api.url, root, config=cfg)
+                gpus[name] = backend.usage_replay = Gpu(f"GPU-{name}", node.daemon.state.snapshot.config.quota_host_dir)
+                nodes[name] = node
+                node.start()
+            ext = start_for_url(api.url)
+            s: Stack | None = None
+            try:
+                assert ext.wait_ready(10)
+                eventually(lambda: all(inspection.render(ext.acct, n) for n in nodes), "inventories in the extender")
+                s = Stack(api, nodes, gpus, SchedulerDriver(ext.url, sorted(nodes)), ext)
+                s.metrics = metrics  # type: ignore[attr-defined]
+                yield s
+            finally:
+                for r in s.replicas if s is not None else []:
+                    r.tier_stop.set()  # type: ignore[attr-defined]
+                    r.channel.close()
+                if s is not None:
+                    s.driver.close()
+                ext.stop()
+        finally:
+            for node in nodes.values():
+                node.close()
+            metrics.close()
+
+
+def deploy(stack: Stack) -> None:
+    """On each node: the co-tenant, then two replicas of the node's model with their engines attached."""
+    port = stack.metrics.port  # type: ignore[attr-defined]
+    for node, model in MODELS.items():
+        gpu = stack.gpus[node]
+        busy = start_pod(stack, node, pod(f"busy-{node}", "batch", 30, port))
+        uid = busy["metadata"]["uid"]
+        with gpu.lock:
+            gpu.used[uid], gpu.busy_uid = 30 * GIB, uid
+        stack.busy[node] = busy
+        stack.metrics.pages[f"batch/busy-{node}"] = page(lambda: 3, 2, 0.99)  # type: ignore[attr-defined]
+        for i in range(2):
+            name = f"{node}-r{i}"
+            p = start_pod(stack, node, pod(name, "warm", 20, port, model))
+            uid = p["metadata"]["uid"]
+            with gpu.lock:
+                gpu.used[uid] = AWAKE_MIB
+            engine = FakeEngine(gpu, uid, model, in_flight=1)  # serving until the test lets it idle
+            stack.metrics.pages[f"warm/{name}"] = page(lambda e=engine: e.in_flight, 0, 0.0)  # type: ignore[attr-defined]
+            sock = os.path.join(container_dir(gpu.quota_root, uid, "vllm"), contract.WARM_SOCKET_NAME)
+            eventually(lambda: os.path.exists(sock), f"the warm socket of {name}")
+            holder: list[WarmTier] = []
+            channel = SocketChannel(sock, on_connect=lambda: holder[0].hello() if holder else None)
+            tier = WarmTier(engine, channel, "0", grant_timeout_s=30.0)
+            holder.append(tier)
+            r = Replica(node, p, engine, tier, channel)
+            r.tier_stop = threading.Event()  # type: ignore[attr-defined]
+            stack.replicas.append(r)
+            tier.hello()
+
+            def on_engine(job: Callable[[], None], tier: WarmTier = tier) -> None:
+                with tier._lock:  # an in-process engine: the job runs under the tier's lock (warm_glue.run_on_engine)
+                    job()
+
+            start_reader(tier, channel, on_engine, r.tier_stop)  # type: ignore[attr-defined]
+
+
+def broker(stack: Stack, node: str):
+    return stack.nodes[node].daemon.warm
+
+
+def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_request(stack: Stack) -> None:
+    deploy(stack)
+    for node in MODELS:  # the co-tenant borrows what is free while the replicas are awake
+        eventually(lambda: stack.gpus[node].limit(stack.busy[node]["metadata"]["uid"]) > 30 * GIB,
+                   f"the co-tenant on {node} borrowing", stack.poke)
+    before = {n: stack.gpus[n].limit(stack.busy[n]["metadata"]["uid"]) for n in MODELS}
+    assert all(r.tier.state == AWAKE for r in stack.replicas) and not any(r.engine.calls for r in stack.replicas)
+
+    # 1. the replicas idle -> the loop asks each one's engine to sleep; the engines sleep
+    for r in stack.replicas:
+        r.engine.in_flight = 0
+    eventually(lambda: all(r.tier.state == SLEEPING for r in stack.replicas), "every replica asleep", stack.poke)
+    assert all(r.engine.calls == ["sleep"] for r in stack.replicas)
+    for r in stack.replicas:
+        eventually(lambda: broker(stack, r.node).views()[r.key].state is Sleep.SLEEPING, "the broker to see it", stack.poke)
+
+    # 2. the node lends: the replicas' limits fall to what a sleeping engine holds, the co-tenant's rise
+    for node in MODELS:
+        gpu, busy_uid = stack.gpus[node], stack.busy[node]["metadata"]["uid"]
+        mine = [r for r in stack.replicas if r.node == node]
+        eventually(lambda: all(gpu.limit(r.key.pod_uid) < 4 * GIB for r in mine), f"sleepers' limits cut on {node}",
+                   stack.poke)
+        eventually(lambda: gpu.limit(busy_uid) > before[node] + 10 * GIB, f"the co-tenant's quota rising on {node}",
+                   stack.poke)
+        eventually(lambda: gpu.used[busy_uid] > before[node] + 10 * GIB, f"the co-tenant on {node} using its loan",
+                   stack.poke)
+
+    # 3. ... and publishes the sleeping engines and its sleep credit in the inventory annotation
+    for node, model in MODELS.items():
+        def published() -> bool:
+            inv = stack.inventory(node)
+            sleeping = [m for m in inv.models if f"{m.name}@{m.revision}" == model
+                        and [s.value for _, s in m.engines] == ["sleeping", "sleeping"]]
+            return bool(sleeping) and inv.gpus[0].sleep_credit_mib == 15 * GIB
+        eventually(published, f"{node}'s inventory: two sleeping engines of {model} and 15 GiB of credit", stack.poke,
+                   timeout=30)
+
+    # 4. the extender, reading it through the double: the credit fits a 20 GiB replica on GPUs whose
+    #    requests add up to 70 of 80 GiB, and residency prefers the node holding the pod's model
+    for node in MODELS:
+        eventually(lambda: inspection.fetch(stack.ext.url, node)["gpus"][0]["totalMiB"] == GPU_MIB + 15 * GIB,
+                   f"the extender booking {node}'s GPU with its credit")
+        doc = inspection.fetch(stack.ext.url, node)["gpus"][0]
+        assert doc["usedMiB"] == 70 * GIB and {e["state"] for e in doc["engines"]} == {"sleeping"}
+    port = stack.metrics.port  # type: ignore[attr-defined]
+    new = {node: stack.api.create_pod(pod(f"new-{node}", "warm", 20, port, model)) for node, model in MODELS.items()}
+    for node in MODELS:  # both filtered first: a prioritize answer holds its best node for that pod's bind
+        passed, failed = stack.filter(new[node])
+        assert passed == sorted(MODELS), failed  # 20 GiB > the 10 GiB the requests leave: the credit fits it
+    for node, model in MODELS.items():
+        scores = stack.prioritize(new[node])
+        other = next(n for n in MODELS if n != node)
+        assert scores[node] > scores[other], (model, scores)
+
+    # 5. a request reaches a sleeping replica on node-m: the co-tenant shrinks first, then it wakes and serves
+    r = next(x for x in stack.replicas if x.node == "node-m")
+    gpu, busy_uid = stack.gpus["node-m"], stack.busy["node-m"]["metadata"]["uid"]
+    lent_use, lent_limit = gpu.used[busy_uid], gpu.limit(busy_uid)
+    assert gpu.free() < AWAKE_MIB - ASLEEP_MIB  # the memory it needs is in the co-tenant's hands now
+    served = threading.Event()
+
+    def request() -> None:  # the engine thread: EngineCore.add_request's hook, then the request runs
+        r.tier.before_request()
+        r.engine.in_flight += 1
+        served.set()
+
+    t = threading.Thread(target=request, name="e2e-request")
+    t.start()
+    t.join(30)  # no poke: the wake request itself makes the loop tick (fast ticks while it waits)
+    assert served.is_set() and r.tier.state == AWAKE
+    assert r.engine.calls == ["sleep", "wake_up"]  # never refused, and the wake never failed for memory
+    at = r.engine.at_wake
+    assert at["busy_limit"] < lent_limit  # the co-tenant's quota was cut first
+    assert at["busy_used"] <= at["busy_limit"] and at["busy_used"] < lent_use  # and it had released the memory
+    asleep = next(x for x in stack.replicas if x.node == "node-m" and x is not r)
+    assert asleep.tier.state == SLEEPING and asleep.engine.calls == ["sleep"]  # its twin sleeps on
+    assert at["busy_limit"] + gpu.limit(r.key.pod_uid) + gpu.limit(asleep.key.pod_uid) <= GPU_MIB  # granted free memory
+    eventually(lambda: broker(stack, "node-m").views()[r.key].state is Sleep.AWAKE, "the broker to see it awake")
+    assert gpu.limit(r.key.pod_uid) >= 20 * GIB
+    # one sleeper left: its gap is the wake reserve, so the credit is withdrawn from the books
+    eventually(lambda: stack.inventory("node-m").gpus[0].sleep_credit_mib == 0, "node-m's credit withdrawn", stack.poke)
+    eventually(lambda: inspection.fetch(stack.ext.url, "node-m")["gpus"][0]["totalMiB"] == GPU_MIB,
+               "the extender booking node-m's GPU at its memory again")
+    assert stack.inventory("node-n").gpus[0].sleep_credit_mib == 15 * GIB  # the other node is untouched
