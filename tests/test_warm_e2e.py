@@ -58,7 +58,7 @@ BUSY_WANTS = 76000  # the co-tenant's KV grows to this when allowed
 MODELS = {"node-m": "acme/chat-8b@r1", "node-n": "acme/code-8b@r1"}
 CONFIG = {
     "warmTier": {"enabled": True},
-    "quota": {"intervalSeconds": 1, "startupTicks": 0, "ceilingFraction": 2.5, "idleSeconds": 0,
+    "quota": {"intervalSeconds": 1, "startupTicks": 3, "ceilingFraction": 2.5, "idleSeconds": 0,
               "classes": [{"name": "replicas", "match": [{"namespaces": ["warm"]}], "idleSeconds": 0.2,
                            "floorFraction": 0.25, "sleepBookedFraction": 0.25}]},
 }
@@ -144,7 +144,7 @@ class FakeEngine:
     def wake_up(self) -> None:
         self.calls.append("wake_up")
         busy = self.gpu.busy_uid
-        self.at_wake = {"busy_used": self.gpu.used[busy], "busy_limit": self.gpu.limit(busy)}
+        self.at_wake = {"busy_used": self.gpu.used[busy], "busy_limit": self.gpu.limit(busy), "free": self.gpu.free()}
         need = AWAKE_MIB - ASLEEP_MIB
         if self.gpu.free() < need:
             raise RuntimeError(f"CUDA out of memory: need {need} MiB, {self.gpu.free()} free")
@@ -388,9 +388,29 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
         other = next(n for n in MODELS if n != node)
         assert scores[node] > scores[other], (model, scores)
 
-    # 5. a request reaches a sleeping replica on node-m: the co-tenant shrinks first, then it wakes and serves
-    r = next(x for x in stack.replicas if x.node == "node-m")
+    # 4b. the new replica of M is bound to node-m and admitted there on the credit's units; the loop keeps
+    #     its request free (the co-tenant gives back what it borrowed) before its engine loads
     gpu, busy_uid = stack.gpus["node-m"], stack.busy["node-m"]["metadata"]["uid"]
+    out = stack.driver.schedule(new["node-m"])
+    assert out.node == "node-m", out.error
+    stack.api.delete_pod("warm", "new-node-n")  # N's replica is not needed for the rest
+    bound = stack.api.get_pod("warm", "new-node-m")
+    [(container, env)] = stack.nodes["node-m"].admit(bound)
+    assert container == "vllm" and env[contract.ENV_VISIBLE_DEVICES] == "GPU-node-m"
+    assert env[contract.ENV_MEMORY_LIMIT_MIB] == str(20 * GIB)
+    newcomer = stack.api.update(PODS, "warm", "new-node-m",
+                                lambda p: p.setdefault("status", {}).update(phase="Running", podIP="127.0.0.1"))
+    new_uid = newcomer["metadata"]["uid"]
+    stack.metrics.pages["warm/new-node-m"] = page(lambda: 1, 0, 0.1)  # type: ignore[attr-defined]
+    sleepers = [x for x in stack.replicas if x.node == "node-m"]
+    eventually(lambda: gpu.used[busy_uid] + 20 * GIB + sum(gpu.used[x.key.pod_uid] for x in sleepers) <= GPU_MIB
+               and gpu.limit(new_uid) == 20 * GIB, "room for the new replica's request", stack.poke)
+    with gpu.lock:
+        gpu.used[new_uid] = AWAKE_MIB  # its engine loads into memory that is free
+    assert gpu.free() >= 0
+
+    # 5. a request reaches a sleeping replica on node-m: the co-tenant shrinks first, then it wakes and serves
+    r = sleepers[0]
     lent_use, lent_limit = gpu.used[busy_uid], gpu.limit(busy_uid)
     assert gpu.free() < AWAKE_MIB - ASLEEP_MIB  # the memory it needs is in the co-tenant's hands now
     served = threading.Event()
@@ -407,7 +427,7 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
     assert r.engine.calls == ["sleep", "wake_up"]  # never refused, and the wake never failed for memory
     at = r.engine.at_wake
     assert at["busy_limit"] < lent_limit  # the co-tenant's quota was cut first
-    assert at["busy_used"] <= at["busy_limit"] and at["busy_used"] < lent_use  # and it had released the memory
+    assert at["busy_used"] < lent_use and at["free"] >= AWAKE_MIB - ASLEEP_MIB  # and had released what the wake needs
     asleep = next(x for x in stack.replicas if x.node == "node-m" and x is not r)
     assert asleep.tier.state == SLEEPING and asleep.engine.calls == ["sleep"]  # its twin sleeps on
     assert at["busy_limit"] + gpu.limit(r.key.pod_uid) + gpu.limit(asleep.key.pod_uid) <= GPU_MIB  # granted free memory
@@ -418,3 +438,16 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
     eventually(lambda: inspection.fetch(stack.ext.url, "node-m")["gpus"][0]["totalMiB"] == GPU_MIB,
                "the extender booking node-m's GPU at its memory again")
     assert stack.inventory("node-n").gpus[0].sleep_credit_mib == 15 * GIB  # the other node is untouched
+    # 6. after the wake node-m's GPU is booked past its memory (90 of 80 GiB: the overcommit the credit
+    #    allowed): it takes no more pods, and the replica placed on the credit stays a tenant with its quota
+    eventually(lambda: stack.filter(stack.api.create_pod(pod(f"more-{time.monotonic_ns()}", "warm", 1, port)))[0]
+               == ["node-n"], "node-m taking no more pods")
+    assert inspection.fetch(stack.ext.url, "node-m")["gpus"][0]["usedMiB"] == 90 * GIB
+    stack.poke()
+    eventually(lambda: new_uid in {t.key.pod_uid for t in stack.nodes["node-m"].daemon._quota_loop.tenants_now},
+               "the new replica a tenant of node-m's loop")
+    assert gpu.limit(new_uid) >= AWAKE_MIB
+    assert stack.api.get_pod("warm", "new-node-m")["metadata"]["annotations"][NAMES.allocation_state] \
+        == contract.STATE_ALLOCATED
+    # and at no tick did a loop promise more than its GPU (issue 19's node-level invariant)
+    assert all(n.daemon._quota_loop.counts["node_overcommit"] == 0 for n in stack.nodes.values())
