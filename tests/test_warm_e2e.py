@@ -312,7 +312,9 @@ def deploy(stack: Stack) -> None:
                 gpu.used[uid] = AWAKE_MIB
             engine = FakeEngine(gpu, uid, model, in_flight=1)  # serving until the test lets it idle
             stack.metrics.pages[f"warm/{name}"] = page(lambda e=engine: e.in_flight, 0, 0.0)  # type: ignore[attr-defined]
-            sock = os.path.join(container_dir(gpu.quota_root, uid, "vllm"), contract.WARM_SOCKET_NAME)
+            # the socket where the engine finds it: next to its quota file, in the directory Allocate
+            # mounted at /var/run/vramshare (the loop listens through the <uid>/<container> link to it)
+            sock = os.path.join(mounted_quota_dir(stack.nodes[node], uid), contract.WARM_SOCKET_NAME)
             eventually(lambda: os.path.exists(sock), f"the warm socket of {name}")
             holder: list[WarmTier] = []
             channel = SocketChannel(sock, on_connect=lambda: holder[0].hello() if holder else None)
@@ -328,6 +330,14 @@ def deploy(stack: Stack) -> None:
                     job()
 
             start_reader(tier, channel, on_engine, r.tier_stop)  # type: ignore[attr-defined]
+
+
+def mounted_quota_dir(node: SimulatedNode, uid: str) -> str:
+    """The host directory the kubelet mounted at ``/var/run/vramshare`` in the pod's ``vllm`` container
+    (the Allocate response's mount)."""
+    [host] = [m.host_path for g in node.kubelet.manager.pods[uid].containers["vllm"].values()
+              for m in g.response.mounts if m.container_path == contract.CONTAINER_QUOTA_DIR]
+    return host
 
 
 def broker(stack: Stack, node: str):
