@@ -388,6 +388,15 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
                    f"the extender booking {node}'s GPU with its credit")
         doc = inspection.fetch(stack.ext.url, node)["gpus"][0]
         assert doc["usedMiB"] == 70 * GIB and {e["state"] for e in doc["engines"]} == {"sleeping"}
+
+        def mirrored() -> bool:  # the loop's quota-mib mirror on each pod, as `vramshare inspect` shows it
+            tenants = {t["pod"]: t for t in inspection.fetch(stack.ext.url, node)["gpus"][0].get("tenants", [])}
+            asleep = [t for p, t in tenants.items() if p.startswith("warm/")]
+            busy = tenants.get(f"batch/busy-{node}", {})
+            return (len(asleep) == 2 and all(t.get("sleep") == "sleeping" and t.get("lentMiB", 0) >= 15 * GIB
+                                             and t["class"] == "replicas" for t in asleep)
+                    and busy.get("limitMiB", 0) > before[node] + 10 * GIB)
+        eventually(mirrored, f"{node}'s tenants asleep and lending in the extender's /inspect", stack.poke)
     port = stack.metrics.port  # type: ignore[attr-defined]
     new = {node: stack.api.create_pod(pod(f"new-{node}", "warm", 20, port, model)) for node, model in MODELS.items()}
     for node in MODELS:  # both filtered first: a prioritize answer holds its best node for that pod's bind
