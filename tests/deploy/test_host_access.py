@@ -263,6 +263,24 @@ def test_the_cdi_cri_install_mounts_the_root_made_mig_instances_specs_are_writte
     assert base.device_list_strategy is not config.DeviceListStrategy.CDI_CRI  # the default grants no CDI root
 
 
+def test_cdi_cri_reaches_every_device_plugin_daemonset(tmp_path: pathlib.Path) -> None:
+    """With driver-enforcement too, both DaemonSets run cdi-cri and each is granted exactly what its mode
+    needs (a node labelled for driver must not fall back to envvar, nor miss the CDI roots)."""
+    root = tmp_path / "install"
+    root.mkdir()
+    rel = lambda p: os.path.relpath(p, root)  # noqa: E731
+    (root / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [rel(BASE)],
+        "components": [rel(DEPLOY / "components" / "driver-enforcement"), rel(DEPLOY / "components" / "cdi-cri")]}))
+    objs = kustomize.build(str(root))
+    for labels, mode in ((GPU_NODE, EnforcementMode.COOPERATIVE), (DRIVER_NODE, EnforcementMode.DRIVER)):
+        [ds] = [ds for ds in _daemonsets(objs, "vramshare-device-plugin") if _schedules_on(ds, labels)]
+        cfg = _config(objs, ds)
+        assert cfg.device_list_strategy is config.DeviceListStrategy.CDI_CRI
+        assert _advertised_mode(ds, cfg, tmp_path) is mode
+        assert granted(ds) == device_plugin_needs(cfg, mode)
+
+
 def test_the_dra_plugin_is_granted_exactly_what_it_needs() -> None:
     objs = _render("dra")
     [ds] = _daemonsets(objs, "vramshare-dra-plugin")
