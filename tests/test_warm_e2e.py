@@ -197,6 +197,7 @@ class Replica:
     engine: FakeEngine
     tier: WarmTier
     channel: SocketChannel
+    stop: threading.Event = field(default_factory=threading.Event)  # its reader thread
 
     @property
     def key(self) -> TenantKey:
@@ -211,6 +212,7 @@ class Stack:
     gpus: dict[str, Gpu]
     driver: SchedulerDriver
     ext: Any
+    metrics: Metrics
     replicas: list[Replica] = field(default_factory=list)
     busy: dict[str, dict] = field(default_factory=dict)
 
@@ -245,7 +247,11 @@ def pod(name: str, ns: str, gib: int, port: int, model: str | None = None) -> di
 def start_pod(stack: Stack, node: str, body: dict) -> dict:
     """Scheduled by the extender onto ``node``, admitted by its kubelet, running at 127.0.0.1."""
     created = stack.api.create_pod(body)
-    out = SchedulerDriver(stack.ext.url, [node]).schedule(created)
+    driver = SchedulerDriver(stack.ext.url, [node])
+    try:
+        out = driver.schedule(created)
+    finally:
+        driver.close()
     assert out.node == node, out.error
     bound = stack.api.get_pod(body["metadata"]["namespace"], body["metadata"]["name"])
     stack.nodes[node].admit(bound)
@@ -277,12 +283,11 @@ def stack() -> Iterator[Stack]:
             try:
                 assert ext.wait_ready(10)
                 eventually(lambda: all(inspection.render(ext.acct, n) for n in nodes), "inventories in the extender")
-                s = Stack(api, nodes, gpus, SchedulerDriver(ext.url, sorted(nodes)), ext)
-                s.metrics = metrics  # type: ignore[attr-defined]
+                s = Stack(api, nodes, gpus, SchedulerDriver(ext.url, sorted(nodes)), ext, metrics)
                 yield s
             finally:
                 for r in s.replicas if s is not None else []:
-                    r.tier_stop.set()  # type: ignore[attr-defined]
+                    r.stop.set()
                     r.channel.close()
                 if s is not None:
                     s.driver.close()
@@ -295,7 +300,7 @@ def stack() -> Iterator[Stack]:
 
 def deploy(stack: Stack) -> None:
     """On each node: the co-tenant, then two replicas of the node's model with their engines attached."""
-    port = stack.metrics.port  # type: ignore[attr-defined]
+    port = stack.metrics.port
     for node, model in MODELS.items():
         gpu = stack.gpus[node]
         busy = start_pod(stack, node, pod(f"busy-{node}", "batch", 30, port))
@@ -303,7 +308,7 @@ def deploy(stack: Stack) -> None:
         with gpu.lock:
             gpu.used[uid], gpu.busy_uid = 30 * GIB, uid
         stack.busy[node] = busy
-        stack.metrics.pages[f"batch/busy-{node}"] = page(lambda: 3, 2, 0.99)  # type: ignore[attr-defined]
+        stack.metrics.pages[f"batch/busy-{node}"] = page(lambda: 3, 2, 0.99)
         for i in range(2):
             name = f"{node}-r{i}"
             p = start_pod(stack, node, pod(name, "warm", 20, port, model))
@@ -311,17 +316,16 @@ def deploy(stack: Stack) -> None:
             with gpu.lock:
                 gpu.used[uid] = AWAKE_MIB
             engine = FakeEngine(gpu, uid, model, in_flight=1)  # serving until the test lets it idle
-            stack.metrics.pages[f"warm/{name}"] = page(lambda e=engine: e.in_flight, 0, 0.0)  # type: ignore[attr-defined]
+            stack.metrics.pages[f"warm/{name}"] = page(lambda e=engine: e.in_flight, 0, 0.0)
             # the socket where the engine finds it: next to its quota file, in the directory Allocate
             # mounted at /var/run/vramshare (the loop listens through the <uid>/<container> link to it)
             sock = os.path.join(mounted_quota_dir(stack.nodes[node], uid), contract.WARM_SOCKET_NAME)
             eventually(lambda: os.path.exists(sock), f"the warm socket of {name}")
             holder: list[WarmTier] = []
             channel = SocketChannel(sock, on_connect=lambda: holder[0].hello() if holder else None)
-            tier = WarmTier(engine, channel, "0", grant_timeout_s=30.0)
+            tier = WarmTier(engine, channel, "0", grant_timeout_s=300.0)  # a wake here is served by a grant
             holder.append(tier)
             r = Replica(node, p, engine, tier, channel)
-            r.tier_stop = threading.Event()  # type: ignore[attr-defined]
             stack.replicas.append(r)
             tier.hello()
 
@@ -329,7 +333,7 @@ def deploy(stack: Stack) -> None:
                 with tier._lock:  # an in-process engine: the job runs under the tier's lock (warm_glue.run_on_engine)
                     job()
 
-            start_reader(tier, channel, on_engine, r.tier_stop)  # type: ignore[attr-defined]
+            start_reader(tier, channel, on_engine, r.stop)
 
 
 def mounted_quota_dir(node: SimulatedNode, uid: str) -> str:
@@ -397,7 +401,7 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
                                              and t["class"] == "replicas" for t in asleep)
                     and busy.get("limitMiB", 0) > before[node] + 10 * GIB)
         eventually(mirrored, f"{node}'s tenants asleep and lending in the extender's /inspect", stack.poke)
-    port = stack.metrics.port  # type: ignore[attr-defined]
+    port = stack.metrics.port
     new = {node: stack.api.create_pod(pod(f"new-{node}", "warm", 20, port, model)) for node, model in MODELS.items()}
     for node in MODELS:  # both filtered first: a prioritize answer holds its best node for that pod's bind
         passed, failed = stack.filter(new[node])
@@ -420,7 +424,7 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
     newcomer = stack.api.update(PODS, "warm", "new-node-m",
                                 lambda p: p.setdefault("status", {}).update(phase="Running", podIP="127.0.0.1"))
     new_uid = newcomer["metadata"]["uid"]
-    stack.metrics.pages["warm/new-node-m"] = page(lambda: 1, 0, 0.1)  # type: ignore[attr-defined]
+    stack.metrics.pages["warm/new-node-m"] = page(lambda: 1, 0, 0.1)
     sleepers = [x for x in stack.replicas if x.node == "node-m"]
     eventually(lambda: gpu.used[busy_uid] + 20 * GIB + sum(gpu.used[x.key.pod_uid] for x in sleepers) <= GPU_MIB
                and gpu.limit(new_uid) == 20 * GIB, "room for the new replica's request", stack.poke)
@@ -439,9 +443,9 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
         r.engine.in_flight += 1
         served.set()
 
-    t = threading.Thread(target=request, name="e2e-request")
+    t = threading.Thread(target=request, name="e2e-request", daemon=True)
     t.start()
-    t.join(30)  # no poke: the wake request itself makes the loop tick (fast ticks while it waits)
+    t.join(60)  # no poke: the wake request itself makes the loop tick (fast ticks while it waits)
     assert served.is_set() and r.tier.state == AWAKE
     assert r.engine.calls == ["sleep", "wake_up"]  # never refused, and the wake never failed for memory
     at = r.engine.at_wake
