@@ -53,7 +53,7 @@ from vramshare.inventory import NodeInventory
 NAMES = contract.Names()
 GIB = 1024
 GPU_MIB = 80 * GIB
-AWAKE_MIB, ASLEEP_MIB = 17000, 1000  # an engine's use awake (weights + KV) and asleep (context, graphs)
+AWAKE_MIB, ASLEEP_MIB = 20000, 1000  # an engine's use awake (weights + KV: nearly its request) and asleep
 BUSY_WANTS = 76000  # the co-tenant's KV grows to this when allowed
 MODELS = {"node-m": "acme/chat-8b@r1", "node-n": "acme/code-8b@r1"}
 CONFIG = {
@@ -474,3 +474,82 @@ def test_idle_replicas_sleep_lend_publish_attract_their_model_and_wake_on_a_requ
         == contract.STATE_ALLOCATED
     # and at no tick did a loop promise more than its GPU (issue 19's node-level invariant)
     assert all(n.daemon._quota_loop.counts["node_overcommit"] == 0 for n in stack.nodes.values())
+
+    # 7. beyond the wake reserve: a request reaches node-m's other sleeper while the GPU is booked 90 of 80
+    #    GiB. Its memory is not there unless an awake pod gives up part of its request (the co-tenant's
+    #    request, the new replica's and the woken one's hold the rest): the wake is not refused and does not
+    #    fail, it waits for its grant (README: a wake beyond the reserve waits, or displaces lower classes),
+    #    and no awake pod is cut below its request for it. The woken replica finishes its request, idles, is
+    #    put to sleep again, and then the waiting one is granted. (Found by this test: the policy restored
+    #    such a wake ahead of everybody, cutting the busy co-tenant, of the same rank, from its 30 GiB
+    #    request to 20 GiB while it used it all.)
+    second = asleep
+    done = threading.Event()
+    loop = stack.nodes["node-m"].daemon._quota_loop
+
+    def second_request() -> None:
+        second.tier.before_request()
+        done.set()
+
+    t2 = threading.Thread(target=second_request, name="e2e-request-2", daemon=True)
+    t2.start()
+    eventually(lambda: broker(stack, "node-m").views()[second.key].state is Sleep.WAKING, "the second wake asked")
+    for _ in range(6):  # ticks pass: no grant while the memory is other pods' requests
+        ticks = loop.counts["ticks"]
+        stack.poke()
+        eventually(lambda: loop.counts["ticks"] > ticks + 1, "a tick")
+        assert gpu.limit(busy_uid) >= 30 * GIB and gpu.used[busy_uid] >= 30 * GIB - GIB, \
+            (gpu.limit(busy_uid), gpu.used[busy_uid], second.engine.calls)  # the co-tenant keeps its request
+        assert not done.is_set() and second.engine.calls == ["sleep"]
+    assert broker(stack, "node-m").views()[second.key].waited == 1  # vramshare_warm_wakes_waited
+    assert broker(stack, "node-m").views()[second.key].state is Sleep.WAKING  # waiting, not refused
+    r.engine.in_flight = 0  # the first request is done: the woken replica idles
+    t2.join(60)
+    assert done.is_set() and second.tier.state == AWAKE
+    assert r.engine.calls == ["sleep", "wake_up", "sleep"] and r.tier.state == SLEEPING  # slept again first
+    assert second.engine.calls == ["sleep", "wake_up"]  # its wake found its memory free: never failed
+    assert second.engine.at_wake["busy_limit"] >= 30 * GIB
+    assert all(n.daemon._quota_loop.counts["node_overcommit"] == 0 for n in stack.nodes.values())
+
+
+def test_a_wake_beyond_the_reserve_is_held_not_restored_out_of_awake_requests():
+    """The rule step 7 above found missing, on literal states (the broker and the policy, no I/O): a GPU of
+    80 GiB booked 90 (busy 30, two awake replicas of 20, a sleeper of an overcommit class whose credit a
+    placement used). The sleeper's wake does not fit beside the awake requests: it is held asleep, and the
+    policy keeps the busy co-tenant, which uses its whole request, at it. Once one replica sleeps the wake
+    fits and is restored ahead of everybody, as within the wake reserve it always was."""
+    from deviceplugin.quota.classes import ClassTerms
+    from deviceplugin.quota.model import GpuState, Phase, PolicyParams, Signals, TenantState
+    from deviceplugin.quota.policy import rebalance
+    from deviceplugin.quota.warm import WarmBroker
+    from vramshare.config import OverLimitAction
+
+    params = PolicyParams(floor_fraction=0.5, ceiling_fraction=2.5, step_mib=512, margin_mib=1024)
+    replicas = ClassTerms("replicas", 0.25, None, 2.5, None, 1024, 0.2, 0, OverLimitAction.EVENT,
+                          sleep_booked_fraction=0.25)
+    broker = WarmBroker(send=lambda k, m: True, params=params)
+    keys = {n: TenantKey("warm", n, "vllm", pod_uid=n) for n in ("busy", "r0", "new", "r1")}
+    for n in ("r0", "r1"):
+        broker.receive(keys[n], contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True, state="sleeping"), 0)
+    broker.receive(keys["r1"], contract.WarmMessage.of(contract.WARM_WAKE, seq=1), 1)
+    busy = Signals(running=3, waiting=2, kv_usage=0.99, release_mode="unmap")
+    calm = Signals(running=1, waiting=0, kv_usage=0.5, release_mode="unmap")
+
+    def tick(r0_awake: bool) -> dict[str, int]:
+        if r0_awake:
+            broker.receive(keys["r0"], contract.WarmMessage.of(contract.WARM_AWAKE, seq=1, seconds=1.0), 2)
+        states = [TenantState(keys["busy"], 30 * GIB, 30 * GIB, 30 * GIB, busy),
+                  broker.prepare(TenantState(keys["r0"], 20 * GIB, 20 * GIB if r0_awake else 2 * GIB,
+                                             20000 if r0_awake else ASLEEP_MIB, calm,
+                                             phase=Phase.HOT if r0_awake else Phase.WARM), "G", replicas),
+                  TenantState(keys["new"], 20 * GIB, 20 * GIB, 20000, calm),
+                  broker.prepare(TenantState(keys["r1"], 20 * GIB, 2 * GIB, ASLEEP_MIB, Signals(running=0, waiting=0),
+                                             phase=Phase.WARM), "G", replicas)]
+        held = broker.hold_wakes("G", GPU_MIB, states)
+        return {d.key.pod: d.limit_mib for d in rebalance(GpuState("G", GPU_MIB, tuple(held)), params)}
+
+    got = tick(r0_awake=True)
+    assert got["busy"] >= 30 * GIB and got["r1"] < 20 * GIB  # on main: busy cut to 20 GiB, r1 restored
+    broker.receive(keys["r0"], contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True, state="sleeping"), 3)
+    got = tick(r0_awake=False)  # r0 asleep again (holding 1 GiB): the wake fits beside the requests
+    assert got["r1"] >= 20 * GIB and got["busy"] >= 30 * GIB

@@ -34,7 +34,7 @@ import dataclasses
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from deviceplugin.quota.model import Bounds, Decision, Phase, PolicyParams, TenantKey, TenantState
 from vramshare import contract, logs, overcommit
@@ -169,6 +169,36 @@ class WarmBroker:
             # memory are restored one whole request at a time, never each a part that reaches none
             return dataclasses.replace(t, phase=Phase.WARM, bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
         return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
+
+    def hold_wakes(self, gpu: str, capacity: int, states: Sequence[TenantState],
+                   reserved_mib: int = 0) -> list[TenantState]:
+        """The GPU's prepared tenants, with a wake of an overcommit class's sleeper held asleep (``WARM``
+        at floor 0, as a queued wake) while its request does not fit beside every other tenant's request
+        (sleepers at what they hold) and the pending claims (``reserved_mib``). Within the wake reserve
+        it fits, by the books' rule (:mod:`vramshare.overcommit`); beyond it (more wakes at once than the
+        reserve, or a reserve a placement used) the policy would restore it ahead of everybody out of
+        awake pods' requests, cutting a co-tenant below what the books promised it. Held, it waits for
+        its grant and displaces lower classes (:meth:`after_tick`); it is never refused. Books at the
+        requests (no overcommit class) always fit: nothing is held."""
+        out = list(states)
+        with self._lock:
+            asleep = {k for k, e in self._engines.items() if e.state is not Sleep.AWAKE}
+            for i, t in enumerate(out):
+                e = self._engines.get(t.key)
+                if (t.phase is not Phase.WAKING or e is None or e.state is not Sleep.WAKING
+                        or (t.key, gpu) not in self._overcommit):
+                    continue
+                b = t.bounds or self.params.bounds_of(t.request_mib)
+                others = sum((s.used_mib or 0) if s.key in asleep and s.phase is Phase.WARM
+                             else (s.bounds or self.params.bounds_of(s.request_mib)).clamp(s.request_mib)
+                             for s in out if s.key != t.key)
+                if others + reserved_mib + b.clamp(t.request_mib) <= capacity:
+                    continue
+                log.info("wake beyond the wake reserve waits: its request is awake pods' requests",
+                         tenant=str(t.key), gpu=gpu, others_mib=others + reserved_mib, capacity_mib=capacity)
+                out[i] = dataclasses.replace(t, phase=Phase.WARM, demand_mib=None,
+                                             bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
+        return out
 
     def _wake_order(self, key: TenantKey) -> tuple:
         e = self._engines[key]
