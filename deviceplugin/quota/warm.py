@@ -19,7 +19,9 @@ Overcommit (issue 23 item 5, :mod:`vramshare.overcommit`): a tenant whose class 
 ``sleepBookedFraction`` lends its sleeping gap to the scheduler's books beyond the GPU's wake reserve;
 :meth:`WarmBroker.sleep_credits` is that credit per GPU, handed to ``on_credits`` after each tick (the
 node's inventory and kubelet units follow; a wake withdraws it at once). More wakes at once than the
-reserve covers find no memory: such a wake is never refused, it waits for its grant; after
+reserve covers find no memory: such a wake is never refused, it waits for its grant, held asleep by
+:meth:`WarmBroker.hold_wakes` while its request does not fit beside the awake pods' requests (as the
+replay's rule, :mod:`vramshare.coldstart`, always had it: never out of an awake co-tenant's request); after
 ``displace_after_ticks`` ungranted ticks the broker asks awake engines of *strictly lower* classes
 (``lendingPriority``) on its GPUs to sleep, lowest first, one per tick (an engine that is serving
 refuses, the next is asked). Equal or higher classes are never displaced: the wake waits for them to
