@@ -25,7 +25,7 @@ replay's rule, :mod:`vramshare.coldstart`, always had it: never out of an awake 
 ``displace_after_ticks`` ungranted ticks the broker asks awake engines of *strictly lower* classes
 (``lendingPriority``) on its GPUs to sleep, lowest first, one per tick (an engine that is serving
 refuses, the next is asked). Equal or higher classes are never displaced: the wake waits for them to
-sleep on their own idle timer or to shrink.
+sleep on their own idle timer, or to leave.
 
 A wake request pokes the loop (the adapter's ``poke``) so it ticks at once and again every
 ``fast_tick_s`` while a wake is pending: the wake path never waits for the regular interval.
