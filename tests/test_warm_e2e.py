@@ -553,3 +553,55 @@ def test_a_wake_beyond_the_reserve_is_held_not_restored_out_of_awake_requests():
     broker.receive(keys["r0"], contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True, state="sleeping"), 3)
     got = tick(r0_awake=False)  # r0 asleep again (holding 1 GiB): the wake fits beside the requests
     assert got["r1"] >= 20 * GIB and got["busy"] >= 30 * GIB
+
+
+def _literal_gpu(awake: list[tuple[int, int]], sleepers: list[int], cap: int):
+    """A broker and the prepared states of one GPU: awake tenants (request, use), sleepers of an overcommit
+    class (request; each holds 1 GiB), the first of which asks to wake."""
+    from deviceplugin.quota.classes import ClassTerms
+    from deviceplugin.quota.model import PolicyParams, Signals, TenantState
+    from deviceplugin.quota.warm import WarmBroker
+    from vramshare.config import OverLimitAction
+
+    params = PolicyParams(floor_fraction=0.5, ceiling_fraction=2.0, step_mib=256, margin_mib=512)
+    cls = ClassTerms("replicas", 0.25, None, 2.0, None, 512, 0.2, 0, OverLimitAction.EVENT, sleep_booked_fraction=0.25)
+    broker = WarmBroker(send=lambda k, m: True, params=params)
+    states = []
+    for i, (req, use) in enumerate(awake):
+        states.append(TenantState(TenantKey("ns", f"a{i}", "c"), req, req, use,
+                                  Signals(running=1, waiting=1, kv_usage=0.95, release_mode="unmap")))
+    for i, req in enumerate(sleepers):
+        key = TenantKey("ns", f"s{i}", "c")
+        broker.receive(key, contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True, state="sleeping"), 0)
+        if i == 0:
+            broker.receive(key, contract.WarmMessage.of(contract.WARM_WAKE, seq=1), 1)
+        states.append(broker.prepare(TenantState(key, req, 2 * GIB, GIB, Signals(running=0, waiting=0),
+                                                 phase=Phase.WARM), "G", cls))
+    return broker, params, states
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from deviceplugin.quota.model import GpuState, Phase  # noqa: E402
+from deviceplugin.quota.policy import rebalance  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(4, 40), st.floats(0.5, 1.0)), min_size=1, max_size=4),
+       st.lists(st.integers(4, 40), min_size=1, max_size=3), st.integers(60, 120))
+def test_a_wake_never_cuts_an_awake_tenant_below_its_use_within_its_request(awake_raw, sleepers_raw, cap_gib):
+    """Any GPU whose awake requests and sleepers' residue fit it (the books' invariant once wakes within
+    the reserve are done): after the broker and the policy, every awake tenant keeps min(use, request),
+    and the waking sleeper is restored to its request exactly when it fits beside the others' requests."""
+    cap = cap_gib * GIB
+    awake = [(r * GIB, int(r * GIB * f)) for r, f in awake_raw]
+    sleepers = [r * GIB for r in sleepers_raw]
+    if sum(r for r, _ in awake) + GIB * len(sleepers) > cap:
+        return  # not a state the books allow
+    broker, params, states = _literal_gpu(awake, sleepers, cap)
+    held = broker.hold_wakes("G", cap, states)
+    limits = {d.key.pod: d.limit_mib for d in rebalance(GpuState("G", cap, tuple(held)), params)}
+    for i, (req, use) in enumerate(awake):
+        assert limits[f"a{i}"] >= min(use, req), (awake, sleepers, cap, limits)
+    fits = sum(r for r, _ in awake) + GIB * (len(sleepers) - 1) + sleepers[0] <= cap
+    assert (held[len(awake)].phase is Phase.WAKING) == fits
