@@ -33,12 +33,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from deviceplugin.quota.model import TenantKey
-from deviceplugin.quota.warm import Sleep
+from deviceplugin.quota.classes import ClassTerms
+from deviceplugin.quota.model import GpuState, Phase, PolicyParams, Signals, TenantKey, TenantState
+from deviceplugin.quota.policy import rebalance
+from deviceplugin.quota.warm import Sleep, WarmBroker
+from deviceplugin.quota.telemetry import UsageSample
 from deviceplugin.quota.writer import container_dir, read_quota
 from deviceplugin.simulated_backend import SimulatedBackend
-from deviceplugin.quota.telemetry import UsageSample
 from extender import inspection
 from extender.main import start_for_url
 from standins.apiserver import ApiServerDouble
@@ -47,7 +50,7 @@ from standins.scheduler import SchedulerDriver
 from standins.simnode import SimulatedNode
 from vllm_patches.warm import AWAKE, SLEEPING, SocketChannel, WarmTier, start_reader
 from vramshare import contract
-from vramshare.config import config_from_dict
+from vramshare.config import OverLimitAction, config_from_dict
 from vramshare.inventory import NodeInventory
 
 NAMES = contract.Names()
@@ -518,12 +521,6 @@ def test_a_wake_beyond_the_reserve_is_held_not_restored_out_of_awake_requests():
     placement used). The sleeper's wake does not fit beside the awake requests: it is held asleep, and the
     policy keeps the busy co-tenant, which uses its whole request, at it. Once one replica sleeps the wake
     fits and is restored ahead of everybody, as within the wake reserve it always was."""
-    from deviceplugin.quota.classes import ClassTerms
-    from deviceplugin.quota.model import GpuState, Phase, PolicyParams, Signals, TenantState
-    from deviceplugin.quota.policy import rebalance
-    from deviceplugin.quota.warm import WarmBroker
-    from vramshare.config import OverLimitAction
-
     params = PolicyParams(floor_fraction=0.5, ceiling_fraction=2.5, step_mib=512, margin_mib=1024)
     replicas = ClassTerms("replicas", 0.25, None, 2.5, None, 1024, 0.2, 0, OverLimitAction.EVENT,
                           sleep_booked_fraction=0.25)
@@ -558,11 +555,6 @@ def test_a_wake_beyond_the_reserve_is_held_not_restored_out_of_awake_requests():
 def _literal_gpu(awake: list[tuple[int, int]], sleepers: list[int], cap: int):
     """A broker and the prepared states of one GPU: awake tenants (request, use), sleepers of an overcommit
     class (request; each holds 1 GiB), the first of which asks to wake."""
-    from deviceplugin.quota.classes import ClassTerms
-    from deviceplugin.quota.model import PolicyParams, Signals, TenantState
-    from deviceplugin.quota.warm import WarmBroker
-    from vramshare.config import OverLimitAction
-
     params = PolicyParams(floor_fraction=0.5, ceiling_fraction=2.0, step_mib=256, margin_mib=512)
     cls = ClassTerms("replicas", 0.25, None, 2.0, None, 512, 0.2, 0, OverLimitAction.EVENT, sleep_booked_fraction=0.25)
     broker = WarmBroker(send=lambda k, m: True, params=params)
@@ -578,12 +570,6 @@ def _literal_gpu(awake: list[tuple[int, int]], sleepers: list[int], cap: int):
         states.append(broker.prepare(TenantState(key, req, 2 * GIB, GIB, Signals(running=0, waiting=0),
                                                  phase=Phase.WARM), "G", cls))
     return broker, params, states
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
-from deviceplugin.quota.model import GpuState, Phase  # noqa: E402
-from deviceplugin.quota.policy import rebalance  # noqa: E402
 
 
 @settings(max_examples=60, deadline=None)
