@@ -18,9 +18,14 @@ rises into it -> the node publishes the sleeping engines and its sleep credit (t
 as the wake reserve: 15 GiB) -> the extender, reading the annotation through the double, fits a new
 20 GiB replica on a GPU whose requests already add up to 70 of 80 GiB (the credit) and prefers the node
 that holds the pod's model (residency: M to node-m, N to node-n, as the nodes are otherwise alike) ->
-a request reaches a sleeping engine of node-m -> the co-tenant is cut back and releases first, the
-engine wakes on memory that is free (its wake never fails), the request is served, and the credit is
-withdrawn from the inventory.
+the new replica of M is bound to node-m and admitted on the credit's kubelet units -> a request reaches
+a sleeping engine of node-m -> the co-tenant is cut back and releases first, the engine wakes on memory
+that is free (its wake never fails), the request is served, the credit is withdrawn from the inventory,
+and the GPU, booked 90 of 80 GiB, takes no more pods -> a request reaches node-m's other sleeper, beyond the
+wake reserve: it waits (never refused, never failing, no awake pod cut below its request) until the first
+replica idles and sleeps again, then it is granted.
+
+Below it, the rule step 7 found missing (``WarmBroker.hold_wakes``) on literal states and as a property.
 """
 from __future__ import annotations
 
