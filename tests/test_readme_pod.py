@@ -95,3 +95,28 @@ def test_the_security_section_names_the_users_annotations():
     [said] = re.findall(r"users write only ([^)]*)\)", TEXT)
     for name in contract.USER_ANNOTATIONS:
         assert f"`{name}`" in said, f"README Security: 'users write only ...' misses {name}"
+
+
+def _warm_tier_pod() -> dict[str, Any]:
+    """README's warm-tier example: the pod (template) of the Deployment it shows, with an IP."""
+    [block] = [b for b in BLOCKS if "warmTier:" in b and N.model in b]
+    [tmpl] = [d for d in yaml.safe_load_all(block) if isinstance(d, dict) and "containers" in (d.get("spec") or {})]
+    return {**copy.deepcopy(tmpl), "status": {"phase": "Running", "podIP": "10.1.2.3"}}
+
+
+def test_the_warm_tier_example_pod_can_go_to_sleep():
+    """Issue 23 end to end (tests/test_warm_e2e.py runs it): the quota loop finds a pod idle only from its
+    engine's ``/metrics``, at the URL its ``prometheus.io/*`` annotations and its IP name
+    (``deviceplugin/quota/kube.py`` ``metrics_url``); a tenant without signals is never warm, so its engine
+    is never asked to sleep. On main README's example had no such annotation: as written it never slept.
+    And the engine reports the model the pod names (``VRAMSHARE_MODEL`` from the same annotation the
+    extender's residency term reads), so the inventory and the pod agree."""
+    from deviceplugin.quota.kube import metrics_url
+
+    pod = _warm_tier_pod()
+    [vllm] = pod["spec"]["containers"]
+    assert metrics_url(pod) == "http://10.1.2.3:8000/metrics"  # vLLM's API server serves /metrics on its port
+    [env] = [e for e in vllm.get("env", []) if e["name"] == "VRAMSHARE_MODEL"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{N.model}']"
+    assert pod["metadata"]["annotations"][N.model] in vllm["args"]  # the model it serves is the one it names
+    assert "--enable-sleep-mode" in vllm["args"]

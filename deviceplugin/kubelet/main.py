@@ -85,6 +85,9 @@ class DevicePluginDaemon:
             self.mig.quota = quota
             if config.device_list_strategy is DeviceListStrategy.CDI_CRI:  # made instances' CDI names resolve
                 self.mig.cdi = MigCdi(cdi_roots)
+                why = self.mig.cdi.problem()
+                if why is not None:  # every made instance's container would fail at creation: say so now
+                    log.error("made MIG instances' CDI specs cannot be written", reason=why)
                 self.mig.sync_cdi()
             if self.pods is not None:  # Allocate finds each isolation: mig pod's plan in the pod cache
                 self.state.serve_isolation()

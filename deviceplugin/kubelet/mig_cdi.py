@@ -38,6 +38,8 @@ CDI_VERSION = "0.5.0"
 FILE_PREFIX = "nvidia.com-gpu_vramshare-"  # the CDI convention for transient specs: <vendor>-<class>_<id>
 MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAPS_DIR = "/dev/nvidia-caps"
+FIX = ("mount the host's CDI root read-write at the same path into the device plugin "
+       "(deploy/components/cdi-cri, or deploy/overlays/cdi-cri)")
 _GPU_NODE = re.compile(r"^/dev/nvidia(\d+)$")
 _DEVICE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")  # pkg/parser ValidateDeviceName
 
@@ -104,6 +106,19 @@ class MigCdi:
         self.root = self.roots[-1]  # the highest-priority root: /var/run/cdi by default
         self._mig_minors = mig_minors
 
+    def problem(self) -> str | None:
+        """Why made instances' specs cannot be written into :attr:`root` (checked at start: a plugin whose
+        root is its own read-only filesystem, or not the host's directory, fails every such Allocate)."""
+        probe = os.path.join(self.root, f".{FILE_PREFIX}probe-{os.getpid()}.tmp")  # not *.json: never read
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with open(probe, "w", encoding="utf-8"):
+                pass
+            os.unlink(probe)
+        except OSError as exc:
+            return f"cannot write into {self.root}: {exc.strerror or exc}; {FIX}"
+        return None
+
     def _others(self) -> list[Any]:
         """Every spec under the roots but ours (ours must not count as 'defined elsewhere')."""
         docs, problems = cdi_names.read_specs(self.roots, skip_prefix=FILE_PREFIX)
@@ -139,7 +154,7 @@ class MigCdi:
         except OSError as exc:
             _unlink(tmp)
             raise MigCdiError(f"cannot write CDI spec {path} for MIG device {mig_uuid}: "
-                              f"{exc.strerror or exc}") from None
+                              f"{exc.strerror or exc}; {FIX}") from None
         log.info("cdi spec written for made mig instance", mig=mig_uuid, gpu=gpu_uuid, path=path)
         return path
 

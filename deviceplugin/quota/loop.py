@@ -417,6 +417,8 @@ class QuotaLoop:
                 continue
             cap = capacities[gpu] - seen.foreign.get(gpu, 0)
             self.capacities[gpu] = cap
+            if self.warm is not None:  # issue 23 item 5: a wake beyond the reserve waits, no awake request is cut
+                states = self.warm.hold_wakes(gpu, cap, states, reserved.get(gpu, 0))
             used_of = {ts.key: ts.used_mib for ts in states}
             req_of = {ts.key: ts.request_mib for ts in states}
             out = rebalance(GpuState(gpu, cap, tuple(states), reserved_mib=reserved.get(gpu, 0)), st.params)

@@ -19,11 +19,13 @@ Overcommit (issue 23 item 5, :mod:`vramshare.overcommit`): a tenant whose class 
 ``sleepBookedFraction`` lends its sleeping gap to the scheduler's books beyond the GPU's wake reserve;
 :meth:`WarmBroker.sleep_credits` is that credit per GPU, handed to ``on_credits`` after each tick (the
 node's inventory and kubelet units follow; a wake withdraws it at once). More wakes at once than the
-reserve covers find no memory: such a wake is never refused, it waits for its grant; after
+reserve covers find no memory: such a wake is never refused, it waits for its grant, held asleep by
+:meth:`WarmBroker.hold_wakes` while its request does not fit beside the awake pods' requests (as the
+replay's rule, :mod:`vramshare.coldstart`, always had it: never out of an awake co-tenant's request); after
 ``displace_after_ticks`` ungranted ticks the broker asks awake engines of *strictly lower* classes
 (``lendingPriority``) on its GPUs to sleep, lowest first, one per tick (an engine that is serving
 refuses, the next is asked). Equal or higher classes are never displaced: the wake waits for them to
-sleep on their own idle timer or to shrink.
+sleep on their own idle timer, or to leave.
 
 A wake request pokes the loop (the adapter's ``poke``) so it ticks at once and again every
 ``fast_tick_s`` while a wake is pending: the wake path never waits for the regular interval.
@@ -34,7 +36,7 @@ import dataclasses
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from deviceplugin.quota.model import Bounds, Decision, Phase, PolicyParams, TenantKey, TenantState
 from vramshare import contract, logs, overcommit
@@ -169,6 +171,36 @@ class WarmBroker:
             # memory are restored one whole request at a time, never each a part that reaches none
             return dataclasses.replace(t, phase=Phase.WARM, bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
         return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
+
+    def hold_wakes(self, gpu: str, capacity: int, states: Sequence[TenantState],
+                   reserved_mib: int = 0) -> list[TenantState]:
+        """The GPU's prepared tenants, with a wake of an overcommit class's sleeper held asleep (``WARM``
+        at floor 0, as a queued wake) while its request does not fit beside every other tenant's request
+        (sleepers at what they hold) and the pending claims (``reserved_mib``). Within the wake reserve
+        it fits, by the books' rule (:mod:`vramshare.overcommit`); beyond it (more wakes at once than the
+        reserve, or a reserve a placement used) the policy would restore it ahead of everybody out of
+        awake pods' requests, cutting a co-tenant below what the books promised it. Held, it waits for
+        its grant and displaces lower classes (:meth:`after_tick`); it is never refused. Books at the
+        requests (no overcommit class) always fit: nothing is held."""
+        out = list(states)
+        with self._lock:
+            asleep = {k for k, e in self._engines.items() if e.state is not Sleep.AWAKE}
+            for i, t in enumerate(out):
+                e = self._engines.get(t.key)
+                if (t.phase is not Phase.WAKING or e is None or e.state is not Sleep.WAKING
+                        or (t.key, gpu) not in self._overcommit):
+                    continue
+                b = t.bounds or self.params.bounds_of(t.request_mib)
+                others = sum((s.used_mib or 0) if s.key in asleep and s.phase is Phase.WARM
+                             else (s.bounds or self.params.bounds_of(s.request_mib)).clamp(s.request_mib)
+                             for s in out if s.key != t.key)
+                if others + reserved_mib + b.clamp(t.request_mib) <= capacity:
+                    continue
+                log.info("wake beyond the wake reserve waits: its request is awake pods' requests",
+                         tenant=str(t.key), gpu=gpu, others_mib=others + reserved_mib, capacity_mib=capacity)
+                out[i] = dataclasses.replace(t, phase=Phase.WARM, demand_mib=None,
+                                             bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
+        return out
 
     def _wake_order(self, key: TenantKey) -> tuple:
         e = self._engines[key]

@@ -32,6 +32,7 @@ import yaml
 
 from deviceplugin import enforcement
 from deviceplugin.kubelet import cdi_names
+from deviceplugin.kubelet.mig_cdi import MigCdi
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml
 from vramshare import config, contract
 from vramshare_cli import kustomize
@@ -42,7 +43,7 @@ DEPLOY = ROOT / "deploy"
 BASE, DRA = DEPLOY / "daemonset", DEPLOY / "daemonset" / "dra"
 OVERLAYS = DEPLOY / "overlays"
 INSTALLS = {"default": BASE, "driver-enforcement": OVERLAYS / "driver-enforcement",
-            "mps-enforcement": OVERLAYS / "mps-enforcement", "dra": DRA}
+            "mps-enforcement": OVERLAYS / "mps-enforcement", "cdi-cri": OVERLAYS / "cdi-cri", "dra": DRA}
 RW, RO = False, True  # hostPath mounts: readOnly
 
 
@@ -78,8 +79,10 @@ def device_plugin_needs(cfg: config.Config, mode: EnforcementMode) -> HostAccess
              cfg.quota_host_dir: RW}  # quota files and links (quota_files.py, reconcile.py)
     if cfg.device_list_strategy is config.DeviceListStrategy.CDI_CRI:
         paths |= {root: RO for root in cdi_names.DEFAULT_ROOTS}  # main.py _check_cdi_names
-        if cfg.dynamic_mig.gpus:  # mig_cdi.py: made MIG instances' specs go into the last (dynamic) root
-            paths[cdi_names.DEFAULT_ROOTS[-1]] = RW
+        # mig_cdi.py: made MIG instances' specs go into the dynamic root. dynamicMig.gpus is a ConfigMap
+        # key (restart-only) the DaemonSet does not follow: under cdi-cri a restart may start writing
+        # there, so the root is granted writable with the strategy (components/cdi-cri), not per MIG key
+        paths[MigCdi(cdi_names.DEFAULT_ROOTS).root] = RW
     caps: set[str] = set()
     if mode is EnforcementMode.DRIVER:
         paths[enforcement.HOST_CGROUP_ROOT] = RO  # CgroupFinder searches it; the driver moves the limits
@@ -209,7 +212,7 @@ def _squeezed(node: Any) -> Any:
 
 
 # -- what each node's plugin is granted is what its mode needs ----------------------------------------
-@pytest.mark.parametrize("install", ["default", "driver-enforcement", "mps-enforcement"])
+@pytest.mark.parametrize("install", ["default", "driver-enforcement", "mps-enforcement", "cdi-cri"])
 @pytest.mark.parametrize("node", ["gpu", "driver"])
 def test_each_gpu_node_runs_one_device_plugin_granted_exactly_what_its_mode_needs(
         install: str, node: str, tmp_path: pathlib.Path) -> None:
@@ -237,6 +240,47 @@ def test_the_default_install_grants_no_privilege_anywhere() -> None:
         assert not got.capabilities and not got.privileged and enforcement.HOST_CGROUP_ROOT not in got.paths
 
 
+def test_the_cdi_cri_install_mounts_the_root_made_mig_instances_specs_are_written_to() -> None:
+    """Issue 24 leftover: on main no install mounted any CDI root, so with cdi-cri and dynamicMig the
+    plugin wrote its made instances' specs into its own read-only root filesystem (or nowhere the
+    runtime reads) and their containers failed at creation. The cdi-cri install mounts the directory
+    MigCdi writes, read-write, from the host at the same path, created when missing; /etc/cdi read-only."""
+    objs = _render("cdi-cri")
+    [ds] = _daemonsets(objs, "vramshare-device-plugin")
+    cfg = _config(objs, ds)
+    assert cfg.device_list_strategy is config.DeviceListStrategy.CDI_CRI  # the strategy comes with its mounts
+    pod = ds["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    [plugin] = pod["containers"]
+    mounts = {m["mountPath"]: m for m in plugin["volumeMounts"]}
+    written = MigCdi(cdi_names.DEFAULT_ROOTS).root  # what DevicePluginDaemon gives MigCdi: its default roots
+    assert written == "/var/run/cdi"
+    assert volumes[mounts[written]["name"]]["hostPath"] == {"path": written, "type": "DirectoryOrCreate"}
+    assert not mounts[written].get("readOnly", False)
+    for root in cdi_names.DEFAULT_ROOTS[:-1]:  # read at start (_check_cdi_names), never written
+        assert volumes[mounts[root]["name"]]["hostPath"]["path"] == root and mounts[root]["readOnly"] is True
+    base = _config(_render("default"))
+    assert base.device_list_strategy is not config.DeviceListStrategy.CDI_CRI  # the default grants no CDI root
+
+
+def test_cdi_cri_reaches_every_device_plugin_daemonset(tmp_path: pathlib.Path) -> None:
+    """With driver-enforcement too, both DaemonSets run cdi-cri and each is granted exactly what its mode
+    needs (a node labelled for driver must not fall back to envvar, nor miss the CDI roots)."""
+    root = tmp_path / "install"
+    root.mkdir()
+    rel = lambda p: os.path.relpath(p, root)  # noqa: E731
+    (root / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [rel(BASE)],
+        "components": [rel(DEPLOY / "components" / "driver-enforcement"), rel(DEPLOY / "components" / "cdi-cri")]}))
+    objs = kustomize.build(str(root))
+    for labels, mode in ((GPU_NODE, EnforcementMode.COOPERATIVE), (DRIVER_NODE, EnforcementMode.DRIVER)):
+        [ds] = [ds for ds in _daemonsets(objs, "vramshare-device-plugin") if _schedules_on(ds, labels)]
+        cfg = _config(objs, ds)
+        assert cfg.device_list_strategy is config.DeviceListStrategy.CDI_CRI
+        assert _advertised_mode(ds, cfg, tmp_path) is mode
+        assert granted(ds) == device_plugin_needs(cfg, mode)
+
+
 def test_the_dra_plugin_is_granted_exactly_what_it_needs() -> None:
     objs = _render("dra")
     [ds] = _daemonsets(objs, "vramshare-dra-plugin")
@@ -248,9 +292,8 @@ def test_the_needs_follow_the_config() -> None:
     cfg = config.parse_config("deviceListStrategy: cdi-cri\nquota: {processAttribution: true}")
     needs = device_plugin_needs(cfg, EnforcementMode.COOPERATIVE)
     assert set(cdi_names.DEFAULT_ROOTS) <= set(needs.paths) and needs.host_pid
-    made = device_plugin_needs(config.parse_config("deviceListStrategy: cdi-cri\ndynamicMig: {gpus: [all]}"),
-                               EnforcementMode.COOPERATIVE)
-    assert made.paths[cdi_names.DEFAULT_ROOTS[-1]] == RW and made.paths[cdi_names.DEFAULT_ROOTS[0]] == RO
+    assert needs.paths[cdi_names.DEFAULT_ROOTS[-1]] == RW and needs.paths[cdi_names.DEFAULT_ROOTS[0]] == RO
+    assert not set(cdi_names.DEFAULT_ROOTS) & set(device_plugin_needs(config.Config(), EnforcementMode.COOPERATIVE).paths)
     driver = device_plugin_needs(config.Config(), EnforcementMode.DRIVER)
     assert driver.paths[contract.HOST_CGROUP_ROOT] is RO and driver.capabilities == {"SYS_ADMIN"}
     mps = device_plugin_needs(config.Config(), EnforcementMode.MPS)

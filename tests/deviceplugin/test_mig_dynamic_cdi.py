@@ -258,3 +258,19 @@ def test_after_any_interleaving_a_sweep_leaves_exactly_the_live_entries(tmp_path
     theirs = {d["name"] for d in node["devices"]}
     assert set(ours(str(root))) == {mig_cdi.file_name(u) for u in live - theirs}
     assert json.loads((root / "nvidia.json").read_text()) == node
+
+
+def test_a_root_the_plugin_cannot_write_is_named_at_start_with_the_fix(start_plugin, cdi_config, roots, tmp_path,
+                                                                       caplog):
+    """Issue 24 leftover: without the host's /var/run/cdi mounted read-write (deploy/components/cdi-cri) the
+    plugin's root is its own read-only filesystem: every made instance's Allocate would fail. Said at start,
+    with the fix; a writable root says nothing and is left as it was."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    why = mig_cdi.MigCdi([roots[0], str(blocked / "cdi")]).problem()
+    assert why is not None and "deploy/components/cdi-cri" in why
+    before = sorted(os.listdir(roots[1]))
+    assert mig_cdi.MigCdi(roots).problem() is None and sorted(os.listdir(roots[1])) == before
+    start(start_plugin, cdi_config, (roots[0], str(blocked / "cdi")), tmp_path)
+    assert any("CDI specs cannot be written" in r.getMessage() and "components/cdi-cri" in str(r.__dict__)
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
