@@ -234,6 +234,10 @@ def plot(result: dict, path: str) -> None:
                color="C2", alpha=0.5, label="(c) p99.9")
     for r in sw:
         ax[2].annotate(f"x{r['overcommit']:g}", (r["deployments_per_gpu"], r["ttft_first_p99_s"]), fontsize=7)
+    for k, b in enumerate(x for x in first.get("warm_idle_sweep", []) if x["warm_idle_s"] != result["params"]["idle_s"]):
+        ax[2].plot([r["deployments_per_gpu"] for r in b["runs"]], [r["ttft_ref_p99_s"] for r in b["runs"]], "x--",
+                   color=f"C{4 + k}", alpha=0.7, label=f"(c) sleeps after {b['warm_idle_s']:g} s (p99 after "
+                                                       f"{result['params']['idle_s']:g} s quiet)")
     ax[2].plot([first["keep"]["deployments_per_gpu"]], [first["keep"]["ttft_first_p99_s"]], "s", color="C0", label="(b) keep")
     ax[2].axhline(result["params"]["target_p99_s"], ls="--", color="gray", label="p99 target")
     keep_dpg = first["keep"]["deployments_per_gpu"]
@@ -244,7 +248,7 @@ def plot(result: dict, path: str) -> None:
     ax[2].set_yscale("log")
     ax[2].set_xlabel("deployments per GPU")
     ax[2].set_ylabel("first token p99 (s, log)")
-    ax[2].legend(fontsize=8, loc="upper left")
+    ax[2].legend(fontsize=6.5, loc="lower right")
     ax[2].set_title("Deployments that fit at the p99 target")
     fig.suptitle(f"ServeGen, {len(first and result['per_seed'])} seed(s), idle timer {result['params']['idle_s']:.0f} s, seed 0 shown")
     fig.tight_layout()
