@@ -1,7 +1,8 @@
 """Cold-start replay (issue 23): every ServeGen client a model deployment on shared GPUs.
 
     python bench/bench_coldstart.py [--seeds 2] [--idle-s 300] [--days 14] [--target-p99-s 5]
-                                    [--overcommit 1 1.5 2 2.5 3 4] [--name coldstart]
+                                    [--overcommit 1 1.5 2 2.5 3 4] [--warm-idle-s 30 60 120 300]
+                                    [--wake-ahead] [--name coldstart]
 
 Compares, on the same sampled arrivals (per seed): (a) ``zero`` scale to zero, every cold start a full
 load; (b) ``keep`` warm pods that keep their slice (Knative ``minScale: 1``); (c) ``warm`` vramshare's warm
@@ -11,7 +12,11 @@ system does it: placed with the books' rule of :mod:`vramshare.overcommit` (a po
 booked whole; sleepers of the overcommitted class at slice / ratio, plus the largest wake per GPU), woken
 with the node broker's rule (a wake without memory waits on its GPU and displaces only idle pods of a
 strictly lower class; ``--relocate`` restores last round's restart elsewhere, which the live broker does
-not do). Every p99 is over all first requests after idleness, those that waited included. The model
+not do). Every p99 is over all first requests after idleness, those that waited included. The warm tier's
+idle-before-sleep (its class's ``idleSeconds``) is swept apart from (a)'s ``--idle-s`` (``--warm-idle-s``);
+``ttft_ref_*`` is each run's first-token time over the same requests under every timer (those after
+``--idle-s`` of quiet), ``ttft_first_*`` over all of its own wakes. ``--wake-ahead`` wakes sleeping
+engines ahead of a forecast request into free memory (:class:`vramshare.coldstart.WakeAhead`). The model
 is :mod:`vramshare.coldstart` (pure); this file reads the traces and writes
 ``bench/results/<name>.json`` and ``<name>.png``.
 
