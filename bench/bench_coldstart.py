@@ -102,7 +102,7 @@ def run_seed(seed: int, args: argparse.Namespace, costs: cs.Costs, loads: np.nda
                      deployments_per_gpu=round(n / today.gpus_used, 3)),
         "keep": cs.keep_warm(deps, args.idle_s, horizon, costs, today.gpus_used, train).summary(hours, n),
     }
-    ahead = cs.WakeAhead() if args.wake_ahead else None
+    ahead = cs.WakeAhead(hold_s=args.ahead_hold_s) if args.wake_ahead else None
     by_idle = []
     for widle in sorted(set(args.warm_idle_s) | {args.idle_s}):
         # the warm class's idleSeconds: who may be overcommitted and who is up at placement follow it
@@ -271,6 +271,9 @@ def main() -> int:
     ap.add_argument("--same-p99-s", type=float, default=None,
                     help="the first-token p99 densities are compared at (default: the warm tier's own at --idle-s "
                          "and overcommit 1)")
+    ap.add_argument("--ahead-hold-s", type=float, default=None,
+                    help="with --wake-ahead: how long past the forecast an engine woken ahead waits for its request "
+                         "(default: its idle timer)")
     ap.add_argument("--wake-ahead", action="store_true",
                     help="wake a sleeping engine ahead of its forecast next request when memory is free "
                          "(vramshare.coldstart.WakeAhead)")

@@ -449,9 +449,10 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
                 heapq.heappush(events, (float(s), 1, p.idx, float(e)))
 
     def account(p: _Pod, now: float) -> None:
-        """Charge the memory ``p`` held since its state began (idle unless awake)."""
+        """Charge the memory ``p`` held since its state began (idle unless awake for a request: an engine
+        woken ahead holds idle memory until its request comes)."""
         span = max(0.0, min(now, horizon) - min(p.since, horizon))
-        if p.state == "awake":
+        if p.state == "awake" and not p.prewoken:
             res.busy_bytes_s += p.held * span
         else:
             res.idle_bytes_s += p.held * span
@@ -638,6 +639,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
             if _counted(now, count_from):
                 res.record(max(0.0, p.ready_at - now) + costs.base_ttft_s, quiet)
                 res.prewake_hits += int(p.prewoken)
+            account(p, now)
             p.prewoken = False
             heapq.heappush(events, (p.sleep_at, 0, i, 0.0))
             continue

@@ -151,6 +151,8 @@ def test_wake_ahead_serves_a_regular_client_without_a_wake_and_counts_the_wasted
     assert sorted(ahead.ttft_s)[:6] == [pytest.approx(COSTS.base_ttft_s)] * 6
     assert min(plain.ttft_s) == pytest.approx(COSTS.wake_s(27.5 * GIB) + COSTS.base_ttft_s)
     assert ahead.wakes == 4  # the wakes left in a request's path
+    # an engine woken ahead holds idle memory until its request comes (and the wasted one all along)
+    assert ahead.idle_bytes_s > plain.idle_bytes_s + 300 * 40 * GIB
 
 
 def test_wake_ahead_only_into_free_memory_and_a_real_wake_sends_it_back_to_sleep():
