@@ -286,11 +286,32 @@ class PolicyResult:
     idle_bytes_s: float = 0.0  # GPU memory x time held by pods with no request for idle_s
     busy_bytes_s: float = 0.0
     gpus: int = 0
+    #: per entry of ``ttft_s``: how long its deployment had been quiet before it (inf: no request before),
+    #: so every policy and idle timer can be compared on the same requests (:meth:`summary`'s ``quiet_ref_s``)
+    quiet_s: list[float] = field(default_factory=list)
+    prewakes: int = 0  # wake-ahead: engines woken before a forecast request (memory was free)
+    prewake_hits: int = 0  # ... whose request came while they were up (served without a wake in its path)
+    prewake_wasted: int = 0  # ... that slept again with no request, or were sent to sleep for a real wake
+    host_peak_bytes: float = 0.0  # most host RAM any node's sleeping weights held at once
 
-    def summary(self, hours: float, deployments: int) -> dict:
+    def record(self, ttft: float, quiet: float) -> None:
+        self.ttft_s.append(ttft)
+        self.quiet_s.append(quiet)
+
+    def summary(self, hours: float, deployments: int, quiet_ref_s: float | None = None) -> dict:
+        """``quiet_ref_s``: also the first-token percentiles over only the requests that came after at
+        least that long without one (``ttft_ref_*``): the same requests under any idle timer."""
         t = np.asarray(self.ttft_s) if self.ttft_s else np.zeros(1)
         n = len(self.ttft_s)
         pct = (lambda q: round(float(np.percentile(t, q)), 3))
+        ref: dict = {}
+        if quiet_ref_s is not None:
+            q = np.asarray(self.quiet_s) if len(self.quiet_s) == n else np.full(n, np.inf)
+            tr = t[q >= quiet_ref_s] if n else np.zeros(0)
+            tr = tr if len(tr) else np.zeros(1)
+            ref = {"ttft_ref_quiet_s": quiet_ref_s, "ttft_ref_n": int((q >= quiet_ref_s).sum()) if n else 0,
+                   **{f"ttft_ref_{k}_s": round(float(np.percentile(tr, v)), 3)
+                      for k, v in (("p50", 50), ("p99", 99), ("p999", 99.9))}}
         return {
             "policy": self.policy, "deployments": deployments, "gpus": self.gpus,
             "deployments_per_gpu": round(deployments / self.gpus, 3) if self.gpus else None,
@@ -307,6 +328,10 @@ class PolicyResult:
             "displaced_early_sleeps": self.displaced,
             "idle_gpu_gib_hours": round(self.idle_bytes_s / GIB / 3600, 1),
             "busy_gpu_gib_hours": round(self.busy_bytes_s / GIB / 3600, 1),
+            "wakes_per_hour": round(self.wakes / hours, 2),
+            "prewakes": self.prewakes, "prewake_hits": self.prewake_hits, "prewake_wasted": self.prewake_wasted,
+            "host_peak_gib_per_node": round(self.host_peak_bytes / GIB, 1),
+            **ref,
         }
 
 
@@ -314,6 +339,12 @@ def _counted(start: float, count_from: float) -> bool:
     """First requests before ``count_from`` are not counted: the trace's first stretch has no known past,
     and a training period (what decided who is overcommitted) is not evaluated on."""
     return start >= count_from
+
+
+def quiet_before(segments: np.ndarray, t: float) -> float:
+    """How long the deployment had sent nothing before its stretch starting at ``t`` (inf: nothing before)."""
+    k = int(np.searchsorted(segments[:, 0], t, side="left")) - 1 if len(segments) else -1
+    return float(t - segments[k, 1]) if k >= 0 else math.inf
 
 
 def _busy_s(iv: np.ndarray, horizon: float) -> float:
@@ -329,7 +360,8 @@ def scale_to_zero(deps: Sequence[Deployment], idle_s: float, horizon: float, cos
         res.busy_bytes_s += d.slice_bytes * _busy_s(iv, horizon)
         for s, _ in iv:
             if _counted(s, idle_s if count_from is None else count_from):
-                res.ttft_s.append(costs.full_load_s(d.weight_bytes, float(rng.choice(genai_s))) + costs.base_ttft_s)
+                res.record(costs.full_load_s(d.weight_bytes, float(rng.choice(genai_s))) + costs.base_ttft_s,
+                           quiet_before(d.segments, s))
                 res.full_loads += 1
     return res
 
@@ -343,8 +375,26 @@ def keep_warm(deps: Sequence[Deployment], idle_s: float, horizon: float, costs: 
         busy = _busy_s(iv, horizon)
         res.busy_bytes_s += d.slice_bytes * busy
         res.idle_bytes_s += d.slice_bytes * (horizon - busy)
-        res.ttft_s.extend(costs.base_ttft_s for s, _ in iv if _counted(s, idle_s if count_from is None else count_from))
+        for s, _ in iv:
+            if _counted(s, idle_s if count_from is None else count_from):
+                res.record(costs.base_ttft_s, quiet_before(d.segments, s))
     return res
+
+
+@dataclass(frozen=True)
+class WakeAhead:
+    """Wake a sleeping engine before its forecast next request (issue 23, wake ahead), only when its GPU
+    has the memory free beyond the wake reserve and no wake waits there; a real wake that needs the
+    memory sends a woken-ahead engine with no request back to sleep first. The forecast uses only the
+    past: the ``quantile`` of the deployment's last ``history`` quiet gaps (last request to the next
+    first request). The engine is woken ``lead_s`` plus its wake time before the forecast and stays up
+    until ``hold_s`` (its idle timer if None) past it; with no request by then the wake was wasted."""
+
+    history: int = 8
+    min_history: int = 3
+    quantile: float = 0.5
+    lead_s: float = 0.0
+    hold_s: float | None = None
 
 
 @dataclass
@@ -358,34 +408,40 @@ class _Pod:
     pending: list[float] = field(default_factory=list)  # first-request times waiting for memory
     sleep_at: float = 0.0
     resume: str = ""  # the state a queued pod leaves the queue from (asleep or zero)
+    ready_at: float = 0.0  # when its current wake ends (weights back on the GPU)
+    prewoken: bool = False  # woken ahead of a forecast request that has not come yet
+    forecast: float = -1.0  # the pending wake-ahead's hold end (identifies it)
+    gaps: list[float] = field(default_factory=list)  # its quiet gaps so far (the forecast's history)
 
 
 def warm_tier(deps: Sequence[Deployment], cluster: Cluster, placement: Placement, idle_s: float,
               horizon: float, costs: Costs, count_from: float | None = None, relocate: bool = True,
-              live: bool = False) -> PolicyResult:
+              live: bool = False, ahead: WakeAhead | None = None) -> PolicyResult:
     """(c) sleep after ``idle_s``, lend, take back, wake in place. A wake that finds no memory on its GPU
     is never refused: with ``relocate`` it restarts at once on a GPU with room (its files are in the
     node's cache: :meth:`Costs.restart_s`, counted as a cold start), else it waits for a co-tenant to
     sleep. ``live``: as the node's broker does it (:mod:`deviceplugin.quota.warm`): no restart elsewhere,
     the wake waits on its GPU, wakes are served higher class first, and a waiting wake displaces (sleeps
     early) only co-tenants of a strictly lower class (``Deployment.rank``) with no request for
-    ``displace_idle_s``, asked again every ``max_wait_s`` while it waits."""
+    ``displace_idle_s``, asked again every ``max_wait_s`` while it waits. ``ahead``: wake ahead of a
+    forecast request (:class:`WakeAhead`)."""
     res = PolicyResult("warm", gpus=placement.gpus_used)
     pods = [_Pod(d, placement.gpu_of[d.name], i) for i, d in enumerate(deps)]
     _run(pods, cluster, placement.gpus_used, idle_s, horizon, costs, res,
-         idle_s if count_from is None else count_from, relocate and not live, live)
+         idle_s if count_from is None else count_from, relocate and not live, live, ahead)
     return res
 
 
 def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: float, costs: Costs,
-         res: PolicyResult, count_from: float, relocate: bool, live: bool = False) -> None:
+         res: PolicyResult, count_from: float, relocate: bool, live: bool = False,
+         ahead: WakeAhead | None = None) -> None:
     per_node = cluster.gpus_per_node
     held = [0.0] * gpus
     on_gpu: list[set[int]] = [set() for _ in range(gpus)]
     queue: dict[int, list[_Pod]] = {}
     lru: dict[int, OrderedDict[int, _Pod]] = {}  # per node: sleepers, least recently slept first
     host: dict[int, float] = {}
-    events: list[tuple[float, int, int, float]] = []  # (time, 0 sleep | 1 wake | 2 patience, pod, end)
+    events: list[tuple[float, int, int, float]] = []  # (time, 0 sleep | 1 wake | 2 patience | 3 wake ahead, pod, end)
     for p in pods:
         on_gpu[p.gpu].add(p.idx)
         for s, e in busy_intervals(p.dep.segments, p.dep.idle_s or idle_s):
@@ -393,9 +449,10 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
                 heapq.heappush(events, (float(s), 1, p.idx, float(e)))
 
     def account(p: _Pod, now: float) -> None:
-        """Charge the memory ``p`` held since its state began (idle unless awake)."""
+        """Charge the memory ``p`` held since its state began (idle unless awake for a request: an engine
+        woken ahead holds idle memory until its request comes)."""
         span = max(0.0, min(now, horizon) - min(p.since, horizon))
-        if p.state == "awake":
+        if p.state == "awake" and not p.prewoken:
             res.busy_bytes_s += p.held * span
         else:
             res.idle_bytes_s += p.held * span
@@ -412,6 +469,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         p.state = "asleep"
         lru.setdefault(node, OrderedDict())[p.idx] = p
         host[node] = host.get(node, 0.0) + p.dep.weight_bytes
+        p.prewoken = False
         while host[node] > cluster.host_bytes_per_node and lru[node]:
             _, q = lru[node].popitem(last=False)
             account(q, now)
@@ -420,6 +478,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
             q.state = "zero"
             res.evictions += 1
             serve_queue(q.gpu, now)
+        res.host_peak_bytes = max(res.host_peak_bytes, host[node])
 
     def leave_host(p: _Pod) -> None:
         node = p.gpu // per_node
@@ -434,10 +493,12 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         res.reclaims += int(awake_peers)
         account(p, now)
         set_held(p, p.dep.slice_bytes)
-        p.state = "awake"
+        p.state, p.prewoken, p.ready_at = "awake", False, now + reclaim + cost
         for s in firsts:
+            quiet = quiet_before(p.dep.segments, s)
+            p.gaps.append(quiet)
             if _counted(s, count_from):
-                res.ttft_s.append(now - s + reclaim + cost + costs.base_ttft_s)
+                res.record(now - s + reclaim + cost + costs.base_ttft_s, quiet)
                 if cold:
                     res.full_loads += 1
                 else:
@@ -462,7 +523,14 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
     def displace(p: _Pod, now: float) -> None:
         """Send to sleep now the awake co-tenants with no request for ``displace_idle_s`` that may be
         displaced (live: a strictly lower class than ``p``'s; else: the overcommitted ones); the rest of
-        their busy interval is re-armed as wakes at their next request."""
+        their busy interval is re-armed as wakes at their next request. Engines woken ahead with no
+        request yet go back to sleep first, whatever their class."""
+        for j in list(on_gpu[p.gpu]):
+            q = pods[j]
+            if j != p.idx and q.state == "awake" and q.prewoken:
+                res.prewake_wasted += 1
+                q.sleep_at = now
+                to_sleep(q, now)
         for j in list(on_gpu[p.gpu]):
             q = pods[j]
             if q.state != "awake" or not (q.dep.rank < p.dep.rank if live else q.dep.overcommit):
@@ -511,6 +579,27 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         res.relocations += 1
         start(p, now, firsts, True)
 
+    def forecast(p: _Pod, now: float) -> None:
+        """After ``p`` slept on its idle timer: arm a wake ahead of its forecast next request."""
+        if ahead is None or len(p.gaps) < ahead.min_history:
+            return
+        gaps = [g for g in p.gaps[-ahead.history:] if math.isfinite(g)]
+        if len(gaps) < ahead.min_history:
+            return
+        due = p.sleep_at - (p.dep.idle_s or idle_s) + float(np.quantile(gaps, ahead.quantile))
+        if due <= now:
+            return
+        p.forecast = due + (p.dep.idle_s or idle_s if ahead.hold_s is None else ahead.hold_s)
+        at = due - ahead.lead_s - costs.wake_s(p.dep.weight_bytes) - costs.reclaim_s
+        heapq.heappush(events, (max(now, at), 3, p.idx, p.forecast))
+
+    def room_ahead(p: _Pod) -> bool:
+        """``p`` may wake ahead: its slice fits with room left for the largest other sleeper's wake."""
+        g = p.gpu
+        gaps = [pods[j].dep.slice_bytes - pods[j].held for j in on_gpu[g] if j != p.idx and pods[j].state == "asleep"]
+        return (held[g] - p.held + p.dep.slice_bytes + max(gaps, default=0.0) <= cluster.gpu_bytes + 1e-6
+                and not queue.get(g))
+
     # every pod starts loaded and asleep (deployed, then idle); past a node's host budget, dropped
     for p in pods:
         set_held(p, costs.residual_bytes)
@@ -523,14 +612,35 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         if kind == 2:  # waited long enough for memory on its own GPU
             give_up_waiting(p, now)
             continue
+        if kind == 3:  # wake ahead of the forecast request, if the memory is free
+            if p.state == "asleep" and p.forecast == end and room_ahead(p):
+                leave_host(p)
+                account(p, now)
+                set_held(p, p.dep.slice_bytes)
+                p.state, p.prewoken, p.ready_at = "awake", True, now + costs.wake_s(p.dep.weight_bytes)
+                res.prewakes += 1
+                p.sleep_at = max(p.ready_at, end)
+                heapq.heappush(events, (p.sleep_at, 0, i, 0.0))
+            continue
         if kind == 0:  # idle timer ran out: sleep, lend what it held
             if p.state == "awake" and now >= p.sleep_at:
+                wasted = p.prewoken
+                res.prewake_wasted += int(wasted)
                 gpu = p.gpu
                 to_sleep(p, now)
                 serve_queue(gpu, now)
+                if not wasted:  # one forecast per quiet spell
+                    forecast(p, now)
             continue
         p.sleep_at = max(p.sleep_at, end)
-        if p.state == "awake":  # still up (a wake ran past the last interval's end): stay up longer
+        if p.state == "awake":  # up already (woken ahead, or a wake ran past the last interval's end)
+            quiet = quiet_before(p.dep.segments, now)
+            p.gaps.append(quiet)
+            if _counted(now, count_from):
+                res.record(max(0.0, p.ready_at - now) + costs.base_ttft_s, quiet)
+                res.prewake_hits += int(p.prewoken)
+            account(p, now)
+            p.prewoken = False
             heapq.heappush(events, (p.sleep_at, 0, i, 0.0))
             continue
         if p.state == "queued":
@@ -567,5 +677,5 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         account(p, horizon)
         for s in p.pending if p.state == "queued" else ():  # still waiting at the end: censored at the horizon
             if _counted(s, count_from):
-                res.ttft_s.append(max(horizon, s) - s)
+                res.record(max(horizon, s) - s, quiet_before(p.dep.segments, s))
                 res.wait_s.append(max(horizon, s) - s)

@@ -119,3 +119,56 @@ def test_a_long_wait_restarts_the_replica_where_there_is_room():
                      COSTS, count_from=0)
     assert r.relocations == 1 and r.waited_for_memory == 1
     assert max(r.ttft_s) == pytest.approx(COSTS.max_wait_s + COSTS.restart_s(27.5 * GIB) + COSTS.base_ttft_s)
+
+
+def test_quiet_before_and_the_reference_population_are_the_same_requests_under_any_idle_timer():
+    """p99 ``ttft_ref_*`` is over requests after ``quiet_ref_s`` of quiet, whatever the warm tier's timer."""
+    seg = np.array([[0, 10], [100, 110], [1000, 1010]], float)
+    assert cs.quiet_before(seg, 0) == np.inf and cs.quiet_before(seg, 100) == 90 and cs.quiet_before(seg, 1000) == 890
+    deps = [dep("a", seg)]
+    pl = cs.place(deps, 80 * GIB)
+    short = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 30, 5000, COSTS, count_from=0)
+    long_ = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 300, 5000, COSTS, count_from=0)
+    assert len(short.ttft_s) == 3 and len(long_.ttft_s) == 2  # 30 s: the request after 90 s quiet wakes it too
+    s, l_ = short.summary(1.0, 1, quiet_ref_s=300), long_.summary(1.0, 1, quiet_ref_s=300)
+    assert s["ttft_ref_n"] == l_["ttft_ref_n"] == 2 and s["ttft_ref_p99_s"] == l_["ttft_ref_p99_s"]
+    assert s["wakes_per_hour"] == 3 and l_["wakes_per_hour"] == 2
+    assert s["host_peak_gib_per_node"] == 27.5
+
+
+def _regular(name="a", period=1000.0, n=10, **kw) -> cs.Deployment:
+    return dep(name, [[k * period, k * period + 1] for k in range(n)], **kw)
+
+
+def test_wake_ahead_serves_a_regular_client_without_a_wake_and_counts_the_wasted_one():
+    deps = [_regular()]
+    pl = cs.place(deps, 80 * GIB)
+    plain = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 300, 12_000, COSTS, count_from=0)
+    ahead = cs.warm_tier(deps, cs.Cluster(1, 80 * GIB), pl, 300, 12_000, COSTS, count_from=0, ahead=cs.WakeAhead())
+    assert len(plain.ttft_s) == len(ahead.ttft_s) == 10 and plain.prewakes == 0
+    # three quiet gaps of history, then every later request finds its engine already up
+    assert ahead.prewake_hits == 6 and ahead.prewakes == 7 and ahead.prewake_wasted == 1  # after the last one
+    assert sorted(ahead.ttft_s)[:6] == [pytest.approx(COSTS.base_ttft_s)] * 6
+    assert min(plain.ttft_s) == pytest.approx(COSTS.wake_s(27.5 * GIB) + COSTS.base_ttft_s)
+    assert ahead.wakes == 4  # the wakes left in a request's path
+    # an engine woken ahead holds idle memory until its request comes (and the wasted one all along)
+    assert ahead.idle_bytes_s > plain.idle_bytes_s + 300 * 40 * GIB
+
+
+def test_wake_ahead_only_into_free_memory_and_a_real_wake_sends_it_back_to_sleep():
+    # a woke ahead of 4000 (its history says so); b then c wake for real just before: c needs a's memory
+    a = _regular(slice_gib=40, n=5)
+    b = dep("b", [[3999.5, 3999.6]], slice_gib=38)
+    c = dep("c", [[3999.7, 3999.8]], slice_gib=38)
+    gpu_of = {"a": 0, "b": 0, "c": 0}
+    r = cs.warm_tier([a, b, c], cs.Cluster(1, 80 * GIB), cs.Placement(gpu_of, 1), 300, 8000, COSTS, count_from=0,
+                     relocate=False, ahead=cs.WakeAhead())
+    # sent back to sleep for c; a second one after a's late request (nothing came at 5000): wasted too
+    assert r.prewakes == 2 and r.prewake_wasted == 2 and r.prewake_hits == 0
+    assert r.waited_for_memory == 1  # a's own request waits (the real wakes came first); c never did
+    assert sorted(r.wait_s) == [pytest.approx(3999.6 + 300 - 4000)]  # until b slept on its idle timer
+    # no room for the reserve beside it: no wake ahead at all
+    big = dataclasses.replace(b, slice_bytes=40.5 * GIB)  # 40 + its 39 GiB gap + 1.5 held > 80
+    r = cs.warm_tier([a, big], cs.Cluster(1, 80 * GIB), cs.Placement({"a": 0, "b": 0}, 1), 300, 8000, COSTS,
+                     count_from=0, relocate=False, ahead=cs.WakeAhead())
+    assert r.prewakes == 0
