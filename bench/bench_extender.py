@@ -28,8 +28,9 @@ and 4.66 ms):
 
 ``--mix bench`` replays the old bench's mix (small pods without a resourceVersion, no binds, plain
 HTTP) with the same servers, to show what it left out. Reported per server: p50/p99/max per verb,
-cycles/s (median and best run), the server process's CPU ms per cycle, binds bound/refused, and for
-servers that have one, the parsed-pod cache's hits and misses.
+cycles/s (median and best run), the server process's CPU ms per cycle and its split per thread (the HTTP
+loop that answers filter and prioritize, the bind workers, the watch feed, the warmer) and the GC's share,
+binds bound/refused, and for servers that have one, the parsed-pod cache's hits and misses.
 
     python bench/bench_extender.py --sizes 5000 --baseline d7ebb75          # the issue's comparison
     python bench/bench_extender.py --sizes 5000 --mix bench --baseline d7ebb75
@@ -395,16 +396,19 @@ def serve_child(argv: list[str]) -> None:
     threading.Thread(target=acct.warm_loop, args=(stop,), daemon=True, name="warmer").start()
     threading.Thread(target=feed.run, args=(stop,), daemon=True, name="watch-feed").start()
     print(server.url, flush=True)
+    gc_time = GcTime()
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "cpu":
-            print(time.process_time(), flush=True)
+            print(json.dumps({"process_s": time.process_time(), "threads_s": thread_cpu(),
+                              "gc_s": gc_time.seconds, "gc_collections": gc_time.counts}), flush=True)
         elif cmd == "stats":
             reader = getattr(acct, "pods_read", None)
             print(json.dumps({"parsed_pod_hits": getattr(reader, "hits", None),
                               "parsed_pod_misses": getattr(reader, "misses", None),
                               "holds": len(acct.holds), "watch_events_applied": feed.applied,
-                              "thread_cpu_s": thread_cpu()}), flush=True)
+                              "thread_cpu_s": {k: round(v, 2) for k, v in thread_cpu().items()},
+                              "gc_s": round(gc_time.seconds, 3), "gc_collections": gc_time.counts}), flush=True)
         else:
             break
     stop.set()
@@ -419,19 +423,51 @@ def serve_child(argv: list[str]) -> None:
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds per thread of this process so far (Linux ``/proc``), by thread name: where the
-    server's CPU goes besides the verbs (TLS and HTTP in the loop, bind workers, the watch feed, the warmer)."""
-    clk = os.sysconf("SC_CLK_TCK")
+    """CPU seconds per thread of this process so far (each thread's CPU clock, ns resolution), by
+    thread name (a pool's ``name_<n>`` threads summed): where the server's CPU goes besides the verbs
+    (TLS, HTTP and the inline verbs in the loop, bind workers, the watch feed, the warmer)."""
     out: dict[str, float] = {}
     for t in threading.enumerate():
         try:
-            with open(f"/proc/self/task/{t.native_id}/stat", encoding="ascii") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            used = time.clock_gettime(time.pthread_getcpuclockid(t.ident or 0))
+        except OSError:  # ended meanwhile
             continue
-        name = t.name.split(" (")[0]
-        out[name] = round(out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / clk, 2)
+        name = t.name.split(" (")[0].rstrip("0123456789").rstrip("_")
+        out[name] = out.get(name, 0.0) + used
     return out
+
+
+class GcTime:
+    """Time the collector spends (``gc.callbacks``), per generation: it runs on whichever thread
+    allocated last, so the per-thread split counts it there; this says how much of it was GC."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds = 0.0
+        self.counts = [0, 0, 0]
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.counts[info["generation"]] += 1
+
+
+def cpu_split(before: dict[str, Any], after: dict[str, Any], cycles: int) -> dict[str, Any]:
+    """Server CPU ms per cycle between two ``cpu`` answers: the process, each thread, and GC."""
+    per = 1000 / cycles
+    threads = {name: round((used - before["threads_s"].get(name, 0.0)) * per, 3)
+               for name, used in after["threads_s"].items()}
+    threads = {name: ms for name, ms in sorted(threads.items(), key=lambda kv: -kv[1]) if ms >= 0.001}
+    process = (after["process_s"] - before["process_s"]) * per
+    threads["other (ended threads)"] = round(max(process - sum(threads.values()), 0.0), 3)
+    return {"server_cpu_ms_per_cycle": round(process, 3), "thread_cpu_ms_per_cycle": threads,
+            "gc_ms_per_cycle": round((after["gc_s"] - before["gc_s"]) * per, 3),
+            "gc_collections": [a - b for a, b in zip(after["gc_collections"], before["gc_collections"])]}
 
 
 class Server:
@@ -550,7 +586,7 @@ def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls
     lat: dict[str, list[float]] = {"filter": [], "prioritize": []}
     fitting_counts = []
     try:
-        cpu0, wall0 = float(server.ask("cpu")), time.perf_counter()
+        cpu0, wall0 = json.loads(server.ask("cpu")), time.perf_counter()
         for pod, body in zip(pods, bodies):
             dt, raw = client.post(b"/filter", body)
             lat["filter"].append(dt)
@@ -566,13 +602,13 @@ def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls
             if binds is not None and node is not None:
                 binds.jobs.put((pod, node))
         wall = time.perf_counter() - wall0
-        cpu = float(server.ask("cpu")) - cpu0
+        split = cpu_split(cpu0, json.loads(server.ask("cpu")), len(pods))
     finally:
         client.close()
         if binds is not None:
             binds.close()
     out: dict[str, Any] = {"cycles": len(pods), "cycles_per_s": round(len(pods) / wall, 1),
-                           "server_cpu_ms_per_cycle": round(cpu / len(pods) * 1000, 3),
+                           **split,
                            "mean_fitting_nodes": round(float(np.mean(fitting_counts)), 1),
                            "latencies_ms": {v: [round(x * 1000, 4) for x in xs] for v, xs in lat.items()}}
     if binds is not None:
@@ -589,7 +625,12 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            "cycles_per_s_runs": [r["cycles_per_s"] for r in runs],
                            "server_cpu_ms_per_cycle_median": float(np.median([r["server_cpu_ms_per_cycle"] for r in runs])),
                            "server_cpu_ms_per_cycle_min": min(r["server_cpu_ms_per_cycle"] for r in runs),
-                           "mean_fitting_nodes": float(np.mean([r["mean_fitting_nodes"] for r in runs]))}
+                           "mean_fitting_nodes": float(np.mean([r["mean_fitting_nodes"] for r in runs])),
+                           "gc_ms_per_cycle_median": float(np.median([r["gc_ms_per_cycle"] for r in runs]))}
+    names = {name for r in runs for name in r["thread_cpu_ms_per_cycle"]}
+    split = {name: round(float(np.median([r["thread_cpu_ms_per_cycle"].get(name, 0.0) for r in runs])), 3)
+             for name in names}
+    out["thread_cpu_ms_per_cycle_median"] = dict(sorted(split.items(), key=lambda kv: -kv[1]))
     for verb in ("filter", "prioritize"):
         xs = np.array([x for r in runs for x in r["latencies_ms"][verb]])
         if len(xs):
@@ -678,7 +719,8 @@ def line(nodes: int, label: str, s: dict[str, Any]) -> str:
     binds = f" | binds {s['binds']['bound']} bound, refused {s['binds']['refused']}" if "binds" in s else ""
     return (f"{nodes:>5} nodes {label:>8}: filter p50 {f.get('p50_ms')} p99 {f.get('p99_ms')} ms | prioritize p50 "
             f"{p.get('p50_ms')} p99 {p.get('p99_ms')} ms | {s['cycles_per_s_median']} cycles/s (runs "
-            f"{s['cycles_per_s_runs']}) | server {s['server_cpu_ms_per_cycle_median']} CPU ms/cycle | fitting "
+            f"{s['cycles_per_s_runs']}) | server {s['server_cpu_ms_per_cycle_median']} CPU ms/cycle "
+            f"(per thread {s['thread_cpu_ms_per_cycle_median']}, of which GC {s['gc_ms_per_cycle_median']}) | fitting "
             f"{s['mean_fitting_nodes']:.0f}{binds} | {s['server_stats']}")
 
 
