@@ -20,7 +20,7 @@ import orjson
 from vramshare.contract import MAX_EXTENDER_PRIORITY
 
 __all__ = [
-    "WireError", "ExtenderArgs", "FilterResult", "BindingArgs", "PreemptionArgs",
+    "WireError", "ExtenderArgs", "FilterResult", "BindingArgs", "PreemptionArgs", "NameLists",
     "decode_extender_args", "decode_binding_args", "decode_preemption_args",
     "encode_filter_result", "encode_host_priorities", "HostFragments", "encode_binding_result", "encode_preemption_result",
 ]
@@ -123,8 +123,82 @@ def _all_strings(items: list[Any]) -> bool:
     return True
 
 
-def decode_extender_args(body: bytes) -> ExtenderArgs:
-    """Parse ``ExtenderArgs``; raises :class:`WireError` naming the bad field."""
+class NameLists:
+    """The last few ``NodeNames`` lists seen on the wire, by their exact bytes, decoded.
+
+    kube-scheduler sends every node's name to filter, cycle after cycle (the same ~65 KB at 5,000
+    nodes), and then to prioritize exactly the list filter answered: decoding 5,000 names again costs
+    more than comparing the bytes (a ``memcmp``). A hit also hands back the very ``str`` objects of the
+    last decode, so :meth:`extender.cluster.ClusterState.rows_of` matches a list by identity instead
+    of comparing 5,000 strings. A memo only: an entry is the decode of its bytes, whatever came before.
+    """
+
+    def __init__(self, size: int = 4) -> None:
+        self.size = size
+        self._lists: list[tuple[bytes, list[str]]] = []  # most recent first
+        self._lock = threading.Lock()  # the HTTP loop and a forwarded verb may decode at once
+        self.hits = self.misses = 0
+
+    def get(self, raw: bytes) -> list[str] | None:
+        """A copy of the list ``raw`` decodes to, when it was seen lately (the copy: callers own it)."""
+        with self._lock:
+            for i, (known, names) in enumerate(self._lists):
+                if known == raw:
+                    if i:
+                        self._lists.insert(0, self._lists.pop(i))
+                    self.hits += 1
+                    return list(names)
+            self.misses += 1
+        return None
+
+    def put(self, raw: bytes, names: list[str]) -> None:
+        """Remember that ``raw`` (a JSON array) decodes to ``names`` (kept as a copy)."""
+        with self._lock:
+            self._lists = [(raw, list(names))] + [e for e in self._lists if e[0] != raw][:self.size - 1]
+
+
+_NAMES_MEMBER = b',"NodeNames":'
+
+
+def _split_names(body: bytes, lists: NameLists) -> ExtenderArgs | None:
+    """``body`` read as ``{<members>,"NodeNames":[...]}`` (Go's field order, as kube-scheduler
+    marshals ExtenderArgs), its names from ``lists`` when their bytes were seen lately; None when the
+    body has another shape (then :func:`decode_extender_args` parses it whole).
+
+    Equal to parsing it whole: when ``<members>`` + ``}`` parse as a non-empty object and the tail as
+    a JSON value, the body is that object with ``NodeNames`` appended last (a duplicate key earlier
+    loses to it, as in orjson's and Go's decoders), so this reads the same keys and values."""
+    if not body.endswith(b"}"):
+        return None
+    at = body.rfind(_NAMES_MEMBER)
+    if at <= 0:
+        return None
+    raw = body[at + len(_NAMES_MEMBER):-1]
+    names = lists.get(raw)
+    if names is None:
+        try:
+            names = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(names, list) or not _all_strings(names):
+            return None  # the whole-body parse names the bad field
+        lists.put(raw, names)
+    try:
+        data = orjson.loads(body[:at] + b"}")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not data:
+        return None
+    return ExtenderArgs(pod=_pod(_field(data, "Pod"), "ExtenderArgs.Pod"), node_names=names)
+
+
+def decode_extender_args(body: bytes, lists: NameLists | None = None) -> ExtenderArgs:
+    """Parse ``ExtenderArgs``; raises :class:`WireError` naming the bad field.
+
+    With ``lists``, a ``NodeNames`` list whose bytes were seen lately is not decoded again
+    (:class:`NameLists`); the answer is the same."""
+    if lists is not None and (split := _split_names(body, lists)) is not None:
+        return split
     data = _loads(body, "ExtenderArgs")
     pod = _pod(_field(data, "Pod"), "ExtenderArgs.Pod")
     names = _field(data, "NodeNames")
@@ -159,12 +233,21 @@ class FilterResult:
     error: str = ""
 
 
-def encode_filter_result(result: FilterResult, args: ExtenderArgs | None) -> bytes:
-    """``ExtenderFilterResult`` in the form the request used; ``NodeNames`` is always a list."""
+def encode_filter_result(result: FilterResult, args: ExtenderArgs | None, lists: NameLists | None = None) -> bytes:
+    """``ExtenderFilterResult`` in the form the request used; ``NodeNames`` is always a list.
+
+    With ``lists``, the encoded ``NodeNames`` is remembered there: kube-scheduler sends exactly that
+    list to prioritize next, which then decodes it from the memo (same bytes as one ``orjson.dumps``)."""
     nodes: Obj | None = None
     if args is not None and args.nodes is not None:
         keep = set(result.passed)
         nodes = {"metadata": {}, "items": [n for n in args.nodes if n["metadata"]["name"] in keep]}
+    elif lists is not None:
+        names = orjson.dumps(result.passed)
+        lists.put(names, result.passed)
+        return b"".join((b'{"Nodes":null,"NodeNames":', names, b',"FailedNodes":', orjson.dumps(result.failed),
+                         b',"FailedAndUnresolvableNodes":', orjson.dumps(result.unresolvable),
+                         b',"Error":', orjson.dumps(result.error), b"}"))
     return orjson.dumps({
         "Nodes": nodes,
         "NodeNames": list(result.passed),
