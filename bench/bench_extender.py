@@ -374,6 +374,7 @@ def serve_child(argv: list[str]) -> None:
         def settle_heap() -> None:
             gc.collect()
             gc.freeze()
+    getattr(ext, "prepare", lambda: None)()  # as the tree's extender.main does once the books are in
     settle_heap()
     tls = None
     if a.tls_dir:

@@ -62,6 +62,16 @@ class Extender:
             "/preempt": self._preempt,
         }
 
+    def prepare(self) -> None:
+        """Once the books are in (before :func:`extender.main.settle_heap` freezes them): encode every
+        node's HostPriority entries now, in row order, rather than all in the first prioritize (~4 ms
+        at 5,000 nodes); later nodes are encoded as they first come."""
+        with self.acct.lock:
+            state = self.acct.state
+            names = state.nodes()
+            rows, epoch = state.rows_of(names, remember=False), state.names_epoch
+        self._priorities.prepare(names, rows, epoch)
+
     def handle(self, method: str, path: str, body: bytes) -> Response:
         path = path.split("?", 1)[0].rstrip("/") or "/"
         if method == "POST" and path in self._post:

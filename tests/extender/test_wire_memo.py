@@ -9,6 +9,7 @@ same names, the same node objects, or the same refusal, as the whole-body decode
 """
 from __future__ import annotations
 
+import numpy as np
 import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -118,3 +119,30 @@ def test_prioritize_after_filter_decodes_the_answered_list_from_the_memo() -> No
 def test_malformed_bodies_are_refused_alike_with_the_memo(body: bytes) -> None:
     assert _outcome(body, wire.NameLists())[0] == "refused"
     assert _outcome(body, wire.NameLists()) == _outcome(body, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_prepared_priority_entries_follow_rows_changing_hands(data: st.DataObject) -> None:
+    """:meth:`HostFragments.prepare` (once the books are in) and encodes after nodes come and go
+    (a freed row taken by another node, the epoch bumped) give :func:`encode_host_priorities`'s bytes."""
+    from extender.cluster import ClusterState, Slot
+
+    state, frags = ClusterState(gpus_per_node=1), wire.HostFragments()
+    pool = [f"n{i}" for i in range(12)] + ['q"uote', "ünï"]
+    for name in pool[:6]:
+        state.set_node(name, [Slot(f"{name}-g0", "A100", capacity=1000)])
+    nodes = state.nodes()
+    frags.prepare(nodes, state.rows_of(nodes, remember=False), state.names_epoch)
+    for _ in range(data.draw(st.integers(1, 8))):
+        for _ in range(data.draw(st.integers(0, 3))):
+            name = data.draw(st.sampled_from(pool))
+            if name in state.nodes() and data.draw(st.booleans()):
+                state.remove_node(name)
+            else:
+                state.set_node(name, [Slot(f"{name}-g0", "A100", capacity=1000)])
+        names = data.draw(st.permutations(state.nodes() + ["ghost"]))
+        scores = np.array(data.draw(st.lists(st.integers(0, 10), min_size=len(names), max_size=len(names))))
+        rows = state.rows_of(names, remember=False)
+        assert frags.encode(names, rows, scores, state.names_epoch) == \
+            wire.encode_host_priorities(list(zip(names, scores.tolist())))
