@@ -405,8 +405,11 @@ def serve_child(argv: list[str]) -> None:
                               "gc_s": gc_time.seconds, "gc_collections": gc_time.counts}), flush=True)
         elif cmd == "stats":
             reader = getattr(acct, "pods_read", None)
+            lists = getattr(ext, "name_lists", None)
             print(json.dumps({"parsed_pod_hits": getattr(reader, "hits", None),
                               "parsed_pod_misses": getattr(reader, "misses", None),
+                              "node_name_list_hits": getattr(lists, "hits", None),
+                              "node_name_list_misses": getattr(lists, "misses", None),
                               "holds": len(acct.holds), "watch_events_applied": feed.applied,
                               "thread_cpu_s": {k: round(v, 2) for k, v in thread_cpu().items()},
                               "gc_s": round(gc_time.seconds, 3), "gc_collections": gc_time.counts}), flush=True)

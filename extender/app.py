@@ -56,7 +56,7 @@ class Extender:
         self.leader: Any = None
         self.peer_tls: ssl.SSLContext | None = None
         self._priorities = wire.HostFragments()  # each node's encoded HostPriority entries, per row
-        self._lists = wire.NameLists()  # the NodeNames lists lately sent and answered, decoded
+        self.name_lists = wire.NameLists()  # the NodeNames lists lately sent and answered, decoded
         self._post: dict[str, Callable[[bytes], bytes]] = {
             "/filter": self._filter, "/prioritize": self._prioritize, "/bind": self._bind,
             "/preempt": self._preempt,
@@ -147,16 +147,16 @@ class Extender:
 
     # -- verbs -------------------------------------------------------------------------------
     def _filter(self, body: bytes) -> bytes:
-        args = wire.decode_extender_args(body, self._lists)
+        args = wire.decode_extender_args(body, self.name_lists)
         with self.acct.lock:
             view = self.acct.view(self.policy)
             result = verbs.filter_pod(view, args)
             # kube-scheduler skips prioritize with one feasible node and binds there
             self.acct.commit(verbs.expectation(view, args, result.passed[0] if len(result.passed) == 1 else None))
-        return wire.encode_filter_result(result, args, self._lists)
+        return wire.encode_filter_result(result, args, self.name_lists)
 
     def _prioritize(self, body: bytes) -> bytes:
-        args = wire.decode_extender_args(body, self._lists)
+        args = wire.decode_extender_args(body, self.name_lists)
         dra = dra_scoring.scores_for(self.dra, args.pod, args.names, self.policy.value)
         if dra is not None:  # a pod whose ResourceClaims use our DeviceClasses
             return wire.encode_host_priorities(dra)
