@@ -36,6 +36,11 @@ binds bound/refused, and for servers that have one, the parsed-pod cache's hits 
     python bench/bench_extender.py --sizes 5000 --mix bench --baseline d7ebb75
     python bench/bench_extender.py --quick --sizes 500                      # a short check
     python bench/bench_extender.py --profile --sizes 5000                   # cProfile one server's cycles
+    python bench/bench_extender.py --sizes 5000 --node-order scheduler      # names in kube-scheduler's order
+
+``--node-order scheduler``: kube-scheduler's filter runs 16 goroutines over chunks of the node list and
+appends each feasible node as its check ends, so the NodeNames of two cycles are never in the same order
+(:func:`scheduler_order`); the default sends one fixed order, which every memo keyed on the list favours.
 
 ``--baseline REV`` extracts ``git archive REV`` to a temporary folder and serves its extender
 (this file drives both: its pods, its API double, its watch feed; the extender code is the tree's).
@@ -581,10 +586,32 @@ class Binds:
         self.client.close()
 
 
+def scheduler_order(names: list[str], rng: random.Random, workers: int = 16) -> list[str]:
+    """The order kube-scheduler sends the feasible nodes in: its filter runs ``workers`` goroutines
+    (``parallelism``, 16 by default) over chunks of the node list (``chunkSizeFor``: sqrt(n), at most
+    n/parallelism + 1) and each appends a node that passes at an atomic counter
+    (``findNodesThatPassFilters``, pkg/scheduler/schedule_one.go), so the list is the workers' streams
+    interleaved by when each check finished: a different order every cycle (a 5,000-node list is never
+    sent twice alike). Modelled with a random check time per node."""
+    n = len(names)
+    chunk = max(1, min(int(n ** 0.5), n // workers + 1))
+    free = [(0.0, w) for w in range(workers)]  # (when each worker is free, id)
+    done = np.empty(n)
+    for start in range(0, n, chunk):
+        at, w = heapq.heappop(free)
+        cost = np.cumsum([rng.expovariate(1.0) for _ in range(min(chunk, n - start))])
+        done[start:start + len(cost)] = at + cost
+        heapq.heappush(free, (at + float(cost[-1]), w))
+    return [names[i] for i in np.argsort(done, kind="stable").tolist()]
+
+
 def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls: ssl.SSLContext | None,
-               bind: bool) -> dict[str, Any]:
+               bind: bool, order: str = "fixed") -> dict[str, Any]:
     assert server.address is not None
-    bodies = [orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": names}) for pod in pods]
+    rng = random.Random(len(pods) * 31 + len(names))  # the same orders for every server
+    bodies = [orjson.dumps({"Pod": pod, "Nodes": None,
+                            "NodeNames": names if order == "fixed" else scheduler_order(names, rng)})
+              for pod in pods]
     client = RawClient(server.address, tls)
     binds = Binds(server.address, tls) if bind else None
     lat: dict[str, list[float]] = {"filter": [], "prioritize": []}
@@ -677,7 +704,7 @@ def baseline_tree(rev: str, into: str) -> str:
 
 
 def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, policy: str,
-               trees: dict[str, str], profile: bool) -> dict[str, Any]:
+               trees: dict[str, str], profile: bool, order: str = "fixed") -> dict[str, Any]:
     total = cycles * repeat
     pods = pending_pods(nodes, total, mix)
     names = [f"node-{n:05d}" for n in range(nodes)]
@@ -699,10 +726,10 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
             batch = pods[r * cycles:(r + 1) * cycles]
             order = list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]
             for label, s in order:
-                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real"))
+                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real", order=order))
                 time.sleep(0.2)
         stats = {label: json.loads(s.ask("stats")) for label, s in servers.items()}
-    result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy,
+    result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy, "node_order": order,
               "cycles_per_run": cycles, "repeat": repeat, "build_s": round(build_s, 1),
               "servers": {label: {**pooled(rs), "server_stats": stats[label],
                                   "per_run": [{k: v for k, v in r.items() if k != "latencies_ms"} for r in rs]}
@@ -742,6 +769,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="5000", help="comma-separated node counts (default 5000)")
     ap.add_argument("--mix", default="real", choices=["real", "bench"], help="request mix (see above)")
     ap.add_argument("--no-tls", action="store_true", help="plain HTTP (the real mix uses mutual TLS)")
+    ap.add_argument("--node-order", default="fixed", choices=["fixed", "scheduler"],
+                    help="filter's NodeNames: the same order every cycle (default, as the bench always did), or "
+                         "kube-scheduler's: its parallel filter's interleaving, new every cycle")
     ap.add_argument("--baseline", metavar="REV", help="also serve this commit's extender, interleaved")
     ap.add_argument("--cycles", type=int, help="cycles per run (default 200 at <= 1,000 nodes, else 100)")
     ap.add_argument("--out", help="result file (default bench/results/extender[-<mix>].json)")
@@ -757,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
         for nodes in (int(n) for n in args.sizes.split(",")):
             cycles = args.cycles or ((100 if args.quick else 200) if nodes <= 1000 else (50 if args.quick else 100))
             r = bench_size(nodes, cycles, 2 if args.quick else args.repeat, args.mix, tls_on, args.policy, trees,
-                           args.profile)
+                           args.profile, args.node_order)
             if args.baseline:
                 r["baseline_commit"] = args.baseline
             runs.append(r)
