@@ -606,11 +606,11 @@ def scheduler_order(names: list[str], rng: random.Random, workers: int = 16) -> 
 
 
 def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls: ssl.SSLContext | None,
-               bind: bool, order: str = "fixed") -> dict[str, Any]:
+               bind: bool, node_order: str = "fixed") -> dict[str, Any]:
     assert server.address is not None
     rng = random.Random(len(pods) * 31 + len(names))  # the same orders for every server
     bodies = [orjson.dumps({"Pod": pod, "Nodes": None,
-                            "NodeNames": names if order == "fixed" else scheduler_order(names, rng)})
+                            "NodeNames": names if node_order == "fixed" else scheduler_order(names, rng)})
               for pod in pods]
     client = RawClient(server.address, tls)
     binds = Binds(server.address, tls) if bind else None
@@ -704,7 +704,7 @@ def baseline_tree(rev: str, into: str) -> str:
 
 
 def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, policy: str,
-               trees: dict[str, str], profile: bool, order: str = "fixed") -> dict[str, Any]:
+               trees: dict[str, str], profile: bool, node_order: str = "fixed") -> dict[str, Any]:
     total = cycles * repeat
     pods = pending_pods(nodes, total, mix)
     names = [f"node-{n:05d}" for n in range(nodes)]
@@ -726,10 +726,10 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
             batch = pods[r * cycles:(r + 1) * cycles]
             order = list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]
             for label, s in order:
-                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real", order=order))
+                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real", node_order=node_order))
                 time.sleep(0.2)
         stats = {label: json.loads(s.ask("stats")) for label, s in servers.items()}
-    result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy, "node_order": order,
+    result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy, "node_order": node_order,
               "cycles_per_run": cycles, "repeat": repeat, "build_s": round(build_s, 1),
               "servers": {label: {**pooled(rs), "server_stats": stats[label],
                                   "per_run": [{k: v for k, v in r.items() if k != "latencies_ms"} for r in rs]}
