@@ -37,6 +37,7 @@ binds bound/refused, and for servers that have one, the parsed-pod cache's hits 
     python bench/bench_extender.py --quick --sizes 500                      # a short check
     python bench/bench_extender.py --profile --sizes 5000                   # cProfile one server's cycles
     python bench/bench_extender.py --sizes 5000 --node-order scheduler      # names in kube-scheduler's order
+    python bench/bench_extender.py --wire --sizes 5000                      # the wire's pieces, memo vs none
 
 ``--node-order scheduler``: kube-scheduler's filter runs 16 goroutines over chunks of the node list and
 appends each feasible node as its check ends, so the NodeNames of two cycles are never in the same order
@@ -755,6 +756,68 @@ def line(nodes: int, label: str, s: dict[str, Any]) -> str:
             f"{s['mean_fitting_nodes']:.0f}{binds} | {s['server_stats']}")
 
 
+def _median_us(fn: Any, reps: int) -> float:
+    """Median thread CPU of ``fn(i)`` over ``reps`` calls, in microseconds."""
+    xs = []
+    for i in range(reps):
+        t0 = time.thread_time_ns()
+        fn(i)
+        xs.append(time.thread_time_ns() - t0)
+    return round(float(np.median(xs)) / 1000, 1)
+
+
+def bench_wire(nodes: int, reps: int) -> dict[str, Any]:
+    """The request/response path's pieces in this process, each beside the same work without its memo
+    (thread CPU, median): what a cycle pays for JSON outside the placement compute."""
+    from extender import parsed, wire
+
+    rng = random.Random(nodes)
+    names = [f"node-{n:05d}" for n in range(nodes)]
+    pods = pending_pods(nodes, 20, "real")
+    fixed = [orjson.dumps({"Pod": p, "Nodes": None, "NodeNames": names}) for p in pods]
+    shuffled = [orjson.dumps({"Pod": p, "Nodes": None, "NodeNames": scheduler_order(names, rng)}) for p in pods]
+    lists = wire.NameLists()
+    passed = names[nodes // 100:]
+    result = wire.FilterResult(passed=passed, failed={n: "Insufficient vramshare.io/gpu-memory" for n in names[:nodes // 100]})
+    args = wire.decode_extender_args(fixed[0])
+    answered = orjson.dumps({"Pod": pods[0], "Nodes": None,
+                             "NodeNames": orjson.loads(wire.encode_filter_result(result, args, lists))["NodeNames"]})
+    out: dict[str, Any] = {"nodes": nodes, "decode_us": {
+        "whole_body": _median_us(lambda i: wire.decode_extender_args(fixed[i % 20]), reps),
+        "memo_filter_fixed_order": _median_us(lambda i: wire.decode_extender_args(fixed[i % 20], lists), reps),
+        "memo_filter_scheduler_order": _median_us(lambda i: wire.decode_extender_args(shuffled[i % 20], lists), reps),
+        "memo_prioritize_after_filter": _median_us(lambda i: wire.decode_extender_args(answered, lists), reps)},
+        "encode_filter_us": {
+            "plain": _median_us(lambda i: wire.encode_filter_result(result, args), reps),
+            "remembering_the_answer": _median_us(lambda i: wire.encode_filter_result(result, args, lists), reps)}}
+    acct = accounting.Accounting(Config())
+    for n in range(nodes):
+        model, mib = MODELS[n % len(MODELS)]
+        acct.apply_node("ADDED", node_obj(names[n], model, mib, True))
+    state = acct.state
+    scores = np.array([rng.randrange(11) for _ in passed])
+    rows = state.rows_of(passed, remember=False)
+    epoch = state.names_epoch
+    cold = _median_us(lambda i: wire.HostFragments().encode(passed, rows, scores, epoch), max(3, reps // 50))
+    frags = wire.HostFragments()
+    frags.prepare(state.nodes(), state.rows_of(state.nodes(), remember=False), epoch)
+    warm = _median_us(lambda i: frags.encode(passed, rows, scores, epoch), reps)
+
+    def after_a_new_node(i: int) -> None:  # a node joins: the epoch moves on, every row is checked again
+        frags.encode(passed, rows, scores, (epoch, i))
+    out["host_priorities_us"] = {"first_answer_unprepared": cold, "prepared": warm,
+                                 "first_answer_after_a_node_joined": _median_us(after_a_new_node, max(3, reps // 10))}
+    names_ = contract.Names()
+    unseen = {"cpu": lambda i: f"{1000 + i}m", "memory": lambda i: f"{16384 + i}Mi"}  # never read before
+    fresh = [{**p, "spec": {**p["spec"], "containers": [
+        {**c, "resources": {k: {r: unseen[r](i) if r in unseen else v for r, v in q.items()}
+                            for k, q in c["resources"].items()}} for c in p["spec"]["containers"]]}}
+        for i, p in enumerate(pending_pods(nodes, reps, "real"))]
+    out["parse_pod_us"] = {"quantities_never_seen": _median_us(lambda i: parsed.parse_pod(fresh[i], names_, 1024), reps),
+                           "quantities_seen_lately": _median_us(lambda i: parsed.parse_pod(pods[i % 20], names_, 1024), reps)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--serve":
@@ -775,7 +838,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", metavar="REV", help="also serve this commit's extender, interleaved")
     ap.add_argument("--cycles", type=int, help="cycles per run (default 200 at <= 1,000 nodes, else 100)")
     ap.add_argument("--out", help="result file (default bench/results/extender[-<mix>].json)")
+    ap.add_argument("--wire", action="store_true",
+                    help="only the wire's pieces in process, with and without their memos (extender-wire.json)")
     args = ap.parse_args(argv)
+    if args.wire:
+        doc = {"benchmark": "extender-wire", "unit": "us of thread CPU, median",
+               "runs": [bench_wire(int(n), 60 if args.quick else 300) for n in args.sizes.split(",")],
+               "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                           "loadavg_1m": round(os.getloadavg()[0], 2)},
+               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        out = args.out or os.path.join(RESULTS_DIR, "extender-wire.json")
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+        print(json.dumps(doc["runs"], indent=1))
+        print(f"wrote {out}")
+        return 0
     logging.getLogger().setLevel(logging.WARNING)
     tls_on = args.mix == "real" and not args.no_tls
     with contextlib.ExitStack() as stack:
