@@ -28,13 +28,20 @@ and 4.66 ms):
 
 ``--mix bench`` replays the old bench's mix (small pods without a resourceVersion, no binds, plain
 HTTP) with the same servers, to show what it left out. Reported per server: p50/p99/max per verb,
-cycles/s (median and best run), the server process's CPU ms per cycle, binds bound/refused, and for
-servers that have one, the parsed-pod cache's hits and misses.
+cycles/s (median and best run), the server process's CPU ms per cycle and its split per thread (the HTTP
+loop that answers filter and prioritize, the bind workers, the watch feed, the warmer) and the GC's share,
+binds bound/refused, and for servers that have one, the parsed-pod cache's hits and misses.
 
     python bench/bench_extender.py --sizes 5000 --baseline d7ebb75          # the issue's comparison
     python bench/bench_extender.py --sizes 5000 --mix bench --baseline d7ebb75
     python bench/bench_extender.py --quick --sizes 500                      # a short check
     python bench/bench_extender.py --profile --sizes 5000                   # cProfile one server's cycles
+    python bench/bench_extender.py --sizes 5000 --node-order scheduler      # names in kube-scheduler's order
+    python bench/bench_extender.py --wire --sizes 5000                      # the wire's pieces, memo vs none
+
+``--node-order scheduler``: kube-scheduler's filter runs 16 goroutines over chunks of the node list and
+appends each feasible node as its check ends, so the NodeNames of two cycles are never in the same order
+(:func:`scheduler_order`); the default sends one fixed order, which every memo keyed on the list favours.
 
 ``--baseline REV`` extracts ``git archive REV`` to a temporary folder and serves its extender
 (this file drives both: its pods, its API double, its watch feed; the extender code is the tree's).
@@ -373,6 +380,7 @@ def serve_child(argv: list[str]) -> None:
         def settle_heap() -> None:
             gc.collect()
             gc.freeze()
+    getattr(ext, "prepare", lambda: None)()  # as the tree's extender.main does once the books are in
     settle_heap()
     tls = None
     if a.tls_dir:
@@ -395,16 +403,22 @@ def serve_child(argv: list[str]) -> None:
     threading.Thread(target=acct.warm_loop, args=(stop,), daemon=True, name="warmer").start()
     threading.Thread(target=feed.run, args=(stop,), daemon=True, name="watch-feed").start()
     print(server.url, flush=True)
+    gc_time = GcTime()
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "cpu":
-            print(time.process_time(), flush=True)
+            print(json.dumps({"process_s": time.process_time(), "threads_s": thread_cpu(),
+                              "gc_s": gc_time.seconds, "gc_collections": gc_time.counts}), flush=True)
         elif cmd == "stats":
             reader = getattr(acct, "pods_read", None)
+            lists = getattr(ext, "name_lists", None)
             print(json.dumps({"parsed_pod_hits": getattr(reader, "hits", None),
                               "parsed_pod_misses": getattr(reader, "misses", None),
+                              "node_name_list_hits": getattr(lists, "hits", None),
+                              "node_name_list_misses": getattr(lists, "misses", None),
                               "holds": len(acct.holds), "watch_events_applied": feed.applied,
-                              "thread_cpu_s": thread_cpu()}), flush=True)
+                              "thread_cpu_s": {k: round(v, 2) for k, v in thread_cpu().items()},
+                              "gc_s": round(gc_time.seconds, 3), "gc_collections": gc_time.counts}), flush=True)
         else:
             break
     stop.set()
@@ -419,19 +433,51 @@ def serve_child(argv: list[str]) -> None:
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds per thread of this process so far (Linux ``/proc``), by thread name: where the
-    server's CPU goes besides the verbs (TLS and HTTP in the loop, bind workers, the watch feed, the warmer)."""
-    clk = os.sysconf("SC_CLK_TCK")
+    """CPU seconds per thread of this process so far (each thread's CPU clock, ns resolution), by
+    thread name (a pool's ``name_<n>`` threads summed): where the server's CPU goes besides the verbs
+    (TLS, HTTP and the inline verbs in the loop, bind workers, the watch feed, the warmer)."""
     out: dict[str, float] = {}
     for t in threading.enumerate():
         try:
-            with open(f"/proc/self/task/{t.native_id}/stat", encoding="ascii") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            used = time.clock_gettime(time.pthread_getcpuclockid(t.ident or 0))
+        except OSError:  # ended meanwhile
             continue
-        name = t.name.split(" (")[0]
-        out[name] = round(out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / clk, 2)
+        name = t.name.split(" (")[0].rstrip("0123456789").rstrip("_")
+        out[name] = out.get(name, 0.0) + used
     return out
+
+
+class GcTime:
+    """Time the collector spends (``gc.callbacks``), per generation: it runs on whichever thread
+    allocated last, so the per-thread split counts it there; this says how much of it was GC."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds = 0.0
+        self.counts = [0, 0, 0]
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.counts[info["generation"]] += 1
+
+
+def cpu_split(before: dict[str, Any], after: dict[str, Any], cycles: int) -> dict[str, Any]:
+    """Server CPU ms per cycle between two ``cpu`` answers: the process, each thread, and GC."""
+    per = 1000 / cycles
+    threads = {name: round((used - before["threads_s"].get(name, 0.0)) * per, 3)
+               for name, used in after["threads_s"].items()}
+    threads = {name: ms for name, ms in sorted(threads.items(), key=lambda kv: -kv[1]) if ms >= 0.001}
+    process = (after["process_s"] - before["process_s"]) * per
+    threads["other (ended threads)"] = round(max(process - sum(threads.values()), 0.0), 3)
+    return {"server_cpu_ms_per_cycle": round(process, 3), "thread_cpu_ms_per_cycle": threads,
+            "gc_ms_per_cycle": round((after["gc_s"] - before["gc_s"]) * per, 3),
+            "gc_collections": [a - b for a, b in zip(after["gc_collections"], before["gc_collections"])]}
 
 
 class Server:
@@ -541,16 +587,38 @@ class Binds:
         self.client.close()
 
 
+def scheduler_order(names: list[str], rng: random.Random, workers: int = 16) -> list[str]:
+    """The order kube-scheduler sends the feasible nodes in: its filter runs ``workers`` goroutines
+    (``parallelism``, 16 by default) over chunks of the node list (``chunkSizeFor``: sqrt(n), at most
+    n/parallelism + 1) and each appends a node that passes at an atomic counter
+    (``findNodesThatPassFilters``, pkg/scheduler/schedule_one.go), so the list is the workers' streams
+    interleaved by when each check finished: a different order every cycle (a 5,000-node list is never
+    sent twice alike). Modelled with a random check time per node."""
+    n = len(names)
+    chunk = max(1, min(int(n ** 0.5), n // workers + 1))
+    free = [(0.0, w) for w in range(workers)]  # (when each worker is free, id)
+    done = np.empty(n)
+    for start in range(0, n, chunk):
+        at, w = heapq.heappop(free)
+        cost = np.cumsum([rng.expovariate(1.0) for _ in range(min(chunk, n - start))])
+        done[start:start + len(cost)] = at + cost
+        heapq.heappush(free, (at + float(cost[-1]), w))
+    return [names[i] for i in np.argsort(done, kind="stable").tolist()]
+
+
 def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls: ssl.SSLContext | None,
-               bind: bool) -> dict[str, Any]:
+               bind: bool, node_order: str = "fixed") -> dict[str, Any]:
     assert server.address is not None
-    bodies = [orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": names}) for pod in pods]
+    rng = random.Random(len(pods) * 31 + len(names))  # the same orders for every server
+    bodies = [orjson.dumps({"Pod": pod, "Nodes": None,
+                            "NodeNames": names if node_order == "fixed" else scheduler_order(names, rng)})
+              for pod in pods]
     client = RawClient(server.address, tls)
     binds = Binds(server.address, tls) if bind else None
     lat: dict[str, list[float]] = {"filter": [], "prioritize": []}
     fitting_counts = []
     try:
-        cpu0, wall0 = float(server.ask("cpu")), time.perf_counter()
+        cpu0, wall0 = json.loads(server.ask("cpu")), time.perf_counter()
         for pod, body in zip(pods, bodies):
             dt, raw = client.post(b"/filter", body)
             lat["filter"].append(dt)
@@ -566,13 +634,13 @@ def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls
             if binds is not None and node is not None:
                 binds.jobs.put((pod, node))
         wall = time.perf_counter() - wall0
-        cpu = float(server.ask("cpu")) - cpu0
+        split = cpu_split(cpu0, json.loads(server.ask("cpu")), len(pods))
     finally:
         client.close()
         if binds is not None:
             binds.close()
     out: dict[str, Any] = {"cycles": len(pods), "cycles_per_s": round(len(pods) / wall, 1),
-                           "server_cpu_ms_per_cycle": round(cpu / len(pods) * 1000, 3),
+                           **split,
                            "mean_fitting_nodes": round(float(np.mean(fitting_counts)), 1),
                            "latencies_ms": {v: [round(x * 1000, 4) for x in xs] for v, xs in lat.items()}}
     if binds is not None:
@@ -589,7 +657,12 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            "cycles_per_s_runs": [r["cycles_per_s"] for r in runs],
                            "server_cpu_ms_per_cycle_median": float(np.median([r["server_cpu_ms_per_cycle"] for r in runs])),
                            "server_cpu_ms_per_cycle_min": min(r["server_cpu_ms_per_cycle"] for r in runs),
-                           "mean_fitting_nodes": float(np.mean([r["mean_fitting_nodes"] for r in runs]))}
+                           "mean_fitting_nodes": float(np.mean([r["mean_fitting_nodes"] for r in runs])),
+                           "gc_ms_per_cycle_median": float(np.median([r["gc_ms_per_cycle"] for r in runs]))}
+    names = {name for r in runs for name in r["thread_cpu_ms_per_cycle"]}
+    split = {name: round(float(np.median([r["thread_cpu_ms_per_cycle"].get(name, 0.0) for r in runs])), 3)
+             for name in names}
+    out["thread_cpu_ms_per_cycle_median"] = dict(sorted(split.items(), key=lambda kv: -kv[1]))
     for verb in ("filter", "prioritize"):
         xs = np.array([x for r in runs for x in r["latencies_ms"][verb]])
         if len(xs):
@@ -632,7 +705,7 @@ def baseline_tree(rev: str, into: str) -> str:
 
 
 def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, policy: str,
-               trees: dict[str, str], profile: bool) -> dict[str, Any]:
+               trees: dict[str, str], profile: bool, node_order: str = "fixed") -> dict[str, Any]:
     total = cycles * repeat
     pods = pending_pods(nodes, total, mix)
     names = [f"node-{n:05d}" for n in range(nodes)]
@@ -654,10 +727,10 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
             batch = pods[r * cycles:(r + 1) * cycles]
             order = list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]
             for label, s in order:
-                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real"))
+                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real", node_order=node_order))
                 time.sleep(0.2)
         stats = {label: json.loads(s.ask("stats")) for label, s in servers.items()}
-    result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy,
+    result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy, "node_order": node_order,
               "cycles_per_run": cycles, "repeat": repeat, "build_s": round(build_s, 1),
               "servers": {label: {**pooled(rs), "server_stats": stats[label],
                                   "per_run": [{k: v for k, v in r.items() if k != "latencies_ms"} for r in rs]}
@@ -678,8 +751,71 @@ def line(nodes: int, label: str, s: dict[str, Any]) -> str:
     binds = f" | binds {s['binds']['bound']} bound, refused {s['binds']['refused']}" if "binds" in s else ""
     return (f"{nodes:>5} nodes {label:>8}: filter p50 {f.get('p50_ms')} p99 {f.get('p99_ms')} ms | prioritize p50 "
             f"{p.get('p50_ms')} p99 {p.get('p99_ms')} ms | {s['cycles_per_s_median']} cycles/s (runs "
-            f"{s['cycles_per_s_runs']}) | server {s['server_cpu_ms_per_cycle_median']} CPU ms/cycle | fitting "
+            f"{s['cycles_per_s_runs']}) | server {s['server_cpu_ms_per_cycle_median']} CPU ms/cycle "
+            f"(per thread {s['thread_cpu_ms_per_cycle_median']}, of which GC {s['gc_ms_per_cycle_median']}) | fitting "
             f"{s['mean_fitting_nodes']:.0f}{binds} | {s['server_stats']}")
+
+
+def _median_us(fn: Any, reps: int) -> float:
+    """Median thread CPU of ``fn(i)`` over ``reps`` calls, in microseconds."""
+    xs = []
+    for i in range(reps):
+        t0 = time.thread_time_ns()
+        fn(i)
+        xs.append(time.thread_time_ns() - t0)
+    return round(float(np.median(xs)) / 1000, 1)
+
+
+def bench_wire(nodes: int, reps: int) -> dict[str, Any]:
+    """The request/response path's pieces in this process, each beside the same work without its memo
+    (thread CPU, median): what a cycle pays for JSON outside the placement compute."""
+    from extender import parsed, wire
+
+    rng = random.Random(nodes)
+    names = [f"node-{n:05d}" for n in range(nodes)]
+    pods = pending_pods(nodes, 20, "real")
+    fixed = [orjson.dumps({"Pod": p, "Nodes": None, "NodeNames": names}) for p in pods]
+    shuffled = [orjson.dumps({"Pod": p, "Nodes": None, "NodeNames": scheduler_order(names, rng)}) for p in pods]
+    lists = wire.NameLists()
+    passed = names[nodes // 100:]
+    result = wire.FilterResult(passed=passed, failed={n: "Insufficient vramshare.io/gpu-memory" for n in names[:nodes // 100]})
+    args = wire.decode_extender_args(fixed[0])
+    answered = orjson.dumps({"Pod": pods[0], "Nodes": None,
+                             "NodeNames": orjson.loads(wire.encode_filter_result(result, args, lists))["NodeNames"]})
+    out: dict[str, Any] = {"nodes": nodes, "decode_us": {
+        "whole_body": _median_us(lambda i: wire.decode_extender_args(fixed[i % 20]), reps),
+        "memo_filter_fixed_order": _median_us(lambda i: wire.decode_extender_args(fixed[i % 20], lists), reps),
+        "memo_filter_scheduler_order": _median_us(lambda i: wire.decode_extender_args(shuffled[i % 20], lists), reps),
+        "memo_prioritize_after_filter": _median_us(lambda i: wire.decode_extender_args(answered, lists), reps)},
+        "encode_filter_us": {
+            "plain": _median_us(lambda i: wire.encode_filter_result(result, args), reps),
+            "remembering_the_answer": _median_us(lambda i: wire.encode_filter_result(result, args, lists), reps)}}
+    acct = accounting.Accounting(Config())
+    for n in range(nodes):
+        model, mib = MODELS[n % len(MODELS)]
+        acct.apply_node("ADDED", node_obj(names[n], model, mib, True))
+    state = acct.state
+    scores = np.array([rng.randrange(11) for _ in passed])
+    rows = state.rows_of(passed, remember=False)
+    epoch = state.names_epoch
+    cold = _median_us(lambda i: wire.HostFragments().encode(passed, rows, scores, epoch), max(3, reps // 50))
+    frags = wire.HostFragments()
+    frags.prepare(state.nodes(), state.rows_of(state.nodes(), remember=False), epoch)
+    warm = _median_us(lambda i: frags.encode(passed, rows, scores, epoch), reps)
+
+    def after_a_new_node(i: int) -> None:  # a node joins: the epoch moves on, every row is checked again
+        frags.encode(passed, rows, scores, (epoch, i))
+    out["host_priorities_us"] = {"first_answer_unprepared": cold, "prepared": warm,
+                                 "first_answer_after_a_node_joined": _median_us(after_a_new_node, max(3, reps // 10))}
+    names_ = contract.Names()
+    unseen = {"cpu": lambda i: f"{1000 + i}m", "memory": lambda i: f"{16384 + i}Mi"}  # never read before
+    fresh = [{**p, "spec": {**p["spec"], "containers": [
+        {**c, "resources": {k: {r: unseen[r](i) if r in unseen else v for r, v in q.items()}
+                            for k, q in c["resources"].items()}} for c in p["spec"]["containers"]]}}
+        for i, p in enumerate(pending_pods(nodes, reps, "real"))]
+    out["parse_pod_us"] = {"quantities_never_seen": _median_us(lambda i: parsed.parse_pod(fresh[i], names_, 1024), reps),
+                           "quantities_seen_lately": _median_us(lambda i: parsed.parse_pod(pods[i % 20], names_, 1024), reps)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -696,10 +832,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="5000", help="comma-separated node counts (default 5000)")
     ap.add_argument("--mix", default="real", choices=["real", "bench"], help="request mix (see above)")
     ap.add_argument("--no-tls", action="store_true", help="plain HTTP (the real mix uses mutual TLS)")
+    ap.add_argument("--node-order", default="fixed", choices=["fixed", "scheduler"],
+                    help="filter's NodeNames: the same order every cycle (default, as the bench always did), or "
+                         "kube-scheduler's: its parallel filter's interleaving, new every cycle")
     ap.add_argument("--baseline", metavar="REV", help="also serve this commit's extender, interleaved")
     ap.add_argument("--cycles", type=int, help="cycles per run (default 200 at <= 1,000 nodes, else 100)")
     ap.add_argument("--out", help="result file (default bench/results/extender[-<mix>].json)")
+    ap.add_argument("--wire", action="store_true",
+                    help="only the wire's pieces in process, with and without their memos (extender-wire.json)")
     args = ap.parse_args(argv)
+    if args.wire:
+        doc = {"benchmark": "extender-wire", "unit": "us of thread CPU, median",
+               "runs": [bench_wire(int(n), 60 if args.quick else 300) for n in args.sizes.split(",")],
+               "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                           "loadavg_1m": round(os.getloadavg()[0], 2)},
+               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        out = args.out or os.path.join(RESULTS_DIR, "extender-wire.json")
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+        print(json.dumps(doc["runs"], indent=1))
+        print(f"wrote {out}")
+        return 0
     logging.getLogger().setLevel(logging.WARNING)
     tls_on = args.mix == "real" and not args.no_tls
     with contextlib.ExitStack() as stack:
@@ -711,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         for nodes in (int(n) for n in args.sizes.split(",")):
             cycles = args.cycles or ((100 if args.quick else 200) if nodes <= 1000 else (50 if args.quick else 100))
             r = bench_size(nodes, cycles, 2 if args.quick else args.repeat, args.mix, tls_on, args.policy, trees,
-                           args.profile)
+                           args.profile, args.node_order)
             if args.baseline:
                 r["baseline_commit"] = args.baseline
             runs.append(r)

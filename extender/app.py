@@ -56,10 +56,21 @@ class Extender:
         self.leader: Any = None
         self.peer_tls: ssl.SSLContext | None = None
         self._priorities = wire.HostFragments()  # each node's encoded HostPriority entries, per row
+        self.name_lists = wire.NameLists()  # the NodeNames lists lately sent and answered, decoded
         self._post: dict[str, Callable[[bytes], bytes]] = {
             "/filter": self._filter, "/prioritize": self._prioritize, "/bind": self._bind,
             "/preempt": self._preempt,
         }
+
+    def prepare(self) -> None:
+        """Once the books are in (before :func:`extender.main.settle_heap` freezes them): encode every
+        node's HostPriority entries now, in row order, rather than all in the first prioritize (~4 ms
+        at 5,000 nodes); later nodes are encoded as they first come."""
+        with self.acct.lock:
+            state = self.acct.state
+            names = state.nodes()
+            rows, epoch = state.rows_of(names, remember=False), state.names_epoch
+        self._priorities.prepare(names, rows, epoch)
 
     def handle(self, method: str, path: str, body: bytes) -> Response:
         path = path.split("?", 1)[0].rstrip("/") or "/"
@@ -136,16 +147,16 @@ class Extender:
 
     # -- verbs -------------------------------------------------------------------------------
     def _filter(self, body: bytes) -> bytes:
-        args = wire.decode_extender_args(body)
+        args = wire.decode_extender_args(body, self.name_lists)
         with self.acct.lock:
             view = self.acct.view(self.policy)
             result = verbs.filter_pod(view, args)
             # kube-scheduler skips prioritize with one feasible node and binds there
             self.acct.commit(verbs.expectation(view, args, result.passed[0] if len(result.passed) == 1 else None))
-        return wire.encode_filter_result(result, args)
+        return wire.encode_filter_result(result, args, self.name_lists)
 
     def _prioritize(self, body: bytes) -> bytes:
-        args = wire.decode_extender_args(body)
+        args = wire.decode_extender_args(body, self.name_lists)
         dra = dra_scoring.scores_for(self.dra, args.pod, args.names, self.policy.value)
         if dra is not None:  # a pod whose ResourceClaims use our DeviceClasses
             return wire.encode_host_priorities(dra)

@@ -229,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         running = start(api, config, host, port, policy=Policy(args.policy) if args.policy else None,
                         metrics_at=metrics_at, dra=True, elect=elect, peer_tls=peer)
         if running.wait_ready(60):
+            running.app.prepare()
             settle_heap()
         try:
             done.wait()

@@ -80,3 +80,24 @@ def test_pod_demand_reads_quantities_by_kubernetes_rules():
         pod["spec"]["containers"][0]["resources"]["limits"][names.gpu_memory] = bad
         with pytest.raises(podspec.PodSpecError):
             podspec.pod_demand(pod, names)
+
+
+QUANTITIES = st.one_of(st.from_regex(r"[+-]?[0-9]{1,4}(\.[0-9]{0,3})?(Ki|Mi|Gi|m|k|M|e[0-9]|e-[0-9])?", fullmatch=True),
+                       st.text(max_size=6), st.integers(-10**6, 10**6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(calls=st.lists(st.tuples(QUANTITIES, st.sampled_from(["cpu", "memory"])), max_size=12))
+def test_quantities_read_again_read_as_the_first_time(calls):
+    """Strings read lately are remembered (each watch event re-reads a pod's quantities): a second
+    reading gives the same value, and a refusal always names the caller's own ``where``."""
+    for value, where in calls:
+        for read in (quantity.parse, quantity.cpu_millis, quantity.byte_count):
+            seen = []
+            for at in (where, f"{where} again"):
+                try:
+                    seen.append(("ok", read(value, at)))
+                except quantity.QuantityError as exc:
+                    assert at in str(exc)
+                    seen.append(("refused", str(exc).replace(at, "<where>")))
+            assert seen[0] == seen[1], (value, read)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["QuantityError", "parse", "whole", "cpu_millis", "byte_count"]
 
@@ -33,8 +33,33 @@ class QuantityError(ValueError):
     """A quantity the API server would not accept, or one out of the bounds the caller set."""
 
 
+#: Strings read lately -> their value, per reading. A pod's few quantities ("8", "64Gi", "100m") are
+#: read again at every watch event of every pod (each has a new resourceVersion): Fraction arithmetic
+#: was most of that. Only successes are kept, so a refusal always names its own ``where``.
+_MEMO_LIMIT = 4096
+_PARSED: dict[str, Fraction] = {}
+_MILLIS: dict[str, int] = {}
+_BYTES: dict[str, int] = {}
+
+
+def _memo(table: dict[str, Any], value: Any, where: str, read: Callable[[Any, str], Any]) -> Any:
+    if type(value) is not str:
+        return read(value, where)
+    known = table.get(value)
+    if known is None:
+        known = read(value, where)
+        if len(table) >= _MEMO_LIMIT:
+            table.clear()
+        table[value] = known
+    return known
+
+
 def parse(value: Any, where: str) -> Fraction:
     """``value`` (an int or a quantity string) as an exact number; :class:`QuantityError` names ``where``."""
+    return _memo(_PARSED, value, where, _parse)
+
+
+def _parse(value: Any, where: str) -> Fraction:
     if isinstance(value, bool):
         raise QuantityError(f"{where}: {value!r} is not a quantity")
     if isinstance(value, int):
@@ -77,6 +102,10 @@ def whole(value: Any, where: str, maximum: int) -> int:
 
 def cpu_millis(value: Any, where: str) -> int:
     """A CPU quantity in millicores, rounded up as the scheduler's ``MilliValue`` does."""
+    return _memo(_MILLIS, value, where, _cpu_millis)
+
+
+def _cpu_millis(value: Any, where: str) -> int:
     amount = parse(value, where) * 1000
     if amount < 0:
         raise QuantityError(f"{where}: {value!r} is negative")
@@ -85,6 +114,10 @@ def cpu_millis(value: Any, where: str) -> int:
 
 def byte_count(value: Any, where: str) -> int:
     """A memory quantity in bytes, rounded up as ``Quantity.Value`` does."""
+    return _memo(_BYTES, value, where, _byte_count)
+
+
+def _byte_count(value: Any, where: str) -> int:
     amount = parse(value, where)
     if amount < 0:
         raise QuantityError(f"{where}: {value!r} is negative")
