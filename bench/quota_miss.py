@@ -19,7 +19,13 @@ this order:
     that they no longer needed (their demand now is below what they held): a cut came too late;
 (e) ``other``: co-tenants really needed what they held.
 
-    nice python bench/quota_miss.py [--seeds 3] [--part tune] [--k 3] [--rows default]
+    nice python bench/quota_miss.py [--seeds 5] [--part tune] [--k 3] [--rows default] [--out ...]
+
+Writes ``bench/results/quota_miss.json`` (percent of all container-minutes per cause; the causes add
+up to the row's over-limit percent, and ``default_better_than_fair`` is what clairvoyant-fair loses
+where the row does not: row % - fair % = b + c + d + e + f - that). The ``:beyond-window`` /
+``:within-window`` split of (b) says whether the demand was above anything the row's forecast
+sample held (its window's levels and now + its changes).
 """
 from __future__ import annotations
 
@@ -94,7 +100,8 @@ def classify(demand: np.ndarray, limits: np.ndarray, held: np.ndarray, fair_limi
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "quota_miss.json"))
     ap.add_argument("--part", default="tune", choices=("tune", "held_back"))
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--rows", default="default")
@@ -122,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                   "default_better_than_fair": round(100 * c["fair-only-left"] / minutes, 2),
                   **{x: round(100 * v / minutes, 2) for x, v in sorted(c.items()) if ":" in x}}
            for name, c in totals.items()}
-    print(json.dumps({"part": args.part, "k": args.k, "groupings": args.seeds, "container_minutes": minutes,
-                      "pct_of_container_minutes": doc}, indent=1))
+    out = {"part": args.part, "k": args.k, "groupings": args.seeds, "container_minutes": minutes,
+           "pct_of_container_minutes": doc,
+           "command": "nice python bench/quota_miss.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(out, fh, indent=1)
+    print(json.dumps(out, indent=1))
     return 0
 
 
