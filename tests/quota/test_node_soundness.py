@@ -209,17 +209,17 @@ _E0 = [18068, 22164, 22164, 18068, 18068, 18068, 22164, 22164, 22164, 21140, 201
                   Engine("e1", 4096, "throttle", bind=0, demand=_E1, list_lag=0, alloc_after=0, link_after=0, startup=9,
                          ack_lag=2),
                   Engine("e2", 34816, "unmap", bind=0, demand=_E2, list_lag=0, alloc_after=0, link_after=0, startup=6,
-                         ack_lag=0)], restart=None)
-@given(nodes(), st.one_of(st.none(), st.integers(1, 44)))
+                         ack_lag=0)], restart=None, headroom="forecast")
+@given(nodes(), st.one_of(st.none(), st.integers(1, 44)), st.sampled_from(["forecast", "learned", "peak"]))
 def test_sum_of_uses_fits_and_nobody_is_fenced_below_its_request_while_another_borrows(tmp_path_factory, engines,
-                                                                                       restart):
+                                                                                       restart, headroom):
     """Over 45 ticks: the sum of uses never exceeds the GPU, the node-level sum of max(limit, use)
     over every container with a quota file never does either, and no started container is fenced
     below min(its request, its demand) while another uses more than its request for longer than the
     loop needs to react (see it at its fence, the lender's acknowledgement, the raise's
     acknowledgement: 2 x the largest ack lag + 4 ticks); also when the quota loop restarts at
-    ``restart`` (a new process on the same files, remembering nothing)."""
-    node = Node(str(tmp_path_factory.mktemp("node")), CAP, engines)
+    ``restart`` (a new process on the same files, remembering nothing). Every headroom rule."""
+    node = Node(str(tmp_path_factory.mktemp("node")), CAP, engines, PolicyParams(headroom=headroom))
     react = 2 * max(e.ack_lag for e in engines) + 4
     fenced = {e.name: 0 for e in engines}
     for _ in range(45):
