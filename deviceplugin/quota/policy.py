@@ -49,9 +49,10 @@ it will be once the cuts are acknowledged. Raises beyond use are granted from tr
 waking tenants first, then by the targets' order. A cut not yet applied stands: while a tenant of the
 same class or a higher one waits for its request, nobody is raised beyond max(its limit in force, its
 request), not even into memory it still holds (else a borrower cut for an owner is raised back every
-tick before its engine applies the cut, and the owner waits as long as the borrower's demand lasts). So for every GPU and tick, the sum over tenants of
-max(limit, use) never exceeds the capacity (or the sum of uses, when the tenants already hold more
-than the capacity: then nobody is raised above its use).
+tick before its engine applies the cut, and the owner waits as long as the borrower's demand lasts).
+So for every GPU and tick, the sum over tenants of max(limit, use) never exceeds the capacity (or
+the sum of uses, when the tenants already hold more than the capacity: then nobody is raised above
+its use).
 """
 from __future__ import annotations
 

@@ -284,18 +284,19 @@ _MAIN_E3 = [
     18552, 22648, 23672, 23672, 22648, 18552, 18552, 19576, 19576, 19576, 19576, 23672, 27768, 28792,
     29816, 29816, 30840, 34936, 39032, 43128, 47104, 46080, 47104, 47104, 47104, 43008, 43008, 43008,
     43008, 47104, 46080, 45056, 44032, 47104, 47104, 47104, 47104]
-_FAIRNESS_CASES = {
+_TIMING = ("bind", "list_lag", "alloc_after", "link_after", "startup", "ack_lag")
+_FAIRNESS_CASES = {  # name, request, release mode, demand walk, _TIMING
     "q19sound": [
-        ("e0", 5120, "unmap", _SOUND_E0, dict(bind=10, list_lag=0, alloc_after=2, link_after=0, startup=4, ack_lag=0)),
-        ("e1", 13312, "unmap", _SOUND_E1, dict(bind=0, list_lag=1, alloc_after=2, link_after=0, startup=12, ack_lag=3)),
-        ("e2", 30720, "unmap", _SOUND_E2, dict(bind=59, list_lag=0, alloc_after=2, link_after=1, startup=2, ack_lag=0)),
-        ("e3", 21504, "unmap", _SOUND_E3, dict(bind=28, list_lag=3, alloc_after=1, link_after=2, startup=11, ack_lag=3)),
+        ("e0", 5120, "unmap", _SOUND_E0, (10, 0, 2, 0, 4, 0)),
+        ("e1", 13312, "unmap", _SOUND_E1, (0, 1, 2, 0, 12, 3)),
+        ("e2", 30720, "unmap", _SOUND_E2, (59, 0, 2, 1, 2, 0)),
+        ("e3", 21504, "unmap", _SOUND_E3, (28, 3, 1, 2, 11, 3)),
     ],
     "main": [
-        ("e0", 4096, "unmap", _MAIN_E0, dict(bind=6, list_lag=0, alloc_after=1, link_after=2, startup=9, ack_lag=3)),
-        ("e1", 24576, "throttle", _MAIN_E1, dict(bind=44, list_lag=1, alloc_after=2, link_after=0, startup=3, ack_lag=0)),
-        ("e2", 18432, "throttle", _MAIN_E2, dict(bind=26, list_lag=1, alloc_after=2, link_after=1, startup=3, ack_lag=0)),
-        ("e3", 23552, "unmap", _MAIN_E3, dict(bind=42, list_lag=3, alloc_after=1, link_after=1, startup=11, ack_lag=2)),
+        ("e0", 4096, "unmap", _MAIN_E0, (6, 0, 1, 2, 9, 3)),
+        ("e1", 24576, "throttle", _MAIN_E1, (44, 1, 2, 0, 3, 0)),
+        ("e2", 18432, "throttle", _MAIN_E2, (26, 1, 2, 1, 3, 0)),
+        ("e3", 23552, "unmap", _MAIN_E3, (42, 3, 1, 1, 11, 2)),
     ],
 }
 
@@ -310,7 +311,8 @@ def test_a_borrowers_cut_is_not_revoked_before_it_lands_so_the_owner_gets_its_re
     borrower's demand lasted. Every headroom rule, driven by the real loop (pure-policy regression:
     test_policy.py, test_a_borrowers_pending_cut_stands_while_an_owner_waits_below_its_request)."""
     for headroom in ("learned", "forecast", "peak"):
-        engines = [Engine(n, req, mode, demand=d, **kw) for n, req, mode, d, kw in _FAIRNESS_CASES[case]]
+        engines = [Engine(n, req, mode, demand=d, **dict(zip(_TIMING, timing)))
+                   for n, req, mode, d, timing in _FAIRNESS_CASES[case]]
         node = Node(str(tmp_path / headroom), CAP, engines, PolicyParams(headroom=headroom))
         react = 2 * max(e.ack_lag for e in engines) + 4
         fenced = {e.name: 0 for e in engines}
