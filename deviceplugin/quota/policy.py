@@ -46,9 +46,13 @@ capping vLLM's KV pool frees no GPU memory by itself) is not free, so it is not 
 until measured use shows it released (or, for an engine that reports the generation it applied,
 until it acknowledges the cut); a raise into such a not-yet-released limit must also fit the GPU as
 it will be once the cuts are acknowledged. Raises beyond use are granted from truly free memory only,
-waking tenants first, then by the targets' order. So for every GPU and tick, the sum over tenants of
-max(limit, use) never exceeds the capacity (or the sum of uses, when the tenants already hold more
-than the capacity: then nobody is raised above its use).
+waking tenants first, then by the targets' order. A cut not yet applied stands: while a tenant of the
+same class or a higher one waits for its request, nobody is raised beyond max(its limit in force, its
+request), not even into memory it still holds (else a borrower cut for an owner is raised back every
+tick before its engine applies the cut, and the owner waits as long as the borrower's demand lasts).
+So for every GPU and tick, the sum over tenants of max(limit, use) never exceeds the capacity (or
+the sum of uses, when the tenants already hold more than the capacity: then nobody is raised above
+its use).
 """
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ class _Plan:
     cut_note: str = ""  # why the forecast rule left it below its use (quota/headroom.py)
     ceiling: int = 0  # its class's ceiling, as the file states it (``b`` may hold loans back below it)
     settled: int = 0  # what it holds once its engine acknowledged every file (``held`` less unacked limits)
+    waits: bool = False  # held at its request or limit in force because an owner waits for its request
 
     @property
     def reserve(self) -> int:
@@ -332,8 +337,8 @@ def _grant(plans: list[_Plan], cap: int) -> None:
     """The grant layer: raises beyond held memory come only out of memory nobody holds."""
     grow = sorted(plans, key=lambda pl: (-pl.t.rank, pl.t.phase is not Phase.WAKING, -pl.score, pl.beyond,
                                          pl.t.key))
-    for pl in plans:
-        pl.alloc = min(pl.target, pl.held)
+    for pl in plans:  # a cut it has not applied yet stands here (see ``keep`` below)
+        pl.alloc = min(pl.target, pl.held, max(pl.cur, pl.reserve))
     # a limit it has not let go of yet is held now but not for long: a raise into it is no new
     # promise today, but it is once the engine acknowledges; so every raise must also fit the GPU
     # as it will be then (``settled``), else a loan made before a claim came is never returned
@@ -346,12 +351,21 @@ def _grant(plans: list[_Plan], cap: int) -> None:
         after += back
     free = cap - sum(pl.commit(pl.alloc) for pl in plans)
     keep = sorted(plans, key=lambda pl: pl.t.key)
-    for pl in keep:  # what it already had is not a new promise: served first
-        free, after = _give(pl, min(pl.target, max(pl.cur, pl.held)), free, after)
+    for pl in keep:  # what it already had is not a new promise: served first; memory it still holds
+        # above a cut its engine has not applied yet is its own only up to its request (a borrower's
+        # pending cut is not revoked ahead of the owners it was cut for)
+        free, after = _give(pl, min(pl.target, max(pl.cur, min(pl.held, pl.reserve))), free, after)
     for pl in grow:  # reservations come back before anybody borrows more (issue 19)
         free, after = _give(pl, min(pl.target, pl.reserve), free, after)
-    for pl in grow:
-        free, after = _give(pl, pl.target, free, after)
+    owed = max((pl.t.rank for pl in plans if not pl.blind and pl.alloc < min(pl.target, pl.reserve)), default=None)
+    for pl in grow:  # while an owner of its class or a higher one still waits for its request, nobody is
+        # raised beyond its own request and its limit in force: else a borrower cut for that owner is
+        # raised back into the memory it has not released yet, every tick before its engine applies
+        # the cut, and the owner waits as long as the borrower's demand lasts (node property under
+        # ``learned``). A higher class still borrows from a lower one (issue 14).
+        waits = owed is not None and pl.t.rank <= owed
+        free, after = _give(pl, min(pl.target, max(pl.cur, pl.reserve)) if waits else pl.target, free, after)
+        pl.waits = waits and pl.alloc < pl.target and pl.alloc >= max(pl.cur, pl.reserve)
 
 
 def _give(pl: _Plan, level: int, free: int, after: int) -> tuple[int, int]:
@@ -376,6 +390,9 @@ def _reason(pl: _Plan, over: bool) -> str:  # noqa: C901 (one line per case, in 
     verb = "grow" if delta > 0 else "shrink" if delta < 0 else "hold"
     if pl.blind:
         return "hold: no telemetry, never cut blind"
+    if pl.waits:
+        return (f"{verb} {delta:+d}: target {pl.target}, held at {pl.alloc} while a co-tenant waits for its "
+                f"request (a cut is not revoked before it lands)")
     if pl.alloc < pl.target:
         return (f"{verb} {delta:+d}: target {pl.target}, {pl.target - pl.alloc} MiB not granted until "
                 f"co-tenants release memory they were cut from")
