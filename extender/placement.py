@@ -17,7 +17,7 @@ from vramshare.contract import MAX_EXTENDER_PRIORITY, MIN_EXTENDER_PRIORITY
 from extender import policy_catalog
 from extender.cluster import ClusterState, Demand, HostDemand, NoFit
 from extender.fit import Ask, allocation_amounts
-from extender.reasons import why_not, why_not_many
+from extender.reasons import why_not, why_not_rows
 
 UNKNOWN_NODE = "node has no vramshare GPU inventory"
 
@@ -63,7 +63,7 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
     ask = Ask(state, tuple(demands), rows, host)
     ok = ask.best_fit.ok if len(rows) else np.zeros(0, bool)
     failing = np.flatnonzero(~ok)
-    reasons = why_not_many(ask, failing)
+    reasons = why_not_rows(ask, failing)
     if known.all():
         names = list(node_names)
         fitting = list(itertools.compress(names, ok.tolist()))
