@@ -8,6 +8,7 @@ simulator calls in its inner loop; the name-level ones wrap them. A pod is a seq
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -20,13 +21,6 @@ from extender.fit import Ask, allocation_amounts
 from extender.reasons import why_not, why_not_rows
 
 UNKNOWN_NODE = "node has no vramshare GPU inventory"
-
-
-def _rows(state: ClusterState, node_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of the known names and a mask over the input marking which names are known."""
-    found = state.rows_of(node_names)
-    known = found >= 0
-    return found[known], known
 
 
 def ask_for(state: ClusterState, demands: Sequence[Demand], rows: np.ndarray,
@@ -56,19 +50,41 @@ def choose(ask: Ask, i: int, policy: str) -> list[list[tuple[str, int]]]:
     return allocation_amounts(ask, i, policy_catalog.get(policy).choose(ask, i))
 
 
+@dataclass(frozen=True)
+class Filtered:
+    """:func:`filter_rows`' answer: the fitting names (input order) and their rows, and ``{failed name:
+    reason}`` with each failed name's row in the same order (-1: an unknown name)."""
+
+    fitting: list[str]
+    fitting_rows: np.ndarray
+    failed: dict[str, str]
+    failed_rows: np.ndarray
+
+
 def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str],
                  host: HostDemand = HostDemand()) -> tuple[list[str], dict[str, str]]:
     """Fitting names (input order) and ``{failed name: reason}``."""
-    rows, known = _rows(state, node_names)
+    out = filter_rows(state, demands, node_names, host)
+    return out.fitting, out.failed
+
+
+def filter_rows(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str],
+                host: HostDemand = HostDemand()) -> Filtered:
+    """:func:`filter_nodes` with the rows it found, so the caller never looks a name up again."""
+    found = state.rows_of(node_names)
+    known = found >= 0
+    rows = found[known]
     ask = Ask(state, tuple(demands), rows, host)
     ok = ask.best_fit.ok if len(rows) else np.zeros(0, bool)
     failing = np.flatnonzero(~ok)
     reasons = why_not_rows(ask, failing)
     if known.all():
-        names = list(node_names)
+        names = node_names if isinstance(node_names, list) else list(node_names)
         fitting = list(itertools.compress(names, ok.tolist()))
-        state.remember_rows(fitting, rows[ok])
-        return fitting, dict(zip(itertools.compress(names, (~ok).tolist()), reasons))
+        fitting_rows = rows[ok]
+        state.remember_rows(fitting, fitting_rows)
+        return Filtered(fitting, fitting_rows, dict(zip(itertools.compress(names, (~ok).tolist()), reasons)),
+                        rows[failing])
     fitting: list[str] = []
     failed: dict[str, str] = {}
     fits, why = iter(ok.tolist()), iter(reasons)
@@ -79,7 +95,9 @@ def filter_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Seq
             fitting.append(name)
         else:
             failed[name] = next(why)
-    return fitting, failed
+    at = np.zeros(len(node_names), bool)
+    at[np.flatnonzero(known)[ok]] = True
+    return Filtered(fitting, found[at], failed, found[~at])
 
 
 def score_nodes(state: ClusterState, demands: Sequence[Demand], node_names: Sequence[str], policy: str,
