@@ -117,9 +117,14 @@ def why_not_rows(ask: Ask, failing: np.ndarray) -> list[str]:
     with the row are everything a reason reads."""
     if not len(failing):
         return []
-    st = ask.state
-    return st.memo.get(("why not", ask.demands, ask.host), _PIN, ask.rows[failing], st.row_version,
-                       lambda stale: np.array(why_not_many(ask, failing[stale]), dtype=object)).tolist()
+    st, rows = ask.state, ask.rows[failing]
+
+    def compute(stale: np.ndarray) -> np.ndarray:
+        # on an Ask of the stale rows alone: ``ask``'s own views span every candidate ([n, G] copies)
+        sub = Ask(st, ask.demands, rows[stale], ask.host)
+        return np.array(why_not_many(sub, np.arange(len(sub.rows))), dtype=object)
+
+    return st.memo.get(("why not", ask.demands, ask.host), _PIN, rows, st.row_version, compute).tolist()
 
 
 def why_not_many(ask: Ask, failing: np.ndarray) -> list[str]:
