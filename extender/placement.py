@@ -83,7 +83,7 @@ def filter_rows(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
         fitting = list(itertools.compress(names, ok.tolist()))
         fitting_rows = rows[ok]
         state.remember_rows(fitting, fitting_rows)
-        return Filtered(fitting, fitting_rows, dict(zip(itertools.compress(names, (~ok).tolist()), reasons)),
+        return Filtered(fitting, fitting_rows, dict(zip(map(names.__getitem__, failing.tolist()), reasons)),
                         rows[failing])
     fitting: list[str] = []
     failed: dict[str, str] = {}
