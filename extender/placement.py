@@ -50,6 +50,24 @@ def choose(ask: Ask, i: int, policy: str) -> list[list[tuple[str, int]]]:
     return allocation_amounts(ask, i, policy_catalog.get(policy).choose(ask, i))
 
 
+def without(items: list[str], drop: list[int], keep: np.ndarray | None = None) -> list[str]:
+    """``items`` but those at the ascending indices ``drop``, in order. Few dropped (filter's usual
+    answer: most of 5,000 nodes fit): whole slices between them, a quarter of what walking every item
+    costs; many: ``keep`` (the mask of the others) walked once."""
+    if len(drop) * 4 > len(items):
+        if keep is None:
+            keep = np.ones(len(items), bool)
+            keep[drop] = False
+        return list(itertools.compress(items, keep.tolist()))
+    out: list[str] = []
+    start = 0
+    for i in drop:
+        out += items[start:i]
+        start = i + 1
+    out += items[start:]
+    return out
+
+
 @dataclass(frozen=True)
 class Filtered:
     """:func:`filter_rows`' answer: the fitting names (input order) and their rows, and ``{failed name:
@@ -80,7 +98,7 @@ def filter_rows(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
     reasons = why_not_rows(ask, failing)
     if known.all():
         names = node_names if isinstance(node_names, list) else list(node_names)
-        fitting = list(itertools.compress(names, ok.tolist()))
+        fitting = without(names, failing.tolist(), ok)
         fitting_rows = rows[ok]
         state.remember_rows(fitting, fitting_rows)
         return Filtered(fitting, fitting_rows, dict(zip(map(names.__getitem__, failing.tolist()), reasons)),

@@ -170,12 +170,10 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod,
             blocked.append(i)
     if not waiting:
         return fitting, failed, found.failed_rows
-    kept = np.ones(len(fitting), bool)
-    kept[blocked] = False
-    passed = list(itertools.compress(fitting, kept.tolist()))
+    passed = placement.without(fitting, blocked)
     # kube-scheduler sends exactly this list to prioritize: remember its rows, as filter_rows did for
     # the list before the holds (rows_of finds it then without hashing 5,000 names again).
-    view.state.remember_rows(passed, rows[kept])
+    view.state.remember_rows(passed, np.delete(rows, blocked))
     return passed, {**failed, **waiting}, np.concatenate([found.failed_rows, rows[blocked]])
 
 

@@ -123,3 +123,11 @@ def test_a_remembered_list_changed_in_place_by_its_caller_is_not_answered_from_m
     assert state.rows_of(names).tolist() == [0, 1]
     names[1] = "c"
     assert state.rows_of(names).tolist() == [0, 2]
+
+
+@given(st.integers(0, 40).flatmap(lambda n: st.tuples(st.just([f"n{i}" for i in range(n)]),
+                                                       st.sets(st.integers(0, max(0, n - 1)), max_size=n))))
+def test_without_drops_exactly_the_given_indices_in_order(case: tuple[list[str], set[int]]) -> None:
+    items, drop = case
+    drop = {i for i in drop if i < len(items)}
+    assert placement.without(items, sorted(drop)) == [x for i, x in enumerate(items) if i not in drop]
