@@ -139,7 +139,7 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod,
     fitting, rows, failed = found.fitting, found.fitting_rows, found.failed
     # Only held nodes need a look: find them among the candidates by row, in numpy (filter_rows
     # found the candidates' rows), never by hashing thousands of names.
-    held_rows = [r for r in map(view.state.row, view.holds.held_nodes()) if r is not None]
+    held_rows = [r for r in map(view.state.row, view.holds.held_nodes(signature)) if r is not None]
     if not held_rows:
         return fitting, failed, found.failed_rows
     policy = policy_for(want.policy, view.policy).value

@@ -131,3 +131,58 @@ def test_without_drops_exactly_the_given_indices_in_order(case: tuple[list[str],
     items, drop = case
     drop = {i for i in drop if i < len(items)}
     assert placement.without(items, sorted(drop)) == [x for i, x in enumerate(items) if i not in drop]
+
+
+element = st.sampled_from([("vramshare.io/gpu-memory", 4), ("vramshare.io/gpu-memory", 16), ("vramshare.io/gpu", 1)])
+signature = st.frozensets(element, min_size=1, max_size=2)
+hold_step = st.one_of(
+    st.tuples(st.just("hold"), st.integers(0, 3), st.sampled_from(NAMES[:2]), signature, st.booleans()),
+    st.tuples(st.just("expect"), st.integers(0, 3), st.sampled_from(NAMES[:2]), signature),
+    st.tuples(st.just("release"), st.integers(0, 3)),
+    st.tuples(st.just("reported"), st.sampled_from(NAMES[:2])),
+    st.tuples(st.just("expire"), st.integers(0, 40)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(hold_step, max_size=30), signature)
+def test_the_held_nodes_filter_walks_for_a_size_are_the_only_ones_that_ask_anything(steps: list, sig: frozenset) -> None:
+    """``Holds.held_nodes(signature)`` (kept by element as holds come and go) names exactly the held
+    nodes where a hold shares an element with the signature; on every other node :meth:`required`
+    asks nothing of such a pod, so filter may skip it."""
+    from extender.holds import Holds, Required
+
+    sec = 1_000_000_000
+    h = Holds(30 * sec)
+    now = 10 * sec
+    for step in steps:
+        now += sec // 2
+        if step[0] == "hold":
+            _, pod, node, s, planned = step
+            h.hold(f"p{pod}", node, s, now, {e: (("gpu", 1),) for e in s} if planned else None)
+        elif step[0] == "expect":
+            h.expect(f"p{step[1]}", step[2], step[3], now)
+        elif step[0] == "release":
+            h.release(f"p{step[1]}")
+        elif step[0] == "reported":
+            h.reported(step[1], now)
+        else:
+            h.expire(now + step[1] * sec)
+    sharing = set(h.held_nodes(sig))
+    assert sharing == {n for n in h.held_nodes() if any(x.signature & sig for x in h._by_node[n].values())}
+    for node in set(h.held_nodes()) - sharing:
+        assert h.required(node, "newcomer", sig, now, record=False) == Required()
+
+
+def test_a_hold_whose_plans_become_known_is_indexed_once() -> None:
+    """The bind's hold is taken again when the watch brings its plans (same pod, node and size): once
+    released, no size may still name its node."""
+    from extender.holds import Holds
+
+    h = Holds(30_000_000_000)
+    size = frozenset({("vramshare.io/gpu-memory", 4)})
+    h.hold("p", "n0", size, 10)
+    h.hold("p", "n0", size, 11, {("vramshare.io/gpu-memory", 4): (("GPU-0", 4096),)})
+    assert h.held_nodes(size) == ["n0"]
+    h.release("p")
+    assert h.held_nodes(size) == [] and h.held_nodes() == []
