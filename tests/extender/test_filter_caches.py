@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from extender import placement
 from extender.cluster import EXCLUSIVE, SHARED, ClusterState, Demand, HostDemand, OverCommit, Slot
 from extender.fit import Ask, greedy
+from extender.slottable import UNLIMITED
 from extender.reasons import why_not
 
 GIB = 1024
@@ -32,11 +33,23 @@ def _uncached(state: ClusterState, demands: list[Demand], names: list[str],
             failed[name] = placement.UNKNOWN_NODE
             continue
         ask = Ask(state, tuple(demands), np.array([row]), host)
+        _fresh_views(state, ask)
         if greedy(ask).ok[0]:
             fitting.append(name)
         else:
             failed[name] = why_not(ask, 0)
     return fitting, failed
+
+
+def _fresh_views(state: ClusterState, ask: Ask) -> None:
+    """The views an Ask reads, from the raw table (not the state's per-row cached views)."""
+    r = ask.rows
+    tracked = state.host_tracked[r]
+    ask.__dict__.update(
+        free=np.where(state.healthy[r], np.maximum(state.capacity[r] - state.used[r], 0), 0),
+        shared=(state.kind[r] == state.kind_code(SHARED)) & state.healthy[r],
+        cpu_free=np.where(tracked, state.cpu_cap[r] - state.cpu_used[r], UNLIMITED),
+        mem_free=np.where(tracked, state.mem_cap[r] - state.mem_used[r], UNLIMITED))
 
 
 slot = st.tuples(st.sampled_from([SHARED, SHARED, SHARED, EXCLUSIVE]), st.sampled_from(MODELS),
