@@ -150,14 +150,16 @@ def score_rows(state: ClusterState, demands: Sequence[Demand], node_names: Seque
     """
     found = state.rows_of(node_names)
     known = found >= 0
-    rows = found[known]
+    every = bool(known.all())  # the usual case: no copies by mask
+    rows = found if every else found[known]
     out = np.full(len(node_names), MIN_EXTENDER_PRIORITY, np.int64)
     if len(rows):
         ask = Ask(state, tuple(demands), rows, host, rng)
         ok = ask.best_fit.ok
         if ok.any():
             pol = policy_catalog.get(policy)
-            raw = pol.scores(ask.subset(ok))
+            fit = ask.subset(ok)
+            raw = pol.scores(fit)
             if bonus is not None:
                 add = np.asarray(bonus, np.float64)[known][ok]
                 if add.any():
@@ -168,12 +170,15 @@ def score_rows(state: ClusterState, demands: Sequence[Demand], node_names: Seque
                 np.rint((raw - lo) / (hi - lo) * (MAX_EXTENDER_PRIORITY - MIN_EXTENDER_PRIORITY)).astype(np.int64)
             scaled += MIN_EXTENDER_PRIORITY
             best = np.flatnonzero(raw >= hi)
-            keep = best[np.argmin(state.tie_rank[rows[ok][best]])] if len(best) > 1 else best[0]
+            keep = best[np.argmin(state.tie_rank[fit.rows[best]])] if len(best) > 1 else best[0]
             scaled[scaled == MAX_EXTENDER_PRIORITY] = MAX_EXTENDER_PRIORITY - 1
             scaled[keep] = MAX_EXTENDER_PRIORITY
-            per_row = np.full(len(rows), MIN_EXTENDER_PRIORITY, np.int64)
-            per_row[ok] = scaled
-            out[known] = per_row
+            if every:
+                out[ok] = scaled
+            else:
+                per_row = np.full(len(rows), MIN_EXTENDER_PRIORITY, np.int64)
+                per_row[ok] = scaled
+                out[known] = per_row
     return found, out
 
 
