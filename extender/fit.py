@@ -99,12 +99,31 @@ class Ask:
                 return part if previous is None else Ask(st, self.demands, st.all_rows(), self.host).place("least")
             return _patched(previous, rows, part)
 
-        full = st.memo_fit(self.demands, self.host, compute)
-        return Placement(full.ok[self.rows], tuple(c[self.rows] for c in full.columns),
-                         full.free_after[self.rows])
+        return _Rows(st.memo_fit(self.demands, self.host, compute), self.rows)  # type: ignore[return-value]
 
     def subset(self, keep: np.ndarray) -> "Ask":
         return Ask(self.state, self.demands, self.rows[keep], self.host, self.rng)
+
+
+class _Rows:
+    """A :class:`Placement` over every row, read at ``rows``: each field is sliced on first use, so a
+    filter that reads only ``ok`` never copies the ``[n, G]`` arrays (~0.1 ms a request at 5,000 nodes).
+    The memo never changes a placement it handed out (:func:`_patched` writes new arrays)."""
+
+    def __init__(self, full: Placement, rows: np.ndarray) -> None:
+        self._full, self._rows = full, rows
+
+    @cached_property
+    def ok(self) -> np.ndarray:
+        return self._full.ok[self._rows]
+
+    @cached_property
+    def columns(self) -> tuple[np.ndarray, ...]:
+        return tuple(c[self._rows] for c in self._full.columns)
+
+    @cached_property
+    def free_after(self) -> np.ndarray:
+        return self._full.free_after[self._rows]
 
 
 def _patched(full: Placement, rows: np.ndarray, part: Placement) -> Placement:

@@ -76,7 +76,23 @@ def frag_after_each_slot(free: np.ndarray, elig: np.ndarray, cpu_free: np.ndarra
 
 
 def host_per_unit(wl: TargetWorkload) -> tuple[float, float]:
-    """(CPU, memory) the target workload asks per slot unit of GPU, popularity-weighted; 0 where unknown."""
+    """(CPU, memory) the target workload asks per slot unit of GPU, popularity-weighted; 0 where unknown.
+    Computed once per published workload (it is immutable; FGD asks on every node it scores)."""
+    cached = _PER_UNIT.get(id(wl))
+    if cached is not None and cached[0] is wl:
+        return cached[1]
+    out = _host_per_unit(wl)
+    if len(_PER_UNIT) >= 8:
+        _PER_UNIT.clear()
+    _PER_UNIT[id(wl)] = (wl, out)
+    return out
+
+
+#: id(workload) -> (the workload, its host_per_unit): the workload is kept, so its id is never reused
+_PER_UNIT: dict[int, tuple[TargetWorkload, tuple[float, float]]] = {}
+
+
+def _host_per_unit(wl: TargetWorkload) -> tuple[float, float]:
     gpu = float((wl.weight * wl.per_gpu * wl.count).sum()) if not wl.empty else 0.0
     if gpu <= 0:
         return 0.0, 0.0

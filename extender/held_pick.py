@@ -76,7 +76,7 @@ def follow(state: cluster.ClusterState, node: str, pod: Mapping[str, Any], want:
         if plans.get(e) != plan:
             return f"its containers asking {e[1]} x {e[0]} would not all get the held GPUs"
     allocations = translate.Assignment(containers).allocations(pod)
-    used = {u.slot.uuid: u.used for u in state.node_usage(node)}
+    used = dict(zip(slots, state.used[row].tolist()))  # the row's usage per slot, as node_usage says it
     for uuid, mib in allocations:
         s = slots.get(uuid)
         if s is None or not s.healthy:

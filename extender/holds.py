@@ -132,6 +132,9 @@ class Holds:
         self.timeout_ns = timeout_ns
         self._by_pod: dict[str, Hold] = {}
         self._by_node: dict[str, dict[str, Hold]] = {}
+        #: element -> {node: how many holds there share it}: the only nodes where a pod of that size
+        #: may have to wait or follow (a hold sharing no element with the pod never changes its answer)
+        self._by_element: dict[Element, dict[str, int]] = {}
         self._puts = 0
         self._reported: dict[str, int] = {}  # node -> when its device plugin last reported an allocation
         self.silent: dict[str, int] = {}  # node -> since when its device plugin is known not to report
@@ -203,8 +206,14 @@ class Holds:
         self._put(Hold(pod, node, signature, now_ns, now_ns + min(EXPECT_NS, self.timeout_ns), expected=True))
 
     def _put(self, h: Hold) -> None:
+        old = self._by_pod.get(h.pod)
+        if old is not None:  # the same hold with its plans now known: re-index, do not count it twice
+            self._unindex(old)
         self._by_pod[h.pod] = h
         self._by_node.setdefault(h.node, {})[h.pod] = h
+        for e in h.signature:
+            on = self._by_element.setdefault(e, {})
+            on[h.node] = on.get(h.node, 0) + 1
         self._puts += 1
         if self._puts % PURGE_EVERY == 0:  # expected holds of pods never bound must not pile up
             self.expire(h.since_ns)
@@ -221,6 +230,20 @@ class Holds:
             on_node.pop(pod, None)
             if not on_node:
                 self._by_node.pop(h.node, None)
+            self._unindex(h)
+
+    def _unindex(self, h: Hold) -> None:
+        for e in h.signature:
+            on = self._by_element.get(e)
+            if on is None:
+                continue
+            left = on.get(h.node, 0) - 1
+            if left > 0:
+                on[h.node] = left
+            else:
+                on.pop(h.node, None)
+                if not on:
+                    del self._by_element[e]
 
     def required(self, node: str, pod: str, signature: Signature, now_ns: int, binding: bool = False,
                  record: bool = True) -> Required:
@@ -266,6 +289,12 @@ class Holds:
     def held_pods(self) -> list[str]:
         return list(self._by_pod)
 
-    def held_nodes(self) -> list[str]:
-        """The nodes holding any pod (a few among thousands): filter looks only at these."""
-        return list(self._by_node)
+    def held_nodes(self, signature: Signature | None = None) -> list[str]:
+        """The nodes holding any pod (a few among thousands); with ``signature``, only those where a
+        hold shares an element with it: the only nodes where :meth:`required` may ask anything of a
+        pod of that signature (filter looks only at these)."""
+        if signature is None:
+            return list(self._by_node)
+        if len(signature) == 1:
+            return list(self._by_element.get(next(iter(signature)), ()))
+        return list(dict.fromkeys(n for e in signature for n in self._by_element.get(e, ())))

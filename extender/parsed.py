@@ -11,6 +11,7 @@ entries go first. Pure apart from the cache itself (a memo: what it returns neve
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -75,6 +76,19 @@ def parse_pod(pod: Obj, names: contract.Names, unit_mib: int) -> ParsedPod:
                      host, host_error)
 
 
+def _inputs(pod: Obj, state_keys: frozenset[str]) -> tuple[Any, ...]:
+    """What :func:`parse_pod` may read of a pod, by reference (compared by value when a new
+    resourceVersion comes): namespace, name and UID, the annotations but vramshare's own assignment
+    state, and the spec but ``nodeName``. Everything else (status, labels, managedFields, the
+    resourceVersion itself) is never read."""
+    meta = pod.get("metadata") or {}
+    ann = meta.get("annotations") or {}
+    spec = pod.get("spec") or {}
+    return (meta.get("namespace"), meta.get("name"), meta.get("uid"),
+            {k: v for k, v in ann.items() if k not in state_keys} if isinstance(ann, Mapping) else ann,
+            {k: v for k, v in spec.items() if k != "nodeName"} if isinstance(spec, Mapping) else spec)
+
+
 class PodReader:
     """``read(pod)``: the :class:`ParsedPod`, from the cache when UID and resourceVersion match."""
 
@@ -82,7 +96,11 @@ class PodReader:
         self.names, self.unit_mib, self.max_pods = names, unit_mib, max_pods
         self._by_uid: OrderedDict[str, ParsedPod] = OrderedDict()
         self._lock = threading.Lock()  # the HTTP loop and the watch thread both read pods
-        self.hits = self.misses = 0
+        #: uid -> what :func:`parse_pod` read of the cached version (:func:`_inputs`)
+        self._source: dict[str, tuple[Any, ...]] = {}
+        #: annotations vramshare writes on a pod it binds, which no reading of a pod depends on
+        self._state_keys = frozenset((names.assignment, names.assume_time, names.allocation_state))
+        self.hits = self.misses = self.rereads = 0
 
     def read(self, pod: Obj) -> ParsedPod:
         meta = pod.get("metadata") or {}
@@ -96,13 +114,23 @@ class PodReader:
                 self._by_uid.move_to_end(uid)
                 self.hits += 1
                 return hit
-        parsed = parse_pod(pod, self.names, self.unit_mib)
-        with self._lock:
+            source = self._source.get(uid)
+        read = _inputs(pod, self._state_keys)
+        if hit is not None and source == read:
+            # A new resourceVersion that changed nothing a pod is read from: the bind's own writes
+            # (nodeName, the assignment and its state), a status update. Same reading, new version.
+            parsed = dataclasses.replace(hit, resource_version=rv)
+            self.rereads += 1
+        else:
+            parsed = parse_pod(pod, self.names, self.unit_mib)
             self.misses += 1
+        with self._lock:
             self._by_uid[uid] = parsed
+            self._source[uid] = read
             self._by_uid.move_to_end(uid)
             while len(self._by_uid) > self.max_pods:
-                self._by_uid.popitem(last=False)
+                old, _ = self._by_uid.popitem(last=False)
+                self._source.pop(old, None)
         return parsed
 
     def forget(self, pod: Obj) -> None:
@@ -111,6 +139,7 @@ class PodReader:
         if uid:
             with self._lock:
                 self._by_uid.pop(str(uid), None)
+                self._source.pop(str(uid), None)
 
     def __len__(self) -> int:
         return len(self._by_uid)

@@ -105,6 +105,28 @@ def why_not(ask: Ask, j: int) -> str:
             f"({mib(total)} shared GPU memory asked, {mib(free)} free on this node)")
 
 
+#: What the reasons memo depends on besides each row's version: nothing global (a reason reads its row,
+#: the demands and the host demand alone), so one constant pin.
+_PIN = object()
+
+
+def why_not_rows(ask: Ask, failing: np.ndarray) -> list[str]:
+    """:func:`why_not_many`, kept per row until the row changes (``row_version``): kube-scheduler asks
+    about the same few pod shapes cycle after cycle while a bind changes one row, so the reasons of
+    the other failed rows are the same strings again. Keyed by the demands and the host demand, which
+    with the row are everything a reason reads."""
+    if not len(failing):
+        return []
+    st, rows = ask.state, ask.rows[failing]
+
+    def compute(stale: np.ndarray) -> np.ndarray:
+        # on an Ask of the stale rows alone: ``ask``'s own views span every candidate ([n, G] copies)
+        sub = Ask(st, ask.demands, rows[stale], ask.host)
+        return np.array(why_not_many(sub, np.arange(len(sub.rows))), dtype=object)
+
+    return st.memo.get(("why not", ask.demands, ask.host), _PIN, rows, st.row_version, compute).tolist()
+
+
 def why_not_many(ask: Ask, failing: np.ndarray) -> list[str]:
     """Reasons for many rows at once; the common one-shared-demand case is vectorised.
 

@@ -103,42 +103,53 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     demands = list(pod.demands)
     if not demands:  # asked for zero of our resources: nothing to place
         return wire.FilterResult(passed=list(names))
-    fitting, failed = placement.filter_nodes(view.state, demands, names, pod.host)
+    found = placement.filter_rows(view.state, demands, names, pod.host)
+    fitting, failed, failed_rows = found.fitting, found.failed, found.failed_rows
     if view.holds is not None and fitting:
-        fitting, failed = _apply_holds(view, args, pod, fitting, failed)
+        fitting, failed, failed_rows = _apply_holds(view, args, pod, found)
     result = wire.FilterResult(passed=fitting)
     if failed:
-        known = [n for n in failed if n in view.slots]
-        rows = view.state.rows_of(known, remember=False)  # every known name has a row
-        hopeless = dict(zip(known, never_fit(view.state, demands, rows).tolist()))
-        for name, reason in failed.items():  # input order
-            if name not in hopeless:
-                result.unresolvable[name] = NOT_A_GPU_NODE
-            else:
-                (result.unresolvable if hopeless[name] else result.failed)[name] = reason
+        if len(failed_rows) != len(failed):  # a name sent twice: one entry per name, look them up again
+            failed_rows = view.state.rows_of(list(failed), remember=False)
+        # By row, never by name: a node is known iff it has a row (the accounting adds and drops a
+        # node's slots and its row together), and whether no eviction could help reads the row alone.
+        known = failed_rows >= 0
+        hopeless = np.zeros(len(failed_rows), bool)
+        hopeless[known] = never_fit(view.state, demands, failed_rows[known])
+        if not hopeless.any() and known.all():
+            result.failed = failed if isinstance(failed, dict) else dict(failed)
+        else:
+            items = list(failed.items())  # input order
+            unresolvable = hopeless | ~known
+            result.failed = dict(itertools.compress(items, (~unresolvable).tolist()))
+            result.unresolvable = {n: (why if k else NOT_A_GPU_NODE) for (n, why), k in
+                                   itertools.compress(zip(items, known.tolist()), unresolvable.tolist())}
     log.debug("filter", pod=args.pod_key, candidates=len(names), passed=len(result.passed))
     return result
 
 
-def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod, fitting: list[str],
-                 failed: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod,
+                 found: placement.Filtered) -> tuple[list[str], dict[str, str], np.ndarray]:
     """Fitting nodes where a same-size pod is still assumed on other terms (extender.holds), or whose
     held GPUs lack room for this pod too (extender.held_pick), become ordinary failures (not
-    unresolvable: the hold ends within seconds), with a reason naming the pod it waits for."""
+    unresolvable: the hold ends within seconds), with a reason naming the pod it waits for. Returns
+    the passed names, the failed ones with their reasons and the failed ones' rows (that order)."""
     assert view.holds is not None and pod.want is not None and pod.signature is not None
     want, asks, host, signature = pod.want, pod.asks, pod.host or cluster.HostDemand(), pod.signature
+    fitting, rows, failed = found.fitting, found.fitting_rows, found.failed
+    # Only held nodes need a look: find them among the candidates by row, in numpy (filter_rows
+    # found the candidates' rows), never by hashing thousands of names.
+    held_rows = [r for r in map(view.state.row, view.holds.held_nodes(signature)) if r is not None]
+    if not held_rows:
+        return fitting, failed, found.failed_rows
     policy = policy_for(want.policy, view.policy).value
     demands = list(pod.demands)
-    # Only held nodes need a look: find them among the candidates by row, in numpy (filter_nodes
-    # remembered the candidates' rows), never by hashing thousands of names.
-    rows = view.state.rows_of(fitting)
-    held_rows = [r for r in map(view.state.row, view.holds.held_nodes()) if r is not None]
-    if not held_rows:
-        return fitting, dict(failed)
+    held = np.zeros(len(view.state.row_version), bool)
+    held[held_rows] = True
     waiting: dict[str, str] = {}
     blocked: list[int] = []
     memo, pod_template = view.follows, None
-    for i in np.flatnonzero(np.isin(rows, held_rows)).tolist():
+    for i in np.flatnonzero(held[rows]).tolist():
         n = fitting[i]
         need = view.holds.required(n, args.pod_key, signature, view.now_ns, record=False)
         if need.blocker is not None:
@@ -158,14 +169,12 @@ def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod, fit
         if n in waiting:
             blocked.append(i)
     if not waiting:
-        return fitting, dict(failed)
-    kept = np.ones(len(fitting), bool)
-    kept[blocked] = False
-    passed = list(itertools.compress(fitting, kept.tolist()))
-    # kube-scheduler sends exactly this list to prioritize: remember its rows, as filter_nodes did for
+        return fitting, failed, found.failed_rows
+    passed = placement.without(fitting, blocked)
+    # kube-scheduler sends exactly this list to prioritize: remember its rows, as filter_rows did for
     # the list before the holds (rows_of finds it then without hashing 5,000 names again).
-    view.state.remember_rows(passed, rows[kept])
-    return passed, {**failed, **waiting}
+    view.state.remember_rows(passed, np.delete(rows, blocked))
+    return passed, {**failed, **waiting}, np.concatenate([found.failed_rows, rows[blocked]])
 
 
 def prioritize_pod(view: View, args: wire.ExtenderArgs) -> list[tuple[str, int]]:

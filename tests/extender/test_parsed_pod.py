@@ -157,3 +157,44 @@ def test_errors_read_once_answer_as_before() -> None:
     assert set(result.unresolvable) == {"n1", "n2"} and "split evenly" in result.unresolvable["n1"]
     assert verbs.prioritize_pod(acct.view(Policy.BINPACK), args) == [("n1", 0), ("n2", 0)]
     assert verbs.expectation(acct.view(Policy.BINPACK), args, "n1") is None
+
+
+#: Edits of a pod at resourceVersion ``v`` (each writes a value of its own): what changes, and whether a
+#: reading depends on it.
+EDITS = [
+    ("nodeName", lambda p, v: p["spec"].__setitem__("nodeName", f"n{v}"), False),
+    ("assignment", lambda p, v: p["metadata"]["annotations"].__setitem__(N.assignment, f'{{"c0":[{{"uuid":"g","mib":{v}}}]}}'), False),
+    ("state", lambda p, v: p["metadata"]["annotations"].__setitem__(N.allocation_state, f"s{v}"), False),
+    ("status", lambda p, v: p.__setitem__("status", {"phase": "Running", "v": v}), False),
+    ("label", lambda p, v: p["metadata"].setdefault("labels", {}).__setitem__("x", str(v)), False),
+    ("size", lambda p, v: p["spec"]["containers"][0]["resources"]["limits"].__setitem__(N.gpu_memory, str(10 + v)), True),
+    ("count", lambda p, v: p["metadata"]["annotations"].__setitem__(N.gpu_count, str(10 + v)), True),
+    ("models", lambda p, v: p["metadata"]["annotations"].__setitem__(N.gpu_models, f"L{v}"), True),
+    ("policy", lambda p, v: p["metadata"]["annotations"].__setitem__(N.policy, f"p{v}"), True),
+    ("cpu", lambda p, v: p["spec"]["containers"][0]["resources"].setdefault("requests", {}).__setitem__("cpu", str(v)), True),
+    ("init", lambda p, v: p["spec"].__setitem__("initContainers", [{"name": "i", "resources": {"limits": {N.gpu_memory: str(10 + v)}}}]), True),
+    ("overhead", lambda p, v: p["spec"].__setitem__("overhead", {"cpu": str(v)}), True),
+    ("any annotation", lambda p, v: p["metadata"]["annotations"].__setitem__("example.com/x", str(v)), True),
+]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_new_resource_version_reads_as_a_fresh_parse(seed: int) -> None:
+    """A new resourceVersion that changed only what no reading depends on (the bind's nodeName and
+    assignment, the status) keeps the reading without parsing again; any other change parses again.
+    Either way the answer equals a fresh :func:`parsed.parse_pod` of the new object."""
+    rng = random.Random(seed)
+    reader = parsed.PodReader(N, 1024)
+    pod = b.pod("p", 4, uid="u1", annotations={"team": "a"})
+    pod["metadata"]["resourceVersion"] = "1"
+    reader.read(pod)
+    for rv in range(2, 8):
+        pod = copy.deepcopy(pod)
+        pod["metadata"]["resourceVersion"] = str(rv)
+        edits = rng.sample(EDITS, rng.randint(1, 3))
+        for _, edit, _ in edits:
+            edit(pod, rv)
+        misses, rereads = reader.misses, reader.rereads
+        assert reader.read(pod) == parsed.parse_pod(pod, N, 1024), [e[0] for e in edits]
+        relevant = any(r for *_, r in edits)
+        assert (reader.misses - misses, reader.rereads - rereads) == ((1, 0) if relevant else (0, 1))
