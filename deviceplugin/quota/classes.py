@@ -108,6 +108,7 @@ class ClassTerms:
     over_limit_action: OverLimitAction
     sleep_booked_fraction: float | None = None  # issue 23 item 5: overcommit of this class's sleeping pods
     wake_reserve: int = 1
+    wake_ahead: bool = False  # issue 23: wake its sleepers ahead of their forecast request (warm.py)
 
     def floor_of(self, request_mib: int) -> int:
         """Rounded down, as the default class's floor (PolicyParams.floor_of)."""
@@ -132,7 +133,8 @@ def terms(qc: QuotaClass, base: ClassTerms) -> ClassTerms:
         idle_seconds=base.idle_seconds if qc.idle_seconds is None else qc.idle_seconds,
         lending_priority=qc.lending_priority,
         over_limit_action=qc.over_limit_action or base.over_limit_action,
-        sleep_booked_fraction=qc.sleep_booked_fraction, wake_reserve=qc.wake_reserve)
+        sleep_booked_fraction=qc.sleep_booked_fraction, wake_reserve=qc.wake_reserve,
+        wake_ahead=qc.wake_ahead)
 
 
 def default_terms(quota: QuotaConfig, action: OverLimitAction) -> ClassTerms:
