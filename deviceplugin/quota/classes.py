@@ -30,11 +30,13 @@ class PodMeta:
     labels: tuple[tuple[str, str], ...] = ()
     priority_class: str = ""
     requested_class: str | None = None  # the <domain>/quota-class annotation
+    model: str = ""  # the <domain>/model annotation as written (the warm tier's fallback for the resident model)
 
     @classmethod
     def of(cls, namespace: str, labels: Mapping[str, str] | None = None, priority_class: str | None = None,
-           requested_class: str | None = None) -> "PodMeta":
-        return cls(namespace, tuple(sorted((labels or {}).items())), priority_class or "", requested_class)
+           requested_class: str | None = None, model: str | None = None) -> "PodMeta":
+        return cls(namespace, tuple(sorted((labels or {}).items())), priority_class or "", requested_class,
+                   str(model or ""))
 
 
 @dataclass(frozen=True)

@@ -232,13 +232,13 @@ class WarmBroker:
                 e.ahead = ""  # a real wake came first: it has the memory
                 log.info("wake ahead cancelled: a wake waits on its GPU", tenant=str(t.key), gpu=gpu)
                 ahead = False
-        if ahead and t.used_mib is not None:  # booked awake: its request restored, as a wake's
-            return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
             if fraction is None:
                 self._overcommit.pop((t.key, gpu), None)
             else:
                 self._overcommit[(t.key, gpu)] = (t.request_mib, t.used_mib, float(fraction),
                                                   int(getattr(terms, "wake_reserve", 1)))
+        if ahead and t.used_mib is not None:  # booked awake: its request restored, as a wake's
+            return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
         if state is Sleep.AWAKE or t.used_mib is None:
             return t
         if state is Sleep.SLEEPING or not self._first_waking(t.key, gpu):
@@ -524,14 +524,22 @@ class WarmBroker:
         with self._lock:
             return any(e.state is Sleep.WAKING or e.ahead == "booked" for e in self._engines.values())
 
-    def engines(self, gpus_of: Mapping[TenantKey, Iterable[str]]) -> list[tuple[contract.ModelRef, str, str]]:
-        """``(model, gpu uuid, "awake" | "sleeping")`` of every engine that named a valid model: what the
-        node reports as resident (a waking engine counts as awake)."""
+    def engines(self, gpus_of: Mapping[TenantKey, Iterable[str]],
+                annotated: Mapping[TenantKey, str] | None = None) -> list[tuple[contract.ModelRef, str, str]]:
+        """``(model, gpu uuid, "awake" | "sleeping")`` of every engine with a valid model: what the node
+        reports as resident (a waking engine counts as awake). The model is the one the engine named, else
+        its pod's ``<domain>/model`` annotation (``annotated``): vLLM started from a local path names a
+        path, not a model."""
         out = []
         for key, e in self.views().items():
-            try:
-                ref = contract.parse_model_ref(e.model)
-            except contract.ModelRefError:
+            ref = None
+            for name in (e.model, (annotated or {}).get(key, "")):
+                try:
+                    ref = contract.parse_model_ref(name)
+                    break
+                except contract.ModelRefError:
+                    continue
+            if ref is None:
                 continue
             state = "sleeping" if e.state is Sleep.SLEEPING else "awake"
             out.extend((ref, gpu, state) for gpu in gpus_of.get(key, ()))

@@ -270,3 +270,21 @@ def test_prewake_outcomes_are_counted_on_metrics():
     assert 'vramshare_warm_prewakes_total{container="c",namespace="ns",outcome="wasted",pod="ahead"} 1.0' in text
     assert 'vramshare_warm_prewakes_total{container="c",namespace="ns",outcome="used",pod="ahead"} 0.0' in text
     assert 'outcome="declined",pod="ahead"} 0.0' in text
+
+
+def test_an_engine_started_from_a_local_path_is_reported_by_its_pods_model_annotation():
+    from deviceplugin.quota.kube import pod_meta
+
+    names = contract.Names()
+    pod = {"metadata": {"namespace": "ns", "annotations": {names.model: "meta-llama/Llama-3.1-8B@abc"}}, "spec": {}}
+    meta = pod_meta(pod, names)
+    assert meta.model == "meta-llama/Llama-3.1-8B@abc"
+    broker = WarmBroker(send=lambda k, m: True, params=P)
+    named = TenantKey("ns", "named", "c")
+    broker.receive(AHEAD, contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True, model="/models/llama"), 0.0)
+    broker.receive(named, contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True, model="org/own"), 0.0)
+    gpus = {AHEAD: ["GPU-0"], named: ["GPU-1"]}
+    assert [str(r) for r, _, _ in broker.engines(gpus)] == ["org/own"]  # a path is no model
+    got = broker.engines(gpus, {AHEAD: meta.model, named: "org/annotated"})
+    assert sorted((str(r), g, s) for r, g, s in got) == [
+        ("meta-llama/Llama-3.1-8B@abc", "GPU-0", "awake"), ("org/own", "GPU-1", "awake")]  # the engine's own first
