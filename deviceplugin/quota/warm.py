@@ -165,7 +165,8 @@ class WarmBroker:
                 log.info("wake requested: taking memory back", tenant=str(key), seq=e.wake_seq)
             elif (op == contract.WARM_AWAKE and e.state is Sleep.SLEEPING and e.ahead_seq is not None
                   and msg.get("seq") == e.ahead_seq):  # up ahead of its forecast request (a late one too)
-                hold = self._ahead.get(key, (False, 0.0))[1] if self.ahead_rule.hold_s is None else self.ahead_rule.hold_s
+                hold = self.ahead_rule.hold_s
+                hold = self._ahead.get(key, (False, 0.0))[1] if hold is None else hold
                 e.state, e.lent_mib, e.ahead_seq, e.request_seen = Sleep.AWAKE, 0, None, False
                 e.prewoken_until = max(now, e.due if e.due is not None else now) + hold
                 e.ahead = ""
@@ -433,7 +434,8 @@ class WarmBroker:
         return contract.WarmMessage.of(contract.WARM_SLEEP, seq=e.sleep_seq, level=1)
 
     def _yield_ahead(self, per_key: Mapping[TenantKey, list[Decision]],
-                     reserve: Callable[[TenantKey, str], int], now: float | None) -> list[tuple[TenantKey, contract.WarmMessage]]:
+                     reserve: Callable[[TenantKey, str], int],
+                     now: float | None) -> list[tuple[TenantKey, contract.WarmMessage]]:
         """A real wake short of memory on a GPU takes it from wake ahead first, whatever the classes
         (lock held): bookings there are cancelled, an unanswered prewake counts declined, and an engine
         woken ahead with no request is sent ``sleep``."""

@@ -45,7 +45,8 @@ class FakeEngine:
         r, b = self.rig, self.rig.broker
         if msg.op == contract.WARM_SLEEP:
             if self.running:
-                b.receive(self.key, contract.WarmMessage.of(contract.WARM_REFUSED, seq=msg.get("seq"), reason="busy"), now)
+                b.receive(self.key, contract.WarmMessage.of(contract.WARM_REFUSED, seq=msg.get("seq"), reason="busy"),
+                          now)
                 return
             r.used[self.key] = RESIDUAL
             b.receive(self.key, contract.WarmMessage.of(contract.WARM_SLEPT, seq=msg.get("seq")), now)
@@ -105,7 +106,8 @@ class Rig:
                             phase=phases[k])
             states.append(b.prepare(t, GPU, self.terms[k]))
         states = b.hold_wakes(GPU, self.cap, states, self.reserved)
-        decided = {(d.key, GPU): d for d in rebalance(GpuState(GPU, self.cap, tuple(states), reserved_mib=self.reserved), P)}
+        gpu = GpuState(GPU, self.cap, tuple(states), reserved_mib=self.reserved)
+        decided = {(d.key, GPU): d for d in rebalance(gpu, P)}
         b.note(decided)
         before = len(self.out)
         b.after_tick(phases, decided, now)
