@@ -308,3 +308,13 @@ def test_a_reload_never_changes_which_gpus_dynamic_mig_may_cut():
     kept, refused = config.keep_restart_only(running, parse_config("dynamicMig: {gpus: []}\nquota: {stepMiB: 256}"))
     assert kept.dynamic_mig.gpus == ("0",) and kept.quota.step_mib == 256
     assert [r.split(":")[0] for r in refused] == ["dynamicMig"] and "fixed at its start" in refused[0]
+
+
+def test_wake_ahead_is_an_opt_in_boolean_per_quota_class():
+    """Issue 23, wake ahead: ``wakeAhead`` on a class (default false); anything but a boolean is refused."""
+    import yaml
+    doc = {"quota": {"classes": [{"name": "warm", "wakeAhead": True}, {"name": "plain"}]}}
+    got = {c.name: c.wake_ahead for c in parse_config(yaml.safe_dump(doc)).quota.classes}
+    assert got == {"warm": True, "plain": False}
+    with pytest.raises(ConfigError, match=r"wakeAhead"):
+        parse_config(yaml.safe_dump({"quota": {"classes": [{"name": "c", "wakeAhead": "yes"}]}}))

@@ -108,7 +108,32 @@ class WarmTier:
             return None
         if msg.op == contract.WARM_SLEEP:
             return lambda: self.on_sleep(msg)
+        if msg.op == contract.WARM_PREWAKE:
+            return lambda: self.on_prewake(msg)
+        log.warning("warm channel: message dropped, not for an engine", engine=self.name, op=msg.op)
         return None
+
+    def on_prewake(self, msg: contract.WarmMessage) -> None:
+        """On the engine thread: wake ahead of a forecast request (the agent restored the quota out of
+        free memory) if asleep and idle, and answer ``awake`` with the prewake's seq; busy or waking, it
+        is ignored (the agent counts no answer as declined). A failed wake leaves it asleep, unanswered."""
+        seq = msg.get("seq")
+        with self._lock:
+            if self.state != SLEEPING or not self.engine.idle():
+                log.info("warm tier: prewake ignored", engine=self.name, state=self.state, seq=seq)
+                return
+            t0 = self.clock()
+            try:
+                self.engine.wake_up()
+            except Exception as exc:  # no memory after all: it stays asleep; a request wakes it as usual
+                log.warning("warm tier: prewake failed, staying asleep", engine=self.name, error=str(exc))
+                return
+            self.state = AWAKE
+            self.last_wake_s = self.clock() - t0
+            self.channel.send(contract.WarmMessage.of(contract.WARM_AWAKE, engine=self.name, seq=seq,
+                                                      seconds=round(self.last_wake_s, 6)))
+            log.info("warm tier: woken ahead", engine=self.name, wake_s=round(self.last_wake_s, 3))
+            self._publish()
 
     def on_sleep(self, msg: contract.WarmMessage) -> None:
         """On the engine thread: sleep if it can and nothing is in flight."""

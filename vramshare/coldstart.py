@@ -396,6 +396,15 @@ class WakeAhead:
     lead_s: float = 0.0
     hold_s: float | None = None
 
+    def due(self, gaps: Sequence[float], last_request_at: float) -> float | None:
+        """The forecast next request: ``last_request_at`` plus the ``quantile`` of the last ``history``
+        finite quiet gaps; None with fewer than ``min_history``. The one rule: the replay and the node's
+        broker (:mod:`deviceplugin.quota.warm`) both call it."""
+        recent = [g for g in list(gaps)[-self.history:] if math.isfinite(g)]
+        if len(recent) < self.min_history:
+            return None
+        return last_request_at + float(np.quantile(recent, self.quantile))
+
 
 @dataclass
 class _Pod:
@@ -583,11 +592,8 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         """After ``p`` slept on its idle timer: arm a wake ahead of its forecast next request."""
         if ahead is None or len(p.gaps) < ahead.min_history:
             return
-        gaps = [g for g in p.gaps[-ahead.history:] if math.isfinite(g)]
-        if len(gaps) < ahead.min_history:
-            return
-        due = p.sleep_at - (p.dep.idle_s or idle_s) + float(np.quantile(gaps, ahead.quantile))
-        if due <= now:
+        due = ahead.due(p.gaps, p.sleep_at - (p.dep.idle_s or idle_s))
+        if due is None or due <= now:
             return
         p.forecast = due + (p.dep.idle_s or idle_s if ahead.hold_s is None else ahead.hold_s)
         at = due - ahead.lead_s - costs.wake_s(p.dep.weight_bytes) - costs.reclaim_s

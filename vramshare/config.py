@@ -223,6 +223,9 @@ class QuotaClass:
     # while each GPU keeps room for ``wake_reserve`` of its sleepers waking at once (vramshare/overcommit.py)
     sleep_booked_fraction: float | None = None  # None: booked whole, as every pod (no overcommit)
     wake_reserve: int = 1
+    # issue 23, wake ahead: the broker wakes this class's sleeping engines before their forecast next
+    # request, only into memory measured free beyond the wake reserve (deviceplugin/quota/warm.py)
+    wake_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -365,7 +368,7 @@ _QUOTA_KEYS = {"enabled": "enabled", "intervalSeconds": "interval_seconds",
                "headroom": "headroom", "loans": "loans", "startupTicks": "startup_ticks"}
 _CLASS_KEYS = {k: k for k in ("name", "floorFraction", "floorMiB", "ceilingFraction", "ceilingMiB", "marginMiB",
                               "idleSeconds", "lendingPriority", "overLimitAction", "allowPodSelection", "match",
-                              "sleepBookedFraction", "wakeReserve")}
+                              "sleepBookedFraction", "wakeReserve", "wakeAhead")}
 _MATCH_KEYS = {"namespaces": "namespaces", "selector": "selector", "priorityClassNames": "priority_class_names"}
 _SELECTOR_KEYS = {"matchLabels": "match_labels", "matchExpressions": "match_expressions"}
 _EXPRESSION_KEYS = {"key": "key", "operator": "operator", "values": "values"}
@@ -751,7 +754,8 @@ def _quota_class(raw: Any, at: str) -> QuotaClass:
         match=_class_match(c.get("match"), f"{at}.match"),
         sleep_booked_fraction=(_typed(c["sleepBookedFraction"], float, f"{at}.sleepBookedFraction")
                                if "sleepBookedFraction" in c else None),
-        wake_reserve=_typed(c.get("wakeReserve", 1), int, f"{at}.wakeReserve"))
+        wake_reserve=_typed(c.get("wakeReserve", 1), int, f"{at}.wakeReserve"),
+        wake_ahead=_typed(c.get("wakeAhead", False), bool, f"{at}.wakeAhead"))
 
 
 def _quota_classes(raw: Any) -> tuple[QuotaClass, ...]:

@@ -159,7 +159,9 @@ class DevicePluginDaemon:
             loop = self._quota_loop
             if self.warm is None or loop is None:
                 return []
-            return self.warm.engines({t.key: [g for g, _ in t.gpus] for t in loop.tenants_now})
+            tenants = loop.tenants_now
+            return self.warm.engines({t.key: [g for g, _ in t.gpus] for t in tenants},
+                                     {t.key: t.meta.model for t in tenants if t.meta is not None and t.meta.model})
 
         def changed(models: tuple) -> None:
             self.models = models

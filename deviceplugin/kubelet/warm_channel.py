@@ -209,6 +209,9 @@ class WarmCollector:
                                      "more (beyond the wake reserve: issue 23 item 5)", labels=labels)
         displaced = CounterMetricFamily("vramshare_warm_displaced", "Sleeps asked of the engine to make room "
                                         "for a higher class's wake", labels=labels)
+        prewakes = CounterMetricFamily("vramshare_warm_prewakes", "Wakes ahead of a forecast request (class "
+                                       "wakeAhead): used (a request came), wasted (slept again with none), "
+                                       "declined (the engine did not wake)", labels=labels + ["outcome"])
         credit = GaugeMetricFamily("vramshare_warm_sleep_credit_bytes", "GPU memory the sleeping pods of "
                                    "overcommit classes lend to the scheduler's books beyond the wake reserve",
                                    labels=["gpu"])
@@ -227,4 +230,7 @@ class WarmCollector:
             wakes.add_metric(lv, float(e.wakes))
             waited.add_metric(lv, float(e.waited))
             displaced.add_metric(lv, float(e.displaced))
-        yield from (state, lent, wake, sleeps, wakes, waited, displaced, credit)
+            for outcome, n in (("used", e.prewakes_used), ("wasted", e.prewakes_wasted),
+                               ("declined", e.prewakes_declined)):
+                prewakes.add_metric(lv + [outcome], float(n))
+        yield from (state, lent, wake, sleeps, wakes, waited, displaced, prewakes, credit)

@@ -30,11 +30,13 @@ class PodMeta:
     labels: tuple[tuple[str, str], ...] = ()
     priority_class: str = ""
     requested_class: str | None = None  # the <domain>/quota-class annotation
+    model: str = ""  # the <domain>/model annotation as written (the warm tier's fallback for the resident model)
 
     @classmethod
     def of(cls, namespace: str, labels: Mapping[str, str] | None = None, priority_class: str | None = None,
-           requested_class: str | None = None) -> "PodMeta":
-        return cls(namespace, tuple(sorted((labels or {}).items())), priority_class or "", requested_class)
+           requested_class: str | None = None, model: str | None = None) -> "PodMeta":
+        return cls(namespace, tuple(sorted((labels or {}).items())), priority_class or "", requested_class,
+                   str(model or ""))
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class ClassTerms:
     over_limit_action: OverLimitAction
     sleep_booked_fraction: float | None = None  # issue 23 item 5: overcommit of this class's sleeping pods
     wake_reserve: int = 1
+    wake_ahead: bool = False  # issue 23: wake its sleepers ahead of their forecast request (warm.py)
 
     def floor_of(self, request_mib: int) -> int:
         """Rounded down, as the default class's floor (PolicyParams.floor_of)."""
@@ -132,7 +135,8 @@ def terms(qc: QuotaClass, base: ClassTerms) -> ClassTerms:
         idle_seconds=base.idle_seconds if qc.idle_seconds is None else qc.idle_seconds,
         lending_priority=qc.lending_priority,
         over_limit_action=qc.over_limit_action or base.over_limit_action,
-        sleep_booked_fraction=qc.sleep_booked_fraction, wake_reserve=qc.wake_reserve)
+        sleep_booked_fraction=qc.sleep_booked_fraction, wake_reserve=qc.wake_reserve,
+        wake_ahead=qc.wake_ahead)
 
 
 def default_terms(quota: QuotaConfig, action: OverLimitAction) -> ClassTerms:

@@ -55,11 +55,13 @@ def container_ids(pod: Mapping[str, Any]) -> dict[str, str]:
 
 def pod_meta(pod: Mapping[str, Any], names: contract.Names) -> PodMeta:
     """What quota-class selection reads from a pod: namespace, labels, priorityClassName and the
-    ``<domain>/quota-class`` annotation."""
+    ``<domain>/quota-class`` annotation; and its ``<domain>/model`` (the resident model when the engine
+    names none that parses)."""
     meta = pod.get("metadata") or {}
     labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    annotations = meta.get("annotations") or {}
     return PodMeta.of(meta.get("namespace", ""), labels, (pod.get("spec") or {}).get("priorityClassName"),
-                      (meta.get("annotations") or {}).get(names.quota_class))
+                      annotations.get(names.quota_class), annotations.get(names.model))
 
 
 def _believed_assignment(pod: Mapping[str, Any], names: contract.Names) -> bool:

@@ -27,6 +27,17 @@ replay's rule, :mod:`vramshare.coldstart`, always had it: never out of an awake 
 refuses, the next is asked). Equal or higher classes are never displaced: the wake waits for them to
 sleep on their own idle timer, or to leave.
 
+Wake ahead (issue 23, opt-in per class: ``wakeAhead``): after an engine of such a class sleeps, the
+broker forecasts its next request from its own timestamps with the replay's one rule
+(:meth:`vramshare.coldstart.WakeAhead.due`: the median of its last 8 quiet gaps, a gap being a wake's
+time minus the sleep's minus ``idleSeconds``). From the forecast minus its last wake's seconds it books
+the engine awake (``WAKING`` to the policy, no credit to the books) when each of its GPUs has the memory
+it takes back measured free beyond the largest other sleeper's wake, with no wake waiting there; once
+the quota is restored it sends ``prewake``. An engine that answers ``awake`` is up early; one that does
+not within ``prewake_answer_s`` declined. A real wake on that GPU that lacks memory first cancels a
+booking and sends ``sleep`` to an early-woken engine with no request; with no request by the hold's
+end (the forecast plus ``idleSeconds``) it is sent ``sleep`` again: that early wake was wasted.
+
 A wake request pokes the loop (the adapter's ``poke``) so it ticks at once and again every
 ``fast_tick_s`` while a wake is pending: the wake path never waits for the regular interval.
 """
@@ -40,6 +51,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from deviceplugin.quota.model import Bounds, Decision, Phase, PolicyParams, TenantKey, TenantState
 from vramshare import contract, logs, overcommit
+from vramshare.coldstart import WakeAhead
 
 log = logs.get(__name__)
 
@@ -75,6 +87,19 @@ class EngineView:
     displaced: int = 0  # sleeps asked of it to make room for a higher class's wake
     ungranted_ticks: int = 0  # ticks a wake has waited for its memory
     waited: int = 0  # wakes that found no memory for a tick or more (the reserve ran out)
+    # wake ahead (issue 23): the forecast and the early wake's state
+    gaps: list[float] = field(default_factory=list)  # its quiet gaps (last request to the next one), s
+    quiet_from: float | None = None  # its last request as the broker dates it (a sleep's time - idleSeconds)
+    due: float | None = None  # the forecast next request of this quiet spell
+    ahead: str = ""  # "" | "booked" (quota being restored) | "sent" (prewake unanswered)
+    ahead_seq: int | None = None  # the prewake's seq
+    ahead_at: float | None = None  # when the prewake was sent
+    prewoken_until: float | None = None  # woken ahead, no request yet: the hold's end
+    request_seen: bool = False  # a running or waiting request since it was woken ahead
+    wasted_seq: int | None = None  # the sleep that ends a wasted early wake
+    prewakes_used: int = 0
+    prewakes_wasted: int = 0
+    prewakes_declined: int = 0
 
 
 @dataclass
@@ -86,6 +111,10 @@ class WarmBroker:
     params: PolicyParams = field(default_factory=PolicyParams)
     on_credits: Callable[[dict[str, int]], None] | None = None  # the node's inventory/units (item 5)
     displace_after_ticks: int = 1  # a wake first lets the policy take back loans, then displaces
+    ahead_rule: WakeAhead = field(default_factory=WakeAhead)  # the replay's forecast rule (one rule)
+    prewake_answer_s: float = 10.0  # no ``awake`` by the first tick this long after a prewake: declined
+    _ahead: dict[TenantKey, tuple[bool, float]] = field(default_factory=dict)  # class: wakeAhead, idleSeconds
+    _room: dict[str, tuple[int, dict[TenantKey, tuple[int, int]]]] = field(default_factory=dict)
     _overcommit: dict[tuple[TenantKey, str], tuple[int, int | None, float, int]] = field(default_factory=dict)
     _rank: dict[TenantKey, int] = field(default_factory=dict)
     _credits: dict[str, int] = field(default_factory=dict)
@@ -115,15 +144,34 @@ class WarmBroker:
                 e.state, e.sleep_pending = Sleep.SLEEPING, False
                 e.freed_bytes = int(msg.get("freedBytes", 0) or 0)  # type: ignore[arg-type]
                 e.sleeps += 1
+                self._slept(key, e, msg.get("seq") == e.wasted_seq, now)
                 log.info("engine asleep, memory lent", tenant=str(key), freed_mib=e.freed_bytes // MIB)
             elif op == contract.WARM_REFUSED and msg.get("seq") == e.sleep_seq:
                 e.sleep_pending = False
                 e.refusals += 1
+                if msg.get("seq") == e.wasted_seq and e.prewoken_until is not None:
+                    e.request_seen = e.request_seen or msg.get("reason") == "busy"
+                    e.wasted_seq = None
                 log.info("engine did not sleep", tenant=str(key), reason=msg.get("reason"))
             elif op == contract.WARM_WAKE:
                 e.state, e.wake_seq, e.sleep_pending = Sleep.WAKING, int(msg.get("seq", 0)), False  # type: ignore[arg-type]
                 e.wake_since = now
+                if e.ahead == "sent":  # it took a request before the early wake: that prewake was ignored
+                    e.prewakes_declined += 1
+                e.ahead, e.due = "", None
+                if e.quiet_from is not None:
+                    e.gaps.append(now - e.quiet_from)
+                    e.quiet_from = None
                 log.info("wake requested: taking memory back", tenant=str(key), seq=e.wake_seq)
+            elif (op == contract.WARM_AWAKE and e.state is Sleep.SLEEPING and e.ahead_seq is not None
+                  and msg.get("seq") == e.ahead_seq):  # up ahead of its forecast request (a late one too)
+                hold = self.ahead_rule.hold_s
+                hold = self._ahead.get(key, (False, 0.0))[1] if hold is None else hold
+                e.state, e.lent_mib, e.ahead_seq, e.request_seen = Sleep.AWAKE, 0, None, False
+                e.prewoken_until = max(now, e.due if e.due is not None else now) + hold
+                e.ahead = ""
+                log.info("engine woken ahead of its forecast request", tenant=str(key),
+                         hold_s=round(e.prewoken_until - now, 3))
             elif op == contract.WARM_AWAKE:
                 e.state, e.wake_seq, e.wake_since, e.lent_mib = Sleep.AWAKE, None, None, 0
                 e.last_wake_s = float(msg.get("seconds", 0.0) or 0.0)  # type: ignore[arg-type]
@@ -133,6 +181,22 @@ class WarmBroker:
         if op == contract.WARM_WAKE:
             self.poke()
 
+    def _slept(self, key: TenantKey, e: EngineView, wasted: bool, now: float) -> None:
+        """After a confirmed sleep (lock held): date its last request and arm one forecast per quiet
+        spell; a sleep that ends an early wake with no request counts it wasted and arms nothing."""
+        ahead, idle_s = self._ahead.get(key, (False, 0.0))
+        e.ahead, e.ahead_seq, e.wasted_seq = "", None, None
+        if e.prewoken_until is not None:
+            e.prewoken_until = None
+            if wasted or not e.request_seen:
+                e.prewakes_wasted += 1
+                e.due = None
+                log.info("early wake wasted: no request came", tenant=str(key))
+                return
+        sent = e.sleep_sent_at if e.sleep_sent_at is not None else now
+        e.quiet_from = sent - idle_s
+        e.due = self.ahead_rule.due(e.gaps, e.quiet_from) if ahead else None
+
     def forget(self, alive: Iterable[TenantKey]) -> None:
         keep = set(alive)
         with self._lock:
@@ -140,6 +204,7 @@ class WarmBroker:
             self._reserve = {k: v for k, v in self._reserve.items() if k[0] in keep}
             self._overcommit = {k: v for k, v in self._overcommit.items() if k[0] in keep}
             self._rank = {k: v for k, v in self._rank.items() if k in keep}
+            self._ahead = {k: v for k, v in self._ahead.items() if k in keep}
 
     def disconnected(self, key: TenantKey) -> None:
         """The engine's connection closed (process gone): its memory is no longer asleep or waking."""
@@ -159,11 +224,22 @@ class WarmBroker:
         with self._lock:
             self._reserve[(t.key, gpu)] = b.clamp(t.request_mib)
             self._rank[t.key] = t.rank
+            self._ahead[t.key] = (bool(getattr(terms, "wake_ahead", False)),
+                                  float(getattr(terms, "idle_seconds", 0.0) or 0.0))
+            if e is not None and e.prewoken_until is not None and (t.signals.running or t.signals.waiting):
+                e.request_seen = True
+            ahead = e is not None and e.state is Sleep.SLEEPING and e.ahead != ""
+            if ahead and e is not None and e.ahead == "booked" and self._wake_on(gpu):
+                e.ahead = ""  # a real wake came first: it has the memory
+                log.info("wake ahead cancelled: a wake waits on its GPU", tenant=str(t.key), gpu=gpu)
+                ahead = False
             if fraction is None:
                 self._overcommit.pop((t.key, gpu), None)
             else:
                 self._overcommit[(t.key, gpu)] = (t.request_mib, t.used_mib, float(fraction),
                                                   int(getattr(terms, "wake_reserve", 1)))
+        if ahead and t.used_mib is not None:  # booked awake: its request restored, as a wake's
+            return dataclasses.replace(t, phase=Phase.WAKING, demand_mib=max(t.request_mib, t.used_mib))
         if state is Sleep.AWAKE or t.used_mib is None:
             return t
         if state is Sleep.SLEEPING or not self._first_waking(t.key, gpu):
@@ -184,6 +260,12 @@ class WarmBroker:
         requests (no overcommit class) always fit: nothing is held."""
         out = list(states)
         with self._lock:
+            # what wake ahead may use (after_tick): the GPU's memory measured free, and each tenant's
+            # reserve and use (a tenant without a reading counts at its reserve)
+            held = {s.key: (self._reserve.get((s.key, gpu), s.request_mib),
+                            s.used_mib if s.used_mib is not None else self._reserve.get((s.key, gpu), s.request_mib))
+                    for s in out}
+            self._room[gpu] = (capacity - reserved_mib - sum(u for _, u in held.values()), held)
             asleep = {k for k, e in self._engines.items() if e.state is not Sleep.AWAKE}
             for i, t in enumerate(out):
                 e = self._engines.get(t.key)
@@ -200,6 +282,58 @@ class WarmBroker:
                          tenant=str(t.key), gpu=gpu, others_mib=others + reserved_mib, capacity_mib=capacity)
                 out[i] = dataclasses.replace(t, phase=Phase.WARM, demand_mib=None,
                                              bounds=Bounds(0, b.ceiling_mib, b.margin_mib))
+        return out
+
+    def _wake_on(self, gpu: str) -> bool:
+        """A real wake waits on ``gpu`` (lock held)."""
+        return any(e.state is Sleep.WAKING and (k, gpu) in self._reserve for k, e in self._engines.items())
+
+    def _gpus_of(self) -> dict[TenantKey, set[str]]:
+        out: dict[TenantKey, set[str]] = {}
+        for k, g in self._reserve:
+            out.setdefault(k, set()).add(g)
+        return out
+
+    def _wake_ahead(self, now: float) -> list[tuple[TenantKey, str]]:
+        """Engines to book awake ahead of their forecast request (lock held): due by now, with what each
+        of their GPUs has measured free covering their wake beyond the largest other sleeper's wake (the
+        replay's ``room_ahead``) and no wake waiting there. A spell whose hold has passed is dropped."""
+        gpus_of = self._gpus_of()
+        taken: dict[str, int] = {}  # needs of engines already booked or sent, not in the reading yet
+        for k, e in self._engines.items():
+            if e.state is Sleep.SLEEPING and e.ahead:
+                for g in gpus_of.get(k, ()):
+                    r, u = self._room.get(g, (0, {}))[1].get(k, (0, 0))
+                    taken[g] = taken.get(g, 0) + max(0, r - u)
+        out = []
+        for key, e in sorted(self._engines.items()):
+            on, idle_s = self._ahead.get(key, (False, 0.0))
+            if not on or e.state is not Sleep.SLEEPING or e.ahead or e.sleep_pending or e.due is None:
+                continue
+            hold = idle_s if self.ahead_rule.hold_s is None else self.ahead_rule.hold_s
+            if now >= e.due + hold:
+                e.due = None  # this spell's forecast has passed
+                continue
+            if now < e.due - self.ahead_rule.lead_s - (e.last_wake_s or 0.0):
+                continue
+            gpus = gpus_of.get(key, set())
+            ok = bool(gpus)
+            for g in gpus:
+                free, held = self._room.get(g, (0, {}))
+                need = max(0, held.get(key, (0, 0))[0] - held.get(key, (0, 0))[1])
+                others = [r - u for k, (r, u) in held.items() if k != key and k in self._engines
+                          and self._engines[k].state is Sleep.SLEEPING and not self._engines[k].ahead]
+                ok = ok and (key in held and not self._wake_on(g)
+                             and free - taken.get(g, 0) - max(others, default=0) >= need)
+            if not ok:
+                continue
+            for g in gpus:
+                r, u = self._room[g][1][key]
+                taken[g] = taken.get(g, 0) + max(0, r - u)
+            e.ahead = "booked"
+            out.append((key, ",".join(sorted(gpus))))
+            log.info("waking ahead of a forecast request: memory free beyond the wake reserve",
+                     tenant=str(key), gpus=",".join(sorted(gpus)), due_in_s=round(e.due - now, 3))
         return out
 
     def _wake_order(self, key: TenantKey) -> tuple:
@@ -236,20 +370,48 @@ class WarmBroker:
             per_key.setdefault(key, []).append(d)
         out: list[tuple[TenantKey, contract.WarmMessage]] = []
         with self._lock:
+            out.extend(self._yield_ahead(per_key, reserve, now))
             for key, e in self._engines.items():
                 if (e.sleep_pending and now is not None and e.sleep_sent_at is not None
                         and now - e.sleep_sent_at > self.sleep_answer_s):
                     log.warning("engine did not answer a sleep; asking again when idle", tenant=str(key))
                     e.sleep_pending = False
                 ds = per_key.get(key, [])
-                if e.state is Sleep.WAKING and ds and all(d.limit_mib >= reserve(key, d.gpu_uuid) for d in ds):
+                restored = bool(ds) and all(d.limit_mib >= reserve(key, d.gpu_uuid) for d in ds)
+                if e.state is Sleep.WAKING and restored:
                     out.append((key, contract.WarmMessage.of(
                         contract.WARM_GRANT, seq=e.wake_seq, bytes=sum(d.limit_mib for d in ds) * MIB)))
+                elif e.state is Sleep.SLEEPING and e.ahead == "booked":
+                    if restored:  # the quota carries it: wake ahead
+                        e.sleep_seq += 1
+                        e.ahead, e.ahead_seq, e.ahead_at = "sent", e.sleep_seq, now
+                        out.append((key, contract.WarmMessage.of(contract.WARM_PREWAKE, seq=e.sleep_seq,
+                                                                 bytes=sum(d.limit_mib for d in ds) * MIB)))
+                    else:
+                        e.ahead = ""
+                        log.info("wake ahead cancelled: its quota was not restored", tenant=str(key))
+                elif e.state is Sleep.SLEEPING and e.ahead == "sent" and now is not None and (
+                        e.ahead_at is None or now - e.ahead_at >= self.prewake_answer_s):
+                    e.ahead, e.due = "", None
+                    e.prewakes_declined += 1
+                    log.info("prewake declined: no answer", tenant=str(key), seq=e.ahead_seq)
+                elif e.state is Sleep.AWAKE and e.prewoken_until is not None and e.request_seen:
+                    e.prewoken_until, e.request_seen = None, False
+                    e.prewakes_used += 1
+                    if e.quiet_from is not None and now is not None:
+                        e.gaps.append(now - e.quiet_from)  # its request came while up early
+                    e.quiet_from, e.due = None, None
+                elif (e.state is Sleep.AWAKE and e.can_sleep and not e.sleep_pending
+                      and e.prewoken_until is not None):
+                    if now is not None and now >= e.prewoken_until:  # the hold passed with no request
+                        out.append((key, self._sleep_wasted(key, e, now)))
                 elif (e.state is Sleep.AWAKE and e.can_sleep and not e.sleep_pending
                       and phases.get(key) is Phase.WARM):
                     e.sleep_seq += 1
                     e.sleep_pending, e.sleep_sent_at = True, now
                     out.append((key, contract.WarmMessage.of(contract.WARM_SLEEP, seq=e.sleep_seq, level=1)))
+            if now is not None:
+                self._wake_ahead(now)  # booked now: restored next tick, then prewake
             out.extend(self._displace(per_key, reserve, now))
         sent = []
         for key, msg in out:
@@ -262,6 +424,40 @@ class WarmBroker:
                         self._engines[key].sleep_pending = False
         self._publish_credits()
         return sent
+
+    def _sleep_wasted(self, key: TenantKey, e: EngineView, now: float | None) -> contract.WarmMessage:
+        """``sleep`` to an engine woken ahead with no request (lock held): its early wake is wasted once
+        the engine confirms (``slept``); a ``busy`` refusal means a request came after all."""
+        e.sleep_seq += 1
+        e.sleep_pending, e.sleep_sent_at, e.wasted_seq = True, now, e.sleep_seq
+        log.info("early-woken engine with no request sent back to sleep", tenant=str(key))
+        return contract.WarmMessage.of(contract.WARM_SLEEP, seq=e.sleep_seq, level=1)
+
+    def _yield_ahead(self, per_key: Mapping[TenantKey, list[Decision]],
+                     reserve: Callable[[TenantKey, str], int],
+                     now: float | None) -> list[tuple[TenantKey, contract.WarmMessage]]:
+        """A real wake short of memory on a GPU takes it from wake ahead first, whatever the classes
+        (lock held): bookings there are cancelled, an unanswered prewake counts declined, and an engine
+        woken ahead with no request is sent ``sleep``."""
+        short: set[str] = set()
+        for key, e in self._engines.items():
+            if e.state is Sleep.WAKING:
+                short |= {d.gpu_uuid for d in per_key.get(key, []) if d.limit_mib < reserve(key, d.gpu_uuid)}
+        if not short:
+            return []
+        out = []
+        gpus_of = self._gpus_of()
+        for key, e in self._engines.items():
+            if not gpus_of.get(key, set()) & short:
+                continue
+            if e.state is Sleep.SLEEPING and e.ahead:
+                e.prewakes_declined += e.ahead == "sent"
+                e.ahead, e.due = "", None
+                log.info("wake ahead yields to a wake", tenant=str(key))
+            elif (e.state is Sleep.AWAKE and e.prewoken_until is not None and not e.request_seen
+                  and not e.sleep_pending and e.can_sleep):
+                out.append((key, self._sleep_wasted(key, e, now)))
+        return out
 
     def _displace(self, per_key: Mapping[TenantKey, list[Decision]],
                   reserve: Callable[[TenantKey, str], int], now: float | None) -> list[tuple[TenantKey, contract.WarmMessage]]:
@@ -313,7 +509,8 @@ class WarmBroker:
         with self._lock:
             sleepers = [overcommit.Sleeper(gpu, req, used if used is not None else req, frac, k)
                         for (key, gpu), (req, used, frac, k) in self._overcommit.items()
-                        if (e := self._engines.get(key)) is not None and e.state is Sleep.SLEEPING]
+                        if (e := self._engines.get(key)) is not None and e.state is Sleep.SLEEPING
+                        and not e.ahead]  # booked awake ahead of a forecast request: lends nothing
         return overcommit.credits(sleepers)
 
     def _publish_credits(self) -> None:
@@ -327,16 +524,24 @@ class WarmBroker:
     def wake_pending(self) -> bool:
         """A wake waits for memory: the loop should tick again within ``fast_tick_s``."""
         with self._lock:
-            return any(e.state is Sleep.WAKING for e in self._engines.values())
+            return any(e.state is Sleep.WAKING or e.ahead == "booked" for e in self._engines.values())
 
-    def engines(self, gpus_of: Mapping[TenantKey, Iterable[str]]) -> list[tuple[contract.ModelRef, str, str]]:
-        """``(model, gpu uuid, "awake" | "sleeping")`` of every engine that named a valid model: what the
-        node reports as resident (a waking engine counts as awake)."""
+    def engines(self, gpus_of: Mapping[TenantKey, Iterable[str]],
+                annotated: Mapping[TenantKey, str] | None = None) -> list[tuple[contract.ModelRef, str, str]]:
+        """``(model, gpu uuid, "awake" | "sleeping")`` of every engine with a valid model: what the node
+        reports as resident (a waking engine counts as awake). The model is the one the engine named, else
+        its pod's ``<domain>/model`` annotation (``annotated``): vLLM started from a local path names a
+        path, not a model."""
         out = []
         for key, e in self.views().items():
-            try:
-                ref = contract.parse_model_ref(e.model)
-            except contract.ModelRefError:
+            ref = None
+            for name in (e.model, (annotated or {}).get(key, "")):
+                try:
+                    ref = contract.parse_model_ref(name)
+                    break
+                except contract.ModelRefError:
+                    continue
+            if ref is None:
                 continue
             state = "sleeping" if e.state is Sleep.SLEEPING else "awake"
             out.extend((ref, gpu, state) for gpu in gpus_of.get(key, ()))

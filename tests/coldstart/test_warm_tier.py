@@ -330,3 +330,76 @@ def test_bad_lines_on_the_socket_are_dropped(rig):
     c.settimeout(1)
     assert c.recv(10) == b""  # closed
     c.close()
+
+
+@pytest.fixture
+def ahead_rig(tmp_path):
+    """The rig with the sleeper in a ``wakeAhead`` class (its namespace)."""
+    from vramshare.config import ClassMatch, QuotaClass
+
+    gpu, clock = Gpu(), Clock()
+    gpu.busy_wants = 18000  # the co-tenant stays within its request: free memory is measured free
+    holder = []
+    broker = WarmBroker(send=lambda k, m: holder[0].send(k, m), params=P)
+    channels = WarmChannels(broker, clock=clock)  # one clock for the loop and the channel, as in the agent
+    holder.append(channels)
+    cls = QuotaClass("ahead", match=(ClassMatch(namespaces=("llm",)),), wake_ahead=True)
+    loop = QuotaLoop(Tenants(), lambda: {"GPU-0": CAP}, [Usage(gpu)], P, str(tmp_path), signals=Signals(gpu),
+                     settings=LoopSettings(params=P, idle_seconds=30.0, startup_ticks=0, classes=(cls,)),
+                     clock=clock, warm=broker, mirror=Mirror())
+    broker.poke = loop.poke
+    loop.run_once()
+    dirs = {k: container_dir(str(tmp_path), k.pod_uid, k.container) for k in (SLEEPY, BUSY)}
+    channels.sync(dirs)
+    yield gpu, clock, broker, channels, loop, dirs, tmp_path
+    channels.close()
+    while OPEN:
+        OPEN.pop().close()
+
+
+def test_the_loop_restores_the_quota_then_wakes_a_regular_client_ahead(ahead_rig):
+    """Through the real loop, quota files and sockets: after three regular quiet gaps the broker wakes the
+    engine before its forecast request, with its quota file restored first; the request finds it up."""
+    gpu, clock, broker, channels, loop, dirs, tmp_path = ahead_rig
+    engine = FakeEngine(gpu)
+    tier, ch = put_to_sleep(ahead_rig, engine)
+
+    def step(dt):
+        clock.t += dt
+        tick(loop, gpu, tmp_path, channels)
+        msg = ch.recv(0.05)
+        if msg is not None:
+            job = tier.deliver(msg)
+            if msg.op == contract.WARM_PREWAKE:
+                assert limit(tmp_path, SLEEPY) >= 20000  # the quota carries the early wake
+            if job is not None:
+                job()
+
+    for _ in range(3):  # a request every ~100 s: woken by it, asleep again 30 s after it
+        for _ in range(5):
+            step(10)
+        done = threading.Event()
+        threading.Thread(target=lambda: (tier.before_request(), done.set()), daemon=True).start()
+        for _ in range(20):
+            if done.is_set():
+                break
+            step(0.5)
+        assert done.wait(5) and tier.state == AWAKE
+        for _ in range(5):
+            step(10)
+        pump(tier, ch, channels, lambda: broker.views()[SLEEPY].state is Sleep.SLEEPING)
+    assert len(broker.views()[SLEEPY].gaps) == 3 and broker.views()[SLEEPY].due is not None
+    calls = len(engine.calls)
+    for _ in range(12):
+        if tier.state == AWAKE:
+            break
+        step(5)
+    assert tier.state == AWAKE and engine.calls[calls:] == ["wake_up"]  # up before its request
+    pump(tier, ch, channels, lambda: broker.views()[SLEEPY].state is Sleep.AWAKE)  # the engine's awake, read
+    wakes = tier.wakes
+    tier.before_request()  # the request: no wake in its path
+    assert tier.wakes == wakes
+    gpu.running[SLEEPY] = 1  # the loop sees it serving: the early wake was used
+    step(0.5)
+    v = broker.views()[SLEEPY]
+    assert (v.prewakes_used, v.prewakes_wasted, v.prewakes_declined) == (1, 0, 0)

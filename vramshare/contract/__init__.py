@@ -35,7 +35,7 @@ from vramshare.contract.quota_file import GpuQuota, QuotaFile, QuotaFileError
 from vramshare.contract.user_annotations import (HANDSHAKE_ANNOTATIONS, NODE_ANNOTATIONS, QUOTA_LOOP_ANNOTATIONS,
                                                   USER_ANNOTATIONS)
 from vramshare.contract.warm import (WARM_AWAKE, WARM_GRANT, WARM_HELLO, WARM_MAX_LINE, WARM_OPS, WARM_REFUSED,
-                                     WARM_SLEEP, WARM_SLEPT, WARM_SOCKET_NAME, WARM_VERSION, WARM_WAKE,
+                                     WARM_PREWAKE, WARM_SLEEP, WARM_SLEPT, WARM_SOCKET_NAME, WARM_VERSION, WARM_WAKE,
                                      WarmMessage, WarmMessageError, decode_warm, encode_warm)
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "MIN_EXTENDER_PRIORITY", "POD_RESOURCES_SOCKET", "QUOTA_FILE_NAME", "STATE_ALLOCATED", "STATE_ASSUMED",
     "STATE_FAILED_PREFIX", "UNHEALTHY", "Names", "parse_unit_device_id", "unit_device_id",
     "USER_ANNOTATIONS", "HANDSHAKE_ANNOTATIONS", "QUOTA_LOOP_ANNOTATIONS", "NODE_ANNOTATIONS", "WARM_AWAKE", "WARM_GRANT", "WARM_HELLO", "WARM_MAX_LINE", "WARM_OPS",
+    "WARM_PREWAKE",
     "WARM_REFUSED", "WARM_SLEEP", "WARM_SLEPT", "WARM_SOCKET_NAME", "WARM_VERSION", "WARM_WAKE",
     "WarmMessage", "WarmMessageError", "decode_warm", "encode_warm",
 ]

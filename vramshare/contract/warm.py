@@ -26,7 +26,12 @@ WARM_REFUSED = "refused"  # seq (of the sleep), reason (busy, not supported, fai
 #: agent -> engine
 WARM_SLEEP = "sleep"  # seq (the agent's, increasing), level (1)
 WARM_GRANT = "grant"  # seq (of the wake), bytes: the memory is free (measured) and the quota restored
-WARM_OPS = (WARM_HELLO, WARM_SLEPT, WARM_WAKE, WARM_AWAKE, WARM_REFUSED, WARM_SLEEP, WARM_GRANT)
+WARM_PREWAKE = "prewake"  # seq (the agent's, increasing), bytes: wake ahead of a forecast request (additive
+#                          in v1): the quota is restored out of memory measured free beyond the wake reserve.
+#                          An idle sleeping engine wakes and answers ``awake`` with this seq; a busy or waking
+#                          one ignores it; an engine that does not know it drops it and logs; no answer in
+#                          time is a decline
+WARM_OPS = (WARM_HELLO, WARM_SLEPT, WARM_WAKE, WARM_AWAKE, WARM_REFUSED, WARM_SLEEP, WARM_GRANT, WARM_PREWAKE)
 _WARM_FIELDS: dict[str, type | tuple[type, ...]] = {
     "engine": str, "seq": int, "level": int, "canSleep": bool, "weightsBytes": int, "freedBytes": int,
     "needBytes": int, "bytes": int, "seconds": (int, float), "reason": str, "state": str, "model": str}
