@@ -68,9 +68,13 @@ class ApiServerDouble:
         self._thread.start()
 
     def _pause(self, server: ApiHttpServer) -> None:
-        """Stop accepting, end every watch and cut every connection; the listening socket stays open."""
-        self._hub.stop()
+        """Stop accepting, end every watch (cleanly: its final chunk is written first) and cut every
+        connection; the listening socket stays open. Accepting stops first, so a client that re-watches
+        as soon as its watch ends waits in the backlog for the restarted server instead of reaching a
+        connection about to be cut."""
         server.shutdown()
+        self._hub.stop()
+        server.wait_watches_ended(wait_s=5.0)
         server.cut_connections(wait_s=5.0)
         if self._thread is not None:
             self._thread.join()

@@ -50,6 +50,7 @@ class ApiHttpServer(ThreadingHTTPServer):
         self._connections: set[socket.socket] = set()
         self._connections_changed = threading.Condition()
         self._closing = False
+        self._streaming = 0  # watch responses not yet ended by their final chunk (or cut)
 
     def track(self, conn: socket.socket) -> None:
         with self._connections_changed:
@@ -62,6 +63,23 @@ class ApiHttpServer(ThreadingHTTPServer):
         with self._connections_changed:
             self._connections.discard(conn)
             self._connections_changed.notify_all()
+
+    def watch_started(self) -> None:
+        with self._connections_changed:
+            self._streaming += 1
+
+    def watch_ended(self) -> None:
+        with self._connections_changed:
+            self._streaming -= 1
+            self._connections_changed.notify_all()
+
+    def wait_watches_ended(self, wait_s: float) -> bool:
+        """Wait until every watch the hub was told to end has written its final chunk: kube-apiserver's
+        graceful termination ends watches cleanly before it closes connections
+        (``--shutdown-watch-termination-grace-period``), so a client sees a clean end and re-watches,
+        not a cut stream, whatever the thread scheduling."""
+        with self._connections_changed:
+            return self._connections_changed.wait_for(lambda: self._streaming == 0, timeout=wait_s)
 
     def cut_connections(self, wait_s: float = 0.0) -> bool:
         """Shut down every open connection so handler threads blocked on reads return; with ``wait_s``,
@@ -257,15 +275,19 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         self.close_connection = True  # one watch per connection keeps stream teardown simple
-        for event in self.server.hub.events(request):
-            if event is DISCONNECT:
-                _cut(self.connection)  # an abrupt disconnect: no terminating chunk
-                return
-            line = json.dumps(event, separators=(",", ":")).encode() + b"\n"
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+        self.server.watch_started()
+        try:
+            for event in self.server.hub.events(request):
+                if event is DISCONNECT:
+                    _cut(self.connection)  # an abrupt disconnect: no terminating chunk
+                    return
+                line = json.dumps(event, separators=(",", ":")).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
+        finally:
+            self.server.watch_ended()
 
     # -- writes ------------------------------------------------------------------------------------
     def _bind(self, namespace: str, pod: str | None, body: Any) -> None:
