@@ -115,16 +115,17 @@ class Clock:
         return self.t
 
 
-@pytest.fixture
-def rig(tmp_path):
-    gpu, clock = Gpu(), Clock()
+def _rig(tmp_path, gpu, classes=(), shared_clock=False):
+    """The real loop, broker and channels over one GPU; ``shared_clock``: the channel reads the loop's
+    clock too, as in the agent."""
+    clock = Clock()
     holder = []
     broker = WarmBroker(send=lambda k, m: holder[0].send(k, m), params=P)
-    channels = WarmChannels(broker)
+    channels = WarmChannels(broker, clock=clock) if shared_clock else WarmChannels(broker)
     holder.append(channels)
     loop = QuotaLoop(Tenants(), lambda: {"GPU-0": CAP}, [Usage(gpu)], P, str(tmp_path), signals=Signals(gpu),
-                     settings=LoopSettings(params=P, idle_seconds=30.0, startup_ticks=0), clock=clock, warm=broker,
-                     mirror=Mirror())
+                     settings=LoopSettings(params=P, idle_seconds=30.0, startup_ticks=0, classes=tuple(classes)),
+                     clock=clock, warm=broker, mirror=Mirror())
     broker.poke = loop.poke
     loop.run_once()  # writes the quota dirs
     dirs = {k: container_dir(str(tmp_path), k.pod_uid, k.container) for k in (SLEEPY, BUSY)}
@@ -133,6 +134,11 @@ def rig(tmp_path):
     channels.close()
     while OPEN:
         OPEN.pop().close()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    yield from _rig(tmp_path, Gpu())
 
 
 OPEN: list = []  # plugin channels to close after each test
@@ -337,24 +343,10 @@ def ahead_rig(tmp_path):
     """The rig with the sleeper in a ``wakeAhead`` class (its namespace)."""
     from vramshare.config import ClassMatch, QuotaClass
 
-    gpu, clock = Gpu(), Clock()
+    gpu = Gpu()
     gpu.busy_wants = 18000  # the co-tenant stays within its request: free memory is measured free
-    holder = []
-    broker = WarmBroker(send=lambda k, m: holder[0].send(k, m), params=P)
-    channels = WarmChannels(broker, clock=clock)  # one clock for the loop and the channel, as in the agent
-    holder.append(channels)
     cls = QuotaClass("ahead", match=(ClassMatch(namespaces=("llm",)),), wake_ahead=True)
-    loop = QuotaLoop(Tenants(), lambda: {"GPU-0": CAP}, [Usage(gpu)], P, str(tmp_path), signals=Signals(gpu),
-                     settings=LoopSettings(params=P, idle_seconds=30.0, startup_ticks=0, classes=(cls,)),
-                     clock=clock, warm=broker, mirror=Mirror())
-    broker.poke = loop.poke
-    loop.run_once()
-    dirs = {k: container_dir(str(tmp_path), k.pod_uid, k.container) for k in (SLEEPY, BUSY)}
-    channels.sync(dirs)
-    yield gpu, clock, broker, channels, loop, dirs, tmp_path
-    channels.close()
-    while OPEN:
-        OPEN.pop().close()
+    yield from _rig(tmp_path, gpu, classes=(cls,), shared_clock=True)
 
 
 def test_the_loop_restores_the_quota_then_wakes_a_regular_client_ahead(ahead_rig):
