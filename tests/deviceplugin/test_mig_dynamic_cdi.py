@@ -21,22 +21,15 @@ from hypothesis import strategies as st
 from deviceplugin.kubelet import mig_cdi
 from deviceplugin.simulated_backend import SimulatedBackend
 from standins.cdi_registry import CdiError, Registry
+from tests.deviceplugin.mig_node import A100, NODE, pid, with_dynamic_mig
 from vramshare import mig_plan
-from vramshare.config import Config, DeviceListStrategy, DynamicMigConfig
+from vramshare.config import Config, DeviceListStrategy
 from vramshare.mig_plan import MigPlacement
 
-A100 = "GPU-5e6f7081-92a3-44b5-86d7-e8f90a1b2c34"
-NODE = {"gpus": [
-    {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "numaNode": 0, "uuid": "GPU-aaaa"},
-    {"model": "NVIDIA A100-SXM4-80GB", "memoryMiB": 81920, "numaNode": 1, "uuid": A100, "mig": ["3g.40gb"]}]}
 R1G, R2G, R3G = (f"vramshare.io/mig-{p}" for p in ("1g.10gb", "2g.20gb", "3g.40gb"))
 LIBS = {"hostPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
         "containerPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "options": ["ro", "nosuid", "nodev", "bind"]}
 MINORS = "gpu1/gi1/access 12\ngpu1/gi1/ci0/access 13\ngpu1/gi2/access 21\ngpu1/gi2/ci0/access 22\n"
-
-
-def pid(profile: str, start: int) -> str:
-    return mig_plan.encode(MigPlacement(A100, profile, start))
 
 
 @pytest.fixture
@@ -62,8 +55,7 @@ def roots(tmp_path):
 
 @pytest.fixture
 def cdi_config(config: Config) -> Config:
-    return dataclasses.replace(config, device_list_strategy=DeviceListStrategy.CDI_CRI,
-                               dynamic_mig=DynamicMigConfig(gpus=("1",), grace_seconds=600.0))
+    return dataclasses.replace(with_dynamic_mig(config), device_list_strategy=DeviceListStrategy.CDI_CRI)
 
 
 def start(start_plugin, cfg, roots, tmp_path, **kw):

@@ -10,20 +10,12 @@ import grpc
 import pytest
 
 from deviceplugin.simulated_backend import SimulatedBackend
-from vramshare import contract, mig_plan
-from vramshare.config import Config, DynamicMigConfig
+from tests.deviceplugin.mig_node import A100, NODE, pid, with_dynamic_mig
+from vramshare import contract
+from vramshare.config import Config
 from vramshare.inventory import NodeInventory
-from vramshare.mig_plan import MigPlacement
 
-A100 = "GPU-5e6f7081-92a3-44b5-86d7-e8f90a1b2c34"
-NODE = {"gpus": [
-    {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "numaNode": 0, "uuid": "GPU-aaaa"},
-    {"model": "NVIDIA A100-SXM4-80GB", "memoryMiB": 81920, "numaNode": 1, "uuid": A100, "mig": ["3g.40gb"]}]}
 R1G, R2G, R3G, R7G = (f"vramshare.io/mig-{p}" for p in ("1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb"))
-
-
-def pid(profile: str, start: int) -> str:
-    return mig_plan.encode(MigPlacement(A100, profile, start))
 
 
 @pytest.fixture
@@ -33,8 +25,7 @@ def backend() -> SimulatedBackend:
 
 @pytest.fixture
 def dynamic(config: Config) -> Config:
-    import dataclasses
-    return dataclasses.replace(config, dynamic_mig=DynamicMigConfig(gpus=("1",), grace_seconds=600.0))
+    return with_dynamic_mig(config)
 
 
 def test_off_by_default_the_admin_instances_are_all_there_is(start_plugin, kubelet):

@@ -8,7 +8,6 @@ so such a pod could never be admitted; and nothing stopped units of a MIG GPU fr
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -18,21 +17,12 @@ import pytest
 from deviceplugin.quota_files import MIG_PLAN_FILE, allocation_key
 from deviceplugin.simulated_backend import SimulatedBackend
 from standins.apiserver import ApiServerDouble
-from vramshare import contract, mig_plan
-from vramshare.config import Config, DynamicMigConfig
-from vramshare.mig_plan import MigPlacement
+from tests.deviceplugin.mig_node import A100, H100, NODE, pid, with_dynamic_mig
+from vramshare import contract
+from vramshare.config import Config
 
-A100 = "GPU-5e6f7081-92a3-44b5-86d7-e8f90a1b2c34"
-H100 = "GPU-aaaa"
-NODE = {"gpus": [
-    {"model": "NVIDIA H100 80GB HBM3", "memoryMiB": 81559, "numaNode": 0, "uuid": H100},
-    {"model": "NVIDIA A100-SXM4-80GB", "memoryMiB": 81920, "numaNode": 1, "uuid": A100, "mig": ["3g.40gb"]}]}
 NAMES = contract.Names()
 MEM = NAMES.gpu_memory
-
-
-def pid(profile: str, start: int) -> str:
-    return mig_plan.encode(MigPlacement(A100, profile, start))
 
 
 @pytest.fixture
@@ -42,7 +32,7 @@ def backend() -> SimulatedBackend:
 
 @pytest.fixture
 def dynamic(config: Config) -> Config:
-    return dataclasses.replace(config, dynamic_mig=DynamicMigConfig(gpus=("1",), grace_seconds=600.0))
+    return with_dynamic_mig(config)
 
 
 def pod(api: ApiServerDouble, name: str, units: int, plan: list[tuple[str, int]] | None,

@@ -1,7 +1,9 @@
 """Prioritize for DRA pods: the per-GPU view from ResourceSlices and allocated claims, live via watches."""
 from __future__ import annotations
 
+import contextlib
 import json
+from typing import Iterator
 
 import orjson
 from kubernetes import client
@@ -170,9 +172,9 @@ def test_the_dra_watch_follows_events_with_the_installed_client_and_lists_once()
             watcher.stop()
 
 
-def test_a_relist_drops_what_was_deleted_while_the_watch_was_down():
-    """Issue 17 item 9: DraWatch never dropped objects deleted during an outage, so a deleted claim
-    stayed charged. A list is the whole truth: it replaces the view."""
+@contextlib.contextmanager
+def _watching_one_claim() -> Iterator[tuple[ApiServerDouble, dra_scoring.DraCluster]]:
+    """A DraWatch over one node's slices and one claim ``default/held`` of 40 GiB, once both watches run."""
     with ApiServerDouble() as api, api_client_for(api.url) as http:
         resource = client.ResourceV1Api(http)
         for s in node_slices("n1", 1):
@@ -183,36 +185,32 @@ def test_a_relist_drops_what_was_deleted_while_the_watch_was_down():
         watcher.start()
         try:
             assert api.wait_for(lambda a: "default/held" in dra.claims and a.open_watches >= 2, timeout=20)
-            assert [u.used for u in dra.state().node_usage("n1")] == [40 * 1024]
-            api.stop()  # the outage: the claim goes and the history with it
-            api.delete(RESOURCECLAIMS, "default", "held")
-            api.compact()
-            api.start()
-            assert api.wait_for(lambda a: "default/held" not in dra.claims, timeout=20)
-            assert [u.used for u in dra.state().node_usage("n1")] == [0]
+            yield api, dra
         finally:
             watcher.stop()
+
+
+def test_a_relist_drops_what_was_deleted_while_the_watch_was_down():
+    """Issue 17 item 9: DraWatch never dropped objects deleted during an outage, so a deleted claim
+    stayed charged. A list is the whole truth: it replaces the view."""
+    with _watching_one_claim() as (api, dra):
+        assert [u.used for u in dra.state().node_usage("n1")] == [40 * 1024]
+        api.stop()  # the outage: the claim goes and the history with it
+        api.delete(RESOURCECLAIMS, "default", "held")
+        api.compact()
+        api.start()
+        assert api.wait_for(lambda a: "default/held" not in dra.claims, timeout=20)
+        assert [u.used for u in dra.state().node_usage("n1")] == [0]
 
 
 def test_a_transient_404_after_the_first_list_keeps_watching_and_drops_what_was_deleted_meanwhile():
     """Issue 21: a 403/404 met on a relist (an API server upgrade, an RBAC edit) ended the DRA watch for
     good while prioritize kept scoring from its view: a claim deleted after that stayed charged for ever.
     Only before the first list does a 403/404 mean "no DRA here"; later it is an outage like others."""
-    with ApiServerDouble() as api, api_client_for(api.url) as http:
-        resource = client.ResourceV1Api(http)
-        for s in node_slices("n1", 1):
-            resource.create_resource_slice(s)
-        _allocated(resource, "held", 40)
-        dra = dra_scoring.DraCluster(NAMES, 1024)
-        watcher = dra_scoring.DraWatch(http, dra, timeout_s=30, backoff_s=0.05)
-        watcher.start()
-        try:
-            assert api.wait_for(lambda a: "default/held" in dra.claims and a.open_watches >= 2, timeout=20)
-            api.fail_next("GET", r"/resourceclaims$", 404, times=2)  # the group is gone for a moment
-            api.compact()
-            api.drop_watches()  # the claim watch resumes into the 404s, then relists
-            api.delete(RESOURCECLAIMS, "default", "held")
-            assert api.wait_for(lambda a: "default/held" not in dra.claims, timeout=20)
-            assert [u.used for u in dra.state().node_usage("n1")] == [0]
-        finally:
-            watcher.stop()
+    with _watching_one_claim() as (api, dra):
+        api.fail_next("GET", r"/resourceclaims$", 404, times=2)  # the group is gone for a moment
+        api.compact()
+        api.drop_watches()  # the claim watch resumes into the 404s, then relists
+        api.delete(RESOURCECLAIMS, "default", "held")
+        assert api.wait_for(lambda a: "default/held" not in dra.claims, timeout=20)
+        assert [u.used for u in dra.state().node_usage("n1")] == [0]
