@@ -38,6 +38,11 @@ binds bound/refused, and for servers that have one, the parsed-pod cache's hits 
     python bench/bench_extender.py --profile --sizes 5000                   # cProfile one server's cycles
     python bench/bench_extender.py --sizes 5000 --node-order fixed          # one fixed name order (rounds 1-4)
     python bench/bench_extender.py --wire --sizes 5000                      # the wire's pieces, memo vs none
+    python bench/bench_extender.py --sizes 5000 --baseline d7ebb75 --floor  # + a server that does no work
+
+``--floor`` serves, beside the others, canned answers of the real sizes (no extender work at all): the
+cycles/s that kube-scheduler's side (this client), HTTP and TLS leave on this machine, the ceiling of
+any extender measured here.
 
 ``--node-order scheduler``: kube-scheduler's filter runs 16 goroutines over chunks of the node list and
 appends each feasible node as its check ends, so the NodeNames of two cycles are never in the same order
@@ -60,6 +65,7 @@ import heapq
 import io
 import json
 import logging
+import operator
 import os
 import platform
 import pstats
@@ -75,6 +81,7 @@ import time
 import zlib
 from typing import Any
 
+import msgspec
 import numpy as np
 import orjson
 
@@ -365,8 +372,12 @@ def serve_child(argv: list[str]) -> None:
     ap.add_argument("--tls-dir", default="")
     ap.add_argument("--policy", default="fgd")
     ap.add_argument("--profile", default="")
+    ap.add_argument("--canned", action="store_true")
     a = ap.parse_args(argv)
     logging.getLogger().setLevel(logging.WARNING)
+    if a.canned:
+        serve_canned(a.nodes, a.tls_dir)
+        return
     policy = Policy(a.policy)
     acct = populate(a.nodes, random.Random(a.nodes), a.mix == "real")
     for pod in pending_pods(a.nodes, a.pods, a.mix):  # the watch has reported them (ADDED, pending)
@@ -417,6 +428,8 @@ def serve_child(argv: list[str]) -> None:
                               "parsed_pod_misses": getattr(reader, "misses", None),
                               "node_name_list_hits": getattr(lists, "hits", None),
                               "node_name_list_misses": getattr(lists, "misses", None),
+                              "prioritize_ahead_served": getattr(ext, "ahead_served", None),
+                              "prioritize_ahead_recomputed": getattr(ext, "ahead_missed", None),
                               "holds": len(acct.holds), "watch_events_applied": feed.applied,
                               "thread_cpu_s": {k: round(v, 2) for k, v in thread_cpu().items()},
                               "gc_s": round(gc_time.seconds, 3), "gc_collections": gc_time.counts}), flush=True)
@@ -431,6 +444,51 @@ def serve_child(argv: list[str]) -> None:
             pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(35)
         with open(a.profile, "w", encoding="utf-8") as fh:
             fh.write(buf.getvalue())
+
+
+class Canned:
+    """The floor (``--floor``): answers of the real sizes, worked out once, whatever is asked. What a
+    cycle costs with no extender work at all: kube-scheduler's side (this file's client), HTTP, TLS."""
+
+    def __init__(self, nodes: int) -> None:
+        names = [f"node-{n:05d}" for n in range(nodes)]
+        failed = max(1, nodes // 100)  # about as many as a real pod's filter fails (bench: ~1%)
+        passed = names[failed:]
+        self.filter = orjson.dumps({"Nodes": None, "NodeNames": passed, "FailedNodes": {
+            n: "GPU memory: the pod needs 20 GiB on one GPU; the most free on one GPU here is 12 GiB" for n in names[:failed]},
+            "FailedAndUnresolvableNodes": {}, "Error": ""})
+        self.prioritize = b"[" + b",".join(b'{"Host":"%s","Score":%d}' % (n.encode(), i % 10)
+                                           for i, n in enumerate(passed)) + b"]"
+
+    def handle(self, method: str, path: str, body: bytes) -> Any:
+        from extender.app import Response
+
+        verb = path.rstrip("/")
+        return Response(200, self.filter if verb == "/filter" else self.prioritize if verb == "/prioritize"
+                        else b'{"Error":""}')
+
+
+def serve_canned(nodes: int, tls_dir: str) -> None:
+    tls = None
+    if tls_dir:
+        from extender.tls import Reloader, TlsFiles
+
+        tls = Reloader(TlsFiles(f"{tls_dir}/server.crt", f"{tls_dir}/server.key", f"{tls_dir}/ca.crt"))
+    server = http_server.ExtenderHTTPServer(Canned(nodes), "127.0.0.1", 0, tls=tls)  # type: ignore[arg-type]
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True, name="http-loop")
+    serving.start()
+    print(server.url, flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "cpu":
+            print(json.dumps({"process_s": time.process_time(), "threads_s": thread_cpu(), "gc_s": 0.0,
+                              "gc_collections": [0, 0, 0]}), flush=True)
+        elif cmd == "stats":
+            print(json.dumps({"canned": True}), flush=True)
+        else:
+            break
+    server.close()
+    serving.join(30)
 
 
 def thread_cpu() -> dict[str, float]:
@@ -491,6 +549,8 @@ class Server:
         env["BENCH_EXTENDER_TREE"] = tree
         cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--nodes", str(nodes), "--mix", mix,
                "--pods", str(pods), "--tls-dir", tls_dir, "--policy", policy, "--profile", profile]
+        if label == "floor":
+            cmd.append("--canned")
         self._proc = subprocess.Popen(cmd, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.address: tuple[str, int] | None = None
 
@@ -588,6 +648,24 @@ class Binds:
         self.client.close()
 
 
+class HostPriority(msgspec.Struct):
+    """extender/v1 HostPriority, decoded into a typed struct as kube-scheduler's Go client does (a dict
+    per node costs the client ~0.4 ms more per cycle at 5,000 nodes: the client must not be what is measured)."""
+
+    Host: str
+    Score: int
+
+
+class FilterAnswer(msgspec.Struct):
+    """The part of extender/v1 ExtenderFilterResult the client reads (``nodeCacheCapable``)."""
+
+    NodeNames: list[str] | None = None
+
+
+_SCORES = msgspec.json.Decoder(list[HostPriority])
+_FILTERED = msgspec.json.Decoder(FilterAnswer)
+
+
 def scheduler_order(names: list[str], rng: random.Random, workers: int = 16) -> list[str]:
     """The order kube-scheduler sends the feasible nodes in: its filter runs ``workers`` goroutines
     (``parallelism``, 16 by default) over chunks of the node list (``chunkSizeFor``: sqrt(n), at most
@@ -623,15 +701,15 @@ def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls
         for pod, body in zip(pods, bodies):
             dt, raw = client.post(b"/filter", body)
             lat["filter"].append(dt)
-            fitting = orjson.loads(raw)["NodeNames"]
+            fitting = _FILTERED.decode(raw).NodeNames or []
             fitting_counts.append(len(fitting))
             node = fitting[0] if len(fitting) == 1 else None
             if len(fitting) > 1:  # kube-scheduler skips prioritize with one feasible node
                 dt, raw = client.post(b"/prioritize", orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": fitting}))
                 lat["prioritize"].append(dt)
-                scores = orjson.loads(raw)
+                scores = _SCORES.decode(raw)
                 if scores:
-                    node = max(scores, key=lambda s: s["Score"])["Host"]  # its weight outvotes the rest
+                    node = max(scores, key=operator.attrgetter("Score")).Host  # its weight outvotes the rest
             if binds is not None and node is not None:
                 binds.jobs.put((pod, node))
         wall = time.perf_counter() - wall0
@@ -736,6 +814,8 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
               "servers": {label: {**pooled(rs), "server_stats": stats[label],
                                   "per_run": [{k: v for k, v in r.items() if k != "latencies_ms"} for r in rs]}
                           for label, rs in runs.items()}}
+    if "floor" in runs:
+        result["floor_cycles_per_s"] = round(float(np.median([r["cycles_per_s"] for r in runs["floor"]])), 1)
     if "new" in runs and "baseline" in runs:
         # Per pair of adjacent runs (same pods, moments apart): other work on the machine drifts between
         # pairs much more than within one, so the median of the pairs' ratios is what to quote.
@@ -837,6 +917,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="filter's NodeNames: kube-scheduler's order (default: its parallel filter's "
                          "interleaving, new every cycle), or the same order every cycle (as rounds 1-4 sent)")
     ap.add_argument("--baseline", metavar="REV", help="also serve this commit's extender, interleaved")
+    ap.add_argument("--floor", action="store_true",
+                    help="also serve canned answers of the real sizes (no extender work): the cycles/s that "
+                         "the client, HTTP and TLS leave, interleaved like a baseline")
     ap.add_argument("--cycles", type=int, help="cycles per run (default 200 at <= 1,000 nodes, else 100)")
     ap.add_argument("--out", help="result file (default bench/results/extender[-<mix>].json)")
     ap.add_argument("--wire", action="store_true",
@@ -861,6 +944,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-baseline-"))
             trees["baseline"] = baseline_tree(args.baseline, tmp)
+        if args.floor:
+            trees["floor"] = ROOT
         runs = []
         for nodes in (int(n) for n in args.sizes.split(",")):
             cycles = args.cycles or ((100 if args.quick else 200) if nodes <= 1000 else (50 if args.quick else 100))
