@@ -156,6 +156,7 @@ class TenantBook:
     first_tick: int  # the tick it was first listed (its age, for ``starting``)
     gpus: dict[str, GpuBook] = field(default_factory=dict)
     preemptions_total: float | None = None  # the engine's counter as last read
+    finished_total: float | None = None  # vllm:request_success_total as last read
     phase: Phase | None = None  # as last written to its file
     qclass: str | None = None  # its quota class as of the latest tick
     orphan_of: str | None = None  # the class a reload removed: its limits are held until the next one
@@ -303,15 +304,12 @@ class QuotaLoop:
                         url=t.metrics_url, error=str(exc))
             report.errors.append(str(exc))
             return Signals()
-        delta, b = None, self._book(t.key)
-        if s.preemptions_total is not None:
-            last = b.preemptions_total
-            if last is not None:  # a counter below its last value was reset: count it from zero
-                delta = int(s.preemptions_total - last if s.preemptions_total >= last else s.preemptions_total)
-            b.preemptions_total = s.preemptions_total
+        b = self._book(t.key)
+        delta, b.preemptions_total = _increase(s.preemptions_total, b.preemptions_total)
+        finished, b.finished_total = _increase(s.finished_total, b.finished_total)
         if s.generation_applied is not None:
             b.applied = s.generation_applied
-        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running,
+        return Signals(kv_usage=s.kv_usage, waiting=s.waiting, preemptions=delta, running=s.running, finished=finished,
                        release_mode=s.release_mode, kv_held_mib=_mib(s.kv_held_bytes),
                        kv_demand_mib=_mib(s.kv_demand_bytes), generation_applied=s.generation_applied)
 
@@ -755,6 +753,16 @@ def _warm_detail(e: object) -> dict[str, object]:
 
 def _or(value: int | None, default: int) -> int:
     return default if value is None else value
+
+
+def _increase(now: float | None, last: float | None) -> tuple[int | None, float | None]:
+    """A Prometheus counter's increase since it was ``last`` read (None at the first reading), and what
+    to remember: a counter below its last value was reset (the engine restarted), counted from zero."""
+    if now is None:
+        return None, last
+    if last is None:
+        return None, now
+    return int(now - last if now >= last else now), now
 
 
 def _mib(value: float | None) -> int | None:

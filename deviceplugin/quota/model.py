@@ -93,6 +93,9 @@ class Signals:
     waiting: int | None = None  # vllm:num_requests_waiting
     preemptions: int | None = None  # increase of vllm:num_preemptions_total since the last tick
     running: int | None = None  # vllm:num_requests_running
+    #: increase of vllm:request_success_total since the last tick: requests that came and went between
+    #: two ticks, which no gauge shows (idle detection, wake ahead)
+    finished: int | None = None
     release_mode: str | None = None  # vramshare_vllm_release_mode's active mode (unmap | throttle)
     kv_held_mib: int | None = None  # vramshare_vllm_kv_memory_held_bytes: KV memory the engine holds
     kv_demand_mib: int | None = None  # vramshare_vllm_kv_demand_bytes: KV it would hold if unfenced

@@ -21,6 +21,9 @@ VLLM_KV = "vllm:kv_cache_usage_perc"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_PREEMPTIONS = "vllm:num_preemptions_total"
+#: requests finished, per finished_reason (vLLM v1 ``counter_request_success``): a request that starts and
+#: ends between two ticks shows in no gauge, only here
+VLLM_FINISHED = "vllm:request_success_total"
 PLUGIN_PREFIX = "vramshare_vllm_"
 PLUGIN_BLOCKS_USED = "vramshare_vllm_kv_blocks_used"  # the plugin's KV use against its quota cap
 PLUGIN_BLOCK_CAP = "vramshare_vllm_kv_block_cap"
@@ -93,6 +96,7 @@ class VllmMetricsReader:
         waiting: float | None = None
         running: float | None = None
         preempt: float | None = None
+        finished: float | None = None
         extra: dict[str, float] = {}
         used: dict[str, float] = {}
         cap: dict[str, float] = {}
@@ -106,6 +110,8 @@ class VllmMetricsReader:
                 running = (running or 0.0) + value
             elif name == VLLM_PREEMPTIONS:
                 preempt = (preempt or 0.0) + value
+            elif name == VLLM_FINISHED:
+                finished = (finished or 0.0) + value
             elif name.startswith(PLUGIN_PREFIX):
                 extra[name] = extra.get(name, 0.0) + value
                 engine = labels.get("engine", "")
@@ -119,6 +125,7 @@ class VllmMetricsReader:
         modes, applied = _release(page)
         return VllmSample(kv_usage=kv, waiting=None if waiting is None else int(waiting),
                           preemptions_total=preempt, running=None if running is None else int(running), extra=extra,
+                          finished_total=finished,
                           release_mode=_weakest(modes), kv_held_bytes=extra.get(PLUGIN_KV_HELD),
                           kv_demand_bytes=extra.get(PLUGIN_KV_DEMAND),
                           generation_applied=min(applied.values()) if applied else None)

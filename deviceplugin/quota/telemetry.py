@@ -48,6 +48,7 @@ class VllmSample:
     waiting: int | None = None
     preemptions_total: float | None = None
     running: int | None = None  # vllm:num_requests_running (idle detection)
+    finished_total: float | None = None  # vllm:request_success_total, summed over reasons and engines (raw)
     extra: dict[str, float] = field(default_factory=dict)  # the plugin's vramshare_vllm_* gauges
     # the plugin's release signals (SIGNALS.md), combined over the server's engines: the weakest
     # release mode (one throttling engine makes the server's cut free nothing for its part), KV

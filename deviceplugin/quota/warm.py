@@ -95,7 +95,7 @@ class EngineView:
     ahead_seq: int | None = None  # the prewake's seq
     ahead_at: float | None = None  # when the prewake was sent
     prewoken_until: float | None = None  # woken ahead, no request yet: the hold's end
-    request_seen: bool = False  # a running or waiting request since it was woken ahead
+    request_seen: bool = False  # a running, waiting or finished request since it was woken ahead
     wasted_seq: int | None = None  # the sleep that ends a wasted early wake
     prewakes_used: int = 0
     prewakes_wasted: int = 0
@@ -226,7 +226,8 @@ class WarmBroker:
             self._rank[t.key] = t.rank
             self._ahead[t.key] = (bool(getattr(terms, "wake_ahead", False)),
                                   float(getattr(terms, "idle_seconds", 0.0) or 0.0))
-            if e is not None and e.prewoken_until is not None and (t.signals.running or t.signals.waiting):
+            if e is not None and e.prewoken_until is not None and (t.signals.running or t.signals.waiting
+                                                                   or t.signals.finished):
                 e.request_seen = True
             ahead = e is not None and e.state is Sleep.SLEEPING and e.ahead != ""
             if ahead and e is not None and e.ahead == "booked" and self._wake_on(gpu):

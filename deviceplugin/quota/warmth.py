@@ -1,7 +1,7 @@
 """Hot, warm and waking tenants (issue 9 item 4). Pure: readings in, a phase per tenant out.
 
-A tenant is *idle* when its vLLM reports no running and no waiting requests and its use has stayed
-within one step of where it was; idle for ``idle_seconds`` makes it ``warm`` (the policy shrinks it
+A tenant is *idle* when its vLLM reports no running and no waiting requests, has finished none since
+the last tick, and its use has stayed within one step of where it was; idle for ``idle_seconds`` makes it ``warm`` (the policy shrinks it
 toward its floor and lends the memory). The first sign of traffic (a running or waiting request, or
 use rising by a step) makes a warm tenant ``waking`` for one tick, in which the policy restores it
 ahead of everybody; then it is ``hot`` again. A tenant without vLLM signals is never made warm: flat
@@ -33,7 +33,8 @@ class Warmth:
                step_mib: int) -> Phase:
         s = self._seen.setdefault(key, _Seen(Phase.HOT, None, used))
         reported = signals.running is not None or signals.waiting is not None
-        busy = bool(signals.running) or bool(signals.waiting)
+        # a request that came and went between two ticks shows only in the finished counter's increase
+        busy = bool(signals.running) or bool(signals.waiting) or bool(signals.finished)
         rising = used is not None and s.used is not None and used - s.used >= step_mib
         flat = used is not None and s.used is not None and abs(used - s.used) < step_mib
         if s.phase is Phase.WARM and (busy or rising):

@@ -39,6 +39,7 @@ class FakeEngine:
     def __init__(self, rig: "Rig", key: TenantKey, old: bool = False):
         self.rig, self.key, self.old = rig, key, old
         self.running = 0
+        self.finished = 0  # requests finished since the last tick (vllm:request_success_total's increase)
         self.wake_seq = 0
 
     def on(self, msg: contract.WarmMessage, now: float) -> None:
@@ -100,10 +101,15 @@ class Rig:
         states, phases = [], {}
         for k in (AHEAD, OTHER, BUSY):
             running = self.engines[k].running if k in self.engines else 1
+            if k in self.engines and self.engines[k].finished:  # traffic between ticks, as Warmth reads it
+                self.idle_since[k] = now
             idle = k in self.engines and not running and now - self.idle_since[k] >= IDLE_S
             phases[k] = Phase.WARM if idle else Phase.HOT
-            t = TenantState(k, REQ, self.limits[k], self.used[k], Signals(running=running, waiting=0, kv_usage=0.0),
-                            phase=phases[k])
+            finished = self.engines[k].finished if k in self.engines else 0
+            if k in self.engines:
+                self.engines[k].finished = 0
+            t = TenantState(k, REQ, self.limits[k], self.used[k],
+                            Signals(running=running, waiting=0, kv_usage=0.0, finished=finished), phase=phases[k])
             states.append(b.prepare(t, GPU, self.terms[k]))
         states = b.hold_wakes(GPU, self.cap, states, self.reserved)
         gpu = GpuState(GPU, self.cap, tuple(states), reserved_mib=self.reserved)
@@ -229,6 +235,21 @@ def test_a_real_wake_sends_the_early_woken_engine_back_to_sleep_first():
     assert sleep_at and grant_at and sleep_at[0] < grant_at[0]
     v = rig.broker.views()[AHEAD]
     assert v.state is Sleep.SLEEPING and v.prewakes_wasted == 1 and v.prewakes_used == 0
+
+
+def test_a_request_that_comes_and_goes_between_two_ticks_uses_the_early_wake():
+    """Woken ahead, the engine serves a short request entirely between two ticks: no gauge shows it,
+    the finished counter does. Counted used (not wasted), and the engine is not sent to sleep at the
+    hold's end as if no request had come."""
+    rig = Rig()
+    due = history(rig)
+    rig.run(due - 60, due - 0.5, step=0.5)
+    assert rig.broker.views()[AHEAD].state is Sleep.AWAKE
+    rig.engines[AHEAD].finished += 1  # started and finished at `due`, between the ticks at due-0.5 and due
+    out = rig.run(due, due + 3, step=0.5)
+    v = rig.broker.views()[AHEAD]
+    assert (v.prewakes_used, v.prewakes_wasted) == (1, 0)
+    assert not ops(out, AHEAD, contract.WARM_SLEEP)
 
 
 def test_a_wasted_early_wake_is_slept_after_the_hold_counted_and_not_forecast_again():

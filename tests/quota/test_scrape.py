@@ -35,6 +35,9 @@ def test_vllm_reader_combines_engines():
     assert s.kv_usage == pytest.approx(0.99)  # engine 1: 792 of its 800-block cap beats vLLM's 0.962
     assert s.waiting == 7
     assert s.preemptions_total == 20
+    # vLLM's counter_request_success in its own label order, every finished_reason and engine; its
+    # _created samples are timestamps, not requests
+    assert s.finished_total == 2039
     assert s.extra == {"vramshare_vllm_quota_mib": 24576.0, "vramshare_vllm_kv_block_cap": 1800.0,
                        "vramshare_vllm_kv_blocks_used": 1492.0}
 

@@ -40,6 +40,16 @@ def test_rising_use_wakes_and_no_signals_never_warms():
     assert Warmth().update(IDLE, 8000, QUIET, 0, 0, 512) is Phase.HOT  # idleSeconds 0: never warm
 
 
+def test_requests_that_come_and_go_between_ticks_keep_a_tenant_hot():
+    """vLLM's gauges read 0 at every tick while short requests finish in between: only the finished
+    counter's increase shows them (a 10 s tick misses a 2 s request every 8 s)."""
+    w, between = Warmth(), Signals(running=0, waiting=0, finished=2)
+    assert all(w.update(BUSY, 8000, between, t, 30, 512) is Phase.HOT for t in range(0, 200, 10))
+    assert w.update(BUSY, 8000, QUIET, 200, 30, 512) is Phase.HOT  # quiet from here: the idle clock starts
+    assert w.update(BUSY, 8000, QUIET, 230, 30, 512) is Phase.WARM
+    assert w.update(BUSY, 8000, between, 240, 30, 512) is Phase.WAKING
+
+
 def _gpu(idle_phase, idle_cur, busy_cur, busy_used=19500):
     return GpuState("GPU-0", 40000, (
         TenantState(IDLE, 20000, idle_cur, 3000, QUIET, phase=idle_phase),
@@ -108,3 +118,32 @@ def test_the_loop_writes_the_state_and_exports_it(tmp_path):
     idle = next(d for d in report.decisions if d.key == IDLE)
     assert idle.phase is Phase.WAKING and idle.limit_mib > 5000
     assert read_quota(container_dir(str(tmp_path), IDLE.pod_uid, "vllm")).state == "waking"
+
+
+def test_the_loop_reads_the_finished_counter_between_ticks_and_survives_its_reset(tmp_path):
+    """Through the loop: an engine whose gauges are 0 at every scrape but whose
+    vllm:request_success_total rises is never made warm; a restart (the counter falls) counts from zero."""
+    clock, src, vllm = [0.0], Source(), Vllm()
+    loop = QuotaLoop(src, lambda: {"GPU-0": 40000}, [src], P, str(tmp_path), signals=vllm,
+                     settings=LoopSettings(P, idle_seconds=30, startup_ticks=0), clock=lambda: clock[0])
+
+    def state() -> str:
+        return read_quota(container_dir(str(tmp_path), IDLE.pod_uid, "vllm")).state
+
+    for n, t in enumerate(range(0, 100, 10)):
+        clock[0] = float(t)
+        vllm.by_url["http://idle"] = VllmSample(waiting=0, running=0, finished_total=100.0 + 3 * n)
+        loop.run_once()
+        assert state() == "hot", t
+    for t in range(100, 140, 10):  # the counter stops: idle from the first tick it did not move
+        clock[0] = float(t)
+        loop.run_once()
+    assert state() == "warm"
+    clock[0] = 140.0
+    vllm.by_url["http://idle"] = VllmSample(waiting=0, running=0, finished_total=0.0)  # restarted, no request yet
+    loop.run_once()
+    assert state() == "warm"
+    clock[0] = 150.0
+    vllm.by_url["http://idle"] = VllmSample(waiting=0, running=0, finished_total=1.0)  # one since the restart
+    loop.run_once()
+    assert state() == "waking"
