@@ -113,7 +113,8 @@ class WarmBroker:
     displace_after_ticks: int = 1  # a wake first lets the policy take back loans, then displaces
     ahead_rule: WakeAhead = field(default_factory=WakeAhead)  # the replay's forecast rule (one rule)
     prewake_answer_s: float = 10.0  # no ``awake`` by the first tick this long after a prewake: declined
-    _ahead: dict[TenantKey, tuple[bool, float]] = field(default_factory=dict)  # class: wakeAhead, idleSeconds
+    #: per tenant, its class's wakeAhead, idleSeconds and wakeReserve (the wakes a GPU keeps room for)
+    _ahead: dict[TenantKey, tuple[bool, float, int]] = field(default_factory=dict)
     _room: dict[str, tuple[int, dict[TenantKey, tuple[int, int]]]] = field(default_factory=dict)
     _overcommit: dict[tuple[TenantKey, str], tuple[int, int | None, float, int]] = field(default_factory=dict)
     _rank: dict[TenantKey, int] = field(default_factory=dict)
@@ -166,7 +167,7 @@ class WarmBroker:
             elif (op == contract.WARM_AWAKE and e.state is Sleep.SLEEPING and e.ahead_seq is not None
                   and msg.get("seq") == e.ahead_seq):  # up ahead of its forecast request (a late one too)
                 hold = self.ahead_rule.hold_s
-                hold = self._ahead.get(key, (False, 0.0))[1] if hold is None else hold
+                hold = self._ahead.get(key, (False, 0.0, 1))[1] if hold is None else hold
                 e.state, e.lent_mib, e.ahead_seq, e.request_seen = Sleep.AWAKE, 0, None, False
                 e.prewoken_until = max(now, e.due if e.due is not None else now) + hold
                 e.ahead = ""
@@ -184,7 +185,7 @@ class WarmBroker:
     def _slept(self, key: TenantKey, e: EngineView, wasted: bool, now: float) -> None:
         """After a confirmed sleep (lock held): date its last request and arm one forecast per quiet
         spell; a sleep that ends an early wake with no request counts it wasted and arms nothing."""
-        ahead, idle_s = self._ahead.get(key, (False, 0.0))
+        ahead, idle_s, _ = self._ahead.get(key, (False, 0.0, 1))
         e.ahead, e.ahead_seq, e.wasted_seq = "", None, None
         if e.prewoken_until is not None:
             e.prewoken_until = None
@@ -202,6 +203,7 @@ class WarmBroker:
         with self._lock:
             self._engines = {k: v for k, v in self._engines.items() if k in keep}
             self._reserve = {k: v for k, v in self._reserve.items() if k[0] in keep}
+            self._ahead = {k: v for k, v in self._ahead.items() if k in keep}
             self._overcommit = {k: v for k, v in self._overcommit.items() if k[0] in keep}
             self._rank = {k: v for k, v in self._rank.items() if k in keep}
             self._ahead = {k: v for k, v in self._ahead.items() if k in keep}
@@ -225,7 +227,8 @@ class WarmBroker:
             self._reserve[(t.key, gpu)] = b.clamp(t.request_mib)
             self._rank[t.key] = t.rank
             self._ahead[t.key] = (bool(getattr(terms, "wake_ahead", False)),
-                                  float(getattr(terms, "idle_seconds", 0.0) or 0.0))
+                                  float(getattr(terms, "idle_seconds", 0.0) or 0.0),
+                                  max(1, int(getattr(terms, "wake_reserve", 1) or 1)))
             if e is not None and e.prewoken_until is not None and (t.signals.running or t.signals.waiting
                                                                    or t.signals.finished):
                 e.request_seen = True
@@ -297,8 +300,10 @@ class WarmBroker:
 
     def _wake_ahead(self, now: float) -> list[tuple[TenantKey, str]]:
         """Engines to book awake ahead of their forecast request (lock held): due by now, with what each
-        of their GPUs has measured free covering their wake beyond the largest other sleeper's wake (the
-        replay's ``room_ahead``) and no wake waiting there. A spell whose hold has passed is dropped."""
+        of their GPUs has measured free covering their wake beyond the other sleepers' largest wakes, as
+        many as the most any of their classes keeps room for (``wakeReserve``; the replay's
+        ``room_ahead`` with its reserve of one), and no wake waiting there. A spell whose hold has passed
+        is dropped."""
         gpus_of = self._gpus_of()
         taken: dict[str, int] = {}  # needs of engines already booked or sent, not in the reading yet
         for k, e in self._engines.items():
@@ -308,7 +313,7 @@ class WarmBroker:
                     taken[g] = taken.get(g, 0) + max(0, r - u)
         out = []
         for key, e in sorted(self._engines.items()):
-            on, idle_s = self._ahead.get(key, (False, 0.0))
+            on, idle_s, _ = self._ahead.get(key, (False, 0.0, 1))
             if not on or e.state is not Sleep.SLEEPING or e.ahead or e.sleep_pending or e.due is None:
                 continue
             hold = idle_s if self.ahead_rule.hold_s is None else self.ahead_rule.hold_s
@@ -322,10 +327,12 @@ class WarmBroker:
             for g in gpus:
                 free, held = self._room.get(g, (0, {}))
                 need = max(0, held.get(key, (0, 0))[0] - held.get(key, (0, 0))[1])
-                others = [r - u for k, (r, u) in held.items() if k != key and k in self._engines
-                          and self._engines[k].state is Sleep.SLEEPING and not self._engines[k].ahead]
-                ok = ok and (key in held and not self._wake_on(g)
-                             and free - taken.get(g, 0) - max(others, default=0) >= need)
+                others = sorted(((r - u, k) for k, (r, u) in held.items() if k != key and k in self._engines
+                                 and self._engines[k].state is Sleep.SLEEPING and not self._engines[k].ahead),
+                                reverse=True)
+                keep = max((self._ahead.get(k, (False, 0.0, 1))[2] for _, k in others), default=1)
+                kept = sum(gap for gap, _ in others[:keep])  # room for that many of their wakes at once
+                ok = ok and (key in held and not self._wake_on(g) and free - taken.get(g, 0) - kept >= need)
             if not ok:
                 continue
             for g in gpus:

@@ -25,11 +25,12 @@ REQ = 20000
 AHEAD = TenantKey("ns", "ahead", "c")  # a class with wakeAhead
 OTHER = TenantKey("ns", "other", "c")  # a sleeper without it
 BUSY = TenantKey("ns", "busy", "c")  # an awake co-tenant
+THIRD = TenantKey("ns", "third", "c")  # another sleeper, where a rig asks for one
 
 
-def terms(ahead: bool) -> ClassTerms:
+def terms(ahead: bool, wake_reserve: int = 1) -> ClassTerms:
     return ClassTerms("warm" if ahead else "default", 0.5, None, 1.0, None, 512, IDLE_S, 0,
-                      OverLimitAction.EVENT, wake_ahead=ahead)
+                      OverLimitAction.EVENT, wake_reserve=wake_reserve, wake_ahead=ahead)
 
 
 class FakeEngine:
@@ -69,14 +70,16 @@ class FakeEngine:
 
 
 class Rig:
-    def __init__(self, cap: int = 60000, old: bool = False, ahead: bool = True, busy_used: int = 10000):
+    def __init__(self, cap: int = 60000, old: bool = False, ahead: bool = True, busy_used: int = 10000,
+                 third: bool = False, others_reserve: int = 1):
         self.cap = cap
         self.broker = WarmBroker(send=self.send, params=P)
-        self.engines = {AHEAD: FakeEngine(self, AHEAD, old), OTHER: FakeEngine(self, OTHER)}
-        self.terms = {AHEAD: terms(ahead), OTHER: terms(False), BUSY: terms(False)}
-        self.limits = {k: REQ for k in (AHEAD, OTHER, BUSY)}
-        self.used = {AHEAD: REQ - 1000, OTHER: REQ - 1000, BUSY: busy_used}
-        self.idle_since = {AHEAD: 0.0, OTHER: 0.0}
+        sleepers = (OTHER, THIRD) if third else (OTHER,)
+        self.engines = {AHEAD: FakeEngine(self, AHEAD, old), **{k: FakeEngine(self, k) for k in sleepers}}
+        self.terms = {AHEAD: terms(ahead), BUSY: terms(False), **{k: terms(False, others_reserve) for k in sleepers}}
+        self.limits = {k: REQ for k in (*self.engines, BUSY)}
+        self.used = {**{k: REQ - 1000 for k in self.engines}, BUSY: busy_used}
+        self.idle_since = {k: 0.0 for k in self.engines}
         self.out: list[tuple[float, TenantKey, contract.WarmMessage]] = []
         self.prewakes: list[tuple[TenantKey, float, int]] = []
         self.now = 0.0
@@ -99,7 +102,7 @@ class Rig:
         self.now = now
         b = self.broker
         states, phases = [], {}
-        for k in (AHEAD, OTHER, BUSY):
+        for k in (*self.engines, BUSY):
             running = self.engines[k].running if k in self.engines else 1
             if k in self.engines and self.engines[k].finished:  # traffic between ticks, as Warmth reads it
                 self.idle_since[k] = now
@@ -209,6 +212,22 @@ def test_prewake_is_sent_only_into_free_memory_beyond_the_wake_reserve():
     out = rig.run(due2 - 30, due2 - 0.5, step=0.5)
     assert len(ops(out, AHEAD, contract.WARM_PREWAKE)) == 1
     assert rig.prewakes and all(room >= 0 for _, _, room in rig.prewakes)  # measured free beyond the reserve
+
+
+def test_prewake_keeps_room_for_as_many_wakes_as_the_sleepers_classes_reserve():
+    """Two other sleepers (19 GiB wakes each) beside AHEAD: 80 GiB, BUSY uses 20, the sleepers 1 each and
+    3 are claimed by a pod starting, so 54 are free. With their class's wakeReserve 1 one wake is kept
+    (19 + AHEAD's 19 = 38 fit): AHEAD is woken ahead. With wakeReserve 2 both are kept (57 do not fit):
+    it is not, and a real wake still is."""
+    for reserve, woken in ((1, 1), (2, 0)):
+        rig = Rig(cap=80000, busy_used=20000, third=True, others_reserve=reserve)
+        due = history(rig)
+        rig.reserved = 3000
+        assert {rig.broker.views()[k].state for k in (OTHER, THIRD)} == {Sleep.SLEEPING}
+        out = rig.run(due - 30, due - 0.5, step=0.5)
+        assert len(ops(out, AHEAD, contract.WARM_PREWAKE)) == woken, reserve
+    rig.serve(AHEAD, due)  # its request wakes it the ordinary way (its wake is within the reserve)
+    assert rig.broker.views()[AHEAD].state is Sleep.AWAKE
 
 
 def test_no_prewake_while_a_wake_waits_on_the_gpu():
