@@ -61,6 +61,9 @@ def test_the_warmer_leaves_no_table_for_a_request_to_compute() -> None:
         d = (Demand(shape.per_gpu, shape.count),)
         key = FragmentationGradient._keys(d, HostDemand())
         assert len(st.memo.stale(key, wl, rows, st.row_version)) == 0
+        # and prioritize's scores of the shape (its first prioritize paid every row's host stranding)
+        score = FragmentationGradient._score_key(d, HostDemand(), st.gpu_scale())
+        assert len(st.memo.stale(score, wl, rows, st.row_version)) == 0
     st.add_pod("p", "n7", [("g7-0", 100)])  # one node changes: only its row is stale, and warmed again
     assert placement.warm(st, "fgd") is True
     while placement.warm(st, "fgd"):
