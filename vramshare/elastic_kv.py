@@ -24,6 +24,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def schedule(windows: Iterable[tuple[float, float, float]], load: KvLoad, kv_cap
              window_s: float = 600.0) -> np.ndarray:
     """``[k, 3]`` rows ``(window start, rate, booked KV bytes)`` from ServeGen rows ``(start, rate, cv)``:
     the KV an awake engine is booked at from that window's start, ``max(use over the last lookback, floor)
-    + margin``, never above ``kv_cap_bytes`` (its slice's KV part) and never below zero."""
+    + margin`` in whole MiB, never above ``kv_cap_bytes`` (its slice's KV part) and never below zero."""
     rows = sorted(windows)
     if not rows:
         return np.zeros((0, 3))
@@ -92,6 +93,8 @@ def schedule(windows: Iterable[tuple[float, float, float]], load: KvLoad, kv_cap
         while t[lo] + window_s + load.lookback_s <= t[k]:  # windows wholly older than the lookback
             lo += 1
         booked[k] = max(use[lo:k + 1].max(), floor) + margin
+    # whole MiB, as the node books (and so the replay's sums of bytes stay exact)
+    booked = np.ceil(booked / MIB) * MIB
     return np.stack([t, rate, np.clip(booked, 0.0, max(0.0, kv_cap_bytes))], axis=1)
 
 
