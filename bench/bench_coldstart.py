@@ -400,6 +400,12 @@ def plot(result: dict, path: str) -> None:
         ax[2].plot([r["deployments_per_gpu"] for r in b["runs"]], [r["ttft_ref_p99_s"] for r in b["runs"]], "x--",
                    color=f"C{4 + k}", alpha=0.7, label=f"(c) sleeps after {b['warm_idle_s']:g} s (p99 after "
                                                        f"{result['params']['idle_s']:g} s quiet)")
+    for k, b in enumerate(x for x in first.get("warm_idle_sweep", []) if x.get("elastic_runs")):
+        for f in sorted({r["kv_booked"] for r in b["elastic_runs"]}, reverse=True)[:1]:  # books at whole slices
+            runs = [r for r in b["elastic_runs"] if r["kv_booked"] == f]
+            ax[2].plot([r["deployments_per_gpu"] for r in runs], [r["ttft_ref_p99_s"] for r in runs], "+-",
+                       color=f"C{8 + k % 2}", alpha=0.8, label=f"(c) elastic KV, sleeps after {b['warm_idle_s']:g} s, "
+                                                           f"KV booked {f:g}")
     ax[2].plot([first["keep"]["deployments_per_gpu"]], [first["keep"]["ttft_first_p99_s"]], "s", color="C0", label="(b) keep")
     ax[2].axhline(result["params"]["target_p99_s"], ls="--", color="gray", label="p99 target")
     keep_dpg = first["keep"]["deployments_per_gpu"]
