@@ -15,7 +15,9 @@ to run it are compared on the same arrivals:
 Placement (:func:`place`) books each pod at its slice divided by the GPU's ``overcommit`` ratio (issue 23
 item 5: an admin's choice per quota class; 1.0 is today's books). A wake that finds no memory on its GPU
 waits (FIFO) until a co-tenant sleeps; it never fails. Every constant is a field of :class:`Costs` with
-its source.
+its source. With elastic KV (``Deployment.kv``, :mod:`vramshare.elastic_kv`) an awake engine holds its
+weights plus the KV its load uses instead of its whole slice, and a growth that finds no memory waits in
+the same queue as the wakes.
 """
 from __future__ import annotations
 
