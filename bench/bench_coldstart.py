@@ -2,7 +2,7 @@
 
     python bench/bench_coldstart.py [--seeds 2] [--idle-s 300] [--days 14] [--target-p99-s 5]
                                     [--overcommit 1 1.5 2 2.5 3 4] [--warm-idle-s 30 60 120 300]
-                                    [--wake-ahead] [--name coldstart]
+                                    [--wake-ahead] [--elastic-kv [--kv-booked 0.5 0.25]] [--name coldstart]
 
 Compares, on the same sampled arrivals (per seed): (a) ``zero`` scale to zero, every cold start a full
 load; (b) ``keep`` warm pods that keep their slice (Knative ``minScale: 1``); (c) ``warm`` vramshare's warm
@@ -19,6 +19,14 @@ idle-before-sleep (its class's ``idleSeconds``) is swept apart from (a)'s ``--id
 engines ahead of a forecast request into free memory (:class:`vramshare.coldstart.WakeAhead`). The model
 is :mod:`vramshare.coldstart` (pure); this file reads the traces and writes
 ``bench/results/<name>.json`` and ``<name>.png``.
+
+``--elastic-kv`` adds, beside every run above (which it leaves as they are), runs where awake engines have
+elastic KV (kvcached-style, :mod:`vramshare.elastic_kv`): an awake engine holds its weights plus the KV its
+window's request rate uses (Little's law, see ``KV_LOAD``), plus a margin, growing on demand up to its
+slice; the books count an elastic pod at its weights plus ``--kv-booked`` of its slice's KV part; a growth
+that finds no memory waits like a wake and delays the requests that arrive meanwhile. (b) keeps its whole
+slice by the issue's definition; ``keep_elastic`` is (b) with the same elasticity, for fairness (never
+asleep, placed at the same ``--kv-booked``).
 
 Deployments: ``m-small`` clients serve an 8B model (bf16 weights 15 GiB, slice 24 GiB with its KV cache),
 ``m-mid`` clients a 14B model (27.5 GiB, slice 40 GiB); GPUs of 80 GiB, 8 per node, 1.5 TiB of host RAM
@@ -42,12 +50,37 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from vllm_patches.budget import ModelShape, kv_bytes_per_token  # noqa: E402
 from vramshare import coldstart as cs  # noqa: E402
+from vramshare import elastic_kv as ekv  # noqa: E402
 
 TRACES = os.environ.get("VRAMSHARE_TRACES_ROOT", os.path.join(ROOT, "..", "shared", "traces"))
 GIB = cs.GIB
 #: pool -> (model, weight bytes, slice bytes): assumptions stated in the module docstring
 MODELS = {"m-small": ("8B", 15 * GIB, 24 * GIB), "m-mid": ("14B", 27.5 * GIB, 40 * GIB)}
+#: the models' shapes for their KV bytes per token (bf16): Llama-3.1-8B and Qwen2.5-14B ``config.json``
+SHAPES = {"8B": ModelShape(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                           head_size=128, vocab_size=128256, dtype_bytes=2),
+          "14B": ModelShape(hidden_size=5120, intermediate_size=13824, num_layers=48, num_heads=40, num_kv_heads=8,
+                            head_size=128, vocab_size=152064, dtype_bytes=2)}
+#: pool -> (mean prompt tokens, mean output tokens) per request for elastic KV, from ServeGen's per-client
+#: token distributions, ``data/language/<pool>/chunk-*-dataset.json`` (alibaba/ServeGen f891d11; 38 of 43
+#: m-small and 74 of 109 m-mid clients: the others' files, the busiest clients', are over the mirror's 4 MiB
+#: and absent). Each client's mean is request-weighted over its 6-hour periods. ``p90`` (the default,
+#: conservative): the per-client p90 of those means, 9 clients in 10 use less; ``median``: the per-client
+#: median; ``weighted``: the pool's request-weighted mean (its many short requests dominate)
+KV_TOKENS = {"p90": {"m-small": (1510.0, 169.0), "m-mid": (2533.0, 491.0)},
+             "median": {"m-small": (361.0, 40.0), "m-mid": (611.0, 69.0)},
+             "weighted": {"m-small": (120.0, 15.0), "m-mid": (307.0, 51.0)}}
+#: seconds per output token on a shared H100: assumption (:class:`vramshare.elastic_kv.KvLoad`)
+TPOT_S = {"m-small": 0.030, "m-mid": 0.040}
+
+
+def kv_load(pool: str, costs: cs.Costs, tokens: str = "p90") -> ekv.KvLoad:
+    model = MODELS[pool][0]
+    (tin, tout), tpot = KV_TOKENS[tokens][pool], TPOT_S[pool]
+    return ekv.KvLoad(bytes_per_token=kv_bytes_per_token(SHAPES[model], 2), input_tokens=tin, output_tokens=tout,
+                      tpot_s=tpot, ttft_s=costs.base_ttft_s)
 
 
 def read_client(path: str, days: float) -> list[tuple[float, float, str, float]]:
@@ -70,6 +103,35 @@ def read_client(path: str, days: float) -> list[tuple[float, float, str, float]]
 def genai_loads_s() -> np.ndarray:
     with open(os.path.join(TRACES, "genai", "basemodel_update_latency.csv"), encoding="utf-8") as fh:
         return np.array([float(r["value"]) / 1000.0 for r in csv.DictReader(fh)])
+
+
+def read_load(path: str, days: float) -> list[tuple[float, float, float]]:
+    """``(window_start, rate, cv)`` of one client (elastic KV's demand; no random draw)."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for rec in csv.reader(fh):
+            if len(rec) < 3:
+                continue
+            start = float(rec[0])
+            if start >= days * 86400:
+                break
+            try:
+                cv = float(rec[2])
+            except ValueError:
+                cv = 1.0
+            rows.append((start, float(rec[1]), cv))
+    return rows
+
+
+def elastic(deps: list[cs.Deployment], days: float, costs: cs.Costs, tokens: str = "p90") -> list[cs.Deployment]:
+    """``deps`` with elastic KV: each one's booking schedule from its client's rates (same order, names)."""
+    out = []
+    for d in deps:
+        pool, client = d.name.split(":")[0].split("/")
+        path = os.path.join(TRACES, "servegen", pool, f"{client}-trace.csv")
+        kv = ekv.schedule(read_load(path, days), kv_load(pool, costs, tokens), d.slice_bytes - d.weight_bytes)
+        out.append(dataclasses.replace(d, kv=kv))
+    return out
 
 
 def deployments(seed: int, days: float) -> list[cs.Deployment]:
@@ -103,6 +165,7 @@ def run_seed(seed: int, args: argparse.Namespace, costs: cs.Costs, loads: np.nda
         "keep": cs.keep_warm(deps, args.idle_s, horizon, costs, today.gpus_used, train).summary(hours, n),
     }
     ahead = cs.WakeAhead(hold_s=args.ahead_hold_s) if args.wake_ahead else None
+    kv_of = {d.name: d.kv for d in elastic(base_deps, args.days, costs, args.kv_tokens)} if args.elastic_kv else {}
     by_idle = []
     for widle in sorted(set(args.warm_idle_s) | {args.idle_s}):
         # the warm class's idleSeconds: who may be overcommitted and who is up at placement follow it
@@ -135,6 +198,11 @@ def run_seed(seed: int, args: argparse.Namespace, costs: cs.Costs, loads: np.nda
         by_idle.append({"warm_idle_s": widle, "overcommittable_deployments": sum(d.overcommit for d in wdeps),
                         "awake_memory": cs.awake_profile(wdeps, widle, horizon),
                         "bound_x_if_awake_kv_share": kv, "runs": sweep})
+        if args.elastic_kv:
+            edeps = [dataclasses.replace(d, kv=kv_of[d.name]) for d in wdeps]
+            by_idle[-1]["awake_memory_elastic"] = cs.awake_profile(edeps, widle, horizon)
+            by_idle[-1]["elastic_runs"] = elastic_sweep(edeps, up, widle, cluster, horizon, train, hours, n, costs,
+                                                        ahead, args, seed)
         if widle == args.idle_s:
             deps = wdeps
             out["warm"] = sweep[0] if sweep and sweep[0]["overcommit"] == 1.0 else None
@@ -173,11 +241,89 @@ def run_seed(seed: int, args: argparse.Namespace, costs: cs.Costs, loads: np.nda
     out["targets"]["best_setting_same_p99"] = dict({k: top[k] for k in SETTING_KEYS},
                                                   gain_vs_keep=round(top["deployments_per_gpu"] / keep["deployments_per_gpu"], 3)) if top else None
     out["warm_idle_sweep"] = by_idle
+    if args.elastic_kv:
+        edeps = [dataclasses.replace(d, kv=kv_of[d.name]) for d in base_deps]
+        out["keep_elastic"] = keep_elastic(edeps, gpu, cluster, horizon, train, hours, n, costs, args)
+        out["targets"].update(elastic_targets(out, by_idle, base_p99, costs))
     out["awake_memory"] = cs.awake_profile(deps, args.idle_s, horizon)
     out["overcommittable_deployments"] = sum(d.overcommit for d in deps)
     out["evaluated_from_s"] = train
     out["seconds"] = round(time.monotonic() - t0, 1)
     return out
+
+
+def elastic_sweep(edeps: list[cs.Deployment], up: frozenset[str], widle: float, cluster: cs.Cluster, horizon: float,
+                  train: float, hours: float, n: int, costs: cs.Costs, ahead, args: argparse.Namespace,
+                  seed: int) -> list[dict]:
+    """(c) with elastic KV: every ``--kv-booked`` x ``--overcommit``, placed and woken as the other runs."""
+    out = []
+    for f in args.kv_booked:
+        for ratio in args.overcommit:
+            pl = cs.place(edeps, cluster.gpu_bytes, ratio, costs.residual_bytes, awake=up,
+                          wake_reserve=args.wake_reserve, kv_booked=f)
+            cl = dataclasses.replace(cluster, gpus=pl.gpus_used)
+            r = cs.warm_tier(edeps, cl, pl, widle, horizon, costs, train, live=not args.relocate,
+                             relocate=args.relocate, ahead=ahead).summary(hours, n, quiet_ref_s=args.idle_s)
+            r.update(warm_idle_s=widle, overcommit=ratio, sleep_booked_fraction=round(1.0 / ratio, 4), kv_booked=f)
+            out.append(r)
+            print(f"[coldstart] seed {seed} elastic KV, warm idle {widle:g} s, kv booked {f:g} x{ratio}: "
+                  f"{pl.gpus_used} GPUs, p99 (after {args.idle_s:g} s quiet) {r['ttft_ref_p99_s']} s, growth waits "
+                  f"{r['growth_waits']} (request delay p99 {r['request_growth_delay_p99_s']} s), wake waits "
+                  f"{r['waited_for_memory']}", file=sys.stderr, flush=True)
+    return out
+
+
+def keep_elastic(edeps: list[cs.Deployment], gpu: float, cluster: cs.Cluster, horizon: float, train: float,
+                 hours: float, n: int, costs: cs.Costs, args: argparse.Namespace) -> list[dict]:
+    """(b) with the same elastic KV, for fairness: never asleep (its idle timer past the horizon), placed at
+    each ``--kv-booked``; its risk is only growth waits (its first-token p99 stays (b)'s)."""
+    never = [dataclasses.replace(d, overcommit=False, idle_s=10.0 * horizon) for d in edeps]
+    out = []
+    for f in args.kv_booked:
+        pl = cs.place(never, gpu, 1.0, kv_booked=f)
+        r = cs.warm_tier(never, dataclasses.replace(cluster, gpus=pl.gpus_used), pl, 10.0 * horizon, horizon, costs,
+                         train, live=True, relocate=False).summary(hours, n)
+        keys = ("gpus", "deployments_per_gpu", "growths", "growth_waits", "growth_waits_per_hour", "growth_wait_p99_s",
+                "growth_wait_max_s", "requests_delayed_pct", "request_growth_delay_p99_s",
+                "request_growth_delay_p999_s", "over_capacity_steps", "peak_gpu_used_pct")
+        out.append(dict({k: r[k] for k in keys}, kv_booked=f))
+    return out
+
+
+def elastic_targets(out: dict, by_idle: list[dict], base_p99: float | None, costs: cs.Costs) -> dict:
+    """The best elastic setting at the same p99, on both populations: the first requests after idleness
+    (``ttft_ref_p99_s``) and every request (first token ``base_ttft_s`` plus its growth delay, p99)."""
+    keep = out["keep"]["deployments_per_gpu"]
+    bound = None if base_p99 is None else base_p99 * 1.05
+
+    def same(r: dict) -> bool:
+        return bound is not None and r["ttft_ref_p99_s"] <= bound and \
+            costs.base_ttft_s + r["request_growth_delay_p99_s"] <= bound
+    tops = []
+    for b in by_idle:
+        ok = [r for r in b["elastic_runs"] if same(r)]
+        bb = max(ok, key=lambda r: (r["deployments_per_gpu"], r["kv_booked"])) if ok else None
+        b["best_same_p99_elastic"] = dict({k: bb[k] for k in SETTING_KEYS + ELASTIC_KEYS},
+                                          gain_vs_keep=round(bb["deployments_per_gpu"] / keep, 3)) if bb else None
+        if bb:
+            tops.append(bb)
+    top = max(tops, key=lambda r: (r["deployments_per_gpu"], r["warm_idle_s"])) if tops else None
+    ke = [k for k in out["keep_elastic"] if bound is not None and costs.base_ttft_s + k["request_growth_delay_p99_s"] <= bound]
+    kbest = max(ke, key=lambda k: k["deployments_per_gpu"]) if ke else None
+    return {
+        "best_setting_same_p99_elastic": dict({k: top[k] for k in SETTING_KEYS + ELASTIC_KEYS},
+                                              gain_vs_keep=round(top["deployments_per_gpu"] / keep, 3),
+                                              gain_vs_keep_elastic=round(top["deployments_per_gpu"] / kbest["deployments_per_gpu"], 3)
+                                              if kbest else None) if top else None,
+        "keep_elastic_best_same_p99": kbest,
+        "keep_elastic_gain_vs_keep": round(kbest["deployments_per_gpu"] / keep, 3) if kbest else None,
+    }
+
+
+#: what the JSON keeps of an elastic run where it names the best one
+ELASTIC_KEYS = ("kv_booked", "growths", "growth_waits", "growth_waits_per_hour", "growth_wait_p50_s", "growth_wait_p99_s",
+                "growth_wait_max_s", "requests_delayed_pct", "request_growth_delay_p99_s", "request_growth_delay_p999_s",
+                "over_capacity_steps", "peak_gpu_used_pct")
 
 
 #: what the JSON keeps of a setting's run where it names the best one
@@ -208,6 +354,17 @@ def summary(per_seed: list[dict]) -> dict:
         out[f"warm_idle_{w:g}.gain_vs_keep_same_p99"] = mean(
             lambda r: (pick(r)["best_same_p99"] or {}).get("gain_vs_keep"))
     out["targets.best_setting_gain_vs_keep_same_p99"] = mean(lambda r: (r["targets"]["best_setting_same_p99"] or {}).get("gain_vs_keep"))
+    if "keep_elastic" in per_seed[0]:  # --elastic-kv only: the default output keeps its keys
+        for b in per_seed[0]["warm_idle_sweep"]:
+            w = b["warm_idle_s"]
+            pick = (lambda r, w=w: next(x for x in r["warm_idle_sweep"] if x["warm_idle_s"] == w))
+            out[f"warm_idle_{w:g}.elastic.bound_x_any_placement"] = mean(lambda r: pick(r)["awake_memory_elastic"]["bound_x"])
+            out[f"warm_idle_{w:g}.elastic.gain_vs_keep_same_p99"] = mean(
+                lambda r: (pick(r)["best_same_p99_elastic"] or {}).get("gain_vs_keep"))
+        best = (lambda r: r["targets"]["best_setting_same_p99_elastic"] or {})
+        out["targets.elastic.best_setting_gain_vs_keep_same_p99"] = mean(lambda r: best(r).get("gain_vs_keep"))
+        out["targets.elastic.best_setting_gain_vs_keep_elastic"] = mean(lambda r: best(r).get("gain_vs_keep_elastic"))
+        out["targets.elastic.keep_elastic_gain_vs_keep"] = mean(lambda r: r["targets"]["keep_elastic_gain_vs_keep"])
     return out
 
 
@@ -243,6 +400,12 @@ def plot(result: dict, path: str) -> None:
         ax[2].plot([r["deployments_per_gpu"] for r in b["runs"]], [r["ttft_ref_p99_s"] for r in b["runs"]], "x--",
                    color=f"C{4 + k}", alpha=0.7, label=f"(c) sleeps after {b['warm_idle_s']:g} s (p99 after "
                                                        f"{result['params']['idle_s']:g} s quiet)")
+    for k, b in enumerate(x for x in first.get("warm_idle_sweep", []) if x.get("elastic_runs")):
+        for f in sorted({r["kv_booked"] for r in b["elastic_runs"]}, reverse=True)[:1]:  # books at whole slices
+            runs = [r for r in b["elastic_runs"] if r["kv_booked"] == f]
+            ax[2].plot([r["deployments_per_gpu"] for r in runs], [r["ttft_ref_p99_s"] for r in runs], "+-",
+                       color=f"C{8 + k % 2}", alpha=0.8, label=f"(c) elastic KV, sleeps after {b['warm_idle_s']:g} s, "
+                                                           f"KV booked {f:g}")
     ax[2].plot([first["keep"]["deployments_per_gpu"]], [first["keep"]["ttft_first_p99_s"]], "s", color="C0", label="(b) keep")
     ax[2].axhline(result["params"]["target_p99_s"], ls="--", color="gray", label="p99 target")
     keep_dpg = first["keep"]["deployments_per_gpu"]
@@ -263,6 +426,7 @@ def plot(result: dict, path: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--first-seed", type=int, default=0, help="run seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--idle-s", type=float, default=300.0,
                     help="idle timer of scale to zero (a), and the quiet that makes a first request after idleness "
                          "in every policy's reference p99 (ttft_ref_*)")
@@ -277,6 +441,13 @@ def main() -> int:
     ap.add_argument("--wake-ahead", action="store_true",
                     help="wake a sleeping engine ahead of its forecast next request when memory is free "
                          "(vramshare.coldstart.WakeAhead)")
+    ap.add_argument("--elastic-kv", action="store_true",
+                    help="also run (c) and (b) with elastic KV for awake engines (vramshare.elastic_kv); the default "
+                         "runs are unchanged")
+    ap.add_argument("--kv-tokens", choices=sorted(KV_TOKENS), default="p90",
+                    help="with --elastic-kv: which ServeGen token statistic sets a request's KV (see KV_TOKENS)")
+    ap.add_argument("--kv-booked", type=float, nargs="*", default=[1.0, 0.75, 0.5],
+                    help="with --elastic-kv: the share of its slice's KV part an elastic pod is booked at when placed")
     ap.add_argument("--days", type=float, default=14.0)
     ap.add_argument("--gpu-gib", type=float, default=80.0)
     ap.add_argument("--host-gib", type=float, default=1536.0, help="host RAM per 8-GPU node for sleeping weights")
@@ -304,15 +475,23 @@ def main() -> int:
         args.seeds, args.days, args.name = 1, 2.0, f"{args.name}-quick"
     costs = cs.Costs()
     loads = genai_loads_s()
-    per_seed = [run_seed(seed, args, costs, loads) for seed in range(args.seeds)]
+    per_seed = [run_seed(seed, args, costs, loads) for seed in range(args.first_seed, args.first_seed + args.seeds)]
     result = {
-        "params": {**{k: v for k, v in vars(args).items() if k not in ("out", "name")},
+        "params": {**{k: v for k, v in vars(args).items()
+                      if k not in ("out", "name") and (args.elastic_kv or k not in ("elastic_kv", "kv_booked", "kv_tokens"))
+                      and (args.first_seed or k != "first_seed")},
                    "models": {p: {"model": m, "weight_gib": w / GIB, "slice_gib": s / GIB} for p, (m, w, s) in MODELS.items()},
                    "costs": {k: (v / GIB if k.endswith("bytes") or k.endswith("bytes_per_s") else v)
                              for k, v in dataclasses.asdict(costs).items()},
                    "costs_units": "*_bytes in GiB, *_bytes_per_s in GiB/s, *_s in seconds",
                    "genai_loads": {"n": len(loads), "p50_s": round(float(np.percentile(loads, 50)), 2),
-                                   "p99_s": round(float(np.percentile(loads, 99)), 2)}},
+                                   "p99_s": round(float(np.percentile(loads, 99)), 2)},
+                   **({"kv_load": {p: dict(dataclasses.asdict(kv_load(p, costs, args.kv_tokens)),
+                                           request_s=kv_load(p, costs, args.kv_tokens).request_s,
+                                           tokens_per_request=kv_load(p, costs, args.kv_tokens).tokens_per_request)
+                                   for p in MODELS},
+                       "kv_load_units": "bytes_per_token in bytes, *_s in seconds, tokens in tokens"}
+                      if args.elastic_kv else {})},
         "summary": summary(per_seed),
         "per_seed": per_seed,
     }

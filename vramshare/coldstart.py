@@ -15,7 +15,9 @@ to run it are compared on the same arrivals:
 Placement (:func:`place`) books each pod at its slice divided by the GPU's ``overcommit`` ratio (issue 23
 item 5: an admin's choice per quota class; 1.0 is today's books). A wake that finds no memory on its GPU
 waits (FIFO) until a co-tenant sleeps; it never fails. Every constant is a field of :class:`Costs` with
-its source.
+its source. With elastic KV (``Deployment.kv``, :mod:`vramshare.elastic_kv`) an awake engine holds its
+weights plus the KV its load uses instead of its whole slice, and a growth that finds no memory waits in
+the same queue as the wakes.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from vramshare import elastic_kv as ekv
 
 GIB = 1 << 30
 WINDOW_S = 600.0  # ServeGen: one row per 10-minute window
@@ -93,6 +97,21 @@ class Deployment:
     rank: int = 0
     #: its class's idleSeconds under the warm tier (None: the replay's ``idle_s``)
     idle_s: float | None = None
+    #: elastic KV (:mod:`vramshare.elastic_kv`): ``[k, 3]`` rows (window start, rate, booked KV bytes); an
+    #: awake engine holds its weights plus the booked KV, growing on demand up to its slice. None: it holds
+    #: its whole slice while awake (today's engines)
+    kv: np.ndarray | None = None
+
+    def awake_bytes(self, t: float) -> float:
+        """What its engine holds awake at ``t`` (:func:`vramshare.elastic_kv.awake_bytes`)."""
+        return ekv.awake_bytes(self.weight_bytes, self.slice_bytes, self.kv, t)
+
+    def request_bytes(self, kv_booked: float = 1.0) -> float:
+        """What the books count it at when placed: its slice, or with elastic KV its weights plus
+        ``kv_booked`` of its slice's KV part (the class's choice, like ``sleepBookedFraction``)."""
+        if self.kv is None or kv_booked >= 1.0:
+            return self.slice_bytes
+        return self.weight_bytes + max(0.0, kv_booked) * (self.slice_bytes - self.weight_bytes)
 
 
 @dataclass(frozen=True)
@@ -183,8 +202,18 @@ def awake_profile(deps: Sequence[Deployment], idle_s: float, horizon: float) -> 
     ev: list[tuple[float, float]] = []
     for d in deps:
         for s, e in busy_intervals(d.segments, idle_s):
-            if s < horizon:
-                ev += [(float(s), d.slice_bytes), (float(min(e, horizon)), -d.slice_bytes)]
+            if s >= horizon:
+                continue
+            e = float(min(e, horizon))
+            if d.kv is None:
+                ev += [(float(s), d.slice_bytes), (e, -d.slice_bytes)]
+                continue
+            # elastic: its weights plus its booked KV, stepping at the window starts inside the interval
+            cuts = [float(s)] + [float(x) for x in ekv.change_times(d.kv) if s < x < e]
+            level = [d.awake_bytes(x) for x in cuts]
+            ev.append((cuts[0], level[0]))
+            ev += [(x, b - a) for x, a, b in zip(cuts[1:], level, level[1:])]
+            ev.append((e, -level[-1]))
     total = float(sum(d.slice_bytes for d in deps))
     if not ev:
         return {"total_gib": total / GIB, "peak_gib": 0.0, "p99_gib": 0.0, "mean_gib": 0.0, "bound_x": None}
@@ -217,24 +246,27 @@ def booked_bytes(d: Deployment, overcommit: float) -> float:
 
 def place(deployments: Sequence[Deployment], gpu_bytes: float, overcommit: float = 1.0,
           residual_bytes: float = 0.0, max_gpus: int = 1 << 16, awake: frozenset[str] = frozenset(),
-          wake_reserve: int = 1) -> Placement:
+          wake_reserve: int = 1, kv_booked: float = 1.0) -> Placement:
     """First fit decreasing by slice, with the live books' rule (:func:`vramshare.overcommit.books`, the
     one the node and the extender use): a pod of the overcommitted class that sleeps at placement is
     booked at ``slice / overcommit`` (its class's ``sleepBookedFraction`` = 1 / ``overcommit``, never below
     ``residual_bytes``), while each GPU keeps room for the ``wake_reserve`` largest wakes; every other pod,
     and one that is ``awake`` when placed, is booked whole. So ``wake_reserve`` wakes at a time always find
-    memory; more at once wait. ``overcommit`` 1.0 is today's books (every slice)."""
+    memory; more at once wait. ``overcommit`` 1.0 is today's books (every slice). ``kv_booked``: a pod with
+    elastic KV counts as its weights plus that share of its slice's KV part (:meth:`Deployment.request_bytes`)
+    in place of its slice; a growth past it that finds no memory waits (:func:`warm_tier`)."""
     from vramshare import overcommit as oc
-    order = sorted(deployments, key=lambda d: (-d.slice_bytes, d.name))
+    req = {d.name: d.request_bytes(kv_booked) for d in deployments}
+    order = sorted(deployments, key=lambda d: (-req[d.name], d.name))
     firm: list[list[float]] = []
     sleepers: list[list[oc.Sleeper]] = []
     gpu_of: dict[str, int] = {}
     fraction = 1.0 / overcommit if overcommit > 1.0 else 1.0
     for d in order:
         asleep = d.overcommit and overcommit > 1.0 and d.name not in awake
-        me = oc.Sleeper("g", d.slice_bytes, residual_bytes, fraction, wake_reserve) if asleep else None
+        me = oc.Sleeper("g", req[d.name], residual_bytes, fraction, wake_reserve) if asleep else None
         for g in range(len(firm)):
-            f = firm[g] if me else firm[g] + [d.slice_bytes]
+            f = firm[g] if me else firm[g] + [req[d.name]]
             ss = sleepers[g] + [me] if me else sleepers[g]
             if oc.books(f, ss) <= gpu_bytes + 1e-6:
                 break
@@ -246,7 +278,7 @@ def place(deployments: Sequence[Deployment], gpu_bytes: float, overcommit: float
         if me:
             sleepers[g].append(me)
         else:
-            firm[g].append(d.slice_bytes)
+            firm[g].append(req[d.name])
         gpu_of[d.name] = g
     return Placement(gpu_of, len(firm))
 
@@ -293,6 +325,17 @@ class PolicyResult:
     prewake_hits: int = 0  # ... whose request came while they were up (served without a wake in its path)
     prewake_wasted: int = 0  # ... that slept again with no request, or were sent to sleep for a real wake
     host_peak_bytes: float = 0.0  # most host RAM any node's sleeping weights held at once
+    #: elastic KV (:mod:`vramshare.elastic_kv`): reported only when some deployment has it
+    elastic: bool = False
+    growths: int = 0  # an awake engine's booked KV rose (a window's use grew)
+    growth_waits: int = 0  # ... and its GPU had not the memory: it waited like a wake
+    growth_wait_s: list[float] = field(default_factory=list)  # how long each waited (censored at the horizon)
+    #: per growth wait: (its seconds, the requests that arrived while it waited and were delayed by it)
+    growth_delays: list[tuple[float, float]] = field(default_factory=list)
+    requests_total: float = 0.0  # requests of the elastic deployments over the evaluated period (rates x time)
+    #: steps after which a GPU's engines held more than the GPU (the invariant: never)
+    over_capacity: int = 0
+    peak_gpu_frac: float = 0.0  # the most any GPU's engines held at once, as a share of the GPU
 
     def record(self, ttft: float, quiet: float) -> None:
         self.ttft_s.append(ttft)
@@ -331,7 +374,27 @@ class PolicyResult:
             "wakes_per_hour": round(self.wakes / hours, 2),
             "prewakes": self.prewakes, "prewake_hits": self.prewake_hits, "prewake_wasted": self.prewake_wasted,
             "host_peak_gib_per_node": round(self.host_peak_bytes / GIB, 1),
-            **ref,
+            **ref, **(self._elastic_summary(hours) if self.elastic else {}),
+        }
+
+    def _elastic_summary(self, hours: float) -> dict:
+        """Growths of awake engines' KV, how often and how long they waited for memory, and the delay
+        that added to requests (:func:`vramshare.elastic_kv.delay_quantile`)."""
+        w = np.asarray(self.growth_wait_s) if self.growth_wait_s else np.zeros(1)
+        delayed = sum(n for _, n in self.growth_delays)
+        return {
+            "elastic_kv": True, "growths": self.growths, "growth_waits": self.growth_waits,
+            "growth_waits_per_hour": round(self.growth_waits / hours, 3),
+            "growth_wait_p50_s": round(float(np.percentile(w, 50)), 3),
+            "growth_wait_p99_s": round(float(np.percentile(w, 99)), 3),
+            "growth_wait_max_s": round(float(w.max()), 3),
+            "requests_total": round(self.requests_total),
+            "requests_delayed_by_growth": round(delayed),
+            "requests_delayed_pct": round(100.0 * delayed / self.requests_total, 4) if self.requests_total else None,
+            "request_growth_delay_p99_s": round(ekv.delay_quantile(self.growth_delays, self.requests_total, 0.99), 3),
+            "request_growth_delay_p999_s": round(ekv.delay_quantile(self.growth_delays, self.requests_total, 0.999), 3),
+            "over_capacity_steps": self.over_capacity,
+            "peak_gpu_used_pct": round(100.0 * self.peak_gpu_frac, 2),
         }
 
 
@@ -421,6 +484,7 @@ class _Pod:
     prewoken: bool = False  # woken ahead of a forecast request that has not come yet
     forecast: float = -1.0  # the pending wake-ahead's hold end (identifies it)
     gaps: list[float] = field(default_factory=list)  # its quiet gaps so far (the forecast's history)
+    grow_since: float | None = None  # awake and waiting in its GPU's queue for its KV to grow, since then
 
 
 def warm_tier(deps: Sequence[Deployment], cluster: Cluster, placement: Placement, idle_s: float,
@@ -433,8 +497,11 @@ def warm_tier(deps: Sequence[Deployment], cluster: Cluster, placement: Placement
     the wake waits on its GPU, wakes are served higher class first, and a waiting wake displaces (sleeps
     early) only co-tenants of a strictly lower class (``Deployment.rank``) with no request for
     ``displace_idle_s``, asked again every ``max_wait_s`` while it waits. ``ahead``: wake ahead of a
-    forecast request (:class:`WakeAhead`)."""
-    res = PolicyResult("warm", gpus=placement.gpus_used)
+    forecast request (:class:`WakeAhead`). A deployment with elastic KV (``Deployment.kv``) holds, awake,
+    its weights plus its booked KV; when that rises and its GPU has not the memory, the growth joins the
+    GPU's queue like a wake (served in the same order, displacing the same co-tenants), the engine serving
+    meanwhile at what it holds, and the requests that arrive while it waits are counted delayed."""
+    res = PolicyResult("warm", gpus=placement.gpus_used, elastic=any(d.kv is not None for d in deps))
     pods = [_Pod(d, placement.gpu_of[d.name], i) for i, d in enumerate(deps)]
     _run(pods, cluster, placement.gpus_used, idle_s, horizon, costs, res,
          idle_s if count_from is None else count_from, relocate and not live, live, ahead)
@@ -450,12 +517,19 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
     queue: dict[int, list[_Pod]] = {}
     lru: dict[int, OrderedDict[int, _Pod]] = {}  # per node: sleepers, least recently slept first
     host: dict[int, float] = {}
-    events: list[tuple[float, int, int, float]] = []  # (time, 0 sleep | 1 wake | 2 patience | 3 wake ahead, pod, end)
+    # (time, 0 sleep | 1 wake | 2 patience | 3 wake ahead | 4 KV booking changes, pod, end)
+    events: list[tuple[float, int, int, float]] = []
     for p in pods:
         on_gpu[p.gpu].add(p.idx)
         for s, e in busy_intervals(p.dep.segments, p.dep.idle_s or idle_s):
             if s < horizon:
                 heapq.heappush(events, (float(s), 1, p.idx, float(e)))
+        if p.dep.kv is not None:
+            for t in ekv.change_times(p.dep.kv):
+                if t < horizon:
+                    events.append((float(t), 4, p.idx, 0.0))
+            res.requests_total += ekv.requests_between(p.dep.kv, count_from, horizon)
+    heapq.heapify(events)
 
     def account(p: _Pod, now: float) -> None:
         """Charge the memory ``p`` held since its state began (idle unless awake for a request: an engine
@@ -470,9 +544,52 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
     def set_held(p: _Pod, amount: float) -> None:
         held[p.gpu] += amount - p.held
         p.held = amount
+        if held[p.gpu] > cluster.gpu_bytes + 1e-6:
+            res.over_capacity += 1
+        res.peak_gpu_frac = max(res.peak_gpu_frac, held[p.gpu] / cluster.gpu_bytes)
+
+    def need(p: _Pod, now: float) -> float:
+        """What ``p`` holds awake at ``now``: its slice, or with elastic KV its weights and booked KV."""
+        return p.dep.awake_bytes(now)
+
+    def since(q: _Pod) -> float:
+        """When a queued wake's first request came, or a queued growth began."""
+        return q.pending[0] if q.pending else (q.grow_since if q.grow_since is not None else 0.0)
+
+    def end_growth(p: _Pod, now: float) -> None:
+        """``p``'s growth stops waiting (granted, or the engine sleeps): count the wait and its requests."""
+        if p.grow_since is None:
+            return
+        if _counted(p.grow_since, count_from):
+            end = min(now, horizon)
+            res.growth_wait_s.append(end - p.grow_since)
+            res.growth_delays.append((end - p.grow_since, ekv.requests_between(p.dep.kv, p.grow_since, end)))
+        p.grow_since = None
+
+    def grow(p: _Pod, now: float) -> None:
+        """``p`` (awake) needs more KV: at once where its GPU has the memory and nothing waits there,
+        else after displacing lower classes, else it waits in the GPU's queue (never fails)."""
+        res.growths += int(_counted(now, count_from))
+        for attempt in range(2):
+            if fits(p.gpu, p, now) and not queue.get(p.gpu):
+                account(p, now)
+                set_held(p, need(p, now))
+                return
+            if attempt == 0:
+                displace(p, now)
+        res.growth_waits += int(_counted(now, count_from))
+        p.grow_since = now
+        line = queue.setdefault(p.gpu, [])
+        line.append(p)
+        if live:
+            line.sort(key=lambda q: (-q.dep.rank, since(q)))
+        heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
 
     def to_sleep(p: _Pod, now: float) -> None:
         node = p.gpu // per_node
+        if p.grow_since is not None:  # a waiting growth ends with the engine's sleep
+            queue[p.gpu].remove(p)
+            end_growth(p, now)
         account(p, now)
         set_held(p, costs.residual_bytes)
         p.state = "asleep"
@@ -501,7 +618,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         reclaim = costs.reclaim_s if awake_peers else 0.0
         res.reclaims += int(awake_peers)
         account(p, now)
-        set_held(p, p.dep.slice_bytes)
+        set_held(p, need(p, now))
         p.state, p.prewoken, p.ready_at = "awake", False, now + reclaim + cost
         for s in firsts:
             quiet = quiet_before(p.dep.segments, s)
@@ -514,13 +631,13 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
                     res.wakes += 1
         heapq.heappush(events, (max(p.sleep_at, now + reclaim + cost), 0, p.idx, 0.0))
 
-    def fits(g: int, p: _Pod) -> bool:
-        return held[g] - (p.held if p.gpu == g else 0.0) + p.dep.slice_bytes <= cluster.gpu_bytes + 1e-6
+    def fits(g: int, p: _Pod, now: float) -> bool:
+        return held[g] - (p.held if p.gpu == g else 0.0) + need(p, now) <= cluster.gpu_bytes + 1e-6
 
-    def reserve_ok(g: int, p: _Pod) -> bool:
+    def reserve_ok(g: int, p: _Pod, now: float) -> bool:
         """After ``p`` moves onto ``g``, one of ``g``'s sleepers can still wake."""
-        asleep = [pods[j].dep.slice_bytes - pods[j].held for j in on_gpu[g] if pods[j].state == "asleep"]
-        return held[g] + p.dep.slice_bytes + max(asleep, default=0.0) <= cluster.gpu_bytes + 1e-6
+        asleep = [need(pods[j], now) - pods[j].held for j in on_gpu[g] if pods[j].state == "asleep"]
+        return held[g] + need(p, now) + max(asleep, default=0.0) <= cluster.gpu_bytes + 1e-6
 
     def move(p: _Pod, g: int) -> None:
         leave_host(p)
@@ -542,7 +659,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
                 to_sleep(q, now)
         for j in list(on_gpu[p.gpu]):
             q = pods[j]
-            if q.state != "awake" or not (q.dep.rank < p.dep.rank if live else q.dep.overcommit):
+            if j == p.idx or q.state != "awake" or not (q.dep.rank < p.dep.rank if live else q.dep.overcommit):
                 continue
             seg = q.dep.segments
             k = int(np.searchsorted(seg[:, 0], now, side="right")) - 1
@@ -556,8 +673,13 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
 
     def serve_queue(gpu: int, now: float) -> None:
         line = queue.get(gpu, [])
-        while line and fits(gpu, line[0]):
+        while line and fits(gpu, line[0], now):
             p = line.pop(0)
+            if p.grow_since is not None:  # a growth: granted
+                end_growth(p, now)
+                account(p, now)
+                set_held(p, need(p, now))
+                continue
             for s in p.pending:
                 if _counted(s, count_from):
                     res.wait_s.append(now - s)
@@ -566,6 +688,13 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
 
     def give_up_waiting(p: _Pod, now: float) -> None:
         """``p`` waited ``max_wait_s``: restart it on any GPU with room now, else look again later."""
+        if p.grow_since is not None:  # a growth waits on its GPU (it cannot restart elsewhere)
+            if live:
+                displace(p, now)
+                serve_queue(p.gpu, now)
+            if p.grow_since is not None:
+                heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
+            return
         if p.state != "queued":
             return
         if live:  # the broker asks lower classes again while the wake waits
@@ -575,7 +704,7 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
                 heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
             return
         target = next((g for g in sorted(range(gpus), key=lambda g: held[g])
-                       if g != p.gpu and fits(g, p) and not queue.get(g)), None) if relocate else None
+                       if g != p.gpu and fits(g, p, now) and not queue.get(g)), None) if relocate else None
         if target is None:
             heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
             return
@@ -599,11 +728,11 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         at = due - ahead.lead_s - costs.wake_s(p.dep.weight_bytes) - costs.reclaim_s
         heapq.heappush(events, (max(now, at), 3, p.idx, p.forecast))
 
-    def room_ahead(p: _Pod) -> bool:
-        """``p`` may wake ahead: its slice fits with room left for the largest other sleeper's wake."""
+    def room_ahead(p: _Pod, now: float) -> bool:
+        """``p`` may wake ahead: what it holds awake fits with room left for the largest other sleeper's wake."""
         g = p.gpu
-        gaps = [pods[j].dep.slice_bytes - pods[j].held for j in on_gpu[g] if j != p.idx and pods[j].state == "asleep"]
-        return (held[g] - p.held + p.dep.slice_bytes + max(gaps, default=0.0) <= cluster.gpu_bytes + 1e-6
+        gaps = [need(pods[j], now) - pods[j].held for j in on_gpu[g] if j != p.idx and pods[j].state == "asleep"]
+        return (held[g] - p.held + need(p, now) + max(gaps, default=0.0) <= cluster.gpu_bytes + 1e-6
                 and not queue.get(g))
 
     # every pod starts loaded and asleep (deployed, then idle); past a node's host budget, dropped
@@ -619,14 +748,27 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
             give_up_waiting(p, now)
             continue
         if kind == 3:  # wake ahead of the forecast request, if the memory is free
-            if p.state == "asleep" and p.forecast == end and room_ahead(p):
+            if p.state == "asleep" and p.forecast == end and room_ahead(p, now):
                 leave_host(p)
                 account(p, now)
-                set_held(p, p.dep.slice_bytes)
+                set_held(p, need(p, now))
                 p.state, p.prewoken, p.ready_at = "awake", True, now + costs.wake_s(p.dep.weight_bytes)
                 res.prewakes += 1
                 p.sleep_at = max(p.ready_at, end)
                 heapq.heappush(events, (p.sleep_at, 0, i, 0.0))
+            continue
+        if kind == 4:  # elastic KV: an awake engine's booking changes at a window start
+            if p.state == "awake":
+                target = need(p, now)
+                if target <= p.held + 1e-6:  # a shrink (or a waiting growth no longer needed): give it back
+                    if p.grow_since is not None:
+                        queue[p.gpu].remove(p)
+                        end_growth(p, now)
+                    account(p, now)
+                    set_held(p, target)
+                    serve_queue(p.gpu, now)
+                elif p.grow_since is None:
+                    grow(p, now)
             continue
         if kind == 0:  # idle timer ran out: sleep, lend what it held
             if p.state == "awake" and now >= p.sleep_at:
@@ -653,18 +795,18 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
             p.pending.append(now)
             continue
         cold = p.state == "zero"
-        if fits(p.gpu, p) and not queue.get(p.gpu):
+        if fits(p.gpu, p, now) and not queue.get(p.gpu):
             leave_host(p)
             start(p, now, [now], cold)
             continue
         displace(p, now)
-        if fits(p.gpu, p) and not queue.get(p.gpu):
+        if fits(p.gpu, p, now) and not queue.get(p.gpu):
             leave_host(p)
             start(p, now, [now], cold)
             continue
         res.waited_for_memory += int(_counted(now, count_from))
         target = next((g for g in sorted(range(gpus), key=lambda g: held[g])
-                       if g != p.gpu and fits(g, p) and reserve_ok(g, p) and not queue.get(g)), None) if relocate else None
+                       if g != p.gpu and fits(g, p, now) and reserve_ok(g, p, now) and not queue.get(g)), None) if relocate else None
         if target is not None:  # restart where there is room, from the node's file cache
             move(p, target)
             res.relocations += 1
@@ -674,13 +816,14 @@ def _run(pods: list[_Pod], cluster: Cluster, gpus: int, idle_s: float, horizon: 
         p.resume, p.state, p.pending = ("zero" if cold else "asleep"), "queued", [now]
         queue.setdefault(p.gpu, []).append(p)
         if live:  # the broker's order: higher class first, then the earlier request
-            queue[p.gpu].sort(key=lambda q: (-q.dep.rank, q.pending[0]))
+            queue[p.gpu].sort(key=lambda q: (-q.dep.rank, since(q)))
             serve_queue(p.gpu, now)
             if p.state != "queued":
                 continue
         heapq.heappush(events, (now + costs.max_wait_s, 2, p.idx, 0.0))
     for p in pods:
         account(p, horizon)
+        end_growth(p, horizon)  # still waiting at the end: censored at the horizon
         for s in p.pending if p.state == "queued" else ():  # still waiting at the end: censored at the horizon
             if _counted(s, count_from):
                 res.record(max(horizon, s) - s, quiet_before(p.dep.segments, s))
