@@ -203,7 +203,6 @@ class WarmBroker:
         with self._lock:
             self._engines = {k: v for k, v in self._engines.items() if k in keep}
             self._reserve = {k: v for k, v in self._reserve.items() if k[0] in keep}
-            self._ahead = {k: v for k, v in self._ahead.items() if k in keep}
             self._overcommit = {k: v for k, v in self._overcommit.items() if k[0] in keep}
             self._rank = {k: v for k, v in self._rank.items() if k in keep}
             self._ahead = {k: v for k, v in self._ahead.items() if k in keep}
