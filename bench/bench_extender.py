@@ -21,6 +21,10 @@ and 4.66 ms):
   next pod), and the watch events that follow a bind (the assumed pod, then the device plugin's
   ``allocated`` report about a second later), applied in the extender's process as its watch would:
   same-size holds with plans are live and filter walks them;
+* kube-scheduler's own filter before the extender: its NodeResourcesFit drops a node whose allocatable
+  ``vramshare.io/gpu-memory`` less the requests of its pods (bound or assumed) is short of the pod's
+  (:class:`KubeFit`, the profile's ``ignoredByScheduler: false``), and each request is encoded in its
+  cycle, as kube-scheduler marshals it;
 * mutual TLS on both connections (``--no-tls`` to drop it), keep-alive as Go's transport does;
 * p50/p99 per verb over every cycle of every run (not the fastest run's), and cycles/s per run; the
   ratio to the baseline is the median over pairs of adjacent runs (the machine's other work drifts
@@ -60,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import cProfile
 import heapq
 import io
@@ -685,21 +690,50 @@ def scheduler_order(names: list[str], rng: random.Random, workers: int = 16) -> 
     return [names[i] for i in np.argsort(done, kind="stable").tolist()]
 
 
+class KubeFit:
+    """kube-scheduler's own NodeResourcesFit for ``vramshare.io/gpu-memory``, which runs before the
+    extender (the profile's managedResources say ``ignoredByScheduler: false``): a node whose allocatable
+    units, less the requests of the pods on it (bound or assumed), are short of the pod's request never
+    reaches the extender. Kept from the same cluster the servers build (:func:`populate`, same seed) and
+    from the binds of one server (kube-scheduler assumes a pod on its node before binding it)."""
+
+    def __init__(self, names: list[str], acct: accounting.Accounting) -> None:
+        self.names = np.array(names, dtype=object)
+        self.free = np.array([sum(inventory.units_for(u.slot.capacity, 0, 1024) - u.used // 1024
+                                  for u in acct.state.node_usage(n)) for n in names], np.int64)
+        self.row = {n: i for i, n in enumerate(names)}
+
+    @staticmethod
+    def request(pod: dict[str, Any]) -> int:
+        return sum(int(((c.get("resources") or {}).get("requests") or (c.get("resources") or {}).get("limits")
+                        or {}).get(NAMES.gpu_memory, 0)) for c in pod["spec"]["containers"])
+
+    def feasible(self, order: np.ndarray, pod: dict[str, Any]) -> list[str]:
+        """The nodes of ``order`` (rows, in the order kube-scheduler's filter appends them) that fit."""
+        return self.names[order[self.free[order] >= self.request(pod)]].tolist()  # type: ignore[no-any-return]
+
+    def assume(self, node: str, pod: dict[str, Any]) -> None:
+        self.free[self.row[node]] -= self.request(pod)
+
+
 def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls: ssl.SSLContext | None,
-               bind: bool, node_order: str = "fixed") -> dict[str, Any]:
+               bind: bool, node_order: str = "fixed", kube: KubeFit | None = None) -> dict[str, Any]:
     assert server.address is not None
     rng = random.Random(len(pods) * 31 + len(names))  # the same orders for every server
-    bodies = [orjson.dumps({"Pod": pod, "Nodes": None,
-                            "NodeNames": names if node_order == "fixed" else scheduler_order(names, rng)})
-              for pod in pods]
+    rows = np.arange(len(names))
+    orders = [rows if node_order == "fixed" else
+              np.array(scheduler_order(list(range(len(names))), rng), np.int64) for _ in pods]
     client = RawClient(server.address, tls)
     binds = Binds(server.address, tls) if bind else None
     lat: dict[str, list[float]] = {"filter": [], "prioritize": []}
-    fitting_counts = []
+    fitting_counts: list[int] = []
+    sent_counts: list[int] = []
     try:
         cpu0, wall0 = json.loads(server.ask("cpu")), time.perf_counter()
-        for pod, body in zip(pods, bodies):
-            dt, raw = client.post(b"/filter", body)
+        for pod, order in zip(pods, orders):
+            sent = kube.feasible(order, pod) if kube is not None else [names[i] for i in order.tolist()]
+            sent_counts.append(len(sent))
+            dt, raw = client.post(b"/filter", orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": sent}))
             lat["filter"].append(dt)
             fitting = _FILTERED.decode(raw).NodeNames or []
             fitting_counts.append(len(fitting))
@@ -712,6 +746,8 @@ def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls
                     node = max(scores, key=operator.attrgetter("Score")).Host  # its weight outvotes the rest
             if binds is not None and node is not None:
                 binds.jobs.put((pod, node))
+                if kube is not None:
+                    kube.assume(node, pod)
         wall = time.perf_counter() - wall0
         split = cpu_split(cpu0, json.loads(server.ask("cpu")), len(pods))
     finally:
@@ -721,6 +757,7 @@ def run_cycles(server: Server, names: list[str], pods: list[dict[str, Any]], tls
     out: dict[str, Any] = {"cycles": len(pods), "cycles_per_s": round(len(pods) / wall, 1),
                            **split,
                            "mean_fitting_nodes": round(float(np.mean(fitting_counts)), 1),
+                           "mean_sent_nodes": round(float(np.mean(sent_counts)), 1),
                            "latencies_ms": {v: [round(x * 1000, 4) for x in xs] for v, xs in lat.items()}}
     if binds is not None:
         out["binds"] = {"bound": binds.bound, "refused": binds.errors,
@@ -737,6 +774,7 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
                            "server_cpu_ms_per_cycle_median": float(np.median([r["server_cpu_ms_per_cycle"] for r in runs])),
                            "server_cpu_ms_per_cycle_min": min(r["server_cpu_ms_per_cycle"] for r in runs),
                            "mean_fitting_nodes": float(np.mean([r["mean_fitting_nodes"] for r in runs])),
+                           "mean_sent_nodes": float(np.mean([r["mean_sent_nodes"] for r in runs])),
                            "gc_ms_per_cycle_median": float(np.median([r["gc_ms_per_cycle"] for r in runs]))}
     names = {name for r in runs for name in r["thread_cpu_ms_per_cycle"]}
     split = {name: round(float(np.median([r["thread_cpu_ms_per_cycle"].get(name, 0.0) for r in runs])), 3)
@@ -797,6 +835,11 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
             servers[label] = Server(label, tree, nodes, mix, total, tmp if tls_on else "", policy, prof)
             stack.callback(servers[label].stop)
         t0 = time.perf_counter()
+        # kube-scheduler's own fit check, per server (its binds differ): the same books the servers build
+        fit = KubeFit(names, populate(nodes, random.Random(nodes), mix == "real"))
+        kube = {label: copy.copy(fit) for label in servers}
+        for k in kube.values():
+            k.free = k.free.copy()
         for s in servers.values():
             s.wait_ready()
         build_s = time.perf_counter() - t0
@@ -806,7 +849,8 @@ def bench_size(nodes: int, cycles: int, repeat: int, mix: str, tls_on: bool, pol
             batch = pods[r * cycles:(r + 1) * cycles]
             order = list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]
             for label, s in order:
-                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real", node_order=node_order))
+                runs[label].append(run_cycles(s, names, batch, tls, bind=mix == "real", node_order=node_order,
+                                              kube=kube[label]))
                 time.sleep(0.2)
         stats = {label: json.loads(s.ask("stats")) for label, s in servers.items()}
     result = {"nodes": nodes, "gpus": nodes * 8, "mix": mix, "tls": tls_on, "policy": policy, "node_order": node_order,
@@ -834,7 +878,7 @@ def line(nodes: int, label: str, s: dict[str, Any]) -> str:
             f"{p.get('p50_ms')} p99 {p.get('p99_ms')} ms | {s['cycles_per_s_median']} cycles/s (runs "
             f"{s['cycles_per_s_runs']}) | server {s['server_cpu_ms_per_cycle_median']} CPU ms/cycle "
             f"(per thread {s['thread_cpu_ms_per_cycle_median']}, of which GC {s['gc_ms_per_cycle_median']}) | fitting "
-            f"{s['mean_fitting_nodes']:.0f}{binds} | {s['server_stats']}")
+            f"{s['mean_fitting_nodes']:.0f} of {s['mean_sent_nodes']:.0f} sent{binds} | {s['server_stats']}")
 
 
 def _median_us(fn: Any, reps: int) -> float:
