@@ -95,7 +95,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.environ.get("BENCH_EXTENDER_TREE") or ROOT)
 
 from extender import accounting, apicalls, app, binder, http_server, metrics  # noqa: E402
-from vramshare import contract, inventory  # noqa: E402
+from vramshare import contract, inventory, podspec  # noqa: E402
 from vramshare.config import Config, Policy  # noqa: E402
 
 NAMES = contract.Names()
@@ -399,13 +399,7 @@ def serve_child(argv: list[str]) -> None:
             gc.freeze()
     getattr(ext, "prepare", lambda: None)()  # as the tree's extender.main does once the books are in
     settle_heap()
-    tls = None
-    if a.tls_dir:
-        from extender.tls import Reloader, TlsFiles
-
-        d = a.tls_dir
-        tls = Reloader(TlsFiles(f"{d}/server.crt", f"{d}/server.key", f"{d}/ca.crt"))
-    server = http_server.ExtenderHTTPServer(ext, "127.0.0.1", 0, tls=tls)
+    server = http_server.ExtenderHTTPServer(ext, "127.0.0.1", 0, tls=server_tls(a.tls_dir))
     prof = cProfile.Profile(time.thread_time) if a.profile else None  # CPU, not GIL waits
 
     def serve() -> None:  # the loop thread answers filter and prioritize: profile it there
@@ -465,21 +459,23 @@ class Canned:
         self.prioritize = b"[" + b",".join(b'{"Host":"%s","Score":%d}' % (n.encode(), i % 10)
                                            for i, n in enumerate(passed)) + b"]"
 
-    def handle(self, method: str, path: str, body: bytes) -> Any:
-        from extender.app import Response
-
+    def handle(self, method: str, path: str, body: bytes) -> app.Response:
         verb = path.rstrip("/")
-        return Response(200, self.filter if verb == "/filter" else self.prioritize if verb == "/prioritize"
+        return app.Response(200, self.filter if verb == "/filter" else self.prioritize if verb == "/prioritize"
                         else b'{"Error":""}')
 
 
-def serve_canned(nodes: int, tls_dir: str) -> None:
-    tls = None
-    if tls_dir:
-        from extender.tls import Reloader, TlsFiles
+def server_tls(tls_dir: str) -> Any:
+    """The extender's serving TLS from :func:`make_tls`'s files (None: plain HTTP)."""
+    if not tls_dir:
+        return None
+    from extender.tls import Reloader, TlsFiles  # the tree's (a baseline may predate it)
 
-        tls = Reloader(TlsFiles(f"{tls_dir}/server.crt", f"{tls_dir}/server.key", f"{tls_dir}/ca.crt"))
-    server = http_server.ExtenderHTTPServer(Canned(nodes), "127.0.0.1", 0, tls=tls)  # type: ignore[arg-type]
+    return Reloader(TlsFiles(f"{tls_dir}/server.crt", f"{tls_dir}/server.key", f"{tls_dir}/ca.crt"))
+
+
+def serve_canned(nodes: int, tls_dir: str) -> None:
+    server = http_server.ExtenderHTTPServer(Canned(nodes), "127.0.0.1", 0, tls=server_tls(tls_dir))  # type: ignore[arg-type]
     serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True, name="http-loop")
     serving.start()
     print(server.url, flush=True)
@@ -705,8 +701,9 @@ class KubeFit:
 
     @staticmethod
     def request(pod: dict[str, Any]) -> int:
-        return sum(int(((c.get("resources") or {}).get("requests") or (c.get("resources") or {}).get("limits")
-                        or {}).get(NAMES.gpu_memory, 0)) for c in pod["spec"]["containers"])
+        """The pod's gpu-memory request as kube-scheduler counts it (``PodRequests``)."""
+        return podspec.effective_requests(pod, lambda c: {"units": int(podspec.container_requests(c).get(
+            NAMES.gpu_memory, 0))}).get("units", 0)
 
     def feasible(self, order: np.ndarray, pod: dict[str, Any]) -> list[str]:
         """The nodes of ``order`` (rows, in the order kube-scheduler's filter appends them) that fit."""

@@ -64,6 +64,19 @@ class Sleep(str, enum.Enum):
     WAKING = "waking"
 
 
+@dataclass(frozen=True)
+class _Terms:
+    """What a tenant's quota class says to the broker: wake it ahead (``wakeAhead``), its ``idleSeconds``
+    (the early wake's hold), and how many sleepers' wakes its GPU keeps room for (``wakeReserve``)."""
+
+    wake_ahead: bool = False
+    idle_s: float = 0.0
+    wake_reserve: int = 1
+
+
+_NO_TERMS = _Terms()
+
+
 @dataclass
 class EngineView:
     """What the broker knows of one tenant's engine (metrics, inspect)."""
@@ -113,8 +126,7 @@ class WarmBroker:
     displace_after_ticks: int = 1  # a wake first lets the policy take back loans, then displaces
     ahead_rule: WakeAhead = field(default_factory=WakeAhead)  # the replay's forecast rule (one rule)
     prewake_answer_s: float = 10.0  # no ``awake`` by the first tick this long after a prewake: declined
-    #: per tenant, its class's wakeAhead, idleSeconds and wakeReserve (the wakes a GPU keeps room for)
-    _ahead: dict[TenantKey, tuple[bool, float, int]] = field(default_factory=dict)
+    _terms: dict[TenantKey, _Terms] = field(default_factory=dict)  # per tenant, what its class says
     _room: dict[str, tuple[int, dict[TenantKey, tuple[int, int]]]] = field(default_factory=dict)
     _overcommit: dict[tuple[TenantKey, str], tuple[int, int | None, float, int]] = field(default_factory=dict)
     _rank: dict[TenantKey, int] = field(default_factory=dict)
@@ -167,7 +179,7 @@ class WarmBroker:
             elif (op == contract.WARM_AWAKE and e.state is Sleep.SLEEPING and e.ahead_seq is not None
                   and msg.get("seq") == e.ahead_seq):  # up ahead of its forecast request (a late one too)
                 hold = self.ahead_rule.hold_s
-                hold = self._ahead.get(key, (False, 0.0, 1))[1] if hold is None else hold
+                hold = self._terms.get(key, _NO_TERMS).idle_s if hold is None else hold
                 e.state, e.lent_mib, e.ahead_seq, e.request_seen = Sleep.AWAKE, 0, None, False
                 e.prewoken_until = max(now, e.due if e.due is not None else now) + hold
                 e.ahead = ""
@@ -185,7 +197,8 @@ class WarmBroker:
     def _slept(self, key: TenantKey, e: EngineView, wasted: bool, now: float) -> None:
         """After a confirmed sleep (lock held): date its last request and arm one forecast per quiet
         spell; a sleep that ends an early wake with no request counts it wasted and arms nothing."""
-        ahead, idle_s, _ = self._ahead.get(key, (False, 0.0, 1))
+        terms = self._terms.get(key, _NO_TERMS)
+        ahead, idle_s = terms.wake_ahead, terms.idle_s
         e.ahead, e.ahead_seq, e.wasted_seq = "", None, None
         if e.prewoken_until is not None:
             e.prewoken_until = None
@@ -205,7 +218,7 @@ class WarmBroker:
             self._reserve = {k: v for k, v in self._reserve.items() if k[0] in keep}
             self._overcommit = {k: v for k, v in self._overcommit.items() if k[0] in keep}
             self._rank = {k: v for k, v in self._rank.items() if k in keep}
-            self._ahead = {k: v for k, v in self._ahead.items() if k in keep}
+            self._terms = {k: v for k, v in self._terms.items() if k in keep}
 
     def disconnected(self, key: TenantKey) -> None:
         """The engine's connection closed (process gone): its memory is no longer asleep or waking."""
@@ -225,9 +238,9 @@ class WarmBroker:
         with self._lock:
             self._reserve[(t.key, gpu)] = b.clamp(t.request_mib)
             self._rank[t.key] = t.rank
-            self._ahead[t.key] = (bool(getattr(terms, "wake_ahead", False)),
-                                  float(getattr(terms, "idle_seconds", 0.0) or 0.0),
-                                  max(1, int(getattr(terms, "wake_reserve", 1) or 1)))
+            self._terms[t.key] = _Terms(bool(getattr(terms, "wake_ahead", False)),
+                                        float(getattr(terms, "idle_seconds", 0.0) or 0.0),
+                                        max(1, int(getattr(terms, "wake_reserve", 1) or 1)))
             if e is not None and e.prewoken_until is not None and (t.signals.running or t.signals.waiting
                                                                    or t.signals.finished):
                 e.request_seen = True
@@ -312,7 +325,8 @@ class WarmBroker:
                     taken[g] = taken.get(g, 0) + max(0, r - u)
         out = []
         for key, e in sorted(self._engines.items()):
-            on, idle_s, _ = self._ahead.get(key, (False, 0.0, 1))
+            terms = self._terms.get(key, _NO_TERMS)
+            on, idle_s = terms.wake_ahead, terms.idle_s
             if not on or e.state is not Sleep.SLEEPING or e.ahead or e.sleep_pending or e.due is None:
                 continue
             hold = idle_s if self.ahead_rule.hold_s is None else self.ahead_rule.hold_s
@@ -329,7 +343,7 @@ class WarmBroker:
                 others = sorted(((r - u, k) for k, (r, u) in held.items() if k != key and k in self._engines
                                  and self._engines[k].state is Sleep.SLEEPING and not self._engines[k].ahead),
                                 reverse=True)
-                keep = max((self._ahead.get(k, (False, 0.0, 1))[2] for _, k in others), default=1)
+                keep = max((self._terms.get(k, _NO_TERMS).wake_reserve for _, k in others), default=1)
                 kept = sum(gap for gap, _ in others[:keep])  # room for that many of their wakes at once
                 ok = ok and (key in held and not self._wake_on(g) and free - taken.get(g, 0) - kept >= need)
             if not ok:
