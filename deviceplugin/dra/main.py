@@ -7,7 +7,9 @@ whenever ``slice-watch`` sees one deleted: the kubelet wipes them at its start a
 deregistration; retrying failures),
 ``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration),
 ``metrics-http``, and with the quota loop ``quota-loop`` and ``pod-watch`` (the claims' pods, by
-list+watch: a tick reads no API server). Same backends and config file as the device plugin; the config's
+list+watch: a tick reads no API server), and with ``warmTier.enabled`` ``warm-channel`` (the warm tier's
+socket in each claim's quota dir: idle engines sleep and their memory is lent to co-tenants, as on the
+device plugin's GPUs; sleeping claims are not overcommitted). Same backends and config file as the device plugin; the config's
 ``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
 
 Dynamic MIG (issue 24): on NVML, GPUs in MIG mode listed in ``dynamicMig.gpus`` are published as
@@ -93,6 +95,7 @@ class DraPluginDaemon:
         self.refused: frozenset[str] = frozenset()
         self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
         self._quota_loop: Any = None
+        self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self.failed: str | None = None
         self.state.add_listener(self._changed)
 
@@ -116,12 +119,18 @@ class DraPluginDaemon:
         self._spawn("pod-watch", lambda: pods.run(self._stop))
         tenants = ClaimTenantSource(self.preparer.prepared, pods.pods, pods.synced.is_set,
                                     config.names)  # no API call per tick (issue 21)
+        warm = None
+        if config.warm_tier.enabled:  # issue 23: idle engines sleep and lend; no overcommit of the counters
+            warm = quota_service.WarmTier(config, self.metrics.registry)
+            self.warm = warm.broker
         loop = quota_service.build_loop(config, self._api, self.node, capacities, tenants,
                                         nvml=getattr(self.backend, "nvml", None),
-                                        usage=[replay] if replay is not None else None)
+                                        usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
+        if warm is not None:
+            self._spawn("warm-channel", lambda: warm.serve(loop, self._stop))
 
     def _dynamic(self, published: bool = True) -> dict[str, mig.MigModel]:
         """Dynamic-MIG GPUs: in MIG mode, allowed by ``dynamicMig.gpus``, reachable through NVML, and (for

@@ -122,17 +122,11 @@ class DevicePluginDaemon:
             log.info("quota loop off: it reads per-container GPU memory from NVML", backend=self.backend.name)
             return
         from deviceplugin.quota import service as quota_service
-        channels = None
+        warm = None
         if config.warm_tier.enabled:  # issue 23: the warm tier's broker and its sockets
-            from deviceplugin.kubelet.warm_channel import WarmChannels
-            from deviceplugin.quota.model import PolicyParams
-            from deviceplugin.quota.warm import WarmBroker
-            self.warm = WarmBroker(send=lambda key, msg: channels.send(key, msg) if channels else False,
-                                   params=PolicyParams.from_config(config.quota),
-                                   on_credits=self.state.on_credits)  # issue 23 item 5: overcommit
-            channels = WarmChannels(self.warm)
-            from deviceplugin.kubelet.warm_channel import WarmCollector
-            self.metrics.registry.register(WarmCollector(self.warm))
+            warm = quota_service.WarmTier(config, self.metrics.registry,
+                                          on_credits=self.state.on_credits)  # issue 23 item 5: overcommit
+            self.warm = warm.broker
         from deviceplugin.quota.kube import NodeTenantSource
         pods = self.pods.pods if self.pods is not None else list  # (the API is there: so is the cache)
         tenants = NodeTenantSource(self.reconciler.holdings, pods, config.names)  # no API call per tick
@@ -143,10 +137,8 @@ class DevicePluginDaemon:
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
-        if channels is not None:
-            self.warm.poke = loop.poke
-            self._spawn("warm-channel", lambda: channels.serve(
-                self._stop, lambda: {t.key: loop.quota_dir(t) for t in loop.tenants_now}))
+        if warm is not None:
+            self._spawn("warm-channel", lambda: warm.serve(loop, self._stop))
 
     def _start_residency(self) -> None:
         """Issue 23: which models this node can start fast (cache files, engines), in the inventory."""

@@ -22,6 +22,8 @@ from deviceplugin.quota.model import Phase
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader
 from deviceplugin.quota.telemetry import NvmlProcessReader, UsageReader
+from deviceplugin.quota.warm import WarmBroker
+from deviceplugin.quota.warm_channel import WarmChannels, WarmCollector
 from vramshare import contract, logs
 from vramshare.config import DEFAULT_CLASS, Config
 from vramshare.inventory import EnforcementMode
@@ -144,6 +146,28 @@ class QuotaCollector(Collector):
                 if kind == what:
                     c.add_metric([cls], n)
             yield c
+
+
+class WarmTier:
+    """The warm tier's node-agent half (issue 23), the same in both node plugins: the broker, a unix
+    socket in each tenant's quota dir (``warm.sock``, where its engine connects) and the broker's metrics.
+
+    Built before the loop (the loop takes the broker), then :meth:`serve` runs the sockets on a thread of
+    the plugin's own. ``on_credits``: where the kubelet plugin turns sleeping pods of overcommit classes
+    into kubelet units; the DRA plugin passes none (its ResourceSlice counters are never overcommitted)."""
+
+    def __init__(self, config: Config, registry: CollectorRegistry,
+                 on_credits: Callable[[dict[str, int]], None] | None = None) -> None:
+        self.broker = WarmBroker(send=lambda key, msg: self.channels.send(key, msg),
+                                 params=PolicyParams.from_config(config.quota), on_credits=on_credits)
+        self.channels = WarmChannels(self.broker)
+        registry.register(WarmCollector(self.broker))
+
+    def serve(self, loop: QuotaLoop, stop: threading.Event) -> None:
+        """Until ``stop``: listen in the quota dir of each of ``loop``'s tenants; a wake request pokes
+        ``loop`` (no waiting for its next tick)."""
+        self.broker.poke = loop.poke
+        self.channels.serve(stop, lambda: {t.key: loop.quota_dir(t) for t in loop.tenants_now})
 
 
 def register_metrics(loop: QuotaLoop, registry: CollectorRegistry) -> None:

@@ -1,7 +1,7 @@
 """The warm tier, loop side (issue 23 item 2): idle -> sleep -> lend; wake request -> take back -> grant.
 
 Pure (no I/O: messages go out through the ``send`` callable the adapter gives it,
-:mod:`deviceplugin.kubelet.warm_channel`). The quota loop calls it twice per tick:
+:mod:`deviceplugin.quota.warm_channel`). The quota loop calls it twice per tick:
 
 * :meth:`WarmBroker.prepare` on each tenant state before :func:`~deviceplugin.quota.policy.rebalance`:
   a *sleeping* engine's tenant is ``WARM`` with floor 0, so the policy shrinks its limit to its measured

@@ -218,7 +218,7 @@ def test_a_wake_beyond_the_reserve_waits_and_displaces_only_a_lower_class():
     assert r.broker.views()[peer].displaced == 0
     assert r.broker.views()[high].waited == 1  # the reserve ran out once: counted (vramshare_warm_wakes_waited)
     from prometheus_client import CollectorRegistry, generate_latest
-    from deviceplugin.kubelet.warm_channel import WarmCollector
+    from deviceplugin.quota.warm_channel import WarmCollector
     reg = CollectorRegistry()
     reg.register(WarmCollector(r.broker))
     text = generate_latest(reg).decode()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from deviceplugin.kubelet.warm_channel import WarmCollector
+from deviceplugin.quota.warm_channel import WarmCollector
 from deviceplugin.quota.classes import ClassTerms
 from deviceplugin.quota.model import GpuState, Phase, PolicyParams, Signals, TenantKey, TenantState
 from deviceplugin.quota.policy import rebalance

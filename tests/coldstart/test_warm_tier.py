@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from deviceplugin.kubelet.warm_channel import WarmChannels
+from deviceplugin.quota.warm_channel import WarmChannels
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import Phase, PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
@@ -217,7 +217,7 @@ def test_idle_engine_sleeps_and_its_memory_is_lent(rig):
     seen = loop._mirror.details["sleepy"]["vllm"]["GPU-0"]  # what vramshare inspect shows
     assert seen["sleep"] == "sleeping" and seen["lent"] >= 17000
     from prometheus_client import CollectorRegistry, generate_latest
-    from deviceplugin.kubelet.warm_channel import WarmCollector
+    from deviceplugin.quota.warm_channel import WarmCollector
     reg = CollectorRegistry()
     reg.register(WarmCollector(broker))
     text = generate_latest(reg).decode()
@@ -395,3 +395,29 @@ def test_the_loop_restores_the_quota_then_wakes_a_regular_client_ahead(ahead_rig
     step(0.5)
     v = broker.views()[SLEEPY]
     assert (v.prewakes_used, v.prewakes_wasted, v.prewakes_declined) == (1, 0, 0)
+
+
+def test_a_quota_dir_past_a_unix_sockets_path_limit_still_gets_its_socket(tmp_path):
+    """``<quotaHostDir>/<pod uid>/<container or claim-name>/warm.sock`` is ~140 bytes with 63-character
+    names, past sun_path's 107: the agent listened nowhere (``AF_UNIX path too long``, logged) and the
+    engine never slept. The socket is bound in that directory all the same, and an engine reaches it
+    through the container's short mount of it."""
+    broker = WarmBroker(send=lambda k, m: False, params=P)
+    channels = WarmChannels(broker)
+    deep = tmp_path / ("p" * 36) / ("claim-" + "c" * 57)
+    deep.mkdir(parents=True)
+    assert len(str(deep / contract.WARM_SOCKET_NAME)) > 107
+    try:
+        channels.sync({SLEEPY: str(deep)})
+        assert (deep / contract.WARM_SOCKET_NAME).is_socket()
+        mount = tmp_path / "m"
+        mount.symlink_to(deep)
+        tier, ch = plugin({SLEEPY: str(mount)}, FakeEngine(Gpu()))
+        settle(channels)
+        assert broker.views()[SLEEPY].can_sleep  # the engine's hello arrived
+        channels.sync({})
+        assert not (deep / contract.WARM_SOCKET_NAME).exists()  # unlinked when the tenant is gone
+    finally:
+        channels.close()
+        while OPEN:
+            OPEN.pop().close()

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM engine: pip install -e '.[vllm]'")
 
-from deviceplugin.kubelet.warm_channel import WarmChannels  # noqa: E402
+from deviceplugin.quota.warm_channel import WarmChannels  # noqa: E402
 from deviceplugin.quota.model import Decision, Phase, TenantKey  # noqa: E402
 from deviceplugin.quota.warm import Sleep, WarmBroker  # noqa: E402
 from vramshare import contract  # noqa: E402

@@ -26,6 +26,7 @@ from vramshare import contract, logs
 log = logs.get(__name__)
 
 SEND_TIMEOUT_S = 1.0
+SUN_PATH_MAX = 107  # bytes of a unix socket's path: sockaddr_un.sun_path is 108 with its NUL (unix(7))
 
 
 class WarmChannels:
@@ -54,7 +55,7 @@ class WarmChannels:
                     if os.path.exists(path) or os.path.islink(path):
                         os.unlink(path)  # a stale socket of an earlier agent
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.bind(path)
+                    _bind(sock, path)
                     os.chmod(path, 0o666)
                     sock.listen(4)
                     sock.setblocking(False)
@@ -180,6 +181,21 @@ class WarmChannels:
     def close(self) -> None:
         self.sync({})
         self._sel.close()
+
+
+def _bind(sock: socket.socket, path: str) -> None:
+    """Bind ``path``, also past :data:`SUN_PATH_MAX`: the quota root, a pod UID and a 63-character
+    container or claim name already make ~140 bytes (``AF_UNIX path too long``), so a long one is bound
+    through its directory's descriptor (``/proc/self/fd/<fd>/warm.sock``, the same directory entry).
+    The engine connects to the short path its container mounts (``/var/run/vramshare/warm.sock``)."""
+    if len(os.fsencode(path)) <= SUN_PATH_MAX:
+        sock.bind(path)
+        return
+    fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sock.bind(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+    finally:
+        os.close(fd)
 
 
 def _path(directory: str) -> str:
