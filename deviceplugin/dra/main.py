@@ -127,6 +127,7 @@ class DraPluginDaemon:
                                         nvml=getattr(self.backend, "nvml", None),
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
+        self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
         if warm is not None:

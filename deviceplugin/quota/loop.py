@@ -237,6 +237,8 @@ class QuotaLoop:
                      grace_s=new.grace_seconds, action=new.action.value)
         self.settings = new
         self._watch.grace = new.grace_seconds
+        if self.warm is not None:  # the broker bounds sleepers and wakes by the same fractions
+            self.warm.params = new.params
 
     def _snapshot(self) -> list[tuple[TenantKey, TenantBook]]:
         """The books as a list, taken in one step: the metrics thread reads while a tick runs."""

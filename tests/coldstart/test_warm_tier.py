@@ -421,3 +421,14 @@ def test_a_quota_dir_past_a_unix_sockets_path_limit_still_gets_its_socket(tmp_pa
         channels.close()
         while OPEN:
             OPEN.pop().close()
+
+
+def test_a_reload_reaches_the_brokers_bounds(rig):
+    """The broker bounds sleeping and waking tenants by the quota's fractions; a reload changed the loop's
+    and left the broker on the ones it was built with."""
+    from vramshare.config import QuotaConfig
+
+    gpu, clock, broker, channels, loop, dirs, tmp_path = rig
+    loop.reconfigure(QuotaConfig(floor_fraction=0.25, ceiling_fraction=1.25, step_mib=256, margin_mib=512))
+    assert broker.params == loop.settings.params
+    assert broker.params.bounds_of(20000) == loop.settings.params.bounds_of(20000)

@@ -9,6 +9,7 @@ loop inside.
   not run on a simulated node at all.
 * A claim whose pod was deleted (the kubelet has not unprepared it yet) leaves no state in the loop,
   from the next tick on.
+* A reloaded config reaches the loop (it kept its start settings until a restart).
 """
 from __future__ import annotations
 
@@ -122,3 +123,15 @@ def test_before_the_pod_cache_has_listed_a_tick_is_skipped_not_emptied():
     with pytest.raises(PodCacheNotSynced):
         source.list_tenants()
     assert ClaimTenantSource(dict, list, lambda: True).list_tenants() == []
+
+
+def test_a_reloaded_config_reaches_the_dra_plugins_quota_loop(node):
+    """Admins tune quotas in the ConfigMap: the device plugin's loop took each reload from the next tick
+    on, the DRA plugin's kept the settings it started with until a restart."""
+    api, daemon, loop, scheduler, kubelet = node
+    running = daemon.state.snapshot.config
+    assert loop.settings.idle_seconds == running.quota.idle_seconds
+    tuned = dataclasses.replace(running.quota, idle_seconds=77.0, step_mib=256, floor_fraction=0.25)
+    daemon.reload(dataclasses.replace(running, quota=tuned))
+    assert loop.settings.idle_seconds == 77.0
+    assert loop.settings.params.step_mib == 256 and loop.settings.params.floor_fraction == 0.25
