@@ -13,9 +13,11 @@ loop inside.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
+from typing import Iterator
 
 import pytest
 
@@ -27,31 +29,41 @@ from standins.dra_kubelet import DraKubelet
 from standins.dra_scheduler import DraScheduler
 from tests.dra.conftest import NODE, dra_config
 from tests.dra.test_daemon import DRIVER, _apply_deploy, devices_of
+from vramshare.config import Config
 from vramshare.kube import api_client_for
+
+
+@contextlib.contextmanager
+def running_plugin(config: Config, used_mib: int = 2000) -> Iterator[tuple]:
+    """A running DRA plugin on the demo node whose use is replayed (``used_mib`` per tenant, so its quota
+    loop runs), with a registered kubelet and scheduler: ``(api, daemon, scheduler, kubelet)``."""
+    sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
+    try:
+        with ApiServerDouble() as api, api_client_for(api.url) as http:
+            api.create_node({"metadata": {"name": NODE}})
+            _apply_deploy(http)
+            backend = SimulatedBackend.demo()
+            backend.usage_replay = UsageReplay([[used_mib]])
+            daemon = DraPluginDaemon(backend, config, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
+                                     registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2)
+            with daemon:
+                assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+                kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
+                assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+                yield api, daemon, DraScheduler(http, [NODE], seed=1), kubelet
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 @pytest.fixture
 def node(tmp_path):
-    """A running DRA plugin on the demo node whose use is replayed (so its quota loop runs), ticking only
-    when the test says, with a registered kubelet and scheduler."""
-    sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
-    with ApiServerDouble() as api, api_client_for(api.url) as http:
-        api.create_node({"metadata": {"name": NODE}})
-        _apply_deploy(http)
-        config = dra_config(tmp_path)
-        config = dataclasses.replace(config, quota=dataclasses.replace(config.quota, interval_seconds=3600))
-        backend = SimulatedBackend.demo()
-        backend.usage_replay = UsageReplay([[2000]])
-        daemon = DraPluginDaemon(backend, config, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
-                                 registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2)
-        with daemon:
-            loop = getattr(daemon, "_quota_loop", None)  # the daemon's own loop, driven tick by tick
-            assert loop is not None, "the DRA plugin's quota loop runs on a node with replayed use"
-            assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
-            kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
-            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
-            yield api, daemon, loop, DraScheduler(http, [NODE], seed=1), kubelet
-    shutil.rmtree(sockets, ignore_errors=True)
+    """The plugin's quota loop ticking only when the test says (driven tick by tick)."""
+    config = dra_config(tmp_path)
+    config = dataclasses.replace(config, quota=dataclasses.replace(config.quota, interval_seconds=3600))
+    with running_plugin(config) as (api, daemon, scheduler, kubelet):
+        loop = getattr(daemon, "_quota_loop", None)  # the daemon's own loop, driven tick by tick
+        assert loop is not None, "the DRA plugin's quota loop runs on a node with replayed use"
+        yield api, daemon, loop, scheduler, kubelet
 
 
 def _running(api: ApiServerDouble, scheduler: DraScheduler, name: str) -> dict:

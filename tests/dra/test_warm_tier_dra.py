@@ -25,22 +25,16 @@ import time
 
 import pytest
 
-from deviceplugin.dra.main import DraPluginDaemon
 from deviceplugin.quota.warm import Sleep
 from deviceplugin.quota.writer import read_quota
-from deviceplugin.simulated_backend import SimulatedBackend
-from deviceplugin.simulated_usage import UsageReplay
 from standins.apiserver import ApiServerDouble
-from standins.dra_kubelet import DraKubelet
 from standins.dra_scheduler import DraScheduler
 from tests.dra.conftest import NODE, dra_config
-from tests.dra.test_daemon import DRIVER, _apply_deploy, devices_of
-from tests.dra.test_quota_tick_view import _cached, _ip
+from tests.dra.test_quota_tick_view import _cached, _ip, running_plugin
 from tests.test_warm_e2e import Metrics, page
 from vllm_patches.warm import AWAKE, SocketChannel, WarmTier
 from vramshare import contract
 from vramshare.config import WarmTierConfig
-from vramshare.kube import api_client_for
 
 REQUEST_MIB = 22 * 1024  # the claim template vllm-22gi
 USED_MIB = 2000  # what the replayed GPU says the claim's processes hold
@@ -80,29 +74,19 @@ def wait(cond, timeout: float = 20.0) -> bool:
 
 @pytest.fixture
 def node(tmp_path):
-    """A running DRA plugin with the warm tier on, its quota loop ticking every 0.2 s on its own thread,
-    an engine idle after 1 s, and a registered kubelet and scheduler."""
-    sockets = tempfile.mkdtemp(prefix="draw", dir="/tmp")
+    """The DRA plugin with the warm tier on, its quota loop ticking every 0.2 s on its own thread and an
+    engine idle after 1 s; the engines' ``/metrics`` on a loopback page."""
+    config = dra_config(tmp_path)
+    config = dataclasses.replace(
+        config, warm_tier=WarmTierConfig(enabled=True),
+        quota=dataclasses.replace(config.quota, interval_seconds=0.2, idle_seconds=1.0, startup_ticks=0))
     metrics = Metrics()
-    with ApiServerDouble() as api, api_client_for(api.url) as http:
-        api.create_node({"metadata": {"name": NODE}})
-        _apply_deploy(http)
-        config = dra_config(tmp_path)
-        config = dataclasses.replace(
-            config, warm_tier=WarmTierConfig(enabled=True),
-            quota=dataclasses.replace(config.quota, interval_seconds=0.2, idle_seconds=1.0, startup_ticks=0))
-        backend = SimulatedBackend.demo()
-        backend.usage_replay = UsageReplay([[USED_MIB]])
-        daemon = DraPluginDaemon(backend, config, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
-                                 registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2)
-        with daemon:
+    try:
+        with running_plugin(config, USED_MIB) as (api, daemon, scheduler, kubelet):
             assert daemon.warm is not None, "warmTier.enabled builds the broker on the DRA plugin too"
-            assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
-            kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
-            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
-            yield api, daemon, DraScheduler(http, [NODE], seed=1), kubelet, metrics
-    metrics.close()
-    shutil.rmtree(sockets, ignore_errors=True)
+            yield api, daemon, scheduler, kubelet, metrics
+    finally:
+        metrics.close()
 
 
 def _serving_pod(api: ApiServerDouble, scheduler: DraScheduler, metrics: Metrics) -> dict:
@@ -119,9 +103,42 @@ def _serving_pod(api: ApiServerDouble, scheduler: DraScheduler, metrics: Metrics
     return api.get_pod("default", "chat")
 
 
-def test_an_idle_engine_on_a_dra_claim_sleeps_lends_and_wakes_for_a_request(node):
+class Plugin:
+    """The engine's side: the vLLM plugin's warm tier over its socket, with its reader thread, connected
+    through a short path to the claim's quota dir (as the container's mount of it is)."""
+
+    def __init__(self, quota_dir: str) -> None:
+        self.mount = tempfile.mkdtemp(prefix="vs", dir="/tmp")
+        os.symlink(quota_dir, f"{self.mount}/run")
+        self.engine = FakeEngine()
+        holder: list[WarmTier] = []
+        self.channel = SocketChannel(f"{self.mount}/run/{contract.WARM_SOCKET_NAME}",
+                                     on_connect=lambda: holder[0].hello() if holder else None)
+        self.tier = WarmTier(self.engine, self.channel, "0", grant_timeout_s=20.0)
+        holder.append(self.tier)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        self.tier.hello()
+
+    def _read(self) -> None:  # the plugin's reader thread: deliver messages, run sleep jobs
+        while not self._stop.is_set():
+            msg = self.channel.recv(0.05)
+            if msg is not None and (job := self.tier.deliver(msg)) is not None:
+                job()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.channel.close()
+        shutil.rmtree(self.mount, ignore_errors=True)
+
+
+def _asleep(node) -> tuple:
+    """The pod's claim prepared, its engine connected, idle, and asleep."""
     api, daemon, scheduler, kubelet, metrics = node
-    kubelet.prepare_pod(_serving_pod(api, scheduler, metrics))
+    pod = _serving_pod(api, scheduler, metrics)
+    kubelet.prepare_pod(pod)
     _cached(daemon, api, "chat")
     loop, broker = daemon._quota_loop, daemon.warm
     assert wait(lambda: len(loop.tenants_now) == 1)
@@ -130,43 +147,48 @@ def test_an_idle_engine_on_a_dra_claim_sleeps_lends_and_wakes_for_a_request(node
     quota_dir = loop.quota_dir(tenant)
     sock = os.path.join(quota_dir, contract.WARM_SOCKET_NAME)
     assert wait(lambda: os.path.exists(sock)), "no warm socket in the claim's quota dir"
+    plugin = Plugin(quota_dir)
+    assert wait(lambda: tenant.key in broker.views() and broker.views()[tenant.key].can_sleep)
+    assert wait(lambda: broker.views()[tenant.key].state is Sleep.SLEEPING), "the idle engine was never slept"
+    assert plugin.engine.calls == ["sleep"]
+    return pod, tenant, quota_dir, plugin
 
-    mount = tempfile.mkdtemp(prefix="vs", dir="/tmp")  # the container's short view of the dir
-    os.symlink(quota_dir, f"{mount}/run")
-    engine = FakeEngine()
-    holder: list[WarmTier] = []
-    channel = SocketChannel(f"{mount}/run/{contract.WARM_SOCKET_NAME}", on_connect=lambda: holder[0].hello() if holder else None)
-    tier = WarmTier(engine, channel, "0", grant_timeout_s=20.0)
-    holder.append(tier)
-    stop = threading.Event()
 
-    def reader() -> None:  # the plugin's reader thread: deliver messages, run sleep jobs
-        while not stop.is_set():
-            msg = channel.recv(0.05)
-            if msg is not None and (job := tier.deliver(msg)) is not None:
-                job()
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
+def _limit(quota_dir: str) -> int:
+    quota = read_quota(quota_dir)
+    return quota.gpus[0].limit_mib if quota is not None else -1
+
+
+def test_an_idle_engine_on_a_dra_claim_sleeps_lends_and_wakes_for_a_request(node):
+    api, daemon, scheduler, kubelet, metrics = node
+    pod, tenant, quota_dir, plugin = _asleep(node)
+    broker = daemon.warm
     try:
-        tier.hello()
-        assert wait(lambda: tenant.key in broker.views() and broker.views()[tenant.key].can_sleep)
-
-        def limit() -> int:
-            quota = read_quota(quota_dir)
-            return quota.gpus[0].limit_mib if quota is not None else -1
-        assert wait(lambda: broker.views()[tenant.key].state is Sleep.SLEEPING), "the idle engine was never slept"
-        assert engine.calls == ["sleep"]
-        assert wait(lambda: 0 < limit() < REQUEST_MIB // 2), f"nothing lent: limit {limit()} MiB"
-        lent = REQUEST_MIB - limit()
-
-        tier.before_request()  # a request arrives: served, never refused
-        assert engine.calls == ["sleep", "wake_up"] and tier.state == AWAKE
-        assert limit() >= REQUEST_MIB, "the engine woke before its claim's quota was restored"
+        assert wait(lambda: 0 < _limit(quota_dir) < REQUEST_MIB // 2), f"nothing lent: limit {_limit(quota_dir)} MiB"
+        lent = REQUEST_MIB - _limit(quota_dir)
+        plugin.tier.before_request()  # a request arrives: served, never refused
+        assert plugin.engine.calls == ["sleep", "wake_up"] and plugin.tier.state == AWAKE
+        assert _limit(quota_dir) >= REQUEST_MIB, "the engine woke before its claim's quota was restored"
         assert wait(lambda: broker.views()[tenant.key].state is Sleep.AWAKE)
         assert lent > REQUEST_MIB // 2
         assert broker.sleep_credits() == {}, "the DRA plugin overcommits no counters"
     finally:
-        stop.set()
-        thread.join(5)
-        channel.close()
-        shutil.rmtree(mount, ignore_errors=True)
+        plugin.close()
+
+
+def test_a_claim_unprepared_while_its_engine_sleeps_leaves_no_socket_and_no_state(node):
+    """The pod is deleted while its engine sleeps and the kubelet unprepares the claim: the socket goes,
+    the broker and the loop forget the tenant, and the engine's end is left with nothing to talk to."""
+    api, daemon, scheduler, kubelet, metrics = node
+    pod, tenant, quota_dir, plugin = _asleep(node)
+    loop, broker = daemon._quota_loop, daemon.warm
+    try:
+        api.delete_pod("default", "chat")
+        kubelet.unprepare_pod(pod)
+        assert wait(lambda: not daemon.preparer.prepared())
+        sock = os.path.join(quota_dir, contract.WARM_SOCKET_NAME)
+        assert wait(lambda: not os.path.exists(sock)), "the socket of an unprepared claim stayed"
+        assert wait(lambda: loop.tenants_now == [] and tenant.key not in broker.views())
+        assert wait(lambda: loop.tracked() == set())
+    finally:
+        plugin.close()
