@@ -48,7 +48,8 @@ class TenantSource(Protocol):
     A source may also have ``list_pending() -> list[Claim]``: the containers promised memory here
     that are not tenants yet (``kube.NodeTenantSource``: pods bound here with an assignment vramshare
     wrote that the reconciler has not found holding their devices, from the same look at the pod
-    cache); the loop counts them at their request (issue 19)."""
+    cache; ``dra.tenants.ClaimTenantSource``: claims this node prepared, or is preparing, that are no
+    tenant); the loop counts them at their request (issue 19)."""
 
     def list_tenants(self) -> list[Tenant]:
         """Raises any exception on failure; the loop logs it and skips the tick."""

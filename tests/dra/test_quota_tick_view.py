@@ -147,3 +147,55 @@ def test_a_reloaded_config_reaches_the_dra_plugins_quota_loop(node):
     daemon.reload(dataclasses.replace(running, quota=tuned))
     assert loop.settings.idle_seconds == 77.0
     assert loop.settings.params.step_mib == 256 and loop.settings.params.floor_fraction == 0.25
+
+
+def _claim(name: str, pod: str, mib: int, state: str = "prepared"):
+    from deviceplugin.dra.checkpoint import PreparedClaim
+    return PreparedClaim(uid=f"cuid-{name}", namespace="default", name=name, state=state, cdi_spec="/x",
+                         pod_uids=(f"uid-{pod}",), pod_names=(pod,), gpus={"GPU-0": mib})
+
+
+def _pod(name: str) -> dict:
+    return {"metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}",
+                        "annotations": {"prometheus.io/port": "8000"}},
+            "status": {"phase": "Running", "podIP": "10.0.0.9"}}
+
+
+def test_a_claim_that_is_no_tenant_yet_is_never_lent(tmp_path):
+    """Issue 19's first rule on the DRA path: a prepared claim whose pod the watch has not delivered
+    yet (or a claim still being prepared) was no tenant and no pending claim, so the loop lent its
+    memory to a busy co-tenant: with 24 GiB granted to each of two claims on a 48 GiB GPU, the busy
+    one was raised past its request into the newcomer's grant. It now counts at its grant until it
+    becomes a tenant."""
+    from deviceplugin.dra.tenants import ClaimTenantSource, pending_from_claims
+    from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+    from deviceplugin.quota.model import Claim, PolicyParams
+    from deviceplugin.quota.telemetry import UsageSample, VllmSample
+
+    cap, grant = 49152, 24576
+    for newcomer in (_claim("new", "newpod", grant), _claim("new", "newpod", grant, state="preparing")):
+        claims = {"cuid-busy": _claim("busy", "busy", grant), "cuid-new": newcomer}
+        source = ClaimTenantSource(lambda: claims, lambda: [_pod("busy")], lambda: True)  # newpod not seen yet
+
+        class Gpu:  # the busy tenant holds 23 GiB and its engine would take all it is given
+            name = "gpu"
+
+            def read_usage(self):
+                return [UsageSample("GPU-0", 23552, pod_uid="uid-busy")]
+
+            def read_signals(self, url):
+                return VllmSample(kv_usage=0.99, waiting=4, running=8, release_mode="unmap")
+
+        loop = QuotaLoop(source, lambda: {"GPU-0": cap}, [Gpu()], PolicyParams(), str(tmp_path / newcomer.state),
+                         signals=Gpu(), settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
+        for _ in range(5):
+            report = loop.run_once()
+            assert report.skipped is None, report.skipped
+            [busy] = [d for d in report.decisions if d.key.pod == "busy"]
+            assert busy.limit_mib <= cap - grant, f"lent the newcomer's grant: {busy.limit_mib} MiB ({busy.reason})"
+        assert source.list_pending() == [Claim("default/new", (("GPU-0", grant),))]
+    seen = ClaimTenantSource(lambda: claims, lambda: [_pod("busy"), _pod("newpod")], lambda: True)
+    assert len(seen.list_tenants()) == 1 and seen.list_pending() == [Claim("default/new", (("GPU-0", grant),))]
+    claims["cuid-new"] = _claim("new", "newpod", grant)  # prepared, its pod seen: a tenant, counted once
+    tenants = seen.list_tenants()
+    assert len(tenants) == 2 and seen.list_pending() == [] and pending_from_claims(claims.values(), tenants) == []
