@@ -52,7 +52,7 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     several pods share. The kubelet path counts the same gap from the extender's assignment
     (``quota.kube.pending_from_pods``); here the preparer's own checkpoint says it."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
-    return [Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())))
+    return [Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir)
             for c in sorted(claims, key=lambda c: (c.namespace, c.name))
             if c.gpus and (c.namespace, tenant_container(c.name)) not in owned]
 

@@ -32,19 +32,19 @@ def unowned_quota_files(root: str, tenant_dirs: Iterable[str]) -> list[Claim]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     owned = {os.path.realpath(d) for d in tenant_dirs}
-    out = []
-    for key in keys:
-        d = os.path.join(base, key)
-        if os.path.realpath(d) in owned:
-            continue
-        try:
-            q = read_quota(d)
-        except (QuotaFileError, OSError) as exc:
-            log.warning("quota file unreadable, not counted as a claim", dir=d, error=str(exc))
-            continue
-        if q is not None and q.gpus:
-            out.append(Claim(d, tuple((g.uuid, g.limit_mib) for g in q.gpus)))
-    return out
+    dirs = (os.path.join(base, key) for key in keys)
+    return [c for d in dirs if os.path.realpath(d) not in owned and (c := file_claim(d)) is not None]
+
+
+def file_claim(d: str) -> Claim | None:
+    """The claim of the quota file in ``d`` at the limits it states now; None without one (or unreadable,
+    logged)."""
+    try:
+        q = read_quota(d)
+    except (QuotaFileError, OSError) as exc:
+        log.warning("quota file unreadable, not counted as a claim", dir=d, error=str(exc))
+        return None
+    return Claim(d, tuple((g.uuid, g.limit_mib) for g in q.gpus)) if q is not None and q.gpus else None
 
 
 def merge_claims(pending: Sequence[Claim], files: Sequence[Claim]) -> list[Claim]:

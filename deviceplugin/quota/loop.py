@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from deviceplugin.quota import classes as qclasses
 from deviceplugin.quota.attribution import attribute
-from deviceplugin.quota.claims import merge_claims, unowned_quota_files
+from deviceplugin.quota.claims import file_claim, merge_claims, unowned_quota_files
 from deviceplugin.quota.model import (Bounds, Claim, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
                                       TenantState)
 from deviceplugin.quota.overlimit import Breach, OverLimitWatch
@@ -409,8 +409,8 @@ class QuotaLoop:
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
-        files = unowned_quota_files(self._root, [self._dir(t) for t in tenants])
-        reserved = report.reserved = self._reserved(files)
+        pending, files = self._claims(tenants)
+        reserved = report.reserved = self._reserved(pending, files)
         committed: dict[str, int] = {}
         for gpu, states in sorted(per_gpu.items()):
             if gpu not in capacities:
@@ -629,11 +629,24 @@ class QuotaLoop:
         top = max(later + [cur] + ([follows] if follows is not None else older))
         return False, top, follows
 
-    def _reserved(self, files: list[Claim]) -> dict[str, int]:
+    def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim]]:
+        """The claims of containers that are not tenants yet: the source's pending ones (``list_pending``)
+        and the quota files they or Allocate wrote. A pending claim whose file is there is counted as
+        that file, at what its source granted (a restarted loop knows it too), so it can be fitted."""
+        pending_of = getattr(self._tenants, "list_pending", None)
+        pending, files = [], unowned_quota_files(self._root, [self._dir(t) for t in tenants])
+        for c in (pending_of() if pending_of is not None else ()):
+            f = file_claim(c.quota_dir) if c.quota_dir else None
+            if f is None:
+                pending.append(c)
+            else:
+                self._claim_req[f.name] = dict(c.gpus)
+                files.append(f)
+        return pending, files
+
+    def _reserved(self, pending: list[Claim], files: list[Claim]) -> dict[str, int]:
         """Per GPU, MiB promised to containers that are not tenants yet (``claims``): counted at their
         request from the moment they exist, so the policy never lends it (issue 19)."""
-        pending_of = getattr(self._tenants, "list_pending", None)
-        pending = list(pending_of()) if pending_of is not None else []
         for f in files:  # a file the loop lowered still claims what Allocate granted
             self._claim_req.setdefault(f.name, dict(f.gpus))
         files = [Claim(f.name, tuple((g, self._claim_req[f.name].get(g, m)) for g, m in f.gpus)) for f in files]

@@ -144,6 +144,9 @@ class Claim:
 
     name: str  # namespace/pod/container, or the quota directory: for logs
     gpus: tuple[tuple[str, int], ...]  # (gpu uuid, MiB)
+    # the directory of the quota file its engine will read, when its source wrote one (a DRA claim the
+    # preparer wrote): fitted to free memory like an unowned Allocate file, counted at ``gpus``
+    quota_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -199,3 +199,53 @@ def test_a_claim_that_is_no_tenant_yet_is_never_lent(tmp_path):
     claims["cuid-new"] = _claim("new", "newpod", grant)  # prepared, its pod seen: a tenant, counted once
     tenants = seen.list_tenants()
     assert len(tenants) == 2 and seen.list_pending() == [] and pending_from_claims(claims.values(), tenants) == []
+
+
+def test_a_newcomers_claim_file_is_fitted_to_what_lenders_have_released(tmp_path):
+    """The other half of issue 19's first fault, on the DRA path: the busy tenant was raised past its
+    request while the GPU had room; then a claim is prepared next to it and the preparer writes its full
+    grant. Until the lender has released, its file is lowered to what is free (Σ max(limit, held) stays
+    within the GPU), and it grows back to the grant as the lender releases. On the kubelet path the same
+    holds for Allocate's file (``QuotaLoop._fit_claims``); the DRA claim's file was never fitted."""
+    from deviceplugin.allocation import GpuShare
+    from deviceplugin.dra.tenants import ClaimTenantSource
+    from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+    from deviceplugin.quota.model import PolicyParams
+    from deviceplugin.quota.telemetry import UsageSample, VllmSample
+    from deviceplugin.quota.writer import read_quota
+    from deviceplugin.quota_files import QuotaFiles
+    from vramshare.config import QuotaConfig
+
+    cap, grant, root = 49152, 24576, str(tmp_path / "quota")
+    claims = {"cuid-busy": _claim("busy", "busy", grant)}
+    used = {"busy": 23552}
+
+    class Gpu:  # the busy engine takes what it is given (and gives back what its limit drops below)
+        name = "gpu"
+
+        def read_usage(self):
+            return [UsageSample("GPU-0", used["busy"], pod_uid="uid-busy")]
+
+        def read_signals(self, url):
+            return VllmSample(kv_usage=0.99, waiting=4, running=8, release_mode="unmap")
+
+    source = ClaimTenantSource(lambda: claims, lambda: [_pod("busy")], lambda: True)
+    loop = QuotaLoop(source, lambda: {"GPU-0": cap}, [Gpu()], PolicyParams(), root, signals=Gpu(),
+                     settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
+
+    def busy_limit(report) -> int:
+        return next(d.limit_mib for d in report.decisions if d.key.pod == "busy")
+    for _ in range(8):  # alone, the busy tenant borrows and uses it
+        used["busy"] = busy_limit(loop.run_once())
+    assert used["busy"] > grant + 4096, "the scenario needs a lender"
+    new_dir = str(tmp_path / "quota" / "uid-newpod" / "claim-new")
+    QuotaFiles(root, QuotaConfig()).write_initial(new_dir, [GpuShare("GPU-0", grant)])  # the preparer, at Prepare
+    claims["cuid-new"] = dataclasses.replace(_claim("new", "newpod", grant), quota_dir=new_dir)  # pod not seen yet
+    grown = []
+    for _ in range(12):
+        report = loop.run_once()
+        new_limit = read_quota(new_dir).gpus[0].limit_mib
+        assert max(busy_limit(report), used["busy"]) + new_limit <= cap, (used["busy"], new_limit)
+        grown.append(new_limit)
+        used["busy"] = min(used["busy"], busy_limit(report))  # the engine releases down to its new limit
+    assert grown[0] < grant and grown[-1] == grant, grown  # lowered to what is free, back to the grant
