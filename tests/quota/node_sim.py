@@ -117,7 +117,8 @@ class Node:
         return self.source.list_tenants()
 
     def list_pending(self):
-        return self.source.list_pending()
+        pending = getattr(self.source, "list_pending", None)  # (a source without pending claims: none)
+        return pending() if pending is not None else []
 
     def read_usage(self):
         return [UsageSample(GPU, e.use, pod_uid=e.uid) for e in self.engines
@@ -131,17 +132,21 @@ class Node:
         known = {f.name for f in dataclasses.fields(VllmSample)}  # (before issue 19 it had fewer fields)
         return VllmSample(**{k: v for k, v in sig.items() if k in known})
 
+    def _events(self, t: int) -> None:
+        """The device plugin's: Allocate writes the first quota file, the reconciler links it."""
+        for e in self.engines:
+            if t == e.bind + e.alloc_after:
+                self.files.write_initial(self._alloc_dir(e), [GpuShare(GPU, e.request)])
+            if t == e.bind + e.alloc_after + e.link_after:
+                self.files.link(e.uid, "vllm", e.alloc_key)
+
     def _alloc_dir(self, e: Engine) -> str:
         return os.path.join(self.root, "_alloc", e.alloc_key)
 
     def step(self) -> None:
         """One tick: the cluster's events, the loop's tick, then every engine applies and uses."""
         t = self.t
-        for e in self.engines:
-            if t == e.bind + e.alloc_after:
-                self.files.write_initial(self._alloc_dir(e), [GpuShare(GPU, e.request)])
-            if t == e.bind + e.alloc_after + e.link_after:
-                self.files.link(e.uid, "vllm", e.alloc_key)
+        self._events(t)
         self.loop.run_once()
         for e in self.engines:
             if t < e.bind + e.alloc_after:
@@ -168,3 +173,39 @@ class Node:
                 q = read_quota(self._alloc_dir(e))
                 total += max(q.gpus[0].limit_mib if q else 0, e.use)
         return total
+
+
+class DraNode(Node):
+    """The same node on the DRA path: the scheduler allocates the engine's claim at ``bind``, the kubelet
+    prepares it ``alloc_after`` ticks later (the preparer writes its quota file, the full grant, in
+    ``<uid>/claim-<name>`` and records it prepared), and the pod reaches the plugin's pod cache
+    ``list_lag`` ticks after the bind. The tenants are :class:`ClaimTenantSource`'s: prepared claims whose
+    pod the cache shows; the others are its pending claims. ``link_after`` plays no part."""
+
+    def __init__(self, root: str, capacity: int, engines: list[Engine], params: PolicyParams | None = None) -> None:
+        from deviceplugin.dra.tenants import ClaimTenantSource
+
+        self.prepared: dict = {}
+        super().__init__(root, capacity, engines, params)
+        self.source = ClaimTenantSource(lambda: self.prepared, self._listed, lambda: True, NAMES)
+
+    def _pod(self, e: Engine, state: str) -> dict:
+        return {"metadata": {"name": e.name, "namespace": "llm", "uid": e.uid,
+                             "annotations": {"prometheus.io/port": "8000"}},
+                "status": {"phase": "Running", "podIP": e.name}}
+
+    def _alloc_dir(self, e: Engine) -> str:
+        from deviceplugin.dra.preparer import tenant_container
+        from deviceplugin.quota.writer import container_dir
+
+        return container_dir(self.root, e.uid, tenant_container(f"{e.name}-gpu"))
+
+    def _events(self, t: int) -> None:
+        from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
+
+        for e in self.engines:
+            if t == e.bind + e.alloc_after:  # NodePrepareResources
+                self.files.write_initial(self._alloc_dir(e), [GpuShare(GPU, e.request)])
+                self.prepared[f"cuid-{e.name}"] = PreparedClaim(
+                    uid=f"cuid-{e.name}", namespace="llm", name=f"{e.name}-gpu", state=PREPARED, cdi_spec="/cdi",
+                    quota_dir=self._alloc_dir(e), pod_uids=(e.uid,), pod_names=(e.name,), gpus={GPU: e.request})
