@@ -161,6 +161,8 @@ class DevicePluginDaemon:
 
         reporter = ResidencyReporter(wt.model_cache_dir, changed, engines, wt.scan_interval_seconds,
                                      max_entries=wt.max_cache_entries)
+        if self.warm is not None:  # an engine slept, woke, came or went: the inventory follows at once
+            self.warm.on_engines = reporter.poke
         self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _inventory_json(self, inventory: Any) -> str:

@@ -157,7 +157,8 @@ def publishable(inventory: NodeInventory, scan: Scan,
 
 class ResidencyReporter:
     """The node agent's thread: re-scan the cache every ``scan_interval_s``, merge the engines every
-    ``engines_interval_s``, and call ``on_change`` with the models when they differ from the last."""
+    ``engines_interval_s`` or at once when :meth:`poke` says they changed (the warm broker's
+    ``on_engines``), and call ``on_change`` with the models when they differ from the last."""
 
     def __init__(self, cache_dir: str | None, on_change: Callable[[tuple[ResidentModel, ...]], None],
                  engines: Callable[[], Iterable[tuple[contract.ModelRef, str, str]]] = lambda: (),
@@ -169,6 +170,7 @@ class ResidencyReporter:
         self.last_scan: Scan = Scan(())
         self._scanned_at: float | None = None
         self.models: tuple[ResidentModel, ...] = ()
+        self._poked = threading.Event()
 
     def run_once(self) -> tuple[ResidentModel, ...]:
         now = self._clock()
@@ -186,10 +188,17 @@ class ResidencyReporter:
             self._on_change(models)
         return models
 
+    def poke(self) -> None:
+        """The engines changed (one came, went, slept or woke): merge them now, not at the next round."""
+        self._poked.set()
+
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 self.run_once()
             except Exception as exc:  # noqa: BLE001 - a bad scan keeps the last report
                 log.warning("model residency report failed, keeping the last", error=str(exc))
-            stop.wait(self.engines_interval_s)
+            deadline = time.monotonic() + self.engines_interval_s
+            while not stop.is_set() and not self._poked.is_set() and time.monotonic() < deadline:
+                self._poked.wait(min(0.05, max(0.0, deadline - time.monotonic())))  # stop seen within 50 ms
+            self._poked.clear()

@@ -115,6 +115,11 @@ class EngineView:
     prewakes_declined: int = 0
 
 
+def _resident(e: EngineView | None) -> tuple[str, bool] | None:
+    """What the node reports of an engine (:meth:`WarmBroker.engines`): its model, and whether it sleeps."""
+    return None if e is None else (e.model, e.state is Sleep.SLEEPING)
+
+
 @dataclass
 class WarmBroker:
     send: Callable[[TenantKey, contract.WarmMessage], bool]
@@ -123,6 +128,9 @@ class WarmBroker:
     sleep_answer_s: float = 60.0  # an engine sleeps in seconds; no answer by then: the message was lost
     params: PolicyParams = field(default_factory=PolicyParams)
     on_credits: Callable[[dict[str, int]], None] | None = None  # the node's inventory/units (item 5)
+    # an engine came, went, or slept or woke: what the node reports as resident changed (its residency
+    # report follows at once instead of at its next round)
+    on_engines: Callable[[], None] = lambda: None
     displace_after_ticks: int = 1  # a wake first lets the policy take back loans, then displaces
     ahead_rule: WakeAhead = field(default_factory=WakeAhead)  # the replay's forecast rule (one rule)
     prewake_answer_s: float = 10.0  # no ``awake`` by the first tick this long after a prewake: declined
@@ -138,61 +146,67 @@ class WarmBroker:
     # -- messages from the engines (the channel thread) ---------------------------------------------
     def receive(self, key: TenantKey, msg: contract.WarmMessage, now: float) -> None:
         with self._lock:
-            e = self._engines.setdefault(key, EngineView())
-            op = msg.op
-            if op == contract.WARM_HELLO:
-                e.can_sleep = bool(msg.get("canSleep", False))
-                e.reason = str(msg.get("reason", "") or "")
-                e.model = str(msg.get("model", "") or "")
-                e.weights_bytes = int(msg.get("weightsBytes", 0) or 0)  # type: ignore[arg-type]
-                # a reconnecting engine (a new process, or a restarted agent) says where it is
-                try:
-                    e.state = Sleep(str(msg.get("state", Sleep.AWAKE.value)))
-                except ValueError:
-                    e.state = Sleep.AWAKE
-                e.sleep_pending, e.wake_seq = False, None
-                log.info("warm channel: engine said hello", tenant=str(key), can_sleep=e.can_sleep,
-                         reason=e.reason or None)
-            elif op == contract.WARM_SLEPT and msg.get("seq") == e.sleep_seq and e.sleep_pending:
-                e.state, e.sleep_pending = Sleep.SLEEPING, False
-                e.freed_bytes = int(msg.get("freedBytes", 0) or 0)  # type: ignore[arg-type]
-                e.sleeps += 1
-                self._slept(key, e, msg.get("seq") == e.wasted_seq, now)
-                log.info("engine asleep, memory lent", tenant=str(key), freed_mib=e.freed_bytes // MIB)
-            elif op == contract.WARM_REFUSED and msg.get("seq") == e.sleep_seq:
-                e.sleep_pending = False
-                e.refusals += 1
-                if msg.get("seq") == e.wasted_seq and e.prewoken_until is not None:
-                    e.request_seen = e.request_seen or msg.get("reason") == "busy"
-                    e.wasted_seq = None
-                log.info("engine did not sleep", tenant=str(key), reason=msg.get("reason"))
-            elif op == contract.WARM_WAKE:
-                e.state, e.wake_seq, e.sleep_pending = Sleep.WAKING, int(msg.get("seq", 0)), False  # type: ignore[arg-type]
-                e.wake_since = now
-                if e.ahead == "sent":  # it took a request before the early wake: that prewake was ignored
-                    e.prewakes_declined += 1
-                e.ahead, e.due = "", None
-                if e.quiet_from is not None:
-                    e.gaps.append(now - e.quiet_from)
-                    e.quiet_from = None
-                log.info("wake requested: taking memory back", tenant=str(key), seq=e.wake_seq)
-            elif (op == contract.WARM_AWAKE and e.state is Sleep.SLEEPING and e.ahead_seq is not None
-                  and msg.get("seq") == e.ahead_seq):  # up ahead of its forecast request (a late one too)
-                hold = self.ahead_rule.hold_s
-                hold = self._terms.get(key, _NO_TERMS).idle_s if hold is None else hold
-                e.state, e.lent_mib, e.ahead_seq, e.request_seen = Sleep.AWAKE, 0, None, False
-                e.prewoken_until = max(now, e.due if e.due is not None else now) + hold
-                e.ahead = ""
-                log.info("engine woken ahead of its forecast request", tenant=str(key),
-                         hold_s=round(e.prewoken_until - now, 3))
-            elif op == contract.WARM_AWAKE:
-                e.state, e.wake_seq, e.wake_since, e.lent_mib = Sleep.AWAKE, None, None, 0
-                e.last_wake_s = float(msg.get("seconds", 0.0) or 0.0)  # type: ignore[arg-type]
-                e.wakes += 1
-            else:
-                return
-        if op == contract.WARM_WAKE:
+            before = _resident(self._engines.get(key))
+            self._receive(key, msg, now)
+            changed = _resident(self._engines.get(key)) != before
+        if changed:
+            self.on_engines()
+        if msg.op == contract.WARM_WAKE:
             self.poke()
+
+    def _receive(self, key: TenantKey, msg: contract.WarmMessage, now: float) -> None:
+        """:meth:`receive`'s state change (lock held)."""
+        e = self._engines.setdefault(key, EngineView())
+        op = msg.op
+        if op == contract.WARM_HELLO:
+            e.can_sleep = bool(msg.get("canSleep", False))
+            e.reason = str(msg.get("reason", "") or "")
+            e.model = str(msg.get("model", "") or "")
+            e.weights_bytes = int(msg.get("weightsBytes", 0) or 0)  # type: ignore[arg-type]
+            # a reconnecting engine (a new process, or a restarted agent) says where it is
+            try:
+                e.state = Sleep(str(msg.get("state", Sleep.AWAKE.value)))
+            except ValueError:
+                e.state = Sleep.AWAKE
+            e.sleep_pending, e.wake_seq = False, None
+            log.info("warm channel: engine said hello", tenant=str(key), can_sleep=e.can_sleep,
+                     reason=e.reason or None)
+        elif op == contract.WARM_SLEPT and msg.get("seq") == e.sleep_seq and e.sleep_pending:
+            e.state, e.sleep_pending = Sleep.SLEEPING, False
+            e.freed_bytes = int(msg.get("freedBytes", 0) or 0)  # type: ignore[arg-type]
+            e.sleeps += 1
+            self._slept(key, e, msg.get("seq") == e.wasted_seq, now)
+            log.info("engine asleep, memory lent", tenant=str(key), freed_mib=e.freed_bytes // MIB)
+        elif op == contract.WARM_REFUSED and msg.get("seq") == e.sleep_seq:
+            e.sleep_pending = False
+            e.refusals += 1
+            if msg.get("seq") == e.wasted_seq and e.prewoken_until is not None:
+                e.request_seen = e.request_seen or msg.get("reason") == "busy"
+                e.wasted_seq = None
+            log.info("engine did not sleep", tenant=str(key), reason=msg.get("reason"))
+        elif op == contract.WARM_WAKE:
+            e.state, e.wake_seq, e.sleep_pending = Sleep.WAKING, int(msg.get("seq", 0)), False  # type: ignore[arg-type]
+            e.wake_since = now
+            if e.ahead == "sent":  # it took a request before the early wake: that prewake was ignored
+                e.prewakes_declined += 1
+            e.ahead, e.due = "", None
+            if e.quiet_from is not None:
+                e.gaps.append(now - e.quiet_from)
+                e.quiet_from = None
+            log.info("wake requested: taking memory back", tenant=str(key), seq=e.wake_seq)
+        elif (op == contract.WARM_AWAKE and e.state is Sleep.SLEEPING and e.ahead_seq is not None
+              and msg.get("seq") == e.ahead_seq):  # up ahead of its forecast request (a late one too)
+            hold = self.ahead_rule.hold_s
+            hold = self._terms.get(key, _NO_TERMS).idle_s if hold is None else hold
+            e.state, e.lent_mib, e.ahead_seq, e.request_seen = Sleep.AWAKE, 0, None, False
+            e.prewoken_until = max(now, e.due if e.due is not None else now) + hold
+            e.ahead = ""
+            log.info("engine woken ahead of its forecast request", tenant=str(key),
+                     hold_s=round(e.prewoken_until - now, 3))
+        elif op == contract.WARM_AWAKE:
+            e.state, e.wake_seq, e.wake_since, e.lent_mib = Sleep.AWAKE, None, None, 0
+            e.last_wake_s = float(msg.get("seconds", 0.0) or 0.0)  # type: ignore[arg-type]
+            e.wakes += 1
 
     def _slept(self, key: TenantKey, e: EngineView, wasted: bool, now: float) -> None:
         """After a confirmed sleep (lock held): date its last request and arm one forecast per quiet
@@ -214,16 +228,21 @@ class WarmBroker:
     def forget(self, alive: Iterable[TenantKey]) -> None:
         keep = set(alive)
         with self._lock:
+            gone = not self._engines.keys() <= keep
             self._engines = {k: v for k, v in self._engines.items() if k in keep}
             self._reserve = {k: v for k, v in self._reserve.items() if k[0] in keep}
             self._overcommit = {k: v for k, v in self._overcommit.items() if k[0] in keep}
             self._rank = {k: v for k, v in self._rank.items() if k in keep}
             self._terms = {k: v for k, v in self._terms.items() if k in keep}
+        if gone:
+            self.on_engines()
 
     def disconnected(self, key: TenantKey) -> None:
         """The engine's connection closed (process gone): its memory is no longer asleep or waking."""
         with self._lock:
-            self._engines.pop(key, None)
+            gone = self._engines.pop(key, None) is not None
+        if gone:
+            self.on_engines()
 
     # -- the loop's tick --------------------------------------------------------------------------------
     def prepare(self, t: TenantState, gpu: str, terms: Any = None) -> TenantState:

@@ -136,3 +136,48 @@ def test_bonus_grows_with_the_load_time_saved():
 def test_bonus_below_one_step_never_beats_a_better_fgd_step():
     raw = np.array([3.0, 2.0])  # fgd: whole steps
     assert np.argmax(residency.with_bonus(raw, np.array([0.0, 0.9]))) == 0
+
+
+def test_an_engine_that_sleeps_reaches_the_residency_report_at_once(tmp_path):
+    """The node agent merged the warm broker's engines into its inventory every 5 s (hard-coded), so a
+    new, sleeping or woken engine reached the extender that much late. The broker now says when what it
+    reports changed (``on_engines``) and the reporter merges at once; nothing changes without a change."""
+    import threading
+    import time
+
+    from deviceplugin.quota.model import TenantKey
+    from deviceplugin.quota.warm import WarmBroker
+
+    key = TenantKey("llm", "m", "vllm", pod_uid="uid-m")
+    broker = WarmBroker(send=lambda k, m: True)
+    reports: list = []
+    reporter = scan.ResidencyReporter(None, reports.append, lambda: broker.engines({key: ["GPU-0"]}),
+                                      engines_interval_s=3600.0)
+    calls: list = []
+    broker.on_engines = lambda: (calls.append(1), reporter.poke())
+    stop = threading.Event()
+    thread = threading.Thread(target=reporter.run, args=(stop,), daemon=True)
+    thread.start()
+
+    def wait(cond) -> bool:
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not cond():
+            time.sleep(0.01)
+        return cond()
+    try:
+        hello = contract.WarmMessage.of(contract.WARM_HELLO, engine="0", canSleep=True, weightsBytes=1 << 30,
+                                        model="meta-llama/Llama-3.1-8B", state="awake")
+        broker.receive(key, hello, 0.0)
+        assert wait(lambda: reports and reports[-1][0].engines[0][1] is EngineState.AWAKE), reports
+        broker.receive(key, hello, 1.0)  # the same hello again: nothing it reports changed
+        assert len(calls) == 1
+        broker.receive(key, contract.WarmMessage.of(contract.WARM_HELLO, engine="0", canSleep=True,
+                                                    weightsBytes=1 << 30, model="meta-llama/Llama-3.1-8B",
+                                                    state="sleeping"), 2.0)  # a reconnecting sleeper
+        assert wait(lambda: reports[-1][0].engines[0][1] is EngineState.SLEEPING), reports
+        broker.disconnected(key)  # its process is gone
+        assert wait(lambda: reports[-1] == ()), reports
+        assert len(calls) == 3
+    finally:
+        stop.set()
+        thread.join(5)
