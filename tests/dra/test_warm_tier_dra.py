@@ -9,8 +9,8 @@ side the plugin's :class:`~vllm_patches.warm.WarmTier` over its :class:`~vllm_pa
   its path on the host is longer than a unix socket's address may be;
 * the engine, idle by its ``/metrics`` (a loopback page in vLLM's names), is asked to sleep, and its
   claim's limit falls to what a sleeping engine holds: the rest is lent;
-* a request during sleep is served: the engine asks to wake, the loop restores the claim's quota to its
-  request before it grants (without waiting for a tick), and the engine wakes.
+* a request during sleep is served: the engine asks to wake (which pokes the loop), the loop restores
+  the claim's quota to its request before it grants, and the engine wakes.
 
 The DRA plugin keeps no sleep credit: its ResourceSlice counters are never overcommitted.
 """
