@@ -17,17 +17,22 @@ CAP = 80896  # the issue's GPU
 GIB = 1024
 
 
-def _issue_node(tmp_path, lender_mode="unmap", b_startup=4):
+def issue_node(tmp_path, lender_mode="unmap", b_startup=4, kind=Node, b_list_lag=0):
     a = Engine("a", 40 * GIB, lender_mode, bind=0, demand=[59392], startup=1)
-    b = Engine("b", 39 * GIB, "unmap", bind=12, demand=[39 * GIB], startup=b_startup)
-    return Node(str(tmp_path), CAP, [a, b]), a, b
+    b = Engine("b", 39 * GIB, "unmap", bind=12, demand=[39 * GIB], startup=b_startup, list_lag=b_list_lag)
+    return kind(str(tmp_path), CAP, [a, b]), a, b
 
 
 def test_the_issues_newcomer_is_not_promised_lent_memory(tmp_path):
     """Regression (fails on main): alone on 80,896 MiB a tenant asking 40 GiB is lent up to 61,440 and
     uses 59,392; a 39 GiB pod is bound there. On main the loop never saw the bound pod and its first
     quota file, so the lender kept its loan: limits and use summed to 101,376 / 99,328 MiB."""
-    node, a, b = _issue_node(tmp_path)
+    issue_scenario(*issue_node(tmp_path))
+
+
+def issue_scenario(node: Node, a: Engine, b: Engine) -> None:
+    """The issue's newcomer beside a lender (:func:`issue_node`), checked tick by tick; the DRA path's
+    node runs it too (tests/dra/test_claim_soundness.py)."""
     for _ in range(12):
         node.step()
     assert a.use == 59392 and a.limit() > 40 * GIB  # lent beyond its request while alone (it releases)
@@ -41,7 +46,7 @@ def test_the_issues_newcomer_is_not_promised_lent_memory(tmp_path):
 
 def test_a_throttling_engine_is_never_lent_memory(tmp_path):
     """A vLLM cap frees nothing: a throttling engine gets no loan, so the newcomer's request is whole."""
-    node, a, b = _issue_node(tmp_path, lender_mode="throttle")
+    node, a, b = issue_node(tmp_path, lender_mode="throttle")
     for _ in range(32):
         node.step()
         assert a.limit() <= a.request and a.use + b.use <= CAP and node.committed() <= CAP
@@ -219,10 +224,16 @@ def test_sum_of_uses_fits_and_nobody_is_fenced_below_its_request_while_another_b
     loop needs to react (see it at its fence, the lender's acknowledgement, the raise's
     acknowledgement: 2 x the largest ack lag + 4 ticks); also when the quota loop restarts at
     ``restart`` (a new process on the same files, remembering nothing). Every headroom rule."""
-    node = Node(str(tmp_path_factory.mktemp("node")), CAP, engines, PolicyParams(headroom=headroom))
+    sound_run(Node(str(tmp_path_factory.mktemp("node")), CAP, engines, PolicyParams(headroom=headroom)), restart)
+
+
+def sound_run(node: Node, restart: int | None, ticks: int = 45) -> None:
+    """The property's checks over ``ticks`` ticks of ``node`` (restarted at ``restart``); the DRA path's
+    node runs them too (tests/dra/test_claim_soundness.py)."""
+    engines = node.engines
     react = 2 * max(e.ack_lag for e in engines) + 4
     fenced = {e.name: 0 for e in engines}
-    for _ in range(45):
+    for _ in range(ticks):
         if node.t == restart:
             node.restart()
         node.step()
