@@ -43,6 +43,7 @@ class Slot:
     mig_table: str = ""  # dynamic MIG (issue 24): the placement's profile table (vramshare.mig.MODELS)
     mig_exists: bool = False  # dynamic MIG: an instance sits at this very placement now
     mig_isolation: bool = False  # dynamic MIG: the node's plugin serves isolation: mig memory asks on this GPU
+    credit: int = 0  # MiB of ``capacity`` that is sleep credit (issue 23 item 5), shown by inspect
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
                      for key, mib in sorted(use.pods.items())],
             **({"tenants": tenants[s.uuid]} if s.uuid in tenants else {}),  # issue 14, where the loop mirrored
             **({"engines": engines[s.uuid]} if s.uuid in engines else {}),  # issue 23: models awake/asleep here
+            **({"sleepCreditMiB": s.credit} if s.credit else {}),  # issue 23 item 5: totalMiB includes it
         })
     doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
     if mode:
@@ -154,6 +155,8 @@ def format_table(doc: Obj) -> str:
                              for p in g["pods"]) or "-"
             if g.get("engines"):
                 pods += "; engines: " + ", ".join(f"{e['model']} {e['state']}" for e in g["engines"])
+            if g.get("sleepCreditMiB"):
+                pods += f"; sleep credit {_gib(g['sleepCreditMiB'])} in TOTAL"
             kind = g["kind"] + ("" if g["healthy"] else " UNHEALTHY")
             rows.append((n["name"], str(g["index"]), g["model"], kind, _gib(g["totalMiB"]), _gib(g["usedMiB"]),
                          _gib(g["freeMiB"]), pods))

@@ -57,7 +57,8 @@ def slots_from_inventory(inv: inventory.NodeInventory) -> list[cluster.Slot]:
                                       healthy=gpu.healthy, index=gpu.index))
         else:
             slots.append(cluster.Slot(uuid=gpu.uuid, model=gpu.model, kind=SHARED,
-                                      capacity=inv.bookable_mib(gpu), healthy=gpu.healthy, index=gpu.index))
+                                      capacity=inv.bookable_mib(gpu), healthy=gpu.healthy, index=gpu.index,
+                                      credit=inv.credit_units(gpu) * inv.unit_mib))
     return slots
 
 

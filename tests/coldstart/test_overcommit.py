@@ -251,3 +251,20 @@ def test_wakes_that_compete_are_restored_one_whole_request_at_a_time():
     grants = [k for now in range(3, 6) for k, m in r.tick(now) if m.op == contract.WARM_GRANT]
     assert grants[:1] == [y] and x not in grants
     assert r.t[x]["limit"] < 25 * GIB
+
+
+def test_inspect_shows_the_sleep_credit_in_the_gpus_total():
+    """An admin reading ``vramshare inspect`` saw a GPU booked 90 of 90 GiB on an 80 GiB A100 with
+    nothing saying why: the sleep credit the node reports is now shown next to the total it is part of."""
+    from extender import inspection
+
+    acct = accounting.Accounting(Config())
+    acct.apply_node("ADDED", _node(10))
+    doc = inspection.render(acct, "n1")
+    assert doc is not None
+    [g] = doc["gpus"]
+    assert g["sleepCreditMiB"] == 10 * GIB and g["totalMiB"] == 80 * GIB + 10 * GIB
+    assert "sleep credit 10.0 in TOTAL" in inspection.format_table(doc)
+    acct.apply_node("MODIFIED", _node(0))  # the sleeper woke
+    [g] = inspection.render(acct, "n1")["gpus"]
+    assert "sleepCreditMiB" not in g and g["totalMiB"] == 80 * GIB
