@@ -249,3 +249,43 @@ def test_a_newcomers_claim_file_is_fitted_to_what_lenders_have_released(tmp_path
         grown.append(new_limit)
         used["busy"] = min(used["busy"], busy_limit(report))  # the engine releases down to its new limit
     assert grown[0] < grant and grown[-1] == grant, grown  # lowered to what is free, back to the grant
+
+
+def test_a_pending_claims_unreadable_file_still_counts_at_its_grant(tmp_path):
+    """Bad input loses nothing: a pending claim whose quota file is garbage (or a FIFO) is not fitted, but
+    still counts at what the preparer granted, and the tick goes on."""
+    import os
+
+    from deviceplugin.dra.tenants import ClaimTenantSource
+    from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+    from deviceplugin.quota.model import PolicyParams
+    from deviceplugin.quota.telemetry import UsageSample, VllmSample
+
+    cap, grant, root = 49152, 24576, tmp_path / "quota"
+    for junk in ("garbage", "fifo"):
+        new_dir = root / junk / "claim-new"
+        new_dir.mkdir(parents=True)
+        if junk == "fifo":
+            os.mkfifo(new_dir / "quota.json")
+        else:
+            (new_dir / "quota.json").write_text("{not json")
+        claims = {"cuid-busy": _claim("busy", "busy", grant),
+                  "cuid-new": dataclasses.replace(_claim("new", "newpod", grant), quota_dir=str(new_dir))}
+
+        class Gpu:
+            name = "gpu"
+
+            def read_usage(self):
+                return [UsageSample("GPU-0", 23552, pod_uid="uid-busy")]
+
+            def read_signals(self, url):
+                return VllmSample(kv_usage=0.99, waiting=4, running=8, release_mode="unmap")
+
+        loop = QuotaLoop(ClaimTenantSource(lambda: claims, lambda: [_pod("busy")], lambda: True),
+                         lambda: {"GPU-0": cap}, [Gpu()], PolicyParams(), str(root / junk), signals=Gpu(),
+                         settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
+        for _ in range(4):
+            report = loop.run_once()
+            assert report.skipped is None and report.reserved == {"GPU-0": grant}, (junk, report.reserved)
+            [busy] = [d for d in report.decisions if d.key.pod == "busy"]
+            assert busy.limit_mib <= cap - grant
