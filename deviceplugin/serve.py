@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Protocol
 
 from deviceplugin.config_watch import ConfigWatcher
@@ -23,6 +24,15 @@ class Daemon(Protocol):
     def start(self) -> None: ...
     def wait(self, timeout: float) -> bool: ...
     def close(self) -> None: ...
+
+
+def wait_poked(stop: threading.Event, poked: threading.Event, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``poked`` (then clear it) or ``stop``, whichever comes first: a loop
+    that works on a timer and at once when something changed (``stop`` is seen within 50 ms)."""
+    deadline = time.monotonic() + seconds
+    while not stop.is_set() and not poked.is_set() and time.monotonic() < deadline:
+        poked.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+    poked.clear()
 
 
 def spawn(name: str, body: Callable[[], None], stop: threading.Event, fail: Callable[[str], None], *,

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
+from deviceplugin.serve import wait_poked
 from vramshare import contract
 from vramshare.inventory import MAX_MODELS, EngineState, NodeInventory, ResidentModel
 
@@ -198,7 +199,4 @@ class ResidencyReporter:
                 self.run_once()
             except Exception as exc:  # noqa: BLE001 - a bad scan keeps the last report
                 log.warning("model residency report failed, keeping the last", error=str(exc))
-            deadline = time.monotonic() + self.engines_interval_s
-            while not stop.is_set() and not self._poked.is_set() and time.monotonic() < deadline:
-                self._poked.wait(min(0.05, max(0.0, deadline - time.monotonic())))  # stop seen within 50 ms
-            self._poked.clear()
+            wait_poked(stop, self._poked, self.engines_interval_s)

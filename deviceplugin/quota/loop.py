@@ -32,6 +32,7 @@ from deviceplugin.quota.policy import rebalance
 from deviceplugin.quota.warm import WarmBroker
 from deviceplugin.quota.warmth import Warmth
 from deviceplugin.quota.telemetry import SignalReader, TelemetryError, UsageReader, UsageSample
+from deviceplugin.serve import wait_poked
 from deviceplugin.quota.writer import (GpuQuota, QuotaFile, QuotaFileError, container_dir, read_quota,
                                        write_quota)
 from vramshare import logs
@@ -742,10 +743,7 @@ class QuotaLoop:
                 continue
             if self.warm.wake_pending():
                 wait = min(wait, self.warm.fast_tick_s)  # a wake waits for memory: look again soon
-            deadline = time.monotonic() + wait
-            while not stop.is_set() and not self._poked.is_set() and time.monotonic() < deadline:
-                self._poked.wait(min(0.05, max(0.0, deadline - time.monotonic())))  # stop seen within 50 ms
-            self._poked.clear()
+            wait_poked(stop, self._poked, wait)
 
     def poke(self) -> None:
         """Tick now (a wake request arrived on the warm channel): :meth:`run` stops waiting."""

@@ -15,13 +15,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import tempfile
 from typing import Iterator
 
 import pytest
 
+from deviceplugin.allocation import GpuShare
+from deviceplugin.dra.checkpoint import PreparedClaim
 from deviceplugin.dra.main import DraPluginDaemon
+from deviceplugin.dra.tenants import ClaimTenantSource, PodCacheNotSynced, pending_from_claims
+from deviceplugin.quota.loop import LoopSettings, QuotaLoop
+from deviceplugin.quota.model import Claim, PolicyParams
+from deviceplugin.quota.telemetry import UsageSample, VllmSample
+from deviceplugin.quota.writer import read_quota
+from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.simulated_backend import SimulatedBackend
 from deviceplugin.simulated_usage import UsageReplay
 from standins.apiserver import ApiServerDouble
@@ -29,7 +38,7 @@ from standins.dra_kubelet import DraKubelet
 from standins.dra_scheduler import DraScheduler
 from tests.dra.conftest import NODE, dra_config
 from tests.dra.test_daemon import DRIVER, _apply_deploy, devices_of
-from vramshare.config import Config
+from vramshare.config import Config, QuotaConfig
 from vramshare.kube import api_client_for
 
 
@@ -130,7 +139,6 @@ def test_a_tick_makes_no_list_call_and_a_deleted_pods_claim_leaves_no_state(node
 
 def test_before_the_pod_cache_has_listed_a_tick_is_skipped_not_emptied():
     """Every claim would look departed (and lose its state) if an empty, never-listed cache were believed."""
-    from deviceplugin.dra.tenants import ClaimTenantSource, PodCacheNotSynced
     source = ClaimTenantSource(dict, list, lambda: False)
     with pytest.raises(PodCacheNotSynced):
         source.list_tenants()
@@ -149,8 +157,7 @@ def test_a_reloaded_config_reaches_the_dra_plugins_quota_loop(node):
     assert loop.settings.params.step_mib == 256 and loop.settings.params.floor_fraction == 0.25
 
 
-def _claim(name: str, pod: str, mib: int, state: str = "prepared"):
-    from deviceplugin.dra.checkpoint import PreparedClaim
+def _claim(name: str, pod: str, mib: int, state: str = "prepared") -> PreparedClaim:
     return PreparedClaim(uid=f"cuid-{name}", namespace="default", name=name, state=state, cdi_spec="/x",
                          pod_uids=(f"uid-{pod}",), pod_names=(pod,), gpus={"GPU-0": mib})
 
@@ -161,40 +168,55 @@ def _pod(name: str) -> dict:
             "status": {"phase": "Running", "podIP": "10.0.0.9"}}
 
 
+class BusyGpu:
+    """The GPU's edge for the loop: the ``busy`` claim's engine uses ``used["busy"]`` MiB and would take
+    all it is given (KV full, requests waiting), and gives memory back when cut (``unmap``)."""
+
+    name = "gpu"
+
+    def __init__(self, used_mib: int = 23552) -> None:
+        self.used = {"busy": used_mib}
+
+    def read_usage(self) -> list[UsageSample]:
+        return [UsageSample("GPU-0", self.used["busy"], pod_uid="uid-busy")]
+
+    def read_signals(self, url: str) -> VllmSample:
+        return VllmSample(kv_usage=0.99, waiting=4, running=8, release_mode="unmap")
+
+
+def _source(claims: dict, pods: list[dict]) -> ClaimTenantSource:
+    """The DRA plugin's tenant source over literal prepared claims and a synced pod cache of ``pods``."""
+    return ClaimTenantSource(lambda: claims, lambda: pods, lambda: True)
+
+
+def _claim_loop(source: ClaimTenantSource, root: str, gpu: BusyGpu, cap: int = 49152) -> QuotaLoop:
+    """The real loop over ``source`` on one GPU of ``cap`` MiB (no startup ticks)."""
+    return QuotaLoop(source, lambda: {"GPU-0": cap}, [gpu], PolicyParams(), root, signals=gpu,
+                     settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
+
+
+def _busy_limit(report) -> int:
+    return next(d.limit_mib for d in report.decisions if d.key.pod == "busy")
+
+
 def test_a_claim_that_is_no_tenant_yet_is_never_lent(tmp_path):
     """Issue 19's first rule on the DRA path: a prepared claim whose pod the watch has not delivered
     yet (or a claim still being prepared) was no tenant and no pending claim, so the loop lent its
     memory to a busy co-tenant: with 24 GiB granted to each of two claims on a 48 GiB GPU, the busy
     one was raised past its request into the newcomer's grant. It now counts at its grant until it
     becomes a tenant."""
-    from deviceplugin.dra.tenants import ClaimTenantSource, pending_from_claims
-    from deviceplugin.quota.loop import LoopSettings, QuotaLoop
-    from deviceplugin.quota.model import Claim, PolicyParams
-    from deviceplugin.quota.telemetry import UsageSample, VllmSample
-
     cap, grant = 49152, 24576
     for newcomer in (_claim("new", "newpod", grant), _claim("new", "newpod", grant, state="preparing")):
         claims = {"cuid-busy": _claim("busy", "busy", grant), "cuid-new": newcomer}
-        source = ClaimTenantSource(lambda: claims, lambda: [_pod("busy")], lambda: True)  # newpod not seen yet
-
-        class Gpu:  # the busy tenant holds 23 GiB and its engine would take all it is given
-            name = "gpu"
-
-            def read_usage(self):
-                return [UsageSample("GPU-0", 23552, pod_uid="uid-busy")]
-
-            def read_signals(self, url):
-                return VllmSample(kv_usage=0.99, waiting=4, running=8, release_mode="unmap")
-
-        loop = QuotaLoop(source, lambda: {"GPU-0": cap}, [Gpu()], PolicyParams(), str(tmp_path / newcomer.state),
-                         signals=Gpu(), settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
+        source = _source(claims, [_pod("busy")])  # newpod not seen yet
+        loop = _claim_loop(source, str(tmp_path / newcomer.state), BusyGpu())
         for _ in range(5):
             report = loop.run_once()
             assert report.skipped is None, report.skipped
             [busy] = [d for d in report.decisions if d.key.pod == "busy"]
             assert busy.limit_mib <= cap - grant, f"lent the newcomer's grant: {busy.limit_mib} MiB ({busy.reason})"
         assert source.list_pending() == [Claim("default/new", (("GPU-0", grant),))]
-    seen = ClaimTenantSource(lambda: claims, lambda: [_pod("busy"), _pod("newpod")], lambda: True)
+    seen = _source(claims, [_pod("busy"), _pod("newpod")])
     assert len(seen.list_tenants()) == 1 and seen.list_pending() == [Claim("default/new", (("GPU-0", grant),))]
     claims["cuid-new"] = _claim("new", "newpod", grant)  # prepared, its pod seen: a tenant, counted once
     tenants = seen.list_tenants()
@@ -207,36 +229,14 @@ def test_a_newcomers_claim_file_is_fitted_to_what_lenders_have_released(tmp_path
     grant. Until the lender has released, its file is lowered to what is free (Σ max(limit, held) stays
     within the GPU), and it grows back to the grant as the lender releases. On the kubelet path the same
     holds for Allocate's file (``QuotaLoop._fit_claims``); the DRA claim's file was never fitted."""
-    from deviceplugin.allocation import GpuShare
-    from deviceplugin.dra.tenants import ClaimTenantSource
-    from deviceplugin.quota.loop import LoopSettings, QuotaLoop
-    from deviceplugin.quota.model import PolicyParams
-    from deviceplugin.quota.telemetry import UsageSample, VllmSample
-    from deviceplugin.quota.writer import read_quota
-    from deviceplugin.quota_files import QuotaFiles
-    from vramshare.config import QuotaConfig
-
     cap, grant, root = 49152, 24576, str(tmp_path / "quota")
     claims = {"cuid-busy": _claim("busy", "busy", grant)}
-    used = {"busy": 23552}
+    gpu = BusyGpu()  # the busy engine takes what it is given (and gives back what its limit drops below)
+    used = gpu.used
+    loop = _claim_loop(_source(claims, [_pod("busy")]), root, gpu, cap)
 
-    class Gpu:  # the busy engine takes what it is given (and gives back what its limit drops below)
-        name = "gpu"
-
-        def read_usage(self):
-            return [UsageSample("GPU-0", used["busy"], pod_uid="uid-busy")]
-
-        def read_signals(self, url):
-            return VllmSample(kv_usage=0.99, waiting=4, running=8, release_mode="unmap")
-
-    source = ClaimTenantSource(lambda: claims, lambda: [_pod("busy")], lambda: True)
-    loop = QuotaLoop(source, lambda: {"GPU-0": cap}, [Gpu()], PolicyParams(), root, signals=Gpu(),
-                     settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
-
-    def busy_limit(report) -> int:
-        return next(d.limit_mib for d in report.decisions if d.key.pod == "busy")
     for _ in range(8):  # alone, the busy tenant borrows and uses it
-        used["busy"] = busy_limit(loop.run_once())
+        used["busy"] = _busy_limit(loop.run_once())
     assert used["busy"] > grant + 4096, "the scenario needs a lender"
     new_dir = str(tmp_path / "quota" / "uid-newpod" / "claim-new")
     QuotaFiles(root, QuotaConfig()).write_initial(new_dir, [GpuShare("GPU-0", grant)])  # the preparer, at Prepare
@@ -245,22 +245,15 @@ def test_a_newcomers_claim_file_is_fitted_to_what_lenders_have_released(tmp_path
     for _ in range(12):
         report = loop.run_once()
         new_limit = read_quota(new_dir).gpus[0].limit_mib
-        assert max(busy_limit(report), used["busy"]) + new_limit <= cap, (used["busy"], new_limit)
+        assert max(_busy_limit(report), used["busy"]) + new_limit <= cap, (used["busy"], new_limit)
         grown.append(new_limit)
-        used["busy"] = min(used["busy"], busy_limit(report))  # the engine releases down to its new limit
+        used["busy"] = min(used["busy"], _busy_limit(report))  # the engine releases down to its new limit
     assert grown[0] < grant and grown[-1] == grant, grown  # lowered to what is free, back to the grant
 
 
 def test_a_pending_claims_unreadable_file_still_counts_at_its_grant(tmp_path):
     """Bad input loses nothing: a pending claim whose quota file is garbage (or a FIFO) is not fitted, but
     still counts at what the preparer granted, and the tick goes on."""
-    import os
-
-    from deviceplugin.dra.tenants import ClaimTenantSource
-    from deviceplugin.quota.loop import LoopSettings, QuotaLoop
-    from deviceplugin.quota.model import PolicyParams
-    from deviceplugin.quota.telemetry import UsageSample, VllmSample
-
     cap, grant, root = 49152, 24576, tmp_path / "quota"
     for junk in ("garbage", "fifo"):
         new_dir = root / junk / "claim-new"
@@ -272,18 +265,7 @@ def test_a_pending_claims_unreadable_file_still_counts_at_its_grant(tmp_path):
         claims = {"cuid-busy": _claim("busy", "busy", grant),
                   "cuid-new": dataclasses.replace(_claim("new", "newpod", grant), quota_dir=str(new_dir))}
 
-        class Gpu:
-            name = "gpu"
-
-            def read_usage(self):
-                return [UsageSample("GPU-0", 23552, pod_uid="uid-busy")]
-
-            def read_signals(self, url):
-                return VllmSample(kv_usage=0.99, waiting=4, running=8, release_mode="unmap")
-
-        loop = QuotaLoop(ClaimTenantSource(lambda: claims, lambda: [_pod("busy")], lambda: True),
-                         lambda: {"GPU-0": cap}, [Gpu()], PolicyParams(), str(root / junk), signals=Gpu(),
-                         settings=LoopSettings(params=PolicyParams(), startup_ticks=0))
+        loop = _claim_loop(_source(claims, [_pod("busy")]), str(root / junk), BusyGpu(), cap)
         for _ in range(4):
             report = loop.run_once()
             assert report.skipped is None and report.reserved == {"GPU-0": grant}, (junk, report.reserved)

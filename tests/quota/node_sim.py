@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 
 from deviceplugin.allocation import GpuShare
 from deviceplugin.assignment import AssignedGpu
+from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
+from deviceplugin.dra.preparer import tenant_container
+from deviceplugin.dra.tenants import ClaimTenantSource
 from deviceplugin.kubelet.reconcile import Holding, Owner
 from deviceplugin.quota.kube import NodeTenantSource
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
-from deviceplugin.quota.writer import read_quota
+from deviceplugin.quota.writer import container_dir, read_quota
 from deviceplugin.quota_files import QuotaFiles
 from vramshare import contract
 from vramshare.config import QuotaConfig
@@ -183,8 +186,6 @@ class DraNode(Node):
     pod the cache shows; the others are its pending claims. ``link_after`` plays no part."""
 
     def __init__(self, root: str, capacity: int, engines: list[Engine], params: PolicyParams | None = None) -> None:
-        from deviceplugin.dra.tenants import ClaimTenantSource
-
         self.prepared: dict = {}
         super().__init__(root, capacity, engines, params)
         self.source = ClaimTenantSource(lambda: self.prepared, self._listed, lambda: True, NAMES)
@@ -195,14 +196,9 @@ class DraNode(Node):
                 "status": {"phase": "Running", "podIP": e.name}}
 
     def _alloc_dir(self, e: Engine) -> str:
-        from deviceplugin.dra.preparer import tenant_container
-        from deviceplugin.quota.writer import container_dir
-
         return container_dir(self.root, e.uid, tenant_container(f"{e.name}-gpu"))
 
     def _events(self, t: int) -> None:
-        from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
-
         for e in self.engines:
             if t == e.bind + e.alloc_after:  # NodePrepareResources
                 self.files.write_initial(self._alloc_dir(e), [GpuShare(GPU, e.request)])
