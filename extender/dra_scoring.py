@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from extender import apicalls, cluster, placement
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
-from vramshare import contract, logs, mig, quantity
+from vramshare import contract, logs, mig, podspec, quantity
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
 
@@ -172,17 +172,6 @@ def claim_demands(claim: Obj, names: contract.Names, unit_mib: int) -> list[clus
     return out
 
 
-def pod_claim_names(pod: Obj) -> list[str]:
-    """The ResourceClaims of a pod: direct references and those the claim controller made."""
-    made = {s["name"]: s.get("resourceClaimName") for s in (pod.get("status") or {}).get("resourceClaimStatuses") or ()}
-    out = []
-    for pc in (pod.get("spec") or {}).get("resourceClaims") or ():
-        name = pc.get("resourceClaimName") or made.get(pc.get("name"))
-        if name:
-            out.append(name)
-    return out
-
-
 class DraCluster:
     """Slices and claims by key; the ClusterState over them is rebuilt when either changed."""
 
@@ -276,7 +265,7 @@ class DraCluster:
     def demands(self, pod: Obj) -> list[cluster.Demand]:
         ns = (pod.get("metadata") or {}).get("namespace")
         out: list[cluster.Demand] = []
-        for name in pod_claim_names(pod):
+        for name in podspec.claim_names(pod):
             claim = self.claims.get(f"{ns}/{name}")
             if claim is not None and not (claim.get("status") or {}).get("allocation"):
                 out += claim_demands(claim, self.names, self.unit_mib)

@@ -169,6 +169,20 @@ def wants_gpu(pod: Mapping[str, Any], names: contract.Names) -> bool:
     return False
 
 
+def claim_names(pod: Mapping[str, Any]) -> list[str]:
+    """The ResourceClaims a pod uses, in ``spec.resourceClaims`` order: a direct ``resourceClaimName``, or
+    the one the claim controller made from a template (``status.resourceClaimStatuses``; absent until it
+    did, and for a template it decided needs none)."""
+    made = {s.get("name"): s.get("resourceClaimName")
+            for s in (pod.get("status") or {}).get("resourceClaimStatuses") or () if isinstance(s, Mapping)}
+    out = []
+    for pc in (pod.get("spec") or {}).get("resourceClaims") or ():
+        name = pc.get("resourceClaimName") or made.get(pc.get("name")) if isinstance(pc, Mapping) else None
+        if name:
+            out.append(str(name))
+    return out
+
+
 def container_requests(container: Mapping[str, Any]) -> dict[str, Any]:
     """A container's requests as the API server defaults them: a limit without a request is the request."""
     return _resources(container)

@@ -26,6 +26,7 @@ import sys
 import threading
 from typing import Any, Callable, Mapping
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -49,6 +50,7 @@ from vramshare.config import Config, ConfigError, keep_restart_only, load_config
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
+READ_TIMEOUT_S = 5.0  # a claim read (Prepare, or the quota tick's claim allocated before Prepare)
 
 
 class DraMetrics:
@@ -109,7 +111,7 @@ class DraPluginDaemon:
         if self.backend.name != "nvml" and replay is None:
             log.info("quota loop off: it reads per-process GPU memory from NVML", backend=self.backend.name)
             return
-        from deviceplugin.dra.tenants import ClaimTenantSource
+        from deviceplugin.dra.tenants import AllocatedClaims, ClaimTenantSource
         from deviceplugin.quota import service as quota_service
 
         def capacities() -> dict[str, int]:  # schedulable MiB of each shared GPU, what the loop divides
@@ -117,8 +119,9 @@ class DraPluginDaemon:
             return {g.uuid: inv.capacity_mib(g) for g in inv.gpus if g.mode is GpuMode.SHARED}
         pods = self.pods = NodePodCache(self._api, self.node, config.names)  # the claims' pods, by watch
         self._spawn("pod-watch", lambda: pods.run(self._stop))
-        tenants = ClaimTenantSource(self.preparer.prepared, pods.pods, pods.synced.is_set,
-                                    config.names)  # no API call per tick (issue 21)
+        allocated = AllocatedClaims(self._read_claim, self.node, lambda: self.state.snapshot.config, self.devices)
+        tenants = ClaimTenantSource(self.preparer.prepared, pods.pods, pods.synced.is_set, config.names,
+                                    allocated)  # no API call per tick (issue 21), one per claim before Prepare
         warm = None
         if config.warm_tier.enabled:  # issue 23: idle engines sleep and lend; no overcommit of the counters
             warm = quota_service.WarmTier(config, self.metrics.registry)
@@ -188,9 +191,12 @@ class DraPluginDaemon:
 
     def _read_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         try:
-            resp = self._resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
+            resp = self._resource.read_namespaced_resource_claim(name, namespace, _preload_content=False,
+                                                                 _request_timeout=READ_TIMEOUT_S)
         except ApiException as exc:
             raise LookupError(f"{exc.status} {exc.reason}") from exc
+        except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out: the caller retries
+            raise LookupError(str(exc)) from exc
         return kube.decode(resp)  # type: ignore[no-any-return]
 
     def _changed(self, old: Snapshot, new: Snapshot) -> None:

@@ -9,17 +9,26 @@ as on the kubelet path (``quota.kube.NodeTenantSource``, issue 21). The loop the
 ``<quotaHostDir>/<pod-uid>/claim-<name>/quota.json``, the directory the claim's CDI spec mounts, and
 floors, ceilings, rebalancing and enforcement apply unchanged. A claim with devices here that is no
 tenant (being prepared, its pod not in the cache yet, or shared) is a pending claim at its grant, so the
-loop never lends it (:func:`pending_from_claims`, issue 19).
+loop never lends it (:func:`pending_from_claims`, issue 19); so is a claim the scheduler allocated here
+for a pod bound to this node before the kubelet asks to prepare it (:func:`unprepared_claims`,
+:class:`AllocatedClaims`: one API read per such claim, not per tick).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping
 
+from deviceplugin.dra import cdi
 from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
-from deviceplugin.dra.preparer import tenant_container
+from deviceplugin.dra.claims import ClaimError, our_shares, resolve
+from deviceplugin.dra.preparer import ClaimReader, tenant_container
+from deviceplugin.dra.slices import DeviceRef
 from deviceplugin.quota.kube import container_ids, metrics_url, pod_meta, running_pods_by_uid
 from deviceplugin.quota.model import Claim, Tenant, TenantKey
-from vramshare import contract
+from vramshare import contract, logs, podspec
+from vramshare.config import Config
+
+log = logs.get(__name__)
+ClaimKey = tuple[str, str]  # (namespace, name) of a ResourceClaim
 
 
 def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[str, Any]],
@@ -57,26 +66,101 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
             if c.gpus and (c.namespace, tenant_container(c.name)) not in owned]
 
 
+def unprepared_claims(pods: Iterable[Mapping[str, Any]], claims: Iterable[PreparedClaim]) -> list[ClaimKey]:
+    """Pure: the claims the pods bound to this node use that the preparer has no record of, sorted. The
+    scheduler allocates a pod's claims before it binds the pod, and the kubelet prepares them only when
+    it starts the pod, so in between such a claim holds memory here that no tenant and no checkpoint
+    shows (issue 19: every pod bound here counts from the moment it exists; the kubelet path counts the
+    extender's assignment, ``quota.kube.pending_from_pods``). A pod that is done or being deleted is
+    left out: the kubelet never prepares its claims."""
+    known = {(c.namespace, c.name) for c in claims}
+    out: set[ClaimKey] = set()
+    for pod in running_pods_by_uid(pods).values():
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        ns = str(meta.get("namespace") or "")
+        out.update((ns, n) for n in podspec.claim_names(pod) if (ns, n) not in known)
+    return sorted(out)
+
+
+class AllocatedClaims:
+    """What each unprepared claim of :func:`unprepared_claims` was allocated here, read once from the API
+    server (the preparer's own reader: a GET per claim, kept while a pod still uses it unprepared) and
+    resolved to GPUs as Prepare will (``claims.our_shares`` + ``resolve``): a shared GPU at its consumed
+    memory, an exclusive one whole; a dynamic-MIG partition not made yet holds no shared memory. A claim
+    that is not ours, or one Prepare would refuse, counts for nothing (Prepare writes no quota for it);
+    a read that fails is retried at the next tick, and until then the claim is fitted at Prepare as
+    before."""
+
+    def __init__(self, read_claim: ClaimReader, node: str, config: Callable[[], Config],
+                 devices: Callable[[], Mapping[str, DeviceRef]]) -> None:
+        self._read, self._node, self._config, self._devices = read_claim, node, config, devices
+        self._known: dict[ClaimKey, tuple[tuple[str, int], ...]] = {}
+        self.reads = 0  # API reads made, for tests and logs: one per claim, not per tick
+
+    def pending(self, keys: Iterable[ClaimKey]) -> list[Claim]:
+        keys = list(keys)
+        for key in keys:
+            if key not in self._known:
+                gpus = self._look(key)
+                if gpus is not None:
+                    self._known[key] = gpus
+        self._known = {k: v for k, v in self._known.items() if k in set(keys)}
+        return [Claim(f"{ns}/{name}", self._known[(ns, name)]) for ns, name in keys
+                if self._known.get((ns, name))]
+
+    def _look(self, key: ClaimKey) -> tuple[tuple[str, int], ...] | None:
+        """The claim's GPUs and MiB here; ``()`` for a claim that takes nothing here; None to ask again."""
+        ns, name = key
+        where = f"claim {ns}/{name}"
+        try:
+            self.reads += 1
+            claim = self._read(ns, name)
+        except LookupError as exc:
+            log.warning("allocated claim not read, not counted before Prepare", claim=f"{ns}/{name}", error=str(exc))
+            return None
+        if not (claim.get("status") or {}).get("allocation"):
+            return None  # not allocated yet (the pod is bound only after): ask again
+        config, known = self._config(), self._devices()
+        try:
+            shares = resolve(our_shares(claim, config.names.dra_driver, self._node), known, where,
+                             config.memory_unit_mib)
+        except ClaimError as exc:
+            log.warning("allocated claim Prepare would refuse, not counted", claim=f"{ns}/{name}", error=str(exc))
+            return ()
+        gpus = tuple((g.uuid, g.mib) for g in cdi.gpu_shares([s for s in shares if known[s.share.device].partition is None]))
+        if gpus:
+            log.info("claim allocated here counted before Prepare", claim=f"{ns}/{name}",
+                     gpus=",".join(f"{u}:{m}MiB" for u, m in gpus))
+        return gpus
+
+
 class PodCacheNotSynced(RuntimeError):
     """The pod cache has not listed yet: every claim would look departed, so the tick is skipped."""
 
 
 class ClaimTenantSource:
     """:class:`deviceplugin.quota.loop.TenantSource` over the preparer's checkpoint (``prepared``) and the
-    node's pod cache (``pods``, ``synced``): reads no API server."""
+    node's pod cache (``pods``, ``synced``): reads no API server, but for each claim allocated here
+    before Prepare, once (``allocated``)."""
 
     def __init__(self, prepared: Callable[[], Mapping[str, PreparedClaim]],
                  pods: Callable[[], Iterable[Mapping[str, Any]]], synced: Callable[[], bool],
-                 names: contract.Names | None = None) -> None:
+                 names: contract.Names | None = None, allocated: AllocatedClaims | None = None) -> None:
         self._prepared, self._pods, self._synced, self._names = prepared, pods, synced, names
+        self._allocated = allocated  # claims allocated here before Prepare; None: not counted
         self._pending: list[Claim] = []
 
     def list_tenants(self) -> list[Tenant]:
         if not self._synced():  # the loop logs this and keeps the last quotas
             raise PodCacheNotSynced("this node's pod cache has not listed yet")
         claims = list(self._prepared().values())
-        tenants = tenants_from_claims(claims, self._pods(), self._names)
+        pods = list(self._pods())
+        tenants = tenants_from_claims(claims, pods, self._names)
         self._pending = pending_from_claims(claims, tenants)
+        if self._allocated is not None:
+            self._pending += self._allocated.pending(unprepared_claims(pods, claims))
         return tenants
 
     def list_pending(self) -> list[Claim]:

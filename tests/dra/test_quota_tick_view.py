@@ -25,7 +25,9 @@ import pytest
 from deviceplugin.allocation import GpuShare
 from deviceplugin.dra.checkpoint import PreparedClaim
 from deviceplugin.dra.main import DraPluginDaemon
-from deviceplugin.dra.tenants import ClaimTenantSource, PodCacheNotSynced, pending_from_claims
+from deviceplugin.dra.slices import DeviceRef
+from deviceplugin.dra.tenants import (AllocatedClaims, ClaimTenantSource, PodCacheNotSynced, pending_from_claims,
+                                      unprepared_claims)
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import Claim, PolicyParams
 from deviceplugin.quota.telemetry import UsageSample, VllmSample
@@ -34,11 +36,14 @@ from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.simulated_backend import SimulatedBackend
 from deviceplugin.simulated_usage import UsageReplay
 from standins.apiserver import ApiServerDouble
+from standins.apiserver.resources import RESOURCECLAIMS
 from standins.dra_kubelet import DraKubelet
 from standins.dra_scheduler import DraScheduler
 from tests.dra.conftest import NODE, dra_config
 from tests.dra.test_daemon import DRIVER, _apply_deploy, devices_of
+from vramshare import podspec
 from vramshare.config import Config, QuotaConfig
+from vramshare.inventory import Gpu
 from vramshare.kube import api_client_for
 
 
@@ -271,3 +276,105 @@ def test_a_pending_claims_unreadable_file_still_counts_at_its_grant(tmp_path):
             assert report.skipped is None and report.reserved == {"GPU-0": grant}, (junk, report.reserved)
             [busy] = [d for d in report.decisions if d.key.pod == "busy"]
             assert busy.limit_mib <= cap - grant
+
+
+def _claim_reads(api: ApiServerDouble) -> int:
+    return len(api.requests("GET", r"/resourceclaims/[^/]+$"))
+
+
+def test_a_claim_allocated_here_counts_from_the_bind_not_from_prepare(node):
+    """Issue 19 on the DRA path, through the whole plugin: the stand-in scheduler allocates a 22 GiB
+    claim here and binds its pod; until the kubelet prepares it, the quota loop counts it at its
+    consumed capacity on the GPU the allocation names (before, it was in no checkpoint and the loop lent
+    it). It reads the claim from the API server once, not once per tick; once prepared and running it
+    is a tenant and no longer a reservation; a pod deleted before Prepare leaves nothing counted."""
+    api, daemon, loop, scheduler, kubelet = node
+    api.create_pod({"metadata": {"name": "next", "namespace": "default"},
+                    "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "vllm-22gi"}],
+                             "containers": [{"name": "vllm", "image": "vllm",
+                                             "resources": {"claims": [{"name": "gpu"}]}}]}})
+    placement = scheduler.schedule(scheduler.create_claims(api.get_pod("default", "next")))
+    assert placement is not None and placement.node == NODE
+    _cached(daemon, api, "next")
+    [claim] = api.objects(RESOURCECLAIMS, "default")
+    [result] = claim["status"]["allocation"]["devices"]["results"]
+    gpu = daemon.devices()[result["device"]].gpu.uuid
+    api.clear_requests()
+    for _ in range(3):
+        report = loop.run_once()
+        assert report.skipped is None, report.skipped
+        assert report.reserved == {gpu: 22528}, report.reserved
+    assert _claim_reads(api) == 1, "the claim was read from the API server on every tick"
+    kubelet.prepare_pod(api.get_pod("default", "next"))
+    _ip(api, "next", "10.0.0.3")
+    _cached(daemon, api, "next")
+    api.clear_requests()
+    report = loop.run_once()
+    assert [t.key.pod for t in loop.tenants_now] == ["next"] and not any(report.reserved.values()), report.reserved
+    assert _claim_reads(api) == 0
+
+    api.create_pod({"metadata": {"name": "gone", "namespace": "default"},
+                    "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "vllm-22gi"}],
+                             "containers": [{"name": "vllm", "image": "vllm",
+                                             "resources": {"claims": [{"name": "gpu"}]}}]}})
+    assert scheduler.schedule(scheduler.create_claims(api.get_pod("default", "gone"))) is not None
+    _cached(daemon, api, "gone")
+    assert sum(loop.run_once().reserved.values()) == 22528
+    api.delete_pod("default", "gone")
+    assert api.wait_for(lambda _: all(p["metadata"]["name"] != "gone" for p in daemon.pods.pods()))
+    assert not any(loop.run_once().reserved.values())
+
+
+def _bound(name: str, *claims: str, phase: str = "Pending", deleting: bool = False) -> dict:
+    """A pod bound here using ``claims``: ``ref:<name>`` by direct reference, else from a template the
+    claim controller made ``<pod>-<name>`` for (``status.resourceClaimStatuses``)."""
+    spec = [{"name": c[4:], "resourceClaimName": c[4:]} if c.startswith("ref:") else
+            {"name": c, "resourceClaimTemplateName": "t"} for c in claims]
+    made = [{"name": c, "resourceClaimName": f"{name}-{c}"} for c in claims if not c.startswith("ref:")]
+    meta = {"name": name, "namespace": "default", "uid": f"uid-{name}"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-02T00:00:00Z"
+    return {"metadata": meta, "spec": {"resourceClaims": spec},
+            "status": {"phase": phase, "resourceClaimStatuses": made}}
+
+
+def test_unprepared_claims_are_those_of_live_pods_bound_here_the_preparer_has_no_record_of():
+    pods = [_bound("a", "gpu"), _bound("b", "ref:shared"), _bound("c", "ref:shared", "gpu"),
+            _bound("done", "gpu", phase="Succeeded"), _bound("dying", "gpu", deleting=True),
+            {"metadata": {"name": "made-not-yet", "namespace": "default", "uid": "u"},
+             "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}},
+            {"metadata": {"name": "junk", "namespace": "default", "uid": "j"},
+             "spec": {"resourceClaims": ["x", {"name": 3}]}, "status": {"resourceClaimStatuses": [7]}}]
+    prepared = [_claim("c-gpu", "c", 1024)]
+    assert unprepared_claims(pods, prepared) == [("default", "a-gpu"), ("default", "shared")]
+    assert podspec.claim_names(pods[2]) == ["shared", "c-gpu"]  # spec order
+
+
+def test_an_allocated_claim_is_read_once_and_a_failed_read_or_a_refused_one_counts_nothing():
+    """Bad input loses nothing: a read that fails is retried at the next tick (until then the claim is
+    fitted at Prepare, as before); a claim of another driver, or one Prepare would refuse (a device this
+    pool does not have), counts for nothing and is not read again while its pod waits."""
+    config = Config()
+    gpu = Gpu(0, "GPU-0", "H100", 81920, units=80)
+    reads: list[str] = []
+    fail = {"flaky"}
+
+    def read(ns: str, name: str) -> dict:
+        reads.append(name)
+        if name in fail:
+            fail.discard(name)
+            raise LookupError("503 Service Unavailable")
+        driver, device = {"other": ("gpu.example.com", "gpu-0"), "alien": (config.names.dra_driver, "gpu-9")}.get(
+            name, (config.names.dra_driver, "gpu-0"))
+        result = {"request": "gpu", "driver": driver, "pool": NODE, "device": device, "shareID": "s",
+                  "consumedCapacity": {"memory": "8Gi"}}
+        return {"metadata": {"name": name, "namespace": ns, "uid": f"cuid-{name}"},
+                "status": {"allocation": {"devices": {"results": [result]}}}}
+
+    allocated = AllocatedClaims(read, NODE, lambda: config, lambda: {"gpu-0": DeviceRef("gpu-0", gpu)})
+    keys = [("default", n) for n in ("alien", "flaky", "other", "ok")]
+    assert allocated.pending(keys) == [Claim("default/ok", (("GPU-0", 8192),))]
+    assert allocated.pending(keys) == [Claim("default/flaky", (("GPU-0", 8192),)),
+                                       Claim("default/ok", (("GPU-0", 8192),))]
+    assert sorted(reads) == ["alien", "flaky", "flaky", "ok", "other"]
+    assert allocated.pending(keys[:1]) == [] and allocated.pending(keys) and len(reads) == 8  # forgotten, read again

@@ -20,7 +20,8 @@ from deviceplugin.allocation import GpuShare
 from deviceplugin.assignment import AssignedGpu
 from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
 from deviceplugin.dra.preparer import tenant_container
-from deviceplugin.dra.tenants import ClaimTenantSource
+from deviceplugin.dra.slices import DeviceRef
+from deviceplugin.dra.tenants import AllocatedClaims, ClaimTenantSource
 from deviceplugin.kubelet.reconcile import Holding, Owner
 from deviceplugin.quota.kube import NodeTenantSource
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
@@ -29,7 +30,8 @@ from deviceplugin.quota.telemetry import UsageSample, VllmSample
 from deviceplugin.quota.writer import container_dir, read_quota
 from deviceplugin.quota_files import QuotaFiles
 from vramshare import contract
-from vramshare.config import QuotaConfig
+from vramshare.config import Config, QuotaConfig
+from vramshare.inventory import Gpu
 
 NAMES = contract.Names()
 GPU = "GPU-node"
@@ -179,21 +181,39 @@ class Node:
 
 
 class DraNode(Node):
-    """The same node on the DRA path: the scheduler allocates the engine's claim at ``bind``, the kubelet
-    prepares it ``alloc_after`` ticks later (the preparer writes its quota file, the full grant, in
-    ``<uid>/claim-<name>`` and records it prepared), and the pod reaches the plugin's pod cache
-    ``list_lag`` ticks after the bind. The tenants are :class:`ClaimTenantSource`'s: prepared claims whose
-    pod the cache shows; the others are its pending claims. ``link_after`` plays no part."""
+    """The same node on the DRA path: the scheduler allocates the engine's claim at ``bind`` (readable
+    from the API from then on), the kubelet prepares it ``alloc_after`` ticks later (the preparer writes
+    its quota file, the full grant, in ``<uid>/claim-<name>`` and records it prepared), and the pod, which
+    names its claim, reaches the plugin's pod cache ``list_lag`` ticks after the bind. The tenants are
+    :class:`ClaimTenantSource`'s: prepared claims whose pod the cache shows; the others, and the claims
+    of listed pods allocated here but not prepared yet (``allocated``, the daemon's
+    :class:`AllocatedClaims`), are its pending claims. ``link_after`` plays no part."""
 
-    def __init__(self, root: str, capacity: int, engines: list[Engine], params: PolicyParams | None = None) -> None:
+    def __init__(self, root: str, capacity: int, engines: list[Engine], params: PolicyParams | None = None,
+                 allocated: bool = True) -> None:
         self.prepared: dict = {}
         super().__init__(root, capacity, engines, params)
-        self.source = ClaimTenantSource(lambda: self.prepared, self._listed, lambda: True, NAMES)
+        config = Config()
+        self.device = DeviceRef("gpu-0", Gpu(0, GPU, "H100", capacity, units=capacity // config.memory_unit_mib))
+        self.claims = AllocatedClaims(self._read_claim, "node", lambda: config, lambda: {"gpu-0": self.device})
+        self.source = ClaimTenantSource(lambda: self.prepared, self._listed, lambda: True, NAMES,
+                                        self.claims if allocated else None)
 
     def _pod(self, e: Engine, state: str) -> dict:
         return {"metadata": {"name": e.name, "namespace": "llm", "uid": e.uid,
                              "annotations": {"prometheus.io/port": "8000"}},
+                "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimName": f"{e.name}-gpu"}]},
                 "status": {"phase": "Running", "podIP": e.name}}
+
+    def _read_claim(self, namespace: str, name: str) -> dict:
+        """The API server's ResourceClaim (resource.k8s.io/v1), allocated by the scheduler at the bind."""
+        e = next((e for e in self.engines if f"{e.name}-gpu" == name and self.t >= e.bind), None)
+        if e is None:
+            raise LookupError("404 Not Found")
+        result = {"request": "gpu", "driver": NAMES.dra_driver, "pool": "node", "device": "gpu-0",
+                  "shareID": f"share-{e.name}", "consumedCapacity": {"memory": f"{e.request}Mi"}}
+        return {"metadata": {"name": name, "namespace": namespace, "uid": f"cuid-{e.name}"},
+                "status": {"allocation": {"devices": {"results": [result]}}}}
 
     def _alloc_dir(self, e: Engine) -> str:
         return container_dir(self.root, e.uid, tenant_container(f"{e.name}-gpu"))
