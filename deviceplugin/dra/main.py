@@ -9,8 +9,8 @@ deregistration; retrying failures),
 ``metrics-http``, and with the quota loop ``quota-loop`` and ``pod-watch`` (the claims' pods, by
 list+watch: a tick reads no API server), and with ``warmTier.enabled`` ``warm-channel`` (the warm tier's
 socket in each claim's quota dir: idle engines sleep and their memory is lent to co-tenants, as on the
-device plugin's GPUs; sleeping claims are not overcommitted). Same backends and config file as the device plugin; the config's
-``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
+device plugin's GPUs; a sleeping claim of an overcommit class adds its credit to its GPU's published
+capacity). Same backends and config file as the device plugin; the config's ``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
 
 Dynamic MIG (issue 24): on NVML, GPUs in MIG mode listed in ``dynamicMig.gpus`` are published as
 partitionable devices (every profile at every placement, with counters) and their instances made at
@@ -123,9 +123,12 @@ class DraPluginDaemon:
         tenants = ClaimTenantSource(self.preparer.prepared, pods.pods, pods.synced.is_set, config.names,
                                     allocated)  # no API call per tick (issue 21), one per claim before Prepare
         warm = None
-        if config.warm_tier.enabled:  # issue 23: idle engines sleep and lend; no overcommit of the counters
-            warm = quota_service.WarmTier(config, self.metrics.registry)
-            self.warm = warm.broker
+        if config.warm_tier.enabled:  # issue 23: idle engines sleep and lend, and sleepers of overcommit
+            # classes add their credit to their GPU's published capacity (item 5), as on the device plugin
+            warm = quota_service.WarmTier(config, self.metrics.registry, on_credits=self.state.on_credits)
+            self.warm = broker = warm.broker
+            self.preparer.sleeping = lambda: {(k.namespace, k.container, gpu): mib
+                                              for (k, gpu), mib in broker.booked_sleepers().items()}
         loop = quota_service.build_loop(config, self._api, self.node, capacities, tenants,
                                         nvml=getattr(self.backend, "nvml", None),
                                         usage=[replay] if replay is not None else None, warm=self.warm)

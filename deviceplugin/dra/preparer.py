@@ -115,6 +115,10 @@ class ClaimPreparer:
         self._config = config
         self._devices = devices
         self._read_claim = read_claim
+        # issue 23 item 5: per (namespace, tenant container, GPU uuid), what a sleeping claim of an
+        # overcommit class is booked at (the warm broker's view, set where the warm tier runs): the room
+        # check counts it at that, as the scheduler's books did when it placed a claim on its credit
+        self.sleeping: Callable[[], Mapping[tuple[str, str, str], int]] = dict
         self.effects = effects or FileEffects()
         self._lock = threading.Lock()
         self.checkpoint_path = os.path.join(config().dra.state_dir, CHECKPOINT_FILE)
@@ -247,13 +251,18 @@ class ClaimPreparer:
     def _check_room(self, uid: str, gpu: Sequence[GpuShare], known: Mapping[str, DeviceRef], unit_mib: int,
                     where: str) -> None:
         """Refuse a claim that would take a GPU past its memory together with the claims already
-        prepared here (the allocation comes from another process; the quota files must stay honest)."""
+        prepared here (the allocation comes from another process; the quota files must stay honest).
+        A sleeping claim of an overcommit class counts at what it is booked at (:attr:`sleeping`): the
+        scheduler placed this claim on the sleep credit the slice offered, and it stays preparable
+        after a sleeper woke, while the awake and the booked fit (the wake reserve's promise)."""
         capacity = {r.uuid: device_capacity_mib(r, unit_mib) for r in known.values()}
+        booked = self.sleeping()
         held: dict[str, int] = {}
         for other, c in self.checkpoint.claims.items():
             if other != uid:
+                container = tenant_container(c.name)
                 for u, m in c.gpus.items():
-                    held[u] = held.get(u, 0) + m
+                    held[u] = held.get(u, 0) + min(m, booked.get((c.namespace, container, u), m))
         for g in gpu:
             if g.uuid in capacity and held.get(g.uuid, 0) + g.mib > capacity[g.uuid]:
                 raise ClaimError(f"{where}: {g.mib} MiB on GPU {g.uuid} with {held.get(g.uuid, 0)} MiB already "

@@ -218,7 +218,9 @@ def device_object(ref: DeviceRef, inventory: NodeInventory, node: str) -> Obj:
         dev["capacity"] = {"memory": {"value": mib(ref.mig.memory_mib)}}
     elif ref.shared:
         dev["allowMultipleAllocations"] = True
-        dev["capacity"] = {"memory": {"value": mib(inventory.capacity_mib(ref.gpu)),
+        # the GPU's units plus its sleep credit (issue 23 item 5), what the allocator books against, as the
+        # extender does on the device plugin's GPUs; one share is never more than the GPU's own units
+        dev["capacity"] = {"memory": {"value": mib(inventory.bookable_mib(ref.gpu)),
                                       "requestPolicy": request_policy(ref.gpu.units, inventory.unit_mib)}}
     else:
         dev["capacity"] = {"memory": {"value": mib(ref.gpu.memory_mib)}}

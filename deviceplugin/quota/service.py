@@ -153,8 +153,8 @@ class WarmTier:
     socket in each tenant's quota dir (``warm.sock``, where its engine connects) and the broker's metrics.
 
     Built before the loop (the loop takes the broker), then :meth:`serve` runs the sockets on a thread of
-    the plugin's own. ``on_credits``: where the kubelet plugin turns sleeping pods of overcommit classes
-    into kubelet units; the DRA plugin passes none (its ResourceSlice counters are never overcommitted)."""
+    the plugin's own. ``on_credits``: where a plugin turns sleeping pods of overcommit classes into
+    schedulable memory (the node state: kubelet units, or a shared device's published capacity on DRA)."""
 
     def __init__(self, config: Config, registry: CollectorRegistry,
                  on_credits: Callable[[dict[str, int]], None] | None = None) -> None:

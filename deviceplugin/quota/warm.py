@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -543,15 +544,24 @@ class WarmBroker:
         return not any(e.state is Sleep.WAKING and k != key and (k, gpu) in self._reserve
                        and self._wake_order(k) < mine for k, e in self._engines.items())
 
+    def _sleepers(self) -> list[tuple[TenantKey, overcommit.Sleeper]]:
+        """The sleeping tenants of overcommit classes, per GPU; a waking engine, or one booked awake
+        ahead of a forecast request, is none."""
+        with self._lock:
+            return [(key, overcommit.Sleeper(gpu, req, used if used is not None else req, frac, k))
+                    for (key, gpu), (req, used, frac, k) in self._overcommit.items()
+                    if (e := self._engines.get(key)) is not None and e.state is Sleep.SLEEPING and not e.ahead]
+
     def sleep_credits(self) -> dict[str, int]:
         """Per GPU, MiB the sleeping tenants of overcommit classes lend to the books beyond the reserve
         (:func:`vramshare.overcommit.credits`); a waking engine lends nothing."""
-        with self._lock:
-            sleepers = [overcommit.Sleeper(gpu, req, used if used is not None else req, frac, k)
-                        for (key, gpu), (req, used, frac, k) in self._overcommit.items()
-                        if (e := self._engines.get(key)) is not None and e.state is Sleep.SLEEPING
-                        and not e.ahead]  # booked awake ahead of a forecast request: lends nothing
-        return overcommit.credits(sleepers)
+        return overcommit.credits(s for _, s in self._sleepers())
+
+    def booked_sleepers(self) -> dict[tuple[TenantKey, str], int]:
+        """Per (tenant, GPU), MiB the books count a sleeping tenant of an overcommit class at (its
+        class's fraction of its request, never below what it holds): what a claim prepared beside it
+        may count it at (the DRA preparer's room check)."""
+        return {(key, s.gpu): math.ceil(s.booked) for key, s in self._sleepers()}
 
     def _publish_credits(self) -> None:
         if self.on_credits is None:

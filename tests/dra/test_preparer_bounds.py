@@ -95,3 +95,25 @@ def test_inside_resolves_parents_but_not_the_last_component(tmp_path):
     assert not writer.inside(str(root), str(root / "link" / "x"), follow_last=False)  # nor through it
     assert not writer.inside(str(root), str(root / ".." / "out"), follow_last=False)
     assert not writer.inside(str(root), str(root), follow_last=False)
+
+
+def test_a_claim_placed_on_the_sleepers_credit_is_prepared_counting_them_at_their_booked_size(tmp_path):
+    """Issue 23 item 5 on DRA: two 30 GiB claims sleep, their class books them at 25% (7,680 MiB) and
+    keeps room for one wake, so the slice offered a 23,040 MiB credit and the scheduler placed a 40 GiB
+    claim beside them. Prepare counted every claim at its grant (100 GiB on a 79 GiB GPU) and refused
+    it; counting the sleepers at their booked size it fits, and it still does once one of them woke
+    (the wake reserve). Nothing more is placed beside them then."""
+    claims = Claims()
+    sleepers = [claims.add(claim(f"uid-{n}", [share("gpu-0", "30Gi", f"s{n}")], name=f"sleeper-{n}", pod=f"pod-{n}"))
+                for n in (1, 2)]
+    b = claims.add(claim("uid-b", [share("gpu-0", "40Gi", "sb")], name="newcomer", pod="pod-b"))
+    p = make(tmp_path, claims)
+    assert all(p.prepare(ref(c)).error == "" for c in sleepers)
+    assert "already prepared" in p.prepare(ref(b)).error  # nobody sleeps: the grants add up past the GPU
+    [uuid] = p.prepared()["uid-1"].gpus
+    p.sleeping = lambda: {("default", f"claim-sleeper-{n}", uuid): 7680 for n in (1, 2)}
+    assert p.prepare(ref(b)).error == ""
+    p.sleeping = lambda: {("default", "claim-sleeper-2", uuid): 7680}  # sleeper-1 woke
+    c = claims.add(claim("uid-c", [share("gpu-0", "4Gi", "sc")], name="late", pod="pod-c"))
+    assert "already prepared" in p.prepare(ref(c)).error
+    assert p.unprepare(ref(b)) == "" and p.prepare(ref(b)).error == ""  # 30 + 7.5 + 40 GiB still fit

@@ -137,3 +137,19 @@ def test_the_device_plugin_and_dra_never_hold_the_same_gpu(discovered, tmp_path)
     none = dataclasses.replace(config, dra=dataclasses.replace(config.dra, gpus=()))
     assert devices.build_inventory(discovered, none, dra=True).gpus == ()
     assert len(devices.build_inventory(discovered, none).gpus) == 4
+
+
+def test_a_shared_gpus_sleep_credit_is_published_in_its_capacity_never_in_one_share(inventory, config):
+    """Issue 23 item 5 on DRA: the sleeping claims of overcommit classes lend their GPU a credit
+    (``node_state.with_credits``); the allocator books consumed memory against ``capacity.memory``, so
+    the device offers its units plus the credit (what the extender books a device-plugin GPU against),
+    while one share stays within the GPU's own units. The slice stays valid (max <= value)."""
+    gpu = inventory.gpus[0]
+    credited = dataclasses.replace(inventory, gpus=(dataclasses.replace(gpu, sleep_credit_mib=20 * 1024),)
+                                   + inventory.gpus[1:])
+    mem = _by_name(slices.desired_devices(credited, config.names, NODE, taints=False))["gpu-0"]["capacity"]["memory"]
+    units = inventory.capacity_mib(gpu)
+    assert mem["value"] == f"{units + 20 * 1024}Mi" and mem["requestPolicy"]["validRange"]["max"] == f"{units}Mi"
+    devs = slices.desired_devices(credited, config.names, NODE, taints=False)
+    for obj in slices.resource_slices(NODE, "0b7e2c4e-1111-2222-3333-444455556666", devs, 7, config.names):
+        kubernetes_validate.validate(obj, "1.36", strict=True)

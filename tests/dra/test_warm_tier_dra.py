@@ -12,7 +12,9 @@ side the plugin's :class:`~vllm_patches.warm.WarmTier` over its :class:`~vllm_pa
 * a request during sleep is served: the engine asks to wake (which pokes the loop), the loop restores
   the claim's quota to its request before it grants, and the engine wakes.
 
-The DRA plugin keeps no sleep credit: its ResourceSlice counters are never overcommitted.
+Overcommit (item 5): two sleeping claims of a class that books sleepers at a quarter of their request lend
+their GPU a credit, which the plugin publishes in the device's ``capacity.memory`` (the allocator books
+against it, as the extender books a device-plugin GPU); a wake withdraws it.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ from tests.dra.test_quota_tick_view import _cached, _ip, running_plugin
 from tests.test_warm_e2e import Metrics, page
 from vllm_patches.warm import AWAKE, SocketChannel, WarmTier
 from vramshare import contract
-from vramshare.config import WarmTierConfig
+from tests.dra.test_daemon import devices_of
+from vramshare.config import ClassMatch, QuotaClass, WarmTierConfig
+from vramshare.inventory import GpuMode
 
 REQUEST_MIB = 22 * 1024  # the claim template vllm-22gi
 USED_MIB = 2000  # what the replayed GPU says the claim's processes hold
@@ -72,11 +76,9 @@ def wait(cond, timeout: float = 20.0) -> bool:
     return cond()
 
 
-@pytest.fixture
-def node(tmp_path):
-    """The DRA plugin with the warm tier on, its quota loop ticking every 0.2 s on its own thread and an
-    engine idle after 1 s; the engines' ``/metrics`` on a loopback page."""
-    config = dra_config(tmp_path)
+def _plugin_node(config):
+    """The DRA plugin on ``config`` with the warm tier on, its quota loop ticking every 0.2 s on its own
+    thread and an engine idle after 1 s; the engines' ``/metrics`` on a loopback page."""
     config = dataclasses.replace(
         config, warm_tier=WarmTierConfig(enabled=True),
         quota=dataclasses.replace(config.quota, interval_seconds=0.2, idle_seconds=1.0, startup_ticks=0))
@@ -89,18 +91,33 @@ def node(tmp_path):
         metrics.close()
 
 
-def _serving_pod(api: ApiServerDouble, scheduler: DraScheduler, metrics: Metrics) -> dict:
+@pytest.fixture
+def node(tmp_path):
+    yield from _plugin_node(dra_config(tmp_path))
+
+
+@pytest.fixture
+def overcommit_node(tmp_path):
+    """Only GPU 0 shared (79 GiB), and the pods of namespace default in a class whose sleepers are booked
+    at a quarter of their request, with room kept for one wake (``wakeReserve: 1``)."""
+    config = dra_config(tmp_path)
+    tail = QuotaClass("tail", sleep_booked_fraction=0.25, match=(ClassMatch(namespaces=("default",)),))
+    yield from _plugin_node(dataclasses.replace(config, gpu_modes={"1": GpuMode.EXCLUSIVE, "2": GpuMode.EXCLUSIVE},
+                                                quota=dataclasses.replace(config.quota, classes=(tail,))))
+
+
+def _serving_pod(api: ApiServerDouble, scheduler: DraScheduler, metrics: Metrics, name: str = "chat") -> dict:
     """A vLLM pod with a 22 GiB shared claim, scheduled here, its ``/metrics`` on the loopback page."""
     metrics.pages["metrics"] = page(lambda: 0, 0, 0.0)  # no request running or waiting: idle
-    api.create_pod({"metadata": {"name": "chat", "namespace": "default",
+    api.create_pod({"metadata": {"name": name, "namespace": "default",
                                  "annotations": {"prometheus.io/port": str(metrics.port)}},
                     "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "vllm-22gi"}],
                              "containers": [{"name": "vllm", "image": "vllm",
                                              "resources": {"claims": [{"name": "gpu"}]}}]}})
-    placement = scheduler.schedule(scheduler.create_claims(api.get_pod("default", "chat")))
+    placement = scheduler.schedule(scheduler.create_claims(api.get_pod("default", name)))
     assert placement is not None and placement.node == NODE
-    _ip(api, "chat", "127.0.0.1")
-    return api.get_pod("default", "chat")
+    _ip(api, name, "127.0.0.1")
+    return api.get_pod("default", name)
 
 
 class Plugin:
@@ -134,15 +151,15 @@ class Plugin:
         shutil.rmtree(self.mount, ignore_errors=True)
 
 
-def _asleep(node) -> tuple:
+def _asleep(node, name: str = "chat") -> tuple:
     """The pod's claim prepared, its engine connected, idle, and asleep."""
     api, daemon, scheduler, kubelet, metrics = node
-    pod = _serving_pod(api, scheduler, metrics)
+    pod = _serving_pod(api, scheduler, metrics, name)
     kubelet.prepare_pod(pod)
-    _cached(daemon, api, "chat")
+    _cached(daemon, api, name)
     loop, broker = daemon._quota_loop, daemon.warm
-    assert wait(lambda: len(loop.tenants_now) == 1)
-    [tenant] = loop.tenants_now
+    assert wait(lambda: any(t.key.pod == name for t in loop.tenants_now))
+    [tenant] = [t for t in loop.tenants_now if t.key.pod == name]
     assert tenant.key.container.startswith("claim-")
     quota_dir = loop.quota_dir(tenant)
     sock = os.path.join(quota_dir, contract.WARM_SOCKET_NAME)
@@ -171,7 +188,7 @@ def test_an_idle_engine_on_a_dra_claim_sleeps_lends_and_wakes_for_a_request(node
         assert _limit(quota_dir) >= REQUEST_MIB, "the engine woke before its claim's quota was restored"
         assert wait(lambda: broker.views()[tenant.key].state is Sleep.AWAKE)
         assert lent > REQUEST_MIB // 2
-        assert broker.sleep_credits() == {}, "the DRA plugin overcommits no counters"
+        assert broker.sleep_credits() == {}, "no class here overcommits"
     finally:
         plugin.close()
 
@@ -192,3 +209,25 @@ def test_a_claim_unprepared_while_its_engine_sleeps_leaves_no_socket_and_no_stat
         assert wait(lambda: loop.tracked() == set())
     finally:
         plugin.close()
+
+
+def _gpu0_capacity(api: ApiServerDouble) -> str:
+    return devices_of(api)["gpu-0"]["capacity"]["memory"]["value"]
+
+
+def test_sleeping_claims_of_an_overcommit_class_lend_their_gpu_a_published_credit(overcommit_node):
+    """Two 22 GiB claims sleep on GPU 0, each booked at max(a quarter of 22,528, the 2,000 MiB it holds) =
+    5,632 MiB; the reserve keeps room for one wake (16,896 MiB), so the credit is the other gap, 16 whole
+    units: the device's published capacity grows from 80,896 to 97,280 MiB. On the commit before this
+    one the DRA plugin passed no ``on_credits`` and the capacity never moved. A request wakes one engine:
+    the credit is withdrawn and the slice says 80,896 MiB again."""
+    api = overcommit_node[0]
+    assert _gpu0_capacity(api) == "80896Mi"
+    asleep = [_asleep(overcommit_node, name) for name in ("chat", "code")]
+    try:
+        assert wait(lambda: _gpu0_capacity(api) == "97280Mi"), _gpu0_capacity(api)
+        asleep[0][3].tier.before_request()  # a request for chat: served, the engine wakes
+        assert wait(lambda: _gpu0_capacity(api) == "80896Mi"), _gpu0_capacity(api)
+    finally:
+        for *_, plugin in asleep:
+            plugin.close()
