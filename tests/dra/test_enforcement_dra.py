@@ -54,12 +54,22 @@ FENCE_KEYS = (contract.ENV_GPU_MEMORY_REQUEST, contract.ENV_GPU_MEMORY_LIMIT, co
               contract.ENV_MPS_PIPE_DIRECTORY)
 
 
-def _driver_nvml() -> NvmlBackend:
-    """One H100 on an R615 driver (the fake NVML keeps limits per cgroup), the node's facts as driver."""
+def _driver_nvml(tmp_path, cgroups) -> NvmlBackend:
+    """One H100 on an R615 driver (the fake NVML keeps limits per cgroup); the node's facts are what the
+    real probe finds on it from inside the dra-driver-enforcement pod: CAP_SYS_ADMIN, the host's cgroup v2
+    tree (this process's own capabilities and /sys/fs/cgroup are the test machine's, not the pod's)."""
     nv = FakeNvml([H100_80GB])
     nv.driver_version = "615.20.01"
+    nv.nvmlInit()
+    (cgroups / "cgroup.controllers").write_text("cpu memory dmem\n")
+    (cgroups / "kubepods.slice").mkdir()
+    status = tmp_path / "status"
+    status.write_text(f"CapEff:\t{1 << enforcement.CAP_BITS[enforcement.DRIVER_CAPABILITY]:016x}\n")
+    facts = enforcement.probe(nv, EnforcementConfig(), cgroup_root=str(cgroups), shared_uuids=[GPU],
+                              proc_status=str(status))
+    assert facts.driver_problem() is None, facts
     backend = NvmlBackend(nvml=nv, sysfs_root="/nonexistent")
-    backend.enforcement_facts = DRIVER_NODE
+    backend.enforcement_facts = facts
     return backend
 
 
@@ -127,7 +137,7 @@ def test_on_a_driver_node_the_claim_s_spec_carries_the_fence_and_the_loop_moves_
     cgroup limits through NVML (soft = the request, hard = the loop's limit)."""
     cgroups = tmp_path / "cgroup"
     cgroups.mkdir()
-    backend = _driver_nvml()
+    backend = _driver_nvml(tmp_path, cgroups)
     config = dra_config(tmp_path)
     config = dataclasses.replace(config, quota=dataclasses.replace(config.quota, interval_seconds=3600))
     sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
@@ -276,5 +286,45 @@ def test_the_fallback_and_its_reason_are_in_the_metrics_and_the_mode_survives_a_
                 assert daemon.state.snapshot.config.enforcement.resolved is EnforcementMode.MPS  # until a restart
             finally:
                 daemon.close()
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def test_the_command_refuses_a_named_mode_with_one_line(tmp_path):
+    """``vramshare dra-plugin`` with VRAMSHARE_ENFORCEMENT_MODE=driver (as the dra-driver-enforcement
+    DaemonSet sets it) on a node without NVML exits 1 with the reason; on 4b86459 it started cooperative."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"version: v1\nquotaHostDir: {tmp_path}/quota\n"
+                      f"dra: {{gpus: all, cdiRoot: {tmp_path}/cdi, stateDir: {tmp_path}/state}}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "NODE_NAME")}
+    env["VRAMSHARE_ENFORCEMENT_MODE"] = "driver"
+    try:
+        with ApiServerDouble() as api:
+            api.create_node({"metadata": {"name": NODE}})
+            kubeconfig = tmp_path / "kubeconfig"
+            kubeconfig.write_text(f"apiVersion: v1\nkind: Config\ncurrent-context: double\n"
+                                  f"clusters: [{{name: double, cluster: {{server: '{api.url}'}}}}]\n"
+                                  f"users: [{{name: nobody, user: {{}}}}]\n"
+                                  f"contexts: [{{name: double, context: {{cluster: double, user: nobody}}}}]\n")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "vramshare_cli.main", "dra-plugin", "--backend", "simulated", "--config",
+                 str(config), "--kubeconfig", str(kubeconfig), "--node-name", NODE,
+                 "--plugin-dir", f"{sockets}/plugins/{DRIVER}", "--registry-dir", f"{sockets}/registry",
+                 "--metrics-port", "0"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                _out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                pytest.fail("the plugin started although enforcement.mode driver cannot be honoured")
+        assert proc.returncode == 1, err
+        assert err.strip().splitlines()[-1] == ("vramshare dra-plugin: enforcement.mode driver refused: no NVIDIA "
+                                                "driver (NVML not available)")
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
