@@ -16,7 +16,8 @@ since the plugin's probe finds neither the capability nor the host cgroups), and
 ``deploy/overlays/driver-enforcement`` (that plus ``components/driver-enforcement``: a DaemonSet
 variant on nodes labelled ``vramshare.io/enforcement=driver``); the DRA path ``deploy/daemonset/dra``
 alone and ``deploy/overlays/dra-driver-enforcement`` (that plus ``components/dra-driver-enforcement``,
-the DRA plugin's variant on the same nodes, granted the same as the device plugin's).
+the DRA plugin's variant on the same nodes, granted the same as the device plugin's) or
+``deploy/overlays/dra-mps-enforcement`` (the MPS daemon's directories, read-only, in the DRA plugin).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ BASE, DRA = DEPLOY / "daemonset", DEPLOY / "daemonset" / "dra"
 OVERLAYS = DEPLOY / "overlays"
 INSTALLS = {"default": BASE, "driver-enforcement": OVERLAYS / "driver-enforcement",
             "mps-enforcement": OVERLAYS / "mps-enforcement", "cdi-cri": OVERLAYS / "cdi-cri", "dra": DRA,
-            "dra-driver-enforcement": OVERLAYS / "dra-driver-enforcement"}
+            "dra-driver-enforcement": OVERLAYS / "dra-driver-enforcement",
+            "dra-mps-enforcement": OVERLAYS / "dra-mps-enforcement"}
 RW, RO = False, True  # hostPath mounts: readOnly
 
 
@@ -290,7 +292,7 @@ def test_cdi_cri_reaches_every_device_plugin_daemonset(tmp_path: pathlib.Path) -
         assert granted(ds) == device_plugin_needs(cfg, mode)
 
 
-@pytest.mark.parametrize("install", ["dra", "dra-driver-enforcement"])
+@pytest.mark.parametrize("install", ["dra", "dra-driver-enforcement", "dra-mps-enforcement"])
 @pytest.mark.parametrize("node", ["gpu", "driver"])
 def test_each_gpu_node_runs_one_dra_plugin_granted_exactly_what_its_mode_needs(
         install: str, node: str, tmp_path: pathlib.Path) -> None:
@@ -300,8 +302,9 @@ def test_each_gpu_node_runs_one_dra_plugin_granted_exactly_what_its_mode_needs(
     [ds] = [ds for ds in _daemonsets(objs, "vramshare-dra-plugin") if _schedules_on(ds, labels)]  # one per node
     cfg = _config(objs, ds)
     mode = _advertised_mode(ds, cfg, tmp_path)
-    assert mode is (EnforcementMode.DRIVER if (install, node) == ("dra-driver-enforcement", "driver")
-                    else EnforcementMode.COOPERATIVE)
+    expected = {("dra-driver-enforcement", "driver"): EnforcementMode.DRIVER,
+                ("dra-mps-enforcement", "gpu"): EnforcementMode.MPS, ("dra-mps-enforcement", "driver"): EnforcementMode.MPS}
+    assert mode is expected.get((install, node), EnforcementMode.COOPERATIVE)
     assert granted(ds) == dra_plugin_needs(cfg, mode)
     # the DRA plugin's driver grants are the device plugin's, from the same constants
     extra = lambda need: (set(need.paths.items()) - set(dra_plugin_needs(cfg, EnforcementMode.COOPERATIVE).paths.items()),  # noqa: E731
@@ -363,7 +366,8 @@ def test_the_variant_s_mode_is_explicit_so_a_node_that_cannot_honour_it_says_why
     assert _config(objs).enforcement.requested() is None  # the default DaemonSet: auto
 
 
-@pytest.mark.parametrize("install", ["driver-enforcement", "mps-enforcement", "dra-driver-enforcement"])
+@pytest.mark.parametrize("install", ["driver-enforcement", "mps-enforcement", "dra-driver-enforcement",
+                                     "dra-mps-enforcement"])
 @pytest.mark.parametrize("version", ["1.31", "1.35"])
 def test_the_components_render_valid_daemonsets(install: str, version: str) -> None:
     import kubernetes_validate
