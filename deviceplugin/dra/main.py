@@ -140,7 +140,8 @@ class DraPluginDaemon:
             self.warm = warm.broker
         loop = quota_service.build_loop(config, self._api, self.node, capacities, tenants,
                                         nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
-                                        cgroup_root=self._cgroup_root, usage=[replay] if replay is not None else None, warm=self.warm)
+                                        cgroup_root=self._cgroup_root,
+                                        usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
