@@ -32,7 +32,8 @@ log = logs.get("vramshare.enforcement")
 
 MIN_DRIVER_MAJOR = 615
 #: What driver mode needs from the host, beyond the NVIDIA runtime's NVML (deploy/components/
-#: driver-enforcement grants exactly this; tests/deploy/test_host_access.py checks it against these):
+#: driver-enforcement grants exactly this to the device plugin, components/dra-driver-enforcement to the
+#: DRA plugin; tests/deploy/test_host_access.py checks both against these):
 #: the host's cgroup v2 tree, to find other containers' cgroups (``nvml_limits.CgroupFinder``), read-only
 #: at the same path; and the capability the driver checks for ``nvmlDeviceSetMemoryLimits_v1``, which
 #: NVIDIA documents as privileged (the kernel module's administrator check is CAP_SYS_ADMIN, as for
@@ -43,7 +44,8 @@ CAP_BITS = {"SYS_ADMIN": 21}  # linux/capability.h
 #: the node label that opts a node into the driver-enforcement DaemonSet variant
 DRIVER_NODE_LABEL = ("vramshare.io/enforcement", "driver")
 _DRIVER_VARIANT_HINT = ("run the driver-enforcement variant on this node: deploy/components/driver-enforcement "
-                        f"and the node label {DRIVER_NODE_LABEL[0]}={DRIVER_NODE_LABEL[1]}")
+                        "(the DRA plugin: deploy/components/dra-driver-enforcement) and the node label "
+                        f"{DRIVER_NODE_LABEL[0]}={DRIVER_NODE_LABEL[1]}")
 MPS_CONTAINER_PIPE_DIR = "/mps/pipe"  # where a client finds the daemon's pipes
 MPS_CONTAINER_SHM_DIR = "/dev/shm"  # the MPS server's shared memory, as NVIDIA mounts it
 MPS_CONTROL_PIPE = "control"  # nvidia-cuda-mps-control creates this named pipe in its pipe directory

@@ -15,7 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from vramshare import contract
-from vramshare.inventory import NodeInventory
+from vramshare.inventory import EnforcementMode, NodeInventory
 
 _PREFIX = contract.METRICS_PREFIX + "deviceplugin_"
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -43,11 +43,34 @@ class _DeviceCollector(Collector):
             gpus.add_metric([g.uuid, g.model, g.mode.value], 1.0 if g.healthy else 0.0)
         yield gpus
         if inventory.enforcement is not None:  # issue 9: the mode detected at start, 1 for the one in force
-            mode = GaugeMetricFamily(contract.METRICS_PREFIX + "enforcement_mode",
-                                     "1 for the node's GPU memory enforcement mode", labels=["mode"])
-            for m in type(inventory.enforcement):
-                mode.add_metric([m.value], 1.0 if m is inventory.enforcement else 0.0)
-            yield mode
+            yield enforcement_mode_family(inventory.enforcement)
+
+
+def enforcement_mode_family(mode: EnforcementMode) -> GaugeMetricFamily:
+    """``vramshare_enforcement_mode``: 1 for the mode in force, 0 for the others (both node plugins)."""
+    family = GaugeMetricFamily(contract.METRICS_PREFIX + "enforcement_mode",
+                               "1 for the node's GPU memory enforcement mode", labels=["mode"])
+    for m in EnforcementMode:
+        family.add_metric([m.value], 1.0 if m is mode else 0.0)
+    return family
+
+
+class EnforcementModeCollector(Collector):
+    """``vramshare_enforcement_mode`` of a fixed mode (the DRA plugin: pinned at start, no inventory
+    annotation to read it from)."""
+
+    def __init__(self, mode: EnforcementMode) -> None:
+        self._mode = mode
+
+    def collect(self) -> Iterator[Metric]:
+        yield enforcement_mode_family(self._mode)
+
+
+def enforcement_unavailable_gauge(registry: CollectorRegistry) -> Gauge:
+    """``vramshare_enforcement_unavailable`` on ``registry`` (both node plugins set it from
+    ``enforcement.Chosen.skipped`` at start)."""
+    return Gauge(contract.METRICS_PREFIX + "enforcement_unavailable", "1 for each better enforcement mode the node "
+                 "passed over at start (enforcement.mode auto), with why", ["mode", "reason"], registry=registry)
 
 
 class PluginMetrics:
@@ -65,9 +88,7 @@ class PluginMetrics:
                                      ["resource", "result"], registry=self.registry)
         self.backend_errors = Counter(_PREFIX + "backend_errors", "GPU backend (NVML) errors",
                                       ["backend"], registry=self.registry)
-        self.enforcement_unavailable = Gauge(
-            contract.METRICS_PREFIX + "enforcement_unavailable", "1 for each better enforcement mode the node "
-            "passed over at start (enforcement.mode auto), with why", ["mode", "reason"], registry=self.registry)
+        self.enforcement_unavailable = enforcement_unavailable_gauge(self.registry)
         self.steered = Counter(_PREFIX + "preferred_allocations", "GetPreferredAllocation answers by how "
                                "they were chosen (steered by the plan of the assumed pods of that size, or best-fit)",
                                ["resource", "how"], registry=self.registry)

@@ -9,6 +9,16 @@ device of the spec is injected; each device carries one variable naming its shar
 refuses devices without edits. The variables come from the device plugin's own
 :func:`deviceplugin.allocation.container_spec`, so both paths give a container the same contract.
 Pure: the spec is a dict; the preparer writes it.
+
+The fence (``enforcement.container_fence`` of the mode the daemon pinned at start) is in the same
+claim-wide edits, as Allocate adds it for the same grant: in ``driver`` mode
+``NVIDIA_GPU_MEMORY_REQUEST``/``_LIMIT``, which the NVIDIA container toolkit's
+``apply-cuda-memory-limits`` CDI hook reads from the final container spec (env from every CDI spec
+injected, nvidia-container-toolkit PR #2075); in ``mps`` mode ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``,
+``CUDA_MPS_PIPE_DIRECTORY`` and the pipe and ``/dev/shm`` bind mounts ``rw, nosuid, nodev``, the shape
+of NVIDIA's DRA driver (k8s-dra-driver-gpu ``cmd/gpu-kubelet-plugin/sharing.go``,
+``MpsControlDaemon.GetCDIContainerEdits``, which puts them in the claim's CDI spec too). In
+``cooperative`` mode nothing is added: the spec is the one cooperative-only plugins wrote.
 """
 from __future__ import annotations
 

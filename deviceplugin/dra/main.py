@@ -17,6 +17,11 @@ partitionable devices (every profile at every placement, with counters) and thei
 Prepare. With ``dra.partitionableDevices: auto`` a server that drops the counters (its
 DRAPartitionableDevices gate off) is detected at the first publication, before any device slice is
 applied, and the plugin falls back to today's devices (the instances as they exist).
+
+Enforcement: as the device plugin, the node's mode (``enforcement.mode``: driver, mps, cooperative) is
+detected at start by :func:`deviceplugin.enforcement.detect` (a named mode the node cannot honour stops
+the plugin with the reason) and pinned in the config: each claim's CDI spec carries its fence, and in
+driver mode the quota loop moves the claims' containers' cgroup limits.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from deviceplugin import enforcement
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
 from deviceplugin.config_watch import ConfigWatcher
@@ -38,7 +44,7 @@ from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import CountersDropped, SlicePublisher, SliceWatch
-from deviceplugin.metrics import MetricsServer
+from deviceplugin.metrics import EnforcementModeCollector, MetricsServer, enforcement_unavailable_gauge
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
 from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
 from deviceplugin.node_state import NodeState, Snapshot
@@ -63,6 +69,7 @@ class DraMetrics:
         self.prepared = Gauge(f"{p}dra_prepared_claims", "Claims prepared on this node", registry=self.registry)
         self.publish_errors = Counter(f"{p}dra_publish_errors", "Failed ResourceSlice publications",
                                       registry=self.registry)
+        self.enforcement_unavailable = enforcement_unavailable_gauge(self.registry)
 
 
 class DraPluginDaemon:
@@ -70,13 +77,21 @@ class DraPluginDaemon:
 
     def __init__(self, backend: GpuBackend, config: Config, api: client.ApiClient, node_name: str, *,
                  plugin_dir: str, registry_dir: str, metrics_port: int = 0, retry_seconds: float = 5.0,
-                 resync_seconds: float = 300.0) -> None:
+                 resync_seconds: float = 300.0, cgroup_root: str = contract.HOST_CGROUP_ROOT) -> None:
         self.backend = backend
-        rights.check(config, api)  # overLimitAction: evict needs the eviction right; raises RightRefused
         discovered = backend.discover()
+        # as the device plugin: the node's fence, detected once (a named mode it cannot honour raises
+        # EnforcementRefused with the reason) and pinned, so Prepare's CDI specs carry it and the loop moves it
+        self.enforcement = enforcement.detect(backend, config, discovered)
+        config = enforcement.pin(config, self.enforcement)
+        rights.check(config, api)  # overLimitAction: evict needs the eviction right; raises RightRefused
         self.state = NodeState(discovered, config, dra=True)
         self.node = node_name
         self.metrics = DraMetrics()
+        self.metrics.registry.register(EnforcementModeCollector(self.enforcement.mode))
+        for mode, why in self.enforcement.skipped:
+            self.metrics.enforcement_unavailable.labels(mode.value, why).set(1)
+        self._cgroup_root = cgroup_root  # the host's cgroup v2 tree, where driver mode finds tenants' cgroups
         self.mig = _dynamic_mig(backend, discovered, self.metrics.registry)  # None off NVML: no partitions
         self.partitionable = config.dra.partitionable_devices != "off"  # false once the server drops counters
         self.publisher = SlicePublisher(api, node_name, config.names)
@@ -130,7 +145,8 @@ class DraPluginDaemon:
             self.preparer.sleeping = lambda: {(k.namespace, k.container, gpu): mib
                                               for (k, gpu), mib in broker.booked_sleepers().items()}
         loop = quota_service.build_loop(config, self._api, self.node, capacities, tenants,
-                                        nvml=getattr(self.backend, "nvml", None),
+                                        nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
+                                        cgroup_root=self._cgroup_root,
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
@@ -271,7 +287,7 @@ class DraPluginDaemon:
         config, refused = keep_restart_only(self.state.snapshot.config, config)
         for why in refused:
             log.warning("config key needs a restart; the rest of the reload applies", reason=why)
-        self.state.on_config(config)
+        self.state.on_config(enforcement.pin(config, self.enforcement))
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
@@ -331,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         daemon = DraPluginDaemon(open_backend(args.backend, args.inventory), config, api, args.node_name,
                                  plugin_dir=plugin_dir, registry_dir=args.registry_dir,
                                  metrics_port=args.metrics_port)
-    except (BackendError, rights.RightRefused) as exc:
+    except (BackendError, enforcement.EnforcementRefused, rights.RightRefused) as exc:
         print(f"vramshare dra-plugin: {exc}", file=sys.stderr)
         return 1
     watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ)

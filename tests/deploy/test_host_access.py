@@ -14,7 +14,10 @@ one is a privilege nothing uses.
 The installs: ``deploy/daemonset`` alone (every GPU node unprivileged, driver never advertised there,
 since the plugin's probe finds neither the capability nor the host cgroups), and
 ``deploy/overlays/driver-enforcement`` (that plus ``components/driver-enforcement``: a DaemonSet
-variant on nodes labelled ``vramshare.io/enforcement=driver``).
+variant on nodes labelled ``vramshare.io/enforcement=driver``); the DRA path ``deploy/daemonset/dra``
+alone and ``deploy/overlays/dra-driver-enforcement`` (that plus ``components/dra-driver-enforcement``,
+the DRA plugin's variant on the same nodes, granted the same as the device plugin's) or
+``deploy/overlays/dra-mps-enforcement`` (the MPS daemon's directories, read-only, in the DRA plugin).
 """
 from __future__ import annotations
 
@@ -43,7 +46,9 @@ DEPLOY = ROOT / "deploy"
 BASE, DRA = DEPLOY / "daemonset", DEPLOY / "daemonset" / "dra"
 OVERLAYS = DEPLOY / "overlays"
 INSTALLS = {"default": BASE, "driver-enforcement": OVERLAYS / "driver-enforcement",
-            "mps-enforcement": OVERLAYS / "mps-enforcement", "cdi-cri": OVERLAYS / "cdi-cri", "dra": DRA}
+            "mps-enforcement": OVERLAYS / "mps-enforcement", "cdi-cri": OVERLAYS / "cdi-cri", "dra": DRA,
+            "dra-driver-enforcement": OVERLAYS / "dra-driver-enforcement",
+            "dra-mps-enforcement": OVERLAYS / "dra-mps-enforcement"}
 RW, RO = False, True  # hostPath mounts: readOnly
 
 
@@ -97,12 +102,18 @@ def _mps_root(cfg: config.Config) -> str:
     return os.path.commonpath([cfg.enforcement.mps_pipe_directory, cfg.enforcement.mps_shm_directory])
 
 
-def dra_plugin_needs(cfg: config.Config) -> HostAccess:
-    """From the code: ``vramshare dra-plugin`` (its quota loop runs cooperative: no cgroups)."""
-    return HostAccess({contract.KUBELET_REGISTRY_DIR: RW,
-                       os.path.join(contract.KUBELET_PLUGINS_DIR, cfg.names.dra_driver): RW,
-                       cfg.dra.cdi_root: RW, cfg.dra.state_dir: RW, cfg.quota_host_dir: RW},
-                      host_pid=cfg.quota.process_attribution)
+def dra_plugin_needs(cfg: config.Config, mode: EnforcementMode) -> HostAccess:
+    """From the code: ``vramshare dra-plugin`` in ``mode``; in driver mode the same fence as the device
+    plugin's (its quota loop moves the claims' cgroup limits: the host's cgroup tree and the capability)."""
+    paths = {contract.KUBELET_REGISTRY_DIR: RW, os.path.join(contract.KUBELET_PLUGINS_DIR, cfg.names.dra_driver): RW,
+             cfg.dra.cdi_root: RW, cfg.dra.state_dir: RW, cfg.quota_host_dir: RW}
+    caps: set[str] = set()
+    if mode is EnforcementMode.DRIVER:
+        paths[enforcement.HOST_CGROUP_ROOT] = RO
+        caps.add(enforcement.DRIVER_CAPABILITY)
+    if mode is EnforcementMode.MPS:
+        paths[_mps_root(cfg)] = RO
+    return HostAccess(paths, frozenset(caps), host_pid=cfg.quota.process_attribution)
 
 
 def granted(ds: dict[str, Any]) -> HostAccess:
@@ -129,7 +140,7 @@ def granted(ds: dict[str, Any]) -> HostAccess:
 
 def _render(install: str) -> list[dict[str, Any]]:
     objs = kustomize.build(str(INSTALLS[install]))
-    if install == "dra":  # the DRA path is applied after the base's namespace and ConfigMap
+    if install.startswith("dra"):  # the DRA path is applied after the base's namespace and ConfigMap
         objs += [o for o in kustomize.build(str(BASE)) if o["kind"] == "ConfigMap"]
     return objs
 
@@ -281,10 +292,25 @@ def test_cdi_cri_reaches_every_device_plugin_daemonset(tmp_path: pathlib.Path) -
         assert granted(ds) == device_plugin_needs(cfg, mode)
 
 
-def test_the_dra_plugin_is_granted_exactly_what_it_needs() -> None:
-    objs = _render("dra")
-    [ds] = _daemonsets(objs, "vramshare-dra-plugin")
-    assert granted(ds) == dra_plugin_needs(_config(objs))
+@pytest.mark.parametrize("install", ["dra", "dra-driver-enforcement", "dra-mps-enforcement"])
+@pytest.mark.parametrize("node", ["gpu", "driver"])
+def test_each_gpu_node_runs_one_dra_plugin_granted_exactly_what_its_mode_needs(
+        install: str, node: str, tmp_path: pathlib.Path) -> None:
+    """On 4b86459 the DRA plugin had no driver variant: no install could grant what driver mode needs."""
+    objs = _render(install)
+    labels = DRIVER_NODE if node == "driver" else GPU_NODE
+    [ds] = [ds for ds in _daemonsets(objs, "vramshare-dra-plugin") if _schedules_on(ds, labels)]  # one per node
+    cfg = _config(objs, ds)
+    mode = _advertised_mode(ds, cfg, tmp_path)
+    expected = {("dra-driver-enforcement", "driver"): EnforcementMode.DRIVER,
+                ("dra-mps-enforcement", "gpu"): EnforcementMode.MPS, ("dra-mps-enforcement", "driver"): EnforcementMode.MPS}
+    assert mode is expected.get((install, node), EnforcementMode.COOPERATIVE)
+    assert granted(ds) == dra_plugin_needs(cfg, mode)
+    # the DRA plugin's driver grants are the device plugin's, from the same constants
+    extra = lambda need: (set(need.paths.items()) - set(dra_plugin_needs(cfg, EnforcementMode.COOPERATIVE).paths.items()),  # noqa: E731
+                          need.capabilities)
+    if mode is EnforcementMode.DRIVER:
+        assert extra(granted(ds)) == ({(contract.HOST_CGROUP_ROOT, RO)}, {enforcement.DRIVER_CAPABILITY})
 
 
 def test_the_needs_follow_the_config() -> None:
@@ -319,24 +345,29 @@ def driver_variant(base: dict[str, Any]) -> dict[str, Any]:
     return ds
 
 
-def test_the_driver_variant_differs_from_the_default_only_by_the_driver_grants() -> None:
+@pytest.mark.parametrize("base_file, variant_file", [
+    (BASE / "device-plugin.yaml", DEPLOY / "components" / "driver-enforcement" / "device-plugin-driver.yaml"),
+    (DRA / "dra-plugin.yaml", DEPLOY / "components" / "dra-driver-enforcement" / "dra-plugin-driver.yaml")])
+def test_the_driver_variant_differs_from_the_default_only_by_the_driver_grants(base_file, variant_file) -> None:
     """The variant is a copy (kustomize cannot clone a resource under a new name); this keeps it one."""
-    [base] = [d for d in yaml.safe_load_all((BASE / "device-plugin.yaml").read_text()) if d]
-    variant_file = DEPLOY / "components" / "driver-enforcement" / "device-plugin-driver.yaml"
+    [base] = [d for d in yaml.safe_load_all(base_file.read_text()) if d]
     [variant] = [d for d in yaml.safe_load_all(variant_file.read_text()) if d]
     assert variant == driver_variant(base)
 
 
-def test_the_variant_s_mode_is_explicit_so_a_node_that_cannot_honour_it_says_why() -> None:
+@pytest.mark.parametrize("install, variant", [("driver-enforcement", "vramshare-device-plugin-driver"),
+                                               ("dra-driver-enforcement", "vramshare-dra-plugin-driver")])
+def test_the_variant_s_mode_is_explicit_so_a_node_that_cannot_honour_it_says_why(install, variant) -> None:
     """With VRAMSHARE_ENFORCEMENT_MODE=driver the plugin is refused with the reason (not a silent
     fallback that would keep a capability for nothing) on a node without R615, cgroup v2 or the grants."""
-    objs = _render("driver-enforcement")
-    [ds] = _daemonsets(objs, "vramshare-device-plugin-driver")
+    objs = _render(install)
+    [ds] = _daemonsets(objs, variant)
     assert _config(objs, ds).enforcement.requested() is EnforcementMode.DRIVER
     assert _config(objs).enforcement.requested() is None  # the default DaemonSet: auto
 
 
-@pytest.mark.parametrize("install", ["driver-enforcement", "mps-enforcement"])
+@pytest.mark.parametrize("install", ["driver-enforcement", "mps-enforcement", "dra-driver-enforcement",
+                                     "dra-mps-enforcement"])
 @pytest.mark.parametrize("version", ["1.31", "1.35"])
 def test_the_components_render_valid_daemonsets(install: str, version: str) -> None:
     import kubernetes_validate

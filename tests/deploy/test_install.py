@@ -252,8 +252,8 @@ def test_kustomize_refuses_what_it_cannot_reproduce(tmp_path):
                                            for p in DEPLOY.rglob("kustomization.yaml")))
 def test_every_kustomization_in_deploy_renders(overlay):
     doc = yaml.safe_load((DEPLOY / overlay / "kustomization.yaml").read_text())
-    if doc.get("kind") == "Component":
-        objects = kustomize.build(str(DEPLOY / "daemonset"))
+    if doc.get("kind") == "Component":  # on the install it patches: the DRA path's components on deploy/daemonset/dra
+        objects = kustomize.build(str(DEPLOY / "daemonset" / ("dra" if overlay.startswith("components/dra-") else "")))
         kustomize.apply_component(str(DEPLOY / overlay), objects)
     else:
         objects = kustomize.build(str(DEPLOY / overlay))
