@@ -169,18 +169,35 @@ def wants_gpu(pod: Mapping[str, Any], names: contract.Names) -> bool:
     return False
 
 
-def claim_names(pod: Mapping[str, Any]) -> list[str]:
-    """The ResourceClaims a pod uses, in ``spec.resourceClaims`` order: a direct ``resourceClaimName``, or
-    the one the claim controller made from a template (``status.resourceClaimStatuses``; absent until it
-    did, and for a template it decided needs none)."""
+def claim_refs(pod: Mapping[str, Any]) -> dict[str, str]:
+    """The pod's name of each ResourceClaim it uses (``spec.resourceClaims[].name``, what a container's
+    ``resources.claims[].name`` says) -> the claim's name, in spec order: a direct
+    ``resourceClaimName``, or the one the claim controller made from a template
+    (``status.resourceClaimStatuses``; absent until it did, and for a template it decided needs none)."""
     made = {s.get("name"): s.get("resourceClaimName")
             for s in (pod.get("status") or {}).get("resourceClaimStatuses") or () if isinstance(s, Mapping)}
-    out = []
+    out: dict[str, str] = {}
     for pc in (pod.get("spec") or {}).get("resourceClaims") or ():
-        name = pc.get("resourceClaimName") or made.get(pc.get("name")) if isinstance(pc, Mapping) else None
-        if name:
-            out.append(str(name))
+        if isinstance(pc, Mapping) and isinstance(pc.get("name"), str):
+            name = pc.get("resourceClaimName") or made.get(pc["name"])
+            if name:
+                out[pc["name"]] = str(name)
     return out
+
+
+def claim_names(pod: Mapping[str, Any]) -> list[str]:
+    """The ResourceClaims a pod uses, in ``spec.resourceClaims`` order (:func:`claim_refs`)."""
+    return list(claim_refs(pod).values())
+
+
+def claim_containers(pod: Mapping[str, Any], claim: str) -> set[str]:
+    """The containers (init containers too) that name the ResourceClaim ``claim`` in
+    ``resources.claims``: the ones its devices are injected into."""
+    local = {k for k, v in claim_refs(pod).items() if v == claim}
+    spec = pod.get("spec") or {}
+    return {str(c.get("name")) for c in (spec.get("containers") or []) + (spec.get("initContainers") or [])
+            if isinstance(c, Mapping) and any(isinstance(r, Mapping) and r.get("name") in local
+                                              for r in ((c.get("resources") or {}).get("claims") or ()))}
 
 
 def container_requests(container: Mapping[str, Any]) -> dict[str, Any]:

@@ -33,8 +33,9 @@ ClaimKey = tuple[str, str]  # (namespace, name) of a ResourceClaim
 
 def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[str, Any]],
                         names: contract.Names | None = None) -> list[Tenant]:
-    """Pure: prepared claims joined with this node's pods (by UID) -> tenants. A claim shared by several
-    pods is left alone; a claim whose pod is gone from the pods (deleted) or done has departed and is no
+    """Pure: prepared claims joined with this node's pods (by UID) -> tenants. A tenant's containers are
+    those that name its claim (a sidecar's processes are not its use, nor is its cgroup fenced at the
+    claim's limit). A claim shared by several pods is left alone; a claim whose pod is gone from the pods (deleted) or done has departed and is no
     tenant, even while the kubelet has not unprepared it yet. The pod's metadata (labels,
     priorityClassName, quota-class annotation) picks its quota class."""
     names = names or contract.Names(contract.DEFAULT_DOMAIN)
@@ -48,9 +49,11 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
         if pod is None:
             continue
         pod_name = c.pod_names[0] if c.pod_names else str((pod.get("metadata") or {}).get("name") or "")
+        users = podspec.claim_containers(pod, c.name)  # its devices are in these: use and fence are theirs
+        ids = frozenset(cid for n, cid in container_ids(pod).items() if n in users)
         out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),
                           gpus=tuple(sorted(c.gpus.items())), metrics_url=metrics_url(pod),
-                          container_ids=frozenset(container_ids(pod).values()), meta=pod_meta(pod, names)))
+                          container_ids=ids, meta=pod_meta(pod, names)))
     return out
 
 

@@ -378,3 +378,23 @@ def test_an_allocated_claim_is_read_once_and_a_failed_read_or_a_refused_one_coun
                                        Claim("default/ok", (("GPU-0", 8192),))]
     assert sorted(reads) == ["alien", "flaky", "flaky", "ok", "other"]
     assert allocated.pending(keys[:1]) == [] and allocated.pending(keys) and len(reads) == 8  # forgotten, read again
+
+
+def test_a_claim_tenants_containers_are_those_that_name_its_claim():
+    """A DRA tenant's use and fence are the containers its claim's devices are injected into: before, every
+    container of the pod was the tenant's, so a sidecar's GPU processes (another claim's, say) counted
+    as the claim's use, and in driver mode the sidecar's cgroup got the claim's limit too."""
+    pod = {**_pod("busy"),
+           "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"},
+                                       {"name": "other", "resourceClaimName": "someone-elses"}],
+                    "initContainers": [{"name": "warm", "resources": {"claims": [{"name": "gpu"}]}}],
+                    "containers": [{"name": "vllm", "resources": {"claims": [{"name": "gpu"}]}},
+                                   {"name": "proxy", "resources": {"claims": [{"name": "other"}]}},
+                                   {"name": "log"}]}}
+    pod["status"] = {**pod["status"], "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "busy"}],
+                     "containerStatuses": [{"name": n, "containerID": f"containerd://{n}-id"}
+                                           for n in ("vllm", "proxy", "log")]}
+    assert podspec.claim_containers(pod, "busy") == {"warm", "vllm"}
+    assert podspec.claim_refs(pod) == {"gpu": "busy", "other": "someone-elses"}
+    [tenant] = _source({"cuid-busy": _claim("busy", "busy", 24576)}, [pod]).list_tenants()
+    assert tenant.container_ids == frozenset({"vllm-id"})
