@@ -102,11 +102,23 @@ class AllocatedClaims:
         self._known: dict[ClaimKey, tuple[tuple[str, int], ...]] = {}
         self.reads = 0  # API reads made, for tests and logs: one per claim, not per tick
 
+    #: reads one tick may make: a burst of pods bound at once is read over a few ticks, and a tick never
+    #: stalls for long behind an API server that does not answer (the first failed read ends the round)
+    MAX_READS_PER_TICK = 16
+
     def pending(self, keys: Iterable[ClaimKey]) -> list[Claim]:
         keys = list(keys)
+        budget = self.MAX_READS_PER_TICK
         for key in keys:
-            if key not in self._known:
-                gpus = self._look(key)
+            if key not in self._known and budget > 0:
+                budget -= 1
+                try:
+                    gpus = self._look(key)
+                except LookupError as exc:
+                    log.warning("allocated claim not read, not counted before Prepare", claim="/".join(key),
+                                error=str(exc))
+                    budget = 0
+                    continue
                 if gpus is not None:
                     self._known[key] = gpus
         self._known = {k: v for k, v in self._known.items() if k in set(keys)}
@@ -114,15 +126,12 @@ class AllocatedClaims:
                 if self._known.get((ns, name))]
 
     def _look(self, key: ClaimKey) -> tuple[tuple[str, int], ...] | None:
-        """The claim's GPUs and MiB here; ``()`` for a claim that takes nothing here; None to ask again."""
+        """The claim's GPUs and MiB here; ``()`` for a claim that takes nothing here; None to ask again;
+        raises LookupError when the API server did not answer."""
         ns, name = key
         where = f"claim {ns}/{name}"
-        try:
-            self.reads += 1
-            claim = self._read(ns, name)
-        except LookupError as exc:
-            log.warning("allocated claim not read, not counted before Prepare", claim=f"{ns}/{name}", error=str(exc))
-            return None
+        self.reads += 1
+        claim = self._read(ns, name)
         if not (claim.get("status") or {}).get("allocation"):
             return None  # not allocated yet (the pod is bound only after): ask again
         config, known = self._config(), self._devices()

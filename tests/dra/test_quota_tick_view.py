@@ -351,8 +351,8 @@ def test_unprepared_claims_are_those_of_live_pods_bound_here_the_preparer_has_no
 
 
 def test_an_allocated_claim_is_read_once_and_a_failed_read_or_a_refused_one_counts_nothing():
-    """Bad input loses nothing: a read that fails is retried at the next tick (until then the claim is
-    fitted at Prepare, as before); a claim of another driver, or one Prepare would refuse (a device this
+    """Bad input loses nothing: a read that fails is retried at the next tick, with the claims after it
+    (until then they are fitted at Prepare, as before); a claim of another driver, or one Prepare would refuse (a device this
     pool does not have), counts for nothing and is not read again while its pod waits."""
     config = Config()
     gpu = Gpu(0, "GPU-0", "H100", 81920, units=80)
@@ -373,11 +373,35 @@ def test_an_allocated_claim_is_read_once_and_a_failed_read_or_a_refused_one_coun
 
     allocated = AllocatedClaims(read, NODE, lambda: config, lambda: {"gpu-0": DeviceRef("gpu-0", gpu)})
     keys = [("default", n) for n in ("alien", "flaky", "other", "ok")]
-    assert allocated.pending(keys) == [Claim("default/ok", (("GPU-0", 8192),))]
+    assert allocated.pending(keys) == []  # alien refused; flaky's read failed: the tick reads no more
     assert allocated.pending(keys) == [Claim("default/flaky", (("GPU-0", 8192),)),
                                        Claim("default/ok", (("GPU-0", 8192),))]
     assert sorted(reads) == ["alien", "flaky", "flaky", "ok", "other"]
     assert allocated.pending(keys[:1]) == [] and allocated.pending(keys) and len(reads) == 8  # forgotten, read again
+
+
+def test_a_tick_reads_a_bounded_number_of_claims_and_none_after_the_api_server_failed():
+    """A burst of pods bound at once is read over a few ticks (16 a tick), and after a read that failed
+    the tick reads no more: it never stalls behind an API server that does not answer."""
+    config = Config()
+    reads: list[str] = []
+    down = [True]
+
+    def read(ns: str, name: str) -> dict:
+        reads.append(name)
+        if down[0]:
+            raise LookupError("timed out")
+        result = {"request": "gpu", "driver": config.names.dra_driver, "pool": NODE, "device": "gpu-0",
+                  "shareID": "s", "consumedCapacity": {"memory": "1Gi"}}
+        return {"metadata": {"name": name}, "status": {"allocation": {"devices": {"results": [result]}}}}
+
+    gpu = Gpu(0, "GPU-0", "H100", 81920, units=80)
+    allocated = AllocatedClaims(read, NODE, lambda: config, lambda: {"gpu-0": DeviceRef("gpu-0", gpu)})
+    keys = [("default", f"c{i:02d}") for i in range(40)]
+    assert allocated.pending(keys) == [] and reads == ["c00"]
+    down[0] = False
+    counted = [len(allocated.pending(keys)) for _ in range(3)]
+    assert counted == [16, 32, 40] and len(reads) == 41
 
 
 def test_a_claim_tenants_containers_are_those_that_name_its_claim():
