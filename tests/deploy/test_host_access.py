@@ -223,19 +223,29 @@ def _squeezed(node: Any) -> Any:
 
 
 # -- what each node's plugin is granted is what its mode needs ----------------------------------------
+def _one_plugin_per_node(install: str, node: str, plugin: str, tmp_path: pathlib.Path) -> tuple[dict, Any, EnforcementMode]:
+    """The one DaemonSet named ``plugin*`` of ``install`` that runs on a plain GPU node or a driver-labelled
+    one, its config, and the mode it advertises there (its own probe inside its grants), which must be
+    driver only where a driver variant is installed and the node labelled, mps wherever the MPS variant
+    is (the label alone grants nothing)."""
+    objs = _render(install)
+    labels = DRIVER_NODE if node == "driver" else GPU_NODE
+    [ds] = [ds for ds in _daemonsets(objs, plugin) if _schedules_on(ds, labels)]  # one per node
+    cfg = _config(objs, ds)
+    mode = _advertised_mode(ds, cfg, tmp_path)
+    variant = install.removeprefix("dra-")
+    expected = {("driver-enforcement", "driver"): EnforcementMode.DRIVER, ("mps-enforcement", "gpu"): EnforcementMode.MPS,
+                ("mps-enforcement", "driver"): EnforcementMode.MPS}
+    assert mode is expected.get((variant, node), EnforcementMode.COOPERATIVE)
+    return ds, cfg, mode
+
+
 @pytest.mark.parametrize("install", ["default", "driver-enforcement", "mps-enforcement", "cdi-cri"])
 @pytest.mark.parametrize("node", ["gpu", "driver"])
 def test_each_gpu_node_runs_one_device_plugin_granted_exactly_what_its_mode_needs(
         install: str, node: str, tmp_path: pathlib.Path) -> None:
     """On main the default plugin advertised driver on an R615 node (auto) with neither grant."""
-    objs = _render(install)
-    labels = DRIVER_NODE if node == "driver" else GPU_NODE
-    [ds] = [ds for ds in _daemonsets(objs, "vramshare-device-plugin") if _schedules_on(ds, labels)]  # one per node
-    cfg = _config(objs, ds)
-    mode = _advertised_mode(ds, cfg, tmp_path)
-    expected = {("driver-enforcement", "driver"): EnforcementMode.DRIVER, ("mps-enforcement", "gpu"): EnforcementMode.MPS,
-                ("mps-enforcement", "driver"): EnforcementMode.MPS}  # the label alone grants nothing
-    assert mode is expected.get((install, node), EnforcementMode.COOPERATIVE)
+    ds, cfg, mode = _one_plugin_per_node(install, node, "vramshare-device-plugin", tmp_path)
     assert granted(ds) == device_plugin_needs(cfg, mode)
     pod = ds["spec"]["template"]["spec"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
@@ -297,14 +307,7 @@ def test_cdi_cri_reaches_every_device_plugin_daemonset(tmp_path: pathlib.Path) -
 def test_each_gpu_node_runs_one_dra_plugin_granted_exactly_what_its_mode_needs(
         install: str, node: str, tmp_path: pathlib.Path) -> None:
     """On 4b86459 the DRA plugin had no driver variant: no install could grant what driver mode needs."""
-    objs = _render(install)
-    labels = DRIVER_NODE if node == "driver" else GPU_NODE
-    [ds] = [ds for ds in _daemonsets(objs, "vramshare-dra-plugin") if _schedules_on(ds, labels)]  # one per node
-    cfg = _config(objs, ds)
-    mode = _advertised_mode(ds, cfg, tmp_path)
-    expected = {("dra-driver-enforcement", "driver"): EnforcementMode.DRIVER,
-                ("dra-mps-enforcement", "gpu"): EnforcementMode.MPS, ("dra-mps-enforcement", "driver"): EnforcementMode.MPS}
-    assert mode is expected.get((install, node), EnforcementMode.COOPERATIVE)
+    ds, cfg, mode = _one_plugin_per_node(install, node, "vramshare-dra-plugin", tmp_path)
     assert granted(ds) == dra_plugin_needs(cfg, mode)
     # the DRA plugin's driver grants are the device plugin's, from the same constants
     extra = lambda need: (set(need.paths.items()) - set(dra_plugin_needs(cfg, EnforcementMode.COOPERATIVE).paths.items()),  # noqa: E731
