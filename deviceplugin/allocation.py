@@ -40,6 +40,11 @@ class GpuShare:
     uuid: str
     mib: int
 
+    @property
+    def mig(self) -> bool:
+        """A MIG instance (NVML names them ``MIG-...``; the inventory refuses any other spelling)."""
+        return self.uuid.startswith("MIG-")
+
 
 @dataclass(frozen=True)
 class ContainerSpec:

@@ -209,6 +209,9 @@ class GpuShare(Protocol):
     @property
     def mib(self) -> int: ...
 
+    @property
+    def mig(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class ContainerFence:
@@ -221,14 +224,16 @@ class ContainerFence:
 def container_fence(shares: Sequence[GpuShare], cfg: EnforcementConfig) -> ContainerFence:
     """What the node's mode (``cfg.resolved``, pinned by the daemon at start) adds to a container.
 
-    Request = the container's reservation, limit = its first quota (the same at Allocate).
+    Request = the container's reservation, limit = its first quota (the same at Allocate). In ``driver``
+    mode MIG instances get nothing: the driver's per-cgroup limits cover non-MIG GPUs only (R615 notes).
 
     The toolkit's variables hold one MiB figure for the container's GPUs; when its GPUs carry
     different shares the largest is set and the quota loop narrows each GPU at its first tick.
     """
     mode = cfg.resolved
-    if mode is EnforcementMode.DRIVER and shares:
-        mib = str(max(s.mib for s in shares))
+    whole = [s for s in shares if not s.mig]  # driver limits are for non-MIG GPUs; a MIG instance is its own fence
+    if mode is EnforcementMode.DRIVER and whole:
+        mib = str(max(s.mib for s in whole))
         return ContainerFence({contract.ENV_GPU_MEMORY_REQUEST: mib, contract.ENV_GPU_MEMORY_LIMIT: mib})
     if mode is EnforcementMode.MPS and shares:
         return ContainerFence(

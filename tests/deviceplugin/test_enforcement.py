@@ -177,6 +177,17 @@ def test_allocate_sets_the_toolkit_variables_in_driver_mode():
     assert uneven.envs["NVIDIA_GPU_MEMORY_LIMIT"] == "3072"  # the loop narrows GPU-b at its first tick
 
 
+def test_a_mig_instance_gets_no_driver_limit():
+    """Driver limits cover non-MIG GPUs only (R615): a container given a MIG instance got the toolkit's
+    variables too, and the hook would set a cgroup limit for a device the driver does not limit."""
+    mig = allocation.container_spec([GpuShare("MIG-4f8b0a2e-6c1d-5e3f-9a7b-0c2d4e6f8a1b", 9856)],
+                                    _pinned(EnforcementMode.DRIVER), None)
+    assert not {k for k in mig.envs if k.startswith("NVIDIA_GPU_MEMORY")}
+    mixed = allocation.container_spec([GpuShare("MIG-4f8b0a2e-6c1d-5e3f-9a7b-0c2d4e6f8a1b", 40192),
+                                       GpuShare("GPU-a", 8192)], _pinned(EnforcementMode.DRIVER), None)
+    assert mixed.envs["NVIDIA_GPU_MEMORY_LIMIT"] == "8192"
+
+
 def test_allocate_in_mps_mode_mounts_what_a_client_needs():
     spec = allocation.container_spec([GpuShare("GPU-a", 8192)], _pinned(EnforcementMode.MPS), None)
     assert spec.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8192M"
