@@ -121,12 +121,13 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
     doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
     if mode:
         doc["enforcement"] = mode
-    return _with_models(doc, files, engines, {g["uuid"] for g in gpus})
+    books = {u for use in usage for u in (use.slot.uuid, use.slot.uuid.partition(mig_plan.SEPARATOR)[0])}
+    return _with_models(doc, files, engines, books)
 
 
 def _with_models(doc: Obj, files: list[Obj], engines: dict[str, list[Obj]], shown: set[str]) -> Obj:
-    """The node's cached model files, and the engines on GPUs the rows above do not show (a GPU the DRA
-    plugin serves: its slices are not the extender's books), one entry per engine with its GPU."""
+    """The node's cached model files, and the engines on GPUs not in the extender's books (``shown``: a
+    GPU the DRA plugin serves is in slices, not in the inventory), one entry per engine with its GPU."""
     if files:
         doc["models"] = files
     others = [{"gpu": gpu, **e} for gpu, es in sorted(engines.items()) if gpu not in shown for e in es]
