@@ -1,6 +1,6 @@
 """What the residency term costs in placement quality (issue 23 item 3), on the openb traces.
 
-    python bench/bench_residency.py [--seeds 3] [--trace default] [--max-steps 0.9 3]
+    python bench/bench_residency.py [--seeds 3] [--trace default] [--max-steps 0.9 3] [--policy fgd|dra-fgd]
 
 The replay of ``vramshare simulate`` (:func:`extender.simulation.replay.replay`: fgd, share view, shuffled
 arrivals, seeds 42..), side by side in one process: fgd alone, and fgd plus the residency term (its
@@ -9,7 +9,8 @@ no model names, so every GPU pod is given one (seeded): a Zipf(1.1) draw over 30
 or 60 GiB; a node holds a model's files once a pod of that model was placed on it (nothing departs, as in
 the paper's replay). Reports allocation at 100% arrived (the paper's metric; the target is at most 0.5
 points below fgd) and the residency hit rate (placed pods whose model's files the node already held).
-Writes bench/results/residency.json.
+Writes bench/results/residency.json. ``--policy dra-fgd`` replays the DRA path's scorer instead (FGD for the
+GPU the DRA allocator takes, first fit; the residency term is the same, issue 23), into residency-dra-fgd.json.
 """
 from __future__ import annotations
 
@@ -76,11 +77,12 @@ class ModelFiles:
         self.held.setdefault(m, np.zeros(self.n_rows, bool))[row] = True
 
 
-def run(nodes, seq, seed: int, typical, max_steps: float | None, cfg: residency.ResidencyConfig) -> dict:
+def run(nodes, seq, seed: int, typical, max_steps: float | None, cfg: residency.ResidencyConfig,
+        policy: str = "fgd") -> dict:
     state = build_state(nodes, "share")  # the replay builds the same rows: sizes the held-files table
     rows = max(state.row(n.name) for n in nodes) + 1
     files = ModelFiles(seq, seed, rows, max_steps, cfg)
-    res = replay(nodes, seq, "fgd", "share", seed, typical, bonus=files)
+    res = replay(nodes, seq, policy, "share", seed, typical, bonus=files)
     return {"allocated_pct_at_100": round(report.alloc_at(res, 100), 3),
             "unallocated_pct_at_130": round(100 - report.alloc_at(res, 130), 3),
             "residency_hit_pct": round(100.0 * files.hits / files.placed_pods, 2) if files.placed_pods else 0.0,
@@ -94,7 +96,11 @@ def main() -> int:
     ap.add_argument("--max-steps", type=float, nargs="*", default=[0.9, 3.0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "residency.json"))
     ap.add_argument("--quick", action="store_true", help="1 seed (smoke run; bench/run_all.py --quick)")
+    ap.add_argument("--policy", default="fgd", choices=["fgd", "dra-fgd"],
+                    help="the scorer the term is added to (dra-fgd: the DRA path's, issue 23)")
     args = ap.parse_args()
+    if args.policy != "fgd" and args.out.endswith("residency.json"):
+        args.out = args.out.replace("residency.json", f"residency-{args.policy}.json")
     if args.quick:
         args.seeds = 1
         args.out = args.out.replace(".json", "-quick.json")
@@ -105,17 +111,17 @@ def main() -> int:
     nodes = load_nodes(nodes_csv)
     pods = load_pods(pods_csv)
     typical = typical_workload(p.shape("share") for p in pods)
-    variants: dict[str, list[dict]] = {"fgd": []}
+    variants: dict[str, list[dict]] = {args.policy: []}
     for s in args.max_steps:
-        variants[f"fgd+residency(max_steps={s:g})"] = []
+        variants[f"{args.policy}+residency(max_steps={s:g})"] = []
     for seed in range(42, 42 + args.seeds):
         seq = arrivals(pods, nodes, "share", seed)
         for name in variants:
-            steps = None if name == "fgd" else float(name.split("=")[1].rstrip(")"))
-            r = run(nodes, seq, seed, typical, steps, cfg)
+            steps = None if name == args.policy else float(name.split("=")[1].rstrip(")"))
+            r = run(nodes, seq, seed, typical, steps, cfg, args.policy)
             variants[name].append(r)
             print(f"[residency] seed {seed} {name}: {r}", file=sys.stderr, flush=True)
-    base = np.array([r["allocated_pct_at_100"] for r in variants["fgd"]])
+    base = np.array([r["allocated_pct_at_100"] for r in variants[args.policy]])
     summary = {}
     for name, runs in variants.items():
         a = np.array([r["allocated_pct_at_100"] for r in runs])
@@ -123,7 +129,7 @@ def main() -> int:
                          "delta_vs_fgd_per_seed": [round(float(x), 3) for x in a - base],
                          "delta_vs_fgd_mean": round(float((a - base).mean()), 3),
                          "residency_hit_pct": round(float(np.mean([r["residency_hit_pct"] for r in runs])), 2)}
-    out = {"trace": args.trace, "seeds": list(range(42, 42 + args.seeds)), "config": dataclasses.asdict(cfg),
+    out = {"trace": args.trace, "policy": args.policy, "seeds": list(range(42, 42 + args.seeds)), "config": dataclasses.asdict(cfg),
            "models": {"count": N_MODELS, "zipf_a": 1.1, "sizes_gib": (SIZES / GIB).tolist()},
            "summary": summary, "per_seed": variants}
     with open(args.out, "w", encoding="utf-8") as fh:

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from extender import cluster, held_pick, holds, parsed, placement, translate, verbs
-from vramshare import contract, logs, managed, podspec
+from vramshare import contract, inventory, logs, managed, podspec
 from vramshare.config import Config, Policy
 
 __all__ = ["Accounting", "TERMINAL_PHASES"]
@@ -126,7 +126,8 @@ class Accounting:
         # node is away, so they are charged again when it returns), and the node of each.
         self._host_pods: dict[str, dict[str, cluster.HostDemand]] = {}
         self._host_node: dict[str, str] = {}
-        self.models: dict[str, tuple] = {}  # node -> resident models it reports (issue 23)
+        self.models: dict[str, tuple] = {}  # node -> resident models it reports (issue 23), merged
+        self._model_reports: dict[str, dict[str, tuple[str, tuple]]] = {}  # node -> key -> (text, models)
         # Every pod read once per resourceVersion: the watch's events and the verbs share the reading.
         self.pods_read = parsed.PodReader(self.names, config.memory_unit_mib)
         self.follows = held_pick.FollowMemo()  # filter's held-plan answers (extender.held_pick)
@@ -150,7 +151,9 @@ class Accounting:
         with self.lock:
             if event == "DELETED":
                 self._drop_node(name)
+                self._forget_models(name)
                 return
+            self._set_models(name, node)
             text = ((node.get("metadata") or {}).get("annotations") or {}).get(self.names.inventory)
             try:
                 host = translate.node_host(node)
@@ -177,16 +180,42 @@ class Accounting:
                 for key, need in self._host_pods.get(name, {}).items():
                     self.state.add_pod(key, name, (), need, strict_host=False)
             self._annotation[name] = text or ""
-            models = translate.node_models(node, self.names)
-            if models:  # only nodes that report one: prioritize looks these up, never every node
-                self.models[name] = models
-            else:
-                self.models.pop(name, None)
             self._node_of_uuid.update((s.uuid, name) for s in slots)
             log.info("node inventory", node=name, gpus=len(slots), capacity_mib=sum(s.capacity for s in slots))
             for key in list(self.unaccounted):  # pods that named a node or GPU we did not know yet
                 if key in self.pods:
                     self._account(key, self.pods[key])
+
+    def _set_models(self, name: str, node: Obj) -> None:
+        """The node's resident models (issue 23): its inventory's ``models`` (device plugin) and its
+        ``resident-models`` annotation (DRA plugin; a node with no inventory may have it), merged. A report
+        that cannot be read keeps its last reading, logged; it is a hint and never drops the node."""
+        old = self._model_reports.get(name, {})
+        new: dict[str, tuple[str, tuple]] = {}
+        for key, text in translate.model_reports(node, self.names).items():
+            if key in old and old[key][0] == text:
+                new[key] = old[key]
+                continue
+            try:
+                new[key] = (text, translate.reported_models(key, text, self.names))
+            except contract.ContractError as exc:
+                if key != self.names.inventory:  # a bad inventory is logged below, with its GPUs
+                    log.warning("resident models unreadable, keeping the last", node=name, annotation=key,
+                                error=str(exc))
+                new[key] = (text, old[key][1] if key in old else ())
+        if new:
+            self._model_reports[name] = new
+        else:
+            self._model_reports.pop(name, None)
+        models = inventory.merge_models(*(m for _, m in new.values()))
+        if models:  # only nodes that report one: prioritize looks these up, never every node
+            self.models[name] = models
+        else:
+            self.models.pop(name, None)
+
+    def _forget_models(self, name: str) -> None:
+        self._model_reports.pop(name, None)
+        self.models.pop(name, None)
 
     def _set_host(self, name: str, host: tuple[int, int] | None) -> None:
         self._host[name] = host
@@ -202,7 +231,6 @@ class Accounting:
         for s in self.slots.pop(name):
             self._node_of_uuid.pop(s.uuid, None)
         self._annotation.pop(name, None)
-        self.models.pop(name, None)
         self._host.pop(name, None)
         for key in self._host_pods.get(name, {}):
             self.state.remove_pod(key)
@@ -223,6 +251,8 @@ class Accounting:
                 self._safely(self.apply_node, node)
             for name in [n for n in self.slots if n not in seen]:
                 self._drop_node(name)
+            for name in [n for n in self._model_reports if n not in seen]:
+                self._forget_models(name)
 
     # -- pods -----------------------------------------------------------------------------
     def apply_pod(self, event: str, pod: Obj) -> None:

@@ -157,7 +157,8 @@ class Extender:
 
     def _prioritize(self, body: bytes) -> bytes:
         args = wire.decode_extender_args(body, self.name_lists)
-        dra = dra_scoring.scores_for(self.dra, args.pod, args.names, self.policy.value)
+        dra = dra_scoring.scores_for(self.dra, args.pod, args.names, self.policy.value, self.acct.models,
+                                     self.acct.config.warm_tier.residency_max_steps)  # issue 23: models
         if dra is not None:  # a pod whose ResourceClaims use our DeviceClasses
             return wire.encode_host_priorities(dra)
         with self.acct.lock:

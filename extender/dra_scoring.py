@@ -13,7 +13,10 @@ module gives prioritize the same per-GPU view the device-plugin path has, built 
   of our classes (memory rounded up to the device's step, ``count`` distinct GPUs).
 
 Scores come from :func:`extender.placement.score_nodes` with the configured policy; ``fgd`` becomes
-``dra-fgd``, which scores the GPU the allocator will really take (first fit). Pure: objects in,
+``dra-fgd``, which scores the GPU the allocator will really take (first fit). A pod that names a model
+(``<domain>/model``) gets the residency term of the device plugin's path (issue 23,
+:func:`extender.residency.bonus_for`, same bound) from the models the nodes report (a DRA node in its
+``resident-models`` annotation), which the extender's node watch keeps. Pure: objects in,
 scores out; :class:`DraWatch` keeps the objects current from the API server.
 
 Dynamic MIG (issue 24): a GPU published as partitionable devices (every MIG profile at every
@@ -35,9 +38,10 @@ from kubernetes import client
 
 from dataclasses import dataclass
 
-from extender import apicalls, cluster, placement
+from extender import apicalls, cluster, placement, residency
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
 from vramshare import contract, logs, mig, podspec, quantity
+from vramshare.inventory import ResidentModel
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
 
@@ -275,14 +279,31 @@ class DraCluster:
         """Does the pod have an unallocated claim of our DeviceClasses (what this module scores)?"""
         return bool(self.demands(pod))
 
-    def score(self, pod: Obj, node_names: Sequence[str], policy: str) -> list[tuple[str, int]]:
+    def score(self, pod: Obj, node_names: Sequence[str], policy: str,
+              models: Mapping[str, Sequence[ResidentModel]] | None = None,
+              residency_max_steps: float = residency.ResidencyConfig.max_steps) -> list[tuple[str, int]]:
+        """0..10 per name; ``models`` (node -> the models it reports, the extender's ``Accounting.models``)
+        adds the residency term for a pod that names a model, as on the device plugin's path."""
         with self._lock:
             demands = self.demands(pod)
             if not demands:
                 return [(n, 0) for n in node_names]
-            scores = placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy))
+            bonus = self._residency(pod, node_names, models or {}, residency_max_steps)
+            scores = placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy),
+                                           bonus=bonus)
             mig_term = self.mig_scores(demands, node_names)
             return [(n, mig_term.get(n, s)) for n, s in scores]
+
+    def _residency(self, pod: Obj, node_names: Sequence[str], models: Mapping[str, Sequence[ResidentModel]],
+                   max_steps: float) -> Any:
+        """Issue 23: the residency bonus (:func:`extender.residency.bonus_for`, the same term and bound as
+        the device plugin's path: added to the policy's raw score among the nodes that fit, below one
+        step). A ``model`` annotation that does not parse is ignored and logged, never a refusal."""
+        meta = pod.get("metadata") or {}
+        model, why = podspec.pod_model(meta.get("annotations") or {}, self.names)
+        if why:
+            log.info("model annotation ignored", pod=f"{meta.get('namespace')}/{meta.get('name')}", reason=why)
+        return residency.bonus_for(model, node_names, models, residency.ResidencyConfig(max_steps=max_steps))
 
     def held_partitions(self) -> set[str]:
         """Slot uuids ("pool/device") of the partitions allocated claims hold."""
@@ -362,9 +383,10 @@ class DraWatch:
             t.join(timeout=5)
 
 
-def scores_for(dra: DraCluster | None, pod: Obj, node_names: Iterable[str],
-               policy: str) -> list[tuple[str, int]] | None:
+def scores_for(dra: DraCluster | None, pod: Obj, node_names: Iterable[str], policy: str,
+               models: Mapping[str, Sequence[ResidentModel]] | None = None,
+               residency_max_steps: float = residency.ResidencyConfig.max_steps) -> list[tuple[str, int]] | None:
     """The hook prioritize calls: scores for a DRA pod of ours, ``None`` for every other pod."""
     if dra is None or not dra.handles(pod):
         return None
-    return dra.score(pod, list(node_names), policy)
+    return dra.score(pod, list(node_names), policy, models, residency_max_steps)

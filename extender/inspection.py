@@ -121,9 +121,27 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
     doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
     if mode:
         doc["enforcement"] = mode
+    books = {u for use in usage for u in (use.slot.uuid, use.slot.uuid.partition(mig_plan.SEPARATOR)[0])}
+    return _with_models(doc, files, engines, books)
+
+
+def _with_models(doc: Obj, files: list[Obj], engines: dict[str, list[Obj]], shown: set[str]) -> Obj:
+    """The node's cached model files, and the engines on GPUs not in the extender's books (``shown``: a
+    GPU the DRA plugin serves is in slices, not in the inventory), one entry per engine with its GPU."""
     if files:
         doc["models"] = files
+    others = [{"gpu": gpu, **e} for gpu, es in sorted(engines.items()) if gpu not in shown for e in es]
+    if others:
+        doc["engines"] = others
     return doc
+
+
+def _models_only(acct: accounting.Accounting, name: str) -> Obj:
+    """A node that reports models but has no inventory (its GPUs served by the DRA plugin, issue 23)."""
+    with acct.lock:
+        files, engines = _models(acct.models.get(name))
+    return _with_models({"name": name, "totalMiB": 0, "usedMiB": 0, "freeMiB": 0, "gpus": []}, files, engines,
+                        set())
 
 
 def render(acct: accounting.Accounting, node: str | None = None) -> Obj | None:
@@ -134,10 +152,14 @@ def render(acct: accounting.Accounting, node: str | None = None) -> Obj | None:
     """
     with acct.lock:
         names = sorted(acct.slots)
+        model_nodes = sorted(n for n in acct.models if n not in acct.slots)  # DRA-served nodes (issue 23)
         unaccounted = dict(sorted(acct.unaccounted.items()))
     if node is not None:
-        return _node(acct, node) if node in names else None
-    return {"nodes": [_node(acct, n) for n in names], "unaccounted": unaccounted}
+        return _node(acct, node) if node in names else _models_only(acct, node) if node in model_nodes else None
+    doc: Obj = {"nodes": [_node(acct, n) for n in names], "unaccounted": unaccounted}
+    if model_nodes:  # not in "nodes": no GPU of theirs is in the extender's books
+        doc["modelNodes"] = [_models_only(acct, n) for n in model_nodes]
+    return doc
 
 
 def _gib(mib: int) -> str:
@@ -180,10 +202,13 @@ def format_table(doc: Obj) -> str:
         lines.append("")
         lines.extend("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in tenant_rows)
         lines.append("tenants: as the quota loop last changed them (memory in GiB; USED measured at that change)")
-    for n in nodes:
+    for n in [*nodes, *(doc.get("modelNodes") or [])]:
         if n.get("models"):
             lines.append(f"{n['name']}: model files cached: " + ", ".join(
                 f"{m['model']} ({m['bytes'] / (1 << 30):.1f} GiB)" for m in n["models"]))
+        if n.get("engines"):  # on GPUs the DRA plugin serves
+            lines.append(f"{n['name']}: engines on GPUs the DRA plugin serves: " + ", ".join(
+                f"{e['model']} {e['state']} on {e['gpu']}" for e in n["engines"]))
     modes = {n["name"]: n["enforcement"] for n in nodes if n.get("enforcement")}
     if modes:
         lines.append("GPU memory enforcement: " + ", ".join(f"{n} {m}" for n, m in sorted(modes.items())))

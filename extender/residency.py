@@ -10,7 +10,7 @@ applied after the filter, so it never makes a node that does not fit win (it nev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -61,6 +61,26 @@ def bonus(ask: contract.ModelRef | None, per_node: Sequence[Iterable[ResidentMod
         return out
     for i, held in enumerate(per_node):
         out[i] = min(1.0, saved_seconds(ask, held, cfg) / cfg.saturate_s) * cfg.max_steps
+    return out
+
+
+def bonus_for(ask: contract.ModelRef | None, names: Sequence[str],
+              held: Mapping[str, Sequence[ResidentModel]], cfg: ResidencyConfig = ResidencyConfig()) -> np.ndarray | None:
+    """:func:`bonus` per node name, for both prioritize paths (device plugin and DRA): computed only for
+    the names in ``held`` (the nodes that report a model: one that reports none saves no load time, and
+    walking 5,000 empty reports in Python cost a prioritize ~10 ms); ``None`` when no name gets one."""
+    if ask is None or not held:
+        return None
+    at, per_node = [], []
+    for i, n in enumerate(names):
+        m = held.get(n)  # one read per name: the node watch may change ``held`` meanwhile (DRA path)
+        if m:
+            at.append(i)
+            per_node.append(m)
+    if not at:
+        return None
+    out = np.zeros(len(names))
+    out[at] = bonus(ask, per_node, cfg)
     return out
 
 

@@ -24,6 +24,7 @@ from vramshare import contract, inventory, mig, mig_plan, podspec, quantity
 from vramshare.contract import assignment
 from vramshare.contract.assignment import AssignedGpu
 from vramshare.contract import inventory as contract_inventory
+from vramshare.contract import resident_models
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
            "demands_of", "Assignment", "Rider", "Signature", "signature_of", "container_signature",
@@ -88,16 +89,19 @@ def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
         raise TranslateError(f"node {meta.get('name', '?')}: annotation {names.inventory}: {exc}") from None
 
 
-def node_models(node: Obj, names: contract.Names) -> tuple[inventory.ResidentModel, ...]:
-    """The models the node reports resident (issue 23); ``()`` when none or the inventory is unreadable
-    (a hint: it never keeps a node from being scheduled on)."""
-    text = ((node.get("metadata") or {}).get("annotations") or {}).get(names.inventory)
-    if not text:
-        return ()
-    try:
+def model_reports(node: Obj, names: contract.Names) -> dict[str, str]:
+    """The node's annotations that report resident models (issue 23), by key: the device plugin's
+    inventory (its ``models``) and the DRA plugin's ``resident-models``; a node running both has both."""
+    ann = (node.get("metadata") or {}).get("annotations") or {}
+    return {k: ann[k] for k in (names.inventory, names.resident_models) if isinstance(ann.get(k), str)}
+
+
+def reported_models(key: str, text: str, names: contract.Names) -> tuple[inventory.ResidentModel, ...]:
+    """The models one of :func:`model_reports` says the node holds; raises :class:`contract.ContractError`
+    when its annotation cannot be read (the caller keeps its last reading: a hint never blocks a node)."""
+    if key == names.inventory:
         return contract_inventory.parse(text).models
-    except inventory.InventoryError:
-        return ()
+    return resident_models.parse(text)
 
 
 _MIB = 1 << 20

@@ -227,17 +227,6 @@ def expectation(view: View, args: wire.ExtenderArgs, node: str | None) -> Expect
 
 
 def _residency(view: View, model: contract.ModelRef, names: Sequence[str]) -> np.ndarray | None:
-    """The residency bonus per name (:func:`extender.residency.bonus`), computed only for the names
-    whose node reports a resident model (``view.models`` holds only those): a node that reports
-    none saves no load time, and walking 5,000 empty reports in Python cost a prioritize ~10 ms."""
-    rows = view.state.rows_of(names)
-    by_row = {r: m for r, m in ((view.state.row(n), m) for n, m in view.models.items() if m) if r is not None}
-    if not by_row:
-        return None
-    at = np.flatnonzero(np.isin(rows, np.fromiter(by_row, np.int64, len(by_row))))
-    if not len(at):
-        return None
-    cfg = residency.ResidencyConfig(max_steps=view.residency_max_steps)
-    out = np.zeros(len(names))
-    out[at] = residency.bonus(model, [by_row[int(r)] for r in rows[at].tolist()], cfg)
-    return out
+    """The residency bonus per name (:func:`extender.residency.bonus_for`, the DRA path's too)."""
+    return residency.bonus_for(model, names, view.models or {},
+                               residency.ResidencyConfig(max_steps=view.residency_max_steps))

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vramshare import contract
-from vramshare.contract import assignment, inventory, model, over_limit, quota_file, quota_mib
+from vramshare.contract import assignment, inventory, model, over_limit, quota_file, quota_mib, resident_models
 from vramshare.inventory import EngineState, EnforcementMode, Gpu, GpuMode, MigInstance, NodeInventory, ResidentModel
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -101,6 +101,8 @@ CODECS = {
                   contract.WARM_MAX_LINE),
     "inventory": (inventory.encode, inventory.parse, inventories(), lambda v: v, inventory.InventoryError,
                   inventory.MAX_CHARS),
+    "resident-models": (resident_models.encode, resident_models.parse, inventories().map(lambda inv: inv.models),
+                        lambda v: v, resident_models.ResidentModelsError, resident_models.MAX_CHARS),
 }
 
 
@@ -231,3 +233,16 @@ def test_the_reconciler_never_writes_an_assignment_the_contract_refuses():
     out = reconcile.plan(held, [pod("zero"), pod("ok")], devices, n, "n1", 1024)
     assert [p.pod.name for p in out.patches] == ["ok"]
     assert "assignment contract" in out.waiting["ns/zero"] and "int 1.." in out.waiting["ns/zero"]
+
+
+def test_resident_models_spell_a_model_as_the_inventory_does_and_stay_within_the_bound():
+    """The DRA plugin's report (issue 23) is the inventory's ``models`` section alone: one encoding of a
+    model; a report that would pass the bound (GPU names of absurd length) loses its last models."""
+    from vramshare.inventory import MAX_MODELS
+    ms = tuple(ResidentModel(f"org/m{k}", "main", 1 << 30, (("GPU-" + "x" * 200, EngineState.AWAKE),) * 16)
+               for k in range(MAX_MODELS))
+    doc = json.loads(resident_models.encode(ms[:2]))
+    assert doc["models"] == json.loads(NodeInventory(1024, models=ms[:2]).to_json())["models"]
+    text = resident_models.encode(ms)
+    assert len(text) <= resident_models.MAX_CHARS
+    assert resident_models.parse(text) == ms[:len(resident_models.parse(text))] and len(resident_models.parse(text)) > 1

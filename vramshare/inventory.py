@@ -165,12 +165,34 @@ def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
     if inv.enforcement is not None:
         doc["enforcement"] = inv.enforcement.value
     if inv.models:
-        doc["models"] = [
-            {"name": m.name, "revision": m.revision, "bytes": m.bytes,
-             "engines": [{"gpu": g, "state": st.value} for g, st in m.engines[:MAX_ENGINES_PER_MODEL]]}
-            for m in inv.models[:MAX_MODELS]
-        ]
+        doc["models"] = models_to_list(inv.models)
     return doc
+
+
+def models_to_list(models: Iterable[ResidentModel]) -> list[dict[str, Any]]:
+    """The ``models`` section as JSON values, within the bounds (the inventory's and the DRA plugin's
+    ``resident-models`` annotation write it alike: :mod:`vramshare.contract.resident_models`)."""
+    return [{"name": m.name, "revision": m.revision, "bytes": m.bytes,
+             "engines": [{"gpu": g, "state": st.value} for g, st in m.engines[:MAX_ENGINES_PER_MODEL]]}
+            for m in list(models)[:MAX_MODELS]]
+
+
+def merge_models(*reports: Iterable[ResidentModel]) -> tuple[ResidentModel, ...]:
+    """One node's reports as one (a node that runs both plugins publishes two, issue 23: each with the
+    same cache files and the engines of its own GPUs): per model the largest ``bytes`` and every engine
+    once; engines first, then the largest files, within :data:`MAX_MODELS`."""
+    by_ref: dict[tuple[str, str], ResidentModel] = {}
+    for report in reports:
+        for m in report:
+            key = (m.name, m.revision)
+            old = by_ref.get(key)
+            if old is None:
+                by_ref[key] = m
+                continue
+            engines = old.engines + tuple(e for e in m.engines if e not in old.engines)
+            by_ref[key] = replace(old, bytes=max(old.bytes, m.bytes), engines=engines[:MAX_ENGINES_PER_MODEL])
+    out = sorted(by_ref.values(), key=lambda m: (not m.engines, -m.bytes, m.name, m.revision))
+    return tuple(out[:MAX_MODELS])
 
 
 def models_from_list(raw: Any) -> tuple[ResidentModel, ...]:

@@ -10,7 +10,10 @@ deregistration; retrying failures),
 list+watch: a tick reads no API server), and with ``warmTier.enabled`` ``warm-channel`` (the warm tier's
 socket in each claim's quota dir: idle engines sleep and their memory is lent to co-tenants, as on the
 device plugin's GPUs; a sleeping claim of an overcommit class adds its credit to its GPU's published
-capacity). Same backends and config file as the device plugin; the config's ``dra.gpus`` decides which GPUs are served here (the device plugin leaves those out).
+capacity), and with ``warmTier.enabled`` or ``warmTier.modelCacheDir`` ``model-residency`` and
+``models-publisher`` (the models this node can start fast, in the node's ``resident-models`` annotation,
+issue 23). Same backends and config file as the device plugin; the config's ``dra.gpus`` decides which
+GPUs are served here (the device plugin leaves those out).
 
 Dynamic MIG (issue 24): on NVML, GPUs in MIG mode listed in ``dynamicMig.gpus`` are published as
 partitionable devices (every profile at every placement, with counters) and their instances made at
@@ -43,7 +46,7 @@ from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
-from deviceplugin.dra.publisher import CountersDropped, SlicePublisher, SliceWatch
+from deviceplugin.dra.publisher import FIELD_MANAGER, CountersDropped, SlicePublisher, SliceWatch
 from deviceplugin.metrics import EnforcementModeCollector, MetricsServer, enforcement_unavailable_gauge
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
 from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
@@ -113,6 +116,8 @@ class DraPluginDaemon:
         self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
         self._quota_loop: Any = None
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
+        self.models: tuple = ()  # issue 23: resident models, published in the node's resident-models
+        self.models_publisher: Any = None  # its writer, with warmTier.modelCacheDir or warmTier.enabled
         self.failed: str | None = None
         self.state.add_listener(self._changed)
 
@@ -154,6 +159,30 @@ class DraPluginDaemon:
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
         if warm is not None:
             self._spawn("warm-channel", lambda: warm.serve(loop, self._stop))
+
+    def _start_residency(self) -> None:
+        """Issue 23: which models this node can start fast (files in ``warmTier.modelCacheDir``, engines
+        awake or asleep on its GPUs from the warm broker), as the device plugin reports them, published in
+        the node's ``resident-models`` annotation: not in an inventory, whose GPUs the extender would book
+        beside the slices (on a node that runs both plugins, each reports its own GPUs' engines)."""
+        wt = self.state.snapshot.config.warm_tier
+        if not (wt.model_cache_dir or wt.enabled):
+            return
+        from deviceplugin.node_annotation import NodeAnnotationPublisher
+        from deviceplugin.residency import node_reporter
+        from vramshare.contract import resident_models
+
+        publisher = self.models_publisher = NodeAnnotationPublisher(
+            self._api, self.node, self.state.snapshot.config.names.resident_models, FIELD_MANAGER)
+
+        def changed(models: tuple) -> None:
+            self.models = models
+            publisher.publish(resident_models.encode(models))
+
+        publisher.publish(resident_models.encode(()))  # replaces an earlier run's report until the first scan
+        reporter = node_reporter(wt, changed, self.warm, lambda: self._quota_loop)
+        self._spawn("models-publisher", lambda: publisher.run(self._stop))
+        self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _dynamic(self, published: bool = True) -> dict[str, mig.MigModel]:
         """Dynamic-MIG GPUs: in MIG mode, allowed by ``dynamicMig.gpus``, reachable through NVML, and (for
@@ -267,6 +296,7 @@ class DraPluginDaemon:
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
         self._start_quota_loop()
+        self._start_residency()
         if self._metrics_port:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
             self._metrics_server.start()
@@ -296,6 +326,8 @@ class DraPluginDaemon:
         self._stop.set()
         self._dirty.set()
         self.slice_watch.stop()
+        if self.models_publisher is not None:
+            self.models_publisher.stop()
         if self.pods is not None:
             self.pods.stop()
         self.plugin.stop()

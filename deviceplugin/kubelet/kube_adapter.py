@@ -5,12 +5,11 @@
    made from, so it never overwrites a change it did not see (a conflict waits for the next round).
    Nothing on the kubelet's Allocate path calls the API server.
 2. :class:`InventoryPublisher`: the node annotation ``<domain>/gpu-inventory``, merge-patched only
-   when it changed, from its own thread so a slow API server never delays a health event, retried
-   with backoff until it lands.
+   when it changed, from its own thread, retried with backoff until it lands (the shared
+   :class:`deviceplugin.node_annotation.NodeAnnotationPublisher`).
 """
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from kubernetes import client
@@ -18,13 +17,12 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from deviceplugin.kubelet.reconcile import Patch
+from deviceplugin.node_annotation import MERGE_PATCH, NodeAnnotationPublisher, why  # noqa: F401 - bench imports MERGE_PATCH
 from vramshare import contract, logs
 from vramshare.kube import decode
-from vramshare.retry import Backoff
 
 log = logs.get(__name__)
 
-MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
 TIMEOUT_S = 5.0
 
@@ -39,12 +37,6 @@ class Conflict(DirectoryError):
 
 class Gone(DirectoryError):
     """The pod no longer exists."""
-
-
-def _why(exc: Exception) -> str:
-    if isinstance(exc, ApiException):
-        return f"HTTP {exc.status} {exc.reason}"
-    return type(exc).__name__
 
 
 class PodPatcher:
@@ -73,9 +65,9 @@ class PodPatcher:
             return dict(decode(resp))
         except ApiException as exc:
             kind = {409: Conflict, 404: Gone}.get(exc.status or 0, DirectoryError)
-            raise kind(f"patch pod {pod.key}: {_why(exc)}") from exc
+            raise kind(f"patch pod {pod.key}: {why(exc)}") from exc
         except (HTTPError, ValueError) as exc:
-            raise DirectoryError(f"patch pod {pod.key}: {_why(exc)}") from exc
+            raise DirectoryError(f"patch pod {pod.key}: {why(exc)}") from exc
 
 
     def uid_of(self, namespace: str, name: str) -> str | None:
@@ -88,57 +80,14 @@ class PodPatcher:
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise DirectoryError(f"get pod {namespace}/{name}: {_why(exc)}") from exc
+            raise DirectoryError(f"get pod {namespace}/{name}: {why(exc)}") from exc
         except (HTTPError, ValueError) as exc:
-            raise DirectoryError(f"get pod {namespace}/{name}: {_why(exc)}") from exc
+            raise DirectoryError(f"get pod {namespace}/{name}: {why(exc)}") from exc
         return str((decode(resp).get("metadata") or {}).get("uid") or "") or None
 
 
-class InventoryPublisher:
+class InventoryPublisher(NodeAnnotationPublisher):
     """Keeps the node's inventory annotation equal to the latest :meth:`publish`ed JSON."""
 
     def __init__(self, api: client.ApiClient, node: str, names: contract.Names) -> None:
-        self._v1 = client.CoreV1Api(api)
-        self._node = node
-        self._key = names.inventory
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._wanted: str | None = None
-        self._written: str | None = None
-        self.patches = 0
-
-    def publish(self, inventory_json: str) -> None:
-        with self._lock:
-            self._wanted = inventory_json
-        self._wake.set()
-
-    def run(self, stop: threading.Event) -> None:
-        """Body of the ``inventory-publisher`` thread."""
-        backoff = Backoff(0.5, 30.0)
-        while not stop.is_set():
-            self._wake.wait()
-            if stop.is_set():
-                return
-            self._wake.clear()
-            with self._lock:
-                wanted = self._wanted
-            if wanted is None or wanted == self._written:
-                continue
-            try:
-                decode(self._v1.patch_node(self._node, {"metadata": {"annotations": {self._key: wanted}}},
-                                           field_manager=contract.FIELD_MANAGER_DEVICE_PLUGIN,
-                                           _content_type=MERGE_PATCH, _preload_content=False,
-                                           _request_timeout=TIMEOUT_S))
-            except (ApiException, HTTPError) as exc:
-                wait = backoff.next()
-                log.warning("publish inventory failed", node=self._node, error=_why(exc), retry_in_s=round(wait, 2))
-                stop.wait(wait)
-                self._wake.set()
-                continue
-            backoff.reset()
-            self._written = wanted
-            self.patches += 1
-            log.info("published inventory", node=self._node, annotation=self._key, bytes=len(wanted))
-
-    def stop(self) -> None:
-        self._wake.set()
+        super().__init__(api, node, names.inventory, contract.FIELD_MANAGER_DEVICE_PLUGIN)

@@ -145,24 +145,13 @@ class DevicePluginDaemon:
         wt = self.state.snapshot.config.warm_tier
         if self.publisher is None or not (wt.model_cache_dir or wt.enabled):
             return
-        from deviceplugin.kubelet.residency import ResidencyReporter
-
-        def engines() -> list:
-            loop = self._quota_loop
-            if self.warm is None or loop is None:
-                return []
-            tenants = loop.tenants_now
-            return self.warm.engines({t.key: [g for g, _ in t.gpus] for t in tenants},
-                                     {t.key: t.meta.model for t in tenants if t.meta is not None and t.meta.model})
+        from deviceplugin.residency import node_reporter
 
         def changed(models: tuple) -> None:
             self.models = models
             self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))  # type: ignore[union-attr]
 
-        reporter = ResidencyReporter(wt.model_cache_dir, changed, engines, wt.scan_interval_seconds,
-                                     max_entries=wt.max_cache_entries)
-        if self.warm is not None:  # an engine slept, woke, came or went: the inventory follows at once
-            self.warm.on_engines = reporter.poke
+        reporter = node_reporter(wt, changed, self.warm, lambda: self._quota_loop)
         self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _inventory_json(self, inventory: Any) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from deviceplugin.kubelet import residency as scan
+from deviceplugin import residency as scan
 from extender import residency
 from vramshare import contract
 from vramshare.inventory import (MAX_MODELS, EngineState, Gpu, NodeInventory, ResidentModel,

@@ -187,6 +187,54 @@ def test_the_plugin_writes_no_node_inventory() -> None:
     node = b.gpu_node("n1", b.a100())
     forged = b.gpu_node("n1", b.a100(), b.a100())
     msgs = admit(Request("UPDATE", "nodes", DRA, forged, node, on_node("n1")))
-    assert any("vramshare-protect-annotations" in m for m in msgs)
+    assert any("may change only vramshare.io/resident-models of a node, not vramshare.io/gpu-inventory" in m
+               for m in msgs), msgs
     assert admit(Request("UPDATE", "nodes", DP, forged, node, on_node("n1"))) == []
+
+
+# -- its node write (issue 23): the resident-models annotation of its own Node, nothing else -------
+def _models_node(node: str = "n1", text: str | None = None) -> dict[str, Any]:
+    from tests.extender import builders as b
+    from vramshare.contract import resident_models
+    from vramshare.inventory import ResidentModel
+    obj = b.gpu_node(node, b.a100())
+    return with_ann(obj, resident_models=text if text is not None else resident_models.encode(
+        (ResidentModel("org/llama", "main", 16 << 30),)))
+
+
+def test_the_plugin_publishes_its_nodes_resident_models() -> None:
+    """What ``NodeAnnotationPublisher`` patches (its first write creates the key, later ones change it)."""
+    fresh = _models_node()
+    bare = with_ann(fresh, resident_models=None)
+    assert admit(Request("UPDATE", "nodes", DRA, fresh, bare, on_node("n1"))) == []
+    assert admit(Request("UPDATE", "nodes", DRA, _models_node(text='{"version":"v1","models":[]}'), fresh,
+                         on_node("n1"))) == []
+
+
+def test_the_plugin_may_not_write_another_nodes_models_nor_anything_else_of_its_node() -> None:
+    fresh, bare = _models_node("n2"), with_ann(_models_node("n2"), resident_models=None)
+    [msg] = admit(Request("UPDATE", "nodes", DRA, fresh, bare, on_node("n1")))
+    assert 'DRA plugin of node n1 may not write nodes of node "n2"' in msg
+    mine = _models_node()
+    for change in ({"quota_mib": "{}"}, {"example.com/x": "y"}):
+        assert admit(Request("UPDATE", "nodes", DRA, with_ann(mine, **change), mine, on_node("n1")))
+    labeled = copy.deepcopy(mine)
+    labeled["metadata"]["labels"] = {"x": "y"}
+    assert admit(Request("UPDATE", "nodes", DRA, labeled, mine, on_node("n1")))
+    assert admit(Request("UPDATE", "nodes", DRA, mine, with_ann(mine, resident_models=None), None)), \
+        "a token without the node claim writes nothing"
+
+
+def test_users_and_the_extender_may_not_forge_resident_models() -> None:
+    from tests.security.test_admission_policies import EXT
+    fresh, bare = _models_node(), with_ann(_models_node(), resident_models=None)
+    for who in (USER, EXT):
+        msgs = admit(Request("UPDATE", "nodes", who, fresh, bare))
+        assert any("vramshare-protect-annotations" in m for m in msgs), (who, msgs)
+
+
+def test_the_plugin_may_not_put_resident_models_on_a_pod() -> None:
+    old = bound("n1")
+    [msg] = admit(Request("UPDATE", "pods", DRA, with_ann(old, resident_models="{}"), old, on_node("n1")))
+    assert "may change only vramshare.io/quota-mib and vramshare.io/over-limit of a pod" in msg
 

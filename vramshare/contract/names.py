@@ -45,6 +45,12 @@ class Names:
     def inventory(self) -> str:
         return f"{self.domain}/gpu-inventory"
 
+    # -- node annotation written by the DRA plugin (issue 23): its models, no GPUs (slices have those)
+    @property
+    def resident_models(self) -> str:
+        """Read by :mod:`vramshare.contract.resident_models`, the one codec."""
+        return f"{self.domain}/resident-models"
+
     # -- pod annotations: written by users (USER_ANNOTATIONS, below, lists every one of them)
     def user_annotations(self) -> tuple[str, ...]:
         """Every pod annotation a user may write, as full keys (``vramshare.io/gpu-count``, ...)."""

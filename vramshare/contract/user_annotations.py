@@ -18,5 +18,6 @@ USER_ANNOTATIONS: tuple[str, ...] = ("gpu-count", "gpu-models", "policy", "quota
 #: checks the policies against these tuples.
 HANDSHAKE_ANNOTATIONS: tuple[str, ...] = ("assignment", "assume-time", "allocation-state")
 QUOTA_LOOP_ANNOTATIONS: tuple[str, ...] = ("quota-mib", "over-limit")
-#: The node annotations: only the device plugins write them.
-NODE_ANNOTATIONS: tuple[str, ...] = ("gpu-inventory",)
+#: The node annotations: only the node plugins write them (gpu-inventory the device plugin, resident-models
+#: the DRA plugin and nothing else of the node: deploy/daemonset/admission-policies.yaml, policy 2).
+NODE_ANNOTATIONS: tuple[str, ...] = ("gpu-inventory", "resident-models")

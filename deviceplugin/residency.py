@@ -16,6 +16,9 @@ cache cannot be walked).
 
 Engines (which GPU holds a sleeping or awake engine of which model) come from the quota loop's view of
 its tenants and are merged in by :func:`with_engines`.
+
+Both node plugins run it (:func:`node_reporter`, same config, same bounds): the device plugin publishes
+the models in its inventory's ``models``, the DRA plugin in its ``resident-models`` annotation.
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from deviceplugin.serve import wait_poked
 from vramshare import contract
+from vramshare.config import WarmTierConfig
 from vramshare.inventory import MAX_MODELS, EngineState, NodeInventory, ResidentModel
 
 log = logging.getLogger("vramshare.residency")
@@ -200,3 +204,25 @@ class ResidencyReporter:
             except Exception as exc:  # noqa: BLE001 - a bad scan keeps the last report
                 log.warning("model residency report failed, keeping the last", error=str(exc))
             wait_poked(stop, self._poked, self.engines_interval_s)
+
+
+def tenant_engines(warm: Any, loop: Any) -> list[tuple[contract.ModelRef, str, str]]:
+    """``(model, gpu uuid, state)`` of the engines the warm broker ``warm`` knows on the GPUs of the quota
+    loop ``loop``'s tenants (nothing while either is missing: no warm tier, no quota loop)."""
+    if warm is None or loop is None:
+        return []
+    tenants = loop.tenants_now
+    return list(warm.engines({t.key: [g for g, _ in t.gpus] for t in tenants},
+                             {t.key: t.meta.model for t in tenants if t.meta is not None and t.meta.model}))
+
+
+def node_reporter(wt: WarmTierConfig, on_change: Callable[[tuple[ResidentModel, ...]], None], warm: Any,
+                  loop: Callable[[], Any]) -> ResidencyReporter:
+    """The reporter a node plugin runs: ``warmTier.modelCacheDir`` scanned within its bounds, the engines
+    of ``warm`` (the warm broker, or None) over the tenants of ``loop()`` merged in, at once when the
+    broker says they changed (``on_engines``)."""
+    reporter = ResidencyReporter(wt.model_cache_dir, on_change, lambda: tenant_engines(warm, loop()),
+                                 wt.scan_interval_seconds, max_entries=wt.max_cache_entries)
+    if warm is not None:  # an engine slept, woke, came or went: the report follows at once
+        warm.on_engines = reporter.poke
+    return reporter
