@@ -96,15 +96,15 @@ class AllocatedClaims:
     a read that fails is retried at the next tick, and until then the claim is fitted at Prepare as
     before."""
 
+    #: reads one tick may make: a burst of pods bound at once is read over a few ticks, and a tick never
+    #: stalls for long behind an API server that does not answer (the first failed read ends the round)
+    MAX_READS_PER_TICK = 16
+
     def __init__(self, read_claim: ClaimReader, node: str, config: Callable[[], Config],
                  devices: Callable[[], Mapping[str, DeviceRef]]) -> None:
         self._read, self._node, self._config, self._devices = read_claim, node, config, devices
         self._known: dict[ClaimKey, tuple[tuple[str, int], ...]] = {}
         self.reads = 0  # API reads made, for tests and logs: one per claim, not per tick
-
-    #: reads one tick may make: a burst of pods bound at once is read over a few ticks, and a tick never
-    #: stalls for long behind an API server that does not answer (the first failed read ends the round)
-    MAX_READS_PER_TICK = 16
 
     def pending(self, keys: Iterable[ClaimKey]) -> list[Claim]:
         keys = list(keys)
@@ -121,7 +121,8 @@ class AllocatedClaims:
                     continue
                 if gpus is not None:
                     self._known[key] = gpus
-        self._known = {k: v for k, v in self._known.items() if k in set(keys)}
+        wanted = set(keys)
+        self._known = {k: v for k, v in self._known.items() if k in wanted}
         return [Claim(f"{ns}/{name}", self._known[(ns, name)]) for ns, name in keys
                 if self._known.get((ns, name))]
 
