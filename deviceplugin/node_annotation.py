@@ -19,6 +19,8 @@ log = logs.get(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 TIMEOUT_S = 5.0
+REMOVED = None  # what :meth:`NodeAnnotationPublisher.remove` asks for: the key gone (a merge patch's null)
+_NOTHING = object()  # nothing asked yet
 
 
 def why(exc: Exception) -> str:
@@ -37,13 +39,19 @@ class NodeAnnotationPublisher:
         self._field_manager = field_manager
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._wanted: str | None = None
-        self._written: str | None = None
+        self._wanted: object = _NOTHING
+        self._written: object = _NOTHING
         self.patches = 0
 
     def publish(self, text: str) -> None:
         with self._lock:
             self._wanted = text
+        self._wake.set()
+
+    def remove(self) -> None:
+        """Take the key off the node (what an earlier run wrote, now that this run reports nothing)."""
+        with self._lock:
+            self._wanted = REMOVED
         self._wake.set()
 
     def run(self, stop: threading.Event) -> None:
@@ -56,7 +64,7 @@ class NodeAnnotationPublisher:
             self._wake.clear()
             with self._lock:
                 wanted = self._wanted
-            if wanted is None or wanted == self._written:
+            if wanted is _NOTHING or wanted == self._written:
                 continue
             try:
                 decode(self._v1.patch_node(self._node, {"metadata": {"annotations": {self._key: wanted}}},
@@ -73,7 +81,8 @@ class NodeAnnotationPublisher:
             backoff.reset()
             self._written = wanted
             self.patches += 1
-            log.info("published node annotation", node=self._node, annotation=self._key, bytes=len(wanted))
+            log.info("published node annotation" if wanted is not REMOVED else "removed node annotation",
+                     node=self._node, annotation=self._key, bytes=len(wanted) if isinstance(wanted, str) else 0)
 
     def stop(self) -> None:
         self._wake.set()

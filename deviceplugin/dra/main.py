@@ -165,15 +165,17 @@ class DraPluginDaemon:
         awake or asleep on its GPUs from the warm broker), as the device plugin reports them, published in
         the node's ``resident-models`` annotation: not in an inventory, whose GPUs the extender would book
         beside the slices (on a node that runs both plugins, each reports its own GPUs' engines)."""
-        wt = self.state.snapshot.config.warm_tier
-        if not (wt.model_cache_dir or wt.enabled):
-            return
         from deviceplugin.node_annotation import NodeAnnotationPublisher
         from deviceplugin.residency import node_reporter
         from vramshare.contract import resident_models
 
+        wt = self.state.snapshot.config.warm_tier
         publisher = self.models_publisher = NodeAnnotationPublisher(
             self._api, self.node, self.state.snapshot.config.names.resident_models, FIELD_MANAGER)
+        if not (wt.model_cache_dir or wt.enabled):  # off: an earlier run's report would stay a hint forever
+            publisher.remove()
+            self._spawn("models-publisher", lambda: publisher.run(self._stop))
+            return
 
         def changed(models: tuple) -> None:
             self.models = models

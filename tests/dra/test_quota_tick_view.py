@@ -48,13 +48,14 @@ from vramshare.kube import api_client_for
 
 
 @contextlib.contextmanager
-def running_plugin(config: Config, used_mib: int = 2000) -> Iterator[tuple]:
-    """A running DRA plugin on the demo node whose use is replayed (``used_mib`` per tenant, so its quota
-    loop runs), with a registered kubelet and scheduler: ``(api, daemon, scheduler, kubelet)``."""
+def running_plugin(config: Config, used_mib: int = 2000, annotations: dict | None = None) -> Iterator[tuple]:
+    """A running DRA plugin on the demo node (its Node created with ``annotations``) whose use is replayed
+    (``used_mib`` per tenant, so its quota loop runs), with a registered kubelet and scheduler:
+    ``(api, daemon, scheduler, kubelet)``."""
     sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
     try:
         with ApiServerDouble() as api, api_client_for(api.url) as http:
-            api.create_node({"metadata": {"name": NODE}})
+            api.create_node({"metadata": {"name": NODE, "annotations": dict(annotations or {})}})
             _apply_deploy(http)
             backend = SimulatedBackend.demo()
             backend.usage_replay = UsageReplay([[used_mib]])

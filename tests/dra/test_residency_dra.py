@@ -122,3 +122,13 @@ def test_the_dra_plugin_publishes_cached_files_and_a_sleeping_engine(node):
     api.delete_pod("default", "chat")
     kubelet.unprepare_pod(pod)
     assert wait(lambda: _published(api) == (files,), timeout=8.0), "the gone engine stayed in the report"
+
+
+def test_a_report_an_earlier_run_left_is_removed_when_residency_is_off(tmp_path):
+    """The warm tier and the model cache turned off: an earlier run's ``resident-models`` stayed on the
+    Node, and the extender kept scoring a model the node no longer reports (round 8's caveat). The plugin
+    now takes the key off at start; the other annotations stay."""
+    stale = resident_models.encode((ResidentModel(MODEL, REV, WEIGHTS),))
+    with running_plugin(dra_config(tmp_path), 2000, {NAMES.resident_models: stale, "keep": "me"}) as (api, *_):
+        assert wait(lambda: _published(api) is None), _published(api)
+        assert api.get_node(NODE)["metadata"]["annotations"]["keep"] == "me"

@@ -209,6 +209,7 @@ def test_the_plugin_publishes_its_nodes_resident_models() -> None:
     assert admit(Request("UPDATE", "nodes", DRA, fresh, bare, on_node("n1"))) == []
     assert admit(Request("UPDATE", "nodes", DRA, _models_node(text='{"version":"v1","models":[]}'), fresh,
                          on_node("n1"))) == []
+    assert admit(Request("UPDATE", "nodes", DRA, bare, fresh, on_node("n1"))) == []  # removed (residency off)
 
 
 def test_the_plugin_may_not_write_another_nodes_models_nor_anything_else_of_its_node() -> None:
