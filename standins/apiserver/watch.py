@@ -90,23 +90,23 @@ class WatchHub:
     def events(self, req: WatchRequest) -> Iterator[Event]:
         """Yield watch events until the timeout, a drop, or the server stopping; 410 as an ERROR event."""
         cond = self._store.changed
-        with cond:
+        with cond:  # counted open and the drop epoch read at once: a drop after wait_for_watches ends it
             self.open += 1
+            epochs = self._epoch, self._bookmark_epoch
             cond.notify_all()
         try:
-            yield from self._stream(req)
+            yield from self._stream(req, *epochs)
         finally:
             with cond:
                 self.open -= 1
                 cond.notify_all()
 
-    def _stream(self, req: WatchRequest) -> Iterator[Event]:
+    def _stream(self, req: WatchRequest, epoch: int, bookmark_epoch: int) -> Iterator[Event]:
         store, cond = self._store, self._store.changed
         timeout = req.timeout_s or self.min_request_timeout_s * (1.0 + random.random())  # get.go handleWatch
         deadline = time.monotonic() + timeout
         next_bookmark = self._next_bookmark(deadline) if req.bookmarks else None
         with cond:
-            epoch, bookmark_epoch = self._epoch, self._bookmark_epoch
             if req.resource_version is None:  # no version: the current state first, as ADDED events
                 items, cursor = store.list_objects(req.rtype, req.namespace, req.selector)
                 initial = [{"type": "ADDED", "object": obj} for obj in items]
