@@ -228,6 +228,8 @@ class ListWatch:
         try:
             if self._stopping.is_set():  # stop() ran while the request was on its way
                 _shut(resp)
+                resp.close()  # and its socket closed now, not left to the garbage collector
+                resp.release_conn()
                 return rv
             for event in decode_lines(resp):
                 self._handle(event, stream)
