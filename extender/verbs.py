@@ -227,6 +227,8 @@ def expectation(view: View, args: wire.ExtenderArgs, node: str | None) -> Expect
 
 
 def _residency(view: View, model: contract.ModelRef, names: Sequence[str]) -> np.ndarray | None:
-    """The residency bonus per name (:func:`extender.residency.bonus_for`, the DRA path's too)."""
+    """The residency bonus per name (:func:`extender.residency.bonus_for`, the DRA path's too), found by
+    the names' rows (remembered from filter), not by a step per name."""
     return residency.bonus_for(model, names, view.models or {},
-                               residency.ResidencyConfig(max_steps=view.residency_max_steps))
+                               residency.ResidencyConfig(max_steps=view.residency_max_steps),
+                               rows=(view.state.rows_of(names), view.state.row))
