@@ -152,8 +152,9 @@ def kvcached_ipc_name(allocation_key: str) -> str:
 
 
 def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: str | None,
-                   allocation_key: str | None = None) -> ContainerSpec:
-    """Env, mounts and CDI devices for a container holding ``shares`` (DESIGN.md section 3)."""
+                   allocation_key: str | None = None, users: int = 1) -> ContainerSpec:
+    """Env, mounts and CDI devices for a container holding ``shares`` (DESIGN.md section 3); ``users``:
+    how many containers get the same spec at once (a DRA claim's), each fenced at its share."""
     uuids = [s.uuid for s in shares]
     limits = sorted({s.mib for s in shares})
     envs = {
@@ -173,7 +174,7 @@ def container_spec(shares: Sequence[GpuShare], config: Config, quota_host_dir: s
     else:  # volume-mounts: the NVIDIA container toolkit reads the device list from mount names
         envs[contract.ENV_VISIBLE_DEVICES] = _VOLUME_MOUNT_ROOT
         mounts += [(f"{_VOLUME_MOUNT_ROOT}/{u}", "/dev/null", True) for u in uuids]
-    fence = enforcement.container_fence(shares, config.enforcement)  # issue 9: driver / mps modes
+    fence = enforcement.container_fence(shares, config.enforcement, users)  # issue 9: driver / mps modes
     envs.update(fence.envs)
     mounts += fence.mounts
     if quota_host_dir is not None:

@@ -221,7 +221,7 @@ class ContainerFence:
     mounts: tuple[tuple[str, str, bool], ...] = ()
 
 
-def container_fence(shares: Sequence[GpuShare], cfg: EnforcementConfig) -> ContainerFence:
+def container_fence(shares: Sequence[GpuShare], cfg: EnforcementConfig, users: int = 1) -> ContainerFence:
     """What the node's mode (``cfg.resolved``, pinned by the daemon at start) adds to a container.
 
     Request = the container's reservation, limit = its first quota (the same at Allocate). In ``driver``
@@ -229,15 +229,20 @@ def container_fence(shares: Sequence[GpuShare], cfg: EnforcementConfig) -> Conta
 
     The toolkit's variables hold one MiB figure for the container's GPUs; when its GPUs carry
     different shares the largest is set and the quota loop narrows each GPU at its first tick.
+
+    ``users``: how many containers get these variables at once (a DRA claim's CDI spec is injected into
+    every container naming the claim). Both fences hold one container (driver: its cgroup; MPS: each
+    client), so each gets ``mib // users``: together they hold at most the grant.
     """
     mode = cfg.resolved
+    n = max(1, users)
     whole = [s for s in shares if not s.mig]  # driver limits are for non-MIG GPUs; a MIG instance is its own fence
     if mode is EnforcementMode.DRIVER and whole:
-        mib = str(max(s.mib for s in whole))
+        mib = str(max(s.mib for s in whole) // n)
         return ContainerFence({contract.ENV_GPU_MEMORY_REQUEST: mib, contract.ENV_GPU_MEMORY_LIMIT: mib})
     if mode is EnforcementMode.MPS and shares:
         return ContainerFence(
-            {contract.ENV_MPS_PINNED_MEM_LIMIT: ",".join(f"{i}={s.mib}M" for i, s in enumerate(shares)),
+            {contract.ENV_MPS_PINNED_MEM_LIMIT: ",".join(f"{i}={s.mib // n}M" for i, s in enumerate(shares)),
              contract.ENV_MPS_PIPE_DIRECTORY: MPS_CONTAINER_PIPE_DIR},
             ((MPS_CONTAINER_PIPE_DIR, cfg.mps_pipe_directory, False),
              (MPS_CONTAINER_SHM_DIR, cfg.mps_shm_directory, False)))

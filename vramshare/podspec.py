@@ -200,6 +200,19 @@ def claim_containers(pod: Mapping[str, Any], claim: str) -> set[str]:
                                               for r in ((c.get("resources") or {}).get("claims") or ()))}
 
 
+def claim_users(pod: Mapping[str, Any], claim: str) -> int:
+    """How many containers naming the ResourceClaim ``claim`` run at once, at most: the kubelet's order,
+    counted as :func:`effective_requests` counts resources (sidecars beside everything after them, an
+    ordinary init container alone with the sidecars before it). Each gets the claim's devices, and a
+    fence per container (driver cgroup limits, MPS client limits) holds each at its share."""
+    local = {k for k, v in claim_refs(pod).items() if v == claim}
+
+    def names_it(c: Mapping[str, Any]) -> dict[str, int]:
+        claims = (c.get("resources") or {}).get("claims") or ()  # the overhead's pseudo-container has none
+        return {"n": int(any(isinstance(r, Mapping) and r.get("name") in local for r in claims))}
+    return effective_requests(pod, names_it).get("n", 0)
+
+
 def container_requests(container: Mapping[str, Any]) -> dict[str, Any]:
     """A container's requests as the API server defaults them: a limit without a request is the request."""
     return _resources(container)

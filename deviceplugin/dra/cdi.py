@@ -64,14 +64,15 @@ def gpu_shares(shares: Sequence[ResolvedShare]) -> tuple[GpuShare, ...]:
 
 
 def claim_spec(claim_uid: str, shares: Sequence[ResolvedShare], config: Config,
-               quota_host_dir: str | None) -> tuple[Obj, tuple[str, ...]]:
+               quota_host_dir: str | None, users: int = 1) -> tuple[Obj, tuple[str, ...]]:
     """The CDI spec of a claim and the extra CDI names the runtime also needs (``cdi-cri`` strategy).
+    ``users``: how many containers naming the claim run at once; the fence holds each at its share.
 
     Returns ``(spec, extra_qualified_names)``; the claim's own device names are
     ``device_name(claim_uid, n)`` for n over ``shares``.
     """
     kind = config.names.cdi_kind
-    spec = container_spec(gpu_shares(shares), config, quota_host_dir, claim_uid.replace("-", "")[:16])
+    spec = container_spec(gpu_shares(shares), config, quota_host_dir, claim_uid.replace("-", "")[:16], users)
     edits: Obj = {"env": [f"{k}={v}" for k, v in sorted(spec.envs.items())]}
     if spec.mounts:
         edits["mounts"] = [{"hostPath": host, "containerPath": path,

@@ -59,7 +59,7 @@ from vramshare.config import Config, ConfigError, keep_restart_only, load_config
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
-READ_TIMEOUT_S = 5.0  # a claim read (Prepare, or the quota tick's claim allocated before Prepare)
+READ_TIMEOUT_S = 5.0  # a claim or pod read (Prepare, or the quota tick's claim allocated before Prepare)
 
 
 class DraMetrics:
@@ -101,7 +101,7 @@ class DraPluginDaemon:
         self._resource = client.ResourceV1Api(api)
         self._api = api
         self.preparer = ClaimPreparer(node_name, lambda: self.state.snapshot.config, self.devices, self._read_claim,
-                                      mig=self.mig)
+                                      mig=self.mig, read_pod=self._read_pod)
         self._dirty = threading.Event()
         self.plugin = KubeletPlugin(self.preparer, config.names.dra_driver, plugin_dir, registry_dir,
                                     on_registered=self._dirty.set)
@@ -240,14 +240,10 @@ class DraPluginDaemon:
         return self.desired_pool()[0]
 
     def _read_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
-        try:
-            resp = self._resource.read_namespaced_resource_claim(name, namespace, _preload_content=False,
-                                                                 _request_timeout=READ_TIMEOUT_S)
-        except ApiException as exc:
-            raise LookupError(f"{exc.status} {exc.reason}") from exc
-        except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out: the caller retries
-            raise LookupError(str(exc)) from exc
-        return kube.decode(resp)  # type: ignore[no-any-return]
+        return _read(self._resource.read_namespaced_resource_claim, namespace, name)
+
+    def _read_pod(self, namespace: str, name: str) -> Mapping[str, Any]:
+        return _read(client.CoreV1Api(self._api).read_namespaced_pod, namespace, name)
 
     def _changed(self, old: Snapshot, new: Snapshot) -> None:
         if new.inventory != old.inventory or new.config != old.config:
@@ -345,6 +341,18 @@ class DraPluginDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read(call: Callable[..., Any], namespace: str, name: str) -> Mapping[str, Any]:
+    """One object read from the API server (a claim, a pod), decoded; every failure is a ``LookupError``
+    naming why, so the caller (Prepare, the quota tick) refuses or retries."""
+    try:
+        resp = call(name, namespace, _preload_content=False, _request_timeout=READ_TIMEOUT_S)
+    except ApiException as exc:
+        raise LookupError(f"{exc.status} {exc.reason}") from exc
+    except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out: the caller retries
+        raise LookupError(str(exc)) from exc
+    return kube.decode(resp)  # type: ignore[no-any-return]
 
 
 def _dynamic_mig(backend: GpuBackend, discovered: list[Any], registry: CollectorRegistry) -> DynamicMig | None:

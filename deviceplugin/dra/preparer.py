@@ -39,13 +39,17 @@ from deviceplugin.dra.slices import DeviceRef
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigPlan
 from deviceplugin.quota import writer
 from deviceplugin.quota_files import QuotaFiles
-from vramshare import logs
+from vramshare import logs, podspec
 from vramshare.config import Config
+from vramshare.inventory import EnforcementMode
 
 log = logs.get(__name__)
 
 CHECKPOINT_FILE = "prepared-claims.json"
 ClaimReader = Callable[[str, str], Mapping[str, Any]]  # (namespace, name) -> ResourceClaim dict
+PodReader = Callable[[str, str], Mapping[str, Any]]  # (namespace, name) -> Pod dict; LookupError when unreadable
+# the modes whose fence holds each container alone (a cgroup, an MPS client): a claim's is split among its users
+_PER_CONTAINER_FENCES = (EnforcementMode.DRIVER, EnforcementMode.MPS)
 
 
 def tenant_container(claim_name: str) -> str:
@@ -109,8 +113,10 @@ class ClaimPreparer:
     """Prepares and unprepares claims of one node; thread-safe (the kubelet may call concurrently)."""
 
     def __init__(self, node: str, config: Callable[[], Config], devices: Callable[[], Mapping[str, DeviceRef]],
-                 read_claim: ClaimReader, effects: Effects | None = None, mig: DynamicMig | None = None) -> None:
+                 read_claim: ClaimReader, effects: Effects | None = None, mig: DynamicMig | None = None,
+                 read_pod: PodReader | None = None) -> None:
         self.node = node
+        self._read_pod = read_pod  # the claim's pods, read where the fence is per container
         self.mig = mig  # makes and destroys dynamic-MIG partitions; None where NVML cannot
         self._config = config
         self._devices = devices
@@ -188,6 +194,7 @@ class ClaimPreparer:
             spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
         except writer.UnsafePathError as exc:
             raise ClaimError(str(exc)) from None
+        users = self._users(ref, reserved, config, where) if shares else 1
         plans = self._plans(ref.uid, shares, known, where)
         gpu = cdi.gpu_shares([s for s in shares if known[s.share.device].partition is None])
         self._check_room(ref.uid, gpu, known, config.memory_unit_mib, where)
@@ -204,7 +211,7 @@ class ClaimPreparer:
         devices: list[PreparedDevice] = []
         if shares:
             self.effects.write_quota(quota_dir, gpu, config)
-            doc, extra = cdi.claim_spec(ref.uid, shares, config, quota_dir)
+            doc, extra = cdi.claim_spec(ref.uid, shares, config, quota_dir, users)
             self.effects.write_file(spec_path, json.dumps(doc, indent=1, sort_keys=True).encode())
             kind = config.names.cdi_kind
             for n, s in enumerate(shares):
@@ -214,6 +221,28 @@ class ClaimPreparer:
         log.info("claim prepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid,
                  gpus=",".join(f"{u}:{m}MiB" for u, m in record.gpus.items()), pods=",".join(pods))
         return tuple(devices)
+
+    def _users(self, ref: ClaimRef, reserved: Sequence[Mapping[str, Any]], config: Config, where: str) -> int:
+        """How many containers naming the claim run at once, over the pods it is reserved for
+        (:func:`vramshare.podspec.claim_users`): the CDI spec is injected into each, and in driver and MPS
+        modes each is fenced alone, so each is fenced at its share. Other modes fence nothing per
+        container: no read. A pod that cannot be read refuses the Prepare (the kubelet retries), as an
+        unreadable claim does: fencing each at the whole grant could let them hold a multiple of it."""
+        if config.enforcement.resolved not in _PER_CONTAINER_FENCES or self._read_pod is None:
+            return 1
+        n = 0
+        for r in reserved:
+            name, uid = str(r.get("name") or ""), r.get("uid")
+            try:
+                pod = self._read_pod(ref.namespace, name)
+            except LookupError as exc:
+                raise ClaimError(f"{where}: cannot read its pod {ref.namespace}/{name} to count the containers "
+                                 f"naming it: {exc}") from exc
+            if (pod.get("metadata") or {}).get("uid") != uid:
+                raise ClaimError(f"{where}: pod {ref.namespace}/{name} is not the one it is reserved for "
+                                 f"(UID {uid}): recreated")
+            n += podspec.claim_users(pod, ref.name)
+        return max(1, n)
 
     def _plans(self, uid: str, shares: Sequence[Any], known: Mapping[str, DeviceRef],
                where: str) -> dict[int, MigPlan]:

@@ -5,7 +5,10 @@ ID of its container; :meth:`DriverFence.read_usage` reads ``currentUsed`` per cg
 PID namespace needed), plus what the whole GPU holds beyond them as foreign memory, and
 :meth:`DriverFence.apply` moves the cgroup's limits after the loop decides:
 soft = the part of the limit within the container's request (its guaranteed share), hard = the limit.
-A tenant whose cgroup cannot be found yet (container starting) gives no sample: the policy then holds
+A tenant of several containers (a DRA claim that two containers of its pod name: the claim's CDI spec
+is injected into each) has one limit and one cgroup per container: the limit is split among them
+(:func:`split_limit`), each keeping what it holds, so the cgroups hold at most the limit together, never
+the limit each. A tenant whose cgroup cannot be found yet (container starting) gives no sample: the policy then holds
 its limit, as for any tenant without telemetry.
 """
 from __future__ import annotations
@@ -21,6 +24,19 @@ from vramshare.inventory import EnforcementMode
 log = logs.get("vramshare.quota.fence")
 
 
+def split_limit(limit: int, uses: Sequence[int]) -> list[int]:
+    """Pure: one limit shared by cgroups holding ``uses`` -> one limit each, adding up to at most ``limit``.
+
+    Within the limit each keeps its use and the rest is split evenly (the first ones take the remainder),
+    so nothing it holds is refused and nothing of the limit is lost. Beyond it (a shrink not applied yet),
+    each gets its share of the limit in proportion to its use, so none may grow until the sum is back in."""
+    total = sum(uses)
+    if total > limit:
+        return [limit * u // total for u in uses]
+    rest, n = limit - total, len(uses)
+    return [u + rest // n + (1 if i < rest % n else 0) for i, u in enumerate(uses)]
+
+
 class DriverFence:
     """The loop's use reader (first, before any :class:`telemetry.UsageReader`) and limit mover in driver
     mode, over NVML memory limits; both are given the tenants they act on."""
@@ -30,6 +46,8 @@ class DriverFence:
 
     def __init__(self, limits: NvmlMemoryLimits, finder: CgroupFinder) -> None:
         self._limits, self._finder = limits, finder
+        # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
+        self._used: dict[tuple[str, str], int] = {}
 
     def _cgroups(self, t: Tenant) -> list[tuple[str, str]]:
         return [(cid, cg) for cid in sorted(t.container_ids) if (cg := self._finder.find(cid))]
@@ -38,6 +56,7 @@ class DriverFence:
         """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21)."""
         out: list[UsageSample] = []
         failures: list[str] = []
+        self._used = {}
         for t in tenants:
             for cid, cgroup in self._cgroups(t):
                 for gpu, _req in t.gpus:
@@ -46,6 +65,7 @@ class DriverFence:
                     except LimitError as exc:
                         failures.append(str(exc))
                         continue
+                    self._used[(gpu, cid)] = got.used_mib
                     out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, pod_uid=t.key.pod_uid or None,
                                            namespace=t.key.namespace, pod=t.key.pod, container=t.key.container,
                                            container_id=cid))
@@ -79,12 +99,14 @@ class DriverFence:
         ``hard`` overrides the hard limit per GPU: the loop keeps a shrink's old hard limit until the
         engine acknowledged it (issue 19), the soft limit follows the decision at once."""
         errors = []
-        for _cid, cgroup in self._cgroups(tenant):
-            for d in decisions:
-                top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
-                soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
+        cgroups = self._cgroups(tenant)
+        for d in decisions:
+            top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
+            soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
+            uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
+            for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses), split_limit(top, uses)):
                 try:
-                    self._limits.set(d.gpu_uuid, cgroup, soft, top)
+                    self._limits.set(d.gpu_uuid, cgroup, s_, h_)
                 except LimitError as exc:
                     errors.append(str(exc))
         return errors

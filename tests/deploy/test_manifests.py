@@ -182,8 +182,9 @@ def test_security_context_is_tight(pod, container):
 # -- RBAC: exactly what the code calls --------------------------------------------------------
 _VERB = {"read": "get", "list": "list", "patch": "patch", "create": "create", "delete": "delete",
          "replace": "update"}
+# a call, or the bound method handed to a helper that calls it (``_read(api.read_namespaced_pod, ...)``)
 _CALL = re.compile(r"\.(read|list|patch|create|delete|replace)_(?:namespaced_)?([a-z_]+?)"
-                   r"(?:_for_all_namespaces)?\(")
+                   r"(?:_for_all_namespaces)?[(,]")
 #: the API client classes whose calls are scanned, and the API group of their resources
 API_CLIENTS = {"CoreV1Api": "", "ResourceV1Api": "resource.k8s.io"}
 

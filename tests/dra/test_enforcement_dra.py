@@ -92,12 +92,14 @@ def _daemon(http: Any, backend: Any, config: Config, sockets: str, **kw: Any) ->
                            registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2, **kw)
 
 
-def _pod(api: ApiServerDouble, scheduler: DraScheduler, name: str) -> dict:
-    """A vLLM pod with a 22 GiB shared claim, scheduled on this node."""
+VLLM = {"name": "vllm", "image": "vllm", "resources": {"claims": [{"name": "gpu"}]}}
+
+
+def _pod(api: ApiServerDouble, scheduler: DraScheduler, name: str, **spec: Any) -> dict:
+    """A vLLM pod with a 22 GiB shared claim, scheduled on this node (``spec``: other containers)."""
     api.create_pod({"metadata": {"name": name, "namespace": "default"},
                     "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "vllm-22gi"}],
-                             "containers": [{"name": "vllm", "image": "vllm",
-                                             "resources": {"claims": [{"name": "gpu"}]}}]}})
+                             "containers": [VLLM], **spec}})
     placement = scheduler.schedule(scheduler.create_claims(api.get_pod("default", name)))
     assert placement is not None and placement.node == NODE
     return api.get_pod("default", name)
@@ -183,7 +185,8 @@ def test_on_a_driver_node_the_claim_s_spec_carries_the_fence_and_the_loop_moves_
 
 
 # -- the CDI spec per mode ------------------------------------------------------------------------------
-def _prepared_spec(tmp_path, facts: NodeFacts | None, **enforcement_cfg: Any) -> tuple[dict, DraPluginDaemon, dict]:
+def _prepared_spec(tmp_path, facts: NodeFacts | None, pod_spec: dict | None = None,
+                   **enforcement_cfg: Any) -> tuple[dict, DraPluginDaemon, dict]:
     """Prepare one 22 GiB claim on the demo node with ``facts`` (no kubelet: the preparer directly) and
     return its CDI spec, the daemon (closed) and the claim."""
     config = dra_config(tmp_path)
@@ -195,7 +198,7 @@ def _prepared_spec(tmp_path, facts: NodeFacts | None, **enforcement_cfg: Any) ->
             daemon = _daemon(http, _simulated(facts), config, sockets)
             try:
                 daemon.publish_once()
-                pod = _pod(api, DraScheduler(http, [NODE], seed=1), "chat")
+                pod = _pod(api, DraScheduler(http, [NODE], seed=1), "chat", **(pod_spec or {}))
                 claim = _claim(http, pod)
                 meta = claim["metadata"]
                 result = daemon.preparer.prepare(ClaimRef(meta["namespace"], meta["name"], meta["uid"]))
@@ -224,6 +227,63 @@ def test_in_mps_mode_the_claim_s_spec_carries_the_mps_env_and_mounts(tmp_path):
                                    "options": ["rw", "nosuid", "nodev", "bind"]}
     assert mounts["/dev/shm"] == {"hostPath": en.mps_shm_directory, "containerPath": "/dev/shm",
                                   "options": ["rw", "nosuid", "nodev", "bind"]}
+
+
+SIDECAR = {"name": "proxy", "image": "envoy", "restartPolicy": "Always", "resources": {"claims": [{"name": "gpu"}]}}
+WARMUP = {"name": "warmup", "image": "vllm", "resources": {"claims": [{"name": "gpu"}]}}
+PLAIN = {"name": "logs", "image": "fluentbit"}
+
+
+@pytest.mark.parametrize("facts, key, fmt", [(DRIVER_NODE, "NVIDIA_GPU_MEMORY_LIMIT", "{}"),
+                                             (MPS_NODE, "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0={}M")])
+@pytest.mark.parametrize("pod_spec, users", [
+    ({"containers": [VLLM, PLAIN]}, 1),  # a container that does not name the claim gets none of it
+    ({"containers": [VLLM, dict(VLLM, name="embed")]}, 2),
+    # a sidecar runs beside the app containers; an ordinary init container runs before them, alone
+    ({"containers": [VLLM, dict(VLLM, name="embed")], "initContainers": [WARMUP, SIDECAR]}, 3),
+    ({"containers": [PLAIN], "initContainers": [SIDECAR, WARMUP]}, 2),
+])
+def test_a_claim_that_several_running_containers_name_fences_each_at_its_share(tmp_path, facts, key, fmt, pod_spec,
+                                                                                users):
+    """The CDI spec is one per claim and the runtime injects it into every container naming the claim,
+    but the driver (per cgroup) and MPS (per client) fence each one: at the whole grant each, n containers
+    could hold n times the claim. Each gets grant // n, n the most that run at once (kubelet's order:
+    init containers one by one beside the sidecars started before them, then the app containers)."""
+    spec, daemon, claim = _prepared_spec(tmp_path, facts, pod_spec)
+    [(_uuid, mib)] = daemon.preparer.prepared()[claim["metadata"]["uid"]].gpus.items()
+    assert _env(spec)[key] == fmt.format(mib // users)
+    assert _env(spec)[contract.ENV_MEMORY_LIMIT_MIB] == str(mib)  # the claim's grant, as the quota file has it
+
+
+def test_a_pod_that_cannot_be_read_refuses_the_prepare_with_the_reason_and_a_retry_prepares(tmp_path):
+    """In driver mode the fence's split needs the claim's pods: a pod the plugin cannot read (the double
+    answers the read 403, as the real API server answers a right no rule grants) refuses the Prepare,
+    naming the pod, and the kubelet's retry prepares it; fencing each container at the whole grant could
+    let them hold a multiple of it."""
+    config = dra_config(tmp_path)
+    sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
+    try:
+        with _api() as (api, http):
+            daemon = _daemon(http, _simulated(DRIVER_NODE), config, sockets)
+            try:
+                daemon.publish_once()
+                pod = _pod(api, DraScheduler(http, [NODE], seed=1), "chat",
+                           containers=[VLLM, dict(VLLM, name="embed")])
+                meta = _claim(http, pod)["metadata"]
+                ref = ClaimRef(meta["namespace"], meta["name"], meta["uid"])
+                api.fail_next("GET", "/api/v1/namespaces/default/pods/chat", code=403, times=1)
+                result = daemon.preparer.prepare(ref)
+                assert "cannot read its pod default/chat" in result.error and "403" in result.error
+                assert meta["uid"] not in daemon.preparer.prepared()  # nothing half made
+                result = daemon.preparer.prepare(ref)
+                assert not result.error
+                spec = _spec(daemon, _claim(http, pod))
+                [(_u, mib)] = daemon.preparer.prepared()[meta["uid"]].gpus.items()
+                assert _env(spec)["NVIDIA_GPU_MEMORY_LIMIT"] == str(mib // 2)
+            finally:
+                daemon.close()
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 @pytest.mark.parametrize("facts, asked", [(BARE_NODE, {}), (DRIVER_NODE, {"mode": "cooperative"})])

@@ -183,3 +183,61 @@ def test_a_hard_limit_is_lowered_only_after_the_engine_acknowledged_the_shrink(n
     assert engines.applied["b"] == file_b.generation  # b's limit settled and acknowledged
     assert nv.limits[(GPU, cb)][1] == file_b.gpus[0].limit_mib << 20 < 30000 << 20  # the driver enforces it
     assert d["b"].held_mib == max(d["b"].limit_mib, 4000)  # and what b gave back is free for a to borrow
+
+
+# -- a tenant of several containers (a DRA claim that two containers of its pod name) -------------------
+CID_A2 = "d" * 64
+
+
+def two_container_loop(nv, cgroot, qroot):
+    """Tenant A's claim is named by two of its pod's containers (two cgroups); B is alone."""
+    import pathlib
+    (pathlib.Path(cgroot) / cgroup_of(A.pod_uid, CID_A2).lstrip("/")).mkdir(parents=True)
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A, CID_A2])),
+                       Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))])
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    return QuotaLoop(tenants, lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
+                     settings=LoopSettings(params=P, startup_ticks=0))
+
+
+def test_a_tenant_of_two_containers_is_fenced_at_its_limit_in_sum_not_each(node):
+    """The CDI spec (and the loop) is one per claim, but the driver fences per cgroup: each of the two
+    containers fenced at the tenant's whole limit would let the pair hold twice it."""
+    nv, cgroot, qroot = node
+    loop = two_container_loop(nv, cgroot, qroot)
+    ca, ca2, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(A.pod_uid, CID_A2), cgroup_of(B.pod_uid, CID_B)
+    nv.allocate(GPU, ca, 12000)
+    nv.allocate(GPU, ca2, 3000)
+    nv.allocate(GPU, cb, 20000)
+    report = loop.run_once()
+    assert not report.errors
+    limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
+    hard = [nv.limits[(GPU, c)][1] >> 20 for c in (ca, ca2)]
+    soft = [nv.limits[(GPU, c)][0] >> 20 for c in (ca, ca2)]
+    assert sum(hard) <= limit and sum(soft) <= min(limit, 30000)
+    assert hard[0] >= 12000 and hard[1] >= 3000  # each keeps what it holds: nothing it holds is refused
+    with pytest.raises(OutOfMemory):  # together they cannot pass the tenant's limit
+        nv.allocate(GPU, ca, hard[0] - 12000 + 1)
+    nv.allocate(GPU, ca, hard[0] - 12000)
+    nv.allocate(GPU, ca2, hard[1] - 3000)
+
+
+def test_split_limit_keeps_each_use_and_never_exceeds_the_limit():
+    from hypothesis import given, strategies as st
+
+    from deviceplugin.quota.fence import split_limit
+
+    @given(st.integers(0, 200_000), st.lists(st.integers(0, 100_000), min_size=1, max_size=6))
+    def prop(limit, uses):
+        out = split_limit(limit, uses)
+        assert len(out) == len(uses) and all(x >= 0 for x in out)
+        assert sum(out) <= limit
+        if sum(uses) <= limit:
+            assert all(x >= u for x, u in zip(out, uses))  # nobody is cut below what it holds
+            assert sum(out) == limit  # and nothing of the limit is lost
+        else:
+            assert all(x <= u for x, u in zip(out, uses))  # over: nobody may grow
+    prop()
+    assert split_limit(30000, [12000, 3000]) == [19500, 10500]
+    assert split_limit(10000, [9000, 3000]) == [7500, 2500]
+    assert split_limit(7, [0, 0]) == [4, 3]
