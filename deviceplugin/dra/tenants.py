@@ -53,7 +53,8 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
         ids = frozenset(cid for n, cid in container_ids(pod).items() if n in users)
         out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),
                           gpus=tuple(sorted(c.gpus.items())), metrics_url=metrics_url(pod),
-                          container_ids=ids, meta=pod_meta(pod, names)))
+                          container_ids=ids, meta=pod_meta(pod, names),
+                          sharers=max(1, podspec.claim_users(pod, c.name))))
     return out
 
 

@@ -8,7 +8,7 @@ soft = the part of the limit within the container's request (its guaranteed shar
 A tenant of several containers (a DRA claim that two containers of its pod name: the claim's CDI spec
 is injected into each) has one limit and one cgroup per container: the limit is split among them
 (:func:`split_limit`), each keeping what it holds, so the cgroups hold at most the limit together, never
-the limit each. A tenant whose cgroup cannot be found yet (container starting) gives no sample: the policy then holds
+the limit each; a container not started yet (``Tenant.sharers`` counts it) keeps its share of the rest. A tenant whose cgroup cannot be found yet (container starting) gives no sample: the policy then holds
 its limit, as for any tenant without telemetry.
 """
 from __future__ import annotations
@@ -104,6 +104,7 @@ class DriverFence:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
             soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
             uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
+            uses += [0] * (tenant.sharers - len(cgroups))  # a share kept for each one not started yet
             for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses), split_limit(top, uses)):
                 try:
                     self._limits.set(d.gpu_uuid, cgroup, s_, h_)

@@ -37,6 +37,9 @@ class Tenant:
     quota_dir: str | None = None  # where its quota.json lives, when not <root>/<pod-uid>/<container>
     # what quota-class selection reads (labels, priorityClassName, annotation); not part of its identity
     meta: PodMeta | None = field(default=None, compare=False)
+    # how many of its containers run at once, at most (a DRA claim that several containers name): the
+    # driver fence splits its limit among that many cgroups, keeping a share for one not started yet
+    sharers: int = 1
 
 
 class Phase(str, enum.Enum):

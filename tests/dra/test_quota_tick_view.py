@@ -423,3 +423,7 @@ def test_a_claim_tenants_containers_are_those_that_name_its_claim():
     assert podspec.claim_refs(pod) == {"gpu": "busy", "other": "someone-elses"}
     [tenant] = _source({"cuid-busy": _claim("busy", "busy", 24576)}, [pod]).list_tenants()
     assert tenant.container_ids == frozenset({"vllm-id"})
+    assert tenant.sharers == 1  # "warm" runs before "vllm", alone: one at a time shares the claim's limit
+    pod["spec"]["initContainers"][0]["restartPolicy"] = "Always"  # a sidecar: beside "vllm"
+    [tenant] = _source({"cuid-busy": _claim("busy", "busy", 24576)}, [pod]).list_tenants()
+    assert tenant.sharers == 2

@@ -241,3 +241,20 @@ def test_split_limit_keeps_each_use_and_never_exceeds_the_limit():
     assert split_limit(30000, [12000, 3000]) == [19500, 10500]
     assert split_limit(10000, [9000, 3000]) == [7500, 2500]
     assert split_limit(7, [0, 0]) == [4, 3]
+
+
+def test_a_container_not_started_yet_keeps_its_share_of_the_tenant_s_limit(node):
+    """The claim's second container has no cgroup yet (starting): the first is not fenced at the whole
+    limit meanwhile, else the second would start (at its CDI share) on top of it."""
+    nv, cgroot, qroot = node
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]), sharers=2),
+                       Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))])
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
+                     settings=LoopSettings(params=P, startup_ticks=0))
+    ca = cgroup_of(A.pod_uid, CID_A)
+    nv.allocate(GPU, ca, 10000)
+    nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 20000)
+    report = loop.run_once()
+    limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
+    assert nv.limits[(GPU, ca)][1] >> 20 == 10000 + (limit - 10000) // 2 + (limit - 10000) % 2
