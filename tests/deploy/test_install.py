@@ -115,6 +115,7 @@ def _variants() -> list[tuple[str, str, list[dict]]]:
     out.append(("1.36", "dra+monitoring+dashboard+namespace",
                 _render(kubernetes_version="1.36", dra=True, dra_gpus=("all",), monitoring=True,
                         dashboard_namespace="monitoring", namespace="gpu-share")))
+    out.append(("1.36", "dra+enforcement-driver", _render(kubernetes_version="1.36", dra=True, enforcement="driver")))
     return out
 
 
@@ -202,6 +203,27 @@ def test_a_component_under_deploy_is_offered_and_applied(tmp_path, capsys):
     [c] = ds["spec"]["template"]["spec"]["containers"]
     assert c["securityContext"]["privileged"] is True and c["image"] == install.DEFAULT_IMAGE
     assert "readOnlyRootFilesystem" in c["securityContext"], "merged, not replaced"
+
+
+def test_the_enforcement_flag_composes_the_components_of_the_plugins_installed(capsys):
+    """Round 9: one flag for a node running both plugins (tests/deploy/test_host_access.py checks the grants)."""
+    assert cli.main(["install", "--kubernetes-version", "1.36", "--tls", "keep", "--dra", "--enforcement", "driver",
+                     "--component", "cdi-cri"]) == 0
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    sets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "DaemonSet"}
+    assert sorted(sets) == ["vramshare-device-plugin", "vramshare-device-plugin-driver", "vramshare-dra-plugin",
+                            "vramshare-dra-plugin-driver"]
+    for name in ("vramshare-device-plugin", "vramshare-device-plugin-driver"):  # cdi-cri after driver-enforcement
+        env = {e["name"]: e.get("value") for e in sets[name]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["VRAMSHARE_DEVICE_LIST_STRATEGY"] == "cdi-cri"
+    assert cli.main(["install", "--kubernetes-version", "1.36", "--tls", "keep", "--dra", "--enforcement", "mps"]) == 0
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    for o in objects:
+        if o["kind"] == "DaemonSet":  # the MPS directories in both plugins, no variant
+            assert any(v.get("hostPath", {}).get("path") == "/run/nvidia/mps"
+                       for v in o["spec"]["template"]["spec"]["volumes"]), o["metadata"]["name"]
+    with pytest.raises(UsageError, match="--enforcement hardware: one of driver, mps"):
+        _render(enforcement="hardware")
 
 
 # -- the kustomize subset ------------------------------------------------------------------------
