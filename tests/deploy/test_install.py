@@ -205,6 +205,20 @@ def test_a_component_under_deploy_is_offered_and_applied(tmp_path, capsys):
     assert "readOnlyRootFilesystem" in c["securityContext"], "merged, not replaced"
 
 
+@pytest.mark.parametrize("component", ["dra-driver-enforcement", "dra-mps-enforcement"])
+def test_a_dra_component_applies_to_the_dra_objects(component):
+    """On 0732846 components were applied before --dra added the DRA objects, so every DRA component failed:
+    "patch target {... 'name': 'vramshare-dra-plugin'} matches no object"."""
+    objects = _render(kubernetes_version="1.36", tls="keep", dra=True, components=(component,))
+    expected = kustomize.build(str(DEPLOY / "daemonset")) + kustomize.build(str(DEPLOY / "daemonset/dra"))
+    kustomize.apply_component(str(DEPLOY / "components" / component), expected)
+    assert _by_key(objects).keys() == _by_key(expected).keys()
+    [dra] = [o for o in objects if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "vramshare-dra-plugin"]
+    [want] = [o for o in expected if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "vramshare-dra-plugin"]
+    assert dra["spec"]["template"]["spec"].get("affinity") == want["spec"]["template"]["spec"].get("affinity")
+    assert dra["spec"]["template"]["spec"]["volumes"] == want["spec"]["template"]["spec"]["volumes"]
+
+
 def test_the_enforcement_flag_composes_the_components_of_the_plugins_installed(capsys):
     """Round 9: one flag for a node running both plugins (tests/deploy/test_host_access.py checks the grants)."""
     assert cli.main(["install", "--kubernetes-version", "1.36", "--tls", "keep", "--dra", "--enforcement", "driver",

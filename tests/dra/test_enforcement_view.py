@@ -261,3 +261,22 @@ def test_a_node_without_shared_gpus_or_with_a_newer_mode_says_so(discovered, con
     got = slice_enforcement.node_modes(slices.resource_slices(NODE, None, weird, 1, config.names), DRIVER)[NODE]
     assert got.mode is None and "hardware" in got.text
 
+
+
+def test_the_live_extender_s_inspect_and_the_cli_print_the_dra_modes(tmp_path, capsys):
+    """Through the running extender (its DRA watch lists the slices the plugins published) and
+    ``vramshare inspect --extender URL [NODE]``, as an admin reads it."""
+    from extender.main import start_for_url
+    from vramshare_cli import main as cli
+    with _published(tmp_path, {"gpu-driver": EnforcementMode.DRIVER, "gpu-old": None}) as (api, _http):
+        with start_for_url(api.url, Config(), dra=True, watch_timeout_s=2) as ext:
+            assert ext.wait_ready(20)
+            assert api.wait_for(lambda a: len(ext.app.dra.slices) == 2, timeout=20)
+            assert cli.main(["inspect", "--extender", ext.url]) == 0
+            out = capsys.readouterr().out
+            assert (f"GPU memory enforcement (DRA plugin): gpu-driver driver, gpu-old "
+                    f"{slice_enforcement.NOT_PUBLISHED}") in out, out
+            assert cli.main(["inspect", "--extender", ext.url, "gpu-driver"]) == 0
+            assert "GPU memory enforcement (DRA plugin): gpu-driver driver" in capsys.readouterr().out
+            missing = ext.app.handle("GET", "/inspect/nowhere", b"")
+            assert missing.status == 404
