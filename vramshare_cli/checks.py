@@ -150,7 +150,8 @@ def _workload(obj: Obj | None, kind: str, name: str, ns: str) -> list[Line]:
 
 def _nodes(nodes: list[Obj], ns: str, dra_only: Collection[str] = ()) -> list[Line]:
     """The device plugin's nodes; a GPU node in ``dra_only`` (its DRA plugin publishes devices) without an
-    inventory is the DRA plugin's alone, judged by :func:`_dra_nodes` instead."""
+    inventory, or with one of no GPU (``dra.gpus`` gave them all to DRA), is the DRA plugin's alone, judged
+    by :func:`_dra_nodes` instead."""
     gpu_nodes = [n for n in nodes if (n["metadata"].get("labels") or {}).get(GPU_NODE_LABEL) == "true"
                  or NAMES.inventory in (n["metadata"].get("annotations") or {})]
     if not gpu_nodes:
@@ -171,6 +172,8 @@ def _nodes(nodes: list[Obj], ns: str, dra_only: Collection[str] = ()) -> list[Li
         except InventoryError as exc:
             out.append(Line(FAIL, f"node {name}: inventory does not parse ({exc})", fix))
             continue
+        if not inv.gpus and name in dra_only:
+            continue  # dra.gpus gives every GPU here to the DRA plugin: nothing for the kubelet to register
         alloc = (node.get("status") or {}).get("allocatable") or {}
         ours = {k: v for k, v in alloc.items() if k.startswith(NAMES.domain + "/") and str(v) not in ("0", "")}
         if not ours:
