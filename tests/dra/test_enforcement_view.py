@@ -24,8 +24,10 @@ from typing import Any, Iterator
 import kubernetes_validate
 import pytest
 import yaml
+from hypothesis import given, settings, strategies as st
 
 from deviceplugin import devices, enforcement
+from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.dra import slices, validation
 from deviceplugin.dra.main import DraPluginDaemon
 from deviceplugin.enforcement import Chosen, NodeFacts
@@ -280,3 +282,28 @@ def test_the_live_extender_s_inspect_and_the_cli_print_the_dra_modes(tmp_path, c
             assert "GPU memory enforcement (DRA plugin): gpu-driver driver" in capsys.readouterr().out
             missing = ext.app.handle("GET", "/inspect/nowhere", b"")
             assert missing.status == 404
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_the_mode_read_does_not_depend_on_the_order_slices_arrive_in(data):
+    """A watch delivers slices in any order, old generations beside new ones: the view reads the newest
+    generation's mode whatever the order (big pools split into several slices, as published)."""
+    from vramshare.config import DraConfig
+    cfg = Config(dra=DraConfig(gpus=("all",)))
+    many = [DiscoveredGpu(index=i, uuid=f"GPU-{i:04d}", model="X", memory_mib=8192) for i in range(150)]
+    pools, want = [], {}
+    for k, node in enumerate(("n1", "n2", "n3")):
+        modes = data.draw(st.lists(st.sampled_from(list(EnforcementMode)), min_size=1, max_size=3), label=node)
+        for gen, mode in enumerate(modes, start=1):
+            inv = devices.build_inventory(many[:50 * (k + 1)], enforcement.pin(cfg, Chosen(mode, "t")), dra=True)
+            objs = slices.resource_slices(node, None, slices.desired_devices(inv, cfg.names, node, taints=False),
+                                          gen, cfg.names)
+            for s in objs:
+                s["metadata"]["name"] += f"-g{gen}"
+            pools += objs
+        want[node] = modes[-1]
+    shuffled = data.draw(st.permutations(pools), label="order")
+    got = slice_enforcement.node_modes(shuffled, cfg.names.dra_driver)
+    assert {n: m.mode for n, m in got.items()} == want
+    assert got["n3"].devices == got["n3"].shared == 150  # 128 + 22: its pool is two slices
