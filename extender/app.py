@@ -92,7 +92,7 @@ class Extender:
                 return Response(200, self.stats.render(), metrics.CONTENT_TYPE_LATEST)
             if path == "/inspect" or path.startswith("/inspect/"):
                 node = urllib.parse.unquote(path[len("/inspect/"):]) if path != "/inspect" else None
-                doc = inspection.render(self.acct, node)
+                doc = inspection.render(self.acct, node, dra=self.dra)
                 if doc is None:
                     return Response(404, orjson.dumps({"error": f"node {node} has no vramshare GPUs"}))
                 return Response(200, orjson.dumps(doc))

@@ -16,8 +16,10 @@ Scores come from :func:`extender.placement.score_nodes` with the configured poli
 ``dra-fgd``, which scores the GPU the allocator will really take (first fit). A pod that names a model
 (``<domain>/model``) gets the residency term of the device plugin's path (issue 23,
 :func:`extender.residency.bonus_for`, same bound) from the models the nodes report (a DRA node in its
-``resident-models`` annotation), which the extender's node watch keeps. Pure: objects in,
-scores out; :class:`DraWatch` keeps the objects current from the API server.
+``resident-models`` annotation), which the extender's node watch keeps. Each DRA node's enforcement
+mode (the ``enforcement`` attribute of its shared devices) is read for ``/inspect``
+(:meth:`DraCluster.modes`). Pure: objects in, scores out; :class:`DraWatch` keeps the objects current
+from the API server.
 
 Dynamic MIG (issue 24): a GPU published as partitionable devices (every MIG profile at every
 placement, drawing on the GPU's counter set) is not a row of slots. For a pod asking MIG profiles,
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from extender import apicalls, cluster, placement, residency
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
 from vramshare import contract, logs, mig, podspec, quantity
+from vramshare.contract import slice_enforcement
 from vramshare.inventory import ResidentModel
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
@@ -265,6 +268,13 @@ class DraCluster:
                 self._charge(st, key, c)
             self._state = st
             return st
+
+    def modes(self) -> dict[str, slice_enforcement.DraNodeMode]:
+        """Node -> the enforcement mode its DRA plugin publishes on its shared devices (newest generation
+        of its pool; "not published" for an older plugin), for ``/inspect``."""
+        with self._lock:
+            current = list(self.slices.values())
+        return slice_enforcement.node_modes(current, self.names.dra_driver)
 
     def demands(self, pod: Obj) -> list[cluster.Demand]:
         ns = (pod.get("metadata") or {}).get("namespace")

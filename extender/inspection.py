@@ -2,6 +2,7 @@
 
 gpushare's ``/inspect`` taught operators to look here first when a pod stays Pending ("is there a GPU
 with 20 GiB free?"), so the answer names every GPU with its total, used and free MiB and the pods on it.
+Nodes whose GPUs the DRA plugin serves are listed with the enforcement mode their slices publish.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
@@ -20,6 +21,10 @@ from vramshare import contract, kube, mig, mig_plan
 from vramshare.contract import quota_mib
 from vramshare.contract import inventory as contract_inventory
 from vramshare.inventory import InventoryError
+
+if TYPE_CHECKING:
+    from extender.dra_scoring import DraCluster
+    from vramshare.contract.slice_enforcement import DraNodeMode
 
 __all__ = ["render", "format_table", "run"]
 
@@ -144,8 +149,16 @@ def _models_only(acct: accounting.Accounting, name: str) -> Obj:
                         set())
 
 
-def render(acct: accounting.Accounting, node: str | None = None) -> Obj | None:
-    """The whole cluster, or one node (``None`` if the extender does not know it).
+def _dra_entry(m: DraNodeMode) -> Obj:
+    """A DRA node's enforcement as its plugin publishes it in its slices (round 9): the mode, or ``None``
+    and a note saying why there is none (an older plugin, no shared GPU)."""
+    return {"enforcement": m.mode.value if m.mode else None, **({} if m.mode else {"note": m.text}),
+            "devices": m.devices, "sharedDevices": m.shared}
+
+
+def render(acct: accounting.Accounting, node: str | None = None, dra: DraCluster | None = None) -> Obj | None:
+    """The whole cluster, or one node (``None`` if the extender does not know it). ``dra``: the DRA view
+    (when the extender scores DRA pods), whose nodes are listed in ``draNodes`` with their mode.
 
     The lock is taken per node, not around the whole walk: at 5,000 nodes the walk takes most of a
     second, and an admin's ``vramshare inspect`` must not stall kube-scheduler's filter calls for it.
@@ -154,11 +167,18 @@ def render(acct: accounting.Accounting, node: str | None = None) -> Obj | None:
         names = sorted(acct.slots)
         model_nodes = sorted(n for n in acct.models if n not in acct.slots)  # DRA-served nodes (issue 23)
         unaccounted = dict(sorted(acct.unaccounted.items()))
+    modes = dra.modes() if dra is not None else {}
     if node is not None:
-        return _node(acct, node) if node in names else _models_only(acct, node) if node in model_nodes else None
+        one = _node(acct, node) if node in names else _models_only(acct, node) if node in model_nodes else None
+        if node in modes:
+            one = one or {"name": node, "totalMiB": 0, "usedMiB": 0, "freeMiB": 0, "gpus": []}
+            one["dra"] = _dra_entry(modes[node])
+        return one
     doc: Obj = {"nodes": [_node(acct, n) for n in names], "unaccounted": unaccounted}
     if model_nodes:  # not in "nodes": no GPU of theirs is in the extender's books
         doc["modelNodes"] = [_models_only(acct, n) for n in model_nodes]
+    if modes:  # the DRA plugin's nodes: their GPUs are in ResourceSlices, not in the extender's books
+        doc["draNodes"] = [{"name": n, **_dra_entry(m)} for n, m in sorted(modes.items())]
     return doc
 
 
@@ -212,6 +232,10 @@ def format_table(doc: Obj) -> str:
     modes = {n["name"]: n["enforcement"] for n in nodes if n.get("enforcement")}
     if modes:
         lines.append("GPU memory enforcement: " + ", ".join(f"{n} {m}" for n, m in sorted(modes.items())))
+    dra = doc.get("draNodes") or ([{"name": doc["name"], **doc["dra"]}] if doc.get("dra") else [])
+    if dra:
+        lines.append("GPU memory enforcement (DRA plugin): " + ", ".join(
+            f"{d['name']} {d.get('enforcement') or d.get('note') or 'mode not published'}" for d in dra))
     for pod, why in (doc.get("unaccounted") or {}).items():
         lines.append(f"warning: {pod} not accounted: {why}")
     return "\n".join(lines)

@@ -153,6 +153,12 @@ class _Parser:
             value = self.or_()
             self.take(")")
             return value
+        if self.peek() == ("id", "has") and self.toks[self.i + 1:self.i + 2] == [("op", "(")]:
+            self.take()  # the has() macro: is the last field of the path there? (never an error itself)
+            self.take("(")
+            present = not isinstance(self._lazy(self.unary), _Missing)
+            self.take(")")
+            return present
         kind, value = self.take()
         if kind == "lit":
             return value
@@ -173,12 +179,24 @@ class _Parser:
         return current
 
 
+class _Domains(dict):  # type: ignore[type-arg]
+    """``device.attributes`` / ``device.capacity``: an unknown domain is an empty map, not an error
+    (CELDeviceSelector: "If an unknown prefix is used as a lookup ... an empty map will be returned")."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __missing__(self, key: str) -> dict[str, Any]:
+        return {}
+
+
 def cel_eval(expression: str, device: Obj, driver: str) -> bool:
     """Evaluate a selector over ``device`` as the scheduler's CEL environment shows it.
 
     ``device.attributes[domain][name]`` and ``device.capacity[domain][name]``, where unqualified
-    names belong to the driver's domain; ``device.driver``; ``device.allowMultipleAllocations``.
-    A missing key is a runtime error (fatal for the allocation) unless short-circuited away.
+    names belong to the driver's domain (an unknown domain is an empty map); ``device.driver``;
+    ``device.allowMultipleAllocations``. A missing key is a runtime error (fatal for the allocation)
+    unless short-circuited away or asked with the ``has()`` macro.
     """
     def by_domain(entries: Mapping[str, Any], value: Callable[[Any], Any]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -187,8 +205,8 @@ def cel_eval(expression: str, device: Obj, driver: str) -> bool:
             out.setdefault(domain or driver, {})[ident] = value(v)
         return out
 
-    attrs = by_domain(device.get("attributes") or {}, lambda a: next(iter(a.values())))
-    caps = by_domain(device.get("capacity") or {}, lambda c: int(parse_quantity(c["value"])))
+    attrs = _Domains(by_domain(device.get("attributes") or {}, lambda a: next(iter(a.values()))))
+    caps = _Domains(by_domain(device.get("capacity") or {}, lambda c: int(parse_quantity(c["value"]))))
     env = {"device": {"driver": driver, "attributes": attrs, "capacity": caps,
                       "allowMultipleAllocations": bool(device.get("allowMultipleAllocations"))}}
     try:

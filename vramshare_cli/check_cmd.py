@@ -67,6 +67,9 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
         s.secrets[name] = _json(core.read_namespaced_secret, name, namespace)
     s.scheduler_config = _json(core.read_namespaced_config_map, "vramshare-scheduler-config", namespace)
     s.lease = _json(client.CoordinationV1Api(api).read_namespaced_lease, "vramshare-extender", namespace)
+    if dra:  # one LIST: our driver's slices carry each DRA node's enforcement mode
+        s.resource_slices = _items(_json(client.ResourceV1Api(api).list_resource_slice,
+                                         field_selector=f"spec.driver={checks.NAMES.dra_driver}"))
     s.forbidden = set(_FORBIDDEN)
     s.events = _items(_json(core.list_event_for_all_namespaces, field_selector="reason=FailedCreate")) or []
     return s

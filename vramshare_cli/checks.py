@@ -9,12 +9,12 @@ from __future__ import annotations
 import base64
 import datetime
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 import yaml
 
 from vramshare import contract
-from vramshare.contract import inventory as contract_inventory
+from vramshare.contract import inventory as contract_inventory, slice_enforcement
 from vramshare.inventory import InventoryError
 
 Obj = dict[str, Any]
@@ -51,6 +51,7 @@ class Snapshot:
     admission_policies: list[Obj] | None = None  # None: the API is not served
     admission_bindings: list[Obj] | None = None
     device_classes: list[Obj] | None = None  # None: resource.k8s.io/v1 not served
+    resource_slices: list[Obj] | None = None  # our driver's ResourceSlices (with --dra); None: not read
     nodes: list[Obj] = field(default_factory=list)
     daemonsets: dict[str, Obj | None] = field(default_factory=dict)
     deployments: dict[str, Obj | None] = field(default_factory=dict)
@@ -108,7 +109,8 @@ def postinstall(s: Snapshot, dra: bool) -> list[Line]:
                        for what in sorted(s.forbidden - {"vramshare-extender-tls", "vramshare-scheduler-tls"})]
     ns = s.namespace
     out += _workload(s.daemonsets.get("vramshare-device-plugin"), "DaemonSet", "vramshare-device-plugin", ns)
-    out += _nodes(s.nodes, ns)
+    dra_modes = slice_enforcement.node_modes(s.resource_slices or [], NAMES.dra_driver) if dra else {}
+    out += _nodes(s.nodes, ns, dra_only={n for n, m in dra_modes.items() if m.devices})
     out += _workload(s.deployments.get("vramshare-extender"), "Deployment", "vramshare-extender", ns)
     out += _leader(s, ns)
     out += _reachable(s, ns)
@@ -120,6 +122,7 @@ def postinstall(s: Snapshot, dra: bool) -> list[Line]:
         ours = sorted(c["metadata"]["name"] for c in s.device_classes or [] if "vramshare" in c["metadata"]["name"])
         out.append(Line(OK, f"DeviceClasses: {', '.join(ours)}") if ours else
                    Line(FAIL, "no vramshare DeviceClasses", "vramshare install --dra ... | kubectl apply -f -"))
+        out += _dra_nodes(s, dra_modes, ns)
     out += _admission(s)
     return out
 
@@ -145,7 +148,10 @@ def _workload(obj: Obj | None, kind: str, name: str, ns: str) -> list[Line]:
     return [Line(OK, f"{kind} {name}: {ready} of {want} ready")]
 
 
-def _nodes(nodes: list[Obj], ns: str) -> list[Line]:
+def _nodes(nodes: list[Obj], ns: str, dra_only: Collection[str] = ()) -> list[Line]:
+    """The device plugin's nodes; a GPU node in ``dra_only`` (its DRA plugin publishes devices) without an
+    inventory, or with one of no GPU (``dra.gpus`` gave them all to DRA), is the DRA plugin's alone, judged
+    by :func:`_dra_nodes` instead."""
     gpu_nodes = [n for n in nodes if (n["metadata"].get("labels") or {}).get(GPU_NODE_LABEL) == "true"
                  or NAMES.inventory in (n["metadata"].get("annotations") or {})]
     if not gpu_nodes:
@@ -156,6 +162,8 @@ def _nodes(nodes: list[Obj], ns: str) -> list[Line]:
         name = node["metadata"]["name"]
         text = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
         fix = f"kubectl -n {ns} get pods -o wide --field-selector spec.nodeName={name}, then its logs"
+        if not text and name in dra_only:
+            continue
         if not text:
             out.append(Line(FAIL, f"node {name}: no GPU inventory published (device plugin not running there)", fix))
             continue
@@ -164,6 +172,8 @@ def _nodes(nodes: list[Obj], ns: str) -> list[Line]:
         except InventoryError as exc:
             out.append(Line(FAIL, f"node {name}: inventory does not parse ({exc})", fix))
             continue
+        if not inv.gpus and name in dra_only:
+            continue  # dra.gpus gives every GPU here to the DRA plugin: nothing for the kubelet to register
         alloc = (node.get("status") or {}).get("allocatable") or {}
         ours = {k: v for k, v in alloc.items() if k.startswith(NAMES.domain + "/") and str(v) not in ("0", "")}
         if not ours:
@@ -174,6 +184,30 @@ def _nodes(nodes: list[Obj], ns: str) -> list[Line]:
         why = ENFORCEMENT_WHY.get(mode or "", "mode not published (an older device plugin)")
         out.append(Line(OK, f"node {name}: device plugin registered ({', '.join(f'{v} x {k}' for k, v in sorted(ours.items()))}), "
                             f"enforcement {mode or '?'}: {why}"))
+    return out
+
+
+def _dra_nodes(s: Snapshot, modes: dict[str, slice_enforcement.DraNodeMode], ns: str) -> list[Line]:
+    """Each DRA node's pool and enforcement mode, from our driver's ResourceSlices (the DRA plugin publishes
+    no inventory: the ``enforcement`` attribute of its shared devices is where its mode is)."""
+    if s.resource_slices is None:
+        return [Line(WARN, "ResourceSlices not read: the DRA nodes' enforcement is not checked",
+                     "run check as a cluster admin (list on resourceslices.resource.k8s.io)")]
+    if not modes:
+        return [Line(FAIL, f"no node publishes ResourceSlices of {NAMES.dra_driver} (the DRA plugin has not "
+                           "published, or runs nowhere)",
+                     f"kubectl -n {ns} logs daemonset/vramshare-dra-plugin")]
+    out = []
+    for name, m in sorted(modes.items()):
+        pool = f"node {name}: DRA plugin publishes {m.devices} device(s), {m.shared} shared"
+        if m.mode is not None:
+            out.append(Line(OK, f"{pool}, enforcement {m.mode.value}: {ENFORCEMENT_WHY[m.mode.value]}"))
+        elif m.shared:
+            out.append(Line(WARN, f"{pool}, enforcement ?: {m.text}",
+                            "upgrade the DRA plugin (vramshare install --dra ... | kubectl apply -f -); until then "
+                            "its mode shows only in its metrics (vramshare_enforcement_mode)"))
+        else:
+            out.append(Line(OK, f"{pool}: {m.text}"))
     return out
 
 

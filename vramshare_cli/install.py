@@ -34,6 +34,10 @@ MIN_KUBERNETES = (1, 30)  # ValidatingAdmissionPolicy v1 (admission-policies.yam
 NODE_CLAIM_KUBERNETES = (1, 32)  # the service-account token's node-name claim (the node-scope binding)
 DRA_KUBERNETES = (1, 36)  # DRA consumable capacity on by default (deploy/daemonset/dra/)
 NODE_SCOPE_BINDING = "vramshare-device-plugin-node-scope"
+#: ``--enforcement MODE``: the components each plugin needs for it (device plugin's, then the DRA plugin's,
+#: the latter only with --dra), so a node running both plugins gets the mode in both from one flag
+ENFORCEMENT_COMPONENTS = {"driver": ("driver-enforcement", "dra-driver-enforcement"),
+                          "mps": ("mps-enforcement", "dra-mps-enforcement")}
 
 
 def deploy_dir() -> pathlib.Path:
@@ -53,6 +57,7 @@ class Options:
     monitoring: bool = False  # PodMonitors (prometheus-operator)
     dashboard_namespace: str | None = None  # the Grafana dashboard ConfigMap, in Grafana's namespace
     components: tuple[str, ...] = field(default_factory=tuple)  # deploy/components/<name>
+    enforcement: str | None = None  # driver | mps: the opt-in enforcement components of every plugin installed
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -97,13 +102,13 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
     base = root / ("cert-manager" if opts.tls == "cert-manager" else "daemonset")
     try:
         objects = _build(base)
+        if opts.dra:  # before the components, so the DRA plugin's ones find its DaemonSet
+            objects += _build(root / "daemonset" / "dra")
         known = components(root)
-        for name in opts.components:
+        for name in _components(opts):
             if name not in known:
                 raise UsageError(f"--component {name}: not one of {', '.join(known) or '(none in deploy/)'}")
             kustomize.apply_component(str(known[name]), objects)
-        if opts.dra:
-            objects += _build(root / "daemonset" / "dra")
         if opts.monitoring:
             objects += _build(root / "monitoring")
         if opts.dashboard_namespace:
@@ -126,6 +131,16 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
                              "or use --tls cert-manager")
         objects += tls(opts.namespace, opts.cert_days)
     return kustomize.order(objects)
+
+
+def _components(opts: Options) -> list[str]:
+    """``--enforcement``'s components first (``cdi-cri`` must come after ``driver-enforcement`` to patch its
+    DaemonSet too), then the ``--component`` ones, each once."""
+    if opts.enforcement is not None and opts.enforcement not in ENFORCEMENT_COMPONENTS:
+        raise UsageError(f"--enforcement {opts.enforcement}: one of {', '.join(ENFORCEMENT_COMPONENTS)} "
+                         "(cooperative needs no component)")
+    implied = ENFORCEMENT_COMPONENTS.get(opts.enforcement or "", ())[:2 if opts.dra else 1]
+    return list(dict.fromkeys([*implied, *opts.components]))
 
 
 def _v(version: tuple[int, int]) -> str:
@@ -224,7 +239,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                    cert_days=args.cert_days, dra=args.dra,
                    dra_gpus=tuple(g for g in (args.dra_gpus or "").split(",") if g),
                    monitoring=args.monitoring, dashboard_namespace=args.dashboard,
-                   components=tuple(args.component or ()))
+                   components=tuple(args.component or ()), enforcement=args.enforcement)
     root = pathlib.Path(args.manifests) if args.manifests else None
     objects = render(opts, tls, root)
     dump(objects, out, header=f"vramshare {__version__}, Kubernetes {version}: "
@@ -257,4 +272,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the Grafana dashboard ConfigMap (sidecar label grafana_dashboard) in this namespace")
     p.add_argument("--component", action="append", metavar="NAME",
                    help="an opt-in kustomize Component under deploy/ (repeatable)")
+    p.add_argument("--enforcement", choices=sorted(ENFORCEMENT_COMPONENTS),
+                   help="driver: the driver-enforcement components (the device plugin's, and with --dra the DRA "
+                        "plugin's) on nodes labelled vramshare.io/enforcement=driver; mps: the mps-enforcement "
+                        "ones. One flag for a node running both plugins")
     p.add_argument("--manifests", metavar="DIR", help="the deploy/ folder to render (default: this checkout's)")

@@ -24,7 +24,8 @@ applied, and the plugin falls back to today's devices (the instances as they exi
 Enforcement: as the device plugin, the node's mode (``enforcement.mode``: driver, mps, cooperative) is
 detected at start by :func:`deviceplugin.enforcement.detect` (a named mode the node cannot honour stops
 the plugin with the reason) and pinned in the config: each claim's CDI spec carries its fence, and in
-driver mode the quota loop moves the claims' containers' cgroup limits.
+driver mode the quota loop moves the claims' containers' cgroup limits. The pinned mode is published as
+each shared device's ``enforcement`` attribute (:mod:`vramshare.contract.slice_enforcement`).
 """
 from __future__ import annotations
 

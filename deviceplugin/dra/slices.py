@@ -6,7 +6,8 @@ device carries taints, as the API requires). A shared GPU is one device with
 rounds every share up to whole ``memoryUnitMiB`` units (default one unit, validRange min one unit,
 max the GPU's schedulable memory, step one unit: KEP-5075; ``validValues`` of that one unit when the
 GPU offers only one). An exclusive GPU is an ordinary device;
-every MIG instance is a device of its profile. Unhealthy devices are withdrawn: removed, or tainted
+every MIG instance is a device of its profile. A shared GPU also carries the node's pinned enforcement
+mode (attribute ``enforcement``: :mod:`vramshare.contract.slice_enforcement`). Unhealthy devices are withdrawn: removed, or tainted
 ``NoSchedule`` when the cluster has DRADeviceTaints (config ``dra.deviceTaints``).
 
 Device names are DNS labels derived from the GPU index (``gpu-0``, ``gpu-0-mig-1-0``); the
@@ -33,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from deviceplugin.dra import validation
 from vramshare import contract, mig
+from vramshare.contract import slice_enforcement
 from vramshare.inventory import Gpu, GpuMode, MigInstance, NodeInventory
 
 API_VERSION = "resource.k8s.io/v1"
@@ -218,6 +220,8 @@ def device_object(ref: DeviceRef, inventory: NodeInventory, node: str) -> Obj:
         dev["capacity"] = {"memory": {"value": mib(ref.mig.memory_mib)}}
     elif ref.shared:
         dev["allowMultipleAllocations"] = True
+        if inventory.enforcement is not None:  # the node's pinned fence: what a claim may select on (CEL)
+            dev["attributes"][slice_enforcement.ATTRIBUTE] = slice_enforcement.encode(inventory.enforcement)
         # the GPU's units plus its sleep credit (issue 23 item 5), what the allocator books against, as the
         # extender does on the device plugin's GPUs; one share is never more than the GPU's own units
         dev["capacity"] = {"memory": {"value": mib(inventory.bookable_mib(ref.gpu)),

@@ -150,3 +150,65 @@ def test_a_secret_the_user_may_not_read_is_said_so(cluster, capsys):
     text = "\n".join(lines)
     assert "! Secret vramshare-system/vramshare-extender-tls not checked: your user may not read it" in text
     assert rc == 0, text
+
+
+# -- round 9 (draview): the DRA nodes' enforcement mode, read from their ResourceSlices ------------------
+def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = None) -> None:
+    """A GPU node served by the DRA plugin only (no inventory, or ``inventory``), its pool published with
+    ``mode`` pinned (``None``: an older plugin, whose slices carry no mode)."""
+    from deviceplugin import devices, enforcement
+    from deviceplugin.dra import slices
+    from deviceplugin.simulated_backend import SimulatedBackend
+    from vramshare.config import Config, DraConfig
+    config = Config(dra=DraConfig(gpus=("all",)))
+    if mode is not None:
+        config = enforcement.pin(config, enforcement.Chosen(mode, "test"))
+    inv = devices.build_inventory(SimulatedBackend.demo().discover(), config, dra=True)
+    meta = {"name": node, "labels": {"nvidia.com/gpu.present": "true"}}
+    if inventory is not None:
+        meta["annotations"] = {config.names.inventory: inventory}
+    api.create_node({"metadata": meta})
+    for obj in slices.resource_slices(node, None, slices.desired_devices(inv, config.names, node, taints=False), 1,
+                                      config.names):
+        api.create(obj)  # the double validates each slice as the API server does
+
+
+def test_check_dra_prints_each_dra_node_s_mode_from_one_list_of_slices(tmp_path, capsys):
+    """On 0732846 a DRA-only node showed its mode nowhere but its metrics (and its missing inventory was a ✗);
+    now ``check --dra`` reads the slices (one LIST) and prints each DRA node's mode with the same why as the
+    device plugin's, and "mode not published" for an older plugin (a !, with the fix)."""
+    from vramshare.inventory import EnforcementMode, NodeInventory
+    from vramshare_cli import checks
+    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
+            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+        assert ext.wait_ready(10)
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
+        _installed(api, ext, "v1.36.1", dra=True)
+        _dra_node(api, "gpu-dra", EnforcementMode.DRIVER)
+        # the device plugin runs there too, its inventory empty: dra.gpus gave every GPU to DRA
+        _dra_node(api, "gpu-dra-coop", EnforcementMode.COOPERATIVE,
+                  NodeInventory(1024, enforcement=EnforcementMode.COOPERATIVE).to_json())
+        _dra_node(api, "gpu-dra-old", None)
+        before = api.count("GET", "resourceslices")
+        rc, lines = _check(capsys, kubeconfig, "--dra")
+        assert api.count("GET", "resourceslices") - before == 1
+    text = "\n".join(lines)
+    assert (f"✓ node gpu-dra: DRA plugin publishes 7 device(s), 3 shared, enforcement driver: "
+            f"{checks.ENFORCEMENT_WHY['driver']}") in text, text
+    assert f"enforcement cooperative: {checks.ENFORCEMENT_WHY['cooperative']}" in text, text
+    assert ("! node gpu-dra-old: DRA plugin publishes 7 device(s), 3 shared, enforcement ?: mode not published "
+            "(an older DRA plugin) -- fix: ") in text, text
+    assert "✗ node gpu-dra" not in text, text  # a DRA-only node's missing or empty inventory: not a failure
+    assert rc == 0, text
+
+
+def test_check_dra_without_any_slice_says_so(capsys, tmp_path):
+    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
+            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+        assert ext.wait_ready(10)
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig2", api.url))
+        _installed(api, ext, "v1.36.1", dra=True)
+        rc, lines = _check(capsys, kubeconfig, "--dra")
+    text = "\n".join(lines)
+    assert "✗ no node publishes ResourceSlices of gpu.vramshare.io" in text, text
+    assert rc == 1

@@ -66,7 +66,7 @@ def test_the_three_device_classes_and_example_templates_exist():
     for what in ("gpu-memory", "gpu", "mig"):
         _one("DeviceClass", names.device_class(what))
     assert {d["metadata"]["name"] for _, d in DOCS if d["kind"] == "ResourceClaimTemplate"} == {
-        "vllm-22gi", "vllm-tp2-48gi", "mig-1g-10gb"}
+        "vllm-22gi", "vllm-22gi-driver", "vllm-tp2-48gi", "mig-1g-10gb"}
     tp2 = _one("ResourceClaimTemplate", "vllm-tp2-48gi")["spec"]["spec"]["devices"]
     assert {"matchAttribute", "distinctAttribute"} <= {k for c in tp2["constraints"] for k in c}
 

@@ -48,7 +48,8 @@ OVERLAYS = DEPLOY / "overlays"
 INSTALLS = {"default": BASE, "driver-enforcement": OVERLAYS / "driver-enforcement",
             "mps-enforcement": OVERLAYS / "mps-enforcement", "cdi-cri": OVERLAYS / "cdi-cri", "dra": DRA,
             "dra-driver-enforcement": OVERLAYS / "dra-driver-enforcement",
-            "dra-mps-enforcement": OVERLAYS / "dra-mps-enforcement"}
+            "dra-mps-enforcement": OVERLAYS / "dra-mps-enforcement",
+            "driver-enforcement-with-dra": OVERLAYS / "driver-enforcement-with-dra"}
 RW, RO = False, True  # hostPath mounts: readOnly
 
 
@@ -376,3 +377,60 @@ def test_the_components_render_valid_daemonsets(install: str, version: str) -> N
     import kubernetes_validate
     for ds in _daemonsets(_render(install), "vramshare-"):
         kubernetes_validate.validate(ds, version, strict=True)
+
+
+# -- one install for a node running both plugins in driver mode (round 9) -------------------------------
+def _both_driver(objs: list[dict[str, Any]], tmp_path: pathlib.Path) -> None:
+    """On a plain GPU node and on a driver-labelled one, exactly one device plugin and one DRA plugin run;
+    on the labelled node both advertise driver and each is granted exactly what driver mode needs (the
+    capability and the host cgroup tree, read-only: nothing more), on the plain node both cooperative."""
+    for labels, mode in ((GPU_NODE, EnforcementMode.COOPERATIVE), (DRIVER_NODE, EnforcementMode.DRIVER)):
+        for plugin, needs in (("vramshare-device-plugin", device_plugin_needs), ("vramshare-dra-plugin", dra_plugin_needs)):
+            [ds] = [ds for ds in _daemonsets(objs, plugin) if _schedules_on(ds, labels)]
+            cfg = _config(objs, ds)
+            assert ds["metadata"]["name"] == plugin + ("-driver" if mode is EnforcementMode.DRIVER else "")
+            assert _advertised_mode(ds, cfg, tmp_path / str(mode.value)) is mode
+            assert granted(ds) == needs(cfg, mode)
+            assert cfg.enforcement.requested() is (EnforcementMode.DRIVER if mode is EnforcementMode.DRIVER else None)
+    assert sorted(ds["metadata"]["name"] for ds in _daemonsets(objs, "vramshare-")) == [
+        "vramshare-device-plugin", "vramshare-device-plugin-driver", "vramshare-dra-plugin",
+        "vramshare-dra-plugin-driver"]  # no other DaemonSet, so no other grant
+    for o in objs:  # and no other workload gains a capability
+        if o["kind"] == "Deployment":
+            assert not any(c.get("securityContext", {}).get("capabilities", {}).get("add")
+                           for c in o["spec"]["template"]["spec"]["containers"])
+
+
+def test_one_overlay_runs_both_plugins_in_driver_mode_on_the_labelled_nodes(tmp_path: pathlib.Path) -> None:
+    """On 0732846 a node running both plugins needed two installs (overlays/driver-enforcement and
+    overlays/dra-driver-enforcement, each with its own copy of the base); overlays/driver-enforcement-with-dra
+    is one."""
+    objs = _render("driver-enforcement-with-dra")
+    _both_driver(objs, tmp_path)
+    schedulers = {c["image"] for o in objs for c in kustomize._containers([o]) if "kube-scheduler" in c["image"]}
+    assert schedulers == {"registry.k8s.io/kube-scheduler:v1.36.0"}  # both schedulers follow a 1.36+ control plane
+
+
+def test_install_enforcement_driver_with_dra_composes_both_components(tmp_path: pathlib.Path) -> None:
+    """``vramshare install --dra --enforcement driver`` renders what the overlay renders, its DaemonSets
+    granted as above; on 0732846 there was no --enforcement, and ``--dra --component dra-driver-enforcement``
+    failed (the component was applied before the DRA objects were added: "matches no object")."""
+    from vramshare_cli import install
+    opts = install.Options(kubernetes_version="1.36.0", dra=True, enforcement="driver", tls="keep")
+    objs = install.render(opts)
+    _both_driver(objs, tmp_path)
+    overlay = {kustomize.key(o): o for o in _render("driver-enforcement-with-dra")}
+    rendered = {kustomize.key(o): o for o in objs}
+    assert rendered.keys() == overlay.keys()
+    for key, obj in overlay.items():
+        if obj["kind"] == "DaemonSet":  # the image is install's --image; all else is the overlay's
+            ours = copy.deepcopy(rendered[key])
+            for c in kustomize._containers([ours]):
+                c["image"] = next(x["image"] for x in kustomize._containers([obj]) if x["name"] == c["name"])
+            assert ours == obj
+    by_hand = install.render(install.Options(kubernetes_version="1.36.0", dra=True, tls="keep",
+                                             components=("driver-enforcement", "dra-driver-enforcement")))
+    assert {kustomize.key(o) for o in by_hand} == set(rendered)
+    alone = install.render(install.Options(kubernetes_version="1.36.0", enforcement="driver", tls="keep"))
+    assert [o["metadata"]["name"] for o in _daemonsets(alone, "vramshare-")] == [
+        "vramshare-device-plugin", "vramshare-device-plugin-driver"]  # without --dra: the device plugin's alone

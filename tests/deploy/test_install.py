@@ -115,6 +115,7 @@ def _variants() -> list[tuple[str, str, list[dict]]]:
     out.append(("1.36", "dra+monitoring+dashboard+namespace",
                 _render(kubernetes_version="1.36", dra=True, dra_gpus=("all",), monitoring=True,
                         dashboard_namespace="monitoring", namespace="gpu-share")))
+    out.append(("1.36", "dra+enforcement-driver", _render(kubernetes_version="1.36", dra=True, enforcement="driver")))
     return out
 
 
@@ -202,6 +203,41 @@ def test_a_component_under_deploy_is_offered_and_applied(tmp_path, capsys):
     [c] = ds["spec"]["template"]["spec"]["containers"]
     assert c["securityContext"]["privileged"] is True and c["image"] == install.DEFAULT_IMAGE
     assert "readOnlyRootFilesystem" in c["securityContext"], "merged, not replaced"
+
+
+@pytest.mark.parametrize("component", ["dra-driver-enforcement", "dra-mps-enforcement"])
+def test_a_dra_component_applies_to_the_dra_objects(component):
+    """On 0732846 components were applied before --dra added the DRA objects, so every DRA component failed:
+    "patch target {... 'name': 'vramshare-dra-plugin'} matches no object"."""
+    objects = _render(kubernetes_version="1.36", tls="keep", dra=True, components=(component,))
+    expected = kustomize.build(str(DEPLOY / "daemonset")) + kustomize.build(str(DEPLOY / "daemonset/dra"))
+    kustomize.apply_component(str(DEPLOY / "components" / component), expected)
+    assert _by_key(objects).keys() == _by_key(expected).keys()
+    [dra] = [o for o in objects if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "vramshare-dra-plugin"]
+    [want] = [o for o in expected if o["kind"] == "DaemonSet" and o["metadata"]["name"] == "vramshare-dra-plugin"]
+    assert dra["spec"]["template"]["spec"].get("affinity") == want["spec"]["template"]["spec"].get("affinity")
+    assert dra["spec"]["template"]["spec"]["volumes"] == want["spec"]["template"]["spec"]["volumes"]
+
+
+def test_the_enforcement_flag_composes_the_components_of_the_plugins_installed(capsys):
+    """Round 9: one flag for a node running both plugins (tests/deploy/test_host_access.py checks the grants)."""
+    assert cli.main(["install", "--kubernetes-version", "1.36", "--tls", "keep", "--dra", "--enforcement", "driver",
+                     "--component", "cdi-cri"]) == 0
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    sets = {o["metadata"]["name"]: o for o in objects if o["kind"] == "DaemonSet"}
+    assert sorted(sets) == ["vramshare-device-plugin", "vramshare-device-plugin-driver", "vramshare-dra-plugin",
+                            "vramshare-dra-plugin-driver"]
+    for name in ("vramshare-device-plugin", "vramshare-device-plugin-driver"):  # cdi-cri after driver-enforcement
+        env = {e["name"]: e.get("value") for e in sets[name]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["VRAMSHARE_DEVICE_LIST_STRATEGY"] == "cdi-cri"
+    assert cli.main(["install", "--kubernetes-version", "1.36", "--tls", "keep", "--dra", "--enforcement", "mps"]) == 0
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    for o in objects:
+        if o["kind"] == "DaemonSet":  # the MPS directories in both plugins, no variant
+            assert any(v.get("hostPath", {}).get("path") == "/run/nvidia/mps"
+                       for v in o["spec"]["template"]["spec"]["volumes"]), o["metadata"]["name"]
+    with pytest.raises(UsageError, match="--enforcement hardware: one of driver, mps"):
+        _render(enforcement="hardware")
 
 
 # -- the kustomize subset ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ parses these formats (``tests/test_contract_owns_formats.py`` fails if something
 * :mod:`.user_annotations`: the pod annotations a user may write (:data:`USER_ANNOTATIONS`);
 * :mod:`.inventory`: the node's ``gpu-inventory`` annotation; :mod:`.resident_models`: the DRA plugin's
   ``resident-models`` node annotation (the inventory's ``models`` section alone);
+  :mod:`.slice_enforcement`: the DRA plugin's mode in its ResourceSlices' ``enforcement`` attribute;
 * :mod:`.assignment`: the pod's ``assignment`` annotation;
 * :mod:`.quota_file`: ``quota.json``; :mod:`.quota_mib`: its mirror on the pod; :mod:`.over_limit`;
 * :mod:`.model`: the ``model`` annotation; :mod:`.warm`: the warm socket's lines.
