@@ -43,9 +43,9 @@ DRIVER_CAPABILITY = "SYS_ADMIN"
 CAP_BITS = {"SYS_ADMIN": 21}  # linux/capability.h
 #: the node label that opts a node into the driver-enforcement DaemonSet variant
 DRIVER_NODE_LABEL = ("vramshare.io/enforcement", "driver")
-_DRIVER_VARIANT_HINT = ("run the driver-enforcement variant on this node: deploy/components/driver-enforcement "
-                        "(the DRA plugin: deploy/components/dra-driver-enforcement) and the node label "
-                        f"{DRIVER_NODE_LABEL[0]}={DRIVER_NODE_LABEL[1]}")
+_DRIVER_VARIANT_HINT = ("run the driver-enforcement variant on this node: 'vramshare install --enforcement driver' "
+                        "(deploy/components/driver-enforcement; the DRA plugin's: dra-driver-enforcement) and the "
+                        f"node label {DRIVER_NODE_LABEL[0]}={DRIVER_NODE_LABEL[1]}")
 MPS_CONTAINER_PIPE_DIR = "/mps/pipe"  # where a client finds the daemon's pipes
 MPS_CONTAINER_SHM_DIR = "/dev/shm"  # the MPS server's shared memory, as NVIDIA mounts it
 MPS_CONTROL_PIPE = "control"  # nvidia-cuda-mps-control creates this named pipe in its pipe directory
