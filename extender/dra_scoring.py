@@ -25,7 +25,9 @@ each such node's score is the MIG fragmentation term: the allocator takes the fi
 published order whose placement still fits (:func:`first_fit_partition`), and the node loses what
 that placement costs the GPU in instances still creatable (:func:`vramshare.mig.placement_loss`,
 every non-media profile weighted alike, over the empty GPU's potential); the node whose placement
-keeps the largest profiles possible scores highest.
+keeps the largest profiles possible scores highest. A pod that names its model gets the residency term
+there too, in the same bound (:func:`extender.residency.step_of`: it reorders only nodes within one
+step of the MIG term), not lost to the MIG score replacing the policy's.
 """
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def mig_cluster(layouts: dict[str, list[mig.Placed]], asked: str) -> dra_scoring
         for s in _slices(node):
             dra.put("ResourceSlice", s)
         for i, pl in enumerate(layout):
-            dra.put("ResourceClaim", mig_claim(f"held-{node}-{i}", pl.profile, (node, _device_of(node)[(pl.profile, pl.start)])))
+            device = _device_of(node)[(pl.profile, pl.start)]
+            dra.put("ResourceClaim", mig_claim(f"held-{node}-{i}", pl.profile, (node, device)))
     dra.put("ResourceClaim", mig_claim("mine", asked))
     return dra
 
