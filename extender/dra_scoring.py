@@ -344,7 +344,10 @@ class DraCluster:
                     raw = residency.with_bonus(raw, add, residency.step_of(raw))
             lo, hi = float(raw.min()), float(raw.max())
             for n, r in zip(fit, raw.tolist()):  # a fitting node never scores as low as one that does not fit
-                out[n] = top if hi - lo < 1e-12 else int(round(top - (top - low - 1) * (hi - r) / (hi - lo)))
+                scaled = top if hi - lo < 1e-12 else int(round(top - (top - low - 1) * (hi - r) / (hi - lo)))
+                # as score_rows: a node below the best never shares the top (rounded up to it, a node a
+                # step worse lifted by its bonus to within half a point would tie the best at random)
+                out[n] = scaled if r >= hi else min(scaled, top - 1)
         return out
 
 

@@ -118,10 +118,11 @@ def _valid(picks: list[tuple[str, int]]) -> list[mig.Placed]:
     return out
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(_layout, st.booleans()), min_size=2, max_size=5), st.sampled_from(PROFILES))
 @example([([], False), ([], True)], "1g.10gb")  # a tie, the model on the second: main's shape of the fault
 @example([([("3g.40gb", 4)], True), ([("1g.10gb", 6)], False), ([], True)], "1g.10gb")  # a step apart
+@example([([], False), ([("1g.10gb", 0)], True), ([("1g.10gb", 6)], False)], "1g.20gb")  # 1.1 steps: rounds to 10
 def test_the_bonus_never_flips_a_mig_order(nodes, asked):
     """The bound of test_dra_residency.py's test_the_bonus_never_flips_a_fit_order on the MIG term: a
     node whose MIG loss is a whole step (a tenth of the fitting nodes' loss range) worse never beats the
