@@ -5,8 +5,9 @@ on partitionable nodes never preferred the node that holds its weights.
 
 Here: the MIG term gets the same bounded bonus (``extender.residency``'s one step rule: the policy's
 step, a tenth of the raw range for a term without one), so it reorders only nodes whose MIG placement
-loss is within that step, never lifts a node that cannot place the profile; the device plugin's path
-(MIG instances as slots of ``placement.score_rows``) already has it, pinned below.
+loss is within that step, never lifts a node that cannot place the profile, and (as ``score_rows``) a
+node below the best never rounds up to share the top score; the device plugin's path (MIG instances
+and dynamic-MIG placements as slots of ``placement.score_rows``) already has it, pinned below.
 """
 from __future__ import annotations
 
