@@ -193,34 +193,41 @@ def test_through_the_live_extender():
 # The device plugin's path: MIG instances (static) and dynamic-MIG placements are slots that
 # placement.score_rows scores, and its bonus reaches them; pinned so the two paths stay alike.
 
-def _dp_node(name: str, dynamic: bool, models=()) -> dict:
+def _dp_node(name: str, kind: str, models=()) -> dict:
+    """An H100 node of the device plugin: a static 1g.10gb instance, or dynamic MIG (``isolation``:
+    its device plugin also serves ``isolation: mig`` memory asks)."""
     gpu = b.h100(mig=(("1g.10gb", 9856),))
     inv = b.node_inventory(name, gpu)
-    if dynamic:
+    if kind != "static":
         [g] = inv.gpus
         g = dataclasses.replace(g, mig=(), dynamic_mig=DynamicMig(
-            table=H100.name, instances=(), free=tuple((p, tuple(mig.free_starts(H100, [], p))) for p in PROFILES)))
+            table=H100.name, instances=(), free=tuple((p, tuple(mig.free_starts(H100, [], p))) for p in PROFILES),
+            isolation=kind == "isolation"))
         inv = dataclasses.replace(inv, gpus=(g,))
     inv = dataclasses.replace(inv, models=tuple(models))
     return b.gpu_node(name, gpu, annotation=inv.to_json())
 
 
 def test_the_device_plugin_path_gives_mig_pods_the_bonus_too():
-    for dynamic in (False, True):
+    """No gap there (passes on main): MIG demands are slots of ``placement.score_rows``, which adds the
+    bonus for every kind; a static instance, a dynamic placement, an ``isolation: mig`` memory ask."""
+    pods = {"static": b.pod("p", mig={"1g.10gb": 1}, annotations={NAMES.model: MODEL}),
+            "dynamic": b.pod("p", mig={"1g.10gb": 1}, annotations={NAMES.model: MODEL}),
+            "isolation": b.pod("p", 15, annotations={NAMES.model: MODEL, NAMES.isolation: "mig"})}
+    for kind, ask in pods.items():
         names = ["n1", "n2"]
         plain_acct = accounting.Accounting(Config())
         for n in names:
-            plain_acct.apply_node("ADDED", _dp_node(n, dynamic))
-        ask = b.pod("p", mig={"1g.10gb": 1}, annotations={NAMES.model: MODEL})
+            plain_acct.apply_node("ADDED", _dp_node(n, kind))
 
         def scores(acct: accounting.Accounting) -> dict[str, int]:
             return dict(verbs.prioritize_pod(acct.view(Policy.FGD), wire.ExtenderArgs(pod=ask, node_names=names)))
         plain = scores(plain_acct)
-        assert max(plain.values()) == 10, (dynamic, plain)
+        assert max(plain.values()) == 10, (kind, plain)
         second = min(plain, key=plain.get)  # type: ignore[arg-type]
-        assert plain[second] < 10, (dynamic, plain)
+        assert plain[second] < 10, (kind, plain)
         acct = accounting.Accounting(Config())
         for n in names:
-            acct.apply_node("ADDED", _dp_node(n, dynamic, [LLAMA] if n == second else []))
+            acct.apply_node("ADDED", _dp_node(n, kind, [LLAMA] if n == second else []))
         got = scores(acct)
-        assert got[second] == 10 and min(got.values()) < 10, (dynamic, got)
+        assert got[second] == 10 and min(got.values()) < 10, (kind, got)
