@@ -27,18 +27,20 @@ each such node's score is the MIG fragmentation term: the allocator takes the fi
 published order whose placement still fits (:func:`first_fit_partition`), and the node loses what
 that placement costs the GPU in instances still creatable (:func:`vramshare.mig.placement_loss`,
 every non-media profile weighted alike, over the empty GPU's potential); the node whose placement
-keeps the largest profiles possible scores highest.
+keeps the largest profiles possible scores highest. A pod that names its model gets the residency term
+there too, in the same bound (:func:`extender.residency.step_of`: it reorders only nodes within one
+step of the MIG term), not lost to the MIG score replacing the policy's.
 """
 from __future__ import annotations
 
 import math
 import re
 import threading
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 from kubernetes import client
-
-from dataclasses import dataclass
 
 from extender import apicalls, cluster, placement, residency
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
@@ -301,7 +303,7 @@ class DraCluster:
             bonus = self._residency(pod, node_names, models or {}, residency_max_steps)
             scores = placement.score_nodes(self.state(), demands, node_names, DRA_POLICY.get(policy, policy),
                                            bonus=bonus)
-            mig_term = self.mig_scores(demands, node_names)
+            mig_term = self.mig_scores(demands, node_names, bonus)
             return [(n, mig_term.get(n, s)) for n, s in scores]
 
     def _residency(self, pod: Obj, node_names: Sequence[str], models: Mapping[str, Sequence[ResidentModel]],
@@ -321,10 +323,16 @@ class DraCluster:
                 for r in (((c.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or ()
                 if r.get("driver") == self.names.dra_driver}
 
-    def mig_scores(self, demands: Sequence[cluster.Demand], node_names: Sequence[str]) -> dict[str, int]:
+    def mig_scores(self, demands: Sequence[cluster.Demand], node_names: Sequence[str],
+                   bonus: np.ndarray | None = None) -> dict[str, int]:
         """0..10 for the nodes with dynamic-MIG GPUs, when the pod asks MIG profiles only: the node
         whose first-fit placements lose least of its GPUs' MIG potential gets 10, one that cannot
-        place them 0 (scaled as :func:`extender.placement.score_nodes` scales)."""
+        place them 0 (scaled as :func:`extender.placement.score_nodes` scales).
+
+        ``bonus`` (per name, the residency term of :meth:`score`) is added to the fitting nodes' raw
+        term (the loss, negated) in its step, :func:`extender.residency.step_of` (a tenth of their
+        loss range): the rule and bound of ``placement.score_rows``, so a pod asking a MIG profile also
+        prefers the node that holds its model among nodes whose MIG loss is within that step."""
         self.state()
         kinds = {mig_kind(p.name): p.name for g in (x for gs in self._partitions.values() for x in gs)
                  for p in g.model.profiles}
@@ -334,13 +342,22 @@ class DraCluster:
         held = self.held_partitions()
         losses = {n: partition_loss(self._partitions[n], held, profiles) for n in node_names
                   if self._partitions.get(n)}
-        fit = {n: v for n, v in losses.items() if v is not None}
+        fit = [n for n, v in losses.items() if v is not None]
         top, low = contract.MAX_EXTENDER_PRIORITY, contract.MIN_EXTENDER_PRIORITY
         out = {n: low for n in losses if losses[n] is None}
         if fit:
-            lo, hi = min(fit.values()), max(fit.values())
-            for n, v in fit.items():  # a fitting node never scores as low as one that does not fit
-                out[n] = top if hi - lo < 1e-12 else int(round(top - (top - low - 1) * (v - lo) / (hi - lo)))
+            raw = -np.array([losses[n] for n in fit], np.float64)
+            if bonus is not None:
+                at = {n: i for i, n in enumerate(node_names)}
+                add = np.asarray(bonus, np.float64)[[at[n] for n in fit]]
+                if add.any():
+                    raw = residency.with_bonus(raw, add, residency.step_of(raw))
+            lo, hi = float(raw.min()), float(raw.max())
+            for n, r in zip(fit, raw.tolist()):  # a fitting node never scores as low as one that does not fit
+                scaled = top if hi - lo < 1e-12 else int(round(top - (top - low - 1) * (hi - r) / (hi - lo)))
+                # as score_rows: a node below the best never shares the top (rounded up to it, a node a
+                # step worse lifted by its bonus to within half a point would tie the best at random)
+                out[n] = scaled if r >= hi else min(scaled, top - 1)
         return out
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from vramshare.contract import MAX_EXTENDER_PRIORITY, MIN_EXTENDER_PRIORITY
 
-from extender import policy_catalog
+from extender import policy_catalog, residency
 from extender.cluster import ClusterState, Demand, HostDemand, NoFit
 from extender.fit import Ask, allocation_amounts
 from extender.reasons import why_not, why_not_rows
@@ -163,8 +163,7 @@ def score_rows(state: ClusterState, demands: Sequence[Demand], node_names: Seque
             if bonus is not None:
                 add = np.asarray(bonus, np.float64)[known][ok]
                 if add.any():
-                    step = getattr(pol, "score_step", None) or (float(raw.max() - raw.min()) / 10 or 1.0)
-                    raw = raw + np.clip(add, 0.0, None) * step
+                    raw = residency.with_bonus(raw, add, residency.step_of(raw, getattr(pol, "score_step", None)))
             lo, hi = float(raw.min()), float(raw.max())
             scaled = np.full(len(raw), MAX_EXTENDER_PRIORITY, np.int64) if hi <= lo else \
                 np.rint((raw - lo) / (hi - lo) * (MAX_EXTENDER_PRIORITY - MIN_EXTENDER_PRIORITY)).astype(np.int64)

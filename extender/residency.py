@@ -95,7 +95,15 @@ def bonus_for(ask: contract.ModelRef | None, names: Sequence[str],
     return out
 
 
+def step_of(raw: np.ndarray, score_step: float | None = None) -> float:
+    """One step of a score, the bonus's unit, over the raw scores of the nodes that fit: the policy's
+    own ``score_step`` (fgd: 1, its raw scores are whole steps), else a tenth of the raw range (one point
+    of the 0..10 scale; 1 when they all tie). The one bound of both prioritize paths and of the DRA
+    path's MIG term (:meth:`extender.dra_scoring.DraCluster.mig_scores`)."""
+    return score_step or (float(raw.max() - raw.min()) / 10 if len(raw) else 0.0) or 1.0
+
+
 def with_bonus(raw: np.ndarray, steps: np.ndarray, step: float = 1.0) -> np.ndarray:
     """The policy's raw scores plus the bonus (``step`` is the policy's raw unit per step: 1 for fgd,
-    whose raw scores are whole steps)."""
+    whose raw scores are whole steps; :func:`step_of` for any score)."""
     return raw + np.clip(steps, 0.0, None) * step

@@ -40,6 +40,8 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from vramshare import mig
+from extender import residency
+from extender.simulation.replay import Bonus
 from extender.simulation.trace import SHARE_UNITS, TraceNode, TracePod
 
 #: openb model -> MIG card. 16 and 24 GiB cards -> A100 40GB, 32 GiB V100 -> A100 80GB; the undisclosed
@@ -299,10 +301,16 @@ class DraNodes:
         insort(self.members.setdefault(self.key[i], []), (int(self.cluster.rank[i]), i))
 
 
-def _place_dra(cluster: Cluster, nodes: DraNodes, pod: TracePod, policy: str, rng: np.random.Generator) -> int:
+def _place_dra(cluster: Cluster, nodes: DraNodes, pod: TracePod, policy: str, rng: np.random.Generator,
+               bonus: Bonus | None = None) -> tuple[int, int]:
     """The DRA path: kube-scheduler's node (a random feasible one, or the MIG term's best, ties to the
-    earliest in node order), the allocator's first-fit partitions there; the instances created."""
+    earliest in node order), the allocator's first-fit partitions there; the instances created and
+    the node (-1: none). ``bonus`` (``dra-frag`` only): the residency term added to the MIG term as
+    :meth:`extender.dra_scoring.DraCluster.mig_scores` adds it (:func:`extender.residency.step_of`)."""
     fits = (cluster.cpu >= pod.cpu_milli) & (cluster.mem >= pod.memory_mib)
+    steps = bonus.steps(pod, np.arange(len(cluster.nodes))) if bonus is not None and policy == "dra-frag" else None
+    if steps is not None and np.any(steps > 0):
+        return _place_dra_bonus(cluster, nodes, pod, fits, steps)
     best: tuple | None = None
     feasible: list[tuple[tuple, int]] = []
     for (model, layouts), group in nodes.members.items():
@@ -324,13 +332,46 @@ def _place_dra(cluster: Cluster, nodes: DraNodes, pod: TracePod, policy: str, rn
         (pick, profile), i = feasible[int(rng.integers(len(feasible)))]
         best = (pick[0], 0, i, pick, profile)
     if best is None:
-        return 0
+        return 0, -1
     *_, i, pick, profile = best
     for k, start in pick[1]:
         _create(cluster, cluster.gpus_of[i][k], start, profile)
     nodes.changed(i)
     cluster.take_host(i, pod)
-    return len(pick[1])
+    return len(pick[1]), i
+
+
+def _place_dra_bonus(cluster: Cluster, nodes: DraNodes, pod: TracePod, fits: np.ndarray,
+                     steps: np.ndarray) -> tuple[int, int]:
+    """``dra-frag`` plus the residency term: each group's first fitting node (what the MIG term alone
+    would weigh) and every fitting node with a bonus; raw = -loss + steps x one step of the fitting
+    groups' losses; the best raw wins, ties to the earliest in node order."""
+    picks: dict[tuple[str, tuple[Layout, ...]], tuple] = {}
+    cands: list[tuple[float, int]] = []  # (loss, node)
+    for key, group in nodes.members.items():
+        model = key[0]
+        if pod.gpu_spec and model not in pod.gpu_spec:
+            continue
+        profile, count = ask(pod, card_of(model))  # type: ignore[misc]
+        pick = _dra_first_fit_of(card_of(model).name, key[1], profile, count)
+        if pick is None:
+            continue
+        i = next((i for _r, i in group if fits[i]), None)
+        if i is not None:
+            picks[key] = (pick, profile)
+            cands.append((pick[0], i))
+    if not cands:
+        return 0, -1
+    step = residency.step_of(-np.array([loss for loss, _ in cands]))
+    cands += [(picks[nodes.key[h]][0][0], h) for h in np.flatnonzero((steps > 0) & fits).tolist()
+              if nodes.key[h] in picks]
+    _raw, _rank, i = max((-loss + float(steps[i]) * step, -int(cluster.rank[i]), i) for loss, i in cands)
+    pick, profile = picks[nodes.key[i]]
+    for k, start in pick[1]:
+        _create(cluster, cluster.gpus_of[i][k], start, profile)
+    nodes.changed(i)
+    cluster.take_host(i, pod)
+    return len(pick[1]), i
 
 
 def _place_dynamic_multi(cluster: Cluster, pod: TracePod, policy: str, mix: Mapping[int, float]) -> int:
@@ -430,10 +471,11 @@ def _place_static(cluster: Cluster, pod: TracePod) -> int:
 
 def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, seed: int,
            static_layouts: Sequence[Layout] | None = None, progress: Progress | None = None,
-           observe: Callable[[Cluster], None] | None = None) -> MigRun:
+           observe: Callable[[Cluster], None] | None = None, bonus: Bonus | None = None) -> MigRun:
     """One policy over one arrival sequence; ``static`` needs ``static_layouts`` (one per GPU, in the
     order of ``nodes`` and their GPUs, each in its card's profile names). ``observe`` sees the final
-    cluster (tests check its layouts)."""
+    cluster (tests check its layouts). ``bonus`` (``dra-frag``): the residency term, rows = node indices
+    (bench/bench_residency.py ``--policy dra-mig``)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     started = time.perf_counter()
@@ -469,8 +511,10 @@ def replay(nodes: Sequence[TraceNode], seq: Sequence[TracePod], policy: str, see
             placed = _place_static(cluster, pod)
         elif policy.startswith("dra-"):
             assert dra_nodes is not None
-            placed = _place_dra(cluster, dra_nodes, pod, policy, rng)
+            placed, node = _place_dra(cluster, dra_nodes, pod, policy, rng, bonus)
             run.created += placed
+            if placed and bonus is not None:
+                bonus.placed(pod, node)
         else:
             total = sum(seen.values())
             placed = _place_dynamic(cluster, pod, policy, {k: round(v / total, 2) for k, v in seen.items()})
