@@ -58,16 +58,33 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
     return out
 
 
-def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenant]) -> list[Claim]:
+def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenant],
+                        pods: Iterable[Mapping[str, Any]] = ()) -> list[Claim]:
     """Pure: memory this node promised to claims that are not quota tenants (issue 19: lent memory is
     never promised twice), each at what it was granted: a claim being prepared, one whose pod the cache
     does not show yet or shows departed (its containers may run until the kubelet unprepares it), one
     several pods share. The kubelet path counts the same gap from the extender's assignment
-    (``quota.kube.pending_from_pods``); here the preparer's own checkpoint says it."""
+    (``quota.kube.pending_from_pods``); here the preparer's own checkpoint says it. The containers of
+    the running ``pods`` that name such a claim come with it, so the driver fence holds them at its grant
+    in sum (a pod that joined a shared claim after Prepare got the split known then)."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
-    return [Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir)
-            for c in sorted(claims, key=lambda c: (c.namespace, c.name))
-            if c.gpus and (c.namespace, tenant_container(c.name)) not in owned]
+    running = list(running_pods_by_uid(pods).values())
+    out = []
+    for c in sorted(claims, key=lambda c: (c.namespace, c.name)):
+        if not c.gpus or (c.namespace, tenant_container(c.name)) in owned:
+            continue
+        ids: set[str] = set()
+        sharers = 0
+        for pod in running:
+            if (pod.get("metadata") or {}).get("namespace") != c.namespace:
+                continue
+            users = podspec.claim_containers(pod, c.name)
+            if users:
+                ids.update(cid for n, cid in container_ids(pod).items() if n in users)
+                sharers += podspec.claim_users(pod, c.name)
+        out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
+                         container_ids=frozenset(ids), sharers=max(1, sharers)))
+    return out
 
 
 def unprepared_claims(pods: Iterable[Mapping[str, Any]], claims: Iterable[PreparedClaim]) -> list[ClaimKey]:
@@ -172,7 +189,7 @@ class ClaimTenantSource:
         claims = list(self._prepared().values())
         pods = list(self._pods())
         tenants = tenants_from_claims(claims, pods, self._names)
-        self._pending = pending_from_claims(claims, tenants)
+        self._pending = pending_from_claims(claims, tenants, pods)
         if self._allocated is not None:
             self._pending += self._allocated.pending(unprepared_claims(pods, claims))
         return tenants

@@ -8,7 +8,9 @@ soft = the part of the limit within the container's request (its guaranteed shar
 A tenant of several containers (a DRA claim that two containers of its pod name: the claim's CDI spec
 is injected into each) has one limit and one cgroup per container: the limit is split among them
 (:func:`split_limit`), each keeping what it holds, so the cgroups hold at most the limit together, never
-the limit each; a container not started yet (``Tenant.sharers`` counts it) keeps its share of the rest. A tenant whose cgroup cannot be found yet (container starting) gives no sample: the policy then holds
+the limit each; a container not started yet (``Tenant.sharers`` counts it) keeps its share of the rest. The containers of a claim that is no tenant (a DRA claim several pods share: counted at its grant,
+never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant whose cgroup cannot be
+found yet (container starting) gives no sample: the policy then holds
 its limit, as for any tenant without telemetry.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
-from deviceplugin.quota.model import Decision, Tenant
+from deviceplugin.quota.model import Claim, Decision, Tenant
 from deviceplugin.quota.telemetry import TelemetryError, UsageSample
 from vramshare import logs
 from vramshare.inventory import EnforcementMode
@@ -108,6 +110,20 @@ class DriverFence:
             for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses), split_limit(top, uses)):
                 try:
                     self._limits.set(d.gpu_uuid, cgroup, s_, h_)
+                except LimitError as exc:
+                    errors.append(str(exc))
+        return errors
+
+    def hold(self, claim: Claim) -> list[str]:
+        """Hold the containers of a claim that is no tenant (a DRA claim several pods share) at its grant
+        in sum: each at its share, soft = hard (nothing of it is lent); returns the errors."""
+        errors = []
+        cgroups = [cg for cid in sorted(claim.container_ids) if (cg := self._finder.find(cid))]
+        slots = [0] * max(len(cgroups), claim.sharers)
+        for gpu, mib in claim.gpus:
+            for cgroup, share in zip(cgroups, split_limit(mib, slots)):
+                try:
+                    self._limits.set(gpu, cgroup, share, share)
                 except LimitError as exc:
                     errors.append(str(exc))
         return errors

@@ -93,6 +93,10 @@ class Fence(Protocol):
         shrink the engine has not acknowledged yet keeps the hard limit it had)."""
         ...
 
+    def hold(self, claim: Claim) -> list[str]:
+        """Fence the containers of a claim that is no tenant at its grant in sum (``Claim.container_ids``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -410,8 +414,9 @@ class QuotaLoop:
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
-        pending, files = self._claims(tenants)
+        pending, files, shared = self._claims(tenants)
         reserved = report.reserved = self._reserved(pending, files)
+        self._hold_claims(shared, report)
         committed: dict[str, int] = {}
         for gpu, states in sorted(per_gpu.items()):
             if gpu not in capacities:
@@ -630,20 +635,32 @@ class QuotaLoop:
         top = max(later + [cur] + ([follows] if follows is not None else older))
         return False, top, follows
 
-    def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim]]:
+    def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim], list[Claim]]:
         """The claims of containers that are not tenants yet: the source's pending ones (``list_pending``)
         and the quota files they or Allocate wrote. A pending claim whose file is there is counted as
-        that file, at what its source granted (a restarted loop knows it too), so it can be fitted."""
+        that file, at what its source granted (a restarted loop knows it too), so it can be fitted.
+        Third: the source's claims whose containers it knows (to fence, :meth:`_hold_claims`)."""
         pending_of = getattr(self._tenants, "list_pending", None)
+        listed = list(pending_of()) if pending_of is not None else []
         pending, files = [], unowned_quota_files(self._root, [self._dir(t) for t in tenants])
-        for c in (pending_of() if pending_of is not None else ()):
+        for c in listed:
             f = file_claim(c.quota_dir) if c.quota_dir else None
             if f is None:
                 pending.append(c)
             else:
                 self._claim_req[f.name] = dict(c.gpus)
                 files.append(f)
-        return pending, files
+        return pending, files, [c for c in listed if c.container_ids]
+
+    def _hold_claims(self, shared: list[Claim], report: TickReport) -> None:
+        """Driver mode: a claim that is no tenant but whose containers are known (several pods share it)
+        is fenced at its grant in sum, every tick (a pod that joins it gets its share at the next)."""
+        if self._fence is None:
+            return
+        for c in shared:
+            for error in self._fence.hold(c):
+                log.error("shared claim's containers not fenced, will retry", claim=c.name, error=error)
+                report.errors.append(error)
 
     def _reserved(self, pending: list[Claim], files: list[Claim]) -> dict[str, int]:
         """Per GPU, MiB promised to containers that are not tenants yet (``claims``): counted at their

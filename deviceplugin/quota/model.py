@@ -150,6 +150,11 @@ class Claim:
     # the directory of the quota file its engine will read, when its source wrote one (a DRA claim the
     # preparer wrote): fitted to free memory like an unowned Allocate file, counted at ``gpus``
     quota_dir: str | None = None
+    # the runtime IDs of the containers its devices are in, when its source knows them (a DRA claim that
+    # several pods share), and how many of them run at once: in driver mode the fence holds each at its
+    # share of ``gpus``, so together they never hold more than was promised
+    container_ids: frozenset[str] = frozenset()
+    sharers: int = 1
 
 
 @dataclass(frozen=True)

@@ -427,3 +427,25 @@ def test_a_claim_tenants_containers_are_those_that_name_its_claim():
     pod["spec"]["initContainers"][0]["restartPolicy"] = "Always"  # a sidecar: beside "vllm"
     [tenant] = _source({"cuid-busy": _claim("busy", "busy", 24576)}, [pod]).list_tenants()
     assert tenant.sharers == 2
+
+
+def test_a_claim_two_pods_share_comes_with_both_pods_containers_to_fence():
+    """A claim several pods share is no tenant; its pending claim names the containers of every running
+    pod that names it, and how many run at once, so the driver fence can hold them at its grant in sum."""
+    def sharer(name: str, containers: list[dict]) -> dict:
+        pod = _pod(name)
+        pod["spec"] = {"resourceClaims": [{"name": "gpu", "resourceClaimName": "shared"}], "containers": containers}
+        pod["status"]["containerStatuses"] = [{"name": c["name"], "containerID": f"containerd://{name}-{c['name']}"}
+                                              for c in containers]
+        return pod
+    uses = {"resources": {"claims": [{"name": "gpu"}]}}
+    pods = [sharer("a", [{"name": "vllm", **uses}]), sharer("b", [{"name": "vllm", **uses}, {"name": "log"}])]
+    done = sharer("c", [{"name": "vllm", **uses}])
+    done["status"]["phase"] = "Succeeded"
+    claim = PreparedClaim(uid="cuid-shared", namespace="default", name="shared", state="prepared", cdi_spec="/x",
+                          pod_uids=("uid-a", "uid-b"), pod_names=("a", "b"), gpus={"GPU-0": 24576})
+    source = _source({"cuid-shared": claim}, pods + [done])
+    assert source.list_tenants() == []
+    [pending] = source.list_pending()
+    assert pending.container_ids == frozenset({"a-vllm", "b-vllm"}) and pending.sharers == 2
+    assert pending.gpus == (("GPU-0", 24576),)

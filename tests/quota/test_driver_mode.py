@@ -258,3 +258,26 @@ def test_a_container_not_started_yet_keeps_its_share_of_the_tenant_s_limit(node)
     report = loop.run_once()
     limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
     assert nv.limits[(GPU, ca)][1] >> 20 == 10000 + (limit - 10000) // 2 + (limit - 10000) % 2
+
+
+def test_a_claim_several_pods_share_is_held_at_its_grant_in_sum_by_the_fence(node):
+    """A DRA claim that two pods share is no tenant (the loop does not lend it; it counts at its grant),
+    but in driver mode its containers were fenced only by the CDI spec, which a pod joining after Prepare
+    got at the split known then: the pair could hold twice the grant. The loop now holds each container
+    of such a claim at its share of the grant, every tick."""
+    from deviceplugin.quota.model import Claim
+    nv, cgroot, qroot = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+
+    class Source(Tenants):
+        def list_pending(self):
+            return [Claim("llm/shared", ((GPU, 24000),), container_ids=frozenset([CID_A, CID_B]), sharers=2)]
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    loop = QuotaLoop(Source([]), lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
+                     settings=LoopSettings(params=P, startup_ticks=0))
+    nv.allocate(GPU, ca, 5000)
+    report = loop.run_once()
+    assert not report.errors, report.errors
+    assert nv.limits[(GPU, ca)] == (12000 << 20, 12000 << 20) and nv.limits[(GPU, cb)] == (12000 << 20, 12000 << 20)
+    with pytest.raises(OutOfMemory):
+        nv.allocate(GPU, cb, 12001)
