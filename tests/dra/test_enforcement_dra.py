@@ -185,10 +185,11 @@ def test_on_a_driver_node_the_claim_s_spec_carries_the_fence_and_the_loop_moves_
 
 
 # -- the CDI spec per mode ------------------------------------------------------------------------------
-def _prepared_spec(tmp_path, facts: NodeFacts | None, pod_spec: dict | None = None,
-                   **enforcement_cfg: Any) -> tuple[dict, DraPluginDaemon, dict]:
-    """Prepare one 22 GiB claim on the demo node with ``facts`` (no kubelet: the preparer directly) and
-    return its CDI spec, the daemon (closed) and the claim."""
+@contextlib.contextmanager
+def _scheduled_claim(tmp_path, facts: NodeFacts | None, pod_spec: dict | None = None,
+                     **enforcement_cfg: Any) -> Iterator[tuple[ApiServerDouble, DraPluginDaemon, dict, ClaimRef]]:
+    """The demo node's DRA plugin with ``facts`` (no kubelet: the test prepares through the preparer) and
+    one pod with a 22 GiB claim scheduled on it: ``(api, daemon, the claim as allocated, its ref)``."""
     config = dra_config(tmp_path)
     if enforcement_cfg:
         config = dataclasses.replace(config, enforcement=EnforcementConfig(**enforcement_cfg))
@@ -201,13 +202,21 @@ def _prepared_spec(tmp_path, facts: NodeFacts | None, pod_spec: dict | None = No
                 pod = _pod(api, DraScheduler(http, [NODE], seed=1), "chat", **(pod_spec or {}))
                 claim = _claim(http, pod)
                 meta = claim["metadata"]
-                result = daemon.preparer.prepare(ClaimRef(meta["namespace"], meta["name"], meta["uid"]))
-                assert not result.error, result.error
-                return _spec(daemon, claim), daemon, claim
+                yield api, daemon, claim, ClaimRef(meta["namespace"], meta["name"], meta["uid"])
             finally:
                 daemon.close()
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+def _prepared_spec(tmp_path, facts: NodeFacts | None, pod_spec: dict | None = None,
+                   **enforcement_cfg: Any) -> tuple[dict, DraPluginDaemon, dict]:
+    """Prepare one 22 GiB claim on the demo node with ``facts`` and return its CDI spec, the daemon
+    (closed) and the claim."""
+    with _scheduled_claim(tmp_path, facts, pod_spec, **enforcement_cfg) as (_api_, daemon, claim, ref):
+        result = daemon.preparer.prepare(ref)
+        assert not result.error, result.error
+        return _spec(daemon, claim), daemon, claim
 
 
 def test_in_mps_mode_the_claim_s_spec_carries_the_mps_env_and_mounts(tmp_path):
@@ -260,30 +269,15 @@ def test_a_pod_that_cannot_be_read_refuses_the_prepare_with_the_reason_and_a_ret
     answers the read 403, as the real API server answers a right no rule grants) refuses the Prepare,
     naming the pod, and the kubelet's retry prepares it; fencing each container at the whole grant could
     let them hold a multiple of it."""
-    config = dra_config(tmp_path)
-    sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
-    try:
-        with _api() as (api, http):
-            daemon = _daemon(http, _simulated(DRIVER_NODE), config, sockets)
-            try:
-                daemon.publish_once()
-                pod = _pod(api, DraScheduler(http, [NODE], seed=1), "chat",
-                           containers=[VLLM, dict(VLLM, name="embed")])
-                meta = _claim(http, pod)["metadata"]
-                ref = ClaimRef(meta["namespace"], meta["name"], meta["uid"])
-                api.fail_next("GET", "/api/v1/namespaces/default/pods/chat", code=403, times=1)
-                result = daemon.preparer.prepare(ref)
-                assert "cannot read its pod default/chat" in result.error and "403" in result.error
-                assert meta["uid"] not in daemon.preparer.prepared()  # nothing half made
-                result = daemon.preparer.prepare(ref)
-                assert not result.error
-                spec = _spec(daemon, _claim(http, pod))
-                [(_u, mib)] = daemon.preparer.prepared()[meta["uid"]].gpus.items()
-                assert _env(spec)["NVIDIA_GPU_MEMORY_LIMIT"] == str(mib // 2)
-            finally:
-                daemon.close()
-    finally:
-        shutil.rmtree(sockets, ignore_errors=True)
+    with _scheduled_claim(tmp_path, DRIVER_NODE, {"containers": [VLLM, dict(VLLM, name="embed")]}) as (
+            api, daemon, claim, ref):
+        api.fail_next("GET", "/api/v1/namespaces/default/pods/chat", code=403, times=1)
+        result = daemon.preparer.prepare(ref)
+        assert "cannot read its pod default/chat" in result.error and "403" in result.error
+        assert ref.uid not in daemon.preparer.prepared()  # nothing half made
+        assert not daemon.preparer.prepare(ref).error
+        [(_u, mib)] = daemon.preparer.prepared()[ref.uid].gpus.items()
+        assert _env(_spec(daemon, claim))["NVIDIA_GPU_MEMORY_LIMIT"] == str(mib // 2)
 
 
 @pytest.mark.parametrize("facts, asked", [(BARE_NODE, {}), (DRIVER_NODE, {"mode": "cooperative"})])

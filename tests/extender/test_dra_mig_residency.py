@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 
-import orjson
 from hypothesis import example, given, settings, strategies as st
-from kubernetes import client
 
 from extender import accounting, dra_scoring, verbs, wire
-from extender.main import start_for_url
-from standins.apiserver import ApiServerDouble
 from tests.extender import builders as b
 from tests.extender.test_dra_mig_scoring import H100, mig_claim, mig_slices, pod
-from tests.extender.test_dra_residency import ASLEEP, LLAMA, dra_node
+from tests.extender.test_dra_residency import ASLEEP, LLAMA, dra_node, live_dra_extender
 from vramshare import contract, mig
 from vramshare.config import Config, Policy
 from vramshare.contract import resident_models
 from vramshare.inventory import DynamicMig
-from vramshare.kube import api_client_for
 
 NAMES = contract.Names()
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -168,26 +162,15 @@ def test_the_bonus_never_flips_a_mig_order(nodes, asked):
 def test_through_the_live_extender():
     """Slices and claims by its DRA watch, the Nodes' resident-models by its node watch, prioritize's
     HTTP handler: the MIG pod naming its model goes to the partitionable node that holds it."""
-    with ApiServerDouble() as api, api_client_for(api.url) as http:
-        resource = client.ResourceV1Api(http)
-        for node in ("a", "b"):
-            for s in _slices(node):
-                resource.create_resource_slice(s)
-        resource.create_namespaced_resource_claim("default", mig_claim("mine", "1g.10gb"))
-        with start_for_url(api.url, Config(), policy=Policy.FGD, dra=True, watch_timeout_s=2) as ext:
-            assert ext.wait_ready(20)
-            assert api.wait_for(lambda a: len(ext.app.dra.claims) == 1 and len(ext.app.dra.slices) == 4, timeout=20)
-
-            def scores(p: dict) -> dict[str, int]:
-                body = orjson.dumps({"Pod": p, "Nodes": None, "NodeNames": ["a", "b"]})
-                return {h["Host"]: h["Score"] for h in json.loads(ext.app.handle("POST", "/prioritize", body).body)}
-            assert scores(named("mine")) == {"a": 10, "b": 10}, "the MIG term ties"
-            for n in ("a", "b"):
-                api.create_node(dra_node(n, resident_models.encode([LLAMA] if n == "b" else [])))
-            assert api.wait_for(lambda a: "b" in ext.app.acct.models, timeout=20)
-            got = scores(named("mine"))
-            assert got["b"] == 10 and got["a"] < 10, got
-            assert scores(named("mine", None)) == {"a": 10, "b": 10}, "a pod that names no model: as before"
+    slices = [s for node in ("a", "b") for s in _slices(node)]
+    with live_dra_extender(slices, [mig_claim("mine", "1g.10gb")], ["a", "b"]) as (api, ext, scores):
+        assert scores(named("mine")) == {"a": 10, "b": 10}, "the MIG term ties"
+        for n in ("a", "b"):
+            api.create_node(dra_node(n, resident_models.encode([LLAMA] if n == "b" else [])))
+        assert api.wait_for(lambda a: "b" in ext.app.acct.models, timeout=20)
+        got = scores(named("mine"))
+        assert got["b"] == 10 and got["a"] < 10, got
+        assert scores(named("mine", None)) == {"a": 10, "b": 10}, "a pod that names no model: as before"
 
 
 # The device plugin's path: MIG instances (static) and dynamic-MIG placements are slots that

@@ -10,8 +10,10 @@ runs both plugins has one picture; ``vramshare inspect`` shows a DRA node's mode
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import orjson
@@ -48,34 +50,46 @@ def dra_node(name: str, text: str | None) -> dict:
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "annotations": ann}}
 
 
+@contextlib.contextmanager
+def live_dra_extender(slices: Sequence[dict], claims: Sequence[dict], names: Sequence[str]) -> Iterator[
+        tuple[ApiServerDouble, Any, Callable[[dict], dict[str, int]]]]:
+    """The live extender (fgd, DRA on) over the API server double holding ``slices`` and ``claims``, once
+    its DRA watch has them: ``(api, extender, scores)``, ``scores(pod)`` = its prioritize over ``names``
+    through the HTTP handler."""
+    with ApiServerDouble() as api, api_client_for(api.url) as http:
+        resource = client.ResourceV1Api(http)
+        for s in slices:
+            resource.create_resource_slice(s)
+        for c in claims:
+            resource.create_namespaced_resource_claim("default", c)
+        with start_for_url(api.url, Config(), policy=Policy.FGD, dra=True, watch_timeout_s=2) as ext:
+            assert ext.wait_ready(20)
+            assert api.wait_for(lambda a: len(ext.app.dra.claims) == len(claims)
+                                and len(ext.app.dra.slices) == len(slices), timeout=20)
+
+            def scores(p: dict) -> dict[str, int]:
+                body = orjson.dumps({"Pod": p, "Nodes": None, "NodeNames": list(names)})
+                return {h["Host"]: h["Score"] for h in json.loads(ext.app.handle("POST", "/prioritize", body).body)}
+            yield api, ext, scores
+
+
 def test_a_dra_pod_naming_its_model_prefers_the_node_that_holds_it():
     """Through the live extender: slices and claims by its DRA watch, the Node's resident-models by its
     node watch, prioritize over HTTP's handler."""
-    with ApiServerDouble() as api, api_client_for(api.url) as http:
-        resource = client.ResourceV1Api(http)
-        for node in ("n1", "n2"):
-            for s in node_slices(node, 1):
-                resource.create_resource_slice(s)
-        resource.create_namespaced_resource_claim("default", claim("mine", 16))
-        with start_for_url(api.url, Config(), policy=Policy.FGD, dra=True, watch_timeout_s=2) as ext:
-            assert ext.wait_ready(20)
-            assert api.wait_for(lambda a: len(ext.app.dra.claims) == 1 and len(ext.app.dra.slices) == 2, timeout=20)
-
-            def scores(p: dict) -> dict[str, int]:
-                body = orjson.dumps({"Pod": p, "Nodes": None, "NodeNames": ["n1", "n2"]})
-                return {h["Host"]: h["Score"] for h in json.loads(ext.app.handle("POST", "/prioritize", body).body)}
-            plain = scores(named("mine", None))
-            second = min(plain, key=plain.get)  # equal nodes: the stable tie order puts this one second
-            assert plain[second] < 10
-            for n in ("n1", "n2"):
-                api.create_node(dra_node(n, resident_models.encode([LLAMA] if n == second else [])))
-            assert api.wait_for(lambda a: second in ext.app.acct.models, timeout=20)
-            got = scores(named("mine", "meta-llama/Llama-3.1-8B"))
-            assert got[second] == 10 and min(got.values()) < 10, got
-            assert scores(named("mine", None)) == plain, "a pod that names no model: as before"
-            assert scores(named("mine", "meta-llama/Llama-3.1-8B@other")) == plain, "another revision"
-            assert scores(named("mine", "../nope")) == plain, "a bad model annotation is ignored"
-            assert ext.app.acct.slots == {}, "a DRA node's models book no GPU"
+    slices = [s for node in ("n1", "n2") for s in node_slices(node, 1)]
+    with live_dra_extender(slices, [claim("mine", 16)], ["n1", "n2"]) as (api, ext, scores):
+        plain = scores(named("mine", None))
+        second = min(plain, key=plain.get)  # equal nodes: the stable tie order puts this one second
+        assert plain[second] < 10
+        for n in ("n1", "n2"):
+            api.create_node(dra_node(n, resident_models.encode([LLAMA] if n == second else [])))
+        assert api.wait_for(lambda a: second in ext.app.acct.models, timeout=20)
+        got = scores(named("mine", "meta-llama/Llama-3.1-8B"))
+        assert got[second] == 10 and min(got.values()) < 10, got
+        assert scores(named("mine", None)) == plain, "a pod that names no model: as before"
+        assert scores(named("mine", "meta-llama/Llama-3.1-8B@other")) == plain, "another revision"
+        assert scores(named("mine", "../nope")) == plain, "a bad model annotation is ignored"
+        assert ext.app.acct.slots == {}, "a DRA node's models book no GPU"
 
 
 def _cluster(used: list[int], holders: list[bool]) -> tuple:
