@@ -262,15 +262,18 @@ def _dra_first_fit_of(model: str, layouts: tuple[Layout, ...], profile: str,
                       count: int) -> tuple[float, tuple[tuple[int, int], ...]] | None:
     """What the allocator takes on a node whose GPUs hold ``layouts``: the first ``count`` GPUs (index
     order) with a free placement, each at its highest free start; with the MIG term's loss of those
-    placements. Nodes in one state share the answer (pure, cached)."""
+    placements, each a share of its GPU's empty potential as the live scorer counts it
+    (:func:`extender.dra_scoring.partition_loss`: cards of different sizes are ranked alike, pinned by
+    ``tests/mig/test_replay.py``). Nodes in one state share the answer (pure, cached)."""
     w = _uniform(model)
+    empty = max(_potential(model, (), w), 1e-9)
     loss, picks = 0.0, []
     for k, layout in enumerate(layouts):
         starts = _free_starts(model, layout, profile)
         if not starts:
             continue
         after = tuple(sorted((*layout, mig.Placed(starts[-1], profile))))
-        loss += _potential(model, layout, w) - _potential(model, after, w)
+        loss += (_potential(model, layout, w) - _potential(model, after, w)) / empty
         picks.append((k, starts[-1]))
         if len(picks) == count:
             return loss, tuple(picks)

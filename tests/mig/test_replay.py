@@ -91,3 +91,56 @@ def test_dra_path_first_fit_and_the_mig_term() -> None:
     cut = next(layout for layout in seen[-1].layouts if len(layout) == 2)
     assert [(p.profile, p.start) for p in cut] == [("1g.10gb", 5), ("1g.10gb", 6)]
     assert min(mr.replay(nodes, seq, "dra-random", seed).accepted for seed in range(10)) == 2
+
+
+# -- the replay's DRA path against the live scorer (extender.dra_scoring) ---------------------------------
+_CARDS = {"A100-SXM4-40GB": ("NVIDIA A100-SXM4-40GB", 40960), "A100-SXM4-80GB": ("NVIDIA A100-SXM4-80GB", 81920),
+          "H100-SXM5-80GB": ("NVIDIA H100 80GB HBM3", 81559), "H200-SXM5-141GB": ("NVIDIA H200", 143771)}
+
+
+def _live_gpu(card: str):
+    """The one dynamic-MIG GPU the DRA plugin publishes for ``card``, as the extender reads it back."""
+    from deviceplugin import devices
+    from deviceplugin.dra import slices
+    from deviceplugin.backend import DiscoveredGpu
+    from extender import dra_scoring
+    from vramshare import contract
+    from vramshare.config import Config, DraConfig, DynamicMigConfig
+    names = contract.Names()
+    cfg = Config(dra=DraConfig(gpus=("all",)), dynamic_mig=DynamicMigConfig(gpus=("all",)))
+    model, memory = _CARDS[card]
+    inv = devices.build_inventory([DiscoveredGpu(index=0, uuid="GPU-0", model=model, memory_mib=memory,
+                                                 mig_enabled=True)], cfg, dra=True)
+    dyn = slices.dynamic_models(inv, cfg.dra_partitions)
+    objs = slices.resource_slices("n", None, slices.desired_devices(inv, names, "n", taints=False, dynamic=dyn), 1,
+                                  names, slices.counter_sets(inv, dyn))
+    [gpu] = dra_scoring.partitions_of_slices(objs)
+    assert gpu.model.name == card
+    return gpu
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(_CARDS)), st.lists(st.integers(0, 20), min_size=1, max_size=9))
+def test_the_replay_s_dra_term_is_the_live_scorer_s(card: str, asks: list[int]) -> None:
+    """The replay (bench_mig's dra-frag, bench_residency's dra-mig) must score a node as the extender's
+    ``mig_scores`` does: the allocator's partition (``first_fit_partition``) and its loss as a share of
+    the card's empty potential (``partition_loss``). The replay scored absolute potential, so across cards
+    of different sizes (the openb mapping mixes four) it ranked nodes differently from the live path."""
+    from extender import dra_scoring
+    gpu = _live_gpu(card)
+    plain = [p.name for p in gpu.model.profiles if not p.media]
+    held: list[str] = []
+    layout: tuple[mig.Placed, ...] = ()
+    for a in asks:
+        profile = plain[a % len(plain)]
+        live = dra_scoring.partition_loss([gpu], held, [profile])
+        replayed = mr._dra_first_fit_of(card, (layout,), profile, 1)
+        assert (live is None) == (replayed is None), (profile, layout)
+        if live is None:
+            continue
+        _g, uuid, start = dra_scoring.first_fit_partition(
+            [gpu], {gpu.counter_set: [mig.Placed(st_, p) for u, p, st_ in gpu.devices if u in held]}, profile)
+        assert replayed[1] == ((0, start),), "the replay's partition is the allocator's"
+        assert replayed[0] == pytest.approx(live, abs=1e-9), (profile, layout)
+        held.append(uuid)
+        layout = tuple(sorted((*layout, mig.Placed(start, profile))))
