@@ -156,7 +156,11 @@ class _Parser:
         if self.peek() == ("id", "has") and self.toks[self.i + 1:self.i + 2] == [("op", "(")]:
             self.take()  # the has() macro: is the last field of the path there? (never an error itself)
             self.take("(")
+            start = self.i
             present = not isinstance(self._lazy(self.unary), _Missing)
+            # cel-go's macro takes a field selection ``e.f`` only: an index or a bare name does not compile
+            if self.i - start < 3 or self.toks[self.i - 2] != ("op", "."):
+                raise AllocationError(f"CEL: invalid argument to has() macro in {self.text!r}")
             self.take(")")
             return present
         kind, value = self.take()

@@ -154,6 +154,11 @@ def test_cel_has_and_unknown_domains_as_upstream():
     assert ev('has(device.attributes["unknown.example.com"].k)') is False
     with pytest.raises(dra_allocator.AllocationError, match="no such key: k"):
         ev('device.attributes["unknown.example.com"].k == 1')
+    # has() takes a field selection only (cel-go's macro: "invalid argument to has() macro"); the stand-in
+    # accepted an index or a bare name, which the API server refuses when it compiles the selector
+    for bad in ('has(device.attributes["gpu.vramshare.io"])', 'has(device)', 'has(device.attributes["x"]["k"])'):
+        with pytest.raises(dra_allocator.AllocationError, match="invalid argument to has"):
+            ev(bad)
 
 
 # -- item 1 end to end, and item 2 through the extender's view ----------------------------------------------
