@@ -177,9 +177,18 @@ def render(acct: accounting.Accounting, node: str | None = None, dra: DraCluster
     doc: Obj = {"nodes": [_node(acct, n) for n in names], "unaccounted": unaccounted}
     if model_nodes:  # not in "nodes": no GPU of theirs is in the extender's books
         doc["modelNodes"] = [_models_only(acct, n) for n in model_nodes]
-    if modes:  # the DRA plugin's nodes: their GPUs are in ResourceSlices, not in the extender's books
-        doc["draNodes"] = [{"name": n, **_dra_entry(m)} for n, m in sorted(modes.items())]
+    if modes and dra is not None:  # the DRA plugin's nodes: their GPUs are in ResourceSlices, not in its books
+        doc["draNodes"] = [{"name": n, **_dra_memory(dra, n), **_dra_entry(m)} for n, m in sorted(modes.items())]
     return doc
+
+
+def _dra_memory(dra: DraCluster, node: str) -> Obj:
+    """A DRA node's memory as the DRA view books it: its devices' capacity and what allocated claims
+    consume of them (MiB)."""
+    usage = dra.state().node_usage(node)
+    total = sum(u.slot.capacity for u in usage)
+    used = sum(u.used for u in usage)
+    return {"totalMiB": total, "usedMiB": used, "freeMiB": total - used}
 
 
 def _gib(mib: int) -> str:
@@ -233,6 +242,10 @@ def format_table(doc: Obj) -> str:
     if modes:
         lines.append("GPU memory enforcement: " + ", ".join(f"{n} {m}" for n, m in sorted(modes.items())))
     dra = doc.get("draNodes") or ([{"name": doc["name"], **doc["dra"]}] if doc.get("dra") else [])
+    if doc.get("draNodes"):
+        total, used = (sum(int(d.get(k) or 0) for d in dra) for k in ("totalMiB", "usedMiB"))
+        lines.append(f"{len(dra)} DRA node(s): {_gib(used)} of {_gib(total)} GiB used, {_gib(total - used)} GiB free "
+                     "(ResourceSlices and allocated claims)")
     if dra:
         lines.append("GPU memory enforcement (DRA plugin): " + ", ".join(
             f"{d['name']} {d.get('enforcement') or d.get('note') or 'mode not published'}" for d in dra))

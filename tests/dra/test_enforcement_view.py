@@ -241,6 +241,29 @@ def test_the_extender_s_dra_view_and_inspect_show_each_dra_node_s_mode(tmp_path)
     assert "gpu-driver driver" in inspection.format_table(one)
 
 
+def test_inspect_counts_the_dra_nodes_memory_not_only_the_device_plugin_s(tmp_path):
+    """A DRA-only cluster's ``vramshare inspect`` said "0 node(s), 0 GPU(s): 0.0 of 0.0 GiB used": its GPUs
+    are in ResourceSlices, not in the extender's books. The DRA view's memory (slices' capacity, the
+    allocated claims' consumed capacity) is now in each DRA node's entry and in a summary line."""
+    from tests.extender.test_dra_scoring import claim
+    with _published(tmp_path, MODES) as (api, _http):
+        stored = api.objects(RESOURCESLICES)
+    dra = DraCluster(Config().names, 1024)
+    dra.replace("ResourceSlice", stored)
+    device = next(d["name"] for s in stored if s["spec"]["nodeName"] == "gpu-driver" for d in s["spec"]["devices"]
+                  if d.get("allowMultipleAllocations"))
+    dra.replace("ResourceClaim", [claim("held", 22, allocated=[("gpu-driver", device, 22)])])
+    doc = inspection.render(accounting.Accounting(Config()), dra=dra)
+    assert doc is not None
+    by = {n["name"]: n for n in doc["draNodes"]}
+    assert by["gpu-driver"]["usedMiB"] == 22 * 1024 and by["gpu-coop"]["usedMiB"] == 0
+    total = sum(n["totalMiB"] for n in by.values())
+    assert by["gpu-driver"]["totalMiB"] > 0 and by["gpu-driver"]["freeMiB"] == by["gpu-driver"]["totalMiB"] - 22 * 1024
+    table = inspection.format_table(doc)
+    assert (f"{len(MODES)} DRA node(s): 22.0 of {total / 1024:.1f} GiB used, {(total - 22 * 1024) / 1024:.1f} "
+            "GiB free (ResourceSlices and allocated claims)") in table, table
+
+
 def test_the_view_reads_the_newest_generation_and_ignores_other_drivers(discovered, config):
     inv = _inventory(discovered, config, EnforcementMode.DRIVER)
     newer = slices.resource_slices(NODE, None, slices.desired_devices(inv, config.names, NODE, taints=False), 2,
