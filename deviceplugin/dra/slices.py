@@ -7,8 +7,9 @@ rounds every share up to whole ``memoryUnitMiB`` units (default one unit, validR
 max the GPU's schedulable memory, step one unit: KEP-5075; ``validValues`` of that one unit when the
 GPU offers only one). An exclusive GPU is an ordinary device;
 every MIG instance is a device of its profile. A shared GPU also carries the node's pinned enforcement
-mode (attribute ``enforcement``: :mod:`vramshare.contract.slice_enforcement`). Unhealthy devices are withdrawn: removed, or tainted
-``NoSchedule`` when the cluster has DRADeviceTaints (config ``dra.deviceTaints``).
+mode (attribute ``enforcement``: :mod:`vramshare.contract.slice_enforcement`). Unhealthy devices are
+withdrawn: removed, or tainted ``NoSchedule`` when the cluster has DRADeviceTaints (config
+``dra.deviceTaints``).
 
 Device names are DNS labels derived from the GPU index (``gpu-0``, ``gpu-0-mig-1-0``); the
 ``uuid`` attribute names the physical GPU. No I/O: dicts in the API's JSON shape come out.

@@ -35,8 +35,8 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
                         names: contract.Names | None = None) -> list[Tenant]:
     """Pure: prepared claims joined with this node's pods (by UID) -> tenants. A tenant's containers are
     those that name its claim (a sidecar's processes are not its use, nor is its cgroup fenced at the
-    claim's limit). A claim shared by several pods is left alone; a claim whose pod is gone from the pods (deleted) or done has departed and is no
-    tenant, even while the kubelet has not unprepared it yet. The pod's metadata (labels,
+    claim's limit). A claim shared by several pods is left alone; a claim whose pod is gone from the pods
+    (deleted) or done has departed and is no tenant, even while the kubelet has not unprepared it yet. The pod's metadata (labels,
     priorityClassName, quota-class annotation) picks its quota class."""
     names = names or contract.Names(contract.DEFAULT_DOMAIN)
     running = running_pods_by_uid(pods)
@@ -49,13 +49,18 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
         if pod is None:
             continue
         pod_name = c.pod_names[0] if c.pod_names else str((pod.get("metadata") or {}).get("name") or "")
-        users = podspec.claim_containers(pod, c.name)  # its devices are in these: use and fence are theirs
-        ids = frozenset(cid for n, cid in container_ids(pod).items() if n in users)
+        ids, sharers = _claim_users(pod, c.name)  # its devices are in these: use and fence are theirs
         out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),
                           gpus=tuple(sorted(c.gpus.items())), metrics_url=metrics_url(pod),
-                          container_ids=ids, meta=pod_meta(pod, names),
-                          sharers=max(1, podspec.claim_users(pod, c.name))))
+                          container_ids=ids, meta=pod_meta(pod, names), sharers=max(1, sharers)))
     return out
+
+
+def _claim_users(pod: Mapping[str, Any], claim: str) -> tuple[frozenset[str], int]:
+    """The runtime IDs of the pod's containers that name ``claim``, and how many of them run at once."""
+    users = podspec.claim_containers(pod, claim)
+    ids = frozenset(cid for n, cid in container_ids(pod).items() if n in users)
+    return ids, (podspec.claim_users(pod, claim) if users else 0)
 
 
 def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenant],
@@ -76,12 +81,10 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
         ids: set[str] = set()
         sharers = 0
         for pod in running:
-            if (pod.get("metadata") or {}).get("namespace") != c.namespace:
-                continue
-            users = podspec.claim_containers(pod, c.name)
-            if users:
-                ids.update(cid for n, cid in container_ids(pod).items() if n in users)
-                sharers += podspec.claim_users(pod, c.name)
+            if (pod.get("metadata") or {}).get("namespace") == c.namespace:
+                theirs, n = _claim_users(pod, c.name)
+                ids |= theirs
+                sharers += n
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
                          container_ids=frozenset(ids), sharers=max(1, sharers)))
     return out

@@ -8,10 +8,11 @@ soft = the part of the limit within the container's request (its guaranteed shar
 A tenant of several containers (a DRA claim that two containers of its pod name: the claim's CDI spec
 is injected into each) has one limit and one cgroup per container: the limit is split among them
 (:func:`split_limit`), each keeping what it holds, so the cgroups hold at most the limit together, never
-the limit each; a container not started yet (``Tenant.sharers`` counts it) keeps its share of the rest. The containers of a claim that is no tenant (a DRA claim several pods share: counted at its grant,
+the limit each; a container not started yet (``Tenant.sharers`` counts it) keeps its share of the rest.
+The containers of a claim that is no tenant (a DRA claim several pods share: counted at its grant,
 never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant whose cgroup cannot be
-found yet (container starting) gives no sample: the policy then holds
-its limit, as for any tenant without telemetry.
+found yet (container starting) gives no sample: the policy then holds its limit, as for any tenant
+without telemetry.
 """
 from __future__ import annotations
 
@@ -51,8 +52,19 @@ class DriverFence:
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
 
-    def _cgroups(self, t: Tenant) -> list[tuple[str, str]]:
-        return [(cid, cg) for cid in sorted(t.container_ids) if (cg := self._finder.find(cid))]
+    def _cgroups(self, container_ids: frozenset[str]) -> list[tuple[str, str]]:
+        """(container id, cgroup) of those found: a container not started yet has none."""
+        return [(cid, cg) for cid in sorted(container_ids) if (cg := self._finder.find(cid))]
+
+    def _set_split(self, gpu: str, cgroups: Sequence[tuple[str, str]], soft: int, hard: int, uses: list[int],
+                   errors: list[str]) -> None:
+        """Soft and hard limits shared by ``cgroups`` (and the slots ``uses`` keeps beyond them for
+        containers not started yet), split by :func:`split_limit`; failures go to ``errors``."""
+        for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses), split_limit(hard, uses)):
+            try:
+                self._limits.set(gpu, cgroup, s_, h_)
+            except LimitError as exc:
+                errors.append(str(exc))
 
     def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
         """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21)."""
@@ -60,7 +72,7 @@ class DriverFence:
         failures: list[str] = []
         self._used = {}
         for t in tenants:
-            for cid, cgroup in self._cgroups(t):
+            for cid, cgroup in self._cgroups(t.container_ids):
                 for gpu, _req in t.gpus:
                     try:
                         got = self._limits.get(gpu, cgroup)
@@ -100,30 +112,21 @@ class DriverFence:
         """Move the tenant's cgroup limits to ``decisions``; returns the errors (logged by the loop).
         ``hard`` overrides the hard limit per GPU: the loop keeps a shrink's old hard limit until the
         engine acknowledged it (issue 19), the soft limit follows the decision at once."""
-        errors = []
-        cgroups = self._cgroups(tenant)
+        errors: list[str] = []
+        cgroups = self._cgroups(tenant.container_ids)
         for d in decisions:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
             soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
             uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
             uses += [0] * (tenant.sharers - len(cgroups))  # a share kept for each one not started yet
-            for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses), split_limit(top, uses)):
-                try:
-                    self._limits.set(d.gpu_uuid, cgroup, s_, h_)
-                except LimitError as exc:
-                    errors.append(str(exc))
+            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors)
         return errors
 
     def hold(self, claim: Claim) -> list[str]:
         """Hold the containers of a claim that is no tenant (a DRA claim several pods share) at its grant
         in sum: each at its share, soft = hard (nothing of it is lent); returns the errors."""
-        errors = []
-        cgroups = [cg for cid in sorted(claim.container_ids) if (cg := self._finder.find(cid))]
-        slots = [0] * max(len(cgroups), claim.sharers)
+        errors: list[str] = []
+        cgroups = self._cgroups(claim.container_ids)
         for gpu, mib in claim.gpus:
-            for cgroup, share in zip(cgroups, split_limit(mib, slots)):
-                try:
-                    self._limits.set(gpu, cgroup, share, share)
-                except LimitError as exc:
-                    errors.append(str(exc))
+            self._set_split(gpu, cgroups, mib, mib, [0] * max(len(cgroups), claim.sharers), errors)
         return errors
