@@ -46,7 +46,7 @@ class ConfigWatcher:
                  on_refused: Callable[[str, str], None] | None = None) -> None:
         self.path = path
         self.on_change = on_change
-        self.on_refused = on_refused  # (path, error): an Event and a metric (deviceplugin.kubelet.config_refusal)
+        self.on_refused = on_refused  # (path, error): an Event and a metric (deviceplugin.config_refusal)
         self.environ = environ
         self.overrides = dict(overrides or {})
         self.poll_seconds = poll_seconds

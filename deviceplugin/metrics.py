@@ -73,6 +73,13 @@ def enforcement_unavailable_gauge(registry: CollectorRegistry) -> Gauge:
                  "passed over at start (enforcement.mode auto), with why", ["mode", "reason"], registry=registry)
 
 
+def config_reloads_counter(registry: CollectorRegistry, prefix: str) -> Counter:
+    """``<prefix>config_reloads_total{result}`` on ``registry``: each node plugin counts its refused reloads
+    there (:class:`deviceplugin.config_refusal.RefusalReporter`)."""
+    return Counter(prefix + "config_reloads", "Config reloads refused (the last good config stays; a Warning "
+                   "Event VramshareConfigRefused names the key)", ["result"], registry=registry)
+
+
 class PluginMetrics:
     """The instruments; ``snapshot`` (optional) feeds the pull collector."""
 
@@ -99,9 +106,7 @@ class PluginMetrics:
         self.pod_resources_up = Gauge(_PREFIX + "pod_resources_up", "1 when the kubelet's PodResources List "
                                       "answered in the last round; 0: pods' actual GPUs are unknown and "
                                       "nothing is guessed", registry=self.registry)
-        self.config_reloads = Counter(_PREFIX + "config_reloads", "Config reloads refused (the last good "
-                                      "config stays; a Warning Event VramshareConfigRefused names the key)",
-                                      ["result"], registry=self.registry)
+        self.config_reloads = config_reloads_counter(self.registry, _PREFIX)
         self._attached = False
         if snapshot is not None:
             self.attach(snapshot)

@@ -281,6 +281,18 @@ def test_a_reload_keeps_the_unit_and_the_reserve_and_applies_the_rest():
         parse_config("quota: {stepMiB: 256}"), [])
 
 
+def test_a_reload_keeps_the_directories_and_names_each_refused_key():
+    """What the running plugin wrote lives in these host paths, the only ones its DaemonSet mounts."""
+    running = parse_config("dra: {cdiRoot: /var/run/cdi}")
+    new = parse_config("quotaHostDir: /srv/q\ndra: {cdiRoot: /etc/cdi, stateDir: /srv/s, deviceTaints: true}")
+    kept, refused = config.keep_restart_only(running, new)
+    assert (kept.quota_host_dir, kept.dra.cdi_root, kept.dra.state_dir) == (
+        running.quota_host_dir, "/var/run/cdi", running.dra.state_dir)
+    assert kept.dra.device_taints is True  # the rest of the section applies
+    assert [r.split(":")[0] for r in refused] == ["quotaHostDir", "dra.cdiRoot", "dra.stateDir"]
+    assert "/var/run/cdi -> /etc/cdi" in refused[1] and "container runtime" in refused[1]
+
+
 # -- issue 24: the admin's switch for dynamic MIG ------------------------------------------------------
 def test_dynamic_mig_is_off_unless_the_admin_lists_the_gpus():
     assert not Config().dynamic_mig.allows(0, "GPU-a")

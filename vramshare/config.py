@@ -839,23 +839,47 @@ def node_limits(config: Config, inventory: NodeInventory) -> None:
                           f"4 MiB gRPC receive limit: use a larger unit")
 
 
-#: Keys whose change alters what existing device IDs mean (``<gpu>::<n>`` is the n-th unit of this
-#: size after this reserve): a live reload keeps the running value, a restart applies the new one.
-RESTART_ONLY = {"memoryUnitMiB": "memory_unit_mib", "reservedMiBPerGPU": "reserved_mib_per_gpu",
-                "dynamicMig": "dynamic_mig"}
-_RESTART_WHY = {"dynamicMig": "the GPUs whose MIG instances the plugin makes and destroys are fixed at its start"}
+#: Keys a live reload keeps at their running value (a restart applies the new one), by the file's dotted
+#: key and the attribute path in :class:`Config`. The unit and the reserve: device IDs (``<gpu>::<n>``,
+#: the n-th unit of this size after this reserve) already handed out would change meaning. The
+#: directories: what the running plugin wrote lives there (quota files the loop maintains, CDI specs the
+#: container runtime reads, the prepared-claims checkpoint) and the DaemonSet mounts only those host paths.
+RESTART_ONLY: dict[str, tuple[str, ...]] = {
+    "memoryUnitMiB": ("memory_unit_mib",), "reservedMiBPerGPU": ("reserved_mib_per_gpu",),
+    "dynamicMig": ("dynamic_mig",), "quotaHostDir": ("quota_host_dir",),
+    "dra.cdiRoot": ("dra", "cdi_root"), "dra.stateDir": ("dra", "state_dir")}
+_RESTART_WHY = {
+    "dynamicMig": "the GPUs whose MIG instances the plugin makes and destroys are fixed at its start",
+    "quotaHostDir": "running containers' quota files and the quota loop are in the running directory, the "
+                    "only one the DaemonSet mounts (change the manifest's hostPath with it)",
+    "dra.cdiRoot": "prepared claims' CDI specs are in the running directory, the one the container runtime reads",
+    "dra.stateDir": "the prepared-claims checkpoint is in the running directory",
+}
+_UNITS_WHY = "device IDs already handed out name units of the running value"
+
+
+def _get(config: Config, path: tuple[str, ...]) -> Any:
+    value: Any = config
+    for attr in path:
+        value = getattr(value, attr)
+    return value
+
+
+def _with(obj: Any, path: tuple[str, ...], value: Any) -> Any:
+    """``obj`` (a frozen dataclass) with the attribute at ``path`` replaced."""
+    head, *rest = path
+    return dataclasses.replace(obj, **{head: _with(getattr(obj, head), tuple(rest), value) if rest else value})
 
 
 def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
     """``new`` with the :data:`RESTART_ONLY` keys of ``running``, and a refusal per key that differed.
     The rest of the reload applies (issue 17 item 8)."""
-    refused = [f"{key}: {getattr(running, attr)} -> {getattr(new, attr)} refused on a live reload: "
-               + _RESTART_WHY.get(key, "device IDs already handed out name units of the running value")
-               + "; restart the plugin to apply it"
-               for key, attr in RESTART_ONLY.items() if getattr(running, attr) != getattr(new, attr)]
-    if not refused:
-        return new, []
-    return dataclasses.replace(new, **{a: getattr(running, a) for a in RESTART_ONLY.values()}), refused
+    changed = [(key, path) for key, path in RESTART_ONLY.items() if _get(running, path) != _get(new, path)]
+    refused = [f"{key}: {_get(running, path)} -> {_get(new, path)} refused on a live reload: "
+               f"{_RESTART_WHY.get(key, _UNITS_WHY)}; restart the plugin to apply it" for key, path in changed]
+    for _, path in changed:
+        new = _with(new, path, _get(running, path))
+    return new, refused
 
 
 def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> Config:

@@ -43,12 +43,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from deviceplugin import enforcement
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
+from deviceplugin.config_refusal import RefusalReporter
 from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import FIELD_MANAGER, CountersDropped, SlicePublisher, SliceWatch
-from deviceplugin.metrics import EnforcementModeCollector, MetricsServer, enforcement_unavailable_gauge
+from deviceplugin.metrics import (EnforcementModeCollector, MetricsServer, config_reloads_counter,
+                                  enforcement_unavailable_gauge)
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
 from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
 from deviceplugin.node_state import NodeState, Snapshot
@@ -74,6 +76,7 @@ class DraMetrics:
         self.publish_errors = Counter(f"{p}dra_publish_errors", "Failed ResourceSlice publications",
                                       registry=self.registry)
         self.enforcement_unavailable = enforcement_unavailable_gauge(self.registry)
+        self.config_reloads = config_reloads_counter(self.registry, f"{p}dra_")
 
 
 class DraPluginDaemon:
@@ -318,6 +321,15 @@ class DraPluginDaemon:
             log.warning("config key needs a restart; the rest of the reload applies", reason=why)
         self.state.on_config(enforcement.pin(config, self.enforcement))
 
+    def config_watcher(self, path: str, initial: Config, environ: Any = None,
+                       poll_seconds: float = 2.0) -> ConfigWatcher:
+        """The live reload of ``path`` (``initial``: what was read from it at start) into :meth:`reload`; a
+        refused one is counted and posted as an Event on the node."""
+        return ConfigWatcher(path, self.reload, initial=initial, environ=environ,
+                             poll_seconds=poll_seconds,
+                             on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self.node,
+                                                        "vramshare-dra-plugin"))
+
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
 
@@ -393,6 +405,5 @@ def run(args: argparse.Namespace) -> int:
     except (BackendError, enforcement.EnforcementRefused, rights.RightRefused) as exc:
         print(f"vramshare dra-plugin: {exc}", file=sys.stderr)
         return 1
-    watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ)
-               if args.config else None)
+    watcher = daemon.config_watcher(args.config, config, os.environ) if args.config else None
     return serve(daemon, watcher, "dra-plugin")

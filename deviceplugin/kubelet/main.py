@@ -22,10 +22,10 @@ from typing import Any, Callable
 from deviceplugin import allocation, enforcement
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
+from deviceplugin.config_refusal import RefusalReporter
 from deviceplugin.config_watch import ConfigWatcher
 from deviceplugin.kubelet import cdi_names
 from deviceplugin.kubelet.allocator import Allocator
-from deviceplugin.kubelet.config_refusal import RefusalReporter
 from deviceplugin.kubelet.kube_adapter import InventoryPublisher, PodPatcher
 from deviceplugin.kubelet.lifecycle import PluginLifecycle
 from deviceplugin.kubelet.manager import DeviceFeeds, NodeResourceManager, ResourceManager
@@ -233,6 +233,15 @@ class DevicePluginDaemon:
             log.warning("config key needs a restart; the rest of the reload applies", reason=why)
         self.state.on_config(enforcement.pin(config, self.enforcement))
 
+    def config_watcher(self, path: str, initial: Config, environ: Any = None, overrides: dict[str, Any] | None = None,
+                       poll_seconds: float = 2.0) -> ConfigWatcher:
+        """The live reload of ``path`` (``initial``: what was read from it at start) into :meth:`reload`; a
+        refused one is counted and posted as an Event on the node."""
+        return ConfigWatcher(path, self.reload, initial=initial, environ=environ,
+                             overrides=overrides, poll_seconds=poll_seconds,
+                             on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self._node_name,
+                                                        "vramshare-device-plugin"))
+
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
 
@@ -284,8 +293,6 @@ def run(args: argparse.Namespace) -> int:
     except (BackendError, enforcement.EnforcementRefused, ConfigError) as exc:  # RightRefused is a ConfigError
         print(f"vramshare device-plugin: {exc}", file=sys.stderr)
         return 1
-    watcher = (ConfigWatcher(args.config, daemon.reload, initial=config, environ=os.environ, overrides=overrides,
-                             on_refused=RefusalReporter(metrics, api, args.node_name or ""))
-               if args.config else None)
+    watcher = daemon.config_watcher(args.config, config, os.environ, overrides) if args.config else None
     # SIGHUP also restarts every gRPC server, as NVIDIA's plugin does.
     return serve(daemon, watcher, "device-plugin", lambda: daemon.lifecycle.request_restart("SIGHUP"))

@@ -161,14 +161,15 @@ def test_a_refused_reload_is_an_event_on_the_node_and_a_metric(cm):
     """Issue 22: not only a log line. The Event goes through the official client to the API double."""
     from prometheus_client import generate_latest
 
-    from deviceplugin.kubelet.config_refusal import REASON, RefusalReporter
+    from deviceplugin.config_refusal import REASON, RefusalReporter
     from deviceplugin.metrics import PluginMetrics
     from standins.apiserver import ApiServerDouble
     from vramshare.kube import api_client_for
 
     metrics = PluginMetrics()
     with ApiServerDouble() as api, api_client_for(api.url) as http:
-        w, changes = watcher(cm, on_refused=RefusalReporter(metrics, http, "gpu-node-1"))
+        w, changes = watcher(cm, on_refused=RefusalReporter(metrics.config_reloads, http, "gpu-node-1",
+                                                                   "vramshare-device-plugin"))
         cm.publish("version: v1\nmemoryUnitMiB: lots\n")
         assert w.check() is False and changes == []
         [event] = api.events("default")
@@ -180,10 +181,10 @@ def test_a_refused_reload_is_an_event_on_the_node_and_a_metric(cm):
 
 
 def test_a_refusal_without_an_api_server_is_still_counted(cm):
-    from deviceplugin.kubelet.config_refusal import RefusalReporter
+    from deviceplugin.config_refusal import RefusalReporter
     from deviceplugin.metrics import PluginMetrics
     metrics = PluginMetrics()
-    w, _ = watcher(cm, on_refused=RefusalReporter(metrics, None, ""))
+    w, _ = watcher(cm, on_refused=RefusalReporter(metrics.config_reloads, None, "", "vramshare-device-plugin"))
     cm.publish("version: v1\nmemoryUnitMiB: -1\n")
     assert w.check() is False
     assert metrics.config_reloads.labels("refused")._value.get() == 1

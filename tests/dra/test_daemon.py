@@ -199,3 +199,59 @@ def test_evict_without_the_eviction_right_is_refused_at_start_and_on_reload(env)
         assert daemon.state.snapshot.config.enforcement.over_limit_action is OverLimitAction.EVENT
     finally:
         daemon.close()
+
+
+def test_a_reload_keeps_the_directories_prepared_claims_and_the_runtime_use(env):
+    """A live reload that moves ``quotaHostDir``, ``dra.cdiRoot`` or ``dra.stateDir`` keeps the running
+    ones (with a refusal logged): the quota loop scans the running quota root, the container runtime
+    reads the CDI specs Prepare wrote there and the DaemonSet mounts only those host paths. Applied
+    live, the next claim's spec and quota dir landed where no runtime, loop or checkpoint looks."""
+    api, http, tmp, sockets = env
+    _apply_deploy(http)
+    with start(env) as daemon:
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+        running = daemon.state.snapshot.config
+        moved = dataclasses.replace(running, quota_host_dir=str(tmp / "elsewhere-quota"),
+                                    dra=dataclasses.replace(running.dra, cdi_root=str(tmp / "elsewhere-cdi"),
+                                                            state_dir=str(tmp / "elsewhere-state")),
+                                    quota=dataclasses.replace(running.quota, step_mib=256))
+        daemon.reload(moved)
+        now = daemon.state.snapshot.config
+        assert (now.quota_host_dir, now.dra.cdi_root, now.dra.state_dir) == (
+            running.quota_host_dir, running.dra.cdi_root, running.dra.state_dir)
+        assert now.quota.step_mib == 256  # the rest of the reload applies
+        scheduler = DraScheduler(http, [NODE], seed=1)
+        kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
+        assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+        pod = scheduler.create_claims(_pod(api, "p0", "vllm-22gi"))
+        assert scheduler.schedule(pod) is not None
+        names = kubelet.prepare_pod(api.get_pod("default", "p0"))["vllm"]
+        injected = cdi_registry.Registry([str(tmp / "cdi")]).inject(names)
+        assert injected.env[contract.ENV_MEMORY_LIMIT_MIB] == str(22 * 1024)
+        assert not (tmp / "elsewhere-cdi").exists() and not (tmp / "elsewhere-quota").exists()
+        assert list((tmp / "quota").rglob("quota.json"))
+
+
+def test_a_refused_reload_is_an_event_on_the_node_and_a_metric_on_the_dra_plugin_too(env):
+    """The device plugin posted a ``VramshareConfigRefused`` Event and counted the refusal; the DRA plugin
+    only logged it, so an admin whose DRA nodes refused a ConfigMap edit saw nothing in ``kubectl get
+    events``, ``vramshare check`` or the metrics."""
+    from prometheus_client import generate_latest
+
+    from deviceplugin.config_refusal import REASON
+    api, http, tmp, sockets = env
+    path = tmp / "config.yaml"
+    path.write_text("quota: {stepMiB: 512}\n")
+    daemon = start(env)
+    try:
+        watcher = daemon.config_watcher(str(path), daemon.state.snapshot.config)
+        path.write_text("quota: {stepMiB: lots}\n")
+        assert watcher.check() is False
+        [event] = api.events("default")
+        assert event["reason"] == REASON and event["type"] == "Warning"
+        assert event["involvedObject"]["kind"] == "Node" and event["involvedObject"]["name"] == NODE
+        assert event["source"]["component"] == "vramshare-dra-plugin" and "quota.stepMiB" in event["message"]
+        text = generate_latest(daemon.metrics.registry).decode()
+        assert 'vramshare_dra_config_reloads_total{result="refused"} 1.0' in text
+    finally:
+        daemon.close()
