@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, strategies as st
 
 from vramshare import config
 from vramshare.config import Config, ConfigError, DeviceListStrategy, Policy, load_config, parse_config
@@ -319,7 +320,7 @@ def test_a_reload_never_changes_which_gpus_dynamic_mig_may_cut():
     running = parse_config("dynamicMig: {gpus: [0]}")
     kept, refused = config.keep_restart_only(running, parse_config("dynamicMig: {gpus: []}\nquota: {stepMiB: 256}"))
     assert kept.dynamic_mig.gpus == ("0",) and kept.quota.step_mib == 256
-    assert [r.split(":")[0] for r in refused] == ["dynamicMig"] and "fixed at its start" in refused[0]
+    assert [r.split(":")[0] for r in refused] == ["dynamicMig.gpus"] and "fixed at its start" in refused[0]
 
 
 def test_wake_ahead_is_an_opt_in_boolean_per_quota_class():
@@ -330,3 +331,44 @@ def test_wake_ahead_is_an_opt_in_boolean_per_quota_class():
     assert got == {"warm": True, "plain": False}
     with pytest.raises(ConfigError, match=r"wakeAhead"):
         parse_config(yaml.safe_dump({"quota": {"classes": [{"name": "c", "wakeAhead": "yes"}]}}))
+
+
+# -- what a reload applies, key by key ----------------------------------------------------------------
+_ALTERNATIVES = {  # a valid value away from the default, per file key
+    "memoryUnitMiB": 2048, "reservedMiBPerGPU": 512, "quotaHostDir": "/srv/q", "defaultGpuMode": "exclusive",
+    "health.ignoredXids": [13], "health.disabled": True, "quota.stepMiB": 256, "quota.enabled": False,
+    "quota.processAttribution": True, "quota.idleSeconds": 60, "enforcement.mode": "cooperative",
+    "enforcement.mpsShmDirectory": "/srv/shm", "dra.cdiRoot": "/etc/cdi", "dra.deviceTaints": True,
+    "warmTier.enabled": True, "warmTier.residencyMaxSteps": 0.5, "dynamicMig.gpus": [0],
+    "extender.policy": "binpack",
+}
+
+
+def _config_with(keys) -> Config:
+    raw: dict = {}
+    for key in keys:
+        *sections, leaf = key.split(".")
+        at = raw
+        for s in sections:
+            at = at.setdefault(s, {})
+        at[leaf] = _ALTERNATIVES[key]
+    return config.config_from_dict(raw)
+
+
+@given(st.sets(st.sampled_from(sorted(_ALTERNATIVES))), st.sets(st.sampled_from(sorted(_ALTERNATIVES))))
+def test_a_reload_applies_every_changed_key_but_those_read_at_start(before, after):
+    """key_changes names exactly the keys set differently; keep_restart_only keeps the running value of
+    exactly those ``applies`` says need a node plugin restart (and refuses each by name), the rest apply."""
+    running, new = _config_with(before), _config_with(after)
+    changes = config.key_changes(running, new)
+    assert {c.key for c in changes} == before ^ after
+    assert config.key_changes(new, new) == []
+    kept, refused = config.keep_restart_only(running, new)
+    restart = {c.key for c in changes if config.NODE_RESTART in c.applies}
+    assert {c.key for c in config.key_changes(kept, new)} == restart
+    assert {c.key for c in config.key_changes(running, kept)} == (before ^ after) - restart
+    assert sorted(r.split(":")[0] for r in refused) == sorted(restart)
+    assert all("restart the plugin" in r for r in refused)
+    for c in changes:
+        extender = c.key in {"memoryUnitMiB", "extender.policy", "warmTier.residencyMaxSteps"}
+        assert (config.EXTENDER_RESTART in c.applies) == extender

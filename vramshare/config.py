@@ -843,17 +843,35 @@ def node_limits(config: Config, inventory: NodeInventory) -> None:
 #: key and the attribute path in :class:`Config`. The unit and the reserve: device IDs (``<gpu>::<n>``,
 #: the n-th unit of this size after this reserve) already handed out would change meaning. The
 #: directories: what the running plugin wrote lives there (quota files the loop maintains, CDI specs the
-#: container runtime reads, the prepared-claims checkpoint) and the DaemonSet mounts only those host paths.
+#: container runtime reads, the prepared-claims checkpoint, the MPS daemon found at start) and the
+#: DaemonSet mounts only those host paths. The rest are read once, when the plugin builds the part
+#: they configure (the health watch, the warm tier, the per-process reader): a live value would be a
+#: config in force that nothing follows.
 RESTART_ONLY: dict[str, tuple[str, ...]] = {
     "memoryUnitMiB": ("memory_unit_mib",), "reservedMiBPerGPU": ("reserved_mib_per_gpu",),
     "dynamicMig": ("dynamic_mig",), "quotaHostDir": ("quota_host_dir",),
-    "dra.cdiRoot": ("dra", "cdi_root"), "dra.stateDir": ("dra", "state_dir")}
+    "dra.cdiRoot": ("dra", "cdi_root"), "dra.stateDir": ("dra", "state_dir"),
+    "enforcement.mode": ("enforcement", "mode"), "enforcement.mpsPipeDirectory": ("enforcement", "mps_pipe_directory"),
+    "enforcement.mpsShmDirectory": ("enforcement", "mps_shm_directory"),
+    "health": ("health",), "quota.processAttribution": ("quota", "process_attribution"),
+    "warmTier.enabled": ("warm_tier", "enabled"), "warmTier.modelCacheDir": ("warm_tier", "model_cache_dir"),
+    "warmTier.scanIntervalSeconds": ("warm_tier", "scan_interval_seconds"),
+    "warmTier.maxCacheEntries": ("warm_tier", "max_cache_entries")}
 _RESTART_WHY = {
     "dynamicMig": "the GPUs whose MIG instances the plugin makes and destroys are fixed at its start",
     "quotaHostDir": "running containers' quota files and the quota loop are in the running directory, the "
                     "only one the DaemonSet mounts (change the manifest's hostPath with it)",
     "dra.cdiRoot": "prepared claims' CDI specs are in the running directory, the one the container runtime reads",
     "dra.stateDir": "the prepared-claims checkpoint is in the running directory",
+    "enforcement.mode": "the node's fence is detected and pinned at start",
+    "enforcement.mpsPipeDirectory": "the MPS daemon was found there at start and containers mount it",
+    "enforcement.mpsShmDirectory": "the MPS daemon was found there at start and containers mount it",
+    "health": "the GPU health watch is started with it",
+    "quota.processAttribution": "the quota loop's usage readers are built with it",
+    "warmTier.enabled": "the warm tier's broker and sockets are built at start",
+    "warmTier.modelCacheDir": "the model cache scanner is started with it",
+    "warmTier.scanIntervalSeconds": "the model cache scanner is started with it",
+    "warmTier.maxCacheEntries": "the model cache scanner is started with it",
 }
 _UNITS_WHY = "device IDs already handed out name units of the running value"
 
@@ -872,14 +890,87 @@ def _with(obj: Any, path: tuple[str, ...], value: Any) -> Any:
 
 
 def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
-    """``new`` with the :data:`RESTART_ONLY` keys of ``running``, and a refusal per key that differed.
-    The rest of the reload applies (issue 17 item 8)."""
-    changed = [(key, path) for key, path in RESTART_ONLY.items() if _get(running, path) != _get(new, path)]
-    refused = [f"{key}: {_get(running, path)} -> {_get(new, path)} refused on a live reload: "
-               f"{_RESTART_WHY.get(key, _UNITS_WHY)}; restart the plugin to apply it" for key, path in changed]
-    for _, path in changed:
+    """``new`` with the :data:`RESTART_ONLY` keys of ``running``, and a refusal per file key that
+    differed under them. The rest of the reload applies (issue 17 item 8)."""
+    refused = []
+    for change in key_changes(running, new):
+        top = next((k for k in RESTART_ONLY if _under(change.key, (k,))), None)
+        if top is not None:
+            refused.append(f"{change.key}: {change.old} -> {change.new} refused on a live reload: "
+                           f"{_RESTART_WHY.get(top, _UNITS_WHY)}; restart the plugin to apply it")
+        elif change.key == "quota.enabled" and change.new is True:  # off pauses a running loop live
+            refused.append("quota.enabled: false -> true refused on a live reload: the quota loop is built at "
+                           "start only when it is on; restart the plugin to apply it")
+            new = _with(new, ("quota", "enabled"), False)
+    for path in RESTART_ONLY.values():
         new = _with(new, path, _get(running, path))
     return new, refused
+
+
+#: When a changed key takes effect (:func:`key_changes`): the node plugins reload the file live except
+#: the :data:`RESTART_ONLY` keys and turning ``quota.enabled`` on; the extender reads it at start only.
+LIVE, NODE_RESTART, EXTENDER_RESTART = "live on the node plugins", "a node plugin restart", "an extender restart"
+#: The keys the extender reads (its main and accounting), and those only it reads.
+EXTENDER_READS = ("resourceDomain", "memoryUnitMiB", "extender", "warmTier.residencyMaxSteps")
+_EXTENDER_ONLY = ("extender", "warmTier.residencyMaxSteps")
+_SECTIONS: dict[type, Mapping[str, str]] = {}  # filled below the dataclasses' key tables
+
+
+@dataclass(frozen=True)
+class KeyChange:
+    """One file key whose value differs between two configs, and when the new value takes effect."""
+
+    key: str  # the file's dotted key: quota.idleSeconds
+    old: Any
+    new: Any
+    applies: tuple[str, ...]  # LIVE or NODE_RESTART where the node plugins read it, + EXTENDER_RESTART
+
+
+def _under(key: str, keys: tuple[str, ...]) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def applies(key: str, old: Any = None, new: Any = None) -> tuple[str, ...]:
+    """When a change of the file key ``key`` (dotted) from ``old`` to ``new`` takes effect (as
+    :func:`keep_restart_only` decides on the node plugins)."""
+    node: tuple[str, ...] = ()
+    if not _under(key, _EXTENDER_ONLY):
+        restart = _under(key, tuple(RESTART_ONLY)) or (key == "quota.enabled" and new is True and old is False)
+        node = (NODE_RESTART,) if restart else (LIVE,)
+    return node + ((EXTENDER_RESTART,) if _under(key, EXTENDER_READS) else ())
+
+
+def _shown(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+        return [getattr(v, "name", v) for v in value]  # quota classes: by name
+    return value
+
+
+def key_changes(old: Config, new: Config) -> list[KeyChange]:
+    """The file keys whose values differ, in the file's order, each with when it applies; sections are
+    walked to their leaves, a list (``quota.classes``) is one key. What an admin wants to know before
+    ``kubectl apply`` (``vramshare check --config FILE``)."""
+    out: list[KeyChange] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        for key, attr in _SECTIONS[type(a)].items():
+            x, y = getattr(a, attr), getattr(b, attr)
+            if x == y:
+                continue
+            if type(x) in _SECTIONS:
+                walk(x, y, f"{prefix}{key}.")
+            else:
+                out.append(KeyChange(prefix + key, _shown(x), _shown(y), applies(prefix + key, x, y)))
+
+    walk(old, new, "")
+    return out
+
+
+_SECTIONS.update({Config: _TOP_KEYS, HealthConfig: _HEALTH_KEYS, ExtenderConfig: _EXTENDER_KEYS,
+                  QuotaConfig: _QUOTA_KEYS, EnforcementConfig: _ENFORCEMENT_KEYS, DraConfig: _DRA_KEYS,
+                  WarmTierConfig: _WARM_KEYS, DynamicMigConfig: _DYNAMIC_MIG_KEYS})
 
 
 def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> Config:

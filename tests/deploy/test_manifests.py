@@ -120,6 +120,17 @@ def test_configmap_shows_every_key():
         assert not missing, f"document {[prefix + k for k in missing]} in configmap.yaml"
 
 
+def test_configmap_lists_exactly_the_keys_a_reload_leaves_for_a_restart():
+    """The ConfigMap's header names what the node plugins read only at start (config.RESTART_ONLY, and
+    quota.enabled turned on): the admin's answer to "did my edit apply?"."""
+    header = (DEPLOY / "configmap.yaml").read_text()
+    listed = {key.split(" (")[0].strip() for line in header.splitlines() if line.startswith("#   restart: ")
+              for key in line.removeprefix("#   restart: ").split(",") if key.strip()}
+    assert listed == set(config.RESTART_ONLY) | {"quota.enabled"}
+    for key in listed:
+        assert config.NODE_RESTART in config.applies(key, False, True), key
+
+
 # -- the DaemonSet ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pod() -> dict[str, Any]:
