@@ -104,3 +104,26 @@ def test_a_config_reload_can_change_the_served_resources(kubelet, start_plugin, 
     kubelet.wait_registered([GPU])
     assert [d.ID for d in kubelet.devices(GPU)] == [h100]
     assert daemon.lifecycle.sockets and not os.path.exists(os.path.join(kubelet.plugin_dir, "vramshare-gpu-memory.sock"))
+
+
+def test_a_reload_keeps_what_the_plugin_built_at_start_and_says_so(kubelet, start_plugin, config, caplog):
+    """The health watch, the warm tier and the quota loop are built at start from the config: a reload
+    that turned them off or on was taken into the config in force while nothing followed it (no warm
+    tier ran, the old Xid list still filtered), so the config an admin read back lied. Now the reload
+    keeps the running values, names each key, and applies the rest."""
+    import dataclasses
+    import logging
+    daemon = start_plugin()
+    running = daemon.state.snapshot.config
+    asked = dataclasses.replace(
+        running, health=dataclasses.replace(running.health, ignored_xids=(13,)),
+        warm_tier=dataclasses.replace(running.warm_tier, enabled=True),
+        quota=dataclasses.replace(running.quota, process_attribution=True, step_mib=256))
+    with caplog.at_level(logging.WARNING):
+        daemon.reload(asked)
+    now = daemon.state.snapshot.config
+    assert now.health == running.health and now.warm_tier == running.warm_tier
+    assert now.quota.process_attribution is False and now.quota.step_mib == 256
+    reasons = [getattr(r, "fields", {}).get("reason", "") for r in caplog.records]
+    for key in ("health.ignoredXids", "warmTier.enabled", "quota.processAttribution"):
+        assert any(r.startswith(f"{key}: ") and "restart the plugin" in r for r in reasons), (key, reasons)
