@@ -10,10 +10,10 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from vramshare import logs
+from vramshare import contract, logs
 
 log = logs.get(__name__)
-REASON = "VramshareConfigRefused"
+REASON = contract.EVENT_CONFIG_REFUSED
 TIMEOUT_S = 5.0
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Any, Callable, TextIO
 
-from vramshare import kube
+from vramshare import contract, kube
 from vramshare_cli import checks, install
 
 Obj = dict[str, Any]
@@ -72,6 +72,9 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
                                          field_selector=f"spec.driver={checks.NAMES.dra_driver}"))
     s.forbidden = set(_FORBIDDEN)
     s.events = _items(_json(core.list_event_for_all_namespaces, field_selector="reason=FailedCreate")) or []
+    s.config_map = _json(core.read_namespaced_config_map, contract.CONFIG_MAP_NAME, namespace)
+    s.config_refusals = _items(_json(core.list_event_for_all_namespaces,
+                                     field_selector=f"reason={contract.EVENT_CONFIG_REFUSED}")) or []
     return s
 
 
@@ -86,16 +89,46 @@ def judge(s: checks.Snapshot, dra: bool, pre: bool) -> list[checks.Line]:
     return lines
 
 
+def config_file(args: argparse.Namespace) -> list[checks.Line]:
+    """``--config FILE``: the file as the daemons would read it; with ``--diff``, against the cluster's
+    ConfigMap (one GET with the kubeconfig), else against the defaults."""
+    try:
+        with open(args.config, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        return [checks.Line(checks.FAIL, f"cannot read {args.config}: {exc.strerror}")]
+    if not args.diff:
+        return checks.config_file(text, args.config, ns=args.namespace)
+    api = kube.user_client_or_say(args.kubeconfig, "pass --kubeconfig FILE, or leave out --diff")
+    with api:
+        from kubernetes import client
+        current = _json(client.CoreV1Api(api).read_namespaced_config_map, contract.CONFIG_MAP_NAME, args.namespace)
+    where = f"{checks.CONFIG_WHERE} in {args.namespace}"
+    running_text = ((current or {}).get("data") or {}).get(contract.CONFIG_FILE_KEY)
+    if running_text is None:
+        return [checks.Line(checks.WARN, f"no {where}: compared with the defaults")] + checks.config_file(
+            text, args.config, ns=args.namespace)
+    running, line = checks.parsed_config(running_text, where)
+    if running is None:
+        return [line] + checks.config_file(text, args.config, ns=args.namespace)
+    return checks.config_file(text, args.config, running, where, args.namespace)
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    from vramshare import kube  # the kubernetes client loads in seconds: not for 'vramshare --help'
-    api = kube.user_client_or_say(args.kubeconfig, "pass --kubeconfig FILE")
-    with api:
-        lines = judge(read(api, args.namespace, args.dra, args.pre), args.dra, args.pre)
+    if args.config:
+        lines = config_file(args)
+    else:
+        api = kube.user_client_or_say(args.kubeconfig, "pass --kubeconfig FILE")
+        with api:
+            lines = judge(read(api, args.namespace, args.dra, args.pre), args.dra, args.pre)
     for line in lines:
         print(line, file=out)
     failed = sum(line.mark == checks.FAIL for line in lines)
-    print(f"{len(lines)} checks: {failed} failed" + ("" if failed else ", ready") , file=out)
+    if args.config:
+        print(f"{args.config}: " + ("refused" if failed else "valid"), file=out)
+    else:
+        print(f"{len(lines)} checks: {failed} failed" + ("" if failed else ", ready"), file=out)
     return 1 if failed else 0
 
 
@@ -104,3 +137,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dra", action="store_true", help="also the DRA path (Kubernetes 1.36+)")
     p.add_argument("--namespace", default=install.NAMESPACE, metavar="NS", help=f"default {install.NAMESPACE}")
     p.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig (default $KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--config", metavar="FILE",
+                   help="check a config file (the ConfigMap's config.yaml) offline with the daemons' own parser, "
+                        "and list the keys it sets; nothing else is checked")
+    p.add_argument("--diff", action="store_true",
+                   help="with --config: compare with the ConfigMap in the cluster and say which changes apply "
+                        "live and which wait for a restart (and which)")

@@ -13,7 +13,7 @@ from typing import Any, Collection
 
 import yaml
 
-from vramshare import contract
+from vramshare import config as vconfig, contract
 from vramshare.contract import inventory as contract_inventory, slice_enforcement
 from vramshare.inventory import InventoryError
 
@@ -62,6 +62,8 @@ class Snapshot:
     lease: Obj | None = None  # the extender replicas' Lease (vramshare-extender)
     forbidden: set[str] = field(default_factory=set)  # names (or list calls) the user may not read
     events: list[Obj] = field(default_factory=list)
+    config_map: Obj | None = None  # ConfigMap vramshare-config
+    config_refusals: list[Obj] = field(default_factory=list)  # node Events VramshareConfigRefused
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc))
 
 
@@ -123,6 +125,7 @@ def postinstall(s: Snapshot, dra: bool) -> list[Line]:
         out.append(Line(OK, f"DeviceClasses: {', '.join(ours)}") if ours else
                    Line(FAIL, "no vramshare DeviceClasses", "vramshare install --dra ... | kubectl apply -f -"))
         out += _dra_nodes(s, dra_modes, ns)
+    out += _config(s, ns)
     out += _admission(s)
     return out
 
@@ -337,4 +340,99 @@ def _admission(s: Snapshot) -> list[Line]:
                         "GPU pods use schedulerName: vramshare-scheduler and set no nodeName (README, 'Security')"))
     else:
         out.append(Line(OK, "no pod creation refused by vramshare's admission policies"))
+    return out
+
+
+# -- the config ---------------------------------------------------------------------------------
+CONFIG_WHERE = f"ConfigMap {contract.CONFIG_MAP_NAME}"
+
+
+def parsed_config(text: str, where: str) -> tuple[vconfig.Config | None, Line]:
+    """The daemons' own parser on ``text``: the config, or the line that names the refused key."""
+    try:
+        parsed = vconfig.parse_config(text)
+    except vconfig.ConfigError as exc:
+        return None, Line(FAIL, f"{where} is refused by the daemons' parser: {exc}",
+                          "correct that key and apply again; until then the node plugins keep their last good "
+                          "config, and a plugin or extender that restarts exits at start")
+    return parsed, Line(OK, f"{where}: a valid config (schema {parsed.version})")
+
+
+def _time(text: Any) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _changed_at(obj: Obj) -> datetime.datetime | None:
+    """When ``obj`` last changed, by its managedFields (the API server stamps every write), else its creation."""
+    meta = obj.get("metadata") or {}
+    times = [t for t in (_time(m.get("time")) for m in meta.get("managedFields") or []) if t is not None]
+    return max(times) if times else _time(meta.get("creationTimestamp"))
+
+
+def _config(s: Snapshot, ns: str) -> list[Line]:
+    """The ConfigMap as the daemons read it, and the nodes that refused it as it is now (their Events
+    ``VramshareConfigRefused``, posted after its last change: a node image older than this CLI)."""
+    install_fix = "vramshare install ... | kubectl apply -f -"
+    if s.config_map is None:
+        return [Line(FAIL, f"{CONFIG_WHERE} not found (the node plugins and the extender mount it)", install_fix)]
+    text = (s.config_map.get("data") or {}).get(contract.CONFIG_FILE_KEY)
+    if text is None:
+        return [Line(FAIL, f"{CONFIG_WHERE} has no {contract.CONFIG_FILE_KEY}", install_fix)]
+    parsed, line = parsed_config(text, CONFIG_WHERE)
+    if parsed is None:
+        return [line]
+    since = _changed_at(s.config_map)
+    refused: dict[str, tuple[datetime.datetime, Obj]] = {}
+    for event in s.config_refusals:
+        if event.get("reason") != contract.EVENT_CONFIG_REFUSED:
+            continue
+        at = _time(event.get("lastTimestamp") or event.get("eventTime"))
+        node = (event.get("involvedObject") or event.get("regarding") or {}).get("name", "?")
+        if at is not None and (since is None or at >= since) and at >= refused.get(node, (at, {}))[0]:
+            refused[node] = (at, event)
+    if not refused:
+        return [line]
+    nodes = sorted(refused)
+    latest = max(refused.values(), key=lambda hit: hit[0])[1]
+    return [line, Line(FAIL, f"{len(nodes)} node(s) refused {CONFIG_WHERE} as it is now ({', '.join(nodes[:5])}"
+                             f"{', ...' if len(nodes) > 5 else ''}): {(latest.get('message') or '').strip()[:200]}",
+                       f"those nodes' plugins run an image that reads this config otherwise: kubectl -n {ns} get "
+                       "pods -o wide -l app.kubernetes.io/part-of=vramshare (same image everywhere), or drop the key")]
+
+
+def _restart_fix(applies: tuple[str, ...], ns: str) -> str:
+    fixes = []
+    if vconfig.NODE_RESTART in applies:
+        fixes.append(f"kubectl -n {ns} rollout restart daemonset/vramshare-device-plugin (and "
+                     "daemonset/vramshare-dra-plugin on the DRA path)")
+    if vconfig.EXTENDER_RESTART in applies:
+        fixes.append(f"kubectl -n {ns} rollout restart deployment/vramshare-extender")
+    return "; ".join(fixes)
+
+
+def config_file(text: str, where: str, running: vconfig.Config | None = None, running_what: str = "",
+                ns: str = "vramshare-system") -> list[Line]:
+    """``vramshare check --config FILE``: the daemons' verdict on a config file before it is applied, and
+    each key it changes: against the defaults, or (``running``) against the ConfigMap in the cluster,
+    each with when it takes effect (live on the node plugins, or at which restart)."""
+    parsed, line = parsed_config(text, where)
+    if parsed is None:
+        return [line]
+    out = [line]
+    changes = vconfig.key_changes(running or vconfig.Config(), parsed)
+    against = running_what if running is not None else "the defaults"
+    if not changes:
+        out.append(Line(OK, f"no key differs from {against}"))
+    for c in changes:
+        what = f"{c.key}: {c.old} -> {c.new}"
+        if running is None:
+            out.append(Line(OK, f"{what} (set away from the default)"))
+            continue
+        waits = tuple(a for a in c.applies if a != vconfig.LIVE)
+        said = "; ".join(([f"applies {vconfig.LIVE}"] if vconfig.LIVE in c.applies else [])
+                         + [f"waits for {w}" for w in waits])
+        out.append(Line(WARN, f"{what}: {said}", _restart_fix(waits, ns)) if waits else Line(OK, f"{what}: {said}"))
     return out

@@ -168,8 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Before (--pre) or after an install: the API server and its version, "
                                      "admission policies, the node-name claim, DRA (--dra), each GPU node's "
                                      "device plugin and enforcement mode, the extender (ready, reachable, "
-                                     "certificates), the scheduler profile, pods refused by our admission "
-                                     "policies. One line each; exit status 1 when any is ✗.")
+                                     "certificates), the scheduler profile, the ConfigMap as the daemons read it "
+                                     "(and nodes that refused it), pods refused by our admission policies. "
+                                     "With --config FILE: a config file before you apply it (offline; --diff: "
+                                     "against the cluster's, each change live or at which restart). One line "
+                                     "each; exit status 1 when any is ✗.")
     check_cmd.add_arguments(chk)
 
     tr = sub.add_parser("traces", help="download the public traces, or show where they are found",

@@ -212,3 +212,79 @@ def test_check_dra_without_any_slice_says_so(capsys, tmp_path):
     text = "\n".join(lines)
     assert "✗ no node publishes ResourceSlices of gpu.vramshare.io" in text, text
     assert rc == 1
+
+
+# -- the config: as the daemons read it, the nodes that refused it, and a file before it is applied ------
+def _set_config(api: ApiServerDouble, text: str) -> None:
+    api.update(BY_KIND[("v1", "ConfigMap")], NS, "vramshare-config", lambda c: c.update(data={"config.yaml": text}))
+
+
+def _refused_by(api: ApiServerDouble, node: str, when: str, message: str) -> None:
+    """The Event a node plugin posts (deviceplugin.config_refusal), as the API server stores it."""
+    api.create({"apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{node}.{when[-3:-1]}", "namespace": "default"},
+                "type": "Warning", "reason": "VramshareConfigRefused", "message": message,
+                "involvedObject": {"kind": "Node", "name": node, "uid": node, "apiVersion": "v1"},
+                "source": {"component": "vramshare-device-plugin", "host": node},
+                "firstTimestamp": when, "lastTimestamp": when, "count": 1})
+
+
+def test_the_configmap_is_judged_by_the_daemons_parser(cluster, capsys):
+    """A ConfigMap edit the node plugins refuse used to pass check: they kept their last good config, and
+    the next plugin or extender restart exited at start."""
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    rc, lines = _check(capsys, kubeconfig)
+    assert rc == 0 and "✓ ConfigMap vramshare-config: a valid config (schema v1)" in lines, lines
+    _set_config(api, "version: v1\nquota: {stepMiB: lots}\n")
+    rc, lines = _check(capsys, kubeconfig)
+    text = "\n".join(lines)
+    assert rc == 1 and "✗ ConfigMap vramshare-config is refused by the daemons' parser: quota.stepMiB: expected int" \
+        in text and "a plugin or extender that restarts exits at start" in text, text
+
+
+def test_nodes_that_refused_the_configmap_as_it_is_now_are_named(cluster, capsys):
+    """A node whose plugin refused the current ConfigMap (an older image that does not know a key) is a
+    ✗ naming it; a refusal from before the ConfigMap's last change is history, not a line."""
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    _refused_by(api, "gpu-old", "2020-01-01T00:00:00Z", "config refused: quota.stepMiB: expected int")
+    rc, lines = _check(capsys, kubeconfig)
+    assert rc == 0 and not any("refused ConfigMap" in line for line in lines), lines
+    later = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=5)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    _refused_by(api, "gpu-a", later, "config /etc/vramshare/config.yaml refused, the last good config stays in "
+                                      "force: warmTier.wakeAhead: unknown key")
+    rc, lines = _check(capsys, kubeconfig)
+    text = "\n".join(lines)
+    assert rc == 1 and "✗ 1 node(s) refused ConfigMap vramshare-config as it is now (gpu-a): " in text, text
+    assert "warmTier.wakeAhead: unknown key" in text and "gpu-old" not in text
+
+
+def test_a_config_file_before_it_is_applied(tmp_path, capsys):
+    """Offline, like promtool check config: the daemons' verdict and the keys the file sets."""
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("quota: {idleSeconds: 120}\nmemoryUnitMiB: 2048\n")
+    bad.write_text("quota: {idleSecond: 120}\n")
+    assert cli.main(["check", "--config", str(good)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"✓ {good}: a valid config (schema v1)"
+    assert "✓ memoryUnitMiB: 1024 -> 2048 (set away from the default)" in lines and lines[-1] == f"{good}: valid"
+    assert cli.main(["check", "--config", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "✗" in out and "quota.idleSecond: unknown key" in out and out.strip().endswith(f"{bad}: refused")
+
+
+def test_a_config_file_against_the_cluster_says_what_applies_live_and_what_waits(cluster, capsys, tmp_path):
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    _set_config(api, "version: v1\nquota: {idleSeconds: 300}\n")
+    new = tmp_path / "new.yaml"
+    new.write_text("version: v1\nquota: {idleSeconds: 120}\nmemoryUnitMiB: 2048\nextender: {policy: binpack}\n")
+    rc = cli.main(["check", "--kubeconfig", kubeconfig, "--config", str(new), "--diff"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0, lines
+    assert "✓ quota.idleSeconds: 300.0 -> 120.0: applies live on the node plugins" in lines
+    [unit] = [line for line in lines if line.startswith("! memoryUnitMiB: 1024 -> 2048: waits for a node plugin "
+                                                        "restart; waits for an extender restart")]
+    assert f"kubectl -n {NS} rollout restart daemonset/vramshare-device-plugin" in unit
+    assert f"kubectl -n {NS} rollout restart deployment/vramshare-extender" in unit
+    assert any(line.startswith("! extender.policy: fgd -> binpack: waits for an extender restart") for line in lines)

@@ -22,8 +22,8 @@ from vramshare.contract._json import ContractError
 from vramshare.contract.assignment import AssignedGpu, AssignmentError
 from vramshare.contract.model import (MAX_MODEL_NAME, MAX_MODEL_REVISION, ModelRef, ModelRefError,
                                       encode_model_ref, parse_model_ref)
-from vramshare.contract.names import (CONTAINER_QUOTA_DIR, DEFAULT_DOMAIN, DEVICE_PLUGIN_API_VERSION,
-                                      DEVICE_PLUGIN_DIR, ENV_GPU_MEMORY_LIMIT, ENV_GPU_MEMORY_REQUEST,
+from vramshare.contract.names import (CONFIG_FILE_KEY, CONFIG_MAP_NAME, CONTAINER_QUOTA_DIR, DEFAULT_DOMAIN, DEVICE_PLUGIN_API_VERSION,
+                                      DEVICE_PLUGIN_DIR, ENV_GPU_MEMORY_LIMIT, EVENT_CONFIG_REFUSED, ENV_GPU_MEMORY_REQUEST,
                                       ENV_GPU_UUIDS, ENV_KVCACHED_IPC_NAME, ENV_MEMORY_LIMIT_MIB,
                                       ENV_MPS_PINNED_MEM_LIMIT, ENV_MPS_PIPE_DIRECTORY, ENV_QUOTA_FILE,
                                       ENV_VISIBLE_DEVICES, FIELD_MANAGER_DEVICE_PLUGIN, FIELD_MANAGER_EXTENDER,
@@ -43,7 +43,7 @@ from vramshare.contract.warm import (WARM_AWAKE, WARM_GRANT, WARM_HELLO, WARM_MA
 __all__ = [
     "ContractError", "AssignedGpu", "AssignmentError", "GpuQuota", "QuotaFile", "QuotaFileError",
     "MAX_MODEL_NAME", "MAX_MODEL_REVISION", "ModelRef", "ModelRefError", "parse_model_ref", "encode_model_ref",
-    "CONTAINER_QUOTA_DIR", "DEFAULT_DOMAIN", "DEVICE_PLUGIN_API_VERSION", "DEVICE_PLUGIN_DIR",
+    "CONFIG_FILE_KEY", "CONFIG_MAP_NAME", "EVENT_CONFIG_REFUSED", "CONTAINER_QUOTA_DIR", "DEFAULT_DOMAIN", "DEVICE_PLUGIN_API_VERSION", "DEVICE_PLUGIN_DIR",
     "ENV_GPU_MEMORY_LIMIT", "ENV_GPU_MEMORY_REQUEST", "ENV_GPU_UUIDS", "ENV_KVCACHED_IPC_NAME",
     "ENV_MEMORY_LIMIT_MIB", "ENV_MPS_PINNED_MEM_LIMIT", "ENV_MPS_PIPE_DIRECTORY", "ENV_QUOTA_FILE",
     "ENV_VISIBLE_DEVICES", "FIELD_MANAGER_DEVICE_PLUGIN", "FIELD_MANAGER_EXTENDER", "HEALTHY",

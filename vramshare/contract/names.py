@@ -188,6 +188,12 @@ MAX_EXTENDER_PRIORITY = 10
 
 METRICS_PREFIX = "vramshare_"
 
+# -- the config: the ConfigMap both node plugins and the extender mount, and the node Event a node plugin
+# posts when it refuses a reload of it (read back by ``vramshare check``)
+CONFIG_MAP_NAME = "vramshare-config"
+CONFIG_FILE_KEY = "config.yaml"
+EVENT_CONFIG_REFUSED = "VramshareConfigRefused"
+
 
 def unit_device_id(gpu_uuid: str, n: int) -> str:
     """Device ID of memory unit ``n`` of a GPU: ``<gpu-uuid>::<n>``, deterministic, names the GPU."""
