@@ -15,6 +15,8 @@ import signal
 import threading
 from typing import Any, Callable, Mapping
 
+from deviceplugin import enforcement
+from deviceplugin.quota import rights
 from vramshare import config as vconfig
 from vramshare import logs
 
@@ -131,3 +133,15 @@ class ConfigWatcher:
                 self.check(force=forced)
             except Exception:  # a failing on_change must not end live reload
                 log.error("config change handler failed", exc_info=True, path=self.path)
+
+
+def admit_reload(running: vconfig.Config, new: vconfig.Config, api: Any, chosen: enforcement.Chosen) -> vconfig.Config:
+    """What a node plugin applies of a reload: a config that turns on ``overLimitAction: evict`` without the
+    eviction right is refused whole (:class:`rights.RightRefused`, a ConfigError: the watcher keeps the
+    last good config); the keys read only at start keep their running values, each logged
+    (:func:`vramshare.config.keep_restart_only`); the node's fence stays the one pinned at start."""
+    rights.check(new, api, running=running)
+    new, refused = vconfig.keep_restart_only(running, new)
+    for why in refused:
+        log.warning("config key needs a restart; the rest of the reload applies", reason=why)
+    return enforcement.pin(new, chosen)

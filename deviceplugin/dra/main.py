@@ -44,7 +44,7 @@ from deviceplugin import enforcement
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
 from deviceplugin.config_refusal import RefusalReporter
-from deviceplugin.config_watch import ConfigWatcher
+from deviceplugin.config_watch import ConfigWatcher, admit_reload
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
@@ -58,7 +58,7 @@ from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
 from deviceplugin.serve import serve, spawn
 from vramshare import contract, kube, logs, mig
-from vramshare.config import Config, ConfigError, keep_restart_only, load_config
+from vramshare.config import Config, ConfigError, load_config
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -312,14 +312,10 @@ class DraPluginDaemon:
         self._dirty.set()
 
     def reload(self, config: Config) -> None:
-        """A new config: ``memoryUnitMiB`` and ``reservedMiBPerGPU`` keep their running values (the
-        devices already prepared are sized in them); the rest applies. A config that turns on
-        ``overLimitAction: evict`` without the eviction right is refused whole (:class:`rights.RightRefused`)."""
-        rights.check(config, self._api, running=self.state.snapshot.config)  # RightRefused: the reload is refused
-        config, refused = keep_restart_only(self.state.snapshot.config, config)
-        for why in refused:
-            log.warning("config key needs a restart; the rest of the reload applies", reason=why)
-        self.state.on_config(enforcement.pin(config, self.enforcement))
+        """A new config, as :func:`deviceplugin.config_watch.admit_reload` admits it (the keys read at start,
+        the unit and the directories among them, keep their running values; evict without the right is
+        refused whole); slices follow at the next publish."""
+        self.state.on_config(admit_reload(self.state.snapshot.config, config, self._api, self.enforcement))
 
     def config_watcher(self, path: str, initial: Config, environ: Any = None,
                        poll_seconds: float = 2.0) -> ConfigWatcher:

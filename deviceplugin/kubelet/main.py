@@ -23,7 +23,7 @@ from deviceplugin import allocation, enforcement
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
 from deviceplugin.config_refusal import RefusalReporter
-from deviceplugin.config_watch import ConfigWatcher
+from deviceplugin.config_watch import ConfigWatcher, admit_reload
 from deviceplugin.kubelet import cdi_names
 from deviceplugin.kubelet.allocator import Allocator
 from deviceplugin.kubelet.kube_adapter import InventoryPublisher, PodPatcher
@@ -40,7 +40,7 @@ from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
-from vramshare.config import Config, ConfigError, DeviceListStrategy, keep_restart_only, load_config, node_limits
+from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config, node_limits
 from vramshare.contract import inventory as contract_inventory
 from vramshare.inventory import GpuMode
 
@@ -221,17 +221,11 @@ class DevicePluginDaemon:
         self.lifecycle.wake()
 
     def reload(self, config: Config) -> None:
-        """A new config from the config watcher: device lists follow at once (ListAndWatch resends);
-        servers restart only when the set of resources changes. ``quotaHostDir`` and ``enforcement.mode`` need a
-        restart; ``memoryUnitMiB`` and ``reservedMiBPerGPU`` too (they change what every device ID means): a
-        reload keeps their running values and applies the rest. A config that turns on ``overLimitAction:
-        evict`` without the eviction right is refused whole (:class:`rights.RightRefused`, a ConfigError: the
-        watcher keeps the last good config)."""
-        rights.check(config, self._api, running=self.state.snapshot.config)
-        config, refused = keep_restart_only(self.state.snapshot.config, config)
-        for why in refused:
-            log.warning("config key needs a restart; the rest of the reload applies", reason=why)
-        self.state.on_config(enforcement.pin(config, self.enforcement))
+        """A new config from the config watcher, as :func:`deviceplugin.config_watch.admit_reload` admits it
+        (the keys read at start keep their running values; evict without the right is refused whole):
+        device lists follow at once (ListAndWatch resends); servers restart only when the set of resources
+        changes."""
+        self.state.on_config(admit_reload(self.state.snapshot.config, config, self._api, self.enforcement))
 
     def config_watcher(self, path: str, initial: Config, environ: Any = None, overrides: dict[str, Any] | None = None,
                        poll_seconds: float = 2.0) -> ConfigWatcher:
