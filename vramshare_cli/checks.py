@@ -112,7 +112,9 @@ def postinstall(s: Snapshot, dra: bool) -> list[Line]:
     ns = s.namespace
     out += _workload(s.daemonsets.get("vramshare-device-plugin"), "DaemonSet", "vramshare-device-plugin", ns)
     dra_modes = slice_enforcement.node_modes(s.resource_slices or [], NAMES.dra_driver) if dra else {}
-    out += _nodes(s.nodes, ns, dra_only={n for n, m in dra_modes.items() if m.devices})
+    running = _config_in_force(s)
+    out += _nodes(s.nodes, ns, dra_only={n for n, m in dra_modes.items() if m.devices},
+                  unit_mib=running.memory_unit_mib if running is not None else None)
     out += _workload(s.deployments.get("vramshare-extender"), "Deployment", "vramshare-extender", ns)
     out += _leader(s, ns)
     out += _reachable(s, ns)
@@ -151,10 +153,11 @@ def _workload(obj: Obj | None, kind: str, name: str, ns: str) -> list[Line]:
     return [Line(OK, f"{kind} {name}: {ready} of {want} ready")]
 
 
-def _nodes(nodes: list[Obj], ns: str, dra_only: Collection[str] = ()) -> list[Line]:
+def _nodes(nodes: list[Obj], ns: str, dra_only: Collection[str] = (), unit_mib: int | None = None) -> list[Line]:
     """The device plugin's nodes; a GPU node in ``dra_only`` (its DRA plugin publishes devices) without an
     inventory, or with one of no GPU (``dra.gpus`` gave them all to DRA), is the DRA plugin's alone, judged
-    by :func:`_dra_nodes` instead."""
+    by :func:`_dra_nodes` instead. ``unit_mib``: the ConfigMap's ``memoryUnitMiB``; a node that counts in
+    another unit (its plugin not restarted since it changed) gives the same ask another size there."""
     gpu_nodes = [n for n in nodes if (n["metadata"].get("labels") or {}).get(GPU_NODE_LABEL) == "true"
                  or NAMES.inventory in (n["metadata"].get("annotations") or {})]
     if not gpu_nodes:
@@ -182,6 +185,14 @@ def _nodes(nodes: list[Obj], ns: str, dra_only: Collection[str] = ()) -> list[Li
         if not ours:
             out.append(Line(FAIL, f"node {name}: {len(inv.gpus)} GPU(s) published but no {NAMES.domain}/ resource "
                                   "allocatable (the kubelet has not registered the device plugin)", fix))
+            continue
+        if unit_mib is not None and inv.gpus and inv.unit_mib != unit_mib:
+            out.append(Line(FAIL, f"node {name}: one {NAMES.gpu_memory} is {inv.unit_mib} MiB there, "
+                                  f"{unit_mib} MiB in {CONFIG_WHERE} (memoryUnitMiB is read at start): the same "
+                                  "ask means another size on this node",
+                            f"kubectl -n {ns} delete pod -l app.kubernetes.io/name=vramshare-device-plugin "
+                            f"--field-selector spec.nodeName={name} (drain its GPU pods first), and restart the "
+                            "extender if it was not"))
             continue
         mode = inv.enforcement.value if inv.enforcement else None
         why = ENFORCEMENT_WHY.get(mode or "", "mode not published (an older device plugin)")
@@ -370,6 +381,12 @@ def _changed_at(obj: Obj) -> datetime.datetime | None:
     meta = obj.get("metadata") or {}
     times = [t for t in (_time(m.get("time")) for m in meta.get("managedFields") or []) if t is not None]
     return max(times) if times else _time(meta.get("creationTimestamp"))
+
+
+def _config_in_force(s: Snapshot) -> vconfig.Config | None:
+    """The ConfigMap's config as the daemons read it, ``None`` when it is missing or refused."""
+    text = ((s.config_map or {}).get("data") or {}).get(contract.CONFIG_FILE_KEY)
+    return parsed_config(text, CONFIG_WHERE)[0] if text is not None else None
 
 
 def _config(s: Snapshot, ns: str) -> list[Line]:

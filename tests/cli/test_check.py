@@ -288,3 +288,18 @@ def test_a_config_file_against_the_cluster_says_what_applies_live_and_what_waits
     assert f"kubectl -n {NS} rollout restart daemonset/vramshare-device-plugin" in unit
     assert f"kubectl -n {NS} rollout restart deployment/vramshare-extender" in unit
     assert any(line.startswith("! extender.policy: fgd -> binpack: waits for an extender restart") for line in lines)
+
+
+def test_a_node_counting_in_another_unit_than_the_configmap_is_named(cluster, capsys):
+    """memoryUnitMiB is read at start: a device plugin not restarted since the ConfigMap changed it
+    advertises units of the old size, so one ask means two sizes across the cluster."""
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    old = b.gpu_node("gpu-old", b.a100(), unit_mib=2048)
+    old["metadata"]["labels"] = {"nvidia.com/gpu.present": "true"}
+    api.create_node(old)
+    rc, lines = _check(capsys, kubeconfig)
+    text = "\n".join(lines)
+    assert rc == 1 and ("✗ node gpu-old: one vramshare.io/gpu-memory is 2048 MiB there, 1024 MiB in ConfigMap "
+                        "vramshare-config") in text, text
+    assert "✓ node gpu-a: device plugin registered" in text
