@@ -122,6 +122,7 @@ class Accounting:
         self.untrusted_events: dict[str, int] = {}  # by state: pod events whose annotations were not believed
         self._untrusted_held: set[str] = set()  # pods whose only holding is an untrusted allocated report
         self._host: dict[str, tuple[int, int] | None] = {}  # node -> allocatable (CPU milli, memory MiB)
+        self.other_unit: dict[str, int] = {}  # node -> its gpu-memory unit, where it is not ours
         # Pods that ask no GPU but are bound to a node: their CPU and memory, by node (kept while the
         # node is away, so they are charged again when it returns), and the node of each.
         self._host_pods: dict[str, dict[str, cluster.HostDemand]] = {}
@@ -137,7 +138,8 @@ class Accounting:
         return verbs.View(self.state, self.slots, self.names, self.config.memory_unit_mib, policy,
                           self.holds if len(self.holds) else None, self.clock(), self.models,
                           self.config.warm_tier.residency_max_steps, frozenset(self.holds.silent),
-                          self.pods_read, self.holds.timeout_ns, self.follows)
+                          self.pods_read, self.holds.timeout_ns, self.follows,
+                          dict(self.other_unit) if self.other_unit else {})
 
     def commit(self, expected: verbs.Expectation | None) -> None:
         """The one place a filter or prioritize answer changes state: the expected bind it implies
@@ -163,10 +165,11 @@ class Accounting:
             if text is not None and text == self._annotation.get(name) and host == self._host.get(name):
                 return  # a heartbeat: nothing we read changed
             try:
-                slots = translate.node_slots(node, self.names)
-                if slots is None:
+                inv = translate.node_inventory(node, self.names)
+                if inv is None:
                     self._drop_node(name)
                     return
+                slots = translate.slots_from_inventory(inv)
                 self.state.set_node(name, slots)  # all or nothing
             except (ValueError, TypeError, OverflowError) as exc:  # e.g. units 1e30, one GPU uuid twice
                 log.error("bad inventory, keeping last good", node=name, error=f"{type(exc).__name__}: {exc}")
@@ -180,11 +183,25 @@ class Accounting:
                 for key, need in self._host_pods.get(name, {}).items():
                     self.state.add_pod(key, name, (), need, strict_host=False)
             self._annotation[name] = text or ""
+            self._set_unit(name, inv.unit_mib)
             self._node_of_uuid.update((s.uuid, name) for s in slots)
             log.info("node inventory", node=name, gpus=len(slots), capacity_mib=sum(s.capacity for s in slots))
             for key in list(self.unaccounted):  # pods that named a node or GPU we did not know yet
                 if key in self.pods:
                     self._account(key, self.pods[key])
+
+    def _set_unit(self, name: str, unit_mib: int) -> None:
+        """A node whose device plugin counts gpu-memory in another unit than ours (one of the two not
+        restarted since ``memoryUnitMiB`` changed) gives an ask of n units another size there: filter
+        keeps gpu-memory pods off it (:func:`extender.verbs.filter_pod`) until the two agree."""
+        if unit_mib == self.config.memory_unit_mib:
+            if self.other_unit.pop(name, None) is not None:
+                log.info("node counts in our memory unit again", node=name, unit_mib=unit_mib)
+        elif self.other_unit.get(name) != unit_mib:
+            self.other_unit[name] = unit_mib
+            log.warning("node counts gpu-memory in another unit: no gpu-memory pod is placed there until the "
+                        "device plugin and the extender run with the same memoryUnitMiB", node=name,
+                        node_unit_mib=unit_mib, extender_unit_mib=self.config.memory_unit_mib)
 
     def _set_models(self, name: str, node: Obj) -> None:
         """The node's resident models (issue 23): its inventory's ``models`` (device plugin) and its
@@ -232,6 +249,7 @@ class Accounting:
             self._node_of_uuid.pop(s.uuid, None)
         self._annotation.pop(name, None)
         self._host.pop(name, None)
+        self.other_unit.pop(name, None)
         for key in self._host_pods.get(name, {}):
             self.state.remove_pod(key)
         self.state.remove_node(name)

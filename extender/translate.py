@@ -27,7 +27,7 @@ from vramshare.contract import inventory as contract_inventory
 from vramshare.contract import resident_models
 
 __all__ = ["TranslateError", "ContainerAsk", "node_slots", "slots_from_inventory", "pod_asks",
-           "demands_of", "Assignment", "Rider", "Signature", "signature_of", "container_signature",
+           "demands_of", "node_inventory", "Assignment", "Rider", "Signature", "signature_of", "container_signature",
            "encode_assignment", "decode_assignment", "mig_kind", "node_host", "pod_host"]
 
 Obj = Mapping[str, Any]
@@ -77,16 +77,22 @@ def placement_slots(gpu: inventory.Gpu, dyn: inventory.DynamicMig) -> list[clust
             for p in mig.all_placements(table)]
 
 
-def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
-    """The slots of a Node object, ``None`` when it carries no inventory (not a vramshare node)."""
+def node_inventory(node: Obj, names: contract.Names) -> inventory.NodeInventory | None:
+    """The inventory a Node object publishes, ``None`` when it carries none (not a vramshare node)."""
     meta = node.get("metadata") or {}
     text = (meta.get("annotations") or {}).get(names.inventory)
     if text is None:
         return None
     try:
-        return slots_from_inventory(contract_inventory.parse(text))
+        return contract_inventory.parse(text)
     except inventory.InventoryError as exc:
         raise TranslateError(f"node {meta.get('name', '?')}: annotation {names.inventory}: {exc}") from None
+
+
+def node_slots(node: Obj, names: contract.Names) -> list[cluster.Slot] | None:
+    """The slots of a Node object, ``None`` when it carries no inventory (not a vramshare node)."""
+    inv = node_inventory(node, names)
+    return None if inv is None else slots_from_inventory(inv)
 
 
 def model_reports(node: Obj, names: contract.Names) -> dict[str, str]:

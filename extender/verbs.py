@@ -10,6 +10,7 @@ even when empty. Every other miss is an ordinary ``FailedNodes`` entry, which pr
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from vramshare.config import Policy
 if TYPE_CHECKING:
     from extender.holds import Holds
 
-__all__ = ["View", "Expectation", "filter_pod", "prioritize_pod", "prioritize_rows", "expectation", "policy_for", "NOT_A_GPU_NODE"]
+__all__ = ["View", "Expectation", "filter_pod", "other_unit_reason", "prioritize_pod", "prioritize_rows", "expectation", "policy_for", "NOT_A_GPU_NODE"]
 
 log = logs.get("vramshare.extender.verbs")
 NOT_A_GPU_NODE = "node publishes no vramshare GPU inventory"
@@ -50,6 +51,9 @@ class View:
     #: Filter's answers of :func:`extender.held_pick.follow` per node and pod template (None: computed
     #: afresh each time); the accounting keeps one across requests.
     follows: held_pick.FollowMemo | None = None
+    #: Nodes whose device plugin counts gpu-memory in another unit (node -> its MiB per unit): an ask of n
+    #: units is another size there, so no gpu-memory pod is placed on them (Accounting._set_unit).
+    other_unit: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def read(self, pod: wire.Obj) -> parsed.ParsedPod:
         return self.pods.read(pod) if self.pods is not None else parsed.parse_pod(pod, self.names, self.unit_mib)
@@ -107,6 +111,10 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     fitting, failed, failed_rows = found.fitting, found.failed, found.failed_rows
     if view.holds is not None and fitting:
         fitting, failed, failed_rows = _apply_holds(view, args, pod, found)
+    unit_refused: dict[str, str] = {}
+    if view.other_unit and fitting and any(d.kind == cluster.SHARED for d in demands):
+        unit_refused = {n: other_unit_reason(view, view.other_unit[n]) for n in fitting if n in view.other_unit}
+        fitting = [n for n in fitting if n not in unit_refused]
     result = wire.FilterResult(passed=fitting)
     if failed:
         if len(failed_rows) != len(failed):  # a name sent twice: one entry per name, look them up again
@@ -124,8 +132,15 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
             result.failed = dict(itertools.compress(items, (~unresolvable).tolist()))
             result.unresolvable = {n: (why if k else NOT_A_GPU_NODE) for (n, why), k in
                                    itertools.compress(zip(items, known.tolist()), unresolvable.tolist())}
+    if unit_refused:
+        result.unresolvable = {**(result.unresolvable or {}), **unit_refused}
     log.debug("filter", pod=args.pod_key, candidates=len(names), passed=len(result.passed))
     return result
+
+
+def other_unit_reason(view: View, unit_mib: int) -> str:
+    return (f"node counts {view.names.gpu_memory} in units of {unit_mib} MiB, the extender in {view.unit_mib} MiB: "
+            "restart the device plugin there and the extender after changing memoryUnitMiB")
 
 
 def _apply_holds(view: View, args: wire.ExtenderArgs, pod: parsed.ParsedPod,

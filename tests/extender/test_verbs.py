@@ -109,3 +109,19 @@ def test_prioritize_scores_pods_that_want_no_gpu_too() -> None:
     args = wire.ExtenderArgs(pod=b.pod("web"), node_names=["n1", "n2"])
     scores = dict(verbs.prioritize_pod(acct.view(Policy.FGD), args))
     assert sorted(scores.values()) == [9, 10]
+
+
+def test_a_node_counting_in_another_unit_takes_no_gpu_memory_pod_until_the_units_agree() -> None:
+    """memoryUnitMiB is read at start by both sides: a device plugin and an extender not both restarted
+    after it changed disagree on what n units are, so the extender's plan (and its books) would be wrong
+    there by that ratio. Such a node is refused for gpu-memory asks, unresolvably and saying why; whole
+    GPUs and MIG ask no units and still pass; a node that agrees again passes again."""
+    acct = cluster(b.gpu_node("old", b.a100(), unit_mib=2048), b.gpu_node("new", b.a100()),
+                   b.gpu_node("whole", b.a100(mode="exclusive"), unit_mib=2048))
+    result = run_filter(acct, b.pod("p", 20), ["old", "new"])
+    assert result.passed == ["new"] and set(result.unresolvable) == {"old"}
+    assert result.unresolvable["old"].startswith(
+        "node counts vramshare.io/gpu-memory in units of 2048 MiB, the extender in 1024 MiB: restart")
+    assert run_filter(acct, b.pod("w", whole=1), ["whole", "new"]).passed == ["whole"]
+    acct.apply_node("MODIFIED", b.gpu_node("old", b.a100()))
+    assert run_filter(acct, b.pod("p", 20), ["old", "new"]).passed == ["old", "new"]
