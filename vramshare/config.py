@@ -872,6 +872,7 @@ _RESTART_WHY = {
     "warmTier.modelCacheDir": "the model cache scanner is started with it",
     "warmTier.scanIntervalSeconds": "the model cache scanner is started with it",
     "warmTier.maxCacheEntries": "the model cache scanner is started with it",
+    "quota.enabled": "the quota loop is built at start only when it is on (turning it off pauses it live)",
 }
 _UNITS_WHY = "device IDs already handed out name units of the running value"
 
@@ -890,20 +891,16 @@ def _with(obj: Any, path: tuple[str, ...], value: Any) -> Any:
 
 
 def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
-    """``new`` with the :data:`RESTART_ONLY` keys of ``running``, and a refusal per file key that
-    differed under them. The rest of the reload applies (issue 17 item 8)."""
+    """``new`` with the running value of every key a node plugin reads only at start (:func:`applies`:
+    the :data:`RESTART_ONLY` keys, and ``quota.enabled`` turned on), and a refusal naming each one that
+    differed. The rest of the reload applies (issue 17 item 8)."""
     refused = []
     for change in key_changes(running, new):
-        top = next((k for k in RESTART_ONLY if _under(change.key, (k,))), None)
-        if top is not None:
+        if NODE_RESTART in change.applies:
+            top = next((k for k in RESTART_ONLY if _under(change.key, (k,))), change.key)
             refused.append(f"{change.key}: {change.old} -> {change.new} refused on a live reload: "
                            f"{_RESTART_WHY.get(top, _UNITS_WHY)}; restart the plugin to apply it")
-        elif change.key == "quota.enabled" and change.new is True:  # off pauses a running loop live
-            refused.append("quota.enabled: false -> true refused on a live reload: the quota loop is built at "
-                           "start only when it is on; restart the plugin to apply it")
-            new = _with(new, ("quota", "enabled"), False)
-    for path in RESTART_ONLY.values():
-        new = _with(new, path, _get(running, path))
+            new = _with(new, change.path, _get(running, change.path))
     return new, refused
 
 
@@ -924,6 +921,7 @@ class KeyChange:
     old: Any
     new: Any
     applies: tuple[str, ...]  # LIVE or NODE_RESTART where the node plugins read it, + EXTENDER_RESTART
+    path: tuple[str, ...] = ()  # the attribute path in Config: ("quota", "idle_seconds")
 
 
 def _under(key: str, keys: tuple[str, ...]) -> bool:
@@ -954,17 +952,17 @@ def key_changes(old: Config, new: Config) -> list[KeyChange]:
     ``kubectl apply`` (``vramshare check --config FILE``)."""
     out: list[KeyChange] = []
 
-    def walk(a: Any, b: Any, prefix: str) -> None:
+    def walk(a: Any, b: Any, prefix: str, at: tuple[str, ...]) -> None:
         for key, attr in _SECTIONS[type(a)].items():
             x, y = getattr(a, attr), getattr(b, attr)
             if x == y:
                 continue
             if type(x) in _SECTIONS:
-                walk(x, y, f"{prefix}{key}.")
+                walk(x, y, f"{prefix}{key}.", (*at, attr))
             else:
-                out.append(KeyChange(prefix + key, _shown(x), _shown(y), applies(prefix + key, x, y)))
+                out.append(KeyChange(prefix + key, _shown(x), _shown(y), applies(prefix + key, x, y), (*at, attr)))
 
-    walk(old, new, "")
+    walk(old, new, "", ())
     return out
 
 
