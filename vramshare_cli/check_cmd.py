@@ -116,6 +116,9 @@ def config_file(args: argparse.Namespace) -> list[checks.Line]:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    if args.diff and not args.config:
+        print("vramshare check: --diff compares a file given with --config FILE", file=sys.stderr)
+        return 2
     if args.config:
         lines = config_file(args)
     else:

@@ -271,6 +271,7 @@ def test_a_config_file_before_it_is_applied(tmp_path, capsys):
     assert cli.main(["check", "--config", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "✗" in out and "quota.idleSecond: unknown key" in out and out.strip().endswith(f"{bad}: refused")
+    assert cli.main(["check", "--diff"]) == 2 and "--config FILE" in capsys.readouterr().err
 
 
 def test_a_config_file_against_the_cluster_says_what_applies_live_and_what_waits(cluster, capsys, tmp_path):
