@@ -135,13 +135,15 @@ class ConfigWatcher:
                 log.error("config change handler failed", exc_info=True, path=self.path)
 
 
-def admit_reload(running: vconfig.Config, new: vconfig.Config, api: Any, chosen: enforcement.Chosen) -> vconfig.Config:
-    """What a node plugin applies of a reload: a config that turns on ``overLimitAction: evict`` without the
-    eviction right is refused whole (:class:`rights.RightRefused`, a ConfigError: the watcher keeps the
-    last good config); the keys read only at start keep their running values, each logged
-    (:func:`vramshare.config.keep_restart_only`); the node's fence stays the one pinned at start."""
+def admit_reload(running: vconfig.Config, new: vconfig.Config, api: Any,
+                 chosen: enforcement.Chosen) -> tuple[vconfig.Config, list[str]]:
+    """What a node plugin applies of a reload, and the keys it left for a restart: a config that turns on
+    ``overLimitAction: evict`` without the eviction right is refused whole (:class:`rights.RightRefused`,
+    a ConfigError: the watcher keeps the last good config); the keys read only at start keep their
+    running values, each logged (:func:`vramshare.config.keep_restart_only`); the node's fence stays the
+    one pinned at start."""
     rights.check(new, api, running=running)
     new, refused = vconfig.keep_restart_only(running, new)
     for why in refused:
         log.warning("config key needs a restart; the rest of the reload applies", reason=why)
-    return enforcement.pin(new, chosen)
+    return enforcement.pin(new, chosen), [why.split(":", 1)[0] for why in refused]

@@ -7,7 +7,7 @@ registrations and backend (NVML) errors are counted as they happen. Names start 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
@@ -80,6 +80,20 @@ def config_reloads_counter(registry: CollectorRegistry, prefix: str) -> Counter:
                    "Event VramshareConfigRefused names the key)", ["result"], registry=registry)
 
 
+def restart_pending_gauge(registry: CollectorRegistry, prefix: str) -> Gauge:
+    """``<prefix>config_restart_pending{key}``: 1 for each config key whose file value differs from the one
+    in force because the plugin reads it only at start (a reload kept it): a restart applies it."""
+    return Gauge(prefix + "config_restart_pending", "1 for each config key the file changed that waits for a "
+                 "restart of this plugin (read only at start)", ["key"], registry=registry)
+
+
+def set_restart_pending(gauge: Gauge, keys: Sequence[str]) -> None:
+    """The keys a reload left for a restart, replacing the last reload's (a file that reverts one clears it)."""
+    gauge.clear()
+    for key in keys:
+        gauge.labels(key).set(1)
+
+
 class PluginMetrics:
     """The instruments; ``snapshot`` (optional) feeds the pull collector."""
 
@@ -107,6 +121,7 @@ class PluginMetrics:
                                       "answered in the last round; 0: pods' actual GPUs are unknown and "
                                       "nothing is guessed", registry=self.registry)
         self.config_reloads = config_reloads_counter(self.registry, _PREFIX)
+        self.restart_pending = restart_pending_gauge(self.registry, _PREFIX)
         self._attached = False
         if snapshot is not None:
             self.attach(snapshot)

@@ -50,7 +50,7 @@ from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import FIELD_MANAGER, CountersDropped, SlicePublisher, SliceWatch
 from deviceplugin.metrics import (EnforcementModeCollector, MetricsServer, config_reloads_counter,
-                                  enforcement_unavailable_gauge)
+                                  enforcement_unavailable_gauge, restart_pending_gauge, set_restart_pending)
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
 from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
 from deviceplugin.node_state import NodeState, Snapshot
@@ -77,6 +77,7 @@ class DraMetrics:
                                       registry=self.registry)
         self.enforcement_unavailable = enforcement_unavailable_gauge(self.registry)
         self.config_reloads = config_reloads_counter(self.registry, f"{p}dra_")
+        self.restart_pending = restart_pending_gauge(self.registry, f"{p}dra_")
 
 
 class DraPluginDaemon:
@@ -315,7 +316,9 @@ class DraPluginDaemon:
         """A new config, as :func:`deviceplugin.config_watch.admit_reload` admits it (the keys read at start,
         the unit and the directories among them, keep their running values; evict without the right is
         refused whole); slices follow at the next publish."""
-        self.state.on_config(admit_reload(self.state.snapshot.config, config, self._api, self.enforcement))
+        config, pending = admit_reload(self.state.snapshot.config, config, self._api, self.enforcement)
+        self.state.on_config(config)
+        set_restart_pending(self.metrics.restart_pending, pending)
 
     def config_watcher(self, path: str, initial: Config, environ: Any = None,
                        poll_seconds: float = 2.0) -> ConfigWatcher:

@@ -33,7 +33,7 @@ from deviceplugin.kubelet.mig_cdi import MigCdi
 from deviceplugin.kubelet.mig_node import MigNode
 from deviceplugin.kubelet.podresources import KubeletPodResources
 from deviceplugin.kubelet.reconcile_loop import Reconciler
-from deviceplugin.metrics import MetricsServer, PluginMetrics
+from deviceplugin.metrics import MetricsServer, PluginMetrics, set_restart_pending
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
@@ -225,7 +225,9 @@ class DevicePluginDaemon:
         (the keys read at start keep their running values; evict without the right is refused whole):
         device lists follow at once (ListAndWatch resends); servers restart only when the set of resources
         changes."""
-        self.state.on_config(admit_reload(self.state.snapshot.config, config, self._api, self.enforcement))
+        config, pending = admit_reload(self.state.snapshot.config, config, self._api, self.enforcement)
+        self.state.on_config(config)
+        set_restart_pending(self.metrics.restart_pending, pending)
 
     def config_watcher(self, path: str, initial: Config, environ: Any = None, overrides: dict[str, Any] | None = None,
                        poll_seconds: float = 2.0) -> ConfigWatcher:

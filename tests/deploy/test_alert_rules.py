@@ -68,6 +68,8 @@ def _label_names() -> dict[str, set[str]]:
     plugin.backend_error("nvml")
     plugin.config_reloads.labels("refused").inc()
     dra.config_reloads.labels("refused").inc()
+    plugin.restart_pending.labels("memoryUnitMiB").set(1)
+    dra.restart_pending.labels("memoryUnitMiB").set(1)
     dra.publish_errors.inc()
     ext.observe("filter", "error", 0.01)
     ext.binds.labels("api_error").inc()

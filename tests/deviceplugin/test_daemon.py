@@ -127,3 +127,9 @@ def test_a_reload_keeps_what_the_plugin_built_at_start_and_says_so(kubelet, star
     reasons = [getattr(r, "fields", {}).get("reason", "") for r in caplog.records]
     for key in ("health.ignoredXids", "warmTier.enabled", "quota.processAttribution"):
         assert any(r.startswith(f"{key}: ") and "restart the plugin" in r for r in reasons), (key, reasons)
+    pending = {s.labels["key"] for m in daemon.metrics.registry.collect() for s in m.samples
+               if s.name == "vramshare_deviceplugin_config_restart_pending" and s.value == 1}
+    assert pending == {"health.ignoredXids", "warmTier.enabled", "quota.processAttribution"}
+    daemon.reload(running)  # the file reverted: nothing waits any more
+    assert not [s for m in daemon.metrics.registry.collect() for s in m.samples
+                if s.name == "vramshare_deviceplugin_config_restart_pending"]
