@@ -1,6 +1,6 @@
 """The extender as one function: ``(method, path, body) -> Response``, transport-free.
 
-Routes: POST /filter, /prioritize, /bind, /preempt; GET /healthz, /readyz, /metrics, /inspect[/<node>].
+Routes: POST /filter, /prioritize, /bind, /preempt; GET /healthz, /readyz, /metrics, /inspect[/<node>], /config.
 Every kube-scheduler verb answers HTTP 200, also on failure, with the reason in ``Error``: any other
 status is an opaque error to the scheduler, and a body it can read tells the operator what went wrong.
 Bad input (not JSON, a missing key) is answered the same way and changes nothing. The HTTP module only
@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 
 from extender import accounting, binder, cache, dra_scoring, inspection, metrics, preemption, verbs, wire
-from vramshare import logs
+from vramshare import config as vconfig, logs
 from vramshare.config import Policy
 
 __all__ = ["Extender", "Response"]
@@ -90,6 +90,8 @@ class Extender:
                 return Response(200, b"ok", TEXT) if ready else Response(503, b"cache not synced yet", TEXT)
             if path == "/metrics":
                 return Response(200, self.stats.render(), metrics.CONTENT_TYPE_LATEST)
+            if path == "/config":  # the keys it read at start: `vramshare check` compares them with the ConfigMap
+                return Response(200, orjson.dumps(vconfig.file_values(self.acct.config, vconfig.EXTENDER_READS)))
             if path == "/inspect" or path.startswith("/inspect/"):
                 node = urllib.parse.unquote(path[len("/inspect/"):]) if path != "/inspect" else None
                 doc = inspection.render(self.acct, node, dra=self.dra)

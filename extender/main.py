@@ -89,9 +89,10 @@ class RunningExtender:
 
 # The plain-HTTP listener: Prometheus, the probes, and the read-only /inspect that `vramshare inspect`
 # reaches through the API server's service proxy (the admin's RBAC: get services/proxy) or a port-forward,
-# so no scheduler key leaves the cluster. The verbs stay on the mutual-TLS port.
+# so no scheduler key leaves the cluster, and /config (the keys it runs with, for `vramshare check`). The
+# verbs stay on the mutual-TLS port.
 METRICS_ROUTES = frozenset({("GET", "/metrics"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/inspect"),
-                            ("GET", "/inspect/*")})
+                            ("GET", "/inspect/*"), ("GET", "/config")})
 
 
 def tls_files(config: Config) -> tls.TlsFiles | None:

@@ -372,3 +372,14 @@ def test_a_reload_applies_every_changed_key_but_those_read_at_start(before, afte
     for c in changes:
         extender = c.key in {"memoryUnitMiB", "extender.policy", "warmTier.residencyMaxSteps"}
         assert (config.EXTENDER_RESTART in c.applies) == extender
+
+
+@given(st.sets(st.sampled_from(sorted(_ALTERNATIVES))))
+def test_what_a_daemon_reports_it_runs_with_reads_back_as_the_same_keys(keys):
+    """file_values (the extender's /config) read by config_from_dict gives the same value for every key
+    it covers, and the defaults elsewhere."""
+    cfg = _config_with(keys)
+    back = config.config_from_dict(config.file_values(cfg, config.EXTENDER_READS))
+    differ = {c.key for c in config.key_changes(back, cfg)}
+    covered = {k for k in keys if any(k == r or k.startswith(r + ".") for r in config.EXTENDER_READS)}
+    assert differ == set(keys) - covered

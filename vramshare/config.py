@@ -966,6 +966,34 @@ def key_changes(old: Config, new: Config) -> list[KeyChange]:
     return out
 
 
+def file_values(config: Config, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``config`` as the file spells it (sections nested, the file's key names, plain JSON values), only
+    under ``keys`` (dotted; a section takes all of it): what a daemon reports it runs with, which
+    :func:`config_from_dict` reads back (``vramshare check`` compares it with the ConfigMap)."""
+    out: dict[str, Any] = {}
+
+    def walk(obj: Any, prefix: str, into: dict[str, Any]) -> None:
+        for key, attr in _SECTIONS[type(obj)].items():
+            name, value = prefix + key, getattr(obj, attr)
+            if type(value) in _SECTIONS and any(k.startswith(name + ".") for k in keys) and not _under(name, keys):
+                walk(value, name + ".", into.setdefault(key, {}))
+            elif _under(name, keys):
+                into[key] = _plain(value)
+
+    walk(config, "", out)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {key: _plain(getattr(value, attr)) for key, attr in _SECTIONS[type(value)].items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
 _SECTIONS.update({Config: _TOP_KEYS, HealthConfig: _HEALTH_KEYS, ExtenderConfig: _EXTENDER_KEYS,
                   QuotaConfig: _QUOTA_KEYS, EnforcementConfig: _ENFORCEMENT_KEYS, DraConfig: _DRA_KEYS,
                   WarmTierConfig: _WARM_KEYS, DynamicMigConfig: _DYNAMIC_MIG_KEYS})

@@ -63,6 +63,13 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
         s.readyz = (resp.status, kube.body(resp).decode(errors="replace"))
     except ApiException as exc:
         s.readyz = None if exc.status == 403 else (exc.status, str(exc.body or exc.reason))
+    if s.readyz is not None and s.readyz[0] == 200:
+        try:  # the keys the answering replica read at start (an extender older than /config: 404, skipped)
+            resp = core.connect_get_namespaced_service_proxy_with_path(
+                "http:vramshare-extender:metrics", namespace, "config", _preload_content=False, _request_timeout=10)
+            s.extender_config = kube.decode(resp)
+        except (ApiException, ValueError):
+            s.extender_config = None
     for name in ("vramshare-extender-tls", "vramshare-scheduler-tls"):
         s.secrets[name] = _json(core.read_namespaced_secret, name, namespace)
     s.scheduler_config = _json(core.read_namespaced_config_map, "vramshare-scheduler-config", namespace)

@@ -64,6 +64,7 @@ class Snapshot:
     events: list[Obj] = field(default_factory=list)
     config_map: Obj | None = None  # ConfigMap vramshare-config
     config_refusals: list[Obj] = field(default_factory=list)  # node Events VramshareConfigRefused
+    extender_config: Obj | None = None  # the extender's /config (through the service proxy): what it runs with
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc))
 
 
@@ -410,14 +411,32 @@ def _config(s: Snapshot, ns: str) -> list[Line]:
         node = (event.get("involvedObject") or event.get("regarding") or {}).get("name", "?")
         if at is not None and (since is None or at >= since) and at >= refused.get(node, (at, {}))[0]:
             refused[node] = (at, event)
+    out = [line, *_extender_stale(s, parsed, ns)]
     if not refused:
-        return [line]
+        return out
     nodes = sorted(refused)
     latest = max(refused.values(), key=lambda hit: hit[0])[1]
-    return [line, Line(FAIL, f"{len(nodes)} node(s) refused {CONFIG_WHERE} as it is now ({', '.join(nodes[:5])}"
+    return [*out, Line(FAIL, f"{len(nodes)} node(s) refused {CONFIG_WHERE} as it is now ({', '.join(nodes[:5])}"
                              f"{', ...' if len(nodes) > 5 else ''}): {(latest.get('message') or '').strip()[:200]}",
                        f"those nodes' plugins run an image that reads this config otherwise: kubectl -n {ns} get "
                        "pods -o wide -l app.kubernetes.io/part-of=vramshare (same image everywhere), or drop the key")]
+
+
+def _extender_stale(s: Snapshot, configmap: vconfig.Config, ns: str) -> list[Line]:
+    """The extender reads its keys at start: a replica started before the ConfigMap changed them still
+    runs the old values (its ``/config``), so pods are placed by them until it restarts."""
+    if s.extender_config is None:
+        return []
+    try:
+        running = vconfig.config_from_dict(s.extender_config)
+    except vconfig.ConfigError as exc:
+        return [Line(WARN, f"the extender's /config does not read as a config ({exc})")]
+    stale = [c for c in vconfig.key_changes(running, configmap) if vconfig.EXTENDER_RESTART in c.applies]
+    if not stale:
+        return [Line(OK, f"the extender runs with {CONFIG_WHERE}'s extender keys")]
+    shown = ", ".join(f"{c.key} {c.old} (ConfigMap: {c.new})" for c in stale[:4]) + (", ..." if len(stale) > 4 else "")
+    return [Line(WARN, f"the extender runs with keys read before {CONFIG_WHERE} changed them: {shown}",
+                 _restart_fix((vconfig.EXTENDER_RESTART,), ns))]
 
 
 def _restart_fix(applies: tuple[str, ...], ns: str) -> str:

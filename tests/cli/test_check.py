@@ -304,3 +304,18 @@ def test_a_node_counting_in_another_unit_than_the_configmap_is_named(cluster, ca
     assert rc == 1 and ("✗ node gpu-old: one vramshare.io/gpu-memory is 2048 MiB there, 1024 MiB in ConfigMap "
                         "vramshare-config") in text, text
     assert "✓ node gpu-a: device plugin registered" in text
+
+
+def test_an_extender_that_read_the_configmap_before_it_changed_is_named(cluster, capsys):
+    """The extender reads its keys at start: after an edit of extender.policy or memoryUnitMiB it places
+    pods by the old values until it restarts. check reads what it runs with (/config, through the
+    service proxy) and says so, with the rollout command."""
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    rc, lines = _check(capsys, kubeconfig)
+    assert "✓ the extender runs with ConfigMap vramshare-config's extender keys" in lines, lines
+    _set_config(api, "version: v1\nextender: {policy: binpack}\nquota: {stepMiB: 256}\n")
+    rc, lines = _check(capsys, kubeconfig)
+    [stale] = [line for line in lines if "the extender runs with keys read before" in line]
+    assert stale.startswith("! ") and "extender.policy fgd (ConfigMap: binpack)" in stale and "quota" not in stale
+    assert f"kubectl -n {NS} rollout restart deployment/vramshare-extender" in stale and rc == 0
