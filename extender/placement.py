@@ -18,7 +18,7 @@ from vramshare.contract import MAX_EXTENDER_PRIORITY, MIN_EXTENDER_PRIORITY
 from extender import policy_catalog, residency
 from extender.cluster import ClusterState, Demand, HostDemand, NoFit
 from extender.fit import Ask, allocation_amounts
-from extender.reasons import why_not, why_not_rows
+from extender.reasons import why_not, why_not_rows, with_best
 
 UNKNOWN_NODE = "node has no vramshare GPU inventory"
 
@@ -95,7 +95,7 @@ def filter_rows(state: ClusterState, demands: Sequence[Demand], node_names: Sequ
     ask = Ask(state, tuple(demands), rows, host)
     ok = ask.best_fit.ok if len(rows) else np.zeros(0, bool)
     failing = np.flatnonzero(~ok)
-    reasons = why_not_rows(ask, failing)
+    reasons = with_best(ask, failing, why_not_rows(ask, failing))
     if known.all():
         names = node_names if isinstance(node_names, list) else list(node_names)
         fitting = without(names, failing.tolist(), ok)

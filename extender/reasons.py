@@ -1,7 +1,12 @@
 """Why a pod does not fit a node, in words a person can act on.
 
-kube-scheduler shows these strings in the pod's events (``FailedNodes``), so each names the numbers
-that matter: how much was asked, the largest free amount and on which GPU, how many GPUs qualify.
+Two audiences. ``why_not`` answers for one node (a refused bind, a pick): it names that node's numbers,
+the largest free amount and on which GPU. Filter's reasons (``why_not_many``/``why_not_rows``) go to
+kube-scheduler, which counts identical strings over every node (``FitError.Error``: "0/5000 nodes are
+available: 4990 <reason>, 10 <reason>.") into the pod's PodScheduled condition, and the first 1,024 bytes
+into its FailedScheduling event: so they name only what every node shares (the ask, the kind, the
+model), never a node's own free amount, or 5,000 nodes would write 5,000 entries; :func:`with_best`
+then adds the one number worth reading to all of them alike, the most free on any of those nodes.
 Only computed for nodes that failed. Pure, no I/O.
 """
 from __future__ import annotations
@@ -33,8 +38,9 @@ def _kind_words(d: Demand) -> str:
     return f"MIG instance of profile {d.kind[len(MIG_PREFIX):]}"
 
 
-def _alone(ask: Ask, j: int, i: int) -> str | None:
-    """Reason demand ``i`` alone cannot fit row ``j``, or None when it can."""
+def _alone(ask: Ask, j: int, i: int, detail: bool = True) -> str | None:
+    """Reason demand ``i`` alone cannot fit row ``j``, or None when it can (``detail``: with the row's
+    own free amounts, for one node's answer; without, for filter's, which kube-scheduler counts)."""
     st, d = ask.state, ask.demands[i]
     row = int(ask.rows[j])
     index = st.index[row]
@@ -58,6 +64,8 @@ def _alone(ask: Ask, j: int, i: int) -> str | None:
         if having >= k:
             return None
         if k == 1:
+            if not detail:
+                return room_reason(d.per_gpu)
             g = int(np.argmax(free))
             return (f"no GPU has {mib(d.per_gpu)} free; largest free is {mib(int(free[g]))} "
                     f"on GPU {int(index[g])}")
@@ -88,21 +96,27 @@ def _no_fit_profile(ask: Ask, row: int, d: Demand) -> str:
             f"{mib(largest)}")
 
 
-def why_not(ask: Ask, j: int) -> str:
-    """The first reason the pod cannot go to ``ask.rows[j]``."""
+def room_reason(per_gpu: int) -> str:
+    """Filter's reason for a node where no GPU has room for a one-GPU ask (the same on every node)."""
+    return f"no GPU has {mib(per_gpu)} free"
+
+
+def why_not(ask: Ask, j: int, detail: bool = True) -> str:
+    """The first reason the pod cannot go to ``ask.rows[j]`` (``detail``: see :func:`_alone`)."""
     h = ask.host
     if ask.cpu_free[j] < h.cpu_milli:
-        return f"insufficient cpu: needs {h.cpu_milli}m, {int(ask.cpu_free[j])}m free"
+        return f"insufficient cpu: needs {h.cpu_milli}m" + (f", {int(ask.cpu_free[j])}m free" if detail else "")
     if ask.mem_free[j] < h.memory_mib:
-        return f"insufficient memory: needs {mib(h.memory_mib)}, {mib(int(ask.mem_free[j]))} free"
+        return (f"insufficient memory: needs {mib(h.memory_mib)}"
+                + (f", {mib(int(ask.mem_free[j]))} free" if detail else ""))
     for i in range(len(ask.demands)):
-        reason = _alone(ask, j, i)
+        reason = _alone(ask, j, i, detail)
         if reason is not None:
             return reason if len(ask.demands) == 1 else f"container {i + 1}: {reason}"
     total = sum(d.per_gpu * d.count for d in ask.demands if d.kind == SHARED)
     free = int(np.where(ask.shared[j], ask.free[j], 0).sum())
     return (f"each container fits alone but not all {len(ask.demands)} together "
-            f"({mib(total)} shared GPU memory asked, {mib(free)} free on this node)")
+            f"({mib(total)} shared GPU memory asked" + (f", {mib(free)} free on this node)" if detail else ")"))
 
 
 #: What the reasons memo depends on besides each row's version: nothing global (a reason reads its row,
@@ -134,23 +148,42 @@ def why_not_many(ask: Ask, failing: np.ndarray) -> list[str]:
     """
     d = ask.demands
     if len(d) != 1 or d[0].kind != SHARED or len(failing) == 0:
-        return [why_not(ask, int(j)) for j in failing]
+        return [why_not(ask, int(j), detail=False) for j in failing]
     r, k = d[0].per_gpu, max(1, d[0].count)
     usable = ask.mask(0)[failing]
     free = np.where(usable, ask.free[failing], -1)
     having = (free >= r).sum(axis=1)
-    best = np.argmax(free, axis=1)
-    largest = free[np.arange(len(failing)), best]
-    gpu = ask.state.index[ask.rows[failing], best]
     host_short = (ask.cpu_free[failing] < ask.host.cpu_milli) | (ask.mem_free[failing] < ask.host.memory_mib)
     simple = usable.any(axis=1) & ~host_short
-    asked = mib(r)
+    room = room_reason(r)
     out = []
-    for j, ok, h, big, g in zip(failing.tolist(), simple.tolist(), having.tolist(), largest.tolist(), gpu.tolist()):
+    for j, ok, h in zip(failing.tolist(), simple.tolist(), having.tolist()):
         if not ok:
-            out.append(why_not(ask, j))
+            out.append(why_not(ask, j, detail=False))
         elif k == 1:
-            out.append(f"no GPU has {asked} free; largest free is {mib(big)} on GPU {g}")
+            out.append(room)
         else:
-            out.append(f"needs {k} GPUs with {asked} free each; only {h} {'has' if h == 1 else 'have'}")
+            out.append(f"needs {k} GPUs with {mib(r)} free each; only {h} {'has' if h == 1 else 'have'}")
     return out
+
+
+def with_best(ask: Ask, failing: np.ndarray, reasons: list[str]) -> list[str]:
+    """Filter's reasons with the most free memory on any node that failed only for room, and where, added
+    to that reason on every such node alike (kube-scheduler counts them as one: "4990 no GPU has 45 GiB
+    free; the most free: 39.5 GiB on gpu-7, GPU 3"). Only for the one-GPU shared ask, whose shortfall is
+    one number; ``reasons`` are ``failing``'s, in order."""
+    d = ask.demands
+    if len(d) != 1 or d[0].kind != SHARED or max(1, d[0].count) != 1 or not len(failing):
+        return reasons
+    room = room_reason(d[0].per_gpu)
+    short = np.fromiter((r == room for r in reasons), bool, len(reasons))
+    if not short.any():
+        return reasons
+    at = failing[short]
+    free = np.where(ask.mask(0)[at], ask.free[at], -1)
+    flat = int(np.argmax(free))
+    j, col = divmod(flat, free.shape[1])
+    row = int(ask.rows[at[j]])
+    best = (f"{room}; the most free: {mib(int(free[j, col]))} on {ask.state.name(row)}, "
+            f"GPU {int(ask.state.index[row, col])}")
+    return [best if s else r for r, s in zip(reasons, short.tolist())]

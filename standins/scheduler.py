@@ -22,6 +22,31 @@ from vramshare import podspec, quantity
 Obj = dict[str, Any]
 
 
+#: events/v1 ``NoteLengthLimit`` (k8s.io/api/events/v1 validation): kube-scheduler cuts the FailedScheduling
+#: event's message there (schedule_one.go ``truncateMessage``); the PodScheduled condition keeps it whole.
+NOTE_LENGTH_LIMIT = 1024
+
+
+def fit_error(num_all_nodes: int, statuses: dict[str, str]) -> str:
+    """The message kube-scheduler writes for a pod no node fits (pkg/scheduler/framework/types.go
+    ``FitError.Error``): every node's reasons counted by identical string, ``"<count> <reason>"`` sorted
+    as strings, after ``"0/<all> nodes are available:"``. This is the PodScheduled condition's message."""
+    counts: dict[str, int] = {}
+    for reason in statuses.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    msg = f"0/{num_all_nodes} nodes are available:"
+    histogram = sorted(f"{n} {reason}" for reason, n in counts.items())
+    return msg + (f" {', '.join(histogram)}." if histogram else "")
+
+
+def failed_scheduling_note(message: str) -> str:
+    """The FailedScheduling event's note: :func:`fit_error`'s message cut to NoteLengthLimit with " ..."
+    (schedule_one.go ``truncateMessage``)."""
+    if len(message) <= NOTE_LENGTH_LIMIT:
+        return message
+    return message[:NOTE_LENGTH_LIMIT - 4] + " ..."
+
+
 @dataclass
 class Outcome:
     """What happened to one pod: the node it was bound to (empty: unschedulable) and why."""
@@ -64,7 +89,7 @@ class SchedulerDriver:
             assert fitting is not None and set(fitting) <= set(self.node_names)
             out.failed = {**(result.get("FailedNodes") or {}), **(result.get("FailedAndUnresolvableNodes") or {})}
             if not fitting:
-                out.error = "; ".join(f"{n}: {why}" for n, why in sorted(out.failed.items())) or "no node fits"
+                out.error = fit_error(len(self.node_names), out.failed)
                 held = any("held for pod" in why for why in (result.get("FailedNodes") or {}).values())
                 if held and out.attempts < max_attempts:
                     time.sleep(hold_backoff_s * 2 ** min(out.attempts - 1, 5))

@@ -14,7 +14,7 @@ from extender import placement
 from extender.cluster import EXCLUSIVE, SHARED, ClusterState, Demand, HostDemand, OverCommit, Slot
 from extender.fit import Ask, greedy
 from extender.slottable import UNLIMITED
-from extender.reasons import why_not
+from extender.reasons import why_not, with_best
 
 GIB = 1024
 NAMES = [f"n{i}" for i in range(6)]
@@ -24,9 +24,11 @@ MODELS = ["NVIDIA-A100", "NVIDIA-L4"]
 def _uncached(state: ClusterState, demands: list[Demand], names: list[str],
               host: HostDemand) -> tuple[list[str], dict[str, str]]:
     """filter_nodes as it would answer with no memo at all: every name looked up, every row placed
-    greedily afresh, every failed row explained by :func:`extender.reasons.why_not`."""
+    greedily afresh, every failed row explained by :func:`extender.reasons.why_not` (filter's wording,
+    without the row's own amounts) and the most free on a room-short node added by ``with_best``."""
     fitting: list[str] = []
     failed: dict[str, str] = {}
+    short: list[int] = []  # rows that failed for room alone: with_best adds the most free of them
     for name in names:
         row = state.row(name)
         if row is None:
@@ -37,7 +39,16 @@ def _uncached(state: ClusterState, demands: list[Demand], names: list[str],
         if greedy(ask).ok[0]:
             fitting.append(name)
         else:
-            failed[name] = why_not(ask, 0)
+            failed[name] = why_not(ask, 0, detail=False)
+            short.append(row)
+    rows = np.array(sorted(set(short)), np.int64)
+    if len(rows):
+        ask = Ask(state, tuple(demands), rows, host)
+        _fresh_views(state, ask)
+        order = {int(r): j for j, r in enumerate(rows)}
+        named = [(n, order[state.row(n)]) for n in failed if state.row(n) is not None]
+        best = with_best(ask, np.array([j for _, j in named], np.int64), [failed[n] for n, _ in named])
+        failed.update({n: why for (n, _), why in zip(named, best)})
     return fitting, failed
 
 

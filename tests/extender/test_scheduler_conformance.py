@@ -161,3 +161,56 @@ def test_every_filter_answer_is_one_kube_scheduler_accepts(held, sent, gib, coun
     passed, failed = scheduler_reads_filter(resp.status, resp.body, sent)
     assert not set(passed) & set(failed)
     assert set(passed) | set(failed) == set(sent)
+
+
+# -- what a person reads when no node fits: kube-scheduler's FitError over our reasons ------------------
+def test_fit_error_is_kube_schedulers_histogram_of_identical_reasons():
+    """pkg/scheduler/framework/types.go FitError.Error: "0/<all> nodes are available: <n> <reason>, ..."
+    with the entries sorted as strings; the event's note is cut at 1,024 bytes with " ..."."""
+    from standins.scheduler import NOTE_LENGTH_LIMIT, failed_scheduling_note, fit_error
+    msg = fit_error(5, {"a": "no GPU has 8 GiB free", "b": "no GPU has 8 GiB free", "c": "needs a model",
+                        "d": "no GPU has 8 GiB free"})
+    assert msg == "0/5 nodes are available: 1 needs a model, 3 no GPU has 8 GiB free."
+    long = fit_error(3000, {f"n{i}": f"reason {i}" for i in range(3000)})
+    note = failed_scheduling_note(long)
+    assert len(note) == NOTE_LENGTH_LIMIT and note.endswith(" ...") and failed_scheduling_note(msg) == msg
+
+
+@settings(max_examples=25, deadline=None)
+@given(nodes=st.integers(20, 300), seed=st.integers(0, 2**16), gib=st.integers(20, 80),
+       cpu_short=st.integers(0, 5))
+def test_a_pod_no_node_fits_reads_as_a_few_counted_reasons_at_any_cluster_size(nodes, seed, gib, cpu_short):
+    """Each node's own free amount in its reason made one entry per node: at 2,000 nodes 607 distinct
+    reasons, a 37 KB PodScheduled message, and an event whose 1,024 bytes listed the emptiest nodes'
+    "largest free" (the sort is by string). Now the reasons are the same sentence on every node that
+    fails alike, so the message stays a few entries whatever the node count, and the event's note
+    carries the count of room-short nodes and the most free anywhere."""
+    import random
+
+    from standins.scheduler import failed_scheduling_note, fit_error
+    rng = random.Random(seed)
+    acct = accounting.Accounting(Config(), clock=lambda: T)
+    names = [f"gpu-{i:04d}" for i in range(nodes)]
+    for i, name in enumerate(names):
+        node = b.gpu_node(name, *[b.a100() for _ in range(4)])
+        if i < cpu_short:
+            node["status"]["allocatable"].update(cpu="1", memory="64Gi")
+        acct.apply_node("ADDED", node)
+        for g in range(4):
+            held = rng.randrange(40 * 1024, 80 * 1024)
+            acct.apply_pod("ADDED", b.assigned(b.pod(f"h{i}-{g}", held // 1024, uid=f"u{i}-{g}"), name,
+                                               [(b.uuid_of(name, g), held)], T))
+    pod = b.pod("p", gib)
+    pod["spec"]["containers"][0]["resources"]["requests"] = {
+        **pod["spec"]["containers"][0]["resources"].get("requests", {}), "cpu": "2"}
+    ext = app.Extender(acct, None, None, metrics.ExtenderMetrics(acct), Policy.BINPACK)  # type: ignore[arg-type]
+    resp = ext.handle("POST", "/filter", orjson.dumps({"Pod": pod, "Nodes": None, "NodeNames": names}))
+    passed, failed = scheduler_reads_filter(resp.status, resp.body, names)
+    if passed:
+        return
+    assert len(set(failed.values())) <= 3, sorted(set(failed.values()))
+    note = failed_scheduling_note(fit_error(len(names), failed))
+    assert len(note) < 400 and note.startswith(f"0/{nodes} nodes are available: ")
+    room = [why for why in failed.values() if why.startswith(f"no GPU has {gib} GiB free")]
+    if room:
+        assert f"{len(room)} {room[0]}" in note and "the most free: " in note
