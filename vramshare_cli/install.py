@@ -34,6 +34,11 @@ MIN_KUBERNETES = (1, 30)  # ValidatingAdmissionPolicy v1 (admission-policies.yam
 NODE_CLAIM_KUBERNETES = (1, 32)  # the service-account token's node-name claim (the node-scope binding)
 DRA_KUBERNETES = (1, 36)  # DRA consumable capacity on by default (deploy/daemonset/dra/)
 NODE_SCOPE_BINDING = "vramshare-device-plugin-node-scope"
+DEFAULT_CERT_DAYS = 365
+#: how to uninstall (README "Uninstall", the help, the rendered stream's header say the same): the
+#: namespace takes its objects along, so the later namespaced deletes may find them gone already
+UNINSTALL = "the same flags with --tls keep | kubectl delete --ignore-not-found -f -"
+MAX_CERT_DAYS = 3650  # ten years: beyond that a key outlives any rotation plan (the CA gets 30 days more)
 #: ``--enforcement MODE``: the components each plugin needs for it (device plugin's, then the DRA plugin's,
 #: the latter only with --dra), so a node running both plugins gets the mode in both from one flag
 ENFORCEMENT_COMPONENTS = {"driver": ("driver-enforcement", "dra-driver-enforcement"),
@@ -51,7 +56,7 @@ class Options:
     image: str = DEFAULT_IMAGE
     namespace: str = NAMESPACE
     tls: str = "generate"  # generate | cert-manager | keep (upgrades: the Secrets in the cluster stay)
-    cert_days: int = 365
+    cert_days: int | None = None  # validity of generated certificates (--tls generate only); None: 365 days
     dra: bool = False
     dra_gpus: tuple[str, ...] = ()
     monitoring: bool = False  # PodMonitors (prometheus-operator)
@@ -99,6 +104,12 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
         raise UsageError("--dra-gpus applies only with --dra")
     if opts.tls not in ("generate", "cert-manager", "keep"):
         raise UsageError(f"--tls {opts.tls}: one of generate, cert-manager, keep")
+    if opts.cert_days is not None and opts.tls != "generate":
+        raise UsageError(f"--cert-days applies only to certificates made now (--tls generate), not --tls {opts.tls}: "
+                         "drop --cert-days")
+    if opts.cert_days is not None and not 1 <= opts.cert_days <= MAX_CERT_DAYS:
+        raise UsageError(f"--cert-days {opts.cert_days}: choose 1 to {MAX_CERT_DAYS} days (default "
+                         f"{DEFAULT_CERT_DAYS}); 'vramshare check' says when to renew")
     base = root / ("cert-manager" if opts.tls == "cert-manager" else "daemonset")
     try:
         objects = _build(base)
@@ -129,7 +140,7 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
         if tls is None:
             raise UsageError("--tls generate needs the cryptography package: pip install cryptography, "
                              "or use --tls cert-manager")
-        objects += tls(opts.namespace, opts.cert_days)
+        objects += tls(opts.namespace, opts.cert_days or DEFAULT_CERT_DAYS)
     return kustomize.order(objects)
 
 
@@ -244,11 +255,15 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     objects = render(opts, tls, root)
     dump(objects, out, header=f"vramshare {__version__}, Kubernetes {version}: "
                               f"vramshare install ... | kubectl apply -f -\n"
-                              f"{len(objects)} objects; uninstall: the same command | kubectl delete -f -")
+                              f"{len(objects)} objects; uninstall: {UNINSTALL}")
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Render deploy/ (the kustomize base, its components) with the image, namespace, mutual-TLS "
+                     "Secrets, kube-scheduler's tag for the cluster's version and the chosen paths. 'vramshare "
+                     "install | kubectl apply -f -' installs; 'vramshare install --tls keep ... | kubectl apply -f -' "
+                     f"upgrades (the Secrets in the cluster stay); uninstall: {UNINSTALL}.")
     p.add_argument("--image", default=DEFAULT_IMAGE, metavar="REF",
                    help=f"the vramshare image, with a tag or @sha256 digest (default {DEFAULT_IMAGE})")
     p.add_argument("--namespace", default=NAMESPACE, metavar="NS", help=f"namespace (default {NAMESPACE})")
@@ -261,7 +276,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the extender's mutual-TLS Secrets: generate them now (default; a new CA each run, so "
                         "restart the schedulers after re-applying), cert-manager objects, or keep the "
                         "Secrets already in the cluster (upgrades)")
-    p.add_argument("--cert-days", type=int, default=365, metavar="N", help="validity of generated certificates")
+    p.add_argument("--cert-days", type=int, metavar="N",
+                   help=f"with --tls generate: how many days the certificates are valid (default {DEFAULT_CERT_DAYS})")
     p.add_argument("--dra", action="store_true",
                    help=f"also the DRA path (Kubernetes {_v(DRA_KUBERNETES)}+): DeviceClasses, DRA plugin, DRA scheduler")
     p.add_argument("--dra-gpus", metavar="LIST", help="with --dra: the GPUs DRA serves, 'all' or indexes/UUIDs "

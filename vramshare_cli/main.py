@@ -156,11 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dynamic MIG on the device-plugin path: the extender plans a partition, the device "
                            "plugin makes it at Allocate and destroys it when the pod is gone")
 
-    inst = sub.add_parser("install", help="print every manifest an install needs: | kubectl apply -f -",
-                          description="Render deploy/ (the kustomize base, its components) with the image, namespace, "
-                                      "mutual-TLS Secrets, kube-scheduler's tag for the cluster's version and the "
-                                      "chosen paths. 'vramshare install | kubectl apply -f -' installs or upgrades; "
-                                      "the same command '| kubectl delete -f -' uninstalls.")
+    inst = sub.add_parser("install", help="print every manifest an install needs: | kubectl apply -f -")
     from vramshare_cli import check_cmd, install
     install.add_arguments(inst)
 
