@@ -18,7 +18,7 @@ from deviceplugin.nvml_limits import CgroupFinder, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
 from deviceplugin.quota.kube import ApiOverLimitActor, ApiQuotaMirror
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop, TenantSource
-from deviceplugin.quota.model import Phase
+from deviceplugin.quota.model import TENANT_LABELS, Phase
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader
 from deviceplugin.quota.telemetry import NvmlProcessReader, UsageReader
@@ -89,9 +89,6 @@ def start(loop: QuotaLoop, cfg: Config, stop: threading.Event) -> threading.Thre
     return t
 
 
-# The tenant's pod, not the scraped one: Prometheus adds namespace/pod/container to every target (the
-# device plugin's own), so plain names would collide and come out as exported_namespace etc. (issue 22).
-TENANT_LABELS = ("tenant_namespace", "tenant_pod", "tenant_container")
 
 
 class QuotaCollector(Collector):

@@ -37,7 +37,11 @@ def exported(tmp_path) -> set[str]:
     from deviceplugin.quota.service import register_metrics
     from extender.accounting import Accounting
     from extender.metrics import ExtenderMetrics
-    from vllm_patches.metrics import StateCollector
+    from deviceplugin.dra.main import DraMetrics
+    from deviceplugin.mig_dynamic import MigMetrics
+    from deviceplugin.quota.warm import WarmBroker
+    from deviceplugin.quota.warm_channel import WarmCollector
+    from vllm_patches.metrics import StateCollector, publish_warm
     from vramshare.config import Config
     from vramshare.inventory import EnforcementMode, NodeInventory
 
@@ -49,8 +53,15 @@ def exported(tmp_path) -> set[str]:
     names |= _names(reg)
     names |= _names(ExtenderMetrics(Accounting(Config())).registry)
     reg = CollectorRegistry()
+    publish_warm(str(tmp_path), "e0", {"sleep_state": "sleeping", "wake_seconds": 1.5, "sleep_freed_bytes": 1})
     reg.register(StateCollector(str(tmp_path)))
     names |= _names(reg)
+    # the warm tier's broker (node agent), dynamic MIG and the DRA plugin's own registry
+    reg = CollectorRegistry()
+    reg.register(WarmCollector(WarmBroker(send=lambda key, message: True)))
+    names |= _names(reg)
+    names |= _names(MigMetrics().registry)
+    names |= _names(DraMetrics().registry)
     return names
 
 
@@ -131,3 +142,43 @@ def test_the_dashboard_groups_by_the_node_label_and_tenant_labels():
     assert not any(re.search(r"\{\{(namespace|pod|container)\}\}/", lf) for lf in legends if "vllm" not in lf)
     podmonitor = (ROOT / "deploy" / "monitoring" / "podmonitors.yaml").read_text()
     assert "targetLabel: node" in podmonitor and "__meta_kubernetes_pod_node_name" in podmonitor
+
+
+#: where an admin or ML engineer reads metric names: README, the vLLM plugin's README, the shipped manifests
+DOCS = (ROOT / "README.md", ROOT / "vllm_patches" / "README.md", *sorted((ROOT / "deploy").rglob("*.yaml")))
+
+
+def documented_metrics() -> dict[str, set[str]]:
+    """Every ``vramshare_*`` series the docs name -> the files naming it. Expands README's shorthands:
+    ``vramshare_mig_instances_{created,adopted,destroyed}_total`` and ``vramshare_quota_limit_mib``,
+    ``_used_mib``, ... (a list continued by suffixes); a name ending in ``_`` or ``*`` is a prefix."""
+    out: dict[str, set[str]] = {}
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(r"\b(vramshare_[a-z0-9_]*)(?:\{([a-z,]+)\}(_[a-z0-9_]+)?)?", text):
+            stem, alts, tail = m.groups()
+            if alts and "," in alts and stem.endswith("_"):
+                found = [stem + a + (tail or "") for a in alts.split(",")]
+            elif stem.endswith("_") or text[m.end():m.end() + 1] == "*":
+                continue  # a prefix (vramshare_enforcement_*, vramshare_vllm_), not a series
+            else:
+                found = [stem]
+            for name in found:
+                out.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+        for short in re.findall(r"`vramshare_quota_[a-z_]+`((?:,\s+`_[a-z_]+`)+)", text):
+            for suffix in re.findall(r"`(_[a-z_]+)`", short):
+                out.setdefault("vramshare_quota" + suffix, set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_every_metric_the_docs_name_is_exported(tmp_path):
+    """README tells an admin which metric says what (enforcement, warm tier, MIG, config refusals...): a
+    renamed metric must take its mention along. A histogram may be named by its family. Not metrics: the
+    package ``vramshare_cli`` and the vLLM plugin's entry point ``vramshare_quota``."""
+    have = exported(tmp_path)
+    have |= {n[:-len("_bucket")] for n in have if n.endswith("_bucket")}
+    named = {k: v for k, v in documented_metrics().items() if k not in {"vramshare_cli", "vramshare_quota"}}
+    assert {"vramshare_mig_instances_created_total", "vramshare_quota_floor_mib", "vramshare_warm_prewakes_total",
+            "vramshare_vllm_sleep_state", "vramshare_enforcement_unavailable"} <= set(named), sorted(named)
+    missing = {k: sorted(v) for k, v in named.items() if k not in have}
+    assert not missing, f"the docs name metrics no daemon exports: {missing}"
