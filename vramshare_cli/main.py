@@ -129,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share: every GPU is 1000 units (the paper); memory: MiB per GPU model")
     sim.add_argument("--order", choices=["shuffle", "trace"], default="shuffle",
                      help="arrival order: shuffle per seed as the paper's runs do (default), or trace file order")
-    sim.add_argument("--as-scheduler", metavar="SCHEDULER_CONFIG", nargs="?", const="deploy/daemonset/scheduler-config.yaml",
+    from vramshare_cli.install import deploy_dir  # the manifests the package carries, wherever it runs from
+
+    sim.add_argument("--as-scheduler", metavar="SCHEDULER_CONFIG", nargs="?",
+                     const=str(deploy_dir() / "daemonset" / "scheduler-config.yaml"),
                      help="place as kube-scheduler with the extender would (in-tree Fit, default scores, the "
                           "extender's 0..10 times its weight from this KubeSchedulerConfiguration; default "
                           "deploy/daemonset/scheduler-config.yaml); pods asking no GPU by kube-scheduler alone")
