@@ -106,3 +106,15 @@ def test_readme_command_line_names_every_flag_of_every_subcommand_and_no_other()
         for a in p._actions:
             if a.choices and a.option_strings and not isinstance(a, argparse._SubParsersAction):
                 assert "{" + ",".join(a.choices) + "}" in said[name], f"vramshare {name} {a.option_strings[0]}: choices"
+
+
+def test_every_repository_path_readme_names_exists():
+    """README names files an admin opens (deploy/..., bench/results/..., tests/...): each must be there.
+    Paths with a placeholder (<trace>, {a,b}, *) are patterns, not files."""
+    top = "deploy|tests|bench|vramshare|deviceplugin|extender|standins|vramshare_cli|vllm_patches|protos"
+    for doc in ("README.md", "vllm_patches/README.md"):
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        named = set(re.findall(rf"(?<![\w/.-])((?:{top})/[\w./{{}},*<>-]*)", text))
+        assert len(named) > (20 if doc == "README.md" else 0)
+        for path in (p.rstrip(".,:)") for p in named if not set("{*<") & set(p)):
+            assert (ROOT / path).exists() or (ROOT / doc).parent.joinpath(path).exists(), f"{doc} names {path}"
