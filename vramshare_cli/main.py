@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--device-plugin-dir", metavar="DIR", default=contract.DEVICE_PLUGIN_DIR,
                     help=f"kubelet device plugin directory (default {contract.DEVICE_PLUGIN_DIR})")
     dp.add_argument("--pod-resources-socket", metavar="PATH", default=contract.POD_RESOURCES_SOCKET,
-                    help="kubelet PodResources socket, read at start to rebuild allocations")
+                    help="kubelet PodResources socket: the devices each pod really holds, read at start, "
+                         f"every 2 s and after each Allocate (default {contract.POD_RESOURCES_SOCKET})")
     dp.add_argument("--quota-dir", metavar="DIR", help="host directory of per-container quota files "
                     f"(default from config, {contract.HOST_QUOTA_ROOT})")
     dp.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     dra.add_argument("--config", metavar="FILE", default=os.environ.get("VRAMSHARE_CONFIG"),
                      help="versioned config YAML (version: v1), the device plugin's; reloaded on change and SIGHUP")
     dra.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
-                     help="kubeconfig (default: in-cluster service account); required")
+                     help="kubeconfig (default: in-cluster service account); the plugin needs an API server")
     dra.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
                      help="this node's name (default $NODE_NAME)")
     dra.add_argument("--plugin-dir", metavar="DIR",
@@ -137,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "extender's 0..10 times its weight from this KubeSchedulerConfiguration; default "
                           "deploy/daemonset/scheduler-config.yaml); pods asking no GPU by kube-scheduler alone")
     sim.add_argument("--out", metavar="DIR", default="bench/results/simulate",
-                     help="where to write summary.json, the markdown table and the plot")
+                     help="where to write summary.json, the markdown table and the plot "
+                          "(default bench/results/simulate)")
 
     demo = sub.add_parser("demo", help="run everything on loopback with simulated GPUs",
                           description="Start an API server stand-in, a simulated GPU node with the device "
