@@ -283,7 +283,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dra-gpus", metavar="LIST", help="with --dra: the GPUs DRA serves, 'all' or indexes/UUIDs "
                                                       "separated by commas (config dra.gpus)")
     p.add_argument("--monitoring", action="store_true",
-                   help="PodMonitors for prometheus-operator (deploy/monitoring/): every metric gets a node label")
+                   help="PodMonitors and alert rules for prometheus-operator (deploy/monitoring/): every metric gets a "
+                        "node label")
     p.add_argument("--dashboard", metavar="GRAFANA_NS",
                    help="the Grafana dashboard ConfigMap (sidecar label grafana_dashboard) in this namespace")
     p.add_argument("--component", action="append", metavar="NAME",

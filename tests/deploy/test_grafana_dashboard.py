@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import yaml
 from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,39 +31,54 @@ def _labels(registry: CollectorRegistry) -> dict[str, set[str]]:
     return out
 
 
-def exported(tmp_path) -> set[str]:
+def registries(tmp_path) -> list[CollectorRegistry]:
+    """Every daemon's metrics registry (device plugin, quota loop, extender, vLLM plugin, warm tier,
+    dynamic MIG, DRA plugin), built as the daemons build them."""
+    from deviceplugin.dra.main import DraMetrics
     from deviceplugin.metrics import PluginMetrics
+    from deviceplugin.mig_dynamic import MigMetrics
     from deviceplugin.quota.loop import QuotaLoop
     from deviceplugin.quota.model import PolicyParams
     from deviceplugin.quota.service import register_metrics
-    from extender.accounting import Accounting
-    from extender.metrics import ExtenderMetrics
-    from deviceplugin.dra.main import DraMetrics
-    from deviceplugin.mig_dynamic import MigMetrics
     from deviceplugin.quota.warm import WarmBroker
     from deviceplugin.quota.warm_channel import WarmCollector
+    from extender.accounting import Accounting
+    from extender.metrics import ExtenderMetrics
     from vllm_patches.metrics import StateCollector, publish_warm
     from vramshare.config import Config
     from vramshare.inventory import EnforcementMode, NodeInventory
 
-    names: set[str] = set()
     snap = SimpleNamespace(devices={}, inventory=NodeInventory(1024, enforcement=EnforcementMode.DRIVER))
-    names |= _names(PluginMetrics(snapshot=lambda: snap).registry)
-    reg = CollectorRegistry()
-    register_metrics(QuotaLoop(None, dict, [], PolicyParams(), str(tmp_path)), reg)
-    names |= _names(reg)
-    names |= _names(ExtenderMetrics(Accounting(Config())).registry)
-    reg = CollectorRegistry()
+    out = [PluginMetrics(snapshot=lambda: snap).registry, ExtenderMetrics(Accounting(Config())).registry,
+           MigMetrics().registry, DraMetrics().registry]
+    quota = CollectorRegistry()
+    register_metrics(QuotaLoop(None, dict, [], PolicyParams(), str(tmp_path)), quota)
+    engine = CollectorRegistry()
     publish_warm(str(tmp_path), "e0", {"sleep_state": "sleeping", "wake_seconds": 1.5, "sleep_freed_bytes": 1})
-    reg.register(StateCollector(str(tmp_path)))
-    names |= _names(reg)
-    # the warm tier's broker (node agent), dynamic MIG and the DRA plugin's own registry
-    reg = CollectorRegistry()
-    reg.register(WarmCollector(WarmBroker(send=lambda key, message: True)))
-    names |= _names(reg)
-    names |= _names(MigMetrics().registry)
-    names |= _names(DraMetrics().registry)
-    return names
+    engine.register(StateCollector(str(tmp_path)))
+    warm = CollectorRegistry()
+    warm.register(WarmCollector(WarmBroker(send=lambda key, message: True)))
+    return [*out, quota, engine, warm]
+
+
+def exported(tmp_path) -> set[str]:
+    return {name for reg in registries(tmp_path) for name in _names(reg)}
+
+
+def declared_labels(tmp_path) -> dict[str, set[str]]:
+    """Series name -> the label names it is declared with (also for a family with no sample yet):
+    prometheus_client keeps them as ``_labelnames`` on a metric and on a custom collector's family."""
+    out: dict[str, set[str]] = {}
+    for reg in registries(tmp_path):
+        for collector, names in list(reg._collector_to_names.items()):  # noqa: SLF001 - the registry's map
+            for name in names:
+                out.setdefault(name, set()).update(getattr(collector, "_labelnames", ()))
+        for m in reg.collect():
+            for suffix in _SUFFIXES.get(m.type, ("",)):
+                out.setdefault(m.name + suffix, set()).update(getattr(m, "_labelnames", ()))
+            for s in m.samples:
+                out.setdefault(s.name, set()).update(s.labels)
+    return out
 
 
 def _queries(doc: dict) -> list[str]:
@@ -182,3 +198,28 @@ def test_every_metric_the_docs_name_is_exported(tmp_path):
             "vramshare_vllm_sleep_state", "vramshare_enforcement_unavailable"} <= set(named), sorted(named)
     missing = {k: sorted(v) for k, v in named.items() if k not in have}
     assert not missing, f"the docs name metrics no daemon exports: {missing}"
+
+
+def test_alert_rules_use_only_exported_metrics_and_their_labels(tmp_path):
+    """deploy/monitoring/alerts.yaml: every metric an alert reads is exported, every label it matches or
+    groups by is one that metric carries or one Prometheus adds (the target's, the PodMonitor's node),
+    and ``vramshare install --monitoring`` ships it."""
+    doc = yaml.safe_load((ROOT / "deploy" / "monitoring" / "alerts.yaml").read_text())
+    rules = [r for g in doc["spec"]["groups"] for r in g["rules"]]
+    assert len(rules) >= 5 and all(r["alert"].startswith("Vramshare") for r in rules)
+    labels = declared_labels(tmp_path)
+    for rule in rules:
+        expr = rule["expr"]
+        used = re.findall(r"\b(vramshare_[a-z0-9_]+)(?:\{([^}]*)\})?", expr)
+        assert used, rule["alert"]
+        for name, matchers in used:
+            assert name in labels, f"{rule['alert']}: {name} is not exported"
+            for label in re.findall(r"([a-z_]+)\s*=~?", matchers):
+                assert label in labels[name] | TARGET_LABELS, f"{rule['alert']}: {name} has no label {label}"
+        for grouping in re.findall(r"\bby \(([^)]*)\)", expr):
+            for label in (x.strip() for x in grouping.split(",")):
+                assert any(label in labels[n] for n, _ in used) or label in TARGET_LABELS, (rule["alert"], label)
+        for text in rule["annotations"].values():
+            for label in re.findall(r"\$labels\.([a-z_]+)", text):
+                assert any(label in labels[n] for n, _ in used) or label in TARGET_LABELS, (rule["alert"], label)
+    assert "alerts.yaml" in (ROOT / "deploy" / "monitoring" / "kustomization.yaml").read_text()

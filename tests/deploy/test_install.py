@@ -131,7 +131,7 @@ VARIANTS = _variants()
 def test_every_rendered_object_is_valid_strict(version, what, objects):
     for obj in objects:
         if obj["apiVersion"].startswith(CRD_GROUPS):
-            assert obj["kind"] in {"Issuer", "Certificate", "PodMonitor"}
+            assert obj["kind"] in {"Issuer", "Certificate", "PodMonitor", "PrometheusRule"}
             continue
         kubernetes_validate.validate(obj, version, strict=True)
 
