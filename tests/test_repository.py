@@ -102,7 +102,8 @@ def test_readme_command_line_names_every_flag_of_every_subcommand_and_no_other()
     for name, p in commands.items():
         flags = {s for a in p._actions for s in a.option_strings if s not in {"-h", "--help"}}
         shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", said[name]))
-        assert shown == flags, f"vramshare {name}: README misses {sorted(flags - shown)}, names unknown {sorted(shown - flags)}"
+        assert shown == flags, \
+            f"vramshare {name}: README misses {sorted(flags - shown)}, names unknown {sorted(shown - flags)}"
         for a in p._actions:
             if a.choices and a.option_strings and not isinstance(a, argparse._SubParsersAction):
                 assert "{" + ",".join(a.choices) + "}" in said[name], f"vramshare {name} {a.option_strings[0]}: choices"

@@ -309,8 +309,9 @@ def test_prewake_outcomes_are_counted_on_metrics():
     reg = CollectorRegistry()
     reg.register(WarmCollector(rig.broker))
     text = generate_latest(reg).decode()
-    assert 'vramshare_warm_prewakes_total{outcome="wasted",tenant_container="c",tenant_namespace="ns",tenant_pod="ahead"} 1.0' in text
-    assert 'vramshare_warm_prewakes_total{outcome="used",tenant_container="c",tenant_namespace="ns",tenant_pod="ahead"} 0.0' in text
+    tenant = 'tenant_container="c",tenant_namespace="ns",tenant_pod="ahead"'
+    assert f'vramshare_warm_prewakes_total{{outcome="wasted",{tenant}}} 1.0' in text
+    assert f'vramshare_warm_prewakes_total{{outcome="used",{tenant}}} 0.0' in text
     assert 'outcome="declined",tenant_container="c",tenant_namespace="ns",tenant_pod="ahead"} 0.0' in text
 
 
