@@ -9,6 +9,7 @@ rendering is pure (:func:`render`); reading the cluster's version and printing a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import re
@@ -63,6 +64,9 @@ class Options:
     dashboard_namespace: str | None = None  # the Grafana dashboard ConfigMap, in Grafana's namespace
     components: tuple[str, ...] = field(default_factory=tuple)  # deploy/components/<name>
     enforcement: str | None = None  # driver | mps: the opt-in enforcement components of every plugin installed
+    #: the config to install in the ConfigMap vramshare-config (its text, checked first); None: the shipped
+    #: defaults, which an upgrade without it puts back in place of an admin's edits
+    config_text: str | None = None
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -132,6 +136,10 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
         raise UsageError(f"{exc}") from None
     if version[:2] < NODE_CLAIM_KUBERNETES:  # no node-name claim: the binding would refuse every plugin write
         objects = [o for o in objects if o["metadata"].get("name") != NODE_SCOPE_BINDING]
+    if opts.config_text is not None:
+        if opts.dra_gpus:
+            raise UsageError("--dra-gpus and --config: set dra.gpus in your config file instead")
+        _set_config(objects, opts.config_text)
     if opts.dra_gpus:
         _set_dra_gpus(objects, opts.dra_gpus)
     if opts.namespace != NAMESPACE:
@@ -175,6 +183,18 @@ def _image_entry(ref: str) -> Obj:
     else:
         entry["newTag"] = tag
     return entry
+
+
+def _set_config(objects: list[Obj], text: str) -> None:
+    """The admin's config as the ConfigMap's ``config.yaml``, refused (naming the key) where the node
+    plugins would refuse it, so a bad file never reaches the cluster."""
+    from vramshare.config import ConfigError, parse_config
+    try:
+        parse_config(text)
+    except ConfigError as exc:
+        raise UsageError(f"--config: {exc}") from None
+    cm = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "vramshare-config")
+    cm["data"]["config.yaml"] = text
 
 
 def _set_dra_gpus(objects: list[Obj], gpus: tuple[str, ...]) -> None:
@@ -251,6 +271,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                    dra_gpus=tuple(g for g in (args.dra_gpus or "").split(",") if g),
                    monitoring=args.monitoring, dashboard_namespace=args.dashboard,
                    components=tuple(args.component or ()), enforcement=args.enforcement)
+    if args.config:
+        try:
+            opts = dataclasses.replace(opts, config_text=pathlib.Path(args.config).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--config {args.config}: {getattr(exc, 'strerror', None) or exc}") from None
     root = pathlib.Path(args.manifests) if args.manifests else None
     objects = render(opts, tls, root)
     dump(objects, out, header=f"vramshare {__version__}, Kubernetes {version}: "
@@ -293,4 +318,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="driver: the driver-enforcement components (the device plugin's, and with --dra the DRA "
                         "plugin's) on nodes labelled vramshare.io/enforcement=driver; mps: the mps-enforcement "
                         "ones. One flag for a node running both plugins")
+    p.add_argument("--config", metavar="FILE",
+                   help="your config (version: v1, as in deploy/daemonset/configmap.yaml) for the ConfigMap "
+                        "vramshare-config, checked first; without it the shipped defaults are installed, also "
+                        "over your edits on an upgrade")
     p.add_argument("--manifests", metavar="DIR", help="the deploy/ folder to render (default: this checkout's)")

@@ -317,3 +317,24 @@ def test_readme_install_and_uninstall_are_what_install_prints(capsys):
     assert install.UNINSTALL == f"the same flags with {said}"
     assert install.UNINSTALL in " ".join(cli.build_parser()._subparsers._group_actions[0].choices["install"]
                                          .format_help().split())
+
+
+def test_the_admins_config_goes_into_the_configmap_checked_first(tmp_path, capsys):
+    """An upgrade re-applies every object, the ConfigMap vramshare-config included: on main the only
+    config it could carry was the shipped defaults, so re-running install put them over an admin's quota
+    classes. ``--config FILE`` installs the admin's file, refused in one line where the plugins would
+    refuse it."""
+    example = DEPLOY / "examples" / "quota-classes" / "production-batch.yaml"
+    assert cli.main(["install", "--kubernetes-version", "1.33", "--tls", "keep", "--config", str(example)]) == 0
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    [cm] = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "vramshare-config"]
+    assert cm["data"]["config.yaml"] == example.read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: v1\nquota: {classes: [{name: x, floorMiB: -4}]}\n")
+    for argv, says in ((["--config", str(bad)], "--config: quota.classes[0].floorMiB: must be >= 0"),
+                       (["--config", str(tmp_path / "none.yaml")], "No such file"),
+                       (["--kubernetes-version", "1.36", "--dra", "--dra-gpus", "all", "--config", str(example)],
+                        "set dra.gpus in your config file")):
+        assert cli.main(["install", "--kubernetes-version", "1.33", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err
