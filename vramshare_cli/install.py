@@ -36,6 +36,7 @@ NODE_CLAIM_KUBERNETES = (1, 32)  # the service-account token's node-name claim (
 DRA_KUBERNETES = (1, 36)  # DRA consumable capacity on by default (deploy/daemonset/dra/)
 NODE_SCOPE_BINDING = "vramshare-device-plugin-node-scope"
 DEFAULT_CERT_DAYS = 365
+EVICT_COMPONENT = "over-limit-evict"  # deploy/components/: pods/eviction create for the node plugins
 #: how to uninstall (README "Uninstall", the help, the rendered stream's header say the same): the
 #: namespace takes its objects along, so the later namespaced deletes may find them gone already
 UNINSTALL = "the same flags with --tls keep | kubectl delete --ignore-not-found -f -"
@@ -139,7 +140,7 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
     if opts.config_text is not None:
         if opts.dra_gpus:
             raise UsageError("--dra-gpus and --config: set dra.gpus in your config file instead")
-        _set_config(objects, opts.config_text)
+        _set_config(objects, opts.config_text, _components(opts))
     if opts.dra_gpus:
         _set_dra_gpus(objects, opts.dra_gpus)
     if opts.namespace != NAMESPACE:
@@ -185,14 +186,20 @@ def _image_entry(ref: str) -> Obj:
     return entry
 
 
-def _set_config(objects: list[Obj], text: str) -> None:
+def _set_config(objects: list[Obj], text: str, components: list[str]) -> None:
     """The admin's config as the ConfigMap's ``config.yaml``, refused (naming the key) where the node
-    plugins would refuse it, so a bad file never reaches the cluster."""
+    plugins would refuse it, so a bad file never reaches the cluster: a key out of bounds, or
+    ``overLimitAction: evict`` without the component that grants the eviction right."""
+    from deviceplugin.quota.rights import evicting
     from vramshare.config import ConfigError, parse_config
     try:
-        parse_config(text)
+        cfg = parse_config(text)
     except ConfigError as exc:
         raise UsageError(f"--config: {exc}") from None
+    where = evicting(cfg)
+    if where and EVICT_COMPONENT not in components:
+        raise UsageError(f"--config sets overLimitAction: evict ({', '.join(where)}), which needs the eviction "
+                         f"right the default roles lack: add --component {EVICT_COMPONENT}")
     cm = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "vramshare-config")
     cm["data"]["config.yaml"] = text
 

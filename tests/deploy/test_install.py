@@ -325,7 +325,8 @@ def test_the_admins_config_goes_into_the_configmap_checked_first(tmp_path, capsy
     classes. ``--config FILE`` installs the admin's file, refused in one line where the plugins would
     refuse it."""
     example = DEPLOY / "examples" / "quota-classes" / "production-batch.yaml"
-    assert cli.main(["install", "--kubernetes-version", "1.33", "--tls", "keep", "--config", str(example)]) == 0
+    assert cli.main(["install", "--kubernetes-version", "1.33", "--tls", "keep", "--config", str(example),
+                     "--component", "over-limit-evict"]) == 0  # its batch class evicts
     objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     [cm] = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "vramshare-config"]
     assert cm["data"]["config.yaml"] == example.read_text()
@@ -333,6 +334,10 @@ def test_the_admins_config_goes_into_the_configmap_checked_first(tmp_path, capsy
     bad.write_text("version: v1\nquota: {classes: [{name: x, floorMiB: -4}]}\n")
     for argv, says in ((["--config", str(bad)], "--config: quota.classes[0].floorMiB: must be >= 0"),
                        (["--config", str(tmp_path / "none.yaml")], "No such file"),
+                       # README's example 1 evicts batch: without the right every node plugin refuses it
+                       (["--config", str(example)], "quota.classes[batch].overLimitAction), which needs the "
+                                                    "eviction right the default roles lack: add --component "
+                                                    "over-limit-evict"),
                        (["--kubernetes-version", "1.36", "--dra", "--dra-gpus", "all", "--config", str(example)],
                         "set dra.gpus in your config file")):
         assert cli.main(["install", "--kubernetes-version", "1.33", *argv]) == 2
