@@ -107,8 +107,10 @@ def pod_demand(pod: Mapping[str, Any], names: contract.Names) -> PodDemand:
         # The kubelet calls no Allocate for 0 devices, so the container would start with no GPU of ours,
         # and under the NVIDIA runtime with an image's NVIDIA_VISIBLE_DEVICES=all (CUDA images set it)
         # with every GPU of the node, unfenced: never a pod to place.
-        raise PodSpecError(f"asks 0 {names.gpu_memory}: ask at least 1 (units of GPU memory), or remove the "
-                           f"{names.domain} resources to run without a GPU")
+        listed = sorted({r for c in (spec.get("containers") or []) + (spec.get("initContainers") or [])
+                         for r in _resources(c) if names.is_ours(r)})
+        raise PodSpecError(f"asks 0 {' and '.join(listed)}: ask at least 1, or remove the {names.domain} "
+                           "resources to run without a GPU")
     models = tuple(p.strip() for p in str(ann.get(names.gpu_models, "")).split("|") if p.strip())
     model, model_error = pod_model(ann, names)
     isolation = pod_isolation(ann, names, gpu_count)

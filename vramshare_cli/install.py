@@ -9,7 +9,6 @@ rendering is pure (:func:`render`); reading the cluster's version and printing a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 import re
@@ -265,6 +264,12 @@ def cluster_version(kubeconfig: str | None) -> str:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    config_text = None
+    if args.config:  # before the API server is asked anything: a missing file fails at once
+        try:
+            config_text = pathlib.Path(args.config).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--config {args.config}: {getattr(exc, 'strerror', None) or exc}") from None
     version = args.kubernetes_version or cluster_version(args.kubeconfig)
     try:
         from vramshare_cli import certs
@@ -277,12 +282,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                    cert_days=args.cert_days, dra=args.dra,
                    dra_gpus=tuple(g for g in (args.dra_gpus or "").split(",") if g),
                    monitoring=args.monitoring, dashboard_namespace=args.dashboard,
-                   components=tuple(args.component or ()), enforcement=args.enforcement)
-    if args.config:
-        try:
-            opts = dataclasses.replace(opts, config_text=pathlib.Path(args.config).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"--config {args.config}: {getattr(exc, 'strerror', None) or exc}") from None
+                   components=tuple(args.component or ()), enforcement=args.enforcement, config_text=config_text)
     root = pathlib.Path(args.manifests) if args.manifests else None
     objects = render(opts, tls, root)
     dump(objects, out, header=f"vramshare {__version__}, Kubernetes {version}: "
