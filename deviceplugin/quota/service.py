@@ -65,11 +65,12 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
                  driver=fence is not None, dcgm=bool(dcgm_url))
     if dcgm_url and not given:
         usage.append(DcgmExporterReader(dcgm_url))
+    actor = ApiOverLimitActor(v1, cfg.names, node)  # over-limit reports and ignored hints: events on the pod
     loop = QuotaLoop(tenants, capacities, usage,
                      PolicyParams.from_config(cfg.quota), cfg.quota_host_dir,
                      signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names),
                      settings=LoopSettings.from_config(cfg.quota, cfg.enforcement), mode=mode, fence=fence,
-                     actor=ApiOverLimitActor(v1, cfg.names, node), warm=warm)
+                     actor=actor, warm=warm, hints=actor)
     for reader in usage:
         if hasattr(reader, "bind"):  # a simulated node's replay reads the tenants of the tick
             reader.bind(lambda: loop.tenants_now)
