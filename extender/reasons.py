@@ -17,6 +17,7 @@ import numpy as np
 
 from extender.cluster import EXCLUSIVE, MIG_FIT, MIG_PREFIX, SHARED, Demand
 from extender.fit import Ask
+from vramshare import contract
 
 
 @lru_cache(maxsize=4096)
@@ -36,6 +37,23 @@ def _kind_words(d: Demand) -> str:
     if d.kind == MIG_FIT:
         return f"MIG partition for {mib(d.per_gpu)} (isolation: mig)"
     return f"MIG instance of profile {d.kind[len(MIG_PREFIX):]}"
+
+
+#: the annotation that spreads a request over several GPUs, named in the reason for a request no GPU holds
+_GPU_COUNT = contract.Names().gpu_count
+
+
+def _too_big(per_gpu: int, k: int, largest: int, gpu: int | None) -> str | None:
+    """The reason when no usable GPU holds ``per_gpu`` MiB even empty (no wait or eviction helps: the user
+    must ask less or spread the request over more GPUs), else None. ``gpu``: which one is the largest,
+    for one node's answer (filter's leave it out: kube-scheduler counts identical reasons)."""
+    if largest >= per_gpu:
+        return None
+    each, more = (" each", " per GPU") if k > 1 else ("", "")
+    which = f", GPU {gpu}," if gpu is not None else ""
+    return (f"no GPU here holds {mib(per_gpu)}{each} (the largest{which} holds {mib(largest)}): ask at most "
+            f"{mib(largest)}{more}, or split the request over {'more' if k > 1 else 'several'} GPUs with the "
+            f"annotation {_GPU_COUNT}")
 
 
 def _alone(ask: Ask, j: int, i: int, detail: bool = True) -> str | None:
@@ -63,6 +81,11 @@ def _alone(ask: Ask, j: int, i: int, detail: bool = True) -> str | None:
         having = int((free >= d.per_gpu).sum())
         if having >= k:
             return None
+        cap = np.where(usable, ask.capacity[j], -1)
+        g = int(np.argmax(cap))
+        too_big = _too_big(d.per_gpu, k, int(cap[g]), int(index[g]) if detail else None)
+        if too_big is not None:
+            return too_big
         if k == 1:
             if not detail:
                 return room_reason(d.per_gpu)
@@ -154,7 +177,8 @@ def why_not_many(ask: Ask, failing: np.ndarray) -> list[str]:
     free = np.where(usable, ask.free[failing], -1)
     having = (free >= r).sum(axis=1)
     host_short = (ask.cpu_free[failing] < ask.host.cpu_milli) | (ask.mem_free[failing] < ask.host.memory_mib)
-    simple = usable.any(axis=1) & ~host_short
+    cap = np.where(usable, ask.capacity[failing], -1)
+    simple = usable.any(axis=1) & ~host_short & (cap.max(axis=1) >= r)  # else: no GPU holds it (_alone)
     room = room_reason(r)
     out = []
     for j, ok, h in zip(failing.tolist(), simple.tolist(), having.tolist()):

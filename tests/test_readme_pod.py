@@ -120,3 +120,49 @@ def test_the_warm_tier_example_pod_can_go_to_sleep():
     assert env["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{N.model}']"
     assert pod["metadata"]["annotations"][N.model] in vllm["args"]  # the model it serves is the one it names
     assert "--enable-sleep-mode" in vllm["args"]
+
+
+def _kind_of_fragment(doc: dict[str, Any]) -> str:
+    """README's YAML without a ``kind``: a config fragment (its keys are config keys), a pod template
+    (``metadata`` + ``spec``), a pod ``spec`` or a claim request's ``selectors``."""
+    if "spec" in doc and set(doc) <= {"metadata", "spec"}:
+        return "pod"
+    if set(doc) == {"selectors"}:
+        return "selectors"
+    return "config"
+
+
+@pytest.mark.parametrize("version", ["1.33", "1.36"])
+def test_every_yaml_example_readme_shows_is_valid(version: str):
+    """A new admin copies README's YAML: each object validates against the API's schema
+    (kubernetes-validate, strict: an unknown field is an error), a pod fragment as the pod it goes into,
+    a config fragment loads as the ConfigMap's config, and the DRA selector is the example template's."""
+    import kubernetes_validate
+
+    from vramshare import config
+
+    seen = set()
+    for block in BLOCKS:
+        for doc in yaml.safe_load_all(block):
+            if not isinstance(doc, dict):
+                continue
+            kind = doc.get("kind") or _kind_of_fragment(doc)
+            seen.add(kind)
+            if kind == "selectors":
+                examples = (README.parent / "deploy/daemonset/dra/examples/claim-templates.yaml").read_text()
+                expression = doc["selectors"][0]["cel"]["expression"]
+                assert " ".join(expression.split()) in " ".join(examples.split())
+                continue
+            if kind == "config":
+                config.config_from_dict({"version": "v1", **doc})  # raises ConfigError naming the key
+                continue
+            if kind == "pod":
+                if "resourceClaims" in doc["spec"] and version < "1.34":
+                    continue  # the DRA path's pod: resource.k8s.io/v1 from 1.34
+                pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", **doc.get("metadata", {})},
+                       "spec": {**doc["spec"], "containers": [{"image": "vllm/vllm-openai:latest", **c}
+                                                              for c in doc["spec"]["containers"]]}}
+                kubernetes_validate.validate(pod, version, strict=True)
+                continue
+            kubernetes_validate.validate(doc, version, strict=True)
+    assert {"Pod", "Role", "config", "pod", "selectors"} <= seen, seen

@@ -3,6 +3,7 @@ version, the package, image and manifests name one version, README's Kubernetes 
 the manifests need, and nothing shipped cites a file the repository does not have."""
 from __future__ import annotations
 
+import argparse
 import hashlib
 import pathlib
 import re
@@ -71,3 +72,50 @@ def test_nothing_in_deploy_cites_a_missing_file():
             for name in re.findall(r"\b([\w./-]+\.md)\b", path.read_text(encoding="utf-8")):
                 hits = [p for p in ROOT.rglob(pathlib.Path(name).name) if ".git" not in p.parts]
                 assert hits, f"{path.relative_to(ROOT)} cites {name}, which is not in the repository"
+
+
+def _readme_synopsis() -> dict[str, str]:
+    """README's "The command line" block: subcommand (or '' for the global options) -> its lines."""
+    [block] = re.findall(r"^## The command line\n\n```\n(.*?)```", README, re.S | re.M)
+    out: dict[str, str] = {}
+    command = None
+    for line in block.splitlines():
+        head = re.match(r"vramshare(?: ([a-z-]+))?\s", line + " ")
+        if head:
+            command = head.group(1) if head.group(1) and not line.startswith("vramshare [") else ""
+        assert command is not None, line
+        out[command] = out.get(command, "") + " " + line
+    return out
+
+
+def test_readme_command_line_names_every_flag_of_every_subcommand_and_no_other():
+    """The synopsis is what an admin reads instead of ``--help``: on main it lacked ``--leader-elect``
+    (which the shipped extender Deployment runs with), ``--enforcement``, ``--cert-days``, ``--mig``,
+    ``--service``, ``--quota-dir`` and others; a flag it names must exist, with the same choices."""
+    from vramshare_cli.main import build_parser
+
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    said = _readme_synopsis()
+    commands = {"": parser, **sub.choices}
+    assert set(said) == set(commands), "README's synopsis lists exactly the subcommands"
+    for name, p in commands.items():
+        flags = {s for a in p._actions for s in a.option_strings if s not in {"-h", "--help"}}
+        shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", said[name]))
+        assert shown == flags, \
+            f"vramshare {name}: README misses {sorted(flags - shown)}, names unknown {sorted(shown - flags)}"
+        for a in p._actions:
+            if a.choices and a.option_strings and not isinstance(a, argparse._SubParsersAction):
+                assert "{" + ",".join(a.choices) + "}" in said[name], f"vramshare {name} {a.option_strings[0]}: choices"
+
+
+def test_every_repository_path_readme_names_exists():
+    """README names files an admin opens (deploy/..., bench/results/..., tests/...): each must be there.
+    Paths with a placeholder (<trace>, {a,b}, *) are patterns, not files."""
+    top = "deploy|tests|bench|vramshare|deviceplugin|extender|standins|vramshare_cli|vllm_patches|protos"
+    for doc in ("README.md", "vllm_patches/README.md"):
+        text = (ROOT / doc).read_text(encoding="utf-8")
+        named = set(re.findall(rf"(?<![\w/.-])((?:{top})/[\w./{{}},*<>-]*)", text))
+        assert len(named) > (20 if doc == "README.md" else 0)
+        for path in (p.rstrip(".,:)") for p in named if not set("{*<") & set(p)):
+            assert (ROOT / path).exists() or (ROOT / doc).parent.joinpath(path).exists(), f"{doc} names {path}"

@@ -144,7 +144,12 @@ def test_download_fills_a_traces_folder_that_simulate_then_finds(tmp_path, mirro
     assert cli.build_parser().parse_args(["simulate"]).nodes == str(tmp_path / traces.OPENB_NODES)
     capsys.readouterr()
     assert cli.main(["traces", "where"]) == 0
-    assert f"{traces.GENAI_MEMORY}: {tmp_path / traces.GENAI_MEMORY}" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"{traces.GENAI_MEMORY}: {tmp_path / traces.GENAI_MEMORY}" in said
+    # every file and folder download writes (on main: only three of them, never ServeGen nor the openb
+    # variants README's benchmarks replay), each found where download put it
+    for src in traces.SOURCES:
+        assert f"{src.path}: {tmp_path / src.path}" in said, said
 
 
 def test_download_offline_refuses_in_one_line(tmp_path, capsys):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from vramshare import contract, quantity
+from vramshare.config import Policy
 
 #: The most devices of one resource a container may ask: far beyond any node (1 PiB of 1 GiB units), low
 #: enough that no arithmetic on it overflows. Callers bound requests by the cluster's real GPUs.
@@ -102,11 +103,33 @@ def pod_demand(pod: Mapping[str, Any], names: contract.Names) -> PodDemand:
     spec = pod.get("spec") or {}
     containers = [_container_demand(c, names, gpu_count) for c in spec.get("containers") or []]
     inits = [_container_demand(c, names, gpu_count) for c in spec.get("initContainers") or []]
+    if all(c.empty for c in containers + inits) and wants_gpu(pod, names):
+        # The kubelet calls no Allocate for 0 devices, so the container would start with no GPU of ours,
+        # and under the NVIDIA runtime with an image's NVIDIA_VISIBLE_DEVICES=all (CUDA images set it)
+        # with every GPU of the node, unfenced: never a pod to place.
+        listed = sorted({r for c in (spec.get("containers") or []) + (spec.get("initContainers") or [])
+                         for r in _resources(c) if names.is_ours(r)})
+        raise PodSpecError(f"asks 0 {' and '.join(listed)}: ask at least 1, or remove the {names.domain} "
+                           "resources to run without a GPU")
     models = tuple(p.strip() for p in str(ann.get(names.gpu_models, "")).split("|") if p.strip())
     model, model_error = pod_model(ann, names)
     isolation = pod_isolation(ann, names, gpu_count)
-    return PodDemand(ns, name, meta.get("uid", ""), tuple(containers), models, ann.get(names.policy),
+    return PodDemand(ns, name, meta.get("uid", ""), tuple(containers), models, pod_policy(ann, names),
                      tuple(c for c in inits if not c.empty), model, model_error, isolation)
+
+
+def pod_policy(annotations: Mapping[str, Any], names: contract.Names) -> str | None:
+    """The pod's ``policy`` annotation as the extender reads it (trimmed, lower case), None when absent. A
+    value that names no policy is a :class:`PodSpecError`: the user asked for a placement, and a typo
+    silently placed by the cluster's policy would never tell them."""
+    raw = annotations.get(names.policy)
+    if raw is None:
+        return None
+    known = [p.value for p in Policy]
+    if str(raw).strip().lower() not in known:
+        raise PodSpecError(f"annotation {names.policy}: {str(raw)[:64]!r} is not a placement policy "
+                           f"({', '.join(known)}): correct it or remove the annotation")
+    return str(raw)
 
 
 def pod_isolation(annotations: Mapping[str, Any], names: contract.Names, gpu_count: int) -> str | None:

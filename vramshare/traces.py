@@ -47,11 +47,13 @@ def roots(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def find(relative: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """``relative`` (e.g. :data:`OPENB_NODES`) under the first root that has it; ``None`` if none does."""
+    """``relative`` (e.g. :data:`OPENB_NODES`; a folder when it ends in ``/``, e.g. ``servegen/m-mid/``)
+    under the first root that has it; ``None`` if none does."""
+    exists = os.path.isdir if relative.endswith("/") else os.path.isfile
     for root in roots(environ):
         path = os.path.join(root, relative)
-        if os.path.isfile(path):
-            return os.path.normpath(path)
+        if exists(path):
+            return os.path.normpath(path) + ("/" if relative.endswith("/") else "")
     return None
 
 

@@ -34,6 +34,12 @@ MIN_KUBERNETES = (1, 30)  # ValidatingAdmissionPolicy v1 (admission-policies.yam
 NODE_CLAIM_KUBERNETES = (1, 32)  # the service-account token's node-name claim (the node-scope binding)
 DRA_KUBERNETES = (1, 36)  # DRA consumable capacity on by default (deploy/daemonset/dra/)
 NODE_SCOPE_BINDING = "vramshare-device-plugin-node-scope"
+DEFAULT_CERT_DAYS = 365
+EVICT_COMPONENT = "over-limit-evict"  # deploy/components/: pods/eviction create for the node plugins
+#: how to uninstall (README "Uninstall", the help, the rendered stream's header say the same): the
+#: namespace takes its objects along, so the later namespaced deletes may find them gone already
+UNINSTALL = "the same flags with --tls keep | kubectl delete --ignore-not-found -f -"
+MAX_CERT_DAYS = 3650  # ten years: beyond that a key outlives any rotation plan (the CA gets 30 days more)
 #: ``--enforcement MODE``: the components each plugin needs for it (device plugin's, then the DRA plugin's,
 #: the latter only with --dra), so a node running both plugins gets the mode in both from one flag
 ENFORCEMENT_COMPONENTS = {"driver": ("driver-enforcement", "dra-driver-enforcement"),
@@ -51,13 +57,16 @@ class Options:
     image: str = DEFAULT_IMAGE
     namespace: str = NAMESPACE
     tls: str = "generate"  # generate | cert-manager | keep (upgrades: the Secrets in the cluster stay)
-    cert_days: int = 365
+    cert_days: int | None = None  # validity of generated certificates (--tls generate only); None: 365 days
     dra: bool = False
     dra_gpus: tuple[str, ...] = ()
     monitoring: bool = False  # PodMonitors (prometheus-operator)
     dashboard_namespace: str | None = None  # the Grafana dashboard ConfigMap, in Grafana's namespace
     components: tuple[str, ...] = field(default_factory=tuple)  # deploy/components/<name>
     enforcement: str | None = None  # driver | mps: the opt-in enforcement components of every plugin installed
+    #: the config to install in the ConfigMap vramshare-config (its text, checked first); None: the shipped
+    #: defaults, which an upgrade without it puts back in place of an admin's edits
+    config_text: str | None = None
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -99,6 +108,12 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
         raise UsageError("--dra-gpus applies only with --dra")
     if opts.tls not in ("generate", "cert-manager", "keep"):
         raise UsageError(f"--tls {opts.tls}: one of generate, cert-manager, keep")
+    if opts.cert_days is not None and opts.tls != "generate":
+        raise UsageError(f"--cert-days applies only to certificates made now (--tls generate), not --tls {opts.tls}: "
+                         "drop --cert-days")
+    if opts.cert_days is not None and not 1 <= opts.cert_days <= MAX_CERT_DAYS:
+        raise UsageError(f"--cert-days {opts.cert_days}: choose 1 to {MAX_CERT_DAYS} days (default "
+                         f"{DEFAULT_CERT_DAYS}); 'vramshare check' says when to renew")
     base = root / ("cert-manager" if opts.tls == "cert-manager" else "daemonset")
     try:
         objects = _build(base)
@@ -121,6 +136,10 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
         raise UsageError(f"{exc}") from None
     if version[:2] < NODE_CLAIM_KUBERNETES:  # no node-name claim: the binding would refuse every plugin write
         objects = [o for o in objects if o["metadata"].get("name") != NODE_SCOPE_BINDING]
+    if opts.config_text is not None:
+        if opts.dra_gpus:
+            raise UsageError("--dra-gpus and --config: set dra.gpus in your config file instead")
+        _set_config(objects, opts.config_text, _components(opts))
     if opts.dra_gpus:
         _set_dra_gpus(objects, opts.dra_gpus)
     if opts.namespace != NAMESPACE:
@@ -129,7 +148,7 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
         if tls is None:
             raise UsageError("--tls generate needs the cryptography package: pip install cryptography, "
                              "or use --tls cert-manager")
-        objects += tls(opts.namespace, opts.cert_days)
+        objects += tls(opts.namespace, opts.cert_days or DEFAULT_CERT_DAYS)
     return kustomize.order(objects)
 
 
@@ -164,6 +183,24 @@ def _image_entry(ref: str) -> Obj:
     else:
         entry["newTag"] = tag
     return entry
+
+
+def _set_config(objects: list[Obj], text: str, components: list[str]) -> None:
+    """The admin's config as the ConfigMap's ``config.yaml``, refused (naming the key) where the node
+    plugins would refuse it, so a bad file never reaches the cluster: a key out of bounds, or
+    ``overLimitAction: evict`` without the component that grants the eviction right."""
+    from deviceplugin.quota.rights import evicting
+    from vramshare.config import ConfigError, parse_config
+    try:
+        cfg = parse_config(text)
+    except ConfigError as exc:
+        raise UsageError(f"--config: {exc}") from None
+    where = evicting(cfg)
+    if where and EVICT_COMPONENT not in components:
+        raise UsageError(f"--config sets overLimitAction: evict ({', '.join(where)}), which needs the eviction "
+                         f"right the default roles lack: add --component {EVICT_COMPONENT}")
+    cm = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "vramshare-config")
+    cm["data"]["config.yaml"] = text
 
 
 def _set_dra_gpus(objects: list[Obj], gpus: tuple[str, ...]) -> None:
@@ -227,6 +264,12 @@ def cluster_version(kubeconfig: str | None) -> str:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
+    config_text = None
+    if args.config:  # before the API server is asked anything: a missing file fails at once
+        try:
+            config_text = pathlib.Path(args.config).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--config {args.config}: {getattr(exc, 'strerror', None) or exc}") from None
     version = args.kubernetes_version or cluster_version(args.kubeconfig)
     try:
         from vramshare_cli import certs
@@ -239,16 +282,20 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                    cert_days=args.cert_days, dra=args.dra,
                    dra_gpus=tuple(g for g in (args.dra_gpus or "").split(",") if g),
                    monitoring=args.monitoring, dashboard_namespace=args.dashboard,
-                   components=tuple(args.component or ()), enforcement=args.enforcement)
+                   components=tuple(args.component or ()), enforcement=args.enforcement, config_text=config_text)
     root = pathlib.Path(args.manifests) if args.manifests else None
     objects = render(opts, tls, root)
     dump(objects, out, header=f"vramshare {__version__}, Kubernetes {version}: "
                               f"vramshare install ... | kubectl apply -f -\n"
-                              f"{len(objects)} objects; uninstall: the same command | kubectl delete -f -")
+                              f"{len(objects)} objects; uninstall: {UNINSTALL}")
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Render deploy/ (the kustomize base, its components) with the image, namespace, mutual-TLS "
+                     "Secrets, kube-scheduler's tag for the cluster's version and the chosen paths. 'vramshare "
+                     "install | kubectl apply -f -' installs; 'vramshare install --tls keep ... | kubectl apply -f -' "
+                     f"upgrades (the Secrets in the cluster stay); uninstall: {UNINSTALL}.")
     p.add_argument("--image", default=DEFAULT_IMAGE, metavar="REF",
                    help=f"the vramshare image, with a tag or @sha256 digest (default {DEFAULT_IMAGE})")
     p.add_argument("--namespace", default=NAMESPACE, metavar="NS", help=f"namespace (default {NAMESPACE})")
@@ -261,13 +308,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the extender's mutual-TLS Secrets: generate them now (default; a new CA each run, so "
                         "restart the schedulers after re-applying), cert-manager objects, or keep the "
                         "Secrets already in the cluster (upgrades)")
-    p.add_argument("--cert-days", type=int, default=365, metavar="N", help="validity of generated certificates")
+    p.add_argument("--cert-days", type=int, metavar="N",
+                   help=f"with --tls generate: how many days the certificates are valid (default {DEFAULT_CERT_DAYS})")
     p.add_argument("--dra", action="store_true",
                    help=f"also the DRA path (Kubernetes {_v(DRA_KUBERNETES)}+): DeviceClasses, DRA plugin, DRA scheduler")
     p.add_argument("--dra-gpus", metavar="LIST", help="with --dra: the GPUs DRA serves, 'all' or indexes/UUIDs "
                                                       "separated by commas (config dra.gpus)")
     p.add_argument("--monitoring", action="store_true",
-                   help="PodMonitors for prometheus-operator (deploy/monitoring/): every metric gets a node label")
+                   help="PodMonitors and alert rules for prometheus-operator (deploy/monitoring/): every metric gets a "
+                        "node label")
     p.add_argument("--dashboard", metavar="GRAFANA_NS",
                    help="the Grafana dashboard ConfigMap (sidecar label grafana_dashboard) in this namespace")
     p.add_argument("--component", action="append", metavar="NAME",
@@ -276,4 +325,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="driver: the driver-enforcement components (the device plugin's, and with --dra the DRA "
                         "plugin's) on nodes labelled vramshare.io/enforcement=driver; mps: the mps-enforcement "
                         "ones. One flag for a node running both plugins")
+    p.add_argument("--config", metavar="FILE",
+                   help="your config (version: v1, as in deploy/daemonset/configmap.yaml) for the ConfigMap "
+                        "vramshare-config, checked first; without it the shipped defaults are installed, also "
+                        "over your edits on an upgrade")
     p.add_argument("--manifests", metavar="DIR", help="the deploy/ folder to render (default: this checkout's)")

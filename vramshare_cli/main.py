@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--device-plugin-dir", metavar="DIR", default=contract.DEVICE_PLUGIN_DIR,
                     help=f"kubelet device plugin directory (default {contract.DEVICE_PLUGIN_DIR})")
     dp.add_argument("--pod-resources-socket", metavar="PATH", default=contract.POD_RESOURCES_SOCKET,
-                    help="kubelet PodResources socket, read at start to rebuild allocations")
+                    help="kubelet PodResources socket: the devices each pod really holds, read at start, "
+                         f"every 2 s and after each Allocate (default {contract.POD_RESOURCES_SOCKET})")
     dp.add_argument("--quota-dir", metavar="DIR", help="host directory of per-container quota files "
                     f"(default from config, {contract.HOST_QUOTA_ROOT})")
     dp.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     dra.add_argument("--config", metavar="FILE", default=os.environ.get("VRAMSHARE_CONFIG"),
                      help="versioned config YAML (version: v1), the device plugin's; reloaded on change and SIGHUP")
     dra.add_argument("--kubeconfig", metavar="FILE", default=os.environ.get("KUBECONFIG"),
-                     help="kubeconfig (default: in-cluster service account); required")
+                     help="kubeconfig (default: in-cluster service account); the plugin needs an API server")
     dra.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
                      help="this node's name (default $NODE_NAME)")
     dra.add_argument("--plugin-dir", metavar="DIR",
@@ -129,12 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share: every GPU is 1000 units (the paper); memory: MiB per GPU model")
     sim.add_argument("--order", choices=["shuffle", "trace"], default="shuffle",
                      help="arrival order: shuffle per seed as the paper's runs do (default), or trace file order")
-    sim.add_argument("--as-scheduler", metavar="SCHEDULER_CONFIG", nargs="?", const="deploy/daemonset/scheduler-config.yaml",
+    from vramshare_cli.install import deploy_dir  # the manifests the package carries, wherever it runs from
+
+    sim.add_argument("--as-scheduler", metavar="SCHEDULER_CONFIG", nargs="?",
+                     const=str(deploy_dir() / "daemonset" / "scheduler-config.yaml"),
                      help="place as kube-scheduler with the extender would (in-tree Fit, default scores, the "
                           "extender's 0..10 times its weight from this KubeSchedulerConfiguration; default "
                           "deploy/daemonset/scheduler-config.yaml); pods asking no GPU by kube-scheduler alone")
     sim.add_argument("--out", metavar="DIR", default="bench/results/simulate",
-                     help="where to write summary.json, the markdown table and the plot")
+                     help="where to write summary.json, the markdown table and the plot "
+                          "(default bench/results/simulate)")
 
     demo = sub.add_parser("demo", help="run everything on loopback with simulated GPUs",
                           description="Start an API server stand-in, a simulated GPU node with the device "
@@ -156,11 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dynamic MIG on the device-plugin path: the extender plans a partition, the device "
                            "plugin makes it at Allocate and destroys it when the pod is gone")
 
-    inst = sub.add_parser("install", help="print every manifest an install needs: | kubectl apply -f -",
-                          description="Render deploy/ (the kustomize base, its components) with the image, namespace, "
-                                      "mutual-TLS Secrets, kube-scheduler's tag for the cluster's version and the "
-                                      "chosen paths. 'vramshare install | kubectl apply -f -' installs or upgrades; "
-                                      "the same command '| kubectl delete -f -' uninstalls.")
+    inst = sub.add_parser("install", help="print every manifest an install needs: | kubectl apply -f -")
     from vramshare_cli import check_cmd, install
     install.add_arguments(inst)
 

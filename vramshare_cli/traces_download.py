@@ -106,7 +106,7 @@ def download(dest: str, fetch: Fetch, mirror: str | None = None, out: TextIO = s
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     if args.action == "where":
-        for rel in (traces.OPENB_NODES, traces.openb_pods(), traces.GENAI_MEMORY):
+        for rel in dict.fromkeys(src.path for src in traces.SOURCES):  # every file download writes
             print(f"{rel}: {traces.find(rel) or 'missing'}", file=out)
         print(f"searched: {', '.join(traces.roots())}", file=out)
         return 0

@@ -183,6 +183,9 @@ class ApiQuotaMirror:
             raise
 
 
+HINT_IGNORED = "VramshareHintIgnored"  # the event reason of an ignored hint annotation (model, quota-class)
+
+
 class ApiOverLimitActor:
     """:class:`loop.OverLimitActor`: a Warning event and the ``<domain>/over-limit`` annotation on the
     pod, and with ``evict`` an eviction through the Eviction API (so PodDisruptionBudgets hold).
@@ -216,6 +219,11 @@ class ApiOverLimitActor:
             log.warning("pod evicted: GPU memory above its limit", pod=f"{key.namespace}/{key.pod}",
                         container=key.container, gpu=breach.gpu_uuid, used_mib=breach.used_mib,
                         limit_mib=breach.limit_mib)
+
+    def hint_ignored(self, key: TenantKey, annotation: str, why: str) -> None:
+        """:class:`loop.HintReporter`: a Warning event ``VramshareHintIgnored`` on the pod, where its owner
+        looks (``kubectl describe pod``), naming the annotation and why nothing uses it."""
+        self._event(key, HINT_IGNORED, f"annotation {self._names.domain}/{annotation} ignored: {why}")
 
     def _event(self, key: TenantKey, reason: str, message: str) -> None:
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -35,7 +35,7 @@ from deviceplugin.quota.telemetry import SignalReader, TelemetryError, UsageRead
 from deviceplugin.serve import wait_poked
 from deviceplugin.quota.writer import (GpuQuota, QuotaFile, QuotaFileError, container_dir, read_quota,
                                        write_quota)
-from vramshare import logs
+from vramshare import contract, logs
 from vramshare.config import DEFAULT_CLASS, EnforcementConfig, OverLimitAction, QuotaClass, QuotaConfig
 from vramshare.inventory import EnforcementMode
 
@@ -74,6 +74,14 @@ class OverLimitActor(Protocol):
 
     def act(self, breach: Breach, action: OverLimitAction) -> None:
         """Raises any exception on failure; the loop logs it and tries again next episode."""
+        ...
+
+
+class HintReporter(Protocol):
+    """Tells a pod that a hint annotation its owner wrote is ignored (a Warning event on the pod)."""
+
+    def hint_ignored(self, key: TenantKey, annotation: str, why: str) -> None:
+        """``annotation``: the name after the domain (``model``, ``quota-class``). Raises on failure."""
         ...
 
 
@@ -202,7 +210,8 @@ class QuotaLoop:
                  signals: SignalReader | None = None, mirror: QuotaMirror | None = None, *,
                  settings: LoopSettings | None = None, mode: EnforcementMode = EnforcementMode.COOPERATIVE,
                  fence: Fence | None = None, actor: OverLimitActor | None = None,
-                 clock: Callable[[], float] = time.monotonic, warm: WarmBroker | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, warm: WarmBroker | None = None,
+                 hints: HintReporter | None = None) -> None:
         """``usage`` readers are tried in order (driver limits or NVML first, dcgm-exporter as the
         fallback). ``settings`` (default: ``params`` with default windows) can be swapped live."""
         self._tenants, self._capacities, self._usage = tenants, capacities, list(usage)
@@ -220,6 +229,8 @@ class QuotaLoop:
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
         self.warm = warm  # the warm tier (issue 23): sleeping engines lend, waking ones are granted first
         self._poked = threading.Event()
+        self._hints = hints
+        self._hinted: set[str] = set()  # pods told about an ignored hint (once each; pruned with the books)
 
     @property
     def _params(self) -> PolicyParams:
@@ -279,9 +290,33 @@ class QuotaLoop:
         if res.note and b.qclass != res.qclass.name:
             log.info("quota-class annotation ignored", pod=f"{t.key.namespace}/{t.key.pod}",
                      container=t.key.container, reason=res.note, quota_class=res.qclass.name)
+        self._tell_ignored_hints(t, res.note, res.qclass.name)
         b.qclass = res.qclass.name
         base = st.default_terms()
         return base if res.qclass.name == DEFAULT_CLASS else qclasses.terms(res.qclass, base)
+
+    def _tell_ignored_hints(self, t: Tenant, class_note: str, qclass: str) -> None:
+        """Once per pod, a Warning event for each hint annotation the pod's owner wrote that nothing
+        uses: a quota-class that is unknown or not selectable, a model that does not parse. The pod runs
+        either way, so without the event only the node agent's and the extender's logs would say so."""
+        pod = t.key.pod_uid or f"{t.key.namespace}/{t.key.pod}"
+        if self._hints is None or pod in self._hinted:
+            return
+        ignored = [("quota-class", f"{class_note}; the pod is in class {qclass!r}")] if class_note else []
+        model = t.meta.model if t.meta is not None else ""
+        if model:
+            try:
+                contract.parse_model_ref(model)
+            except contract.ModelRefError as exc:
+                ignored.append(("model", f"{exc}; write <name>[@<revision>], e.g. "
+                                         "meta-llama/Meta-Llama-3-8B-Instruct@main"))
+        try:
+            for annotation, why in ignored:
+                self._hints.hint_ignored(t.key, annotation, why)
+        except Exception as exc:  # the API may be down: the logs say it, the next tick tries again
+            log.warning("could not report an ignored hint", pod=f"{t.key.namespace}/{t.key.pod}", error=str(exc))
+            return
+        self._hinted.add(pod)
 
     def limits(self) -> dict[tuple[TenantKey, str], int]:
         """The limits on disk as this loop knows them: ``{(tenant, gpu uuid): MiB}``."""
@@ -459,6 +494,7 @@ class QuotaLoop:
     def _prune(self, alive: set[TenantKey]) -> None:
         """The one place a departed tenant is forgotten: its book, warmth, breach watch and warm entry."""
         self._books = {k: b for k, b in self._books.items() if k in alive}
+        self._hinted &= {k.pod_uid or f"{k.namespace}/{k.pod}" for k in alive}
         self._warmth.forget(alive)
         self._watch.forget(alive)
         if self.warm is not None:

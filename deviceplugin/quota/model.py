@@ -13,6 +13,12 @@ from deviceplugin.quota.classes import PodMeta
 from vramshare.config import QuotaConfig
 
 
+#: Label names of a tenant on every metric about it (quota loop and warm tier): the tenant's pod, not the
+#: scraped one. Prometheus adds namespace/pod/container to every target (the node agent's own), so plain
+#: names would collide and come out as exported_namespace etc. (issue 22).
+TENANT_LABELS = ("tenant_namespace", "tenant_pod", "tenant_container")
+
+
 @dataclass(frozen=True, order=True)
 class TenantKey:
     """One container of one pod. Ordered by name so every decision is deterministic."""

@@ -18,7 +18,7 @@ from deviceplugin.nvml_limits import CgroupFinder, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
 from deviceplugin.quota.kube import ApiOverLimitActor, ApiQuotaMirror
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop, TenantSource
-from deviceplugin.quota.model import Phase
+from deviceplugin.quota.model import TENANT_LABELS, Phase
 from deviceplugin.quota.model import PolicyParams
 from deviceplugin.quota.scrape import DcgmExporterReader, VllmMetricsReader
 from deviceplugin.quota.telemetry import NvmlProcessReader, UsageReader
@@ -65,11 +65,12 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
                  driver=fence is not None, dcgm=bool(dcgm_url))
     if dcgm_url and not given:
         usage.append(DcgmExporterReader(dcgm_url))
+    actor = ApiOverLimitActor(v1, cfg.names, node)  # over-limit reports and ignored hints: events on the pod
     loop = QuotaLoop(tenants, capacities, usage,
                      PolicyParams.from_config(cfg.quota), cfg.quota_host_dir,
                      signals=VllmMetricsReader(), mirror=ApiQuotaMirror(v1, cfg.names),
                      settings=LoopSettings.from_config(cfg.quota, cfg.enforcement), mode=mode, fence=fence,
-                     actor=ApiOverLimitActor(v1, cfg.names, node), warm=warm)
+                     actor=actor, warm=warm, hints=actor)
     for reader in usage:
         if hasattr(reader, "bind"):  # a simulated node's replay reads the tenants of the tick
             reader.bind(lambda: loop.tenants_now)
@@ -89,9 +90,6 @@ def start(loop: QuotaLoop, cfg: Config, stop: threading.Event) -> threading.Thre
     return t
 
 
-# The tenant's pod, not the scraped one: Prometheus adds namespace/pod/container to every target (the
-# device plugin's own), so plain names would collide and come out as exported_namespace etc. (issue 22).
-TENANT_LABELS = ("tenant_namespace", "tenant_pod", "tenant_container")
 
 
 class QuotaCollector(Collector):

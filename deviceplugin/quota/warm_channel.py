@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Callable, Mapping
 
-from deviceplugin.quota.model import TenantKey
+from deviceplugin.quota.model import TENANT_LABELS, TenantKey
 from deviceplugin.quota.warm import WarmBroker
 from vramshare import contract, logs
 
@@ -212,7 +212,7 @@ class WarmCollector:
     def collect(self):  # noqa: ANN201 - prometheus_client's Collector protocol
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        labels = ["namespace", "pod", "container"]
+        labels = list(TENANT_LABELS)
         state = GaugeMetricFamily("vramshare_warm_engine_state", "1 for the engine's warm-tier state "
                                   "(awake, sleeping, waking); only engines that can sleep", labels=labels + ["state"])
         lent = GaugeMetricFamily("vramshare_warm_lent_bytes", "GPU memory a sleeping engine's tenant lends "

@@ -5,6 +5,7 @@ ends quietly."""
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -97,3 +98,18 @@ def test_simulate_with_a_file_that_is_no_trace(capsys, tmp_path, content, says):
 def test_inspect_with_a_missing_certificate_file(capsys):
     line = _one_line_error(capsys, ["inspect", "--extender", "https://127.0.0.1:1", "--cacert", "/nonexistent.pem"])
     assert "--cacert" in line and "No such file" in line
+
+
+def test_simulate_as_scheduler_runs_from_any_folder(capsys, tmp_path, monkeypatch):
+    """``--as-scheduler`` without a file takes the shipped profile. On main its default was the relative
+    path deploy/daemonset/scheduler-config.yaml, so outside a checkout's root (a pip install, any other
+    folder) it ended in 'No such file'."""
+    from vramshare import traces
+    nodes, pods = (pathlib.Path(traces.find(rel) or pytest.skip("openb trace not here"))
+                   for rel in (traces.OPENB_NODES, traces.openb_pods()))
+    (tmp_path / "nodes.csv").write_text("".join(nodes.read_text().splitlines(keepends=True)[:30]))
+    (tmp_path / "pods.csv").write_text("".join(pods.read_text().splitlines(keepends=True)[:60]))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["simulate", "--nodes", "nodes.csv", "--pods", "pods.csv", "--policy", "fgd",
+                     "--as-scheduler", "--out", "out"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "summary.json").exists()

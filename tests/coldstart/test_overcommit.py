@@ -222,8 +222,8 @@ def test_a_wake_beyond_the_reserve_waits_and_displaces_only_a_lower_class():
     reg = CollectorRegistry()
     reg.register(WarmCollector(r.broker))
     text = generate_latest(reg).decode()
-    assert 'vramshare_warm_wakes_waited_total{container="c",namespace="ns",pod="high"} 1.0' in text
-    assert 'vramshare_warm_displaced_total{container="c",namespace="ns",pod="low"} 2.0' in text
+    assert 'vramshare_warm_wakes_waited_total{tenant_container="c",tenant_namespace="ns",tenant_pod="high"} 1.0' in text
+    assert 'vramshare_warm_displaced_total{tenant_container="c",tenant_namespace="ns",tenant_pod="low"} 2.0' in text
 
 
 def test_a_lower_class_wake_displaces_nobody_it_waits():

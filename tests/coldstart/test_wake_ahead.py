@@ -309,9 +309,10 @@ def test_prewake_outcomes_are_counted_on_metrics():
     reg = CollectorRegistry()
     reg.register(WarmCollector(rig.broker))
     text = generate_latest(reg).decode()
-    assert 'vramshare_warm_prewakes_total{container="c",namespace="ns",outcome="wasted",pod="ahead"} 1.0' in text
-    assert 'vramshare_warm_prewakes_total{container="c",namespace="ns",outcome="used",pod="ahead"} 0.0' in text
-    assert 'outcome="declined",pod="ahead"} 0.0' in text
+    tenant = 'tenant_container="c",tenant_namespace="ns",tenant_pod="ahead"'
+    assert f'vramshare_warm_prewakes_total{{outcome="wasted",{tenant}}} 1.0' in text
+    assert f'vramshare_warm_prewakes_total{{outcome="used",{tenant}}} 0.0' in text
+    assert 'outcome="declined",tenant_container="c",tenant_namespace="ns",tenant_pod="ahead"} 0.0' in text
 
 
 def test_an_engine_started_from_a_local_path_is_reported_by_its_pods_model_annotation():

@@ -221,8 +221,9 @@ def test_idle_engine_sleeps_and_its_memory_is_lent(rig):
     reg = CollectorRegistry()
     reg.register(WarmCollector(broker))
     text = generate_latest(reg).decode()
-    assert 'vramshare_warm_engine_state{container="vllm",namespace="llm",pod="sleepy",state="sleeping"} 1.0' in text
-    assert 'vramshare_warm_lent_bytes{container="vllm",namespace="llm",pod="sleepy"}' in text
+    tenant = 'tenant_container="vllm",tenant_namespace="llm",tenant_pod="sleepy"'
+    assert f'vramshare_warm_engine_state{{state="sleeping",{tenant}}} 1.0' in text
+    assert 'vramshare_warm_lent_bytes{tenant_container="vllm",tenant_namespace="llm",tenant_pod="sleepy"}' in text
 
 
 def test_request_during_sleep_waits_for_co_tenants_to_release_then_is_served(rig):

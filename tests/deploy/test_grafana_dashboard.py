@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import yaml
 from prometheus_client import CollectorRegistry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,28 +31,54 @@ def _labels(registry: CollectorRegistry) -> dict[str, set[str]]:
     return out
 
 
-def exported(tmp_path) -> set[str]:
+def registries(tmp_path) -> list[CollectorRegistry]:
+    """Every daemon's metrics registry (device plugin, quota loop, extender, vLLM plugin, warm tier,
+    dynamic MIG, DRA plugin), built as the daemons build them."""
+    from deviceplugin.dra.main import DraMetrics
     from deviceplugin.metrics import PluginMetrics
+    from deviceplugin.mig_dynamic import MigMetrics
     from deviceplugin.quota.loop import QuotaLoop
     from deviceplugin.quota.model import PolicyParams
     from deviceplugin.quota.service import register_metrics
+    from deviceplugin.quota.warm import WarmBroker
+    from deviceplugin.quota.warm_channel import WarmCollector
     from extender.accounting import Accounting
     from extender.metrics import ExtenderMetrics
-    from vllm_patches.metrics import StateCollector
+    from vllm_patches.metrics import StateCollector, publish_warm
     from vramshare.config import Config
     from vramshare.inventory import EnforcementMode, NodeInventory
 
-    names: set[str] = set()
     snap = SimpleNamespace(devices={}, inventory=NodeInventory(1024, enforcement=EnforcementMode.DRIVER))
-    names |= _names(PluginMetrics(snapshot=lambda: snap).registry)
-    reg = CollectorRegistry()
-    register_metrics(QuotaLoop(None, dict, [], PolicyParams(), str(tmp_path)), reg)
-    names |= _names(reg)
-    names |= _names(ExtenderMetrics(Accounting(Config())).registry)
-    reg = CollectorRegistry()
-    reg.register(StateCollector(str(tmp_path)))
-    names |= _names(reg)
-    return names
+    out = [PluginMetrics(snapshot=lambda: snap).registry, ExtenderMetrics(Accounting(Config())).registry,
+           MigMetrics().registry, DraMetrics().registry]
+    quota = CollectorRegistry()
+    register_metrics(QuotaLoop(None, dict, [], PolicyParams(), str(tmp_path)), quota)
+    engine = CollectorRegistry()
+    publish_warm(str(tmp_path), "e0", {"sleep_state": "sleeping", "wake_seconds": 1.5, "sleep_freed_bytes": 1})
+    engine.register(StateCollector(str(tmp_path)))
+    warm = CollectorRegistry()
+    warm.register(WarmCollector(WarmBroker(send=lambda key, message: True)))
+    return [*out, quota, engine, warm]
+
+
+def exported(tmp_path) -> set[str]:
+    return {name for reg in registries(tmp_path) for name in _names(reg)}
+
+
+def declared_labels(tmp_path) -> dict[str, set[str]]:
+    """Series name -> the label names it is declared with (also for a family with no sample yet):
+    prometheus_client keeps them as ``_labelnames`` on a metric and on a custom collector's family."""
+    out: dict[str, set[str]] = {}
+    for reg in registries(tmp_path):
+        for collector, names in list(reg._collector_to_names.items()):  # noqa: SLF001 - the registry's map
+            for name in names:
+                out.setdefault(name, set()).update(getattr(collector, "_labelnames", ()))
+        for m in reg.collect():
+            for suffix in _SUFFIXES.get(m.type, ("",)):
+                out.setdefault(m.name + suffix, set()).update(getattr(m, "_labelnames", ()))
+            for s in m.samples:
+                out.setdefault(s.name, set()).update(s.labels)
+    return out
 
 
 def _queries(doc: dict) -> list[str]:
@@ -131,3 +158,43 @@ def test_the_dashboard_groups_by_the_node_label_and_tenant_labels():
     assert not any(re.search(r"\{\{(namespace|pod|container)\}\}/", lf) for lf in legends if "vllm" not in lf)
     podmonitor = (ROOT / "deploy" / "monitoring" / "podmonitors.yaml").read_text()
     assert "targetLabel: node" in podmonitor and "__meta_kubernetes_pod_node_name" in podmonitor
+
+
+#: where an admin or ML engineer reads metric names: README, the vLLM plugin's README, the shipped manifests
+DOCS = (ROOT / "README.md", ROOT / "vllm_patches" / "README.md", *sorted((ROOT / "deploy").rglob("*.yaml")))
+
+
+def documented_metrics() -> dict[str, set[str]]:
+    """Every ``vramshare_*`` series the docs name -> the files naming it. Expands README's shorthands:
+    ``vramshare_mig_instances_{created,adopted,destroyed}_total`` and ``vramshare_quota_limit_mib``,
+    ``_used_mib``, ... (a list continued by suffixes); a name ending in ``_`` or ``*`` is a prefix."""
+    out: dict[str, set[str]] = {}
+    for path in DOCS:
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(r"\b(vramshare_[a-z0-9_]*)(?:\{([a-z,]+)\}(_[a-z0-9_]+)?)?", text):
+            stem, alts, tail = m.groups()
+            if alts and "," in alts and stem.endswith("_"):
+                found = [stem + a + (tail or "") for a in alts.split(",")]
+            elif stem.endswith("_") or text[m.end():m.end() + 1] == "*":
+                continue  # a prefix (vramshare_enforcement_*, vramshare_vllm_), not a series
+            else:
+                found = [stem]
+            for name in found:
+                out.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+        for short in re.findall(r"`vramshare_quota_[a-z_]+`((?:,\s+`_[a-z_]+`)+)", text):
+            for suffix in re.findall(r"`(_[a-z_]+)`", short):
+                out.setdefault("vramshare_quota" + suffix, set()).add(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_every_metric_the_docs_name_is_exported(tmp_path):
+    """README tells an admin which metric says what (enforcement, warm tier, MIG, config refusals...): a
+    renamed metric must take its mention along. A histogram may be named by its family. Not metrics: the
+    package ``vramshare_cli`` and the vLLM plugin's entry point ``vramshare_quota``."""
+    have = exported(tmp_path)
+    have |= {n[:-len("_bucket")] for n in have if n.endswith("_bucket")}
+    named = {k: v for k, v in documented_metrics().items() if k not in {"vramshare_cli", "vramshare_quota"}}
+    assert {"vramshare_mig_instances_created_total", "vramshare_quota_floor_mib", "vramshare_warm_prewakes_total",
+            "vramshare_vllm_sleep_state", "vramshare_enforcement_unavailable"} <= set(named), sorted(named)
+    missing = {k: sorted(v) for k, v in named.items() if k not in have}
+    assert not missing, f"the docs name metrics no daemon exports: {missing}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import io
 import ipaddress
+import re
 import pathlib
 import shutil
 import ssl
@@ -103,6 +104,10 @@ def test_the_node_scope_binding_only_where_the_node_claim_exists(version, bound)
     (["--kubernetes-version", "1.36", "--dra-gpus", "all"], "--dra-gpus applies only with --dra"),
     (["--kubernetes-version", "one"], "expected e.g. 1.33"),
     (["--kubernetes-version", "1.33", "--component", "nope"], "--component nope: not one of"),
+    # on main: a traceback from cryptography, and Secrets already expired (0) or valid for nothing it kept
+    (["--kubernetes-version", "1.33", "--cert-days", "-5"], "--cert-days -5: choose 1 to 3650 days"),
+    (["--kubernetes-version", "1.33", "--cert-days", "0"], "--cert-days 0: choose 1 to 3650 days"),
+    (["--kubernetes-version", "1.33", "--tls", "keep", "--cert-days", "30"], "--cert-days applies only"),
 ])
 def test_install_refuses_in_one_line(capsys, argv, says):
     assert cli.main(["install", *argv]) == 2
@@ -294,3 +299,47 @@ def test_every_kustomization_in_deploy_renders(overlay):
     else:
         objects = kustomize.build(str(DEPLOY / overlay))
     assert objects
+
+
+def test_readme_install_and_uninstall_are_what_install_prints(capsys):
+    """README's install walk-through: the object count it shows is what ``vramshare install`` renders for
+    that cluster (on main it said 32 of 34), and its uninstall line is the one the help and the rendered
+    stream's header give (on main those said '| kubectl delete -f -', README the --tls keep and
+    --ignore-not-found form)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    [argv] = re.findall(r"^\$ vramshare install (--image \S+) \| kubectl apply -f -$", readme, re.M)
+    [count] = re.findall(r"^\.\.\.\s+\((\d+) objects\)$", readme, re.M)
+    assert cli.main(["install", *argv.split(), "--kubernetes-version", "1.33.2"]) == 0
+    out = capsys.readouterr().out
+    assert len([d for d in yaml.safe_load_all(out) if d]) == int(count)
+    assert f"# {count} objects; uninstall: {install.UNINSTALL}" in out
+    [said] = re.findall(r"^\$ vramshare install \[same flags\] (.*)$", readme, re.M)
+    assert install.UNINSTALL == f"the same flags with {said}"
+    assert install.UNINSTALL in " ".join(cli.build_parser()._subparsers._group_actions[0].choices["install"]
+                                         .format_help().split())
+
+
+def test_the_admins_config_goes_into_the_configmap_checked_first(tmp_path, capsys):
+    """An upgrade re-applies every object, the ConfigMap vramshare-config included: on main the only
+    config it could carry was the shipped defaults, so re-running install put them over an admin's quota
+    classes. ``--config FILE`` installs the admin's file, refused in one line where the plugins would
+    refuse it."""
+    example = DEPLOY / "examples" / "quota-classes" / "production-batch.yaml"
+    assert cli.main(["install", "--kubernetes-version", "1.33", "--tls", "keep", "--config", str(example),
+                     "--component", "over-limit-evict"]) == 0  # its batch class evicts
+    objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    [cm] = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "vramshare-config"]
+    assert cm["data"]["config.yaml"] == example.read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: v1\nquota: {classes: [{name: x, floorMiB: -4}]}\n")
+    for argv, says in ((["--config", str(bad)], "--config: quota.classes[0].floorMiB: must be >= 0"),
+                       (["--config", str(tmp_path / "none.yaml")], "No such file"),
+                       # README's example 1 evicts batch: without the right every node plugin refuses it
+                       (["--config", str(example)], "quota.classes[batch].overLimitAction), which needs the "
+                                                    "eviction right the default roles lack: add --component "
+                                                    "over-limit-evict"),
+                       (["--kubernetes-version", "1.36", "--dra", "--dra-gpus", "all", "--config", str(example)],
+                        "set dra.gpus in your config file")):
+        assert cli.main(["install", "--kubernetes-version", "1.33", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1, err

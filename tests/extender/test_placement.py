@@ -87,7 +87,7 @@ def test_exclusive_and_mig_take_a_whole_free_slot() -> None:
 
 
 def test_pick_raises_nofit_with_the_reason(cluster: ClusterState) -> None:
-    with pytest.raises(NoFit, match="no GPU has 40 GiB free; largest free is 24 GiB on GPU 1"):
+    with pytest.raises(NoFit, match=r"no GPU here holds 40 GiB \(the largest, GPU 1, holds 24 GiB\)"):
         pick(cluster, [Demand(40 * GIB)], "mixed", "fgd")
     with pytest.raises(NoFit, match="ghost"):
         pick(cluster, [Demand(GIB)], "ghost", "fgd")

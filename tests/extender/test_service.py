@@ -34,7 +34,8 @@ def test_filter_answers_names_from_the_input_exactly(cluster: ApiServerDouble, e
     raw = scheduler.http.request("POST", f"{extender.url}/filter", body=orjson.dumps(
         {"Pod": pod, "Nodes": None, "NodeNames": ["n2", "n1", "cpu"]})).data
     assert raw == (b'{"Nodes":null,"NodeNames":["n1"],"FailedNodes":{},"FailedAndUnresolvableNodes":'
-                   b'{"n2":"no GPU has 30 GiB free; the most free: 22 GiB on n2, GPU 0",'
+                   b'{"n2":"no GPU here holds 30 GiB (the largest holds 22 GiB): ask at most 22 GiB, or '
+                   b'split the request over several GPUs with the annotation vramshare.io/gpu-count",'
                    b'"cpu":"node publishes no vramshare GPU inventory"},"Error":""}')
 
 

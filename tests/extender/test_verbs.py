@@ -39,9 +39,10 @@ def test_fitting_nodes_in_input_order_and_reasons_for_the_rest() -> None:
     assert set(result.failed) == {"busy"}
     assert set(result.unresolvable) == {"small", "plain"}
     assert result.unresolvable["plain"] == verbs.NOT_A_GPU_NODE
-    # one sentence for both (kube-scheduler counts identical reasons): the most free of them, and where
-    assert result.unresolvable["small"] == result.failed["busy"] == (
-        "no GPU has 24 GiB free; the most free: 22 GiB on small, GPU 0")
+    assert result.unresolvable["small"].startswith("no GPU here holds 24 GiB (the largest holds 22 GiB)")
+    # the same sentence on every node short of room (kube-scheduler counts identical reasons): the most
+    # free of them, and where
+    assert result.failed["busy"] == "no GPU has 24 GiB free; the most free: 10 GiB on busy, GPU 0"
     assert result.error == ""
 
 
@@ -126,3 +127,29 @@ def test_a_node_counting_in_another_unit_takes_no_gpu_memory_pod_until_the_units
     assert run_filter(acct, b.pod("w", whole=1), ["whole", "new"]).passed == ["whole"]
     acct.apply_node("MODIFIED", b.gpu_node("old", b.a100()))
     assert run_filter(acct, b.pod("p", 20), ["old", "new"]).passed == ["old", "new"]
+
+
+def _zero(pod: dict) -> dict:
+    pod["spec"]["containers"][0]["resources"] = {"limits": {b.NAMES.gpu_memory: "0"}}
+    return pod
+
+
+@pytest.mark.parametrize("pod, says", [
+    # on main a pod asking 0 passed every node and was bound with no GPU: under the NVIDIA runtime an
+    # image's NVIDIA_VISIBLE_DEVICES=all then sees every GPU of the node, unfenced
+    (_zero(b.pod("p")), f"asks 0 {b.NAMES.gpu_memory}: ask at least 1"),
+    # on main a typo'd policy was dropped silently (a log line without the pod's name)
+    (b.pod("p", 8, policy="bnpack"), f"annotation {b.NAMES.policy}: 'bnpack' is not a placement policy (fgd, "
+                                     "binpack, spread): correct it or remove the annotation"),
+    # on main: 'no GPU has 150 GiB free; largest free is 80 GiB on GPU 0', as if waiting could help
+    (b.pod("p", 150), "no GPU here holds 150 GiB (the largest holds 80 GiB): ask at most 80 GiB, or "
+                      f"split the request over several GPUs with the annotation {b.NAMES.gpu_count}"),
+    (b.pod("p", 200, count=2), "no GPU here holds 100 GiB each (the largest holds 80 GiB): ask at most 80 GiB "
+                               f"per GPU, or split the request over more GPUs with the annotation {b.NAMES.gpu_count}"),
+], ids=["zero", "policy-typo", "bigger-than-any-gpu", "bigger-than-any-gpu-per-gpu"])
+def test_a_users_common_mistakes_get_a_reason_that_says_what_to_do(pod: dict, says: str) -> None:
+    """What ``kubectl describe pod`` shows (kube-scheduler puts filter's reasons in the FailedScheduling
+    event): the mistake and its fix, and unresolvable, since no eviction or wait can help."""
+    result = run_filter(cluster(b.gpu_node("n", b.a100(), b.a100())), pod, ["n"])
+    assert result.passed == [] and result.failed == {}
+    assert says in result.unresolvable["n"], result.unresolvable["n"]

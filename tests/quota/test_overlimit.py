@@ -121,3 +121,36 @@ def test_a_container_cut_below_its_use_but_within_its_request_is_never_named(tmp
     for t in range(5):
         clock[0] = 100.0 * t
         assert not loop.run_once().breaches
+
+
+def test_a_hint_nothing_uses_is_told_to_the_pod_once(tmp_path):
+    """A model annotation that does not parse (a bad revision) or a quota-class nobody defined is ignored
+    by design: the pod runs. On main only the extender's and the node agent's logs said so; now the pod
+    gets one Warning event per pod, where its owner looks (``kubectl describe pod``)."""
+    from deviceplugin.quota.classes import PodMeta
+    from deviceplugin.quota.kube import HINT_IGNORED
+
+    with ApiServerDouble() as api:
+        metas = {"bad-rev": PodMeta.of("llm", model="meta-llama/Meta-Llama-3-8B@main branch"),
+                 "no-class": PodMeta.of("llm", requested_class="gold"),
+                 "fine": PodMeta.of("llm", model="meta-llama/Meta-Llama-3-8B@main")}
+        tenants = []
+        for name, meta in metas.items():
+            pod = api.create_pod({"metadata": {"name": name, "namespace": "llm"},
+                                  "spec": {"nodeName": "gpu-1", "containers": [{"name": "vllm"}, {"name": "side"}]}})
+            for container in ("vllm", "side"):
+                key = TenantKey("llm", name, container, pod_uid=pod["metadata"]["uid"])
+                tenants.append(Tenant(key, (("GPU-0", 10000),), meta=meta))
+        src = Source(tenants, [])
+        actor = ApiOverLimitActor(client.CoreV1Api(kube.api_client_for(api.url)), NAMES, "gpu-1")
+        loop = QuotaLoop(src, lambda: {"GPU-0": 80000}, [src], PolicyParams(), str(tmp_path), actor=actor,
+                         hints=actor)
+        for _ in range(3):
+            loop.run_once()
+        events = [(e["reason"], e["involvedObject"]["name"], e["type"], e["message"]) for e in api.events("llm")]
+    assert sorted(e[:3] for e in events) == [(HINT_IGNORED, "bad-rev", "Warning"), (HINT_IGNORED, "no-class", "Warning")]
+    said = {name: message for _, name, _, message in events}
+    assert said["bad-rev"].startswith(f"annotation {NAMES.model} ignored: model ")
+    assert "revision after '@'" in said["bad-rev"] and "write <name>[@<revision>]" in said["bad-rev"]
+    assert said["no-class"] == (f"annotation {NAMES.quota_class} ignored: annotation names unknown class 'gold'; "
+                                "the pod is in class 'default'")

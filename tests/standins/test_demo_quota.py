@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import re
 
 import pytest
 
@@ -68,3 +69,41 @@ def test_demo_quota_with_the_readme_class_examples(example, classes):
     for line in text.splitlines():
         if line.strip()[:2].strip().isdigit():
             assert float(line.split()[1].split("/")[1]) >= 26.0, line
+
+
+def _demo_classes(example: str) -> list[str]:
+    import os
+
+    from standins.demo import show_quota
+    out = io.StringIO()
+    path = example if example == "/dev/null" else os.path.join(
+        os.path.dirname(__file__), "..", "..", "deploy", "examples", "quota-classes", example)
+    show_quota(out, classes=path)
+    return out.getvalue().splitlines()
+
+
+def _over_limit(lines: list[str]) -> list[int]:
+    [summary] = [line for line in lines if "ticks over the limit:" in line]
+    return [int(n) for n in re.findall(r" (\d+)(?:,|$)", summary)]
+
+
+def test_readme_worked_examples_are_what_the_demo_prints():
+    """README's quota-class examples quote ``vramshare demo --quota --classes <file>``: the rows of
+    example 1's table (without the why column), its over-limit counts, and the counts its prose gives for
+    one class for all (``--classes /dev/null``) and example 2. On main they had drifted from the demo
+    (README: chat-llama3 over its limit in 5 ticks, 28.5 GiB at tick 7; the demo: 4, 38.9)."""
+    import pathlib
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    [block] = re.findall(r"```\n(  tick  chat-llama3 .*?)```", readme, re.S)
+    shown = block.splitlines()
+    printed = _demo_classes("production-batch.yaml")
+    for row in shown:
+        if row[:6].strip().isdigit():
+            assert any(line.startswith(row) for line in printed), f"README row not printed by the demo: {row!r}"
+    assert [line for line in shown if "ticks over the limit" in line] == \
+        [line for line in printed if "ticks over the limit" in line]
+    one = re.search(r"production server is over its limit in (\d+) of 16 ticks .*?, batch in (\d+), rag in (\d+)\.",
+                    readme, re.S)
+    assert one and [int(n) for n in one.groups()] == _over_limit(_demo_classes("/dev/null"))
+    two = re.search(r"Over-limit ticks: chat (\d+),\s+job (\d+), rag (\d+)\.", readme)
+    assert two and [int(n) for n in two.groups()] == _over_limit(_demo_classes("opt-in-burst.yaml"))
