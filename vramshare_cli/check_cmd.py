@@ -91,8 +91,8 @@ def _items(doc: Obj | None) -> list[Obj] | None:
 
 def judge(s: checks.Snapshot, dra: bool, pre: bool) -> list[checks.Line]:
     lines = checks.preinstall(s, dra, install.MIN_KUBERNETES, install.NODE_CLAIM_KUBERNETES, install.DRA_KUBERNETES)
-    if s.version is not None and not pre:
-        lines += checks.postinstall(s, dra)
+    if s.version is not None and not pre:  # the DRA path's own lines only where DRA is served (one ✗ else)
+        lines += checks.postinstall(s, dra and checks.dra_available(s, install.DRA_KUBERNETES))
     return lines
 
 

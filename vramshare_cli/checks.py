@@ -96,7 +96,7 @@ def preinstall(s: Snapshot, dra: bool, minimum: tuple[int, int], node_claim: tup
         out.append(Line(WARN, f"no node-name claim before {_v(node_claim)}: device plugins are not node-scoped",
                         "vramshare install leaves the node-scope binding out; upgrade for node scoping"))
     if dra:
-        if v < dra_min or s.device_classes is None:
+        if not dra_available(s, dra_min):
             out.append(Line(FAIL, f"DRA with consumable capacity needs Kubernetes {_v(dra_min)}+ "
                                   f"(resource.k8s.io/v1 {'not served' if s.device_classes is None else 'served'})",
                             "upgrade the control plane, or install without --dra"))
@@ -104,6 +104,12 @@ def preinstall(s: Snapshot, dra: bool, minimum: tuple[int, int], node_claim: tup
             out.append(Line(OK, f"DRA available (resource.k8s.io/v1; DRAConsumableCapacity on by default from "
                                 f"{_v(dra_min)}: a control plane that turned it off leaves shared claims unplaced)"))
     return out
+
+
+def dra_available(s: Snapshot, dra_min: tuple[int, int]) -> bool:
+    """The cluster serves DRA with consumable capacity: without it, the DRA path's other lines would only
+    repeat that one ✗ (no DeviceClasses, no DRA plugin ...)."""
+    return s.version is not None and _minor(s.version) >= dra_min and s.device_classes is not None
 
 
 def postinstall(s: Snapshot, dra: bool) -> list[Line]:

@@ -319,3 +319,15 @@ def test_an_extender_that_read_the_configmap_before_it_changed_is_named(cluster,
     [stale] = [line for line in lines if "the extender runs with keys read before" in line]
     assert stale.startswith("! ") and "extender.policy fgd (ConfigMap: binpack)" in stale and "quota" not in stale
     assert f"kubectl -n {NS} rollout restart deployment/vramshare-extender" in stale and rc == 0
+
+
+def test_dra_on_a_cluster_without_it_is_one_line_not_five(tmp_path, capsys):
+    """Below 1.36 --dra printed the version ✗ and then a ✗ for each thing the DRA path installs, all
+    caused by it; the one line says what to do."""
+    with ApiServerDouble(kubernetes_version="v1.35.0") as api, \
+            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+        assert ext.wait_ready(10)
+        _installed(api, ext, "v1.35.0")
+        rc, lines = _check(capsys, str(write_kubeconfig(tmp_path / "kubeconfig", api.url)), "--dra")
+    failed = [line for line in lines if line.startswith("✗")]
+    assert rc == 1 and len(failed) == 1 and "DRA with consumable capacity needs Kubernetes 1.36+" in failed[0], lines
