@@ -15,10 +15,12 @@ from typing import Any, Mapping
 
 from kubernetes import client
 
-from vramshare import contract
+from vramshare import contract, logs
+from vramshare.kube import decode
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
 
+log = logs.get(__name__)
 TIMEOUT_S = 5.0  # connect and read timeout of the list (a watch reads for its timeoutSeconds more)
 
 
@@ -38,7 +40,9 @@ class NodePodCache:
         selector = f"spec.nodeName={node}"
         self._lock = threading.Lock()
         self._pods: dict[str, Mapping[str, Any]] = {}  # uid -> pod JSON
-        self.watch = ListWatch("pod watch", lambda **kw: v1.list_pod_for_all_namespaces(field_selector=selector, **kw),
+        self._lister = lambda **kw: v1.list_pod_for_all_namespaces(field_selector=selector, **kw)
+        self.refreshes = 0
+        self.watch = ListWatch("pod watch", self._lister,
                                on_replace=self._replace, on_event=self._apply, min_watch_timeout_s=watch_timeout_s,
                                request_timeout_s=TIMEOUT_S, backoff=Backoff(0.2, 5.0, jitter=1.0))
         self.synced = self.watch.synced
@@ -65,6 +69,21 @@ class NodePodCache:
             if seen is not None and _rv(seen) > _rv(pod):
                 return
         self._apply("MODIFIED", pod)
+
+    def refresh(self) -> bool:
+        """Read the node's pods now, for a caller that found none of the pod it serves: the kubelet admits a
+        pod as soon as its own watch shows it bound, and ours may lag (a busy API server, a broken watch
+        retrying). Each pod read is taken unless the watch already brought a newer version; nothing is
+        dropped (the watch's relist decides deletions). False when the API server did not answer."""
+        try:
+            doc = decode(self._lister(_preload_content=False, _request_timeout=TIMEOUT_S))
+        except Exception as exc:  # noqa: BLE001 - the caller refuses with its own reason, as without a refresh
+            log.warning("pod refresh failed", error=f"{type(exc).__name__}: {exc}")
+            return False
+        for pod in doc.get("items") or ():
+            self.written(pod)
+        self.refreshes += 1
+        return True
 
     # -- the watch (the ``pod-watch`` thread runs :meth:`ListWatch.run`) --------------------------------
     def _replace(self, items: list[Mapping[str, Any]], deleted: list[Mapping[str, Any]]) -> None:

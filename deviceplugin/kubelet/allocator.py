@@ -34,7 +34,9 @@ log = logs.get(__name__)
 
 
 class PodSource(Protocol):
-    """This node's pods as last seen (a watch-fed cache): never an API call."""
+    """This node's pods as last seen (a watch-fed cache): never an API call. A source that can also read
+    them now has ``refresh() -> bool`` (:class:`deviceplugin.pod_cache.NodePodCache`), which an Allocate
+    that found no pod it serves calls once: the kubelet's own watch can be ahead of ours."""
 
     def pods(self) -> list[Mapping[str, Any]]: ...
 
@@ -146,6 +148,10 @@ class Allocator:
             raise Refusal(RefusalKind.PRECONDITION,
                           f"no MIG profile of GPU {on_mig[0]} ({table.name}) holds {size} memory units")
         placement_id, why = steering.isolation_plan(self._pods.pods(), names, self._node, on_mig[0], size, fit.name)
+        refresh = getattr(self._pods, "refresh", None)
+        if placement_id is None and refresh is not None and refresh():  # our watch may lag the kubelet's
+            placement_id, why = steering.isolation_plan(self._pods.pods(), names, self._node, on_mig[0], size,
+                                                        fit.name)
         if placement_id is None:
             raise Refusal(RefusalKind.PRECONDITION,
                           f"memory units of dynamic-MIG GPU {on_mig[0]} go only to a pod annotated "
@@ -167,6 +173,10 @@ class Allocator:
             got = {s.uuid: (s.mib // snap.inventory.unit_mib if units else 1) for s in shares}
             why = steering.tie(self._pods.pods(), snap.config.names, self._node, resource, got,
                                snap.inventory.unit_mib)
+            refresh = getattr(self._pods, "refresh", None)
+            if why is not None and refresh is not None and refresh():  # our watch may lag the kubelet's
+                why = steering.tie(self._pods.pods(), snap.config.names, self._node, resource, got,
+                                   snap.inventory.unit_mib)
             if why is not None:
                 raise Refusal(RefusalKind.UNAVAILABLE,
                               f"PodResources is down, so where this container runs cannot be recorded, and {why}: "

@@ -211,3 +211,28 @@ def test_a_plain_grant_of_the_same_ids_drops_an_earlier_partition_record(start_p
         fh.write(f"{pid('1g.10gb', 6)} 10240")
     assert kubelet.allocate(MEM, ids).envs[contract.ENV_VISIBLE_DEVICES] == H100
     assert not os.path.exists(os.path.join(stale, MIG_PLAN_FILE))  # never read back as a partition
+
+
+def test_an_isolated_ask_the_pod_watch_has_not_shown_yet_reads_the_pods_once_more(
+        api, http, kubelet, start_plugin, dynamic, backend):
+    """The kubelet admits a pod as soon as its own watch shows it bound; ours can lag (a busy API server, a
+    watch that broke and waits its backoff). Refusing then fails the pod for good (the kubelet never
+    retries an admission): the CI run under load met exactly that in test_isolation_e2e. Here the pod
+    cache is the real one whose watch has not delivered the pod yet (not started): the Allocate reads the
+    node's pods once more and serves the plan; without the pod anywhere it still refuses with the reason."""
+    from deviceplugin.kubelet.allocator import Allocator, Refusal
+    from deviceplugin.metrics import PluginMetrics
+    from deviceplugin.pod_cache import NodePodCache
+    from deviceplugin.quota_files import QuotaFiles
+    daemon = start_plugin(dynamic, api=http)
+    behind = NodePodCache(http, "gpu-1", NAMES)  # its watch never ran: what a lagging one holds
+    allocator = Allocator(daemon.state, QuotaFiles(dynamic.quota_host_dir, dynamic.quota), PluginMetrics(), "gpu-1",
+                          behind, make_mig=daemon.allocator.make_mig)
+    ids = sorted(units_of(kubelet, A100))[:15]
+    with pytest.raises(Refusal, match="no pod assumed on this node with vramshare.io/isolation: mig plans"):
+        allocator.allocate(MEM, ids)
+    assert behind.refreshes == 1
+    pod(api, "late", 15, [(pid("1g.20gb", 4), 20480)])
+    spec = allocator.allocate(MEM, ids)
+    assert spec.envs[contract.ENV_VISIBLE_DEVICES].startswith("MIG-") and behind.refreshes == 2
+    assert ("1g.20gb", 4) in {(x.profile, x.start) for x in backend.mig_nvml.layout(A100)}
