@@ -1,0 +1,128 @@
+"""A hostile randomized hunt on the DRA node's fences in driver mode (round 9's sum fences, unit-tested
+only): claims named by 1-3 containers of a pod (init containers and sidecars by the kubelet's rule),
+claims 2-3 pods share, pods that start and stop at random ticks or join a claim after its Prepare,
+containers that restart (a new cgroup), uses that try to grow past every limit. The node is
+tests/dra/driver_node.py: the real preparer, tenant source, quota loop, policy, writer and driver fence;
+the fake NVML's per-cgroup limits at the GPU's edge. Checked after every tick, at node level:
+
+1. per GPU, the sum over every live cgroup of the hard limit in force <= the GPU's capacity, and the sum
+   of uses <= capacity;
+2. a claim's containers together never hold (use, and hard limits in force) more than its grant, or what
+   the loop lent it lately for a claim that is a tenant;
+3. a tenant claim is not held below min(its grant, its containers' demand) while another claim borrows,
+   for longer than the loop needs to react; the containers of a shared claim are each fenced at their
+   share of its grant. (Per container within a tenant claim the rule cannot hold: the driver never takes
+   memory back, so the fence keeps what each sibling holds and splits only the rest, see
+   ``fence.split_limit``: a container may sit below grant/n while a sibling holds more.)
+"""
+from __future__ import annotations
+
+import os
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deviceplugin.quota.model import PolicyParams
+from tests.dra.driver_node import CAP, GPU, Ctr, DriverDraNode, SimClaim, SimPod
+from vramshare.inventory import EnforcementMode
+
+GIB = 1024
+TICKS = 40
+EXAMPLES = int(os.environ.get("VRAMSHARE_HUNT_EXAMPLES", "25"))  # the hunt ran thousands (see the note)
+
+
+def walk(seed: int, top: int, ticks: int = TICKS) -> list[int]:
+    """A demand walk between 0 and ``top`` (a seed pins one)."""
+    rng = random.Random(seed)
+    level, out = rng.randint(0, top), []
+    for _ in range(ticks):
+        level = max(0, min(top, level + rng.choice((-4096, -1024, 0, 0, 1024, 4096, 8192))))
+        out.append(level)
+    return out
+
+
+@st.composite
+def containers(draw, pod: str, grant: int) -> list[Ctr]:
+    """1-3 containers naming the claim (app, init or sidecar), at least one app container, maybe a plain
+    one; each demands up to 1.5 x the grant (hostile: more than any share of it)."""
+    kinds = draw(st.lists(st.sampled_from(["app", "app", "init", "sidecar"]), min_size=1, max_size=3))
+    if "app" not in kinds:
+        kinds.append("app")
+    out = []
+    for i, kind in enumerate(kinds):
+        restarts = () if kind == "init" else tuple(sorted(set(draw(st.lists(st.integers(2, TICKS), max_size=2)))))
+        seed = draw(st.integers(0, 2 ** 16))
+        out.append(Ctr(f"c{i}", kind, True, walk(seed, grant * 3 // 2), restarts, init_ticks=draw(st.integers(1, 3)),
+                       label=f"walk({seed}, {grant * 3 // 2})"))
+    if draw(st.booleans()):
+        out.append(Ctr("plain", "app", False, [0], label="[0]"))
+    return out
+
+
+@st.composite
+def nodes(draw) -> tuple[list[SimClaim], list[SimPod]]:
+    """1-3 claims whose grants fit the GPU (the allocator's books), each used by 1 pod (a tenant) or 2-3
+    pods (shared); pods bound and started at random ticks (a later one may join after Prepare), some
+    deleted later; release modes, acknowledgement lags and pod-cache lags at random."""
+    n = draw(st.integers(1, 3))
+    left, claims, pods = CAP // GIB, [], []
+    for i in range(n):
+        grant = draw(st.integers(2, max(2, left // (n - i)))) * GIB
+        left -= grant // GIB
+        claims.append(SimClaim(f"k{i}", grant))
+        first = draw(st.integers(0, 10))
+        for j in range(draw(st.sampled_from([1, 1, 2, 3]))):
+            bind = first if j == 0 else draw(st.integers(first, first + 20))
+            start = bind + draw(st.integers(0, 2))
+            stop = draw(st.one_of(st.none(), st.integers(start + 3, TICKS + 5)))
+            pods.append(SimPod(f"p{i}{j}", f"k{i}", bind, start, stop, draw(containers(f"p{i}{j}", grant)),
+                               mode=draw(st.sampled_from(["unmap", "unmap", "throttle"])),
+                               ack_lag=draw(st.integers(0, 2)), status_lag=draw(st.integers(0, 1))))
+    return claims, pods
+
+
+def run_and_check(node: DriverDraNode, ticks: int = TICKS, restart: int | None = None) -> None:
+    react = 2 * max(p.ack_lag for p in node.pods) + 6
+    short: dict[str, int] = {c.name: 0 for c in node.claims}
+    for _ in range(ticks):
+        if node.t == restart:
+            node.restart_loop()
+        node.step()
+        t = node.t - 1
+        live = [(p, c) for p in node.pods for c in node.live(p) if c.gpu]
+        uses = {(p.name, c.name): node.use[(p.name, c.name)] for p, c in live}
+        hards = {(p.name, c.name): node.hard(p, c) for p, c in live}
+        where = (t, sorted(uses.items()), sorted(hards.items()), {k: v[-3:] for k, v in node.lent.items()})
+        # 1. the node's sums
+        assert sum(uses.values()) <= CAP, ("uses", where)
+        assert sum(hards.values()) <= CAP, ("hard limits", where)
+        # 2. a claim's containers in sum
+        for claim in node.claims:
+            mine = [(p.name, c.name) for p, c in live if p.claim == claim.name]
+            bound = max([claim.grant] + node.lent[claim.name][-react:])
+            assert sum(uses[k] for k in mine) <= bound, ("claim uses", claim.name, bound, where)
+            assert sum(hards[k] for k in mine) <= bound, ("claim hard limits", claim.name, bound, where)
+        # 3. fairness
+        tenants = {tn.key.container: tn for tn in node.loop.tenants_now}
+        borrowing = {c.name for c in node.claims
+                     if sum(uses[(p.name, x.name)] for p, x in live if p.claim == c.name) > c.grant}
+        for claim in node.claims:
+            tn = tenants.get(f"claim-{claim.name}")
+            mine = [(p, c) for p, c in live if p.claim == claim.name]
+            if tn is None or not mine or node.quota_dir(claim.name) is None:
+                short[claim.name] = 0
+                continue
+            demand = sum(c.demand_at(t) for _p, c in mine)
+            cut = node.lent[claim.name][-1] < min(claim.grant, demand) and borrowing - {claim.name}
+            short[claim.name] = short[claim.name] + 1 if cut else 0
+            assert short[claim.name] <= react, ("held below its grant while another borrows", claim.name, where)
+    assert node.loop.counts["node_overcommit"] == 0
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(nodes(), st.one_of(st.none(), st.integers(1, TICKS - 1)), st.sampled_from(["forecast", "peak"]))
+def test_driver_fences_hold_claims_in_sum_on_the_dra_node(tmp_path_factory, world, restart, headroom):
+    claims, pods = world
+    node = DriverDraNode(str(tmp_path_factory.mktemp("node")), claims, pods, PolicyParams(headroom=headroom))
+    run_and_check(node, restart=restart)
