@@ -126,3 +126,41 @@ def test_driver_fences_hold_claims_in_sum_on_the_dra_node(tmp_path_factory, worl
     claims, pods = world
     node = DriverDraNode(str(tmp_path_factory.mktemp("node")), claims, pods, PolicyParams(headroom=headroom))
     run_and_check(node, restart=restart)
+
+
+# -- the counterexamples the hunt found, as examples (each fails on the branch's base, 9f1a46e + lead) ------
+def _flat(name: str, kind: str, mib: int, restarts: tuple[int, ...] = ()) -> Ctr:
+    return Ctr(name, kind, True, [mib] * TICKS, restarts, init_ticks=1, label=f"[{mib}]")
+
+
+def test_a_pod_joining_a_claim_after_its_prepare_does_not_take_the_grant_again(tmp_path):
+    """The hunt's first case: a 10 GiB claim prepared for one pod (its CDI spec: the whole grant for its one
+    container), lent up to 15 GiB while alone; a second pod reserves it a tick later. The kubelet does not
+    prepare a prepared claim again (``prepareResources``), so the checkpoint still names one pod: on the
+    base the claim stayed that pod's tenant, the joiner's container was no tenant's and no shared claim's,
+    and ran at its spec's 10 GiB beside the first one's 15: 25,600 MiB on a 10,240 MiB claim."""
+    claims = [SimClaim("k0", 10240), SimClaim("k1", 37888)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 13835)]),
+            SimPod("p01", "k0", 1, 1, None, [_flat("c0", "app", 13835)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 55340)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
+
+
+def test_a_tenant_s_container_started_after_the_fence_gets_no_more_than_the_claim_left(tmp_path):
+    """The hunt's case: a 2 GiB claim of a sidecar, an init container and the app (two run at once: 1 GiB
+    each in the CDI spec), lent up to 3 GiB. The loop split the claim's limit over the sidecar and the init
+    container; the init container ended and the app started with its spec's 1 GiB, but the fence moved only
+    when the limit did: the sidecar kept the init container's share on top, 3,328 MiB on a 3,072 limit."""
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "sidecar", 3072), _flat("c1", "init", 3072),
+                                            _flat("c2", "app", 3072)])]
+    run_and_check(DriverDraNode(str(tmp_path), [SimClaim("k0", 2048)], pods), ticks=12, restart=1)
+
+
+def test_a_restarted_container_of_a_cut_tenant_is_fenced_at_its_share_again(tmp_path):
+    """A container restarts (a new cgroup: the toolkit applies the CDI spec's share, the grant // n) while
+    its claim is cut below its grant for a borrower: the loop must bring the new cgroup back to the claim's
+    split at its next tick, not when the limit next changes."""
+    claims = [SimClaim("k0", 20480), SimClaim("k1", 60416)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "app", True, [1024] * 12 + [20480] * TICKS, (10,), label="low")]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 75000)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=20)
