@@ -175,6 +175,9 @@ class TenantBook:
     # per GPU, the most a file older than any remembered may have given its engine: found written by
     # an earlier loop (a restart), the ceiling on its line, since that loop's files are not known
     before: dict[str, int] = field(default_factory=dict)
+    # the containers its fence was last set over (driver mode): a new one (a restart's new cgroup, the app
+    # after an init container, a sibling starting) got its CDI spec's share, not the split: set again
+    fenced_ids: frozenset[str] | None = None
 
     def gpu(self, uuid: str) -> GpuBook:
         return self.gpus.setdefault(uuid, GpuBook())
@@ -565,14 +568,17 @@ class QuotaLoop:
 
     def _fence_first(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         """A tenant this process has not fenced yet (new, or after a restart) gets its limits set; one
-        whose hard limit waits for its engine's acknowledgement gets it lowered once acknowledged."""
+        whose hard limit waits for its engine's acknowledgement gets it lowered once acknowledged; one
+        whose containers changed since (a new cgroup starts at its CDI spec's share, not at the split
+        of the tenant's limit) gets them set again."""
         if self._fence is None or not ds:
             return
         b = self._book(t.key)
         if any(not b.gpu(d.gpu_uuid).fenced for d in ds):
             if all(b.gpu(d.gpu_uuid).limit_mib == d.limit_mib for d in ds):
                 self._apply_fence(t, ds, report)
-        elif any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t.key, d) for d in ds):
+        elif b.fenced_ids != t.container_ids or \
+                any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t.key, d) for d in ds):
             self._apply_fence(t, ds, report)
 
     def _hard_of(self, key: TenantKey, d: Decision) -> int:
@@ -600,6 +606,7 @@ class QuotaLoop:
         report.errors.extend(errors)
         if not errors:
             b = self._book(t.key)
+            b.fenced_ids = t.container_ids
             for d in ds:
                 b.gpu(d.gpu_uuid).fenced = True
             for g, h in hard.items():
