@@ -201,12 +201,16 @@ class DriverDraNode:
 
     def _pod(self, p: SimPod) -> dict:
         ids = next((ids for at, ids in reversed(p.statuses) if at <= self.t - p.status_lag), {})
+        apps = {c.name for c in p.apps()}
+
+        def statuses(app: bool) -> list[dict]:  # init containers (sidecars too) in initContainerStatuses
+            return [{"name": n, "containerID": f"containerd://{cid}"} for n, cid in sorted(ids.items())
+                    if (n in apps) == app]
         return {"metadata": {"name": p.name, "namespace": NS, "uid": p.uid,
                              "annotations": {"prometheus.io/port": "8000"}},
                 "spec": p.spec(),
-                "status": {"phase": "Running", "podIP": p.name,
-                           "containerStatuses": [{"name": n, "containerID": f"containerd://{cid}"}
-                                                 for n, cid in sorted(ids.items())]}}
+                "status": {"phase": "Running", "podIP": p.name, "containerStatuses": statuses(True),
+                           "initContainerStatuses": statuses(False)}}
 
     def _listed(self) -> list[dict]:
         return [self._pod(p) for p in self.pods if p.bind <= self.t and not self._gone(p)]

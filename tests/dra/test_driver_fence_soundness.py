@@ -164,3 +164,16 @@ def test_a_restarted_container_of_a_cut_tenant_is_fenced_at_its_share_again(tmp_
     pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "app", True, [1024] * 12 + [20480] * TICKS, (10,), label="low")]),
             SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 75000)])]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=20)
+
+
+def test_a_sidecar_naming_the_claim_is_fenced_with_the_app_in_sum(tmp_path):
+    """A sidecar (an init container with restartPolicy Always) names the claim beside the app: the CDI
+    spec gives each half the grant. The kubelet reports a sidecar's container ID in
+    ``status.initContainerStatuses``, which the tenant source never read, so the loop never found its
+    cgroup: it fenced the app as if the sidecar had not started and left the sidecar at the spec's half
+    whatever the claim was cut to, while a borrower took the rest of the GPU."""
+    claims = [SimClaim("k0", 20480), SimClaim("k1", 60416)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "sidecar", True, [0] * 14 + [10240] * TICKS, label="late"),
+                                            _flat("c1", "app", 1024)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 75000)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=24)
