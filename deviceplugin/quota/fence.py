@@ -8,7 +8,9 @@ soft = the part of the limit within the container's request (its guaranteed shar
 A tenant of several containers (a DRA claim that two containers of its pod name: the claim's CDI spec
 is injected into each) has one limit and one cgroup per container: the limit is split among them
 (:func:`split_limit`), each keeping what it holds, so the cgroups hold at most the limit together, never
-the limit each; a container not started yet (``Tenant.sharers`` counts it) keeps its share of the rest.
+the limit each; a container not started yet (``Tenant.sharers`` counts it; also one whose cgroup is not
+found yet) counts as using its CDI spec's share, which the toolkit gives it at its start, and the others
+are fenced at what is left.
 The containers of a claim that is no tenant (a DRA claim several pods share: counted at its grant,
 never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant whose cgroup cannot be
 found yet (container starting) gives no sample: the policy then holds its limit, as for any tenant
@@ -38,6 +40,12 @@ def split_limit(limit: int, uses: Sequence[int]) -> list[int]:
         return [limit * u // total for u in uses]
     rest, n = limit - total, len(uses)
     return [u + rest // n + (1 if i < rest % n else 0) for i, u in enumerate(uses)]
+
+
+def share_of(grant_mib: int, users: int) -> int:
+    """What the CDI spec gives each of a claim's ``users`` containers (``enforcement.container_fence``:
+    the grant // users, the toolkit's hook sets it at the container's start, before the loop sees it)."""
+    return grant_mib // max(1, users)
 
 
 class DriverFence:
@@ -86,8 +94,24 @@ class DriverFence:
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
         out.extend(self._foreign(tenants, out))
+        out.extend(self._unstarted(tenants))
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
+        return out
+
+    def _unstarted(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
+        """Per tenant and GPU with a cgroup found, the share of each of its other containers (not started,
+        restarting, or its ID not in the pod's status yet), counted as used: the toolkit gives it its CDI
+        spec's share when it starts (:func:`share_of`), so the tenant must not be cut below it, and its
+        running siblings are fenced at what is left (:meth:`apply`)."""
+        out = []
+        for t in tenants:
+            found = len(self._cgroups(t.container_ids))
+            missing = t.sharers - found
+            for gpu, req in t.gpus if missing > 0 and found else ():  # none found: no sample (below)
+                out.append(UsageSample(gpu_uuid=gpu, used_mib=share_of(req, t.sharers) * missing,
+                                       pod_uid=t.key.pod_uid or None, namespace=t.key.namespace, pod=t.key.pod,
+                                       container=t.key.container))
         return out
 
     def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
@@ -114,12 +138,14 @@ class DriverFence:
         engine acknowledged it (issue 19), the soft limit follows the decision at once."""
         errors: list[str] = []
         cgroups = self._cgroups(tenant.container_ids)
+        missing = max(0, tenant.sharers - len(cgroups))
         for d in decisions:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
             soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
             uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
-            uses += [0] * (tenant.sharers - len(cgroups))  # a share kept for each one not started yet
-            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors)
+            # each one not started yet will start at its CDI spec's share: that much is kept for it
+            kept = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers) * missing
+            self._set_split(d.gpu_uuid, cgroups, soft - min(soft, kept), top - min(top, kept), uses, errors)
         return errors
 
     def hold(self, claim: Claim) -> list[str]:

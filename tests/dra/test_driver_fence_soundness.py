@@ -177,3 +177,13 @@ def test_a_sidecar_naming_the_claim_is_fenced_with_the_app_in_sum(tmp_path):
                                             _flat("c1", "app", 1024)]),
             SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 75000)])]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=24)
+
+
+def test_a_container_the_loop_has_not_seen_yet_keeps_its_cdi_share(tmp_path):
+    """The hunt's case (the pod cache shows a container's ID a tick after it starts): a sidecar and the
+    app name a 2 GiB claim (1 GiB each in the CDI spec). The app started, not seen yet; the loop found the
+    sidecar's cgroup only and split the claim over it and an empty slot (1,536 + 512), while the toolkit
+    had given the app its spec's 1,024: 2,560 MiB held on a 2,048 MiB claim that lends nothing."""
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "sidecar", 3072), _flat("c1", "app", 3072)],
+                   mode="throttle", status_lag=1)]
+    run_and_check(DriverDraNode(str(tmp_path), [SimClaim("k0", 2048)], pods), ticks=12)
