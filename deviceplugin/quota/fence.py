@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
-from deviceplugin.quota.model import Claim, Decision, Tenant
+from deviceplugin.quota.model import Claim, Decision, Tenant, TenantKey
 from deviceplugin.quota.telemetry import TelemetryError, UsageSample
 from vramshare import logs
 from vramshare.inventory import EnforcementMode
@@ -59,6 +59,7 @@ class DriverFence:
         self._limits, self._finder = limits, finder
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
+        self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
 
     def _cgroups(self, container_ids: frozenset[str]) -> list[tuple[str, str]]:
         """(container id, cgroup) of those found: a container not started yet has none."""
@@ -73,6 +74,11 @@ class DriverFence:
                 self._limits.set(gpu, cgroup, s_, h_)
             except LimitError as exc:
                 errors.append(str(exc))
+
+    def moved(self, tenant: Tenant) -> bool:
+        """Whether the tenant's cgroups are not those its limits were last set over: a new one (a restart,
+        the app after an init container, a sibling starting) holds its CDI spec's share, not its split."""
+        return tuple(cg for _cid, cg in self._cgroups(tenant.container_ids)) != self._over.get(tenant.key)
 
     def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
         """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21)."""
@@ -146,6 +152,9 @@ class DriverFence:
             # each one not started yet will start at its CDI spec's share: that much is kept for it
             kept = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers) * missing
             self._set_split(d.gpu_uuid, cgroups, soft - min(soft, kept), top - min(top, kept), uses, errors)
+        self._over = {k: v for k, v in self._over.items() if k != tenant.key}
+        if not errors:
+            self._over[tenant.key] = tuple(cg for _cid, cg in cgroups)
         return errors
 
     def hold(self, claim: Claim) -> list[str]:

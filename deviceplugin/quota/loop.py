@@ -97,6 +97,10 @@ class Fence(Protocol):
         """Fence the containers of a claim that is no tenant at its grant in sum (``Claim.container_ids``)."""
         ...
 
+    def moved(self, tenant: Tenant) -> bool:
+        """Whether the tenant's containers changed since its limits were last set (set them again)."""
+        ...
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -175,9 +179,6 @@ class TenantBook:
     # per GPU, the most a file older than any remembered may have given its engine: found written by
     # an earlier loop (a restart), the ceiling on its line, since that loop's files are not known
     before: dict[str, int] = field(default_factory=dict)
-    # the containers its fence was last set over (driver mode): a new one (a restart's new cgroup, the app
-    # after an init container, a sibling starting) got its CDI spec's share, not the split: set again
-    fenced_ids: frozenset[str] | None = None
 
     def gpu(self, uuid: str) -> GpuBook:
         return self.gpus.setdefault(uuid, GpuBook())
@@ -577,7 +578,7 @@ class QuotaLoop:
         if any(not b.gpu(d.gpu_uuid).fenced for d in ds):
             if all(b.gpu(d.gpu_uuid).limit_mib == d.limit_mib for d in ds):
                 self._apply_fence(t, ds, report)
-        elif b.fenced_ids != t.container_ids or \
+        elif self._fence.moved(t) or \
                 any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t.key, d) for d in ds):
             self._apply_fence(t, ds, report)
 
@@ -606,7 +607,6 @@ class QuotaLoop:
         report.errors.extend(errors)
         if not errors:
             b = self._book(t.key)
-            b.fenced_ids = t.container_ids
             for d in ds:
                 b.gpu(d.gpu_uuid).fenced = True
             for g, h in hard.items():

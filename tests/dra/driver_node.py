@@ -17,7 +17,8 @@ checkpoint and the pod cache), the quota loop, policy and writer, and the driver
   ``_LIMIT`` say; a restart is a new container (new ID, new cgroup, limits from the spec again); a
   container that exits frees its memory and its cgroup;
 * the GPU: the fake NVML (limits per cgroup; an allocation past the hard limit fails);
-* each container's process: it tries to grow to its demand (allocations past its hard limit fail), a
+* each container's process: once its ID is in the pod's status (an engine loads before it allocates;
+  the kubelet posts the ID meanwhile) it tries to grow to its demand (allocations past its hard limit fail), a
   releasing one (``unmap``) gives back what is above its hard limit, a throttling one only as its demand
   drops; the pod's engine (first app container naming the claim) reports on /metrics its release mode and
   the quota generation it applied, ``ack_lag`` ticks after the loop wrote it.
@@ -138,6 +139,17 @@ class SimClaim:
         return f"cuid-{self.name}"
 
 
+class GpuNvml(FakeNvml):
+    """The fake NVML whose GPU memory in use is what its cgroups hold (as NVML's ``used`` counts every
+    process): the driver fence books what no tenant cgroup holds as foreign."""
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any:
+        info = super().nvmlDeviceGetMemoryInfo(handle, version)
+        uuid = self.gpus[handle.gpu].uuid
+        info.used += sum(b for (g, _cg), b in self.used.items() if g == uuid)
+        return info
+
+
 class DriverDraNode:
     """One GPU, the claims and pods given, ``mode`` driver (the loop fences) or mps (fixed at start)."""
 
@@ -146,7 +158,7 @@ class DriverDraNode:
         self.root, self.claims, self.pods, self.mode, self.t = root, claims, pods, mode, 0
         self.cgroot = os.path.join(root, "cgroup")
         os.makedirs(os.path.join(self.cgroot, "kubepods.slice"), exist_ok=True)
-        self.nv = FakeNvml([H100_80GB])
+        self.nv = GpuNvml([H100_80GB])
         self.nv.driver_version = "615.20.01"
         self.nv.nvmlInit()
         base = Config(quota_host_dir=os.path.join(root, "quota"),
@@ -159,14 +171,14 @@ class DriverDraNode:
         self.allocated = AllocatedClaims(self._read_claim, "node", lambda: self.config, lambda: {"gpu-0": self.device})
         self.source = ClaimTenantSource(self.preparer.prepared, self._listed, lambda: True, NAMES, self.allocated)
         self.params = params or PolicyParams()
-        self.fence = DriverFence(NvmlMemoryLimits(self.nv), CgroupFinder(self.cgroot))
         self.restart_loop()
         self.use: dict[tuple[str, str], int] = {}  # (pod, container) -> MiB its live instance holds
         self.lent: dict[str, list[int]] = {c.name: [] for c in claims}  # quota-file limit per tick
 
     def restart_loop(self) -> None:
-        """A new quota loop on the same files (the DaemonSet restarted)."""
+        """A new quota loop and fence on the same files and cgroups (the DaemonSet restarted)."""
         mode = self.mode if self.mode is EnforcementMode.DRIVER else EnforcementMode.MPS
+        self.fence = DriverFence(NvmlMemoryLimits(self.nv), CgroupFinder(self.cgroot))
         self.loop = QuotaLoop(self.source, lambda: {GPU: CAP}, [], self.params, self.config.quota_host_dir,
                               signals=self, mode=mode,
                               fence=self.fence if self.mode is EnforcementMode.DRIVER else None,
@@ -263,6 +275,18 @@ class DriverDraNode:
         self.use.pop((p.name, c.name), None)
         c.cid, c.started = None, None
 
+    def visible(self, p: SimPod, c: Ctr, t: int | None = None) -> bool:
+        """Whether the pod cache (what the loop reads) shows the container's current ID at tick ``t``."""
+        t = self.t if t is None else t
+        ids = next((ids for at, ids in reversed(p.statuses) if at <= t - p.status_lag), {})
+        return c.cid is not None and ids.get(c.name) == c.cid
+
+    def joined_late(self, p: SimPod) -> bool:
+        """The pod reserved its claim after the claim's Prepare: its containers got the CDI share made
+        for the pods reserved then (the kubelet does not prepare a claim twice)."""
+        rec = self.preparer.prepared().get(self.claim(p.claim).uid)
+        return rec is not None and p.uid not in rec.pod_uids
+
     def live(self, p: SimPod) -> list[Ctr]:
         return [c for c in p.containers if c.cid is not None]
 
@@ -333,8 +357,8 @@ class DriverDraNode:
                 if keep < have:
                     self.nv.release(GPU, cg, have - keep)
                     have = keep
-                if want > have:
-                    try:
+                if want > have and self.visible(p, c):  # an engine loads before it allocates: by then
+                    try:                                   # the kubelet has posted its container's ID
                         self.nv.allocate(GPU, cg, want - have)
                         have = want
                     except OutOfMemory:

@@ -92,7 +92,12 @@ def run_and_check(node: DriverDraNode, ticks: int = TICKS, restart: int | None =
         t = node.t - 1
         live = [(p, c) for p in node.pods for c in node.live(p) if c.gpu]
         uses = {(p.name, c.name): node.use[(p.name, c.name)] for p, c in live}
-        hards = {(p.name, c.name): node.hard(p, c) for p, c in live}
+        # a container started (or restarted) after a pod joined its claim past Prepare, not seen by the loop
+        # yet, holds the CDI share made at Prepare (grant // the users then): the one window no fence closes
+        # (test_a_pod_joining_late_holds_the_share_made_at_prepare_until_the_loop_sees_it)
+        late = {p.claim for p in node.pods if node.joined_late(p) and node.live(p)}
+        window = {(p.name, c.name) for p, c in live if p.claim in late and not node.visible(p, c, t)}
+        hards = {(p.name, c.name): node.hard(p, c) for p, c in live if (p.name, c.name) not in window}
         where = (t, sorted(uses.items()), sorted(hards.items()), {k: v[-3:] for k, v in node.lent.items()})
         # 1. the node's sums
         assert sum(uses.values()) <= CAP, ("uses", where)
@@ -102,7 +107,7 @@ def run_and_check(node: DriverDraNode, ticks: int = TICKS, restart: int | None =
             mine = [(p.name, c.name) for p, c in live if p.claim == claim.name]
             bound = max([claim.grant] + node.lent[claim.name][-react:])
             assert sum(uses[k] for k in mine) <= bound, ("claim uses", claim.name, bound, where)
-            assert sum(hards[k] for k in mine) <= bound, ("claim hard limits", claim.name, bound, where)
+            assert sum(hards.get(k, 0) for k in mine) <= bound, ("claim hard limits", claim.name, bound, where)
         # 3. fairness
         tenants = {tn.key.container: tn for tn in node.loop.tenants_now}
         borrowing = {c.name for c in node.claims
