@@ -159,9 +159,20 @@ class DriverFence:
 
     def hold(self, claim: Claim) -> list[str]:
         """Hold the containers of a claim that is no tenant (a DRA claim several pods share) at its grant
-        in sum: each at its share, soft = hard (nothing of it is lent); returns the errors."""
+        in sum, soft = hard (nothing of it is lent), split as a tenant's limit is: each keeps what it holds
+        (the driver takes nothing back: a pod that joins beside one holding the whole grant waits for it to
+        release), and one not found yet keeps its CDI spec's share; returns the errors."""
         errors: list[str] = []
         cgroups = self._cgroups(claim.container_ids)
+        missing = max(0, claim.sharers - len(cgroups))
         for gpu, mib in claim.gpus:
-            self._set_split(gpu, cgroups, mib, mib, [0] * max(len(cgroups), claim.sharers), errors)
+            uses = []
+            for _cid, cgroup in cgroups:
+                try:
+                    uses.append(self._limits.get(gpu, cgroup).used_mib)
+                except LimitError as exc:  # its limit is set below all the same; counted as holding nothing
+                    errors.append(str(exc))
+                    uses.append(0)
+            kept = min(mib, share_of(mib, claim.sharers) * missing)
+            self._set_split(gpu, cgroups, mib - kept, mib - kept, uses, errors)
         return errors

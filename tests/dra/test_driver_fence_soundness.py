@@ -192,3 +192,14 @@ def test_a_container_the_loop_has_not_seen_yet_keeps_its_cdi_share(tmp_path):
     pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "sidecar", 3072), _flat("c1", "app", 3072)],
                    mode="throttle", status_lag=1)]
     run_and_check(DriverDraNode(str(tmp_path), [SimClaim("k0", 2048)], pods), ticks=12)
+
+
+def test_a_pod_joining_a_claim_whose_first_pod_holds_the_grant_gets_only_what_is_left(tmp_path):
+    """The hunt's case: a throttling engine holds its claim's whole 2 GiB; a second pod joins the claim.
+    The loop held the two at half the grant each, but the driver takes back nothing the first holds:
+    the joiner took its half on top, 3,072 MiB held on a 2,048 MiB claim. The split keeps what each holds."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 2048)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 3072)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 3072)], mode="throttle"),
+            SimPod("p11", "k1", 1, 1, None, [_flat("c0", "app", 3072)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
