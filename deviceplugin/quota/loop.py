@@ -579,23 +579,28 @@ class QuotaLoop:
             if all(b.gpu(d.gpu_uuid).limit_mib == d.limit_mib for d in ds):
                 self._apply_fence(t, ds, report)
         elif self._fence.moved(t) or \
-                any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t.key, d) for d in ds):
+                any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t, d) for d in ds):
             self._apply_fence(t, ds, report)
 
-    def _hard_of(self, key: TenantKey, d: Decision) -> int:
+    def _hard_of(self, t: Tenant, d: Decision) -> int:
         """The hard limit to set (issue 19, acknowledged shrinks): a shrink is enforced by the driver
         only once the engine reports it applied the file that carried it (its generation), so the
         driver never fails an allocation for memory the engine was about to give back. Engines that
-        report no generation are fenced at once, as before."""
-        b = self._book(key)
+        report no generation are fenced at once, as before. Until then the hard limit is the most the
+        engine may still grow to (:meth:`_acked`: the file it follows or any written since), which is
+        what the policy counts it at; the hard limit set before is not kept beyond that (an engine
+        acknowledging late while the loop writes every tick never caught up, and the hard limit only
+        rose: the driver let it hold more than the GPU had left)."""
+        b = self._book(t.key)
         if b.applied is None or b.applied >= (b.generation or 0):
             return d.limit_mib
-        return max(d.limit_mib, _or(b.gpu(d.gpu_uuid).hard_mib, d.previous_mib))
+        _ok, top, _follows = self._acked(t.key, d.gpu_uuid, d.limit_mib, dict(t.gpus).get(d.gpu_uuid, d.limit_mib))
+        return max(d.limit_mib, _or(top, d.limit_mib))
 
     def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         if self._fence is None:
             return
-        hard = {d.gpu_uuid: self._hard_of(t.key, d) for d in ds}
+        hard = {d.gpu_uuid: self._hard_of(t, d) for d in ds}
         for d in ds:
             if hard[d.gpu_uuid] > d.limit_mib:
                 log.info("hard limit kept until the engine acknowledges the shrink", pod=str(t.key),

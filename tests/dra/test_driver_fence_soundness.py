@@ -203,3 +203,17 @@ def test_a_pod_joining_a_claim_whose_first_pod_holds_the_grant_gets_only_what_is
             SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 3072)], mode="throttle"),
             SimPod("p11", "k1", 1, 1, None, [_flat("c0", "app", 3072)])]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
+
+
+def test_a_late_acknowledging_engine_s_hard_limit_is_what_the_loop_counts_it_at(tmp_path):
+    """The hunt's case, on no DRA-specific rule: three claims, one engine acknowledging its quota files 2
+    ticks late while the loop writes it a new one every tick. Its hard limit was lowered only once it had
+    acknowledged the latest file, which it never caught up with, so it kept the highest it ever had
+    (39,623 MiB) while the policy counted it at the most it might still follow (37,804) and lent the
+    difference: 81,095 MiB of hard limits on 80,896."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 26624), SimClaim("k2", 25600)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "app", True, walk(0, 3072), label="walk(0, 3072)")]),
+            SimPod("p10", "k1", 0, 0, None, [Ctr("c0", "app", True, walk(0, 39936), label="walk(0, 39936)")],
+                   ack_lag=2),
+            SimPod("p20", "k2", 0, 0, None, [Ctr("c0", "app", True, walk(1, 38400), label="walk(1, 38400)")])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods))
