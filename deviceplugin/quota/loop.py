@@ -631,7 +631,9 @@ class QuotaLoop:
         shows what they hold, and they follow the file in force. The history starts with the file
         the loop first found (Allocate's: the request); an engine on a file older than every one
         remembered may follow any of them, its request, or, when the file found was an earlier
-        loop's (a restart), up to that file's ceiling."""
+        loop's (a restart), up to that file's ceiling. Where the driver fences it, no more than the
+        hard limit this process set (an engine whose first report names an older file than the one
+        whose shrink the driver already enforces is not counted, nor fenced, above it again)."""
         b = self._book(key)
         applied = b.applied
         if applied is None:
@@ -645,7 +647,8 @@ class QuotaLoop:
         # Allocate's (its request), or one of an earlier loop's (issue 19: never lent twice)
         older = [lim for _, lim in hist] + [request, b.before.get(gpu, 0)]
         top = max(later + [cur] + ([follows] if follows is not None else older))
-        return False, top, follows
+        hard = b.gpu(gpu).hard_mib  # driver mode: whatever file it follows, it holds no more than that
+        return False, top if hard is None else min(top, max(hard, cur)), follows
 
     def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim], list[Claim]]:
         """The claims of containers that are not tenants yet: the source's pending ones (``list_pending``)

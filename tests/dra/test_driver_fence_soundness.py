@@ -217,3 +217,17 @@ def test_a_late_acknowledging_engine_s_hard_limit_is_what_the_loop_counts_it_at(
                    ack_lag=2),
             SimPod("p20", "k2", 0, 0, None, [Ctr("c0", "app", True, walk(1, 38400), label="walk(1, 38400)")])]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods))
+
+
+def test_an_engine_first_reporting_an_older_file_is_not_counted_above_its_hard_limit(tmp_path):
+    """The hunt's case: an engine whose /metrics answers 2 ticks late was shrunk 41,472 -> 40,960 before
+    it reported any generation (so the driver enforced the shrink at once); its first report named the
+    older 41,472 file, and the loop then counted it at up to 41,472 again, raised it back into that "for
+    free" while a newcomer held the rest: 81,408 MiB of hard limits on 80,896. The driver enforces
+    40,960 whatever file it follows: that is the most it may hold."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 27648), SimClaim("k2", 24576)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "app", True, walk(0, 3072), label="walk(0, 3072)")]),
+            SimPod("p10", "k1", 0, 0, None, [Ctr("c0", "app", True, walk(1, 41472), label="walk(1, 41472)")],
+                   ack_lag=2),
+            SimPod("p20", "k2", 0, 1, None, [Ctr("c0", "app", True, walk(0, 36864), label="walk(0, 36864)")])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods))
