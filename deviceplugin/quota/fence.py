@@ -60,6 +60,7 @@ class DriverFence:
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
         self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
+        self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
 
     def _cgroups(self, container_ids: frozenset[str]) -> list[tuple[str, str]]:
         """(container id, cgroup) of those found: a container not started yet has none."""
@@ -80,20 +81,32 @@ class DriverFence:
         the app after an init container, a sibling starting) holds its CDI spec's share, not its split."""
         return tuple(cg for _cid, cg in self._cgroups(tenant.container_ids)) != self._over.get(tenant.key)
 
+    def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
+        """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
+        (a restarted loop's bound on what an engine may hold, whatever file it follows); None when one is
+        unlimited or unread, or none was found."""
+        return self._hard.get((key, gpu))
+
     def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
         """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21)."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        self._used = {}
+        self._used, self._hard = {}, {}
         for t in tenants:
-            for cid, cgroup in self._cgroups(t.container_ids):
+            found = self._cgroups(t.container_ids)
+            for gpu, _req in t.gpus if len(found) < t.sharers else ():  # one not found: its share comes on top
+                self._hard[(t.key, gpu)] = None
+            for cid, cgroup in found:
                 for gpu, _req in t.gpus:
                     try:
                         got = self._limits.get(gpu, cgroup)
                     except LimitError as exc:
                         failures.append(str(exc))
+                        self._hard[(t.key, gpu)] = None
                         continue
                     self._used[(gpu, cid)] = got.used_mib
+                    held = self._hard.get((t.key, gpu), 0)
+                    self._hard[(t.key, gpu)] = None if held is None or got.hard_mib is None else held + got.hard_mib
                     out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, pod_uid=t.key.pod_uid or None,
                                            namespace=t.key.namespace, pod=t.key.pod, container=t.key.container,
                                            container_id=cid))

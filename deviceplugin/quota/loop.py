@@ -101,6 +101,10 @@ class Fence(Protocol):
         """Whether the tenant's containers changed since its limits were last set (set them again)."""
         ...
 
+    def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
+        """The tenant's hard limits on ``gpu`` in sum as the last use read found them; None if unknown."""
+        ...
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -648,6 +652,8 @@ class QuotaLoop:
         older = [lim for _, lim in hist] + [request, b.before.get(gpu, 0)]
         top = max(later + [cur] + ([follows] if follows is not None else older))
         hard = b.gpu(gpu).hard_mib  # driver mode: whatever file it follows, it holds no more than that
+        if hard is None and self._fence is not None:  # not set by this process yet (a restart): the driver's
+            hard = self._fence.hard_in_force(key, gpu)
         return False, top if hard is None else min(top, max(hard, cur)), follows
 
     def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim], list[Claim]]:

@@ -231,3 +231,23 @@ def test_an_engine_first_reporting_an_older_file_is_not_counted_above_its_hard_l
                    ack_lag=2),
             SimPod("p20", "k2", 0, 1, None, [Ctr("c0", "app", True, walk(0, 36864), label="walk(0, 36864)")])]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods))
+
+
+def _w(name: str, kind: str, seed: int, top: int, restarts: tuple[int, ...] = (), init_ticks: int = 1) -> Ctr:
+    return Ctr(name, kind, True, walk(seed, top), restarts, init_ticks=init_ticks, label=f"walk({seed}, {top})")
+
+
+def test_a_restarted_loop_does_not_raise_a_hard_limit_to_the_ceiling_of_a_file_it_never_saw(tmp_path):
+    """The hunt's case: the quota loop restarts (tick 3) while a throttling engine that acknowledges 2 ticks
+    late follows a file the new loop never saw. The policy counts it at up to that file's ceiling (issue
+    19); the fence made that its hard limit too: 50,688 MiB on a 33,792 MiB claim that is lent nothing.
+    The driver's limits in force (read with the use) bound what it may hold, whatever file it follows."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 33792), SimClaim("k2", 43008)]
+    plain = Ctr("plain", "app", False, [0], label="[0]")
+    pods = [SimPod("p00", "k0", 0, 0, None, [_w("c0", "init", 1403, 3072, init_ticks=2), _w("c1", "app", 1, 3072, (39,)),
+                                            plain], mode="throttle", status_lag=1),
+            SimPod("p10", "k1", 0, 1, 17, [_w("c0", "app", 262, 50688, (5, 40)), plain], mode="throttle", ack_lag=2,
+                   status_lag=1),
+            SimPod("p20", "k2", 10, 12, None, [_w("c0", "init", 2486, 64512), _w("c1", "app", 744, 64512, (12, 18)),
+                                              _w("c2", "app", 142, 64512, (26,))], ack_lag=1)]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), restart=3)
