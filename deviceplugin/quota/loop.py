@@ -83,8 +83,9 @@ class Fence(Protocol):
 
     name: str
 
-    def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
-        """Raises :class:`TelemetryError`; the loop then tries its other readers."""
+    def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
+        """Raises :class:`TelemetryError`; the loop then tries its other readers. What the containers of
+        ``claims`` (no tenants, counted at their grant) hold within their grant is not foreign."""
         ...
 
     def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int],
@@ -297,10 +298,12 @@ class QuotaLoop:
                 if gb.limit_mib is not None}
 
     # -- inputs ------------------------------------------------------------------------------
-    def _read_usage(self, tenants: Sequence[Tenant], report: TickReport) -> list[UsageSample] | None:
-        """The fence first (driver mode: per-cgroup use of exactly these tenants), then the readers."""
+    def _read_usage(self, tenants: Sequence[Tenant], report: TickReport,
+                    claims: Sequence[Claim] = ()) -> list[UsageSample] | None:
+        """The fence first (driver mode: per-cgroup use of exactly these tenants, and of the ``claims`` it
+        holds), then the readers."""
         fence = self._fence
-        readers = [(fence.name, lambda: fence.read_usage(tenants))] if fence is not None else []
+        readers = [(fence.name, lambda: fence.read_usage(tenants, claims))] if fence is not None else []
         readers += [(r.name, r.read_usage) for r in self._usage]
         for name, read in readers:
             try:
@@ -381,7 +384,8 @@ class QuotaLoop:
         self.tenants_now = tenants
         for t in tenants:
             self._book(t.key)
-        samples = self._read_usage(tenants, report)
+        pending, files, shared = self._claims(tenants)  # (the fence holds the shared ones' containers)
+        samples = self._read_usage(tenants, report, shared)
         if samples is None:
             report.skipped = "no usage source answered"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
@@ -422,7 +426,6 @@ class QuotaLoop:
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
-        pending, files, shared = self._claims(tenants)
         reserved = report.reserved = self._reserved(pending, files)
         self._hold_claims(shared, report)
         committed: dict[str, int] = {}

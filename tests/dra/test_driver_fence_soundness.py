@@ -251,3 +251,20 @@ def test_a_restarted_loop_does_not_raise_a_hard_limit_to_the_ceiling_of_a_file_i
             SimPod("p20", "k2", 10, 12, None, [_w("c0", "init", 2486, 64512), _w("c1", "app", 744, 64512, (12, 18)),
                                               _w("c2", "app", 142, 64512, (26,))], ack_lag=1)]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), restart=3)
+
+
+def test_a_shared_claim_s_memory_is_counted_once(tmp_path):
+    """The hunt's case: a 31 GiB claim two pods share, its containers holding their grant. The driver
+    fence read their memory as foreign (no tenant cgroup holds it) and the loop counted the claim at its
+    grant on top: 31,744 MiB counted twice, the tenants squeezed into the 17,408 left (a 35 GiB claim cut
+    to 17,408 MiB, a 2 GiB one to 0) and the loop's own node check broken. Within its grant a held claim's
+    memory is the claim's, counted once."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 35840), SimClaim("k2", 31744)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_w("c0", "app", 0, 3072)]),
+            SimPod("p10", "k1", 0, 0, None, [_w("c0", "app", 0, 53760, (2,)), _w("c1", "init", 0, 53760)],
+                   status_lag=1),
+            SimPod("p20", "k2", 0, 0, None, [_w("c0", "app", 0, 47616)]),
+            SimPod("p21", "k2", 0, 0, None, [_w("c0", "app", 0, 47616)])]
+    node = DriverDraNode(str(tmp_path), claims, pods)
+    run_and_check(node, ticks=16)
+    assert node.loop.capacities[GPU] == CAP
