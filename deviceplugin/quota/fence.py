@@ -29,17 +29,22 @@ from vramshare.inventory import EnforcementMode
 log = logs.get("vramshare.quota.fence")
 
 
-def split_limit(limit: int, uses: Sequence[int]) -> list[int]:
+def split_limit(limit: int, uses: Sequence[int], pressed: Sequence[bool] | None = None) -> list[int]:
     """Pure: one limit shared by cgroups holding ``uses`` -> one limit each, adding up to at most ``limit``.
 
     Within the limit each keeps its use and the rest is split evenly (the first ones take the remainder),
-    so nothing it holds is refused and nothing of the limit is lost. Beyond it (a shrink not applied yet),
-    each gets its share of the limit in proportion to its use, so none may grow until the sum is back in."""
+    so nothing it holds is refused and nothing of the limit is lost; when some are ``pressed`` (they
+    reached the hard limit they had: they want more) the rest goes to those only, else the rest a quiet
+    sibling does not use fences a busy one while the claim as a whole looks below its limit. Beyond it
+    (a shrink not applied yet), each gets its share of the limit in proportion to its use, so none may
+    grow until the sum is back in."""
     total = sum(uses)
     if total > limit:
         return [limit * u // total for u in uses]
-    rest, n = limit - total, len(uses)
-    return [u + rest // n + (1 if i < rest % n else 0) for i, u in enumerate(uses)]
+    rest = limit - total
+    takers = [i for i, p in enumerate(pressed or ()) if p] or list(range(len(uses)))
+    more = {i: rest // len(takers) + (1 if k < rest % len(takers) else 0) for k, i in enumerate(takers)}
+    return [u + more.get(i, 0) for i, u in enumerate(uses)]
 
 
 def share_of(grant_mib: int, users: int) -> int:
@@ -59,6 +64,7 @@ class DriverFence:
         self._limits, self._finder = limits, finder
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
+        self._pressed: dict[tuple[str, str], bool] = {}  # (gpu, container id) -> at its hard limit at the last read
         self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
         self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
 
@@ -68,9 +74,10 @@ class DriverFence:
 
     def _set_split(self, gpu: str, cgroups: Sequence[tuple[str, str]], soft: int, hard: int, uses: list[int],
                    errors: list[str]) -> None:
-        """Soft and hard limits shared by ``cgroups`` (and the slots ``uses`` keeps beyond them for
-        containers not started yet), split by :func:`split_limit`; failures go to ``errors``."""
-        for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses), split_limit(hard, uses)):
+        """Soft and hard limits shared by ``cgroups`` holding ``uses``, split by :func:`split_limit` (the
+        rest to those at their hard limit at the last read); failures go to ``errors``."""
+        pressed = [self._pressed.get((gpu, cid), False) for cid, _cg in cgroups]
+        for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses, pressed), split_limit(hard, uses, pressed)):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
             except LimitError as exc:
@@ -93,7 +100,7 @@ class DriverFence:
         which the loop counts at the grant, not foreign memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        self._used, self._hard = {}, {}
+        self._used, self._hard, self._pressed = {}, {}, {}
         for t in tenants:
             found = self._cgroups(t.container_ids)
             for gpu, _req in t.gpus if len(found) < t.sharers else ():  # one not found: its share comes on top
@@ -107,6 +114,7 @@ class DriverFence:
                         self._hard[(t.key, gpu)] = None
                         continue
                     self._used[(gpu, cid)] = got.used_mib
+                    self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
                     held = self._hard.get((t.key, gpu), 0)
                     self._hard[(t.key, gpu)] = None if held is None or got.hard_mib is None else held + got.hard_mib
                     out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, pod_uid=t.key.pod_uid or None,
@@ -200,12 +208,15 @@ class DriverFence:
         missing = max(0, claim.sharers - len(cgroups))
         for gpu, mib in claim.gpus:
             uses = []
-            for _cid, cgroup in cgroups:
+            for cid, cgroup in cgroups:
                 try:
-                    uses.append(self._limits.get(gpu, cgroup).used_mib)
+                    got = self._limits.get(gpu, cgroup)
                 except LimitError as exc:  # its limit is set below all the same; counted as holding nothing
                     errors.append(str(exc))
                     uses.append(0)
+                    continue
+                uses.append(got.used_mib)
+                self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
             kept = min(mib, share_of(mib, claim.sharers) * missing)
             self._set_split(gpu, cgroups, mib - kept, mib - kept, uses, errors)
         return errors
