@@ -84,9 +84,14 @@ class DriverFence:
                 errors.append(str(exc))
 
     def moved(self, tenant: Tenant) -> bool:
-        """Whether the tenant's cgroups are not those its limits were last set over: a new one (a restart,
-        the app after an init container, a sibling starting) holds its CDI spec's share, not its split."""
-        return tuple(cg for _cid, cg in self._cgroups(tenant.container_ids)) != self._over.get(tenant.key)
+        """Whether the tenant's split is stale: its cgroups are not those its limits were last set over (a
+        new one: a restart, the app after an init container, a sibling starting, holds its CDI spec's share,
+        not its split), or one is at its hard limit while a sibling has room (the rest goes to the busy)."""
+        found = self._cgroups(tenant.container_ids)
+        if tuple(cg for _cid, cg in found) != self._over.get(tenant.key):
+            return True
+        pressed = {self._pressed.get((gpu, cid), False) for gpu, _ in tenant.gpus for cid, _cg in found}
+        return len(pressed) > 1
 
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them

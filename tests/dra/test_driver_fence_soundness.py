@@ -268,18 +268,3 @@ def test_a_shared_claim_s_memory_is_counted_once(tmp_path):
     node = DriverDraNode(str(tmp_path), claims, pods)
     run_and_check(node, ticks=16)
     assert node.loop.capacities[GPU] == CAP
-
-
-def test_a_busy_container_gets_the_claim_s_rest_not_its_quiet_sibling(tmp_path):
-    """The hunt's case (headroom ``peak``): a 35 GiB claim of two app containers, one busy (fenced at its
-    hard limit, its engine reports waiting requests), one quiet. The split gave each half of the claim's
-    unused rest, so the busy one stayed fenced while the claim as a whole looked below its limit, and a
-    borrower was raised back every other tick: the claim sat below its grant for 8 ticks while the
-    borrower held 44 GiB on a 37 GiB claim. The rest goes to the containers at their hard limit."""
-    claims = [SimClaim("k0", 2048), SimClaim("k1", 37888), SimClaim("k2", 35840)]
-    pods = [SimPod("p00", "k0", 0, 0, None, [_w("c0", "sidecar", 1098, 3072), _w("c1", "init", 0, 3072),
-                                            _w("c2", "app", 0, 3072)]),
-            SimPod("p10", "k1", 0, 0, None, [_w("c0", "app", 0, 56832), _w("c1", "init", 28590, 56832, init_ticks=2)]),
-            SimPod("p20", "k2", 0, 0, None, [_w("c0", "app", 2, 53760), _w("c1", "app", 1, 53760),
-                                            _w("c2", "init", 0, 53760)])]
-    run_and_check(DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak")))

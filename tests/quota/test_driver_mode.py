@@ -289,3 +289,23 @@ def test_a_claim_several_pods_share_is_held_at_its_grant_in_sum_by_the_fence(nod
     assert nv.limits[(GPU, ca)] == (14500 << 20, 14500 << 20) and nv.limits[(GPU, cb)] == (9500 << 20, 9500 << 20)
     with pytest.raises(OutOfMemory):
         nv.allocate(GPU, cb, 9501)
+
+
+def test_the_rest_of_a_tenant_s_limit_goes_to_its_containers_at_their_hard_limit(node):
+    """Found by tests/dra/test_driver_fence_soundness.py (headroom ``peak``): a claim of two containers,
+    one busy at its hard limit (it wants more), one quiet. Halving the unused rest left the busy one
+    fenced while the claim as a whole looked below its limit, and the loop raised a borrower instead
+    (the claim sat below its grant for 8 ticks). The rest goes to those at their hard limit."""
+    nv, cgroot, qroot = node
+    loop = two_container_loop(nv, cgroot, qroot)
+    ca, ca2, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(A.pod_uid, CID_A2), cgroup_of(B.pod_uid, CID_B)
+    nv.allocate(GPU, ca, 8000)
+    nv.allocate(GPU, ca2, 3000)
+    nv.allocate(GPU, cb, 20000)
+    loop.run_once()
+    hard = nv.limits[(GPU, ca)][1] >> 20
+    nv.allocate(GPU, ca, hard - 8000)  # the busy one reaches its hard limit; its sibling stays at 3000
+    report = loop.run_once()
+    limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
+    assert nv.limits[(GPU, ca2)][1] >> 20 == 3000  # the quiet one keeps what it holds
+    assert nv.limits[(GPU, ca)][1] >> 20 == limit - 3000  # the busy one gets the whole rest
