@@ -12,9 +12,8 @@ the limit each; a container not started yet (``Tenant.sharers`` counts it; also 
 found yet) counts as using its CDI spec's share, which the toolkit gives it at its start, and the others
 are fenced at what is left.
 The containers of a claim that is no tenant (a DRA claim several pods share: counted at its grant,
-never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant whose cgroup cannot be
-found yet (container starting) gives no sample: the policy then holds its limit, as for any tenant
-without telemetry.
+never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant none of whose cgroups is
+found yet (starting, restarting) counts at its CDI shares, its grant: that is what it starts with.
 """
 from __future__ import annotations
 
@@ -134,15 +133,15 @@ class DriverFence:
         return out
 
     def _unstarted(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
-        """Per tenant and GPU with a cgroup found, the share of each of its other containers (not started,
+        """Per tenant and GPU, the share of each of its containers whose cgroup is not found (not started,
         restarting, or its ID not in the pod's status yet), counted as used: the toolkit gives it its CDI
-        spec's share when it starts (:func:`share_of`), so the tenant must not be cut below it, and its
+        spec's share when it starts (:func:`share_of`), so the tenant must not be cut below it (a tenant
+        whose one container restarts comes back at its whole grant, whatever it was cut to), and its
         running siblings are fenced at what is left (:meth:`apply`)."""
         out = []
         for t in tenants:
-            found = len(self._cgroups(t.container_ids))
-            missing = t.sharers - found
-            for gpu, req in t.gpus if missing > 0 and found else ():  # none found: no sample (below)
+            missing = t.sharers - len(self._cgroups(t.container_ids))
+            for gpu, req in t.gpus if missing > 0 else ():
                 out.append(UsageSample(gpu_uuid=gpu, used_mib=share_of(req, t.sharers) * missing,
                                        pod_uid=t.key.pod_uid or None, namespace=t.key.namespace, pod=t.key.pod,
                                        container=t.key.container))

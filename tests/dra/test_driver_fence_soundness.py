@@ -268,3 +268,15 @@ def test_a_shared_claim_s_memory_is_counted_once(tmp_path):
     node = DriverDraNode(str(tmp_path), claims, pods)
     run_and_check(node, ticks=16)
     assert node.loop.capacities[GPU] == CAP
+
+
+def test_a_restarting_container_cut_below_its_grant_counts_at_its_cdi_share(tmp_path):
+    """The hunt's case: a tenant of one container, cut to 20,100 MiB of its 21,504 grant, restarts; the
+    pod cache shows the new ID a tick later. Meanwhile the tenant had no cgroup found, gave no sample and
+    the policy held its limit, lending the rest; the new cgroup started at its CDI spec's 21,504: 1,404 MiB
+    of hard limits over the GPU. A tenant with no cgroup found counts at its CDI shares."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 37888), SimClaim("k2", 21504)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_w("c0", "app", 0, 3072)]),
+            SimPod("p10", "k1", 0, 0, None, [_w("c0", "app", 0, 56832)]),
+            SimPod("p20", "k2", 0, 0, None, [_w("c0", "app", 333, 32256, (4,))], status_lag=1)]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=16)
