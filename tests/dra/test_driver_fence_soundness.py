@@ -97,11 +97,13 @@ def run_and_check(node: DriverDraNode, ticks: int = TICKS, restart: int | None =
         t = node.t - 1
         live = [(p, c) for p in node.pods for c in node.live(p) if c.gpu]
         uses = {(p.name, c.name): node.use[(p.name, c.name)] for p, c in live}
-        # a container started (or restarted) after a pod joined its claim past Prepare, not seen by the loop
-        # yet, holds the CDI share made at Prepare (grant // the users then): the one window no fence closes
-        # (test_a_pod_joining_late_holds_the_share_made_at_prepare_until_the_loop_sees_it)
-        late = {p.claim for p in node.pods if node.joined_late(p) and node.live(p)}
-        window = {(p.name, c.name) for p, c in live if p.claim in late and not node.visible(p, c, t)}
+        # a container the loop has not seen yet (its ID not in the pod's status) holds the limit the toolkit
+        # set from its CDI spec, which no fence can move: its share made at Prepare (grant // the users
+        # then). Where its claim was cut below that share (a restart while lending) or a pod joined it after
+        # Prepare, the hard limits in force exceed what was promised until the loop's first tick that sees
+        # it (test_a_pod_joining_late_holds_the_share_made_at_prepare_until_the_loop_sees_it). Its use is
+        # checked all the same (an engine loads before it allocates; by then the kubelet posted the ID).
+        window = {(p.name, c.name) for p, c in live if not node.visible(p, c, t)}
         hards = {(p.name, c.name): node.hard(p, c) for p, c in live if (p.name, c.name) not in window}
         where = (t, sorted(uses.items()), sorted(hards.items()), {k: v[-3:] for k, v in node.lent.items()})
         # 1. the node's sums
