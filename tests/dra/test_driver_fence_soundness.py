@@ -145,7 +145,9 @@ def test_driver_fences_hold_claims_in_sum_on_the_dra_node(tmp_path_factory, worl
     run_and_check(node, restart=restart)
 
 
-# -- the counterexamples the hunt found, as examples (each fails on the branch's base, 9f1a46e + lead) ------
+# -- the counterexamples the hunt found, as examples (each fails on the branch's base, c5ed0ab, but the one
+# -- marked otherwise; the rules whose examples stopped failing once the node grew faithful are unit-tested in
+# -- tests/quota/test_driver_mode.py) ---------------------------------------------------------------------
 def _flat(name: str, kind: str, mib: int, restarts: tuple[int, ...] = ()) -> Ctr:
     return Ctr(name, kind, True, [mib] * TICKS, restarts, init_ticks=1, label=f"[{mib}]")
 
@@ -161,16 +163,6 @@ def test_a_pod_joining_a_claim_after_its_prepare_does_not_take_the_grant_again(t
             SimPod("p01", "k0", 1, 1, None, [_flat("c0", "app", 13835)]),
             SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 55340)])]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
-
-
-def test_a_tenant_s_container_started_after_the_fence_gets_no_more_than_the_claim_left(tmp_path):
-    """The hunt's case: a 2 GiB claim of a sidecar, an init container and the app (two run at once: 1 GiB
-    each in the CDI spec), lent up to 3 GiB. The loop split the claim's limit over the sidecar and the init
-    container; the init container ended and the app started with its spec's 1 GiB, but the fence moved only
-    when the limit did: the sidecar kept the init container's share on top, 3,328 MiB on a 3,072 limit."""
-    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "sidecar", 3072), _flat("c1", "init", 3072),
-                                            _flat("c2", "app", 3072)])]
-    run_and_check(DriverDraNode(str(tmp_path), [SimClaim("k0", 2048)], pods), ticks=12, restart=1)
 
 
 def test_a_restarted_container_of_a_cut_tenant_is_fenced_at_its_share_again(tmp_path):
@@ -194,16 +186,6 @@ def test_a_sidecar_naming_the_claim_is_fenced_with_the_app_in_sum(tmp_path):
                                             _flat("c1", "app", 1024)]),
             SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 75000)])]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=24)
-
-
-def test_a_container_the_loop_has_not_seen_yet_keeps_its_cdi_share(tmp_path):
-    """The hunt's case (the pod cache shows a container's ID a tick after it starts): a sidecar and the
-    app name a 2 GiB claim (1 GiB each in the CDI spec). The app started, not seen yet; the loop found the
-    sidecar's cgroup only and split the claim over it and an empty slot (1,536 + 512), while the toolkit
-    had given the app its spec's 1,024: 2,560 MiB held on a 2,048 MiB claim that lends nothing."""
-    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "sidecar", 3072), _flat("c1", "app", 3072)],
-                   mode="throttle", status_lag=1)]
-    run_and_check(DriverDraNode(str(tmp_path), [SimClaim("k0", 2048)], pods), ticks=12)
 
 
 def test_a_pod_joining_a_claim_whose_first_pod_holds_the_grant_gets_only_what_is_left(tmp_path):
@@ -232,7 +214,8 @@ def test_a_late_acknowledging_engine_s_hard_limit_is_what_the_loop_counts_it_at(
 
 
 def test_an_engine_first_reporting_an_older_file_is_not_counted_above_its_hard_limit(tmp_path):
-    """The hunt's case: an engine whose /metrics answers 2 ticks late was shrunk 41,472 -> 40,960 before
+    """(Passes on the base; fails on this branch's first fix of the late-acknowledging engine, which set
+    the hard limit at the most the engine may still grow to, without this cap.) The hunt's case: an engine whose /metrics answers 2 ticks late was shrunk 41,472 -> 40,960 before
     it reported any generation (so the driver enforced the shrink at once); its first report named the
     older 41,472 file, and the loop then counted it at up to 41,472 again, raised it back into that "for
     free" while a newcomer held the rest: 81,408 MiB of hard limits on 80,896. The driver enforces
@@ -247,22 +230,6 @@ def test_an_engine_first_reporting_an_older_file_is_not_counted_above_its_hard_l
 
 def _w(name: str, kind: str, seed: int, top: int, restarts: tuple[int, ...] = (), init_ticks: int = 1) -> Ctr:
     return Ctr(name, kind, True, walk(seed, top), restarts, init_ticks=init_ticks, label=f"walk({seed}, {top})")
-
-
-def test_a_restarted_loop_does_not_raise_a_hard_limit_to_the_ceiling_of_a_file_it_never_saw(tmp_path):
-    """The hunt's case: the quota loop restarts (tick 3) while a throttling engine that acknowledges 2 ticks
-    late follows a file the new loop never saw. The policy counts it at up to that file's ceiling (issue
-    19); the fence made that its hard limit too: 50,688 MiB on a 33,792 MiB claim that is lent nothing.
-    The driver's limits in force (read with the use) bound what it may hold, whatever file it follows."""
-    claims = [SimClaim("k0", 2048), SimClaim("k1", 33792), SimClaim("k2", 43008)]
-    plain = Ctr("plain", "app", False, [0], label="[0]")
-    pods = [SimPod("p00", "k0", 0, 0, None, [_w("c0", "init", 1403, 3072, init_ticks=2), _w("c1", "app", 1, 3072, (39,)),
-                                            plain], mode="throttle", status_lag=1),
-            SimPod("p10", "k1", 0, 1, 17, [_w("c0", "app", 262, 50688, (5, 40)), plain], mode="throttle", ack_lag=2,
-                   status_lag=1),
-            SimPod("p20", "k2", 10, 12, None, [_w("c0", "init", 2486, 64512), _w("c1", "app", 744, 64512, (12, 18)),
-                                              _w("c2", "app", 142, 64512, (26,))], ack_lag=1)]
-    run_and_check(DriverDraNode(str(tmp_path), claims, pods), restart=3)
 
 
 def test_a_shared_claim_s_memory_is_counted_once(tmp_path):
@@ -280,18 +247,6 @@ def test_a_shared_claim_s_memory_is_counted_once(tmp_path):
     node = DriverDraNode(str(tmp_path), claims, pods)
     run_and_check(node, ticks=16)
     assert node.loop.capacities[GPU] == CAP
-
-
-def test_a_restarting_container_cut_below_its_grant_counts_at_its_cdi_share(tmp_path):
-    """The hunt's case: a tenant of one container, cut to 20,100 MiB of its 21,504 grant, restarts; the
-    pod cache shows the new ID a tick later. Meanwhile the tenant had no cgroup found, gave no sample and
-    the policy held its limit, lending the rest; the new cgroup started at its CDI spec's 21,504: 1,404 MiB
-    of hard limits over the GPU. A tenant with no cgroup found counts at its CDI shares."""
-    claims = [SimClaim("k0", 2048), SimClaim("k1", 37888), SimClaim("k2", 21504)]
-    pods = [SimPod("p00", "k0", 0, 0, None, [_w("c0", "app", 0, 3072)]),
-            SimPod("p10", "k1", 0, 0, None, [_w("c0", "app", 0, 56832)]),
-            SimPod("p20", "k2", 0, 0, None, [_w("c0", "app", 333, 32256, (4,))], status_lag=1)]
-    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=16)
 
 
 # -- MPS mode: the same split at Prepare, fixed at each client's start (nothing moves it afterwards) ----------

@@ -309,3 +309,31 @@ def test_the_rest_of_a_tenant_s_limit_goes_to_its_containers_at_their_hard_limit
     limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
     assert nv.limits[(GPU, ca2)][1] >> 20 == 3000  # the quiet one keeps what it holds
     assert nv.limits[(GPU, ca)][1] >> 20 == limit - 3000  # the busy one gets the whole rest
+
+
+def test_a_tenant_whose_cgroups_are_not_found_counts_at_its_cdi_shares(node):
+    """Found by tests/dra/test_driver_fence_soundness.py: a tenant's container restarts (a new cgroup, the
+    toolkit sets its CDI spec's share: here the whole grant) and the pod's status names the new ID a tick
+    later. Meanwhile no cgroup of the tenant is found: it gave no sample, the policy held its limit (cut
+    below the grant for a borrower) and lent the rest while the new cgroup could take the whole grant. It
+    counts as using its CDI shares; a tenant with a cgroup found and one missing counts that one's share."""
+    nv, cgroot, _q = node
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    gone = Tenant(A, ((GPU, 30000),), container_ids=frozenset(["e" * 64]))  # its new ID not in the status yet
+    half = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]), sharers=2)
+    nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 1000)
+    used = {(s.pod, s.container_id): s.used_mib for s in fence.read_usage([gone, half])}
+    assert used[("a", None)] == 30000 and used[("b", CID_B)] == 1000 and used[("b", None)] == 15000
+
+
+def test_the_hard_limits_in_force_are_read_with_the_use(node):
+    """A restarted quota loop bounds what an engine on a file it never saw may hold by the driver's hard
+    limits in force (not that file's ceiling): the fence reads them with the use, in sum per tenant, and
+    knows none for a tenant with a container not found (its CDI share comes on top)."""
+    nv, cgroot, qroot = node
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    nv.limits[(GPU, cgroup_of(A.pod_uid, CID_A))] = (20000 << 20, 25000 << 20)
+    a = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]))
+    b = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]), sharers=2)
+    fence.read_usage([a, b])
+    assert fence.hard_in_force(A, GPU) == 25000 and fence.hard_in_force(B, GPU) is None
