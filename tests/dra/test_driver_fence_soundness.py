@@ -30,7 +30,7 @@ from vramshare.inventory import EnforcementMode
 
 GIB = 1024
 TICKS = 40
-EXAMPLES = int(os.environ.get("VRAMSHARE_HUNT_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("VRAMSHARE_HUNT_EXAMPLES", "60"))  # CI: ~5 s; the hunt ran thousands
 LEAD = 2 * 2 + 2  # ticks from a later bind to the pod's start (acknowledgement lags are 0-2)  # the hunt ran thousands (see the note)
 
 
