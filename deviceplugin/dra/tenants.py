@@ -35,7 +35,7 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
                         names: contract.Names | None = None) -> list[Tenant]:
     """Pure: prepared claims joined with this node's pods (by UID) -> tenants. A tenant's containers are
     those that name its claim (a sidecar's processes are not its use, nor is its cgroup fenced at the
-    claim's limit). A claim shared by several pods is left alone; a claim whose pod is gone from the pods
+    claim's limit). A claim shared by several pods (also one a pod joined after Prepare) is left alone; a claim whose pod is gone from the pods
     (deleted) or done has departed and is no tenant, even while the kubelet has not unprepared it yet. The pod's metadata (labels,
     priorityClassName, quota-class annotation) picks its quota class."""
     names = names or contract.Names(contract.DEFAULT_DOMAIN)
@@ -46,7 +46,7 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
             continue
         uid = c.pod_uids[0]
         pod = running.get(uid)
-        if pod is None:
+        if pod is None or _joined(c, uid, running.values()):
             continue
         pod_name = c.pod_names[0] if c.pod_names else str((pod.get("metadata") or {}).get("name") or "")
         ids, sharers = _claim_users(pod, c.name)  # its devices are in these: use and fence are theirs
@@ -54,6 +54,18 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
                           gpus=tuple(sorted(c.gpus.items())), metrics_url=metrics_url(pod),
                           container_ids=ids, meta=pod_meta(pod, names), sharers=max(1, sharers)))
     return out
+
+
+def _joined(c: PreparedClaim, uid: str, running: Iterable[Mapping[str, Any]]) -> bool:
+    """Another running pod of the claim's namespace uses it: a pod that reserved it after Prepare (the
+    kubelet prepares a claim once, ``prepareResources`` only adds the next pod's reference), so the
+    checkpoint names one pod while several share it. Such a claim is shared, not that pod's tenant: its
+    joiner's containers are fenced with the rest at the grant in sum (:func:`pending_from_claims`)."""
+    for pod in running:
+        meta = pod.get("metadata") or {}
+        if meta.get("uid") != uid and meta.get("namespace") == c.namespace and c.name in podspec.claim_names(pod):
+            return True
+    return False
 
 
 def _claim_users(pod: Mapping[str, Any], claim: str) -> tuple[frozenset[str], int]:

@@ -8,18 +8,19 @@ soft = the part of the limit within the container's request (its guaranteed shar
 A tenant of several containers (a DRA claim that two containers of its pod name: the claim's CDI spec
 is injected into each) has one limit and one cgroup per container: the limit is split among them
 (:func:`split_limit`), each keeping what it holds, so the cgroups hold at most the limit together, never
-the limit each; a container not started yet (``Tenant.sharers`` counts it) keeps its share of the rest.
+the limit each; a container not started yet (``Tenant.sharers`` counts it; also one whose cgroup is not
+found yet) counts as using its CDI spec's share, which the toolkit gives it at its start, and the others
+are fenced at what is left.
 The containers of a claim that is no tenant (a DRA claim several pods share: counted at its grant,
-never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant whose cgroup cannot be
-found yet (container starting) gives no sample: the policy then holds its limit, as for any tenant
-without telemetry.
+never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant none of whose cgroups is
+found yet (starting, restarting) counts at its CDI shares, its grant: that is what it starts with.
 """
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
-from deviceplugin.quota.model import Claim, Decision, Tenant
+from deviceplugin.quota.model import Claim, Decision, Tenant, TenantKey
 from deviceplugin.quota.telemetry import TelemetryError, UsageSample
 from vramshare import logs
 from vramshare.inventory import EnforcementMode
@@ -27,17 +28,28 @@ from vramshare.inventory import EnforcementMode
 log = logs.get("vramshare.quota.fence")
 
 
-def split_limit(limit: int, uses: Sequence[int]) -> list[int]:
+def split_limit(limit: int, uses: Sequence[int], pressed: Sequence[bool] | None = None) -> list[int]:
     """Pure: one limit shared by cgroups holding ``uses`` -> one limit each, adding up to at most ``limit``.
 
     Within the limit each keeps its use and the rest is split evenly (the first ones take the remainder),
-    so nothing it holds is refused and nothing of the limit is lost. Beyond it (a shrink not applied yet),
-    each gets its share of the limit in proportion to its use, so none may grow until the sum is back in."""
+    so nothing it holds is refused and nothing of the limit is lost; when some are ``pressed`` (they
+    reached the hard limit they had: they want more) the rest goes to those only, else the rest a quiet
+    sibling does not use fences a busy one while the claim as a whole looks below its limit. Beyond it
+    (a shrink not applied yet), each gets its share of the limit in proportion to its use, so none may
+    grow until the sum is back in."""
     total = sum(uses)
     if total > limit:
         return [limit * u // total for u in uses]
-    rest, n = limit - total, len(uses)
-    return [u + rest // n + (1 if i < rest % n else 0) for i, u in enumerate(uses)]
+    rest = limit - total
+    takers = [i for i, p in enumerate(pressed or ()) if p] or list(range(len(uses)))
+    more = {i: rest // len(takers) + (1 if k < rest % len(takers) else 0) for k, i in enumerate(takers)}
+    return [u + more.get(i, 0) for i, u in enumerate(uses)]
+
+
+def share_of(grant_mib: int, users: int) -> int:
+    """What the CDI spec gives each of a claim's ``users`` containers (``enforcement.container_fence``:
+    the grant // users, the toolkit's hook sets it at the container's start, before the loop sees it)."""
+    return grant_mib // max(1, users)
 
 
 class DriverFence:
@@ -51,6 +63,9 @@ class DriverFence:
         self._limits, self._finder = limits, finder
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
+        self._pressed: dict[tuple[str, str], bool] = {}  # (gpu, container id) -> at its hard limit at the last read
+        self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
+        self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
 
     def _cgroups(self, container_ids: frozenset[str]) -> list[tuple[str, str]]:
         """(container id, cgroup) of those found: a container not started yet has none."""
@@ -58,42 +73,102 @@ class DriverFence:
 
     def _set_split(self, gpu: str, cgroups: Sequence[tuple[str, str]], soft: int, hard: int, uses: list[int],
                    errors: list[str]) -> None:
-        """Soft and hard limits shared by ``cgroups`` (and the slots ``uses`` keeps beyond them for
-        containers not started yet), split by :func:`split_limit`; failures go to ``errors``."""
-        for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses), split_limit(hard, uses)):
+        """Soft and hard limits shared by ``cgroups`` holding ``uses``, split by :func:`split_limit` (the
+        rest to those at their hard limit at the last read); failures go to ``errors``."""
+        pressed = [self._pressed.get((gpu, cid), False) for cid, _cg in cgroups]
+        for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses, pressed), split_limit(hard, uses, pressed)):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
             except LimitError as exc:
                 errors.append(str(exc))
 
-    def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
-        """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21)."""
+    def moved(self, tenant: Tenant) -> bool:
+        """Whether the tenant's split is stale: its cgroups are not those its limits were last set over (a
+        new one: a restart, the app after an init container, a sibling starting, holds its CDI spec's share,
+        not its split), or one is at its hard limit while a sibling has room (the rest goes to the busy)."""
+        found = self._cgroups(tenant.container_ids)
+        if tuple(cg for _cid, cg in found) != self._over.get(tenant.key):
+            return True
+        pressed = {self._pressed.get((gpu, cid), False) for gpu, _ in tenant.gpus for cid, _cg in found}
+        return len(pressed) > 1
+
+    def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
+        """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
+        (a restarted loop's bound on what an engine may hold, whatever file it follows); None when one is
+        unlimited or unread, or none was found."""
+        return self._hard.get((key, gpu))
+
+    def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
+        """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21), and the
+        claims whose containers it holds (:meth:`hold`): what those hold within their grant is theirs,
+        which the loop counts at the grant, not foreign memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        self._used = {}
+        self._used, self._hard, self._pressed = {}, {}, {}
         for t in tenants:
-            for cid, cgroup in self._cgroups(t.container_ids):
+            found = self._cgroups(t.container_ids)
+            for gpu, _req in t.gpus if len(found) < t.sharers else ():  # one not found: its share comes on top
+                self._hard[(t.key, gpu)] = None
+            for cid, cgroup in found:
                 for gpu, _req in t.gpus:
                     try:
                         got = self._limits.get(gpu, cgroup)
                     except LimitError as exc:
                         failures.append(str(exc))
+                        self._hard[(t.key, gpu)] = None
                         continue
                     self._used[(gpu, cid)] = got.used_mib
+                    self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
+                    held = self._hard.get((t.key, gpu), 0)
+                    self._hard[(t.key, gpu)] = None if held is None or got.hard_mib is None else held + got.hard_mib
                     out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, pod_uid=t.key.pod_uid or None,
                                            namespace=t.key.namespace, pod=t.key.pod, container=t.key.container,
                                            container_id=cid))
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
-        out.extend(self._foreign(tenants, out))
+        out.extend(self._foreign(tenants, out, self._claims_use(claims)))
+        out.extend(self._unstarted(tenants))
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
         return out
 
-    def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
-        """Per GPU, memory in use that no tenant cgroup holds (another plugin's pod, a host process): an
-        anonymous sample, which attribution books as foreign so quotas never promise it."""
-        mine: dict[str, int] = {}
+    def _unstarted(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
+        """Per tenant and GPU, the share of each of its containers whose cgroup is not found (not started,
+        restarting, or its ID not in the pod's status yet), counted as used: the toolkit gives it its CDI
+        spec's share when it starts (:func:`share_of`), so the tenant must not be cut below it (a tenant
+        whose one container restarts comes back at its whole grant, whatever it was cut to), and its
+        running siblings are fenced at what is left (:meth:`apply`)."""
+        out = []
+        for t in tenants:
+            missing = t.sharers - len(self._cgroups(t.container_ids))
+            for gpu, req in t.gpus if missing > 0 else ():
+                out.append(UsageSample(gpu_uuid=gpu, used_mib=share_of(req, t.sharers) * missing,
+                                       pod_uid=t.key.pod_uid or None, namespace=t.key.namespace, pod=t.key.pod,
+                                       container=t.key.container))
+        return out
+
+    def _claims_use(self, claims: Sequence[Claim]) -> dict[str, int]:
+        """Per GPU, what the containers of ``claims`` hold, each claim up to its grant (beyond it: foreign,
+        counted as held by nobody the loop may cut)."""
+        out: dict[str, int] = {}
+        for c in claims:
+            cgroups = self._cgroups(c.container_ids)
+            for gpu, mib in c.gpus:
+                held = 0
+                for _cid, cgroup in cgroups:
+                    try:
+                        held += self._limits.get(gpu, cgroup).used_mib
+                    except LimitError as exc:  # unread: foreign, as before
+                        log.warning("shared claim's cgroup use unreadable", claim=c.name, error=str(exc))
+                out[gpu] = out.get(gpu, 0) + min(held, mib)
+        return out
+
+    def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample],
+                 claimed: Mapping[str, int] | None = None) -> list[UsageSample]:
+        """Per GPU, memory in use that no tenant cgroup holds (another plugin's pod, a host process) nor a
+        held claim within its grant (``claimed``): an anonymous sample, which attribution books as foreign
+        so quotas never promise it."""
+        mine: dict[str, int] = dict(claimed or {})
         for s in ours:
             mine[s.gpu_uuid] = mine.get(s.gpu_uuid, 0) + s.used_mib
         out = []
@@ -114,19 +189,38 @@ class DriverFence:
         engine acknowledged it (issue 19), the soft limit follows the decision at once."""
         errors: list[str] = []
         cgroups = self._cgroups(tenant.container_ids)
+        missing = max(0, tenant.sharers - len(cgroups))
         for d in decisions:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
             soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
             uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
-            uses += [0] * (tenant.sharers - len(cgroups))  # a share kept for each one not started yet
-            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors)
+            # each one not started yet will start at its CDI spec's share: that much is kept for it
+            kept = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers) * missing
+            self._set_split(d.gpu_uuid, cgroups, soft - min(soft, kept), top - min(top, kept), uses, errors)
+        self._over = {k: v for k, v in self._over.items() if k != tenant.key}
+        if not errors:
+            self._over[tenant.key] = tuple(cg for _cid, cg in cgroups)
         return errors
 
     def hold(self, claim: Claim) -> list[str]:
         """Hold the containers of a claim that is no tenant (a DRA claim several pods share) at its grant
-        in sum: each at its share, soft = hard (nothing of it is lent); returns the errors."""
+        in sum, soft = hard (nothing of it is lent), split as a tenant's limit is: each keeps what it holds
+        (the driver takes nothing back: a pod that joins beside one holding the whole grant waits for it to
+        release), and one not found yet keeps its CDI spec's share; returns the errors."""
         errors: list[str] = []
         cgroups = self._cgroups(claim.container_ids)
+        missing = max(0, claim.sharers - len(cgroups))
         for gpu, mib in claim.gpus:
-            self._set_split(gpu, cgroups, mib, mib, [0] * max(len(cgroups), claim.sharers), errors)
+            uses = []
+            for cid, cgroup in cgroups:
+                try:
+                    got = self._limits.get(gpu, cgroup)
+                except LimitError as exc:  # its limit is set below all the same; counted as holding nothing
+                    errors.append(str(exc))
+                    uses.append(0)
+                    continue
+                uses.append(got.used_mib)
+                self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
+            kept = min(mib, share_of(mib, claim.sharers) * missing)
+            self._set_split(gpu, cgroups, mib - kept, mib - kept, uses, errors)
         return errors

@@ -44,9 +44,13 @@ def metrics_url(pod: Mapping[str, Any]) -> str | None:
 
 
 def container_ids(pod: Mapping[str, Any]) -> dict[str, str]:
-    """Container name -> runtime ID without its scheme (``containerd://abc`` -> ``abc``)."""
+    """Container name -> runtime ID without its scheme (``containerd://abc`` -> ``abc``), init containers
+    (sidecars among them) too: the kubelet reports those in ``initContainerStatuses`` (``kubelet_pods.go``
+    ``generateAPIPodStatus``, from ``pod.Spec.InitContainers``), and a sidecar naming a DRA claim holds
+    its devices beside the app."""
     out = {}
-    for st in (pod.get("status") or {}).get("containerStatuses") or []:
+    status = pod.get("status") or {}
+    for st in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         cid = st.get("containerID") or ""
         if st.get("name") and cid:
             out[st["name"]] = cid.split("://", 1)[-1]

@@ -91,8 +91,9 @@ class Fence(Protocol):
 
     name: str
 
-    def read_usage(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
-        """Raises :class:`TelemetryError`; the loop then tries its other readers."""
+    def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
+        """Raises :class:`TelemetryError`; the loop then tries its other readers. What the containers of
+        ``claims`` (no tenants, counted at their grant) hold within their grant is not foreign."""
         ...
 
     def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int],
@@ -103,6 +104,14 @@ class Fence(Protocol):
 
     def hold(self, claim: Claim) -> list[str]:
         """Fence the containers of a claim that is no tenant at its grant in sum (``Claim.container_ids``)."""
+        ...
+
+    def moved(self, tenant: Tenant) -> bool:
+        """Whether the tenant's containers changed since its limits were last set (set them again)."""
+        ...
+
+    def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
+        """The tenant's hard limits on ``gpu`` in sum as the last use read found them; None if unknown."""
         ...
 
 
@@ -324,10 +333,12 @@ class QuotaLoop:
                 if gb.limit_mib is not None}
 
     # -- inputs ------------------------------------------------------------------------------
-    def _read_usage(self, tenants: Sequence[Tenant], report: TickReport) -> list[UsageSample] | None:
-        """The fence first (driver mode: per-cgroup use of exactly these tenants), then the readers."""
+    def _read_usage(self, tenants: Sequence[Tenant], report: TickReport,
+                    claims: Sequence[Claim] = ()) -> list[UsageSample] | None:
+        """The fence first (driver mode: per-cgroup use of exactly these tenants, and of the ``claims`` it
+        holds), then the readers."""
         fence = self._fence
-        readers = [(fence.name, lambda: fence.read_usage(tenants))] if fence is not None else []
+        readers = [(fence.name, lambda: fence.read_usage(tenants, claims))] if fence is not None else []
         readers += [(r.name, r.read_usage) for r in self._usage]
         for name, read in readers:
             try:
@@ -408,7 +419,8 @@ class QuotaLoop:
         self.tenants_now = tenants
         for t in tenants:
             self._book(t.key)
-        samples = self._read_usage(tenants, report)
+        pending, files, shared = self._claims(tenants)  # (the fence holds the shared ones' containers)
+        samples = self._read_usage(tenants, report, shared)
         if samples is None:
             report.skipped = "no usage source answered"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
@@ -449,7 +461,6 @@ class QuotaLoop:
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
         decided: dict[tuple[TenantKey, str], Decision] = {}
-        pending, files, shared = self._claims(tenants)
         reserved = report.reserved = self._reserved(pending, files)
         self._hold_claims(shared, report)
         committed: dict[str, int] = {}
@@ -601,30 +612,38 @@ class QuotaLoop:
 
     def _fence_first(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         """A tenant this process has not fenced yet (new, or after a restart) gets its limits set; one
-        whose hard limit waits for its engine's acknowledgement gets it lowered once acknowledged."""
+        whose hard limit waits for its engine's acknowledgement gets it lowered once acknowledged; one
+        whose containers changed since (a new cgroup starts at its CDI spec's share, not at the split
+        of the tenant's limit) gets them set again."""
         if self._fence is None or not ds:
             return
         b = self._book(t.key)
         if any(not b.gpu(d.gpu_uuid).fenced for d in ds):
             if all(b.gpu(d.gpu_uuid).limit_mib == d.limit_mib for d in ds):
                 self._apply_fence(t, ds, report)
-        elif any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t.key, d) for d in ds):
+        elif self._fence.moved(t) or \
+                any(_or(b.gpu(d.gpu_uuid).hard_mib, d.limit_mib) != self._hard_of(t, d) for d in ds):
             self._apply_fence(t, ds, report)
 
-    def _hard_of(self, key: TenantKey, d: Decision) -> int:
+    def _hard_of(self, t: Tenant, d: Decision) -> int:
         """The hard limit to set (issue 19, acknowledged shrinks): a shrink is enforced by the driver
         only once the engine reports it applied the file that carried it (its generation), so the
         driver never fails an allocation for memory the engine was about to give back. Engines that
-        report no generation are fenced at once, as before."""
-        b = self._book(key)
+        report no generation are fenced at once, as before. Until then the hard limit is the most the
+        engine may still grow to (:meth:`_acked`: the file it follows or any written since), which is
+        what the policy counts it at; the hard limit set before is not kept beyond that (an engine
+        acknowledging late while the loop writes every tick never caught up, and the hard limit only
+        rose: the driver let it hold more than the GPU had left)."""
+        b = self._book(t.key)
         if b.applied is None or b.applied >= (b.generation or 0):
             return d.limit_mib
-        return max(d.limit_mib, _or(b.gpu(d.gpu_uuid).hard_mib, d.previous_mib))
+        _ok, top, _follows = self._acked(t.key, d.gpu_uuid, d.limit_mib, dict(t.gpus).get(d.gpu_uuid, d.limit_mib))
+        return max(d.limit_mib, _or(top, d.limit_mib))
 
     def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:
         if self._fence is None:
             return
-        hard = {d.gpu_uuid: self._hard_of(t.key, d) for d in ds}
+        hard = {d.gpu_uuid: self._hard_of(t, d) for d in ds}
         for d in ds:
             if hard[d.gpu_uuid] > d.limit_mib:
                 log.info("hard limit kept until the engine acknowledges the shrink", pod=str(t.key),
@@ -655,7 +674,9 @@ class QuotaLoop:
         shows what they hold, and they follow the file in force. The history starts with the file
         the loop first found (Allocate's: the request); an engine on a file older than every one
         remembered may follow any of them, its request, or, when the file found was an earlier
-        loop's (a restart), up to that file's ceiling."""
+        loop's (a restart), up to that file's ceiling. Where the driver fences it, no more than the
+        hard limit this process set (an engine whose first report names an older file than the one
+        whose shrink the driver already enforces is not counted, nor fenced, above it again)."""
         b = self._book(key)
         applied = b.applied
         if applied is None:
@@ -669,7 +690,10 @@ class QuotaLoop:
         # Allocate's (its request), or one of an earlier loop's (issue 19: never lent twice)
         older = [lim for _, lim in hist] + [request, b.before.get(gpu, 0)]
         top = max(later + [cur] + ([follows] if follows is not None else older))
-        return False, top, follows
+        hard = b.gpu(gpu).hard_mib  # driver mode: whatever file it follows, it holds no more than that
+        if hard is None and self._fence is not None:  # not set by this process yet (a restart): the driver's
+            hard = self._fence.hard_in_force(key, gpu)
+        return False, top if hard is None else min(top, max(hard, cur)), follows
 
     def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim], list[Claim]]:
         """The claims of containers that are not tenants yet: the source's pending ones (``list_pending``)

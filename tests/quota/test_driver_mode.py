@@ -245,7 +245,10 @@ def test_split_limit_keeps_each_use_and_never_exceeds_the_limit():
 
 def test_a_container_not_started_yet_keeps_its_share_of_the_tenant_s_limit(node):
     """The claim's second container has no cgroup yet (starting): the first is not fenced at the whole
-    limit meanwhile, else the second would start (at its CDI share) on top of it."""
+    limit meanwhile, else the second would start (at its CDI share) on top of it. What is kept for the
+    second is its CDI share (grant // 2: the toolkit's hook sets it when it starts), counted as used so the
+    claim is not cut below it; before the hunt (tests/dra/test_driver_fence_soundness.py) it was half of
+    what the first did not use, less than the share when the limit was low: together above the limit."""
     nv, cgroot, qroot = node
     tenants = Tenants([Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]), sharers=2),
                        Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))])
@@ -257,7 +260,10 @@ def test_a_container_not_started_yet_keeps_its_share_of_the_tenant_s_limit(node)
     nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 20000)
     report = loop.run_once()
     limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
-    assert nv.limits[(GPU, ca)][1] >> 20 == 10000 + (limit - 10000) // 2 + (limit - 10000) % 2
+    assert limit >= 10000 + 15000  # what it holds and what its second container starts with
+    assert nv.limits[(GPU, ca)][1] >> 20 == limit - 15000
+    with pytest.raises(OutOfMemory):  # the first cannot take what the second starts with
+        nv.allocate(GPU, ca, limit - 15000 - 10000 + 1)
 
 
 def test_a_claim_several_pods_share_is_held_at_its_grant_in_sum_by_the_fence(node):
@@ -278,6 +284,56 @@ def test_a_claim_several_pods_share_is_held_at_its_grant_in_sum_by_the_fence(nod
     nv.allocate(GPU, ca, 5000)
     report = loop.run_once()
     assert not report.errors, report.errors
-    assert nv.limits[(GPU, ca)] == (12000 << 20, 12000 << 20) and nv.limits[(GPU, cb)] == (12000 << 20, 12000 << 20)
+    # split as a tenant's limit: a keeps its 5,000, the rest halved (the hunt: an even split gave b its half
+    # while a still held more than its own, and the driver takes nothing back)
+    assert nv.limits[(GPU, ca)] == (14500 << 20, 14500 << 20) and nv.limits[(GPU, cb)] == (9500 << 20, 9500 << 20)
     with pytest.raises(OutOfMemory):
-        nv.allocate(GPU, cb, 12001)
+        nv.allocate(GPU, cb, 9501)
+
+
+def test_the_rest_of_a_tenant_s_limit_goes_to_its_containers_at_their_hard_limit(node):
+    """Found by tests/dra/test_driver_fence_soundness.py (headroom ``peak``): a claim of two containers,
+    one busy at its hard limit (it wants more), one quiet. Halving the unused rest left the busy one
+    fenced while the claim as a whole looked below its limit, and the loop raised a borrower instead
+    (the claim sat below its grant for 8 ticks). The rest goes to those at their hard limit."""
+    nv, cgroot, qroot = node
+    loop = two_container_loop(nv, cgroot, qroot)
+    ca, ca2, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(A.pod_uid, CID_A2), cgroup_of(B.pod_uid, CID_B)
+    nv.allocate(GPU, ca, 8000)
+    nv.allocate(GPU, ca2, 3000)
+    nv.allocate(GPU, cb, 20000)
+    loop.run_once()
+    hard = nv.limits[(GPU, ca)][1] >> 20
+    nv.allocate(GPU, ca, hard - 8000)  # the busy one reaches its hard limit; its sibling stays at 3000
+    report = loop.run_once()
+    limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
+    assert nv.limits[(GPU, ca2)][1] >> 20 == 3000  # the quiet one keeps what it holds
+    assert nv.limits[(GPU, ca)][1] >> 20 == limit - 3000  # the busy one gets the whole rest
+
+
+def test_a_tenant_whose_cgroups_are_not_found_counts_at_its_cdi_shares(node):
+    """Found by tests/dra/test_driver_fence_soundness.py: a tenant's container restarts (a new cgroup, the
+    toolkit sets its CDI spec's share: here the whole grant) and the pod's status names the new ID a tick
+    later. Meanwhile no cgroup of the tenant is found: it gave no sample, the policy held its limit (cut
+    below the grant for a borrower) and lent the rest while the new cgroup could take the whole grant. It
+    counts as using its CDI shares; a tenant with a cgroup found and one missing counts that one's share."""
+    nv, cgroot, _q = node
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    gone = Tenant(A, ((GPU, 30000),), container_ids=frozenset(["e" * 64]))  # its new ID not in the status yet
+    half = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]), sharers=2)
+    nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 1000)
+    used = {(s.pod, s.container_id): s.used_mib for s in fence.read_usage([gone, half])}
+    assert used[("a", None)] == 30000 and used[("b", CID_B)] == 1000 and used[("b", None)] == 15000
+
+
+def test_the_hard_limits_in_force_are_read_with_the_use(node):
+    """A restarted quota loop bounds what an engine on a file it never saw may hold by the driver's hard
+    limits in force (not that file's ceiling): the fence reads them with the use, in sum per tenant, and
+    knows none for a tenant with a container not found (its CDI share comes on top)."""
+    nv, cgroot, qroot = node
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    nv.limits[(GPU, cgroup_of(A.pod_uid, CID_A))] = (20000 << 20, 25000 << 20)
+    a = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]))
+    b = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]), sharers=2)
+    fence.read_usage([a, b])
+    assert fence.hard_in_force(A, GPU) == 25000 and fence.hard_in_force(B, GPU) is None

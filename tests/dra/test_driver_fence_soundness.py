@@ -1,0 +1,316 @@
+"""A hostile randomized hunt on the DRA node's fences in driver mode (round 9's sum fences, unit-tested
+only): claims named by 1-3 containers of a pod (init containers and sidecars by the kubelet's rule),
+claims 2-3 pods share, pods that start and stop at random ticks or join a claim after its Prepare,
+containers that restart (a new cgroup), uses that try to grow past every limit. The node is
+tests/dra/driver_node.py: the real preparer, tenant source, quota loop, policy, writer and driver fence;
+the fake NVML's per-cgroup limits at the GPU's edge. Checked after every tick, at node level:
+
+1. per GPU, the sum over every live cgroup of the hard limit in force <= the GPU's capacity, and the sum
+   of uses <= capacity;
+2. a claim's containers together never hold (use, and hard limits in force) more than its grant, or what
+   the loop lent it lately for a claim that is a tenant;
+3. a tenant claim is not held below min(its grant, its containers' demand) while another claim borrows,
+   for longer than the loop needs to react (three times that for a claim of several containers: the
+   policy sees the claim's use, not each container's pressure). Per container the rule cannot hold, for
+   tenant and shared claims alike: the driver never takes memory back, so the fence keeps what each
+   sibling holds and splits only the rest (``fence.split_limit``): a container may sit below grant/n
+   while a sibling holds more, until that sibling releases.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deviceplugin.quota.model import PolicyParams
+from tests.dra.driver_node import CAP, GPU, Ctr, DriverDraNode, SimClaim, SimPod
+from vramshare.inventory import EnforcementMode
+
+GIB = 1024
+TICKS = 40
+EXAMPLES = int(os.environ.get("VRAMSHARE_HUNT_EXAMPLES", "60"))  # CI: ~5 s; the hunt ran thousands
+LEAD = 2 * 2 + 2  # ticks from a later bind to the pod's start (acknowledgement lags are 0-2)  # the hunt ran thousands (see the note)
+
+
+def walk(seed: int, top: int, ticks: int = TICKS) -> list[int]:
+    """A demand walk between 0 and ``top`` (a seed pins one)."""
+    rng = random.Random(seed)
+    level, out = rng.randint(0, top), []
+    for _ in range(ticks):
+        level = max(0, min(top, level + rng.choice((-4096, -1024, 0, 0, 1024, 4096, 8192))))
+        out.append(level)
+    return out
+
+
+@st.composite
+def containers(draw, pod: str, grant: int) -> list[Ctr]:
+    """1-3 containers naming the claim (app, init or sidecar), at least one app container, maybe a plain
+    one; each demands up to 1.5 x the grant (hostile: more than any share of it). No ordinary init container
+    after a sidecar: that case is open (test_a_sidecar_grown_into_an_init_container_s_part_..., xfail)."""
+    kinds = draw(st.lists(st.sampled_from(["app", "app", "init", "sidecar"]), min_size=1, max_size=3))
+    if "app" not in kinds:
+        kinds.append("app")
+    if "sidecar" in kinds and "init" in kinds[kinds.index("sidecar"):]:  # the open case: see the xfail below
+        kinds = [k for k in kinds if k != "init"]
+    out = []
+    for i, kind in enumerate(kinds):
+        restarts = () if kind == "init" else tuple(sorted(set(draw(st.lists(st.integers(2, TICKS), max_size=2)))))
+        seed = draw(st.integers(0, 2 ** 16))
+        out.append(Ctr(f"c{i}", kind, True, walk(seed, grant * 3 // 2), restarts, init_ticks=draw(st.integers(1, 3)),
+                       label=f"walk({seed}, {grant * 3 // 2})"))
+    if draw(st.booleans()):
+        out.append(Ctr("plain", "app", False, [0], label="[0]"))
+    return out
+
+
+@st.composite
+def nodes(draw) -> tuple[list[SimClaim], list[SimPod]]:
+    """1-3 claims whose grants fit the GPU (the allocator's books), each used by 1 pod (a tenant) or 2-3
+    pods (shared); pods bound and started at random ticks (a later one may join after Prepare), some
+    deleted later; release modes, acknowledgement lags and pod-cache lags at random."""
+    n = draw(st.integers(1, 3))
+    left, claims, pods = CAP // GIB, [], []
+    for i in range(n):
+        grant = draw(st.integers(2, max(2, left // (n - i)))) * GIB
+        left -= grant // GIB
+        claims.append(SimClaim(f"k{i}", grant))
+        first = draw(st.integers(0, 10))
+        for j in range(draw(st.sampled_from([1, 1, 2, 3]))):
+            bind = first if j == 0 else draw(st.integers(first, first + 20))
+            # as the device plugin's property (tests/quota/test_node_soundness.py nodes()): a pod bound beside
+            # running ones starts after the loop could shrink a lender it was lent from (2 x the largest
+            # acknowledgement lag + 2 ticks: image pull, model load); at tick 0 nobody has lent anything
+            start = bind + draw(st.integers(0, 2)) + (LEAD if bind else 0)
+            stop = draw(st.one_of(st.none(), st.integers(start + 3, TICKS + 5)))
+            pods.append(SimPod(f"p{i}{j}", f"k{i}", bind, start, stop, draw(containers(f"p{i}{j}", grant)),
+                               mode=draw(st.sampled_from(["unmap", "unmap", "throttle"])),
+                               ack_lag=draw(st.integers(0, 2)), status_lag=draw(st.integers(0, 1))))
+    return claims, pods
+
+
+def run_and_check(node: DriverDraNode, ticks: int = TICKS, restart: int | None = None) -> None:
+    react = 2 * max(p.ack_lag for p in node.pods) + 6
+    short: dict[str, int] = {c.name: 0 for c in node.claims}
+    for _ in range(ticks):
+        if node.t == restart:
+            node.restart_loop()
+        node.step()
+        t = node.t - 1
+        live = [(p, c) for p in node.pods for c in node.live(p) if c.gpu]
+        uses = {(p.name, c.name): node.use[(p.name, c.name)] for p, c in live}
+        # a container the loop has not seen yet (its ID not in the pod's status) holds the limit the toolkit
+        # set from its CDI spec, which no fence can move: its share made at Prepare (grant // the users
+        # then). Where its claim was cut below that share (a restart while lending) or a pod joined it after
+        # Prepare, the hard limits in force exceed what was promised until the loop's first tick that sees
+        # it (test_a_pod_joining_late_holds_the_share_made_at_prepare_until_the_loop_sees_it). Its use is
+        # checked all the same (an engine loads before it allocates; by then the kubelet posted the ID).
+        window = {(p.name, c.name) for p, c in live if not node.visible(p, c, t)}
+        hards = {(p.name, c.name): node.hard(p, c) for p, c in live if (p.name, c.name) not in window}
+        where = (t, sorted(uses.items()), sorted(hards.items()), {k: v[-3:] for k, v in node.lent.items()})
+        # 1. the node's sums
+        assert sum(uses.values()) <= CAP, ("uses", where)
+        assert sum(hards.values()) <= CAP, ("hard limits", where)
+        # 2. a claim's containers in sum
+        for claim in node.claims:
+            mine = [(p.name, c.name) for p, c in live if p.claim == claim.name]
+            bound = max([claim.grant] + node.lent[claim.name][-react:])
+            assert sum(uses[k] for k in mine) <= bound, ("claim uses", claim.name, bound, where)
+            assert sum(hards.get(k, 0) for k in mine) <= bound, ("claim hard limits", claim.name, bound, where)
+        # 3. fairness
+        tenants = {tn.key.container: tn for tn in node.loop.tenants_now}
+        borrowing = {c.name for c in node.claims
+                     if sum(uses[(p.name, x.name)] for p, x in live if p.claim == c.name) > c.grant}
+        for claim in node.claims:
+            tn = tenants.get(f"claim-{claim.name}")
+            mine = [(p, c) for p, c in live if p.claim == claim.name]
+            if tn is None or not mine or node.quota_dir(claim.name) is None:
+                short[claim.name] = 0
+                continue
+            demand = sum(c.demand_at(t) for _p, c in mine)
+            cut = node.lent[claim.name][-1] < min(claim.grant, demand) and borrowing - {claim.name}
+            short[claim.name] = short[claim.name] + 1 if cut else 0
+            # several containers: the policy sees the claim's use, and a quiet sibling's share hides a busy
+            # container's pressure for a tick at a time (it gets the rest at the next split); under overload
+            # rule 4 covers a borrower's whole use before an owner's headroom, so the owner climbs back by
+            # margins: a longer bound, not none (the hunt saw 8 ticks with react 6)
+            slack = react if len(mine) == 1 else 3 * react
+            assert short[claim.name] <= slack, ("held below its grant while another borrows", claim.name, where)
+    assert node.loop.counts["node_overcommit"] == 0
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(nodes(), st.one_of(st.none(), st.integers(1, TICKS - 1)), st.sampled_from(["forecast", "peak"]))
+def test_driver_fences_hold_claims_in_sum_on_the_dra_node(tmp_path_factory, world, restart, headroom):
+    claims, pods = world
+    node = DriverDraNode(str(tmp_path_factory.mktemp("node")), claims, pods, PolicyParams(headroom=headroom))
+    run_and_check(node, restart=restart)
+
+
+# -- the counterexamples the hunt found, as examples (each fails on the branch's base, c5ed0ab, but the one
+# -- marked otherwise; the rules whose examples stopped failing once the node grew faithful are unit-tested in
+# -- tests/quota/test_driver_mode.py) ---------------------------------------------------------------------
+def _flat(name: str, kind: str, mib: int, restarts: tuple[int, ...] = ()) -> Ctr:
+    return Ctr(name, kind, True, [mib] * TICKS, restarts, init_ticks=1, label=f"[{mib}]")
+
+
+def test_a_pod_joining_a_claim_after_its_prepare_does_not_take_the_grant_again(tmp_path):
+    """The hunt's first case: a 10 GiB claim prepared for one pod (its CDI spec: the whole grant for its one
+    container), lent up to 15 GiB while alone; a second pod reserves it a tick later. The kubelet does not
+    prepare a prepared claim again (``prepareResources``), so the checkpoint still names one pod: on the
+    base the claim stayed that pod's tenant, the joiner's container was no tenant's and no shared claim's,
+    and ran at its spec's 10 GiB beside the first one's 15: 25,600 MiB on a 10,240 MiB claim."""
+    claims = [SimClaim("k0", 10240), SimClaim("k1", 37888)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 13835)]),
+            SimPod("p01", "k0", 1, 1, None, [_flat("c0", "app", 13835)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 55340)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
+
+
+def test_a_restarted_container_of_a_cut_tenant_is_fenced_at_its_share_again(tmp_path):
+    """A container restarts (a new cgroup: the toolkit applies the CDI spec's share, the grant // n) while
+    its claim is cut below its grant for a borrower: the loop must bring the new cgroup back to the claim's
+    split at its next tick, not when the limit next changes."""
+    claims = [SimClaim("k0", 20480), SimClaim("k1", 60416)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "app", True, [1024] * 12 + [20480] * TICKS, (10,), label="low")]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 75000)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=20)
+
+
+def test_a_sidecar_naming_the_claim_is_fenced_with_the_app_in_sum(tmp_path):
+    """A sidecar (an init container with restartPolicy Always) names the claim beside the app: the CDI
+    spec gives each half the grant. The kubelet reports a sidecar's container ID in
+    ``status.initContainerStatuses``, which the tenant source never read, so the loop never found its
+    cgroup: it fenced the app as if the sidecar had not started and left the sidecar at the spec's half
+    whatever the claim was cut to, while a borrower took the rest of the GPU."""
+    claims = [SimClaim("k0", 20480), SimClaim("k1", 60416)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "sidecar", True, [0] * 14 + [10240] * TICKS, label="late"),
+                                            _flat("c1", "app", 1024)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 75000)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=24)
+
+
+def test_a_pod_joining_a_claim_whose_first_pod_holds_the_grant_gets_only_what_is_left(tmp_path):
+    """The hunt's case: a throttling engine holds its claim's whole 2 GiB; a second pod joins the claim.
+    The loop held the two at half the grant each, but the driver takes back nothing the first holds:
+    the joiner took its half on top, 3,072 MiB held on a 2,048 MiB claim. The split keeps what each holds."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 2048)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 3072)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 3072)], mode="throttle"),
+            SimPod("p11", "k1", 1, 1, None, [_flat("c0", "app", 3072)])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
+
+
+def test_a_late_acknowledging_engine_s_hard_limit_is_what_the_loop_counts_it_at(tmp_path):
+    """The hunt's case, on no DRA-specific rule: three claims, one engine acknowledging its quota files 2
+    ticks late while the loop writes it a new one every tick. Its hard limit was lowered only once it had
+    acknowledged the latest file, which it never caught up with, so it kept the highest it ever had
+    (39,623 MiB) while the policy counted it at the most it might still follow (37,804) and lent the
+    difference: 81,095 MiB of hard limits on 80,896."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 26624), SimClaim("k2", 25600)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "app", True, walk(0, 3072), label="walk(0, 3072)")]),
+            SimPod("p10", "k1", 0, 0, None, [Ctr("c0", "app", True, walk(0, 39936), label="walk(0, 39936)")],
+                   ack_lag=2),
+            SimPod("p20", "k2", 0, 0, None, [Ctr("c0", "app", True, walk(1, 38400), label="walk(1, 38400)")])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods))
+
+
+def test_an_engine_first_reporting_an_older_file_is_not_counted_above_its_hard_limit(tmp_path):
+    """(Passes on the base; fails on this branch's first fix of the late-acknowledging engine, which set
+    the hard limit at the most the engine may still grow to, without this cap.) The hunt's case: an engine whose /metrics answers 2 ticks late was shrunk 41,472 -> 40,960 before
+    it reported any generation (so the driver enforced the shrink at once); its first report named the
+    older 41,472 file, and the loop then counted it at up to 41,472 again, raised it back into that "for
+    free" while a newcomer held the rest: 81,408 MiB of hard limits on 80,896. The driver enforces
+    40,960 whatever file it follows: that is the most it may hold."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 27648), SimClaim("k2", 24576)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [Ctr("c0", "app", True, walk(0, 3072), label="walk(0, 3072)")]),
+            SimPod("p10", "k1", 0, 0, None, [Ctr("c0", "app", True, walk(1, 41472), label="walk(1, 41472)")],
+                   ack_lag=2),
+            SimPod("p20", "k2", 0, 1, None, [Ctr("c0", "app", True, walk(0, 36864), label="walk(0, 36864)")])]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods))
+
+
+def _w(name: str, kind: str, seed: int, top: int, restarts: tuple[int, ...] = (), init_ticks: int = 1) -> Ctr:
+    return Ctr(name, kind, True, walk(seed, top), restarts, init_ticks=init_ticks, label=f"walk({seed}, {top})")
+
+
+def test_a_shared_claim_s_memory_is_counted_once(tmp_path):
+    """The hunt's case: a 31 GiB claim two pods share, its containers holding their grant. The driver
+    fence read their memory as foreign (no tenant cgroup holds it) and the loop counted the claim at its
+    grant on top: 31,744 MiB counted twice, the tenants squeezed into the 17,408 left (a 35 GiB claim cut
+    to 17,408 MiB, a 2 GiB one to 0) and the loop's own node check broken. Within its grant a held claim's
+    memory is the claim's, counted once."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 35840), SimClaim("k2", 31744)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_w("c0", "app", 0, 3072)]),
+            SimPod("p10", "k1", 0, 0, None, [_w("c0", "app", 0, 53760, (2,)), _w("c1", "init", 0, 53760)],
+                   status_lag=1),
+            SimPod("p20", "k2", 0, 0, None, [_w("c0", "app", 0, 47616)]),
+            SimPod("p21", "k2", 0, 0, None, [_w("c0", "app", 0, 47616)])]
+    node = DriverDraNode(str(tmp_path), claims, pods)
+    run_and_check(node, ticks=16)
+    assert node.loop.capacities[GPU] == CAP
+
+
+@pytest.mark.xfail(strict=True, reason="open: a sidecar grows into an ordinary init container's part of the split; "
+                   "the app that replaces the init starts at its CDI share on top")
+def test_a_sidecar_grown_into_an_init_container_s_part_leaves_no_room_for_the_app(tmp_path):
+    """Open (the hunt's last counterexample, also inside the CI ranges; excluded from the generator). A 45 GiB
+    claim of a sidecar, an init container and the app (two run at once: 22,5 GiB each in the CDI spec), lent
+    up to 67 GiB. While the sidecar and the init container run, the split gives the busy sidecar the rest
+    (up to 68,608 MiB; it holds 54,590); the init container ends and the app starts at its spec's 23,040 on
+    top: 77,630 MiB on a 68,608 limit, 81,408 of hard limits on the GPU. A sound split keeps, for the
+    container that will follow an ordinary init container, its share: the sidecar may hold no more than the
+    limit less one share per other slot, and a lent limit must be cut before the init container ends."""
+    claims = [SimClaim("k0", 6144), SimClaim("k1", 2048), SimClaim("k2", 46080)]
+    pods = [SimPod("p00", "k0", 1, 8, None, [_w("c0", "app", 52, 9216)], ack_lag=2),
+            SimPod("p10", "k1", 0, 0, None, [_w("c0", "app", 0, 3072)]),
+            SimPod("p20", "k2", 1, 8, None, [_w("c0", "init", 0, 69120), _w("c1", "sidecar", 0, 69120),
+                                            _w("c2", "init", 0, 69120, init_ticks=2), _w("c3", "app", 0, 69120)],
+                   ack_lag=2, status_lag=1)]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=20)
+
+
+# -- MPS mode: the same split at Prepare, fixed at each client's start (nothing moves it afterwards) ----------
+@settings(max_examples=max(5, EXAMPLES // 3), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(nodes())
+def test_in_mps_mode_a_claim_s_clients_hold_at_most_its_grant(tmp_path_factory, world):
+    """MPS mode: each container of a claim is an MPS client pinned at its CDI share
+    (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`` = grant // users at Prepare), restarts and init containers
+    included, so together they hold at most the grant, and the node at most the GPU. A pod that joins a
+    claim after Prepare is the exception (next test): its clients get the share made for the pods then."""
+    claims, pods = world
+    node = DriverDraNode(str(tmp_path_factory.mktemp("mps")), claims, pods, mode=EnforcementMode.MPS)
+    for _ in range(TICKS):
+        node.step()
+        live = [(p, c) for p in node.pods for c in node.live(p) if c.gpu and not node.joined_late(p)]
+        assert sum(node.hard(p, c) for p, c in live) <= CAP
+        for claim in node.claims:
+            assert sum(node.hard(p, c) for p, c in live if p.claim == claim.name) <= claim.grant
+
+
+def test_a_pod_joining_late_holds_the_share_made_at_prepare_until_the_loop_sees_it(tmp_path):
+    """What no fence closes (pinned here so a change shows): the kubelet prepares a claim once, so a pod
+    that reserves it later starts with the CDI share made for the pods reserved at Prepare. In driver mode
+    the loop holds the claim at its grant in sum from its first tick that shows the joiner's container IDs
+    (here the pod cache shows them a tick late: one tick over); in MPS mode a client's limit is fixed at its
+    start, so the pair keeps twice the grant for as long as both run."""
+    def world():
+        return [SimClaim("k0", 8192)], [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 8192)]),
+                                        SimPod("p01", "k0", 3, 3, None, [_flat("c0", "app", 8192)], status_lag=1)]
+    claims, pods = world()
+    node = DriverDraNode(str(tmp_path / "driver"), claims, pods)
+    sums = []
+    for _ in range(8):
+        node.step()
+        sums.append(sum(node.hard(p, c) for p in pods for c in node.live(p)))
+    assert sums[:3] == [12288] * 3, sums  # alone: a tenant, lent up to 1.5 x its grant
+    assert sums[3] == 4096 + 8192, sums  # joined: the first held at what is left of its share, the joiner at 8192
+    assert all(s <= 8192 for s in sums[4:]), sums  # seen: the grant in sum
+    claims, pods = world()
+    node = DriverDraNode(str(tmp_path / "mps"), claims, pods, mode=EnforcementMode.MPS)
+    for _ in range(8):
+        node.step()
+    assert sum(node.hard(p, c) for p in pods for c in node.live(p)) == 2 * 8192
