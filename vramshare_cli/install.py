@@ -254,6 +254,9 @@ def cluster_version(kubeconfig: str | None) -> str:
     from vramshare import kube
     api = kube.user_client_or_say(kubeconfig, "pass --kubeconfig FILE, or --kubernetes-version 1.33 to render "
                                   "offline")
+    host = getattr(getattr(api, "configuration", None), "host", "the API server")
+    print(f"vramshare install: reading the cluster's version from {host} (--kubernetes-version skips this)",
+          file=sys.stderr)  # the client retries a silent server for ~40 s: say what it waits for
     try:
         with api:
             return str(client.VersionApi(api).get_code(_request_timeout=10).git_version)

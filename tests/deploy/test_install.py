@@ -343,3 +343,18 @@ def test_the_admins_config_goes_into_the_configmap_checked_first(tmp_path, capsy
         assert cli.main(["install", "--kubernetes-version", "1.33", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_reading_the_clusters_version_says_so_on_stderr_and_keeps_stdout_for_kubectl(tmp_path, capsys):
+    """The client retries a silent API server for about 40 s: install says what it waits for (and how to
+    skip it), on stderr, so `vramshare install | kubectl apply -f -` still reads only manifests."""
+    from standins.apiserver import ApiServerDouble
+    from tests.fixtures.kubeconfig import write_kubeconfig
+    with ApiServerDouble(kubernetes_version="v1.33.2") as api:
+        url = api.url
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", url))
+        assert cli.main(["install", "--kubeconfig", kubeconfig]) == 0
+    got = capsys.readouterr()
+    assert f"reading the cluster's version from {url}" in got.err and "--kubernetes-version skips" in got.err
+    docs = [d for d in yaml.safe_load_all(got.out) if d]
+    assert docs and all("kind" in d for d in docs)
