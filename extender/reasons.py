@@ -203,11 +203,11 @@ def with_best(ask: Ask, failing: np.ndarray, reasons: list[str]) -> list[str]:
     short = np.fromiter((r == room for r in reasons), bool, len(reasons))
     if not short.any():
         return reasons
-    at = failing[short]
-    free = np.where(ask.mask(0)[at], ask.free[at], -1)
-    flat = int(np.argmax(free))
-    j, col = divmod(flat, free.shape[1])
-    row = int(ask.rows[at[j]])
+    # on an Ask of those rows alone, as why_not_rows: ``ask``'s own views span every candidate ([n, G] copies)
+    sub = Ask(ask.state, d, ask.rows[failing[short]], ask.host)
+    free = np.where(sub.mask(0), sub.free, -1)
+    j, col = divmod(int(np.argmax(free)), free.shape[1])
+    row = int(sub.rows[j])
     best = (f"{room}; the most free: {mib(int(free[j, col]))} on {ask.state.name(row)}, "
             f"GPU {int(ask.state.index[row, col])}")
     return [best if s else r for r, s in zip(reasons, short.tolist())]

@@ -10,10 +10,9 @@ even when empty. Every other miss is an ordinary ``FailedNodes`` entry, which pr
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
@@ -25,7 +24,7 @@ from vramshare.config import Policy
 if TYPE_CHECKING:
     from extender.holds import Holds
 
-__all__ = ["View", "Expectation", "filter_pod", "other_unit_reason", "prioritize_pod", "prioritize_rows", "expectation", "policy_for", "NOT_A_GPU_NODE"]
+__all__ = ["View", "Expectation", "filter_pod", "prioritize_pod", "prioritize_rows", "expectation", "policy_for", "NOT_A_GPU_NODE"]
 
 log = logs.get("vramshare.extender.verbs")
 NOT_A_GPU_NODE = "node publishes no vramshare GPU inventory"
@@ -53,7 +52,7 @@ class View:
     follows: held_pick.FollowMemo | None = None
     #: Nodes whose device plugin counts gpu-memory in another unit (node -> its MiB per unit): an ask of n
     #: units is another size there, so no gpu-memory pod is placed on them (Accounting._set_unit).
-    other_unit: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    other_unit: Mapping[str, int] = field(default_factory=dict)
 
     def read(self, pod: wire.Obj) -> parsed.ParsedPod:
         return self.pods.read(pod) if self.pods is not None else parsed.parse_pod(pod, self.names, self.unit_mib)
@@ -113,7 +112,7 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
         fitting, failed, failed_rows = _apply_holds(view, args, pod, found)
     unit_refused: dict[str, str] = {}
     if view.other_unit and fitting and any(d.kind == cluster.SHARED for d in demands):
-        unit_refused = {n: other_unit_reason(view, view.other_unit[n]) for n in fitting if n in view.other_unit}
+        unit_refused = {n: _other_unit_reason(view, view.other_unit[n]) for n in fitting if n in view.other_unit}
         fitting = [n for n in fitting if n not in unit_refused]
     result = wire.FilterResult(passed=fitting)
     if failed:
@@ -138,7 +137,8 @@ def filter_pod(view: View, args: wire.ExtenderArgs) -> wire.FilterResult:
     return result
 
 
-def other_unit_reason(view: View, unit_mib: int) -> str:
+def _other_unit_reason(view: View, unit_mib: int) -> str:
+    """Why a node counting gpu-memory in another unit than the extender takes no gpu-memory pod."""
     return (f"node counts {view.names.gpu_memory} in units of {unit_mib} MiB, the extender in {view.unit_mib} MiB: "
             "restart the device plugin there and the extender after changing memoryUnitMiB")
 
