@@ -27,11 +27,19 @@ def api_client(kubeconfig: str | None) -> client.ApiClient | None:
 
 def user_client(kubeconfig: str | None) -> client.ApiClient | None:
     """An admin's client, as kubectl finds it: ``kubeconfig``, ``$KUBECONFIG``, ``~/.kube/config``, else
-    the in-cluster service account, else ``None``."""
+    the in-cluster service account, else ``None``. It tries each request once, as kubectl does: the
+    client's default (urllib3's three retries) kept a command silent for 4 x its timeout on an API server
+    that accepts and never answers."""
     path = kubeconfig or os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    cfg = client.Configuration()
     if os.path.isfile(path):
-        return kconfig.new_client_from_config(config_file=path)
-    return api_client(None)
+        kconfig.load_kube_config(config_file=path, client_configuration=cfg)
+    elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+        kconfig.load_incluster_config(client_configuration=cfg)
+    else:
+        return None
+    cfg.retries = 0
+    return client.ApiClient(cfg)
 
 
 def user_client_or_say(kubeconfig: str | None, fix: str) -> client.ApiClient:

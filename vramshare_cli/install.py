@@ -247,8 +247,8 @@ def dump(objects: list[Obj], out: TextIO, header: str = "") -> None:
 
 
 # -- the command ----------------------------------------------------------------------------------
-def cluster_version(kubeconfig: str | None) -> str:
-    """The API server's gitVersion through the user's kubeconfig (GET /version)."""
+def cluster_version(kubeconfig: str | None, timeout_s: float = 10.0) -> str:
+    """The API server's gitVersion through the user's kubeconfig (GET /version), one try of ``timeout_s``."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
     from vramshare import kube
@@ -256,10 +256,10 @@ def cluster_version(kubeconfig: str | None) -> str:
                                   "offline")
     host = getattr(getattr(api, "configuration", None), "host", "the API server")
     print(f"vramshare install: reading the cluster's version from {host} (--kubernetes-version skips this)",
-          file=sys.stderr)  # the client retries a silent server for ~40 s: say what it waits for
+          file=sys.stderr)  # a silent server keeps it for timeout_s: say what it waits for
     try:
         with api:
-            return str(client.VersionApi(api).get_code(_request_timeout=10).git_version)
+            return str(client.VersionApi(api).get_code(_request_timeout=timeout_s).git_version)
     except (ApiException, OSError, Exception) as exc:  # noqa: BLE001 - urllib3 wraps socket errors its own way
         raise UsageError(f"cannot read the cluster's version ({type(exc).__name__}: {exc}); pass "
                          "--kubernetes-version 1.33 to render offline") from None

@@ -346,7 +346,7 @@ def test_the_admins_config_goes_into_the_configmap_checked_first(tmp_path, capsy
 
 
 def test_reading_the_clusters_version_says_so_on_stderr_and_keeps_stdout_for_kubectl(tmp_path, capsys):
-    """The client retries a silent API server for about 40 s: install says what it waits for (and how to
+    """A silent API server keeps install for its timeout: install says what it waits for (and how to
     skip it), on stderr, so `vramshare install | kubectl apply -f -` still reads only manifests."""
     from standins.apiserver import ApiServerDouble
     from tests.fixtures.kubeconfig import write_kubeconfig
@@ -358,3 +358,33 @@ def test_reading_the_clusters_version_says_so_on_stderr_and_keeps_stdout_for_kub
     assert f"reading the cluster's version from {url}" in got.err and "--kubernetes-version skips" in got.err
     docs = [d for d in yaml.safe_load_all(got.out) if d]
     assert docs and all("kind" in d for d in docs)
+
+
+def test_a_silent_api_server_is_asked_once_then_named_in_one_line(tmp_path):
+    """An API server that accepts and never answers: the client's default (urllib3's three retries) kept
+    install silent for 4 x its timeout, ~40 s. Asked once, as kubectl does, then a one-line error that
+    names the skip."""
+    import socket
+    from tests.fixtures.kubeconfig import write_kubeconfig
+    from vramshare.errors import UsageError
+    from vramshare_cli.install import cluster_version
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", f"http://127.0.0.1:{silent.getsockname()[1]}"))
+    accepted: list[socket.socket] = []
+    try:
+        with pytest.raises(UsageError, match="--kubernetes-version 1.33 to render offline") as err:
+            cluster_version(kubeconfig, timeout_s=0.3)
+        assert "timed out" in str(err.value).lower()
+        silent.settimeout(0.5)
+        try:
+            while True:
+                accepted.append(silent.accept()[0])
+        except socket.timeout:
+            pass
+        assert len(accepted) == 1, f"{len(accepted)} connections: the version read was retried"
+    finally:
+        for conn in accepted:
+            conn.close()
+        silent.close()
