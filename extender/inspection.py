@@ -354,10 +354,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             detail = orjson.loads(body).get("error", "")
         except orjson.JSONDecodeError:
             detail = body.decode(errors="replace")
-        print(f"vramshare inspect: {args.extender}: {exc.code} {detail}", file=sys.stderr)
-        return 1
+        raise UsageError(f"extender: {exc.code} {detail}") from None  # the proxy path's words and exit status
     except (urllib.error.URLError, OSError) as exc:
-        print(f"vramshare inspect: cannot reach the extender at {args.extender}: {exc}", file=sys.stderr)
-        return 1
+        raise UsageError(f"cannot reach the extender at {args.extender} ({exc}); is it the metrics port (9402), "
+                         "and does 'kubectl -n vramshare-system port-forward svc/vramshare-extender 9402' run?") from None
     print(format_table(doc), file=out)
     return 0
