@@ -149,7 +149,54 @@ def render(opts: Options, tls: Callable[[str, int], list[Obj]] | None = None,
             raise UsageError("--tls generate needs the cryptography package: pip install cryptography, "
                              "or use --tls cert-manager")
         objects += tls(opts.namespace, opts.cert_days or DEFAULT_CERT_DAYS)
+    stamp_read_at_start(objects)
     return kustomize.order(objects)
+
+
+#: The pod-template annotation that rolls a Deployment when what it reads only at start changes (Helm's
+#: ``checksum/config`` idiom): a hash of that content as this render holds it. Not under ``vramshare.io/``:
+#: the admission policy lets no one but our service accounts write those on a pod, and the ReplicaSet
+#: controller creates these pods.
+CONFIG_HASH_ANNOTATION = "checksum.vramshare.io/config"
+_RELOADS_ITSELF = {"vramshare-extender": ("Secret",)}  # its TLS files: re-read every 10 s (extender/tls.py)
+
+
+def stamp_read_at_start(objects: list[Obj]) -> None:
+    """Annotate each Deployment's pod template with a hash of the ConfigMaps and Secrets of this render it
+    mounts and reads only at start, so re-applying install with a changed config or new certificates rolls
+    it (one replica at a time) where it used to run stale until someone restarted it: kube-scheduler reads
+    its profile and client certificate once; the extender its keys of ``vramshare-config``
+    (:data:`vramshare.config.EXTENDER_READS`, not the node plugins' keys, which those reload live) and
+    not its Secrets. DaemonSets are left alone: the node plugins reload their config themselves."""
+    import hashlib
+    import json
+    by_name = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects
+               if o.get("kind") in ("ConfigMap", "Secret")}
+    for dep in (o for o in objects if o.get("kind") == "Deployment"):
+        name, ns = dep["metadata"]["name"], dep["metadata"].get("namespace")
+        spec = dep["spec"]["template"]["spec"]
+        read = []
+        for vol in spec.get("volumes", []):
+            kind, ref = (("ConfigMap", vol["configMap"].get("name")) if "configMap" in vol else
+                         ("Secret", vol["secret"].get("secretName")) if "secret" in vol else (None, None))
+            obj = by_name.get((kind, ns, ref))
+            if obj is None or kind in _RELOADS_ITSELF.get(name, ()):
+                continue
+            read.append([kind, ref, _read_at_start(name, obj)])
+        if read:
+            digest = hashlib.sha256(json.dumps(sorted(read), sort_keys=True).encode()).hexdigest()[:16]
+            dep["spec"]["template"].setdefault("metadata", {}).setdefault("annotations", {})[
+                CONFIG_HASH_ANNOTATION] = digest
+
+
+def _read_at_start(deployment: str, obj: Obj) -> Any:
+    """What ``deployment`` reads of ``obj``: the extender only its keys of the vramshare config."""
+    from vramshare import config as vconfig, contract
+    data = {**obj.get("data", {}), **obj.get("stringData", {})}
+    if deployment == "vramshare-extender" and obj["metadata"]["name"] == contract.CONFIG_MAP_NAME:
+        cfg = vconfig.parse_config(data.get(contract.CONFIG_FILE_KEY, ""))
+        return vconfig.file_values(cfg, vconfig.EXTENDER_READS)
+    return data
 
 
 def _components(opts: Options) -> list[str]:

@@ -40,9 +40,23 @@ def _render(**kw) -> list[dict]:
 
 
 def _by_key(objects: list[dict]) -> dict[tuple, dict]:
-    out = {kustomize.key(o): o for o in objects}
+    """Objects by key, the config-hash stamp left out: install adds it to what kustomize builds (the last
+    tests of this file pin it)."""
+    out = {kustomize.key(o): _unstamped(o) for o in objects}
     assert len(out) == len(objects), "no object twice"
     return out
+
+
+def _unstamped(obj: dict) -> dict:
+    if obj.get("kind") != "Deployment":
+        return obj
+    import copy
+    obj = copy.deepcopy(obj)
+    meta = obj["spec"]["template"]["metadata"]
+    meta.get("annotations", {}).pop(install.CONFIG_HASH_ANNOTATION, None)
+    if meta.get("annotations") == {}:
+        del meta["annotations"]
+    return obj
 
 
 def test_install_is_the_kustomize_base_plus_the_two_secrets():
@@ -388,3 +402,56 @@ def test_a_silent_api_server_is_asked_once_then_named_in_one_line(tmp_path):
         for conn in accepted:
             conn.close()
         silent.close()
+
+
+def _template_hashes(objects: list[dict]) -> dict[str, str | None]:
+    return {o["metadata"]["name"]: (o["spec"]["template"]["metadata"].get("annotations") or {}).get(
+        install.CONFIG_HASH_ANNOTATION) for o in objects if o["kind"] == "Deployment"}
+
+
+def test_reinstalling_with_what_a_deployment_reads_at_start_changed_rolls_it_and_nothing_else(tmp_path):
+    """The extender reads its config keys at start and kube-scheduler its profile and client certificate:
+    re-applying install with a new extender.policy or new certificates left them running the old ones
+    until someone restarted them. The pod template now carries a hash of what each reads at start, so
+    `kubectl apply` rolls exactly those (one replica at a time); a node-only key rolls neither (the node
+    plugins reload it live), nor do the extender's own certificates (it re-reads them every 10 s)."""
+    shipped = (DEPLOY / "daemonset" / "configmap.yaml")
+    text = yaml.safe_load(shipped.read_text())["data"]["config.yaml"]
+    assert "idleSeconds" in text and "policy: fgd" in text
+
+    def hashes(config_text: str | None = None, tls: str = "keep", **kw) -> dict[str, str | None]:
+        return _template_hashes(install.render(install.Options(kubernetes_version="1.36", tls=tls,
+                                                               config_text=config_text, **kw),
+                                               _tls if tls == "generate" else None))
+    base = hashes(dra=True)
+    assert set(base) == {"vramshare-extender", "vramshare-scheduler", "vramshare-dra-scheduler"}
+    assert all(base.values()) and base == hashes(dra=True)  # deterministic: an unchanged re-apply rolls nothing
+    assert hashes(text, dra=True) == base  # the shipped text itself
+    node_only = hashes(text.replace("idleSeconds: 300", "idleSeconds: 120"), dra=True)
+    assert node_only == base
+    policy = hashes(text.replace("policy: fgd", "policy: binpack"), dra=True)
+    assert policy["vramshare-extender"] != base["vramshare-extender"]
+    assert {k: v for k, v in policy.items() if k != "vramshare-extender"} == \
+        {k: v for k, v in base.items() if k != "vramshare-extender"}
+    one, two = hashes(tls="generate", dra=True), hashes(tls="generate", dra=True)  # new certificates each time
+    assert one["vramshare-scheduler"] != two["vramshare-scheduler"]
+    assert one["vramshare-dra-scheduler"] != two["vramshare-dra-scheduler"]
+    assert one["vramshare-extender"] == two["vramshare-extender"] == base["vramshare-extender"]
+
+
+def test_every_rendered_workloads_pods_pass_the_shipped_admission_policies():
+    """The pods the controllers create from each rendered Deployment and DaemonSet (their templates, as
+    the ReplicaSet and DaemonSet controllers submit them) are admitted by the admission policies the same
+    render installs: a pod-template annotation under vramshare.io/ would be refused at every rollout."""
+    from tests.security.admission import Request, admit
+    objects = install.render(install.Options(kubernetes_version="1.36", tls="keep", dra=True, monitoring=True))
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "DaemonSet")]
+    assert len(workloads) >= 5
+    for w in workloads:
+        controller = {"Deployment": "replicaset-controller", "DaemonSet": "daemon-set-controller"}[w["kind"]]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {**w["spec"]["template"]["metadata"], "namespace": w["metadata"]["namespace"],
+                            "name": f"{w['metadata']['name']}-x"},
+               "spec": w["spec"]["template"]["spec"]}
+        denied = admit(Request("CREATE", "pods", f"system:serviceaccount:kube-system:{controller}", pod))
+        assert denied == [], (w["metadata"]["name"], denied)
