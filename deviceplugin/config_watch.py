@@ -45,15 +45,24 @@ class ConfigWatcher:
     def __init__(self, path: str, on_change: Callable[[vconfig.Config], None], *,
                  initial: vconfig.Config | None = None, environ: Mapping[str, str] | None = None,
                  overrides: Mapping[str, Any] | None = None, poll_seconds: float = 2.0,
-                 on_refused: Callable[[str, str], None] | None = None) -> None:
+                 on_refused: Callable[[str, str], None] | None = None,
+                 on_accepted: Callable[[str], None] | None = None) -> None:
         self.path = path
         self.on_change = on_change
         self.on_refused = on_refused  # (path, error): an Event and a metric (deviceplugin.config_refusal)
+        self.on_accepted = on_accepted  # (digest): the file text in force changed (published for check)
         self.environ = environ
         self.overrides = dict(overrides or {})
         self.poll_seconds = poll_seconds
         self._seen = fingerprint(path)
-        self._current = initial if initial is not None else self._load()  # a bad file at start: raise
+        if initial is not None:  # read by the main at start: only its text's digest is read here
+            self._current = initial
+            try:
+                self.digest: str | None = vconfig.text_digest(self._text())
+            except vconfig.ConfigError:
+                self.digest = None
+        else:
+            self._current, self.digest = self._load()  # a bad file at start: raise
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._forced: str | None = None
@@ -65,8 +74,24 @@ class ConfigWatcher:
         with self._lock:
             return self._current
 
-    def _load(self) -> vconfig.Config:
-        return vconfig.load_config(self.path, self.environ).with_overrides(**self.overrides)
+    def _text(self) -> str:
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                return fh.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise vconfig.ConfigError(f"cannot read config {self.path}: {exc}") from exc
+
+    def _load(self) -> tuple[vconfig.Config, str]:
+        """The config from the file, and its text's digest (one read: the digest is of what was parsed)."""
+        text = self._text()
+        return vconfig.parse_config(text, self.environ).with_overrides(**self.overrides), vconfig.text_digest(text)
+
+    def _accepted(self, digest: str) -> None:
+        """The file text in force is now ``digest`` (a change applied, or one that changed nothing)."""
+        if digest != self.digest:
+            self.digest = digest
+            if self.on_accepted is not None:
+                self.on_accepted(digest)
 
     # -- one step ------------------------------------------------------------------------------
     def check(self, force: str | None = None) -> bool:
@@ -80,7 +105,7 @@ class ConfigWatcher:
             log.warning("config file missing; keeping the last good config", path=self.path, reason=reason)
             return False
         try:
-            new = self._load()
+            new, digest = self._load()
         except vconfig.ConfigError as exc:
             log.warning("config refused; keeping the last good config", path=self.path, reason=reason,
                         error=str(exc))
@@ -88,9 +113,11 @@ class ConfigWatcher:
                 self.on_refused(self.path, str(exc))
             return False
         with self._lock:
-            if new == self._current:
-                log.info("config reloaded, nothing changed", path=self.path, reason=reason)
-                return False
+            same = new == self._current
+        if same:
+            log.info("config reloaded, nothing changed", path=self.path, reason=reason)
+            self._accepted(digest)  # e.g. a comment edited: this text is the one in force now
+            return False
         try:  # the daemon may refuse a valid config it cannot honour (e.g. evict without the right)
             self.on_change(new)
         except vconfig.ConfigError as exc:
@@ -100,6 +127,7 @@ class ConfigWatcher:
         with self._lock:
             self._current = new
         log.info("config changed", path=self.path, reason=reason)
+        self._accepted(digest)
         return True
 
     # -- the thread ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from vramshare import contract
 from vramshare.contract import assignment, inventory, model, over_limit, quota_file, quota_mib, resident_models
-from vramshare.inventory import EngineState, EnforcementMode, Gpu, GpuMode, MigInstance, NodeInventory, ResidentModel
+from vramshare.inventory import ConfigInForce, EngineState, EnforcementMode, Gpu, GpuMode, MigInstance, NodeInventory, ResidentModel
 
 SETTINGS = settings(max_examples=150, deadline=None)
 names = st.text(string.ascii_letters + string.digits + "-._", min_size=1, max_size=40)
@@ -69,8 +69,11 @@ def inventories(draw):
     models = tuple(ResidentModel(f"org/m{k}", draw(st.sampled_from(["", "main", "abc123"])), draw(st.integers(0, 1 << 40)),
                                  tuple((g.uuid, draw(st.sampled_from(list(EngineState)))) for g in gpus[:2]))
                    for k in range(draw(st.integers(0, 2))))
+    config = draw(st.none() | st.builds(ConfigInForce, st.from_regex(r"[0-9a-f]{16}", fullmatch=True),
+                                        st.lists(st.sampled_from(["memoryUnitMiB", "dynamicMig", "dra.cdiRoot"]),
+                                                 max_size=3, unique=True).map(tuple)))
     return NodeInventory(unit, tuple(gpus), enforcement=draw(st.none() | st.sampled_from(list(EnforcementMode))),
-                         models=models)
+                         models=models, config=config)
 
 
 model_refs = st.builds(contract.ModelRef, st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}(/[A-Za-z0-9][A-Za-z0-9._-]{0,20})?",
@@ -246,3 +249,16 @@ def test_resident_models_spell_a_model_as_the_inventory_does_and_stay_within_the
     text = resident_models.encode(ms)
     assert len(text) <= resident_models.MAX_CHARS
     assert resident_models.parse(text) == ms[:len(resident_models.parse(text))] and len(resident_models.parse(text)) > 1
+
+
+@pytest.mark.parametrize("section", [{"digest": 7}, {"digest": ""}, {"digest": "x" * 65}, {"restartPending": []},
+                                     {"digest": "ab", "restartPending": "memoryUnitMiB"}, "ab", []])
+def test_a_malformed_config_section_reads_as_absent_and_keeps_the_node_s_gpus(section):
+    """The inventory's ``config`` informs an admin (which config text the plugin runs): one a reader cannot
+    read is dropped, never the node's GPUs with it (the extender would stop placing there)."""
+    import json
+    inv = NodeInventory(1024, (Gpu(0, "GPU-a", "A100", 81920, 0, GpuMode.SHARED, True, (), 80),))
+    doc = json.loads(inventory.encode(inv))
+    doc["config"] = section
+    back = inventory.parse(json.dumps(doc))
+    assert back.config is None and back.gpus == inv.gpus

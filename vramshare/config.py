@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -997,6 +998,13 @@ def _plain(value: Any) -> Any:
 _SECTIONS.update({Config: _TOP_KEYS, HealthConfig: _HEALTH_KEYS, ExtenderConfig: _EXTENDER_KEYS,
                   QuotaConfig: _QUOTA_KEYS, EnforcementConfig: _ENFORCEMENT_KEYS, DraConfig: _DRA_KEYS,
                   WarmTierConfig: _WARM_KEYS, DynamicMigConfig: _DYNAMIC_MIG_KEYS})
+
+
+def text_digest(text: str | bytes) -> str:
+    """The identity of a config file's text (sha256, 16 hex characters): what a node plugin publishes as
+    the config it runs (its inventory's ``config.digest``) and ``vramshare check`` computes from the
+    ConfigMap's ``config.yaml``, which the kubelet projects byte for byte."""
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()[:16]
 
 
 def load_config(path: str | None, environ: Mapping[str, str] | None = None) -> Config:

@@ -417,7 +417,7 @@ def _config(s: Snapshot, ns: str) -> list[Line]:
         node = (event.get("involvedObject") or event.get("regarding") or {}).get("name", "?")
         if at is not None and (since is None or at >= since) and at >= refused.get(node, (at, {}))[0]:
             refused[node] = (at, event)
-    out = [line, *_extender_stale(s, parsed, ns)]
+    out = [line, *_extender_stale(s, parsed, ns), *_nodes_behind(s, text, set(refused), since, ns)]
     if not refused:
         return out
     nodes = sorted(refused)
@@ -426,6 +426,55 @@ def _config(s: Snapshot, ns: str) -> list[Line]:
                              f"{', ...' if len(nodes) > 5 else ''}): {(latest.get('message') or '').strip()[:200]}",
                        f"those nodes' plugins run an image that reads this config otherwise: kubectl -n {ns} get "
                        "pods -o wide -l app.kubernetes.io/part-of=vramshare (same image everywhere), or drop the key")]
+
+
+#: how long the kubelet may take to project a ConfigMap edit into a pod (its sync period plus the cache's
+#: TTL: about a minute, README "Day two")
+CONFIGMAP_SYNC = datetime.timedelta(seconds=90)
+
+
+def _nodes_behind(s: Snapshot, text: str, refused: Collection[str], since: datetime.datetime | None,
+                  ns: str) -> list[Line]:
+    """Which device plugins run the ConfigMap's text as it is now (the digest each publishes in its
+    inventory, :class:`vramshare.inventory.ConfigInForce`), which still run an earlier one, and which
+    wait for a restart to apply some of its keys. Nodes whose plugin publishes no digest (an older image,
+    a DRA-only node) are not judged; nodes that refused it are named by their Event instead."""
+    digest = vconfig.text_digest(text)
+    current, behind, pending = [], [], {}
+    for node in s.nodes:
+        raw = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
+        try:
+            inv = contract_inventory.parse(raw) if raw else None
+        except InventoryError:
+            continue  # _nodes names it
+        if inv is None or inv.config is None or node["metadata"]["name"] in refused:
+            continue
+        name = node["metadata"]["name"]
+        if inv.config.digest != digest:
+            behind.append(name)
+            continue
+        current.append(name)
+        if inv.config.restart_pending:
+            pending[name] = inv.config.restart_pending
+    out = []
+    if current and not behind:
+        out.append(Line(OK, f"{len(current)} node(s) run {CONFIG_WHERE} as it is now"))
+    if behind:
+        young = since is not None and s.now - since < CONFIGMAP_SYNC
+        shown = ", ".join(sorted(behind)[:5]) + (", ..." if len(behind) > 5 else "")
+        out.append(Line(WARN, f"{len(behind)} of {len(behind) + len(current)} node(s) still run an earlier "
+                              f"{CONFIG_WHERE} ({shown})" + (": it changed less than a minute ago, the kubelet "
+                                                              "projects it within about one" if young else ""),
+                        "run check again in a minute" if young else
+                        f"kubectl -n {ns} logs of those nodes' vramshare-device-plugin pods ('config refused' or "
+                        "'config file missing'); a pod mounting the ConfigMap with subPath never sees updates"))
+    if pending:
+        keys = sorted({k for ks in pending.values() for k in ks})
+        nodes = sorted(pending)
+        out.append(Line(WARN, f"{len(nodes)} node(s) wait for a restart to apply {', '.join(keys[:6])}"
+                              f"{', ...' if len(keys) > 6 else ''} ({', '.join(nodes[:5])}{', ...' if len(nodes) > 5 else ''})",
+                        _restart_fix((vconfig.NODE_RESTART,), ns)))
+    return out
 
 
 def _extender_stale(s: Snapshot, configmap: vconfig.Config, ns: str) -> list[Line]:

@@ -168,8 +168,8 @@ def stamp_read_at_start(objects: list[Obj]) -> None:
     its profile and client certificate once; the extender its keys of ``vramshare-config``
     (:data:`vramshare.config.EXTENDER_READS`, not the node plugins' keys, which those reload live) and
     not its Secrets. DaemonSets are left alone: the node plugins reload their config themselves."""
-    import hashlib
     import json
+    from vramshare.config import text_digest
     by_name = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects
                if o.get("kind") in ("ConfigMap", "Secret")}
     for dep in (o for o in objects if o.get("kind") == "Deployment"):
@@ -184,7 +184,7 @@ def stamp_read_at_start(objects: list[Obj]) -> None:
                 continue
             read.append([kind, ref, _read_at_start(name, obj)])
         if read:
-            digest = hashlib.sha256(json.dumps(sorted(read), sort_keys=True).encode()).hexdigest()[:16]
+            digest = text_digest(json.dumps(sorted(read), sort_keys=True))
             dep["spec"]["template"].setdefault("metadata", {}).setdefault("annotations", {})[
                 CONFIG_HASH_ANNOTATION] = digest
 

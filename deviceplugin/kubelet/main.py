@@ -42,7 +42,7 @@ from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config, node_limits
 from vramshare.contract import inventory as contract_inventory
-from vramshare.inventory import GpuMode
+from vramshare.inventory import ConfigInForce, GpuMode
 
 log = logs.get(__name__)
 
@@ -103,6 +103,8 @@ class DevicePluginDaemon:
         self._threads: list[threading.Thread] = []
         self.failed: str | None = None
         self.models: tuple = ()  # issue 23: resident models, published in the inventory's ``models``
+        self.config_in_force: ConfigInForce | None = None  # the config file it runs, in the inventory's ``config``
+        self._restart_pending: tuple[str, ...] = ()
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self._quota_loop: Any = None
         self.state.add_listener(self._changed)
@@ -155,7 +157,15 @@ class DevicePluginDaemon:
         self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _inventory_json(self, inventory: Any) -> str:
-        return contract_inventory.encode(dataclasses.replace(inventory, models=self.models) if self.models else inventory)
+        return contract_inventory.encode(dataclasses.replace(inventory, models=self.models,
+                                                             config=self.config_in_force))
+
+    def _config_accepted(self, digest: str) -> None:
+        """The config file text in force changed: the inventory says so (``vramshare check`` compares it
+        with the ConfigMap), with the keys of it that wait for a restart."""
+        self.config_in_force = ConfigInForce(digest, self._restart_pending)
+        if self.publisher is not None:
+            self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))
 
     def _managers(self) -> list[ResourceManager]:
         return [NodeResourceManager(r, self.state, self.feeds, self.allocator) for r in self.state.snapshot.devices]
@@ -226,17 +236,22 @@ class DevicePluginDaemon:
         device lists follow at once (ListAndWatch resends); servers restart only when the set of resources
         changes."""
         config, pending = admit_reload(self.state.snapshot.config, config, self._api, self.enforcement)
+        self._restart_pending = tuple(pending)
         self.state.on_config(config)
         set_restart_pending(self.metrics.restart_pending, pending)
 
     def config_watcher(self, path: str, initial: Config, environ: Any = None, overrides: dict[str, Any] | None = None,
                        poll_seconds: float = 2.0) -> ConfigWatcher:
         """The live reload of ``path`` (``initial``: what was read from it at start) into :meth:`reload`; a
-        refused one is counted and posted as an Event on the node."""
-        return ConfigWatcher(path, self.reload, initial=initial, environ=environ,
-                             overrides=overrides, poll_seconds=poll_seconds,
-                             on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self._node_name,
-                                                        "vramshare-device-plugin"))
+        refused one is counted and posted as an Event on the node; the text in force is published."""
+        watcher = ConfigWatcher(path, self.reload, initial=initial, environ=environ,
+                                overrides=overrides, poll_seconds=poll_seconds,
+                                on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self._node_name,
+                                                           "vramshare-device-plugin"),
+                                on_accepted=self._config_accepted)
+        if watcher.digest is not None:
+            self.config_in_force = ConfigInForce(watcher.digest)
+        return watcher
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)

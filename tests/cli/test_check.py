@@ -331,3 +331,49 @@ def test_dra_on_a_cluster_without_it_is_one_line_not_five(tmp_path, capsys):
         rc, lines = _check(capsys, str(write_kubeconfig(tmp_path / "kubeconfig", api.url)), "--dra")
     failed = [line for line in lines if line.startswith("✗")]
     assert rc == 1 and len(failed) == 1 and "DRA with consumable capacity needs Kubernetes 1.36+" in failed[0], lines
+
+
+def _node_running(api: ApiServerDouble, name: str, text: str | None, pending: tuple[str, ...] = ()) -> None:
+    """A GPU node whose device plugin publishes the config text it runs (its inventory's ``config``)."""
+    import dataclasses
+    from vramshare import contract
+    from vramshare.config import text_digest
+    from vramshare.contract import inventory as contract_inventory
+    from vramshare.inventory import ConfigInForce
+    node = b.gpu_node(name, b.a100())
+    node["metadata"]["labels"] = {"nvidia.com/gpu.present": "true"}
+    key = contract.Names().inventory
+    inv = contract_inventory.parse(node["metadata"]["annotations"][key])
+    config = ConfigInForce(text_digest(text), pending) if text is not None else None
+    node["metadata"]["annotations"][key] = contract_inventory.encode(dataclasses.replace(inv, config=config))
+    api.create_node(node)
+
+
+def test_which_nodes_run_the_configmap_as_it_is_now(cluster, capsys):
+    """Day two: "has my edit landed on every node?" Each device plugin publishes the digest of the config
+    text it runs; check compares it with the ConfigMap's: nodes still on an earlier text are named (the
+    kubelet projects an edit within about a minute; past that, their logs), and nodes that took it but
+    wait for a restart to apply a key say which. A plugin that publishes no digest is not judged."""
+    api, ext, kubeconfig = cluster
+    _installed(api, ext, "v1.33.2")
+    text = "version: v1\nquota: {idleSeconds: 120}\n"
+    _set_config(api, text)
+    _node_running(api, "gpu-b", text)
+    _node_running(api, "gpu-c", text)
+    rc, lines = _check(capsys, kubeconfig)
+    assert rc == 0 and "✓ 2 node(s) run ConfigMap vramshare-config as it is now" in lines, lines
+    edited = "version: v1\nquota: {idleSeconds: 60}\nmemoryUnitMiB: 2048\n"
+    _set_config(api, edited)
+    rc, lines = _check(capsys, kubeconfig)
+    [behind] = [line for line in lines if "still run an earlier" in line]
+    assert behind.startswith("! 2 of 2 node(s) still run an earlier ConfigMap vramshare-config (gpu-b, gpu-c): "
+                             "it changed less than a minute ago") and "run check again in a minute" in behind
+    api.delete_node("gpu-c")
+    _node_running(api, "gpu-c", edited, pending=("memoryUnitMiB",))
+    rc, lines = _check(capsys, kubeconfig)
+    text_out = "\n".join(lines)
+    assert "! 1 of 2 node(s) still run an earlier ConfigMap vramshare-config (gpu-b)" in text_out, text_out
+    [waits] = [line for line in lines if "wait for a restart" in line]
+    assert waits.startswith("! 1 node(s) wait for a restart to apply memoryUnitMiB (gpu-c)")
+    assert f"kubectl -n {NS} rollout restart daemonset/vramshare-device-plugin" in waits
+    assert not any("gpu-a" in line and "earlier" in line for line in lines)  # publishes no digest: not judged

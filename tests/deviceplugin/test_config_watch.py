@@ -188,3 +188,32 @@ def test_a_refusal_without_an_api_server_is_still_counted(cm):
     cm.publish("version: v1\nmemoryUnitMiB: -1\n")
     assert w.check() is False
     assert metrics.config_reloads.labels("refused")._value.get() == 1
+
+
+def test_the_digest_is_of_the_text_in_force(cm):
+    """What a node publishes as the config it runs (``vramshare check`` compares it with the ConfigMap):
+    the digest of the text it last accepted. A change applied or one that changes nothing (a comment)
+    moves it; a file refused by the parser or by the daemon leaves it on the last good text."""
+    from vramshare.config import text_digest
+    seen: list[str] = []
+
+    def refuse_2048(config: Config) -> None:
+        if config.memory_unit_mib == 2048:
+            raise ConfigError("refused by the daemon")
+
+    w = ConfigWatcher(cm.path, refuse_2048, on_accepted=seen.append)
+    first = "version: v1\nmemoryUnitMiB: 1024\n"
+    assert w.digest == text_digest(first) and seen == []
+    comment = first + "# tuned on Monday\n"
+    cm.publish(comment)
+    assert w.check() is False and w.digest == text_digest(comment) and seen == [text_digest(comment)]
+    cm.publish("version: v1\nmemoryUnitMiB: lots\n")  # the parser refuses it
+    assert w.check() is False and w.digest == text_digest(comment)
+    cm.publish("version: v1\nmemoryUnitMiB: 2048\n")  # the daemon refuses it
+    assert w.check() is False and w.digest == text_digest(comment)
+    applied = "version: v1\nmemoryUnitMiB: 512\n"
+    cm.publish(applied)
+    assert w.check() is True and w.digest == text_digest(applied) and seen[-1] == text_digest(applied)
+    assert len(seen) == 2
+    started = ConfigWatcher(cm.path, lambda c: None, initial=w.current)  # the main read it at start
+    assert started.digest == text_digest(applied)

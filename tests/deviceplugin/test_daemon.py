@@ -78,6 +78,43 @@ def test_with_a_kubeconfig_it_publishes_the_node_inventory(kubelet, short_dir):
         assert rc == 0, err
 
 
+def test_the_inventory_says_which_config_text_the_plugin_runs(kubelet, short_dir):
+    """Through the real main and the API double: the inventory carries the digest of the config file's
+    text in force (``vramshare check`` compares it with the ConfigMap); after an edit it carries the new
+    one, with the keys that wait for a restart (memoryUnitMiB is read at start)."""
+    from vramshare.config import text_digest
+    with ApiServerDouble() as api:
+        api.create_node({"metadata": {"name": "gpu-1"}})
+        kubeconfig = os.path.join(short_dir, "kubeconfig")
+        with open(kubeconfig, "w", encoding="utf-8") as fh:
+            fh.write(f"apiVersion: v1\nkind: Config\ncurrent-context: double\n"
+                     f"clusters: [{{name: double, cluster: {{server: '{api.url}'}}}}]\n"
+                     f"users: [{{name: nobody, user: {{}}}}]\n"
+                     f"contexts: [{{name: double, context: {{cluster: double, user: nobody}}}}]\n")
+        config = os.path.join(short_dir, "config.yaml")
+        first, edited = "version: v1\n", "version: v1\nmemoryUnitMiB: 2048\nquota: {stepMiB: 256}\n"
+        with open(config, "w", encoding="utf-8") as fh:
+            fh.write(first)
+        proc = plugin_process(kubelet, "--kubeconfig", kubeconfig, "--node-name", "gpu-1", "--config", config,
+                              "--quota-dir", os.path.join(short_dir, "quota"))
+        key = contract.Names().inventory
+
+        def published():
+            text = (api.get_node("gpu-1")["metadata"].get("annotations") or {}).get(key)
+            return NodeInventory.from_json(text).config if text else None
+        try:
+            assert api.wait_for(lambda d: published() is not None, timeout=20)
+            assert published().digest == text_digest(first) and published().restart_pending == ()
+            with open(config, "w", encoding="utf-8") as fh:
+                fh.write(edited)
+            proc.send_signal(signal.SIGHUP)
+            assert api.wait_for(lambda d: published().digest == text_digest(edited), timeout=10)
+            assert published().restart_pending == ("memoryUnitMiB",)
+        finally:
+            rc, err = stop(proc)
+        assert rc == 0, err
+
+
 def test_without_a_driver_the_nvml_backend_fails_with_one_line(short_dir):
     pytest.importorskip("pynvml")
     from deviceplugin.nvml_backend import NvmlBackend
