@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from vramshare import contract
 from vramshare.contract import assignment, inventory, model, over_limit, quota_file, quota_mib, resident_models
-from vramshare.inventory import ConfigInForce, EngineState, EnforcementMode, Gpu, GpuMode, MigInstance, NodeInventory, ResidentModel
+from vramshare.contract.config_in_force import ConfigInForce
+from vramshare.inventory import EngineState, EnforcementMode, Gpu, GpuMode, MigInstance, NodeInventory, ResidentModel
 
 SETTINGS = settings(max_examples=150, deadline=None)
 names = st.text(string.ascii_letters + string.digits + "-._", min_size=1, max_size=40)

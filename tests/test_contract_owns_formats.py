@@ -5,7 +5,7 @@ two ``GpuQuota`` models). This scan reads every module of ours outside :mod:`vra
 on any function that
 
 * looks up one of the formats (``names.assignment``, ``names.quota_mib``, ``names.over_limit``,
-  ``names.inventory``, ``names.resident_models``, ``QUOTA_FILE_NAME`` or ``"quota.json"``) or names their fields (``"limitMiB"``,
+  ``names.inventory``, ``names.resident_models``, ``names.config_in_force``, ``QUOTA_FILE_NAME`` or ``"quota.json"``) or names their fields (``"limitMiB"``,
   ``"floorMiB"``, ``"ceilingMiB"``, ``"usedMiB"``, ``"unitMiB"``, ``"memoryMiB"``, or ``"uuid"`` with
   ``"mib"``) **and** decodes JSON itself (``json.loads``/``json.load``/``orjson.loads``), or
 * names those fields **and** encodes JSON itself (``json.dumps``/``orjson.dumps``).
@@ -25,7 +25,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("vramshare", "deviceplugin", "extender", "vllm_patches", "dra")
 ALLOWED = ("vramshare/contract/", "vramshare/inventory.py")
-FORMAT_KEYS = frozenset({"assignment", "quota_mib", "over_limit", "inventory", "resident_models"})
+FORMAT_KEYS = frozenset({"assignment", "quota_mib", "over_limit", "inventory", "resident_models", "config_in_force"})
 FILE_NAMES = frozenset({"QUOTA_FILE_NAME", "quota.json"})
 KEY_SUFFIXES = ("/assignment", "/quota-mib", "/over-limit", "/gpu-inventory", "/resident-models")  # a key spelled out as a string
 FIELDS = frozenset({"limitMiB", "floorMiB", "ceilingMiB", "usedMiB", "unitMiB", "memoryMiB"})

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from vramshare import contract
+from vramshare.contract import config_in_force
 from vramshare.contract._json import load
+from vramshare.contract.config_in_force import ConfigInForce
 
 
 class GpuMode(str, enum.Enum):
@@ -125,21 +127,6 @@ MAX_MODEL_BYTES = 1 << 50  # 1 PiB: no model's files are larger
 
 
 @dataclass(frozen=True)
-class ConfigInForce:
-    """What config a node plugin runs (day two: "has my ConfigMap edit landed on every node?"): the
-    digest of the file text it last accepted (:func:`vramshare.config.text_digest`, which ``vramshare
-    check`` computes from the ConfigMap) and the keys of it that wait for a restart."""
-
-    digest: str
-    restart_pending: tuple[str, ...] = ()
-
-
-#: bounds of the ``config`` section: a digest is 16 hex characters; a reader drops a section past them
-MAX_DIGEST_CHARS = 64
-MAX_PENDING_KEYS = 32
-
-
-@dataclass(frozen=True)
 class NodeInventory:
     """All GPUs of one node plus the memory unit they are sliced in."""
 
@@ -183,20 +170,8 @@ def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
     if inv.models:
         doc["models"] = models_to_list(inv.models)
     if inv.config is not None:
-        doc["config"] = {"digest": inv.config.digest,
-                         "restartPending": list(inv.config.restart_pending[:MAX_PENDING_KEYS])}
+        doc["config"] = config_in_force.to_doc(inv.config)
     return doc
-
-
-def config_from(raw: Any) -> ConfigInForce | None:
-    """The optional ``config`` section, read leniently: it informs an admin, so one that is not well
-    formed reads as absent (never the node's GPUs refused for it)."""
-    if not isinstance(raw, dict):
-        return None
-    digest, pending = raw.get("digest"), raw.get("restartPending", [])
-    if not isinstance(digest, str) or not 0 < len(digest) <= MAX_DIGEST_CHARS or not isinstance(pending, list):
-        return None
-    return ConfigInForce(digest, tuple(k for k in pending[:MAX_PENDING_KEYS] if isinstance(k, str) and len(k) <= 128))
 
 
 def models_to_list(models: Iterable[ResidentModel]) -> list[dict[str, Any]]:
@@ -413,7 +388,8 @@ def inventory_from_dict(data: Any) -> NodeInventory:
         except ValueError:  # a newer publisher's mode: unknown here, which is what absent means
             enforcement = None
     return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version, enforcement=enforcement,
-                         models=models_from_list(data.get("models")), config=config_from(data.get("config")))
+                         models=models_from_list(data.get("models")),
+                         config=config_in_force.from_doc(data.get("config")))  # read leniently: it informs
 
 
 def units_for(memory_mib: int, reserved_mib: int, unit_mib: int) -> int:

@@ -14,7 +14,8 @@ from typing import Any, Collection
 import yaml
 
 from vramshare import config as vconfig, contract
-from vramshare.contract import inventory as contract_inventory, slice_enforcement
+from vramshare.contract import config_in_force, inventory as contract_inventory, slice_enforcement
+from vramshare.contract.config_in_force import ConfigInForce
 from vramshare.inventory import InventoryError
 
 Obj = dict[str, Any]
@@ -441,21 +442,15 @@ def _nodes_behind(s: Snapshot, text: str, refused: Collection[str], since: datet
     a DRA-only node) are not judged; nodes that refused it are named by their Event instead."""
     digest = vconfig.text_digest(text)
     current, behind, pending = [], [], {}
-    for node in s.nodes:
-        raw = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
-        try:
-            inv = contract_inventory.parse(raw) if raw else None
-        except InventoryError:
-            continue  # _nodes names it
-        if inv is None or inv.config is None or node["metadata"]["name"] in refused:
+    for name, said in _configs_in_force(s):
+        if name.split(" ")[0] in refused:
             continue
-        name = node["metadata"]["name"]
-        if inv.config.digest != digest:
+        if said.digest != digest:
             behind.append(name)
             continue
         current.append(name)
-        if inv.config.restart_pending:
-            pending[name] = inv.config.restart_pending
+        if said.restart_pending:
+            pending[name] = said.restart_pending
     out = []
     if current and not behind:
         out.append(Line(OK, f"{len(current)} node(s) run {CONFIG_WHERE} as it is now"))
@@ -466,8 +461,9 @@ def _nodes_behind(s: Snapshot, text: str, refused: Collection[str], since: datet
                               f"{CONFIG_WHERE} ({shown})" + (": it changed less than a minute ago, the kubelet "
                                                               "projects it within about one" if young else ""),
                         "run check again in a minute" if young else
-                        f"kubectl -n {ns} logs of those nodes' vramshare-device-plugin pods ('config refused' or "
-                        "'config file missing'); a pod mounting the ConfigMap with subPath never sees updates"))
+                        f"kubectl -n {ns} logs of those nodes' vramshare-device-plugin (or -dra-plugin) pods "
+                        "('config refused' or 'config file missing'); a pod mounting the ConfigMap with subPath "
+                        "never sees updates"))
     if pending:
         keys = sorted({k for ks in pending.values() for k in ks})
         nodes = sorted(pending)
@@ -475,6 +471,31 @@ def _nodes_behind(s: Snapshot, text: str, refused: Collection[str], since: datet
                               f"{', ...' if len(keys) > 6 else ''} ({', '.join(nodes[:5])}{', ...' if len(nodes) > 5 else ''})",
                         _restart_fix((vconfig.NODE_RESTART,), ns)))
     return out
+
+
+def _configs_in_force(s: Snapshot) -> list[tuple[str, ConfigInForce]]:
+    """What each node plugin says it runs: the device plugin in its inventory (named by its node), the DRA
+    plugin on its ResourceSlices (``<node> (DRA)``; read with ``--dra``)."""
+    out = []
+    for node in s.nodes:
+        raw = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
+        try:
+            inv = contract_inventory.parse(raw) if raw else None
+        except InventoryError:
+            continue  # _nodes names it
+        if inv is not None and inv.config is not None:
+            out.append((node["metadata"]["name"], inv.config))
+    by_node: dict[str, ConfigInForce] = {}
+    for obj in s.resource_slices or []:
+        raw = ((obj.get("metadata") or {}).get("annotations") or {}).get(NAMES.config_in_force)
+        node = (obj.get("spec") or {}).get("nodeName")
+        try:
+            said = config_in_force.parse(raw) if raw and node else None
+        except config_in_force.ConfigInForceError:
+            continue
+        if said is not None:
+            by_node[f"{node} (DRA)"] = said
+    return out + sorted(by_node.items())
 
 
 def _extender_stale(s: Snapshot, configmap: vconfig.Config, ns: str) -> list[Line]:

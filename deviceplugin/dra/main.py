@@ -59,6 +59,8 @@ from deviceplugin.quota import rights
 from deviceplugin.serve import serve, spawn
 from vramshare import contract, kube, logs, mig
 from vramshare.config import Config, ConfigError, load_config
+from vramshare.contract import config_in_force
+from vramshare.contract.config_in_force import ConfigInForce
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -118,6 +120,8 @@ class DraPluginDaemon:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.refused: frozenset[str] = frozenset()
+        self.config_in_force: ConfigInForce | None = None  # the config text it runs, on its slices
+        self._restart_pending: tuple[str, ...] = ()
         self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
         self._quota_loop: Any = None
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
@@ -262,8 +266,11 @@ class DraPluginDaemon:
                       "(set dra.gpus the same in both plugins' config)", node=self.node, gpus=",".join(sorted(refused)))
         self.refused = refused
         devices, sets = self.desired_pool()
+        said = self.config_in_force
+        notes = ({self.state.snapshot.config.names.config_in_force: config_in_force.encode(said)}
+                 if said is not None else None)
         try:
-            generation = self.publisher.publish(devices, sets)
+            generation = self.publisher.publish(devices, sets, notes)
         except CountersDropped as exc:
             if self.state.snapshot.config.dra.partitionable_devices == "on":
                 raise
@@ -271,7 +278,7 @@ class DraPluginDaemon:
                       "MIG instances as they are, no dynamic MIG", node=self.node, error=str(exc))
             self.partitionable = False
             devices, sets = self.desired_pool()
-            generation = self.publisher.publish(devices, sets)
+            generation = self.publisher.publish(devices, sets, notes)
         self.metrics.devices.set(len(devices))
         self.metrics.generation.set(generation)
         return generation
@@ -317,17 +324,27 @@ class DraPluginDaemon:
         the unit and the directories among them, keep their running values; evict without the right is
         refused whole); slices follow at the next publish."""
         config, pending = admit_reload(self.state.snapshot.config, config, self._api, self.enforcement)
+        self._restart_pending = tuple(pending)
         self.state.on_config(config)
         set_restart_pending(self.metrics.restart_pending, pending)
+
+    def _config_accepted(self, digest: str) -> None:
+        """The config file text in force changed: the slices say so at the next publish (now)."""
+        self.config_in_force = ConfigInForce(digest, self._restart_pending)
+        self._dirty.set()
 
     def config_watcher(self, path: str, initial: Config, environ: Any = None,
                        poll_seconds: float = 2.0) -> ConfigWatcher:
         """The live reload of ``path`` (``initial``: what was read from it at start) into :meth:`reload`; a
-        refused one is counted and posted as an Event on the node."""
-        return ConfigWatcher(path, self.reload, initial=initial, environ=environ,
-                             poll_seconds=poll_seconds,
-                             on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self.node,
-                                                        "vramshare-dra-plugin"))
+        refused one is counted and posted as an Event on the node; the text in force goes on the slices."""
+        watcher = ConfigWatcher(path, self.reload, initial=initial, environ=environ,
+                                poll_seconds=poll_seconds,
+                                on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self.node,
+                                                           "vramshare-dra-plugin"),
+                                on_accepted=self._config_accepted)
+        if watcher.digest is not None:
+            self.config_in_force = ConfigInForce(watcher.digest)
+        return watcher
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)

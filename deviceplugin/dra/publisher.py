@@ -79,9 +79,10 @@ class SlicePublisher:
             return frozenset()
         return frozenset(g.uuid for g in inv.gpus)
 
-    def publish(self, devices: Sequence[dict[str, Any]], counter_sets: Sequence[dict[str, Any]] = ()) -> int:
-        """Apply the pool with ``devices`` (and the ``counter_sets`` partitionable devices draw from);
-        returns its generation. Raises ``ApiException`` to retry, :class:`CountersDropped` (before any
+    def publish(self, devices: Sequence[dict[str, Any]], counter_sets: Sequence[dict[str, Any]] = (),
+                annotations: Mapping[str, str] | None = None) -> int:
+        """Apply the pool with ``devices`` (and the ``counter_sets`` partitionable devices draw from), its
+        slices annotated with ``annotations``; returns its generation. Raises ``ApiException`` to retry, :class:`CountersDropped` (before any
         device slice is applied) when the server does not keep counters."""
         with self._lock:
             existing = self._published_slices()
@@ -95,7 +96,8 @@ class SlicePublisher:
                 generation += 1  # the counters changed: a new generation, as for devices
             node = self._node()
             node_uid = ((node or {}).get("metadata") or {}).get("uid")
-            desired = slices.resource_slices(self.node, node_uid, devices, generation, self.names, counter_sets)
+            desired = slices.resource_slices(self.node, node_uid, devices, generation, self.names, counter_sets,
+                                             annotations)
             for obj in desired:
                 stored = decode(self._resource.patch_resource_slice(obj["metadata"]["name"], obj,
                                                                    field_manager=FIELD_MANAGER, force=True,

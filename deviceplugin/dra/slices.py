@@ -326,8 +326,10 @@ def slice_name(node: str, names: contract.Names, k: int) -> str:
 
 
 def resource_slices(node: str, node_uid: str | None, devices: Sequence[Obj], generation: int,
-                    names: contract.Names, counter_sets: Sequence[Obj] = ()) -> list[Obj]:
-    """The pool's slices (at least one, possibly empty: an empty pool says "no devices here").
+                    names: contract.Names, counter_sets: Sequence[Obj] = (),
+                    annotations: Mapping[str, str] | None = None) -> list[Obj]:
+    """The pool's slices (at least one, possibly empty: an empty pool says "no devices here"), each with
+    ``annotations`` (the config the plugin runs).
 
     Counter sets first, at most 8 per slice and in slices of their own (validation.go: "only one of
     `sharedCounters` or `devices` is allowed"), then the devices, 64 per slice when any device carries
@@ -343,6 +345,8 @@ def resource_slices(node: str, node_uid: str | None, devices: Sequence[Obj], gen
     out = []
     for k, (field, chunk) in enumerate(chunks):
         meta: Obj = {"name": slice_name(node, names, k)}
+        if annotations:
+            meta["annotations"] = dict(annotations)
         if node_uid:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": node_uid,
                                         "controller": True}]

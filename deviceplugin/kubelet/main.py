@@ -42,7 +42,8 @@ from deviceplugin.serve import serve, spawn
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config, node_limits
 from vramshare.contract import inventory as contract_inventory
-from vramshare.inventory import ConfigInForce, GpuMode
+from vramshare.contract.config_in_force import ConfigInForce
+from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
 

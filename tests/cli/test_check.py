@@ -153,9 +153,10 @@ def test_a_secret_the_user_may_not_read_is_said_so(cluster, capsys):
 
 
 # -- round 9 (draview): the DRA nodes' enforcement mode, read from their ResourceSlices ------------------
-def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = None) -> None:
+def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = None, runs: str | None = None) -> None:
     """A GPU node served by the DRA plugin only (no inventory, or ``inventory``), its pool published with
-    ``mode`` pinned (``None``: an older plugin, whose slices carry no mode)."""
+    ``mode`` pinned (``None``: an older plugin, whose slices carry no mode), saying it runs the config text
+    ``runs`` (None: says nothing)."""
     from deviceplugin import devices, enforcement
     from deviceplugin.dra import slices
     from deviceplugin.simulated_backend import SimulatedBackend
@@ -168,8 +169,12 @@ def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = Non
     if inventory is not None:
         meta["annotations"] = {config.names.inventory: inventory}
     api.create_node({"metadata": meta})
+    from vramshare.config import text_digest
+    from vramshare.contract import config_in_force
+    notes = {config.names.config_in_force: config_in_force.encode(config_in_force.ConfigInForce(text_digest(runs)))
+             } if runs is not None else None
     for obj in slices.resource_slices(node, None, slices.desired_devices(inv, config.names, node, taints=False), 1,
-                                      config.names):
+                                      config.names, annotations=notes):
         api.create(obj)  # the double validates each slice as the API server does
 
 
@@ -339,7 +344,7 @@ def _node_running(api: ApiServerDouble, name: str, text: str | None, pending: tu
     from vramshare import contract
     from vramshare.config import text_digest
     from vramshare.contract import inventory as contract_inventory
-    from vramshare.inventory import ConfigInForce
+    from vramshare.contract.config_in_force import ConfigInForce
     node = b.gpu_node(name, b.a100())
     node["metadata"]["labels"] = {"nvidia.com/gpu.present": "true"}
     key = contract.Names().inventory
@@ -377,3 +382,23 @@ def test_which_nodes_run_the_configmap_as_it_is_now(cluster, capsys):
     assert waits.startswith("! 1 node(s) wait for a restart to apply memoryUnitMiB (gpu-c)")
     assert f"kubectl -n {NS} rollout restart daemonset/vramshare-device-plugin" in waits
     assert not any("gpu-a" in line and "earlier" in line for line in lines)  # publishes no digest: not judged
+
+
+def test_check_dra_says_which_dra_plugins_run_the_configmap_as_it_is_now(tmp_path, capsys):
+    """The DRA plugin says which config text it runs on its ResourceSlices (``<domain>/config``): a
+    DRA-only node has no inventory to carry it. ``check --dra`` reads it from the same one LIST."""
+    from vramshare.inventory import EnforcementMode
+    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
+            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+        assert ext.wait_ready(10)
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
+        _installed(api, ext, "v1.36.1", dra=True)
+        text = "version: v1\nquota: {idleSeconds: 120}\n"
+        _set_config(api, text)
+        _dra_node(api, "gpu-new", EnforcementMode.DRIVER, runs=text)
+        _dra_node(api, "gpu-old", EnforcementMode.DRIVER, runs="version: v1\n")
+        _dra_node(api, "gpu-quiet", EnforcementMode.DRIVER)  # an older DRA plugin: says nothing
+        rc, lines = _check(capsys, kubeconfig, "--dra")
+    out = "\n".join(lines)
+    assert "! 1 of 2 node(s) still run an earlier ConfigMap vramshare-config (gpu-old (DRA))" in out, out
+    assert "gpu-quiet" not in out.split("earlier")[1].split("\n")[0] and rc == 0

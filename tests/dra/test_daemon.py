@@ -255,3 +255,31 @@ def test_a_refused_reload_is_an_event_on_the_node_and_a_metric_on_the_dra_plugin
         assert 'vramshare_dra_config_reloads_total{result="refused"} 1.0' in text
     finally:
         daemon.close()
+
+
+def test_the_slices_say_which_config_text_the_dra_plugin_runs(env):
+    """A DRA-only node has no inventory: its plugin says which config text it runs on its ResourceSlices
+    (``vramshare check --dra`` compares it with the ConfigMap), and after an edit the new one, with the
+    keys that wait for a restart; through server-side apply, the annotation follows each publish."""
+    from vramshare.config import text_digest
+    from vramshare.contract import config_in_force
+    api, http, tmp, sockets = env
+    path = tmp / "config.yaml"
+    first, edited = "quota: {stepMiB: 512}\n", "quota: {stepMiB: 256}\nmemoryUnitMiB: 2048\n"
+    path.write_text(first)
+    daemon = start(env)
+    key = daemon.state.snapshot.config.names.config_in_force
+
+    def said() -> list:
+        return [config_in_force.parse(s["metadata"].get("annotations", {}).get(key, "null")) if
+                s["metadata"].get("annotations", {}).get(key) else None for s in slices_of(api)]
+    watcher = daemon.config_watcher(str(path), daemon.state.snapshot.config)
+    with daemon:
+        assert api.wait_for(lambda a: said() and all(x is not None and x.digest == text_digest(first) for x in said()),
+                            timeout=20)
+        path.write_text(edited)
+        assert watcher.check() is True
+        assert api.wait_for(lambda a: all(x is not None and x.digest == text_digest(edited) for x in said()),
+                            timeout=20)
+        [pending] = {x.restart_pending for x in said()}  # the daemon started from dra_config's directories,
+        assert "memoryUnitMiB" in pending and "quota.stepMiB" not in pending  # not the file's: those wait too

@@ -10,6 +10,8 @@ parses these formats (``tests/test_contract_owns_formats.py`` fails if something
 * :mod:`.inventory`: the node's ``gpu-inventory`` annotation; :mod:`.resident_models`: the DRA plugin's
   ``resident-models`` node annotation (the inventory's ``models`` section alone);
   :mod:`.slice_enforcement`: the DRA plugin's mode in its ResourceSlices' ``enforcement`` attribute;
+  :mod:`.config_in_force`: which config text a node plugin runs (the inventory's ``config``, the DRA
+  plugin's ResourceSlice annotation ``config``);
 * :mod:`.assignment`: the pod's ``assignment`` annotation;
 * :mod:`.quota_file`: ``quota.json``; :mod:`.quota_mib`: its mirror on the pod; :mod:`.over_limit`;
 * :mod:`.model`: the ``model`` annotation; :mod:`.warm`: the warm socket's lines.

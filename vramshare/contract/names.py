@@ -51,6 +51,13 @@ class Names:
         """Read by :mod:`vramshare.contract.resident_models`, the one codec."""
         return f"{self.domain}/resident-models"
 
+    # -- ResourceSlice annotation written by the DRA plugin: the config it runs (the device plugin says it
+    # in its inventory's ``config`` section)
+    @property
+    def config_in_force(self) -> str:
+        """Read by :mod:`vramshare.contract.config_in_force`, the one codec."""
+        return f"{self.domain}/config"
+
     # -- pod annotations: written by users (USER_ANNOTATIONS, below, lists every one of them)
     def user_annotations(self) -> tuple[str, ...]:
         """Every pod annotation a user may write, as full keys (``vramshare.io/gpu-count``, ...)."""
