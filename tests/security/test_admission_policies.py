@@ -93,7 +93,7 @@ def test_every_annotation_of_the_contract_has_one_writer() -> None:
     props = [p for p, v in vars(contract.Names).items() if isinstance(v, property)]
     annotations = {getattr(N, p) for p in props if getattr(N, p).startswith(f"{N.domain}/")} - {
         N.gpu_memory, N.gpu, N.mig_prefix, N.cdi_kind}  # resources, not annotations
-    owners = [*N.user_annotations(), *N.vramshare_annotations(), *N.node_annotations()]
+    owners = [*N.user_annotations(), *N.vramshare_annotations(), *N.node_annotations(), *N.slice_annotations()]
     assert len(owners) == len(set(owners))
     assert annotations <= set(owners), sorted(annotations - set(owners))
 

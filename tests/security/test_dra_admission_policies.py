@@ -67,6 +67,9 @@ def test_the_plugin_publishes_updates_and_withdraws_its_own_pool() -> None:
         newer = copy.deepcopy(s)
         newer["spec"]["pool"]["generation"] += 1
         assert admit(Request("UPDATE", "resourceslices", DRA, newer, s, on_node("n1"))) == []
+        said = copy.deepcopy(newer)  # the config text it runs, on its slices (contract.config_in_force)
+        said["metadata"]["annotations"] = {N.config_in_force: '{"digest":"0123456789abcdef","restartPending":[]}'}
+        assert admit(Request("UPDATE", "resourceslices", DRA, said, newer, on_node("n1"))) == []
         assert admit(Request("DELETE", "resourceslices", DRA, None, s, on_node("n1"))) == []
 
 

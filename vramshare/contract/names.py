@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramshare.contract.user_annotations import (HANDSHAKE_ANNOTATIONS, NODE_ANNOTATIONS, QUOTA_LOOP_ANNOTATIONS,
-                                                  USER_ANNOTATIONS)
+                                                  SLICE_ANNOTATIONS, USER_ANNOTATIONS)
 
 DEFAULT_DOMAIN = "vramshare.io"
 INVENTORY_VERSION = "v1"
@@ -55,8 +55,8 @@ class Names:
     # in its inventory's ``config`` section)
     @property
     def config_in_force(self) -> str:
-        """Read by :mod:`vramshare.contract.config_in_force`, the one codec."""
-        return f"{self.domain}/config"
+        """Read by :mod:`vramshare.contract.config_in_force`, the one codec (in :data:`SLICE_ANNOTATIONS`)."""
+        return f"{self.domain}/{SLICE_ANNOTATIONS[0]}"
 
     # -- pod annotations: written by users (USER_ANNOTATIONS, below, lists every one of them)
     def user_annotations(self) -> tuple[str, ...]:
@@ -74,6 +74,10 @@ class Names:
     def node_annotations(self) -> tuple[str, ...]:
         """Every node annotation of ours (device plugins only)."""
         return tuple(f"{self.domain}/{name}" for name in NODE_ANNOTATIONS)
+
+    def slice_annotations(self) -> tuple[str, ...]:
+        """Every ResourceSlice annotation of ours (the DRA plugin, on its own slices)."""
+        return tuple(f"{self.domain}/{name}" for name in SLICE_ANNOTATIONS)
 
     @property
     def gpu_count(self) -> str:

@@ -21,3 +21,6 @@ QUOTA_LOOP_ANNOTATIONS: tuple[str, ...] = ("quota-mib", "over-limit")
 #: The node annotations: only the node plugins write them (gpu-inventory the device plugin, resident-models
 #: the DRA plugin and nothing else of the node: deploy/daemonset/admission-policies.yaml, policy 2).
 NODE_ANNOTATIONS: tuple[str, ...] = ("gpu-inventory", "resident-models")
+#: The ResourceSlice annotations: the DRA plugin writes them on its own slices (the DRA admission policy
+#: lets a node's plugin write only its node's slices of our driver); config: the config text it runs.
+SLICE_ANNOTATIONS: tuple[str, ...] = ("config",)
