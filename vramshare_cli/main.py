@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "admission policies, the node-name claim, DRA (--dra), each GPU node's "
                                      "device plugin and enforcement mode, the extender (ready, reachable, "
                                      "certificates), the scheduler profile, the ConfigMap as the daemons read it "
-                                     "(and nodes that refused it), pods refused by our admission policies. "
+                                     "(nodes that refused it, nodes still on an earlier text, keys waiting for a "
+                                     "restart), pods refused by our admission policies. "
                                      "With --config FILE: a config file before you apply it (offline; --diff: "
                                      "against the cluster's, each change live or at which restart). One line "
                                      "each; exit status 1 when any is ✗.")
