@@ -134,8 +134,9 @@ class DriverFence:
 
     def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
         """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21), and the
-        claims whose containers it holds (:meth:`hold`): what those hold within their grant is theirs,
-        which the loop counts at the grant, not foreign memory counted a second time."""
+        claims whose containers it holds (:meth:`hold`): their cgroups' use comes by container ID, which
+        attribution books to the claim within its grant (the loop counts it at the grant), not foreign
+        memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
         self._used, self._hard, self._pressed = {}, {}, {}
@@ -160,7 +161,8 @@ class DriverFence:
                                            container_id=cid))
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
-        out.extend(self._foreign(tenants, out, self._claims_use(claims)))
+        out.extend(self._claims_use(claims, {cid for t in tenants for cid in t.container_ids}))
+        out.extend(self._foreign(tenants, out))
         out.extend(self._unstarted(tenants))
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
@@ -186,28 +188,26 @@ class DriverFence:
                                            container=t.key.container))
         return out
 
-    def _claims_use(self, claims: Sequence[Claim]) -> dict[str, int]:
-        """Per GPU, what the containers of ``claims`` hold, each claim up to its grant (beyond it: foreign,
-        counted as held by nobody the loop may cut)."""
-        out: dict[str, int] = {}
+    def _claims_use(self, claims: Sequence[Claim], tenants: set[str]) -> list[UsageSample]:
+        """Per cgroup of the containers of ``claims`` (none of the ``tenants``' container IDs, read
+        already) and GPU, its use, by container ID: attribution books it to its claim up to the grant
+        (beyond it: foreign, held by nobody the loop may cut), as NVML's processes on the other paths."""
+        out: list[UsageSample] = []
         for c in claims:
-            cgroups = self._cgroups(c.container_ids)
-            for gpu, mib in c.gpus:
-                held = 0
-                for _cid, cgroup in cgroups:
+            for cid, cgroup in self._cgroups(c.container_ids - tenants):
+                for gpu, _mib in c.gpus:
                     try:
-                        held += self._limits.get(gpu, cgroup).used_mib
+                        used = self._limits.get(gpu, cgroup).used_mib
                     except LimitError as exc:  # unread: foreign, as before
                         log.warning("shared claim's cgroup use unreadable", claim=c.name, error=str(exc))
-                out[gpu] = out.get(gpu, 0) + min(held, mib)
+                        continue
+                    out.append(UsageSample(gpu_uuid=gpu, used_mib=used, container_id=cid))
         return out
 
-    def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample],
-                 claimed: Mapping[str, int] | None = None) -> list[UsageSample]:
-        """Per GPU, memory in use that no tenant cgroup holds (another plugin's pod, a host process) nor a
-        held claim within its grant (``claimed``): an anonymous sample, which attribution books as foreign
-        so quotas never promise it."""
-        mine: dict[str, int] = dict(claimed or {})
+    def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
+        """Per GPU, memory in use that no cgroup read holds (another plugin's pod, a host process): an
+        anonymous sample, which attribution books as foreign so quotas never promise it."""
+        mine: dict[str, int] = {}
         for s in ours:
             mine[s.gpu_uuid] = mine.get(s.gpu_uuid, 0) + s.used_mib
         out = []

@@ -425,7 +425,7 @@ class QuotaLoop:
             report.skipped = "no usage source answered"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
             return report
-        seen = attribute(samples, tenants)
+        seen = attribute(samples, tenants, shared)  # a shared claim's memory is its own, at its grant: not foreign
         now, st = self._clock(), self.settings
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
         unknown: set[tuple[TenantKey, str]] = set()  # engines on a file this process never saw: never raised

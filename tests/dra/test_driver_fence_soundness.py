@@ -331,3 +331,25 @@ def test_a_pod_joining_late_holds_the_share_made_at_prepare_until_the_loop_sees_
     for _ in range(8):
         node.step()
     assert sum(node.hard(p, c) for p in pods for c in node.live(p)) == 2 * 8192
+
+
+# -- cooperative mode: nothing fences, the loop reads use from NVML's processes -------------------------------
+def test_in_cooperative_mode_a_shared_claim_s_memory_is_counted_once(tmp_path):
+    """Fault 8 of the drahunt (a shared claim's memory counted twice: as foreign, in no tenant's
+    container, and at its grant as a pending claim) on the cooperative path: NVML's processes of the two
+    pods sharing a 31 GiB claim matched no tenant, so the loop took them off the GPU's capacity and
+    counted the claim at its grant on top, and the tenants were squeezed into what was left (the 35 GiB
+    claim of a tenant cut below its grant while it used it all). Within its grant, a shared claim's
+    processes are the claim's memory, counted once; beyond it, foreign."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 35840), SimClaim("k2", 31744)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 2048)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 35840)]),
+            SimPod("p20", "k2", 0, 0, None, [_flat("c0", "app", 15872)]),
+            SimPod("p21", "k2", 0, 0, None, [_flat("c0", "app", 15872)])]
+    node = DriverDraNode(str(tmp_path), claims, pods, mode=EnforcementMode.COOPERATIVE)
+    for _ in range(10):
+        node.step()
+        assert node.loop.capacities[GPU] == CAP, node.t
+        assert node.lent["k1"][-1] >= 35840 and node.lent["k0"][-1] >= 2048, node.lent
+    assert node.loop.counts["node_overcommit"] == 0
+    assert sum(node.use.values()) == 2048 + 35840 + 2 * 15872  # the engines hold what they want
