@@ -353,3 +353,27 @@ def test_in_cooperative_mode_a_shared_claim_s_memory_is_counted_once(tmp_path):
         assert node.lent["k1"][-1] >= 35840 and node.lent["k0"][-1] >= 2048, node.lent
     assert node.loop.counts["node_overcommit"] == 0
     assert sum(node.use.values()) == 2048 + 35840 + 2 * 15872  # the engines hold what they want
+
+
+def test_a_claim_allocated_before_prepare_is_not_taken_for_a_shared_claim_s_file(tmp_path):
+    """Found by the wide hunt (VRAMSHARE_HUNT_WIDE=1; fails on deb8676 too): a 10 GiB claim two pods share
+    has its quota file; another 10 GiB claim is allocated here for a pod bound at tick 10, prepared at 18.
+    The loop merged the file with the unprepared claim of the same size (``merge_claims``: on the kubelet
+    path a pod bound here and the file Allocate wrote for it are one container), so it counted 10 GiB
+    once for the two, and lent it to a hungry tenant (up to 58,368 MiB, its engine acknowledging 2 ticks
+    late); the pod started at its CDI share and the hard limits in force passed the GPU (81,920 MiB on
+    80,896). A file its source names is that claim's own, never merged with another claim."""
+    def w(name: str, kind: str, top: int) -> Ctr:
+        return Ctr(name, kind, True, walk(0, top, 60), init_ticks=1, label=f"walk(0, {top}, 60)")
+    claims = [SimClaim("k0", 10240), SimClaim("k1", 10240), SimClaim("k2", 2048), SimClaim("k3", 38912)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [w("c0", "app", 20480)], ack_lag=0),
+            SimPod("p01", "k0", 0, 0, None, [w("c0", "app", 20480)], ack_lag=0),
+            SimPod("p10", "k1", 10, 18, None, [w("c0", "app", 20480)], ack_lag=0, status_lag=1),
+            SimPod("p20", "k2", 0, 0, None, [w("c0", "app", 4096)], ack_lag=0),
+            SimPod("p30", "k3", 4, 14, None, [w("c0", "init", 77824), w("c1", "app", 77824)], ack_lag=2,
+                   status_lag=1)]
+    node = DriverDraNode(str(tmp_path), claims, pods)
+    for _ in range(12):
+        node.step()
+    assert node.loop.last.reserved == {GPU: 10240 + 10240 + 38912}  # k0's file, k1 and k3 before Prepare
+    run_and_check(node, ticks=12)
