@@ -115,7 +115,7 @@ class SimPod:
 
     @property
     def uid(self) -> str:
-        return f"uid-{self.name}"
+        return str(uuid.uuid5(uuid.NAMESPACE_DNS, f"pod-{self.name}"))  # as the API server's: NVML's path parses it
 
     def inits(self) -> list[Ctr]:
         return [c for c in self.containers if c.kind != "app"]
@@ -281,11 +281,9 @@ class DriverDraNode:
         if self.mode is EnforcementMode.COOPERATIVE:  # its process, as NVML and /proc show it
             c.cid = hashlib.sha256(c.cid.encode()).hexdigest()
             pid = self.nv.pids[self.cgroup(p, c)] = 1000 + len(self.nv.pids)
-            pod = str(uuid.uuid5(uuid.NAMESPACE_DNS, p.uid)).replace("-", "_")
             os.makedirs(os.path.join(self.proc_root, str(pid)))
             with open(os.path.join(self.proc_root, str(pid), "cgroup"), "w", encoding="utf-8") as fh:
-                fh.write(f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod}.slice/"
-                         f"cri-containerd-{c.cid}.scope\n")
+                fh.write(f"0::{self.cgroup(p, c)}\n")
         os.makedirs(os.path.join(self.cgroot, self.cgroup(p, c).lstrip("/")))
         self.use[(p.name, c.name)] = 0
         if c.gpu and self.mode is EnforcementMode.DRIVER:

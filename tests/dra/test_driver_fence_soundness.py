@@ -377,3 +377,24 @@ def test_a_claim_allocated_before_prepare_is_not_taken_for_a_shared_claim_s_file
         node.step()
     assert node.loop.last.reserved == {GPU: 10240 + 10240 + 38912}  # k0's file, k1 and k3 before Prepare
     run_and_check(node, ticks=12)
+
+
+@settings(max_examples=max(5, EXAMPLES // 3), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(nodes())
+def test_in_cooperative_mode_memory_within_its_claims_is_never_foreign(tmp_path_factory, world):
+    """Cooperative mode (nothing fences; the loop reads NVML's processes): when every container holds no
+    more than its claim's share, every MiB on the GPU is some claim's, so the loop books none as foreign
+    (its capacity stays the GPU's) and its node check never fires: tenants, shared claims, claims
+    allocated before Prepare and late joiners are each counted once."""
+    claims, pods = world
+    for p in pods:
+        users = sum(1 for q in pods if q.claim == p.claim for c in q.containers if c.gpu)
+        share = next(c.grant for c in claims if c.name == p.claim) // users
+        for c in p.containers:
+            c.demand = [min(d, share) for d in c.demand]
+    node = DriverDraNode(str(tmp_path_factory.mktemp("coop")), claims, pods, mode=EnforcementMode.COOPERATIVE)
+    for _ in range(R.ticks):
+        node.step()
+        assert node.loop.capacities.get(GPU, CAP) == CAP, (node.t - 1, node.loop.last.reserved)
+    assert node.loop.counts["node_overcommit"] == 0
