@@ -128,8 +128,10 @@ class DriverFence:
 
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
-        (a restarted loop's bound on what an engine may hold, whatever file it follows); None when one is
-        unlimited or unread, or none was found."""
+        (a restarted loop's bound on what an engine may hold, whatever file it follows), with the CDI share
+        of each container not found (restarting, its new ID not in the status yet, or not started: the
+        toolkit sets that share; without it the restarted loop bounded the engine by the old file's ceiling
+        and a sibling grew past the claim); None when one is unlimited or unread."""
         return self._hard.get((key, gpu))
 
     def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
@@ -142,8 +144,9 @@ class DriverFence:
         self._used, self._hard, self._pressed = {}, {}, {}
         for t in tenants:
             found = self._cgroups(t.container_ids)
-            for gpu, _req in t.gpus if len(found) < t.sharers else ():  # one not found: its share comes on top
-                self._hard[(t.key, gpu)] = None
+            missing = max(0, t.sharers - len(found))
+            for gpu, req in t.gpus:  # one not found holds (or starts at) its CDI share: on top of those found
+                self._hard[(t.key, gpu)] = share_of(req, t.sharers) * missing
             for cid, cgroup in found:
                 for gpu, _req in t.gpus:
                     try:

@@ -22,7 +22,6 @@ import os
 import random
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -401,17 +400,14 @@ def test_in_cooperative_mode_memory_within_its_claims_is_never_foreign(tmp_path_
     assert node.loop.counts["node_overcommit"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="open (fails on deb8676 too): after a loop restart, a restarted container's "
-                   "CDI share is counted in the hard limits in force, the bound of what its sibling may grow to")
 def test_a_loop_restarted_while_a_container_restarts_does_not_lend_its_cdi_share_to_the_sibling(tmp_path):
-    """Open, found by the wide hunt at the end of drasplit (VRAMSHARE_HUNT_WIDE=1, seed 31; also on
-    deb8676): a 29 GiB claim of two app containers (14,848 MiB each in the CDI spec) cut to 36,352 MiB;
-    one container restarts (a new cgroup at its spec's share, seen 2 ticks late) and the quota loop
-    restarts the tick after; the sibling's hard limit rises to 44,544 (the old file's ceiling, 1.5 x the
-    grant) and it holds that on a claim lent 36,352. Not diagnosed: the likely path is the new loop's bound
-    on what the engine may hold (``QuotaLoop._acked``: the old file's ceiling, capped by
-    ``DriverFence.hard_in_force``, drahunt fix 7b), which counts the restarted container's CDI share on top
-    of the claim's split."""
+    """Found by the wide hunt (VRAMSHARE_HUNT_WIDE=1, seed 31; fails on deb8676 too): a 29 GiB claim of two
+    app containers (14,848 MiB each in the CDI spec) cut to 36,352 MiB; one container restarts (a new
+    cgroup at its spec's share, its ID in the status 2 ticks late) and the quota loop restarts the tick
+    after. The new loop bounds what the engine may hold by the hard limits in force (drahunt fix 7b), but
+    with a container not found it knew none and took the old file's ceiling (44,544 = 1.5 x the grant):
+    the sibling's hard limit rose to it, and it held 44,544 MiB on a claim lent 36,352. The bound counts
+    each container not found at its CDI share (``DriverFence.hard_in_force``)."""
     def w(name: str, top: int, restarts: tuple[int, ...] = ()) -> Ctr:
         return Ctr(name, "app", True, walk(0, top, 60), restarts, init_ticks=1, label=f"walk(0, {top}, 60)")
     claims = [SimClaim("k0", 16384), SimClaim("k1", 13312), SimClaim("k2", 29696)]

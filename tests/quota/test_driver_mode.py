@@ -336,7 +336,12 @@ def test_the_hard_limits_in_force_are_read_with_the_use(node):
     a = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]))
     b = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]), sharers=2)
     fence.read_usage([a, b])
-    assert fence.hard_in_force(A, GPU) == 25000 and fence.hard_in_force(B, GPU) is None
+    assert fence.hard_in_force(A, GPU) == 25000 and fence.hard_in_force(B, GPU) is None  # b's is unlimited
+    # a container not found (restarting, its new ID not in the status yet) holds its CDI share on top (the
+    # wide hunt: with None, a restarted loop bounded the engine by the old file's ceiling)
+    nv.limits[(GPU, cgroup_of(B.pod_uid, CID_B))] = (10000 << 20, 12000 << 20)
+    fence.read_usage([a, b])
+    assert fence.hard_in_force(B, GPU) == 12000 + 15000
 
 
 def test_a_sidecar_keeps_room_for_the_container_that_follows_an_init_container(node):
