@@ -223,6 +223,14 @@ def claim_containers(pod: Mapping[str, Any], claim: str) -> set[str]:
                                               for r in ((c.get("resources") or {}).get("claims") or ()))}
 
 
+def run_once_init_containers(pod: Mapping[str, Any]) -> set[str]:
+    """The pod's ordinary init containers (no ``restartPolicy: Always``): each runs alone beside the
+    sidecars started before it and ends before the next container starts (the kubelet's order,
+    ``kuberuntime_container.go`` ``computeInitContainerActions``), unlike a sidecar, which stays."""
+    return {str(c.get("name")) for c in (pod.get("spec") or {}).get("initContainers") or ()
+            if isinstance(c, Mapping) and c.get("restartPolicy") != "Always"}
+
+
 def claim_users(pod: Mapping[str, Any], claim: str) -> int:
     """How many containers naming the ResourceClaim ``claim`` run at once, at most: the kubelet's order,
     counted as :func:`effective_requests` counts resources (sidecars beside everything after them, an

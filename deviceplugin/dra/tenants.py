@@ -15,6 +15,7 @@ for a pod bound to this node before the kubelet asks to prepare it (:func:`unpre
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from deviceplugin.dra import cdi
@@ -49,10 +50,11 @@ def tenants_from_claims(claims: Iterable[PreparedClaim], pods: Iterable[Mapping[
         if pod is None or _joined(c, uid, running.values()):
             continue
         pod_name = c.pod_names[0] if c.pod_names else str((pod.get("metadata") or {}).get("name") or "")
-        ids, sharers = _claim_users(pod, c.name)  # its devices are in these: use and fence are theirs
+        users = _claim_users(pod, c.name)  # its devices are in these: use and fence are theirs
         out.append(Tenant(key=TenantKey(c.namespace, pod_name, tenant_container(c.name), pod_uid=uid),
                           gpus=tuple(sorted(c.gpus.items())), metrics_url=metrics_url(pod),
-                          container_ids=ids, meta=pod_meta(pod, names), sharers=max(1, sharers)))
+                          container_ids=users.ids, meta=pod_meta(pod, names), sharers=max(1, users.sharers),
+                          init_ids=users.init_ids))
     return out
 
 
@@ -68,11 +70,26 @@ def _joined(c: PreparedClaim, uid: str, running: Iterable[Mapping[str, Any]]) ->
     return False
 
 
-def _claim_users(pod: Mapping[str, Any], claim: str) -> tuple[frozenset[str], int]:
-    """The runtime IDs of the pod's containers that name ``claim``, and how many of them run at once."""
+@dataclass(frozen=True)
+class ClaimUsers:
+    """A pod's containers that name a claim, read once from its spec and status: their runtime IDs, how
+    many of them run at once (the CDI spec's divisor), and which IDs are ordinary init containers (each
+    ends and the next container starts in its place at its CDI share: ``fence.split_slots``)."""
+
+    ids: frozenset[str] = frozenset()
+    sharers: int = 0
+    init_ids: frozenset[str] = frozenset()
+
+
+def _claim_users(pod: Mapping[str, Any], claim: str) -> ClaimUsers:
+    """The pod's containers that name ``claim`` (:class:`ClaimUsers`)."""
     users = podspec.claim_containers(pod, claim)
-    ids = frozenset(cid for n, cid in container_ids(pod).items() if n in users)
-    return ids, (podspec.claim_users(pod, claim) if users else 0)
+    if not users:
+        return ClaimUsers()
+    ids = {n: cid for n, cid in container_ids(pod).items() if n in users}
+    once = podspec.run_once_init_containers(pod)
+    return ClaimUsers(frozenset(ids.values()), podspec.claim_users(pod, claim),
+                      frozenset(cid for n, cid in ids.items() if n in once))
 
 
 def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenant],
@@ -91,14 +108,16 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
         if not c.gpus or (c.namespace, tenant_container(c.name)) in owned:
             continue
         ids: set[str] = set()
+        once: set[str] = set()
         sharers = 0
         for pod in running:
             if (pod.get("metadata") or {}).get("namespace") == c.namespace:
-                theirs, n = _claim_users(pod, c.name)
-                ids |= theirs
-                sharers += n
+                users = _claim_users(pod, c.name)
+                ids |= users.ids
+                once |= users.init_ids
+                sharers += users.sharers
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
-                         container_ids=frozenset(ids), sharers=max(1, sharers)))
+                         container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once)))
     return out
 
 

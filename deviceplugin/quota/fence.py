@@ -46,6 +46,35 @@ def split_limit(limit: int, uses: Sequence[int], pressed: Sequence[bool] | None 
     return [u + more.get(i, 0) for i, u in enumerate(uses)]
 
 
+def split_slots(limit: int, uses: Sequence[int], pressed: Sequence[bool], once: Sequence[bool], share: int,
+                unstarted: int) -> list[int]:
+    """Pure: a claim's limit over its running cgroups, in the kubelet's start order
+    (``kuberuntime_container.go`` ``computeInitContainerActions``: init containers one by one, each ordinary
+    one (``once``) running alone beside the sidecars started before it and ending before the next one
+    starts; sidecars stay; then the app containers). Each slot still to be filled starts at its CDI
+    ``share`` on top of what the others hold, and the driver takes nothing back, so:
+
+    * ``unstarted`` slots (not started, restarting, not seen yet) keep a share each out of the limit;
+    * the rest is split (:func:`split_limit`); but the containers that stay (sidecars, apps) may hold
+      together no more than the rest less one share per running ordinary init container, whose place the
+      next container takes at its share when it ends (else a sidecar grown into the init container's part
+      leaves no room for the app that follows); what they do not hold goes to the init containers.
+    """
+    room = limit - min(limit, share * unstarted)
+    out = split_limit(room, uses, pressed)
+    stay = [i for i, o in enumerate(once) if not o]
+    ends = [i for i, o in enumerate(once) if o]
+    cap = room - min(room, share * len(ends))
+    if not ends or sum(out[i] for i in stay) <= cap:
+        return out
+    kept = split_limit(cap, [uses[i] for i in stay], [pressed[i] for i in stay])
+    held = sum(max(k, uses[i]) for k, i in zip(kept, stay))  # cut below its use, one holds it all the same
+    left = split_limit(room - min(room, held), [uses[i] for i in ends], [pressed[i] for i in ends])
+    for i, v in zip(stay + ends, kept + left):
+        out[i] = v
+    return out
+
+
 def share_of(grant_mib: int, users: int) -> int:
     """What the CDI spec gives each of a claim's ``users`` containers (``enforcement.container_fence``:
     the grant // users, the toolkit's hook sets it at the container's start, before the loop sees it)."""
@@ -72,11 +101,16 @@ class DriverFence:
         return [(cid, cg) for cid in sorted(container_ids) if (cg := self._finder.find(cid))]
 
     def _set_split(self, gpu: str, cgroups: Sequence[tuple[str, str]], soft: int, hard: int, uses: list[int],
-                   errors: list[str]) -> None:
-        """Soft and hard limits shared by ``cgroups`` holding ``uses``, split by :func:`split_limit` (the
-        rest to those at their hard limit at the last read); failures go to ``errors``."""
+                   errors: list[str], once: frozenset[str] = frozenset(), share: int = 0,
+                   unstarted: int = 0) -> None:
+        """Soft and hard limits shared by ``cgroups`` holding ``uses``, split by :func:`split_slots` (the
+        rest to those at their hard limit at the last read; a share kept for each slot still to be filled,
+        ``unstarted`` or after one of the ordinary init containers ``once``); failures go to ``errors``."""
         pressed = [self._pressed.get((gpu, cid), False) for cid, _cg in cgroups]
-        for (_cid, cgroup), s_, h_ in zip(cgroups, split_limit(soft, uses, pressed), split_limit(hard, uses, pressed)):
+        ends = [cid in once for cid, _cg in cgroups]
+        softs = split_slots(soft, uses, pressed, ends, share, unstarted)
+        hards = split_slots(hard, uses, pressed, ends, share, unstarted)
+        for (_cid, cgroup), s_, h_ in zip(cgroups, softs, hards):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
             except LimitError as exc:
@@ -94,21 +128,25 @@ class DriverFence:
 
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
-        (a restarted loop's bound on what an engine may hold, whatever file it follows); None when one is
-        unlimited or unread, or none was found."""
+        (a restarted loop's bound on what an engine may hold, whatever file it follows), with the CDI share
+        of each container not found (restarting, its new ID not in the status yet, or not started: the
+        toolkit sets that share; without it the restarted loop bounded the engine by the old file's ceiling
+        and a sibling grew past the claim); None when one is unlimited or unread."""
         return self._hard.get((key, gpu))
 
     def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
         """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21), and the
-        claims whose containers it holds (:meth:`hold`): what those hold within their grant is theirs,
-        which the loop counts at the grant, not foreign memory counted a second time."""
+        claims whose containers it holds (:meth:`hold`): their cgroups' use comes by container ID, which
+        attribution books to the claim within its grant (the loop counts it at the grant), not foreign
+        memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
         self._used, self._hard, self._pressed = {}, {}, {}
         for t in tenants:
             found = self._cgroups(t.container_ids)
-            for gpu, _req in t.gpus if len(found) < t.sharers else ():  # one not found: its share comes on top
-                self._hard[(t.key, gpu)] = None
+            missing = max(0, t.sharers - len(found))
+            for gpu, req in t.gpus:  # one not found holds (or starts at) its CDI share: on top of those found
+                self._hard[(t.key, gpu)] = share_of(req, t.sharers) * missing
             for cid, cgroup in found:
                 for gpu, _req in t.gpus:
                     try:
@@ -126,7 +164,8 @@ class DriverFence:
                                            container_id=cid))
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
-        out.extend(self._foreign(tenants, out, self._claims_use(claims)))
+        out.extend(self._claims_use(claims, {cid for t in tenants for cid in t.container_ids}))
+        out.extend(self._foreign(tenants, out))
         out.extend(self._unstarted(tenants))
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
@@ -140,35 +179,38 @@ class DriverFence:
         running siblings are fenced at what is left (:meth:`apply`)."""
         out = []
         for t in tenants:
-            missing = t.sharers - len(self._cgroups(t.container_ids))
-            for gpu, req in t.gpus if missing > 0 else ():
-                out.append(UsageSample(gpu_uuid=gpu, used_mib=share_of(req, t.sharers) * missing,
-                                       pod_uid=t.key.pod_uid or None, namespace=t.key.namespace, pod=t.key.pod,
-                                       container=t.key.container))
+            found = self._cgroups(t.container_ids)
+            missing = max(0, t.sharers - len(found))
+            for gpu, req in t.gpus:
+                share = share_of(req, t.sharers)
+                # a running ordinary init container's place is taken at the share when it ends
+                after = sum(max(0, share - self._used.get((gpu, cid), 0)) for cid, _cg in found if cid in t.init_ids)
+                if share * missing + after > 0:
+                    out.append(UsageSample(gpu_uuid=gpu, used_mib=share * missing + after,
+                                           pod_uid=t.key.pod_uid or None, namespace=t.key.namespace, pod=t.key.pod,
+                                           container=t.key.container))
         return out
 
-    def _claims_use(self, claims: Sequence[Claim]) -> dict[str, int]:
-        """Per GPU, what the containers of ``claims`` hold, each claim up to its grant (beyond it: foreign,
-        counted as held by nobody the loop may cut)."""
-        out: dict[str, int] = {}
+    def _claims_use(self, claims: Sequence[Claim], tenants: set[str]) -> list[UsageSample]:
+        """Per cgroup of the containers of ``claims`` (none of the ``tenants``' container IDs, read
+        already) and GPU, its use, by container ID: attribution books it to its claim up to the grant
+        (beyond it: foreign, held by nobody the loop may cut), as NVML's processes on the other paths."""
+        out: list[UsageSample] = []
         for c in claims:
-            cgroups = self._cgroups(c.container_ids)
-            for gpu, mib in c.gpus:
-                held = 0
-                for _cid, cgroup in cgroups:
+            for cid, cgroup in self._cgroups(c.container_ids - tenants):
+                for gpu, _mib in c.gpus:
                     try:
-                        held += self._limits.get(gpu, cgroup).used_mib
+                        used = self._limits.get(gpu, cgroup).used_mib
                     except LimitError as exc:  # unread: foreign, as before
                         log.warning("shared claim's cgroup use unreadable", claim=c.name, error=str(exc))
-                out[gpu] = out.get(gpu, 0) + min(held, mib)
+                        continue
+                    out.append(UsageSample(gpu_uuid=gpu, used_mib=used, container_id=cid))
         return out
 
-    def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample],
-                 claimed: Mapping[str, int] | None = None) -> list[UsageSample]:
-        """Per GPU, memory in use that no tenant cgroup holds (another plugin's pod, a host process) nor a
-        held claim within its grant (``claimed``): an anonymous sample, which attribution books as foreign
-        so quotas never promise it."""
-        mine: dict[str, int] = dict(claimed or {})
+    def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
+        """Per GPU, memory in use that no cgroup read holds (another plugin's pod, a host process): an
+        anonymous sample, which attribution books as foreign so quotas never promise it."""
+        mine: dict[str, int] = {}
         for s in ours:
             mine[s.gpu_uuid] = mine.get(s.gpu_uuid, 0) + s.used_mib
         out = []
@@ -194,9 +236,10 @@ class DriverFence:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
             soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
             uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
-            # each one not started yet will start at its CDI spec's share: that much is kept for it
-            kept = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers) * missing
-            self._set_split(d.gpu_uuid, cgroups, soft - min(soft, kept), top - min(top, kept), uses, errors)
+            # each one not started yet, or to follow an ordinary init container, will start at its CDI
+            # spec's share: that much is kept for it (split_slots)
+            share = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers)
+            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors, tenant.init_ids, share, missing)
         self._over = {k: v for k, v in self._over.items() if k != tenant.key}
         if not errors:
             self._over[tenant.key] = tuple(cg for _cid, cg in cgroups)
@@ -221,6 +264,6 @@ class DriverFence:
                     continue
                 uses.append(got.used_mib)
                 self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
-            kept = min(mib, share_of(mib, claim.sharers) * missing)
-            self._set_split(gpu, cgroups, mib - kept, mib - kept, uses, errors)
+            share = share_of(mib, claim.sharers)
+            self._set_split(gpu, cgroups, mib, mib, uses, errors, claim.init_ids, share, missing)
         return errors

@@ -234,6 +234,7 @@ class QuotaLoop:
         self.class_counts: dict[tuple[str, str], int] = defaultdict(int)  # (class, changes | breaches)
         self.tenants_now: list[Tenant] = []  # this tick's tenants (the warm channel, residency, a replay)
         self._claim_req: dict[str, dict[str, int]] = {}  # unowned quota files: what Allocate granted
+        self._named: set[str] = set()  # the quota files of the source's pending claims (each its claim's own)
         self.last = TickReport()  # the latest tick, for the metrics collector
         self.counts: dict[str, int] = defaultdict(int)  # ticks, skipped, changes, errors, writes, breaches
         self.warm = warm  # the warm tier (issue 23): sleeping engines lend, waking ones are granted first
@@ -425,7 +426,7 @@ class QuotaLoop:
             report.skipped = "no usage source answered"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
             return report
-        seen = attribute(samples, tenants)
+        seen = attribute(samples, tenants, shared)  # a shared claim's memory is its own, at its grant: not foreign
         now, st = self._clock(), self.settings
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
         unknown: set[tuple[TenantKey, str]] = set()  # engines on a file this process never saw: never raised
@@ -698,17 +699,21 @@ class QuotaLoop:
     def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim], list[Claim]]:
         """The claims of containers that are not tenants yet: the source's pending ones (``list_pending``)
         and the quota files they or Allocate wrote. A pending claim whose file is there is counted as
-        that file, at what its source granted (a restarted loop knows it too), so it can be fitted.
-        Third: the source's claims whose containers it knows (to fence, :meth:`_hold_claims`)."""
+        that file, at what its source granted (a restarted loop knows it too), so it can be fitted; such
+        a file is its claim's own (``self._named``), never taken for another pending claim of the same
+        size (:meth:`_reserved`). Third: the source's claims whose containers it knows (to fence,
+        :meth:`_hold_claims`)."""
         pending_of = getattr(self._tenants, "list_pending", None)
         listed = list(pending_of()) if pending_of is not None else []
         pending, files = [], unowned_quota_files(self._root, [self._dir(t) for t in tenants])
+        self._named = set()
         for c in listed:
             f = file_claim(c.quota_dir) if c.quota_dir else None
             if f is None:
                 pending.append(c)
             else:
                 self._claim_req[f.name] = dict(c.gpus)
+                self._named.add(f.name)
                 files.append(f)
         return pending, files, [c for c in listed if c.container_ids]
 
@@ -728,8 +733,11 @@ class QuotaLoop:
         for f in files:  # a file the loop lowered still claims what Allocate granted
             self._claim_req.setdefault(f.name, dict(f.gpus))
         files = [Claim(f.name, tuple((g, self._claim_req[f.name].get(g, m)) for g, m in f.gpus)) for f in files]
+        # only a file no source names (Allocate's) may be the container of a pending pod (merge_claims); a
+        # DRA claim's own file matched with another claim allocated here of the same size counted the two once
+        own = [f for f in files if f.name in self._named]
         out: dict[str, int] = defaultdict(int)
-        for c in merge_claims(pending, files):
+        for c in merge_claims(pending, [f for f in files if f.name not in self._named]) + own:
             for gpu, mib in c.gpus:
                 out[gpu] += mib
         return dict(out)

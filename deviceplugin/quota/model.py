@@ -46,6 +46,9 @@ class Tenant:
     # how many of its containers run at once, at most (a DRA claim that several containers name): the
     # driver fence splits its limit among that many cgroups, keeping a share for one not started yet
     sharers: int = 1
+    # the ordinary init containers among ``container_ids``: each ends and the next container takes its
+    # place at its CDI share, so the fence keeps that share out of what the others may grow to
+    init_ids: frozenset[str] = frozenset()
 
 
 class Phase(str, enum.Enum):
@@ -161,6 +164,7 @@ class Claim:
     # share of ``gpus``, so together they never hold more than was promised
     container_ids: frozenset[str] = frozenset()
     sharers: int = 1
+    init_ids: frozenset[str] = frozenset()  # the ordinary init containers among them (as ``Tenant.init_ids``)
 
 
 @dataclass(frozen=True)

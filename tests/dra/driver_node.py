@@ -1,4 +1,5 @@
-"""A DRA node in driver (or MPS) mode for the fence properties (tests/dra/test_driver_fence_soundness.py).
+"""A DRA node in driver (or MPS, or cooperative) mode for the fence properties
+(tests/dra/test_driver_fence_soundness.py).
 
 Real: the preparer (:class:`ClaimPreparer`: reads the claim and its pods, writes the quota file and the CDI
 spec with each container's share), the tenant source (:class:`ClaimTenantSource` over the preparer's
@@ -22,14 +23,22 @@ checkpoint and the pod cache), the quota loop, policy and writer, and the driver
   releasing one (``unmap``) gives back what is above its hard limit, a throttling one only as its demand
   drops; the pod's engine (first app container naming the claim) reports on /metrics its release mode and
   the quota generation it applied, ``ack_lag`` ticks after the loop wrote it.
+
+In cooperative mode nothing fences (no limits per cgroup; the loop has no fence) and the loop reads use
+as it does there, from NVML's processes (:class:`NvmlProcessReader`: each container's process, its host
+PID tied to the container through ``/proc/<pid>/cgroup``, so its container IDs are 64 hex digits, as the
+runtime's are); its engines hold their demand (give them demands within their claims).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from deviceplugin.dra.claims import ClaimRef
@@ -40,7 +49,7 @@ from deviceplugin.nvml_limits import CgroupFinder, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams
-from deviceplugin.quota.telemetry import VllmSample
+from deviceplugin.quota.telemetry import NvmlProcessReader, VllmSample
 from deviceplugin.quota.writer import read_quota
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml, OutOfMemory
 from vramshare import contract
@@ -106,7 +115,7 @@ class SimPod:
 
     @property
     def uid(self) -> str:
-        return f"uid-{self.name}"
+        return str(uuid.uuid5(uuid.NAMESPACE_DNS, f"pod-{self.name}"))  # as the API server's: NVML's path parses it
 
     def inits(self) -> list[Ctr]:
         return [c for c in self.containers if c.kind != "app"]
@@ -149,6 +158,15 @@ class GpuNvml(FakeNvml):
         info.used += sum(b for (g, _cg), b in self.used.items() if g == uuid)
         return info
 
+    pids: dict[str, int]  # cgroup -> the host PID of its process (the node sets it)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        """One process per cgroup holding memory on the GPU (``usedGpuMemory`` in bytes, as pynvml's)."""
+        self._enter("nvmlDeviceGetComputeRunningProcesses", handle)
+        uuid_ = self.gpus[handle.gpu].uuid
+        return [SimpleNamespace(pid=self.pids[cg], usedGpuMemory=b)
+                for (g, cg), b in sorted(self.used.items()) if g == uuid_ and b and cg in self.pids]
+
 
 class DriverDraNode:
     """One GPU, the claims and pods given, ``mode`` driver (the loop fences) or mps (fixed at start)."""
@@ -159,6 +177,8 @@ class DriverDraNode:
         self.cgroot = os.path.join(root, "cgroup")
         os.makedirs(os.path.join(self.cgroot, "kubepods.slice"), exist_ok=True)
         self.nv = GpuNvml([H100_80GB])
+        self.nv.pids = {}
+        self.proc_root = os.path.join(root, "proc")
         self.nv.driver_version = "615.20.01"
         self.nv.nvmlInit()
         base = Config(quota_host_dir=os.path.join(root, "quota"),
@@ -177,10 +197,11 @@ class DriverDraNode:
 
     def restart_loop(self) -> None:
         """A new quota loop and fence on the same files and cgroups (the DaemonSet restarted)."""
-        mode = self.mode if self.mode is EnforcementMode.DRIVER else EnforcementMode.MPS
         self.fence = DriverFence(NvmlMemoryLimits(self.nv), CgroupFinder(self.cgroot))
-        self.loop = QuotaLoop(self.source, lambda: {GPU: CAP}, [], self.params, self.config.quota_host_dir,
-                              signals=self, mode=mode,
+        cooperative = self.mode is EnforcementMode.COOPERATIVE
+        readers = [NvmlProcessReader(self.nv, proc_root=self.proc_root)] if cooperative else []
+        self.loop = QuotaLoop(self.source, lambda: {GPU: CAP}, readers, self.params, self.config.quota_host_dir,
+                              signals=self, mode=self.mode,
                               fence=self.fence if self.mode is EnforcementMode.DRIVER else None,
                               settings=LoopSettings(params=self.params, startup_ticks=3))
 
@@ -257,6 +278,12 @@ class DriverDraNode:
         c.cid = f"{p.name}-{c.name}-{c.generation}".ljust(24, "x")
         c.started = self.t
         c.first_start = self.t if c.first_start is None else c.first_start
+        if self.mode is EnforcementMode.COOPERATIVE:  # its process, as NVML and /proc show it
+            c.cid = hashlib.sha256(c.cid.encode()).hexdigest()
+            pid = self.nv.pids[self.cgroup(p, c)] = 1000 + len(self.nv.pids)
+            os.makedirs(os.path.join(self.proc_root, str(pid)))
+            with open(os.path.join(self.proc_root, str(pid), "cgroup"), "w", encoding="utf-8") as fh:
+                fh.write(f"0::{self.cgroup(p, c)}\n")
         os.makedirs(os.path.join(self.cgroot, self.cgroup(p, c).lstrip("/")))
         self.use[(p.name, c.name)] = 0
         if c.gpu and self.mode is EnforcementMode.DRIVER:
@@ -370,6 +397,8 @@ class DriverDraNode:
 
     def hard(self, p: SimPod, c: Ctr) -> int:
         """The container's hard limit in force (MiB); a cgroup without one is unlimited."""
+        if self.mode is EnforcementMode.COOPERATIVE:
+            return CAP * 4  # nothing fences
         if self.mode is not EnforcementMode.DRIVER:
             env = self.spec_env(p.claim)
             return int(env[contract.ENV_MPS_PINNED_MEM_LIMIT].split("=")[1].rstrip("M"))

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass
 
-import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from deviceplugin.quota.model import PolicyParams
@@ -32,7 +32,25 @@ from vramshare.inventory import EnforcementMode
 GIB = 1024
 TICKS = 40
 EXAMPLES = int(os.environ.get("VRAMSHARE_HUNT_EXAMPLES", "60"))  # CI: ~5 s; the hunt ran thousands
-LEAD = 2 * 2 + 2  # ticks from a later bind to the pod's start (acknowledgement lags are 0-2)  # the hunt ran thousands (see the note)
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """What the generator draws from: CI's, or the hunt's wider ones (``VRAMSHARE_HUNT_WIDE=1``)."""
+
+    ticks: int = TICKS
+    claims: int = 3  # 1..claims claims
+    pods: tuple[int, ...] = (1, 1, 2, 3)  # pods per claim
+    restarts: int = 2  # per container, at most
+    ack: int = 2  # acknowledgement lag, at most
+    status: int = 1  # pod-cache lag, at most
+    demand: tuple[int, int] = (3, 2)  # a container's demand: up to grant * 3 // 2
+    headrooms: tuple[str, ...] = ("forecast", "peak")
+
+
+R = Ranges(60, 4, (1, 1, 2, 3, 4), 3, 3, 2, (2, 1), ("forecast", "peak", "learned")) \
+    if os.environ.get("VRAMSHARE_HUNT_WIDE") == "1" else Ranges()
+LEAD = 2 * R.ack + 2  # ticks from a later bind to the pod's start (2 x the largest acknowledgement lag + 2)
 
 
 def walk(seed: int, top: int, ticks: int = TICKS) -> list[int]:
@@ -47,20 +65,21 @@ def walk(seed: int, top: int, ticks: int = TICKS) -> list[int]:
 
 @st.composite
 def containers(draw, pod: str, grant: int) -> list[Ctr]:
-    """1-3 containers naming the claim (app, init or sidecar), at least one app container, maybe a plain
-    one; each demands up to 1.5 x the grant (hostile: more than any share of it). No ordinary init container
-    after a sidecar: that case is open (test_a_sidecar_grown_into_an_init_container_s_part_..., xfail)."""
+    """1-3 containers naming the claim (app, init or sidecar, in any order), at least one app container,
+    maybe a plain one; each demands up to 1.5 x the grant (hostile: more than any share of it)."""
     kinds = draw(st.lists(st.sampled_from(["app", "app", "init", "sidecar"]), min_size=1, max_size=3))
     if "app" not in kinds:
         kinds.append("app")
-    if "sidecar" in kinds and "init" in kinds[kinds.index("sidecar"):]:  # the open case: see the xfail below
-        kinds = [k for k in kinds if k != "init"]
+    if "sidecar" in kinds and "init" in kinds[kinds.index("sidecar"):]:
+        event("an ordinary init container after a sidecar")  # drahunt's open case, closed by fence.split_slots
+    top = grant * R.demand[0] // R.demand[1]
     out = []
     for i, kind in enumerate(kinds):
-        restarts = () if kind == "init" else tuple(sorted(set(draw(st.lists(st.integers(2, TICKS), max_size=2)))))
+        restarts = () if kind == "init" else \
+            tuple(sorted(set(draw(st.lists(st.integers(2, R.ticks), max_size=R.restarts)))))
         seed = draw(st.integers(0, 2 ** 16))
-        out.append(Ctr(f"c{i}", kind, True, walk(seed, grant * 3 // 2), restarts, init_ticks=draw(st.integers(1, 3)),
-                       label=f"walk({seed}, {grant * 3 // 2})"))
+        out.append(Ctr(f"c{i}", kind, True, walk(seed, top, R.ticks), restarts, init_ticks=draw(st.integers(1, 3)),
+                       label=f"walk({seed}, {top}, {R.ticks})"))
     if draw(st.booleans()):
         out.append(Ctr("plain", "app", False, [0], label="[0]"))
     return out
@@ -71,23 +90,23 @@ def nodes(draw) -> tuple[list[SimClaim], list[SimPod]]:
     """1-3 claims whose grants fit the GPU (the allocator's books), each used by 1 pod (a tenant) or 2-3
     pods (shared); pods bound and started at random ticks (a later one may join after Prepare), some
     deleted later; release modes, acknowledgement lags and pod-cache lags at random."""
-    n = draw(st.integers(1, 3))
+    n = draw(st.integers(1, R.claims))
     left, claims, pods = CAP // GIB, [], []
     for i in range(n):
         grant = draw(st.integers(2, max(2, left // (n - i)))) * GIB
         left -= grant // GIB
         claims.append(SimClaim(f"k{i}", grant))
         first = draw(st.integers(0, 10))
-        for j in range(draw(st.sampled_from([1, 1, 2, 3]))):
+        for j in range(draw(st.sampled_from(R.pods))):
             bind = first if j == 0 else draw(st.integers(first, first + 20))
             # as the device plugin's property (tests/quota/test_node_soundness.py nodes()): a pod bound beside
             # running ones starts after the loop could shrink a lender it was lent from (2 x the largest
             # acknowledgement lag + 2 ticks: image pull, model load); at tick 0 nobody has lent anything
             start = bind + draw(st.integers(0, 2)) + (LEAD if bind else 0)
-            stop = draw(st.one_of(st.none(), st.integers(start + 3, TICKS + 5)))
+            stop = draw(st.one_of(st.none(), st.integers(start + 3, R.ticks + 5)))
             pods.append(SimPod(f"p{i}{j}", f"k{i}", bind, start, stop, draw(containers(f"p{i}{j}", grant)),
                                mode=draw(st.sampled_from(["unmap", "unmap", "throttle"])),
-                               ack_lag=draw(st.integers(0, 2)), status_lag=draw(st.integers(0, 1))))
+                               ack_lag=draw(st.integers(0, R.ack)), status_lag=draw(st.integers(0, R.status))))
     return claims, pods
 
 
@@ -142,11 +161,11 @@ def run_and_check(node: DriverDraNode, ticks: int = TICKS, restart: int | None =
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(nodes(), st.one_of(st.none(), st.integers(1, TICKS - 1)), st.sampled_from(["forecast", "peak"]))
+@given(nodes(), st.one_of(st.none(), st.integers(1, R.ticks - 1)), st.sampled_from(R.headrooms))
 def test_driver_fences_hold_claims_in_sum_on_the_dra_node(tmp_path_factory, world, restart, headroom):
     claims, pods = world
     node = DriverDraNode(str(tmp_path_factory.mktemp("node")), claims, pods, PolicyParams(headroom=headroom))
-    run_and_check(node, restart=restart)
+    run_and_check(node, R.ticks, restart=restart)
 
 
 # -- the counterexamples the hunt found, as examples (each fails on the branch's base, c5ed0ab, but the one
@@ -253,16 +272,14 @@ def test_a_shared_claim_s_memory_is_counted_once(tmp_path):
     assert node.loop.capacities[GPU] == CAP
 
 
-@pytest.mark.xfail(strict=True, reason="open: a sidecar grows into an ordinary init container's part of the split; "
-                   "the app that replaces the init starts at its CDI share on top")
 def test_a_sidecar_grown_into_an_init_container_s_part_leaves_no_room_for_the_app(tmp_path):
-    """Open (the hunt's last counterexample, also inside the CI ranges; excluded from the generator). A 45 GiB
-    claim of a sidecar, an init container and the app (two run at once: 22,5 GiB each in the CDI spec), lent
-    up to 67 GiB. While the sidecar and the init container run, the split gives the busy sidecar the rest
-    (up to 68,608 MiB; it holds 54,590); the init container ends and the app starts at its spec's 23,040 on
-    top: 77,630 MiB on a 68,608 limit, 81,408 of hard limits on the GPU. A sound split keeps, for the
-    container that will follow an ordinary init container, its share: the sidecar may hold no more than the
-    limit less one share per other slot, and a lent limit must be cut before the init container ends."""
+    """The drahunt's last counterexample (fails on deb8676, where it was a strict xfail). A 45 GiB claim of
+    a sidecar, an init container and the app (two run at once: 22,5 GiB each in the CDI spec), lent up to
+    67 GiB. While the sidecar and the init container ran, the split gave the busy sidecar the rest (up to
+    68,608 MiB; it held 54,590); the init container ended and the app started at its spec's 23,040 on top:
+    77,630 MiB on a 68,608 limit, 81,408 of hard limits on the GPU. The split (``fence.split_slots``) keeps
+    the share of the container that follows an ordinary init container: the sidecar may grow to the limit
+    less that share, and the app's start fits."""
     claims = [SimClaim("k0", 6144), SimClaim("k1", 2048), SimClaim("k2", 46080)]
     pods = [SimPod("p00", "k0", 1, 8, None, [_w("c0", "app", 52, 9216)], ack_lag=2),
             SimPod("p10", "k1", 0, 0, None, [_w("c0", "app", 0, 3072)]),
@@ -283,7 +300,7 @@ def test_in_mps_mode_a_claim_s_clients_hold_at_most_its_grant(tmp_path_factory, 
     claim after Prepare is the exception (next test): its clients get the share made for the pods then."""
     claims, pods = world
     node = DriverDraNode(str(tmp_path_factory.mktemp("mps")), claims, pods, mode=EnforcementMode.MPS)
-    for _ in range(TICKS):
+    for _ in range(R.ticks):
         node.step()
         live = [(p, c) for p in node.pods for c in node.live(p) if c.gpu and not node.joined_late(p)]
         assert sum(node.hard(p, c) for p, c in live) <= CAP
@@ -314,3 +331,90 @@ def test_a_pod_joining_late_holds_the_share_made_at_prepare_until_the_loop_sees_
     for _ in range(8):
         node.step()
     assert sum(node.hard(p, c) for p in pods for c in node.live(p)) == 2 * 8192
+
+
+# -- cooperative mode: nothing fences, the loop reads use from NVML's processes -------------------------------
+def test_in_cooperative_mode_a_shared_claim_s_memory_is_counted_once(tmp_path):
+    """Fault 8 of the drahunt (a shared claim's memory counted twice: as foreign, in no tenant's
+    container, and at its grant as a pending claim) on the cooperative path: NVML's processes of the two
+    pods sharing a 31 GiB claim matched no tenant, so the loop took them off the GPU's capacity and
+    counted the claim at its grant on top, and the tenants were squeezed into what was left (the 35 GiB
+    claim of a tenant cut below its grant while it used it all). Within its grant, a shared claim's
+    processes are the claim's memory, counted once; beyond it, foreign."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", 35840), SimClaim("k2", 31744)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 2048)]),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", 35840)]),
+            SimPod("p20", "k2", 0, 0, None, [_flat("c0", "app", 15872)]),
+            SimPod("p21", "k2", 0, 0, None, [_flat("c0", "app", 15872)])]
+    node = DriverDraNode(str(tmp_path), claims, pods, mode=EnforcementMode.COOPERATIVE)
+    for _ in range(10):
+        node.step()
+        assert node.loop.capacities[GPU] == CAP, node.t
+        assert node.lent["k1"][-1] >= 35840 and node.lent["k0"][-1] >= 2048, node.lent
+    assert node.loop.counts["node_overcommit"] == 0
+    assert sum(node.use.values()) == 2048 + 35840 + 2 * 15872  # the engines hold what they want
+
+
+def test_a_claim_allocated_before_prepare_is_not_taken_for_a_shared_claim_s_file(tmp_path):
+    """Found by the wide hunt (VRAMSHARE_HUNT_WIDE=1; fails on deb8676 too): a 10 GiB claim two pods share
+    has its quota file; another 10 GiB claim is allocated here for a pod bound at tick 10, prepared at 18.
+    The loop merged the file with the unprepared claim of the same size (``merge_claims``: on the kubelet
+    path a pod bound here and the file Allocate wrote for it are one container), so it counted 10 GiB
+    once for the two, and lent it to a hungry tenant (up to 58,368 MiB, its engine acknowledging 2 ticks
+    late); the pod started at its CDI share and the hard limits in force passed the GPU (81,920 MiB on
+    80,896). A file its source names is that claim's own, never merged with another claim."""
+    def w(name: str, kind: str, top: int) -> Ctr:
+        return Ctr(name, kind, True, walk(0, top, 60), init_ticks=1, label=f"walk(0, {top}, 60)")
+    claims = [SimClaim("k0", 10240), SimClaim("k1", 10240), SimClaim("k2", 2048), SimClaim("k3", 38912)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [w("c0", "app", 20480)], ack_lag=0),
+            SimPod("p01", "k0", 0, 0, None, [w("c0", "app", 20480)], ack_lag=0),
+            SimPod("p10", "k1", 10, 18, None, [w("c0", "app", 20480)], ack_lag=0, status_lag=1),
+            SimPod("p20", "k2", 0, 0, None, [w("c0", "app", 4096)], ack_lag=0),
+            SimPod("p30", "k3", 4, 14, None, [w("c0", "init", 77824), w("c1", "app", 77824)], ack_lag=2,
+                   status_lag=1)]
+    node = DriverDraNode(str(tmp_path), claims, pods)
+    for _ in range(12):
+        node.step()
+    assert node.loop.last.reserved == {GPU: 10240 + 10240 + 38912}  # k0's file, k1 and k3 before Prepare
+    run_and_check(node, ticks=12)
+
+
+@settings(max_examples=max(5, EXAMPLES // 3), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(nodes())
+def test_in_cooperative_mode_memory_within_its_claims_is_never_foreign(tmp_path_factory, world):
+    """Cooperative mode (nothing fences; the loop reads NVML's processes): when every container holds no
+    more than its claim's share, every MiB on the GPU is some claim's, so the loop books none as foreign
+    (its capacity stays the GPU's) and its node check never fires: tenants, shared claims, claims
+    allocated before Prepare and late joiners are each counted once."""
+    claims, pods = world
+    for p in pods:
+        users = sum(1 for q in pods if q.claim == p.claim for c in q.containers if c.gpu)
+        share = next(c.grant for c in claims if c.name == p.claim) // users
+        for c in p.containers:
+            c.demand = [min(d, share) for d in c.demand]
+    node = DriverDraNode(str(tmp_path_factory.mktemp("coop")), claims, pods, mode=EnforcementMode.COOPERATIVE)
+    for _ in range(R.ticks):
+        node.step()
+        assert node.loop.capacities.get(GPU, CAP) == CAP, (node.t - 1, node.loop.last.reserved)
+    assert node.loop.counts["node_overcommit"] == 0
+
+
+def test_a_loop_restarted_while_a_container_restarts_does_not_lend_its_cdi_share_to_the_sibling(tmp_path):
+    """Found by the wide hunt (VRAMSHARE_HUNT_WIDE=1, seed 31; fails on deb8676 too): a 29 GiB claim of two
+    app containers (14,848 MiB each in the CDI spec) cut to 36,352 MiB; one container restarts (a new
+    cgroup at its spec's share, its ID in the status 2 ticks late) and the quota loop restarts the tick
+    after. The new loop bounds what the engine may hold by the hard limits in force (drahunt fix 7b), but
+    with a container not found it knew none and took the old file's ceiling (44,544 = 1.5 x the grant):
+    the sibling's hard limit rose to it, and it held 44,544 MiB on a claim lent 36,352. The bound counts
+    each container not found at its CDI share (``DriverFence.hard_in_force``)."""
+    def w(name: str, top: int, restarts: tuple[int, ...] = ()) -> Ctr:
+        return Ctr(name, "app", True, walk(0, top, 60), restarts, init_ticks=1, label=f"walk(0, {top}, 60)")
+    claims = [SimClaim("k0", 16384), SimClaim("k1", 13312), SimClaim("k2", 29696)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [w("c0", 32768)], ack_lag=0),
+            SimPod("p10", "k1", 0, 0, None, [w("c0", 26624)], ack_lag=0),
+            SimPod("p11", "k1", 0, 0, None, [w("c0", 26624)], ack_lag=0),
+            SimPod("p12", "k1", 19, 27, None, [w("c0", 26624)], ack_lag=0),
+            SimPod("p13", "k1", 17, 25, None, [w("c0", 26624)], ack_lag=0),
+            SimPod("p20", "k2", 7, 15, None, [w("c0", 59392), w("c1", 59392, (3,))], ack_lag=3, status_lag=2)]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=21, restart=19)

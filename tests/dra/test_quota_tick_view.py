@@ -449,3 +449,28 @@ def test_a_claim_two_pods_share_comes_with_both_pods_containers_to_fence():
     [pending] = source.list_pending()
     assert pending.container_ids == frozenset({"a-vllm", "b-vllm"}) and pending.sharers == 2
     assert pending.gpus == (("GPU-0", 24576),)
+
+
+def test_a_claim_s_ordinary_init_containers_are_named_to_the_fence():
+    """The kubelet runs an ordinary init container alone beside the sidecars started before it and starts
+    the next container in its place when it ends, at the claim's CDI share: the tenant (and a shared
+    claim's pending claim) names which of its IDs are such init containers, read from the pod's spec, so
+    the driver fence keeps that share out of what a sidecar may grow to (``fence.split_slots``)."""
+    uses = {"resources": {"claims": [{"name": "gpu"}]}}
+    pod = {**_pod("busy"),
+           "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimName": "busy"}],
+                    "initContainers": [{"name": "fetch", **uses}, {"name": "proxy", "restartPolicy": "Always", **uses},
+                                       {"name": "warm", **uses}],
+                    "containers": [{"name": "vllm", **uses}]}}
+    pod["status"] = {**pod["status"],
+                     "initContainerStatuses": [{"name": n, "containerID": f"containerd://{n}-id"}
+                                               for n in ("fetch", "proxy", "warm")]}
+    [tenant] = _source({"cuid-busy": _claim("busy", "busy", 24576)}, [pod]).list_tenants()
+    assert tenant.container_ids == frozenset({"fetch-id", "proxy-id", "warm-id"}) and tenant.sharers == 2
+    assert tenant.init_ids == frozenset({"fetch-id", "warm-id"})  # the sidecar stays: not one of them
+    claim = PreparedClaim(uid="cuid-busy", namespace="default", name="busy", state="prepared", cdi_spec="/x",
+                          pod_uids=("uid-a", "uid-b"), pod_names=("a", "b"), gpus={"GPU-0": 24576})
+    source = _source({"cuid-busy": claim}, [pod])
+    assert source.list_tenants() == []
+    [pending] = source.list_pending()
+    assert pending.init_ids == frozenset({"fetch-id", "warm-id"}) and pending.sharers == 2

@@ -36,3 +36,19 @@ def test_unknown_pods_and_host_processes_are_foreign_per_gpu():
                      UsageSample("GPU-1", 64, pod_uid="uid-chat")], TENANTS)  # chat has nothing on GPU-1
     assert got.used == {}
     assert got.foreign == {"GPU-0": 1000, "GPU-1": 64}
+
+
+def test_a_shared_claim_s_processes_are_its_own_within_its_grant():
+    """A DRA claim several pods share is no tenant; the loop counts it at its grant. Its containers'
+    processes (NVML: by container ID) were foreign on top, the claim counted twice (drahunt fault 8 on the
+    cooperative and NVML paths): within its grant they are the claim's, beyond it foreign."""
+    from deviceplugin.quota.model import Claim
+    shared = Claim("llm/shared", (("GPU-0", 8192),), container_ids=frozenset({"cid-x", "cid-y"}), sharers=2)
+    samples = [UsageSample("GPU-0", 5000, pod_uid="uid-x", container_id="cid-x"),
+               UsageSample("GPU-0", 4000, pod_uid="uid-y", container_id="cid-y"),
+               UsageSample("GPU-0", 1000, pod_uid="uid-chat", container_id="cid-a"),
+               UsageSample("GPU-0", 300, pid=9)]  # a host process
+    got = attribute(samples, TENANTS, [shared])
+    assert got.used == {(A, "GPU-0"): 1000}
+    assert got.claimed == {"GPU-0": 8192} and got.foreign == {"GPU-0": 300 + 9000 - 8192}
+    assert attribute(samples, TENANTS).foreign == {"GPU-0": 9300}  # no claims given: as before

@@ -336,4 +336,71 @@ def test_the_hard_limits_in_force_are_read_with_the_use(node):
     a = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]))
     b = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]), sharers=2)
     fence.read_usage([a, b])
-    assert fence.hard_in_force(A, GPU) == 25000 and fence.hard_in_force(B, GPU) is None
+    assert fence.hard_in_force(A, GPU) == 25000 and fence.hard_in_force(B, GPU) is None  # b's is unlimited
+    # a container not found (restarting, its new ID not in the status yet) holds its CDI share on top (the
+    # wide hunt: with None, a restarted loop bounded the engine by the old file's ceiling)
+    nv.limits[(GPU, cgroup_of(B.pod_uid, CID_B))] = (10000 << 20, 12000 << 20)
+    fence.read_usage([a, b])
+    assert fence.hard_in_force(B, GPU) == 12000 + 15000
+
+
+def test_a_sidecar_keeps_room_for_the_container_that_follows_an_init_container(node):
+    """Found by tests/dra/test_driver_fence_soundness.py (open in drahunt, fixed in drasplit): a claim named
+    by a sidecar and an ordinary init container (two at once: the CDI share is half the grant). When the
+    init container ends, the kubelet starts the next container (the app) at that share, and the driver takes
+    nothing back from the sidecar: the sidecar may grow to the limit less that share, never into the init
+    container's part. The init container's slot counts as used at the share, so the claim is not cut
+    below what the app starts with."""
+    import pathlib
+    nv, cgroot, qroot = node
+    (pathlib.Path(cgroot) / cgroup_of(A.pod_uid, CID_A2).lstrip("/")).mkdir(parents=True)
+    a = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A, CID_A2]), sharers=2, init_ids=frozenset([CID_A2]))
+    b = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    loop = QuotaLoop(Tenants([a, b]), lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER,
+                     fence=fence, settings=LoopSettings(params=P, startup_ticks=0))
+    side, init = cgroup_of(A.pod_uid, CID_A), cgroup_of(A.pod_uid, CID_A2)
+    nv.allocate(GPU, side, 12000)
+    nv.allocate(GPU, init, 1000)
+    nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 20000)
+    used = {(s.pod, s.container_id): s.used_mib for s in fence.read_usage([a, b])}
+    assert used[("a", None)] == 15000 - 1000  # the app's share, less what the init container holds already
+    report = loop.run_once()
+    assert not report.errors, report.errors
+    limit = {d.key.pod: d.limit_mib for d in report.decisions}["a"]
+    assert limit >= 12000 + 15000  # the sidecar's use and the app's share
+    hard = {cg: nv.limits[(GPU, cg)][1] >> 20 for cg in (side, init)}
+    assert hard[side] == limit - 15000 and hard[side] + hard[init] == limit
+    with pytest.raises(OutOfMemory):  # the sidecar cannot take what the app will start with
+        nv.allocate(GPU, side, hard[side] - 12000 + 1)
+    nv.allocate(GPU, init, hard[init] - 1000)  # the init container may: its memory goes when it ends
+
+
+def test_split_slots_leaves_a_share_for_each_slot_to_be_filled():
+    """Pure: whatever the uses, the containers that stay never hold more (hard limit or use) than the limit
+    less a share per slot still to be filled when that is possible, and all together never more than the
+    limit less the unstarted shares; nobody is cut below what it holds when everything fits."""
+    from hypothesis import given, strategies as st
+
+    from deviceplugin.quota.fence import split_slots
+
+    @given(st.integers(0, 100_000), st.lists(st.tuples(st.integers(0, 60_000), st.booleans(), st.booleans()),
+                                             min_size=1, max_size=5), st.integers(0, 30_000), st.integers(0, 2))
+    def prop(limit, cs, share, unstarted):
+        uses, pressed, once = [u for u, _, _ in cs], [p for _, p, _ in cs], [o for _, _, o in cs]
+        out = split_slots(limit, uses, pressed, once, share, unstarted)
+        room = limit - min(limit, share * unstarted)
+        assert len(out) == len(uses) and all(x >= 0 for x in out) and sum(out) <= room
+        held = [max(x, u) for x, u in zip(out, uses)]
+        stay = sum(u for u, o in zip(uses, once) if not o)
+        if stay + share * sum(once) <= room:  # the slots after the init containers fit beside the rest
+            assert sum(h for h, o in zip(held, once) if not o) + share * sum(once) <= room
+        if sum(uses) <= room and stay + share * sum(once) <= room:
+            assert all(x >= u for x, u in zip(out, uses))
+            assert sum(held) <= room
+    prop()
+    # the drahunt's case: a 68,608 MiB lent limit, a busy sidecar and an init container (share 23,040)
+    assert split_slots(68608, [40000, 1000], [True, False], [False, True], 23040, 0) == [45568, 23040]
+    assert split_slots(68608, [40000, 1000], [True, False], [False, False], 23040, 0) == [67608, 1000]
+    # a sidecar that holds more than its part already (cut): it may not grow; the init gets what is left
+    assert split_slots(30000, [20000, 1000], [False, False], [False, True], 15000, 0) == [15000, 10000]
