@@ -4,6 +4,7 @@ exit without a GPU driver, and a config reload that changes which resources are 
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from standins.apiserver import ApiServerDouble
+from tests.fixtures.kubeconfig import write_kubeconfig
 from vramshare import contract
 from vramshare.config import Config
 from vramshare.inventory import GpuMode, NodeInventory
@@ -59,12 +61,7 @@ def test_standalone_subprocess_serves_reloads_on_sighup_and_exits_cleanly(kubele
 def test_with_a_kubeconfig_it_publishes_the_node_inventory(kubelet, short_dir):
     with ApiServerDouble() as api:
         api.create_node({"metadata": {"name": "gpu-1"}})
-        kubeconfig = os.path.join(short_dir, "kubeconfig")
-        with open(kubeconfig, "w", encoding="utf-8") as fh:
-            fh.write(f"apiVersion: v1\nkind: Config\ncurrent-context: double\n"
-                     f"clusters: [{{name: double, cluster: {{server: '{api.url}'}}}}]\n"
-                     f"users: [{{name: nobody, user: {{}}}}]\n"
-                     f"contexts: [{{name: double, context: {{cluster: double, user: nobody}}}}]\n")
+        kubeconfig = str(write_kubeconfig(pathlib.Path(short_dir) / "kubeconfig", api.url))
         proc = plugin_process(kubelet, "--kubeconfig", kubeconfig, "--node-name", "gpu-1",
                               "--quota-dir", os.path.join(short_dir, "quota"))
         try:
@@ -85,12 +82,7 @@ def test_the_inventory_says_which_config_text_the_plugin_runs(kubelet, short_dir
     from vramshare.config import text_digest
     with ApiServerDouble() as api:
         api.create_node({"metadata": {"name": "gpu-1"}})
-        kubeconfig = os.path.join(short_dir, "kubeconfig")
-        with open(kubeconfig, "w", encoding="utf-8") as fh:
-            fh.write(f"apiVersion: v1\nkind: Config\ncurrent-context: double\n"
-                     f"clusters: [{{name: double, cluster: {{server: '{api.url}'}}}}]\n"
-                     f"users: [{{name: nobody, user: {{}}}}]\n"
-                     f"contexts: [{{name: double, context: {{cluster: double, user: nobody}}}}]\n")
+        kubeconfig = str(write_kubeconfig(pathlib.Path(short_dir) / "kubeconfig", api.url))
         config = os.path.join(short_dir, "config.yaml")
         first, edited = "version: v1\n", "version: v1\nmemoryUnitMiB: 2048\nquota: {stepMiB: 256}\n"
         with open(config, "w", encoding="utf-8") as fh:
