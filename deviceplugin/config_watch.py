@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from deviceplugin import enforcement
 from deviceplugin.quota import rights
 from vramshare import config as vconfig
 from vramshare import logs
+from vramshare.contract.config_in_force import ConfigInForce
 
 log = logs.get(__name__)
 
@@ -85,6 +86,11 @@ class ConfigWatcher:
         """The config from the file, and its text's digest (one read: the digest is of what was parsed)."""
         text = self._text()
         return vconfig.parse_config(text, self.environ).with_overrides(**self.overrides), vconfig.text_digest(text)
+
+    def in_force(self, restart_pending: Sequence[str] = ()) -> ConfigInForce | None:
+        """What the node plugin says it runs (its inventory's or slices' ``config``): the text in force and
+        the keys of it its reload left for a restart; None while no text could be read."""
+        return ConfigInForce(self.digest, tuple(restart_pending)) if self.digest is not None else None
 
     def _accepted(self, digest: str) -> None:
         """The file text in force is now ``digest`` (a change applied, or one that changed nothing)."""

@@ -120,7 +120,7 @@ class DraPluginDaemon:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.refused: frozenset[str] = frozenset()
-        self.config_in_force: ConfigInForce | None = None  # the config text it runs, on its slices
+        self._watcher: ConfigWatcher | None = None  # the live reload, which knows the text in force
         self._restart_pending: tuple[str, ...] = ()
         self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
         self._quota_loop: Any = None
@@ -328,9 +328,13 @@ class DraPluginDaemon:
         self.state.on_config(config)
         set_restart_pending(self.metrics.restart_pending, pending)
 
-    def _config_accepted(self, digest: str) -> None:
+    @property
+    def config_in_force(self) -> ConfigInForce | None:
+        """The config text it runs and the keys waiting for a restart, on its slices."""
+        return self._watcher.in_force(self._restart_pending) if self._watcher is not None else None
+
+    def _config_accepted(self, _digest: str) -> None:
         """The config file text in force changed: the slices say so at the next publish (now)."""
-        self.config_in_force = ConfigInForce(digest, self._restart_pending)
         self._dirty.set()
 
     def config_watcher(self, path: str, initial: Config, environ: Any = None,
@@ -342,8 +346,7 @@ class DraPluginDaemon:
                                 on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self.node,
                                                            "vramshare-dra-plugin"),
                                 on_accepted=self._config_accepted)
-        if watcher.digest is not None:
-            self.config_in_force = ConfigInForce(watcher.digest)
+        self._watcher = watcher
         return watcher
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -104,7 +104,7 @@ class DevicePluginDaemon:
         self._threads: list[threading.Thread] = []
         self.failed: str | None = None
         self.models: tuple = ()  # issue 23: resident models, published in the inventory's ``models``
-        self.config_in_force: ConfigInForce | None = None  # the config file it runs, in the inventory's ``config``
+        self._watcher: ConfigWatcher | None = None  # the live reload, which knows the text in force
         self._restart_pending: tuple[str, ...] = ()
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self._quota_loop: Any = None
@@ -161,10 +161,14 @@ class DevicePluginDaemon:
         return contract_inventory.encode(dataclasses.replace(inventory, models=self.models,
                                                              config=self.config_in_force))
 
-    def _config_accepted(self, digest: str) -> None:
+    @property
+    def config_in_force(self) -> ConfigInForce | None:
+        """The config text it runs and the keys waiting for a restart, in the inventory's ``config``."""
+        return self._watcher.in_force(self._restart_pending) if self._watcher is not None else None
+
+    def _config_accepted(self, _digest: str) -> None:
         """The config file text in force changed: the inventory says so (``vramshare check`` compares it
         with the ConfigMap), with the keys of it that wait for a restart."""
-        self.config_in_force = ConfigInForce(digest, self._restart_pending)
         if self.publisher is not None:
             self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))
 
@@ -250,8 +254,7 @@ class DevicePluginDaemon:
                                 on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self._node_name,
                                                            "vramshare-device-plugin"),
                                 on_accepted=self._config_accepted)
-        if watcher.digest is not None:
-            self.config_in_force = ConfigInForce(watcher.digest)
+        self._watcher = watcher
         return watcher
 
     def wait(self, timeout: float | None = None) -> bool:

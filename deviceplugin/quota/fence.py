@@ -142,8 +142,9 @@ class DriverFence:
         out: list[UsageSample] = []
         failures: list[str] = []
         self._used, self._hard, self._pressed = {}, {}, {}
+        found_of: dict[TenantKey, list[tuple[str, str]]] = {}
         for t in tenants:
-            found = self._cgroups(t.container_ids)
+            found = found_of[t.key] = self._cgroups(t.container_ids)
             missing = max(0, t.sharers - len(found))
             for gpu, req in t.gpus:  # one not found holds (or starts at) its CDI share: on top of those found
                 self._hard[(t.key, gpu)] = share_of(req, t.sharers) * missing
@@ -166,20 +167,22 @@ class DriverFence:
             raise TelemetryError(f"driver limits: {failures[0]}")
         out.extend(self._claims_use(claims, {cid for t in tenants for cid in t.container_ids}))
         out.extend(self._foreign(tenants, out))
-        out.extend(self._unstarted(tenants))
+        out.extend(self._unstarted(tenants, found_of))
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
         return out
 
-    def _unstarted(self, tenants: Sequence[Tenant]) -> list[UsageSample]:
+    def _unstarted(self, tenants: Sequence[Tenant],
+                   found_of: Mapping[TenantKey, list[tuple[str, str]]]) -> list[UsageSample]:
         """Per tenant and GPU, the share of each of its containers whose cgroup is not found (not started,
         restarting, or its ID not in the pod's status yet), counted as used: the toolkit gives it its CDI
         spec's share when it starts (:func:`share_of`), so the tenant must not be cut below it (a tenant
         whose one container restarts comes back at its whole grant, whatever it was cut to), and its
-        running siblings are fenced at what is left (:meth:`apply`)."""
+        running siblings are fenced at what is left (:meth:`apply`). ``found_of``: the cgroups
+        :meth:`read_usage` found this tick (a container not found is searched for once, not twice)."""
         out = []
         for t in tenants:
-            found = self._cgroups(t.container_ids)
+            found = found_of.get(t.key, [])
             missing = max(0, t.sharers - len(found))
             for gpu, req in t.gpus:
                 share = share_of(req, t.sharers)
