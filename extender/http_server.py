@@ -56,7 +56,7 @@ from typing import Protocol
 
 from extender import http1
 from extender.app import Response
-from extender.tls import Reloader, client_auth_refusal
+from extender.tls import ClientCertificate, Reloader
 from vramshare import logs
 
 __all__ = ["ExtenderHTTPServer", "Handler"]
@@ -96,7 +96,7 @@ class _Conn:
 
     __slots__ = ("sock", "peer", "buf", "head", "body_at", "out", "busy", "close_after", "closed",
                  "events", "since", "handshaking", "authenticated", "reserved", "share", "linger", "draining",
-                 "leaf", "refused_cert")
+                 "leaf", "refused_cert", "presented")
 
     def __init__(self, sock: socket.socket, peer: object, handshaking: bool = False) -> None:
         self.sock = sock
@@ -118,6 +118,7 @@ class _Conn:
         self.draining = False  # refused and answered: discarding, then close
         self.leaf = b""  # the verified client certificate (DER), re-checked when the client CA rotates
         self.refused_cert = ""  # why a verified certificate does not authenticate (no clientAuth EKU)
+        self.presented: ClientCertificate | None = None  # the certificate that authenticated it
 
 
 class ExtenderHTTPServer:
@@ -345,6 +346,9 @@ class ExtenderHTTPServer:
             self._next_tls_check = now + self.tls_check_s
             if self.tls.check():
                 self._recheck_clients()
+            for conn in self._conns:  # still presented: kept in the callers' memory (tls.PresentedCertificates)
+                if conn.presented is not None and not conn.closed:
+                    self.tls.presented.seen(conn.presented, now)
         for conn in list(self._conns):
             if conn.busy:
                 continue
@@ -457,13 +461,16 @@ class ExtenderHTTPServer:
         conn.since = time.monotonic()
         if sock.getpeercert():  # non-empty only when the client CA verified the client's chain
             leaf = sock.getpeercert(binary_form=True) or b""
-            why = client_auth_refusal(leaf)
-            if why is None:
+            try:
+                conn.presented = ClientCertificate.read(leaf)
+            except ValueError as exc:
+                conn.refused_cert = str(exc)
+                log.warning("client certificate does not authenticate", peer=str(conn.peer), reason=str(exc))
+            else:
                 conn.authenticated, conn.leaf = True, leaf
                 self._unauth.pop(conn, None)
-            else:
-                conn.refused_cert = why
-                log.warning("client certificate does not authenticate", peer=str(conn.peer), reason=why)
+                assert self.tls is not None
+                self.tls.presented.seen(conn.presented, conn.since)
         self._watch(conn, selectors.EVENT_READ)
         return True
 

@@ -134,6 +134,8 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
     extender = app.Extender(acct, binder.Binder(acct, kube_api, chosen, clock), watcher, stats, chosen)
     files = tls_files(config)
     reloader = tls.Reloader(files, lambda result: stats.tls_reloads.labels(result).inc()) if files else None
+    if reloader is not None:
+        stats.watch_client_certificates(reloader.presented)
     server = http_server.ExtenderHTTPServer(extender, host, port, tls=reloader)
     side = (http_server.ExtenderHTTPServer(extender, *metrics_at, routes=METRICS_ROUTES, workers=2,
                                            max_body_bytes=0, max_connections=64, reserve=0)

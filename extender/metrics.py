@@ -7,13 +7,14 @@ and cost nothing between scrapes. Each extender owns its registry, so tests can 
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from extender import accounting
+from extender import accounting, tls
 
 __all__ = ["ExtenderMetrics", "CONTENT_TYPE_LATEST"]
 
@@ -57,6 +58,23 @@ class _CacheCollector:
         yield events
 
 
+class _PresentedCollector:
+    """What kube-scheduler presents, not what its Secret holds (it reads the Secret once): read at scrape."""
+
+    def __init__(self, presented: tls.PresentedCertificates) -> None:
+        self.presented = presented
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "vramshare_extender_client_certificate_expiry_timestamp_seconds",
+            "When the earliest-expiring client certificate that callers of this subject presented in the last "
+            "hour expires (seconds since the epoch); kube-scheduler keeps the one it read at start",
+            labels=["subject"])
+        for subject, cert in sorted(self.presented.earliest(time.monotonic()).items()):
+            family.add_metric([subject], cert.not_after)
+        yield family
+
+
 class ExtenderMetrics:
     def __init__(self, acct: accounting.Accounting, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -73,6 +91,10 @@ class ExtenderMetrics:
                                    "(they do not load; the previous certificates stay in force)", ["result"],
                                    registry=self.registry)
         self.registry.register(_CacheCollector(acct))
+
+    def watch_client_certificates(self, presented: tls.PresentedCertificates) -> None:
+        """Export the earliest expiry per subject of the client certificates callers present now."""
+        self.registry.register(_PresentedCollector(presented))
 
     def observe(self, verb: str, outcome: str, seconds: float) -> None:
         self.requests.labels(verb, outcome).inc()

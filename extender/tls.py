@@ -14,24 +14,30 @@ authenticated under a client CA that the new files no longer hold is closed by t
 (:meth:`Reloader.still_trusted`, checked at each reload), so a removed CA stops being served within
 the server's TLS check interval.
 
-Client certificates must carry the ``clientAuth`` extended key usage (:func:`client_auth_refusal`):
+Client certificates must carry the ``clientAuth`` extended key usage (:meth:`ClientCertificate.read`):
 OpenSSL accepts a certificate without any EKU for any purpose, so a serving certificate, or any other
 leaf the CA signed for something else, would otherwise pass as the scheduler.
+
+What the callers present is remembered (:class:`PresentedCertificates`): kube-scheduler reads its
+certificate once, at start, so after a renewal (cert-manager's, or ``gen-certs.sh``) it keeps presenting
+the old one until it restarts, and the renewed Secret hides that the old one is about to expire. Only the
+connections know; ``vramshare_extender_client_certificate_expiry_timestamp_seconds`` says it.
 """
 from __future__ import annotations
 
 import hashlib
 import ssl
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.x509.oid import ExtendedKeyUsageOID
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from vramshare import logs
 
-__all__ = ["TlsFiles", "server_context", "Reloader", "client_auth_refusal"]
+__all__ = ["TlsFiles", "server_context", "Reloader", "ClientCertificate", "PresentedCertificates"]
 
 log = logs.get("vramshare.extender.tls")
 
@@ -70,18 +76,67 @@ def server_context(files: TlsFiles) -> ssl.SSLContext:
     return ctx
 
 
-def client_auth_refusal(leaf_der: bytes) -> str | None:
-    """Why a verified client certificate may not authenticate a caller (no ``clientAuth`` EKU), or None."""
-    try:
-        leaf = x509.load_der_x509_certificate(leaf_der)
-        usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    except x509.ExtensionNotFound:
-        return "the client certificate has no extended key usage; clientAuth is required"
-    except ValueError as exc:
-        return f"the client certificate does not parse: {exc}"
-    if ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
-        return "the client certificate's extended key usage lacks clientAuth"
-    return None
+@dataclass(frozen=True)
+class ClientCertificate:
+    """A verified client certificate that may authenticate a caller: whose (its subject's common name),
+    which (its serial) and until when (``not_after``, seconds since the epoch)."""
+
+    subject: str
+    serial: int
+    not_after: float
+
+    @classmethod
+    def read(cls, leaf_der: bytes) -> "ClientCertificate":
+        """The certificate the client CA verified; ``ValueError`` says why it may not authenticate a
+        caller (no ``clientAuth`` extended key usage, or it does not parse)."""
+        try:
+            leaf = x509.load_der_x509_certificate(leaf_der)
+            usage = leaf.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        except x509.ExtensionNotFound:
+            raise ValueError("the client certificate has no extended key usage; clientAuth is required") from None
+        except ValueError as exc:
+            raise ValueError(f"the client certificate does not parse: {exc}") from None
+        if ExtendedKeyUsageOID.CLIENT_AUTH not in usage:
+            raise ValueError("the client certificate's extended key usage lacks clientAuth")
+        names = leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        subject = str(names[0].value) if names else leaf.subject.rfc4514_string()
+        return cls(subject[:64], leaf.serial_number, leaf.not_valid_after_utc.timestamp())
+
+
+class PresentedCertificates:
+    """The client certificates callers presented lately, for the earliest expiry per subject.
+
+    A certificate counts as presented while a connection authenticated by it is open (the server marks
+    its open connections at every TLS check) and for ``window_s`` after: kube-scheduler's keep-alive
+    connections close when idle, but its certificate stays in its memory. A restarted scheduler's new
+    certificate replaces the old one within the window. Bounded: only certificates the client CA
+    verified get here, and at most ``max_entries`` (the least recently presented go first)."""
+
+    def __init__(self, window_s: float = 3600.0, max_entries: int = 32) -> None:
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._seen: dict[tuple[str, int], tuple[ClientCertificate, float]] = {}  # -> (cert, last seen)
+        self._lock = threading.Lock()  # the HTTP loop marks, a metrics scrape reads
+
+    def seen(self, cert: ClientCertificate, now: float) -> None:
+        """``cert`` authenticated a connection that is open at ``now`` (monotonic seconds)."""
+        with self._lock:
+            self._seen[(cert.subject, cert.serial)] = (cert, now)
+            if len(self._seen) > self.max_entries:
+                oldest = min(self._seen, key=lambda k: self._seen[k][1])
+                del self._seen[oldest]
+
+    def earliest(self, now: float) -> dict[str, ClientCertificate]:
+        """Per subject, the presented certificate that expires first (those not seen for ``window_s``
+        are forgotten)."""
+        with self._lock:
+            for key in [k for k, (_, at) in self._seen.items() if now - at > self.window_s]:
+                del self._seen[key]
+            out: dict[str, ClientCertificate] = {}
+            for cert, _ in self._seen.values():
+                if cert.subject not in out or cert.not_after < out[cert.subject].not_after:
+                    out[cert.subject] = cert
+            return out
 
 
 def _load_cas(path: str) -> list[x509.Certificate]:
@@ -98,6 +153,7 @@ class Reloader:
         self.context = server_context(files)
         self.on_result = on_result  # "reloaded" / "refused": vramshare_extender_tls_reloads_total
         self.client_cas = _load_cas(files.client_ca)
+        self.presented = PresentedCertificates()
 
     def still_trusted(self, leaf_der: bytes) -> bool:
         """Whether a client CA in force now directly issued ``leaf_der`` (a connection authenticated

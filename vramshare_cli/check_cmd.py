@@ -56,6 +56,11 @@ def read(api: Any, namespace: str, dra: bool, pre: bool) -> checks.Snapshot:
         s.daemonsets[name] = _json(apps.read_namespaced_daemon_set, name, namespace)
     for name in ("vramshare-extender", "vramshare-scheduler", "vramshare-dra-scheduler"):
         s.deployments[name] = _json(apps.read_namespaced_deployment, name, namespace)
+    for name in checks.SCHEDULERS:  # which client certificate each kube-scheduler read: its start time
+        labels = ((((s.deployments.get(name) or {}).get("spec") or {}).get("selector") or {}).get("matchLabels") or {})
+        if labels:
+            s.scheduler_pods[name] = _items(_json(core.list_namespaced_pod, namespace=namespace, label_selector=",".join(
+                f"{k}={v}" for k, v in sorted(labels.items()))))
     s.endpoints = _json(core.read_namespaced_endpoints, "vramshare-extender", namespace)
     try:
         resp = core.connect_get_namespaced_service_proxy_with_path(

@@ -23,6 +23,8 @@ OK, FAIL, WARN = "✓", "✗", "!"
 NAMES = contract.Names()
 GPU_NODE_LABEL = "nvidia.com/gpu.present"  # NVIDIA GPU feature discovery / the GPU operator
 CERT_WARN_DAYS = 30
+SCHEDULERS = ("vramshare-scheduler", "vramshare-dra-scheduler")  # Deployments running kube-scheduler
+SCHEDULER_CONTAINER = "kube-scheduler"
 CERT_FAIL_DAYS = 7
 ENFORCEMENT_WHY = {
     "driver": "driver memory limits (R615+, cgroup v2): allocations beyond a container's limit fail",
@@ -66,6 +68,7 @@ class Snapshot:
     config_map: Obj | None = None  # ConfigMap vramshare-config
     config_refusals: list[Obj] = field(default_factory=list)  # node Events VramshareConfigRefused
     extender_config: Obj | None = None  # the extender's /config (through the service proxy): what it runs with
+    scheduler_pods: dict[str, list[Obj] | None] = field(default_factory=dict)  # Deployment -> its pods
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc))
 
 
@@ -127,6 +130,7 @@ def postinstall(s: Snapshot, dra: bool) -> list[Line]:
     out += _leader(s, ns)
     out += _reachable(s, ns)
     out += _certificates(s, ns)
+    out += _schedulers_certificate(s, ns)
     out += _profile(s, ns)
     if dra:
         out += _workload(s.daemonsets.get("vramshare-dra-plugin"), "DaemonSet", "vramshare-dra-plugin", ns)
@@ -313,6 +317,45 @@ def _certificates(s: Snapshot, ns: str) -> list[Line]:
         else:
             out.append(Line(OK, f"{role} certificate ({secret_name}) valid for {days} more days"))
     return out
+
+
+def _schedulers_certificate(s: Snapshot, ns: str) -> list[Line]:
+    """kube-scheduler reads its client certificate once, at start: a scheduler container that started
+    before the certificate now in ``vramshare-scheduler-tls`` was issued still presents an earlier one,
+    and stops reaching the extender when that expires (the renewed Secret says nothing of it)."""
+    try:
+        cert = _pem_cert(s.secrets.get("vramshare-scheduler-tls"), "tls.crt")
+    except ValueError:
+        return []  # _certificates says so
+    if cert is None:
+        return []
+    issued = cert.not_valid_before_utc
+    out = []
+    for name in SCHEDULERS:
+        pods = s.scheduler_pods.get(name)
+        if not pods:
+            continue
+        older = sorted(p["metadata"]["name"] for p in pods
+                       if (at := _started(p, SCHEDULER_CONTAINER)) is not None and at < issued)
+        if older:
+            ago = (s.now - issued).days
+            out.append(Line(WARN, f"{len(older)} {name} pod(s) started before their client certificate "
+                                  f"(vramshare-scheduler-tls) was issued {ago} day(s) ago: kube-scheduler reads it "
+                                  f"once, so {', '.join(older[:3])}{' ...' if len(older) > 3 else ''} still "
+                                  "present(s) an earlier one, refused once it expires "
+                                  "(vramshare_extender_client_certificate_expiry_timestamp_seconds says when)",
+                            f"kubectl -n {ns} rollout restart deployment/{name}"))
+        else:
+            out.append(Line(OK, f"{name}: every kube-scheduler started after its client certificate was issued"))
+    return out
+
+
+def _started(pod: Obj, container: str) -> datetime.datetime | None:
+    """When ``container`` of ``pod`` last started, if it runs."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == container:
+            return _time(((status.get("state") or {}).get("running") or {}).get("startedAt"))
+    return None
 
 
 def _profile(s: Snapshot, ns: str) -> list[Line]:

@@ -402,3 +402,34 @@ def test_check_dra_says_which_dra_plugins_run_the_configmap_as_it_is_now(tmp_pat
     out = "\n".join(lines)
     assert "! 1 of 2 node(s) still run an earlier ConfigMap vramshare-config (gpu-old (DRA))" in out, out
     assert "gpu-quiet" not in out.split("earlier")[1].split("\n")[0] and rc == 0
+
+
+# -- round 12: kube-scheduler reads its client certificate once ---------------------------------------
+def _with_status(name: str, started: datetime.datetime) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {"app.kubernetes.io/name": "vramshare-scheduler"}},
+            "spec": {"containers": [{"name": "kube-scheduler", "image": "registry.k8s.io/kube-scheduler:v1.33.2"}]},
+            "status": {"phase": "Running", "containerStatuses": [{
+                "name": "kube-scheduler", "ready": True, "restartCount": 0, "image": "kube-scheduler", "imageID": "",
+                "state": {"running": {"startedAt": started.strftime("%Y-%m-%dT%H:%M:%SZ")}}}]}}
+
+
+def test_a_scheduler_started_before_its_certificate_was_renewed_is_named(cluster, capsys):
+    """cert-manager renewed the Secret 10 days ago; one replica restarted since, the other still presents
+    the certificate it read at start (a ! line naming it, with the restart); once both restarted: ✓."""
+    api, ext, kubeconfig = cluster
+    now = datetime.datetime.now(datetime.timezone.utc)
+    renewed = now - datetime.timedelta(days=10)
+    _installed(api, ext, "v1.33.2", tls=lambda ns, days: certs.secrets(certs.generate(ns, days, now=renewed), ns))
+    api.create(_with_status("vramshare-scheduler-6f8-old", renewed - datetime.timedelta(days=40)))
+    api.create(_with_status("vramshare-scheduler-6f8-new", now - datetime.timedelta(days=2)))
+    rc, lines = _check(capsys, kubeconfig)
+    text = "\n".join(lines)
+    assert ("! 1 vramshare-scheduler pod(s) started before their client certificate (vramshare-scheduler-tls) "
+            "was issued 10 day(s) ago") in text, text
+    assert "vramshare-scheduler-6f8-old still present(s) an earlier one" in text
+    assert "fix: kubectl -n vramshare-system rollout restart deployment/vramshare-scheduler" in text
+    assert "6f8-new" not in text and rc == 0, text
+    api.delete_pod(NS, "vramshare-scheduler-6f8-old")
+    rc, lines = _check(capsys, kubeconfig)
+    assert "✓ vramshare-scheduler: every kube-scheduler started after its client certificate was issued" in lines

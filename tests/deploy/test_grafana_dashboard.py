@@ -44,13 +44,16 @@ def registries(tmp_path) -> list[CollectorRegistry]:
     from deviceplugin.quota.warm_channel import WarmCollector
     from extender.accounting import Accounting
     from extender.metrics import ExtenderMetrics
+    from extender.tls import PresentedCertificates
     from vllm_patches.metrics import StateCollector, publish_warm
     from vramshare.config import Config
     from vramshare.inventory import EnforcementMode, NodeInventory
 
     snap = SimpleNamespace(devices={}, inventory=NodeInventory(1024, enforcement=EnforcementMode.DRIVER))
-    out = [PluginMetrics(snapshot=lambda: snap).registry, ExtenderMetrics(Accounting(Config())).registry,
-           MigMetrics().registry, DraMetrics().registry]
+    extender = ExtenderMetrics(Accounting(Config()))
+    extender.watch_client_certificates(PresentedCertificates())  # with mutual TLS, as deployed
+    out = [PluginMetrics(snapshot=lambda: snap).registry, extender.registry, MigMetrics().registry,
+           DraMetrics().registry]
     quota = CollectorRegistry()
     register_metrics(QuotaLoop(None, dict, [], PolicyParams(), str(tmp_path)), quota)
     engine = CollectorRegistry()

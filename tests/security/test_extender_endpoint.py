@@ -19,7 +19,7 @@ import pytest
 
 from extender.app import Response
 from extender.http_server import ExtenderHTTPServer
-from extender.tls import Reloader, TlsFiles
+from extender.tls import ClientCertificate, Reloader, TlsFiles
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tests.fixtures.certs import Pki, issue_client, make_pki
@@ -454,3 +454,63 @@ def test_a_client_certificate_without_client_auth_usage_is_not_the_scheduler(
         return
     assert status == 403 and b"clientAuth" in body
     assert ("POST", "/filter") not in tls_served.app.calls
+
+
+def test_the_certificate_a_scheduler_still_presents_is_exported_until_it_restarts(pki: Pki) -> None:
+    """kube-scheduler reads its certificate once: after a renewal the old scheduler keeps presenting the old
+    one, which only the connection shows. The metric carries the earliest expiry per subject while a
+    connection presents it, and for the window after; a restarted scheduler's renewed certificate then
+    replaces it (main exported nothing of the kind)."""
+    from extender.accounting import Accounting
+    from extender.metrics import ExtenderMetrics
+    from vramshare.config import Config
+
+    served = Served(pki)
+    served.server.tls_check_s = 0.05  # 10 s by default: how often open connections are marked presented
+    assert served.server.tls is not None
+    presented = served.server.tls.presented
+    stats = ExtenderMetrics(Accounting(Config()))
+    stats.watch_client_certificates(presented)
+
+    def expiries() -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+        family = next(f for f in text_string_to_metric_families(stats.render().decode())
+                      if f.name == "vramshare_extender_client_certificate_expiry_timestamp_seconds")
+        return {s.labels["subject"]: s.value for s in family.samples}
+
+    try:
+        assert expiries() == {}
+        old = served.scheduler()  # the certificate read at start: 1 day left
+        assert call(old, "POST", "/filter", b"{}")[0] == 200
+        old_end = ClientCertificate.read(_der(pki.client_cert)).not_after
+        assert expiries() == {"vramshare-scheduler": old_end}
+        renewed_cert, renewed_key = issue_client(pki, "renewed", days=365, cn="vramshare-scheduler")
+        new = served.tls(renewed_cert, renewed_key)  # the restarted replica, with the renewed Secret
+        assert call(new, "POST", "/filter", b"{}")[0] == 200
+        time.sleep(0.2)  # sweeps pass: the old connection is still open, so the old certificate counts
+        assert expiries() == {"vramshare-scheduler": old_end}
+        presented.window_s = 0.3
+        old.close()
+        deadline = time.monotonic() + 5
+        while expiries()["vramshare-scheduler"] == old_end and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert expiries()["vramshare-scheduler"] > old_end + 300 * 86400  # the renewed one, a year ahead
+    finally:
+        served.stop()
+
+
+def _der(path: Path) -> bytes:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    return x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(serialization.Encoding.DER)
+
+
+def test_presented_certificates_stay_bounded_and_keep_the_earliest_per_subject() -> None:
+    from extender.tls import PresentedCertificates
+    seen = PresentedCertificates(window_s=100, max_entries=4)
+    for serial in range(10):  # ten certificates of one subject: only the four last seen are kept
+        seen.seen(ClientCertificate("vramshare-scheduler", serial, 1000.0 + serial), now=float(serial))
+    seen.seen(ClientCertificate("vramshare-dra-scheduler", 1, 5.0), now=10.0)
+    assert {k: v.not_after for k, v in seen.earliest(now=10.0).items()} == {
+        "vramshare-scheduler": 1007.0, "vramshare-dra-scheduler": 5.0}
+    assert seen.earliest(now=200.0) == {}  # none presented for the window: forgotten
