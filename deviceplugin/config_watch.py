@@ -178,6 +178,7 @@ def admit_reload(running: vconfig.Config, new: vconfig.Config, api: Any,
     one pinned at start."""
     rights.check(new, api, running=running)
     new, refused = vconfig.keep_restart_only(running, new)
-    for why in refused:
-        log.warning("config key needs a restart; the rest of the reload applies", reason=why)
-    return enforcement.pin(new, chosen), [why.split(":", 1)[0] for why in refused]
+    for change in refused:
+        log.warning("config key needs a restart; the rest of the reload applies", key=change.key,
+                    reason=vconfig.refusal(change))
+    return enforcement.pin(new, chosen), [change.key for change in refused]

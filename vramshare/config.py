@@ -891,18 +891,23 @@ def _with(obj: Any, path: tuple[str, ...], value: Any) -> Any:
     return dataclasses.replace(obj, **{head: _with(getattr(obj, head), tuple(rest), value) if rest else value})
 
 
-def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
+def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[KeyChange]]:
     """``new`` with the running value of every key a node plugin reads only at start (:func:`applies`:
-    the :data:`RESTART_ONLY` keys, and ``quota.enabled`` turned on), and a refusal naming each one that
-    differed. The rest of the reload applies (issue 17 item 8)."""
+    the :data:`RESTART_ONLY` keys, and ``quota.enabled`` turned on), and the changes it so refused
+    (:func:`refusal` says why, for the log). The rest of the reload applies (issue 17 item 8)."""
     refused = []
     for change in key_changes(running, new):
         if NODE_RESTART in change.applies:
-            top = next((k for k in RESTART_ONLY if _under(change.key, (k,))), change.key)
-            refused.append(f"{change.key}: {change.old} -> {change.new} refused on a live reload: "
-                           f"{_RESTART_WHY.get(top, _UNITS_WHY)}; restart the plugin to apply it")
+            refused.append(change)
             new = _with(new, change.path, _get(running, change.path))
     return new, refused
+
+
+def refusal(change: KeyChange) -> str:
+    """Why a live reload kept the running value of ``change``'s key (one of :func:`keep_restart_only`'s)."""
+    top = next((k for k in RESTART_ONLY if _under(change.key, (k,))), change.key)
+    return (f"{change.key}: {change.old} -> {change.new} refused on a live reload: "
+            f"{_RESTART_WHY.get(top, _UNITS_WHY)}; restart the plugin to apply it")
 
 
 #: When a changed key takes effect (:func:`key_changes`): the node plugins reload the file live except
