@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Collection
 
@@ -186,7 +187,7 @@ def _nodes(nodes: list[Obj], ns: str, dra_only: Collection[str] = (), unit_mib: 
             out.append(Line(FAIL, f"node {name}: no GPU inventory published (device plugin not running there)", fix))
             continue
         try:
-            inv = contract_inventory.parse(text)
+            inv = _inventory(text)
         except InventoryError as exc:
             out.append(Line(FAIL, f"node {name}: inventory does not parse ({exc})", fix))
             continue
@@ -516,6 +517,13 @@ def _nodes_behind(s: Snapshot, text: str, refused: Collection[str], since: datet
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _inventory(text: str) -> contract_inventory.NodeInventory:
+    """A node's inventory annotation, parsed once per text for the checks that read it (raises
+    :class:`InventoryError`; a refusal is not remembered, and says the same each time)."""
+    return contract_inventory.parse(text)
+
+
 def _configs_in_force(s: Snapshot) -> list[tuple[str, ConfigInForce]]:
     """What each node plugin says it runs: the device plugin in its inventory (named by its node), the DRA
     plugin on its ResourceSlices (``<node> (DRA)``; read with ``--dra``)."""
@@ -523,7 +531,7 @@ def _configs_in_force(s: Snapshot) -> list[tuple[str, ConfigInForce]]:
     for node in s.nodes:
         raw = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
         try:
-            inv = contract_inventory.parse(raw) if raw else None
+            inv = _inventory(raw) if raw else None
         except InventoryError:
             continue  # _nodes names it
         if inv is not None and inv.config is not None:
