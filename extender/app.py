@@ -14,7 +14,6 @@ candidates.
 from __future__ import annotations
 
 import http.client
-import ssl
 
 import time
 import urllib.parse
@@ -24,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import orjson
 
-from extender import accounting, binder, cache, dra_scoring, inspection, metrics, preemption, verbs, wire
+from extender import accounting, binder, cache, dra_scoring, inspection, metrics, preemption, tls, verbs, wire
 from vramshare import config as vconfig, logs
 from vramshare.config import Policy
 
@@ -52,9 +51,9 @@ class Extender:
         self.acct, self.binder, self.cache, self.stats, self.policy = acct, bind, watcher, stats, policy
         self.dra: dra_scoring.DraCluster | None = None  # set when DRA pods are scored (Kubernetes 1.36+)
         # With two replicas (extender.leader): the standby hands each verb to the leader, so one set of
-        # books decides every placement; ``peer_tls`` is the client context it calls the leader with.
+        # books decides every placement; ``peer_tls`` gives the client context it calls the leader with.
         self.leader: Any = None
-        self.peer_tls: ssl.SSLContext | None = None
+        self.peer_tls: tls.Reloader | None = None
         self._priorities = wire.HostFragments()  # each node's encoded HostPriority entries, per row
         self.name_lists = wire.NameLists()  # the NodeNames lists lately sent and answered, decoded
         self._post: dict[str, Callable[[bytes], bytes]] = {
@@ -107,7 +106,8 @@ class Extender:
             self.stats.observe(path[1:], "no_leader", 0.0)
             return Response(200, self._error(path[1:], "no extender leader yet (election in progress); retry"))
         parts = urllib.parse.urlsplit(url)
-        conn: Any = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=5, context=self.peer_tls)
+        context = self.peer_tls.current(time.monotonic()) if self.peer_tls is not None else None
+        conn: Any = (http.client.HTTPSConnection(parts.hostname, parts.port, timeout=5, context=context)
                      if parts.scheme == "https" else http.client.HTTPConnection(parts.hostname, parts.port, timeout=5))
         try:
             conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})

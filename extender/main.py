@@ -10,7 +10,6 @@ import dataclasses
 import gc
 import ipaddress
 import signal
-import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -112,7 +111,7 @@ def start(api: client.ApiClient, config: Config, host: str = "127.0.0.1", port: 
           policy: Policy | None = None, clock: Callable[[], int] = time.time_ns,
           watch_timeout_s: int = 300, expiry_interval_s: float | None = None,
           metrics_at: tuple[str, int] | None = None, dra: bool = False,
-          elect: tuple[str, str, str] | None = None, peer_tls: ssl.SSLContext | None = None,
+          elect: tuple[str, str, str] | None = None, peer_tls: tls.Reloader | None = None,
           election: leader.Settings = leader.Settings(),
           election_clock: Callable[[], float] = time.monotonic) -> RunningExtender:
     """Start cache and HTTP server(s); returns at once (use ``wait_ready`` for the initial lists).
@@ -219,12 +218,8 @@ def run(args: argparse.Namespace) -> int:
         identity = os.environ.get("POD_NAME") or socket.gethostname()
         url = args.advertise_url or f"{'https' if files else 'http'}://{os.environ.get('POD_IP', host)}:{port}"
         elect = (os.environ.get("POD_NAMESPACE", "vramshare-system"), identity, url)
-        if files is not None and args.peer_cert:
-            # the leader's serving certificate names the Service, not the pod IP: verify the chain
-            # (our CA signs only our components), not the name
-            peer = ssl.create_default_context(cafile=files.client_ca)
-            peer.check_hostname = False
-            peer.load_cert_chain(args.peer_cert, args.peer_key)
+        if files is not None and args.peer_cert:  # re-read as they rotate, as the serving files are
+            peer = tls.Reloader(tls.TlsFiles(args.peer_cert, args.peer_key, files.client_ca), build=tls.peer_context)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -37,7 +37,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from vramshare import logs
 
-__all__ = ["TlsFiles", "server_context", "Reloader", "ClientCertificate", "PresentedCertificates"]
+__all__ = ["TlsFiles", "server_context", "peer_context", "Reloader", "ClientCertificate", "PresentedCertificates"]
 
 log = logs.get("vramshare.extender.tls")
 
@@ -73,6 +73,17 @@ def server_context(files: TlsFiles) -> ssl.SSLContext:
     ctx.verify_mode = ssl.CERT_OPTIONAL
     # No session tickets: a resumed session must not outlive a CA rotation on our side.
     ctx.options |= ssl.OP_NO_TICKET
+    return ctx
+
+
+def peer_context(files: TlsFiles) -> ssl.SSLContext:
+    """A standby replica's client context for calling the leader: it presents ``files.cert`` (the
+    scheduler's client certificate) and verifies the leader's chain against ``files.client_ca``, not its
+    name (the leader's serving certificate names the Service, not the pod IP; our CA signs only our
+    components)."""
+    ctx = ssl.create_default_context(cafile=files.client_ca)
+    ctx.check_hostname = False
+    ctx.load_cert_chain(files.cert, files.key)
     return ctx
 
 
@@ -145,15 +156,33 @@ def _load_cas(path: str) -> list[x509.Certificate]:
 
 
 class Reloader:
-    """Hand out the current context; rebuild it when the files change, keep the last good one otherwise."""
+    """Hand out the current context; rebuild it when the files change, keep the last good one otherwise.
 
-    def __init__(self, files: TlsFiles, on_result: Callable[[str], None] | None = None) -> None:
+    ``build`` makes the context: the server's (:func:`server_context`, checked by the server's own sweep)
+    or a standby's client context for the leader (:func:`peer_context`, checked by :meth:`current` as it
+    calls): a certificate read once would be presented until a restart, and a rotated CA would fail
+    every forwarded verb."""
+
+    def __init__(self, files: TlsFiles, on_result: Callable[[str], None] | None = None,
+                 build: Callable[[TlsFiles], ssl.SSLContext] = server_context, check_s: float = 10.0) -> None:
         self.files = files
+        self._build = build
         self._stamp = files.stamp()
-        self.context = server_context(files)
+        self.context = build(files)
         self.on_result = on_result  # "reloaded" / "refused": vramshare_extender_tls_reloads_total
         self.client_cas = _load_cas(files.client_ca)
         self.presented = PresentedCertificates()
+        self.check_s = check_s
+        self._next_check = 0.0
+        self._lock = threading.Lock()  # current() runs on the worker threads
+
+    def current(self, now: float) -> ssl.SSLContext:
+        """The context in force, the files re-read first when ``check_s`` passed since they last were."""
+        with self._lock:
+            if now >= self._next_check:
+                self._next_check = now + self.check_s
+                self.check()
+            return self.context
 
     def still_trusted(self, leaf_der: bytes) -> bool:
         """Whether a client CA in force now directly issued ``leaf_der`` (a connection authenticated
@@ -177,7 +206,7 @@ class Reloader:
             stamp = self.files.stamp()
             if stamp == self._stamp:
                 return False
-            context = server_context(self.files)
+            context = self._build(self.files)
             cas = _load_cas(self.files.client_ca)
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.warning("tls files changed but do not load; keeping the previous certificates",

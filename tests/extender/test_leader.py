@@ -128,3 +128,71 @@ def test_a_leader_restarted_in_its_pod_takes_its_lease_back_at_once():
         restarted = leader.LeaseElector(http, NS, "vramshare-extender", "a", "https://a:8888", clock=clocks[2])
         restarted.step()
         assert restarted.is_leader() and not b_.is_leader()
+
+
+def test_a_standby_follows_a_certificate_rotation_without_a_restart(tmp_path):
+    """Both replicas run with mutual TLS from one Secret volume; the standby calls the leader with the
+    scheduler's client certificate. `vramshare install --tls generate` makes a new CA: the leader reloads
+    its files, and the standby must too, or every verb kube-scheduler's Service hands it fails with
+    'leader unreachable' until it restarts (main read the standby's client context once)."""
+    import dataclasses
+    import ssl
+
+    from extender import tls
+    from tests.fixtures.certs import make_pki
+    from tests.security.test_extender_endpoint import call
+    from vramshare.config import Config
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old, new = make_pki(tmp_path / "old"), make_pki(tmp_path / "new")
+    live = tmp_path / "live"  # the Secret volumes (serving files, and the scheduler's for the peer)
+    live.mkdir()
+
+    def mount(pki) -> None:
+        for name, src in (("tls.crt", pki.server_cert), ("tls.key", pki.server_key), ("ca.crt", pki.ca),
+                          ("client.crt", pki.client_cert), ("client.key", pki.client_key)):
+            (live / name).write_bytes(src.read_bytes())
+
+    mount(old)
+    config = Config()
+    config = config.with_overrides(extender=dataclasses.replace(
+        config.extender, tls_cert_file=str(live / "tls.crt"), tls_key_file=str(live / "tls.key"),
+        client_ca_file=str(live / "ca.crt")))
+    fast = leader.Settings(lease_duration_s=2, renew_deadline_s=1.5, retry_period_s=0.1)
+
+    def scheduler(pki, url: str) -> ssl.SSLSocket:
+        import socket
+        ctx = ssl.create_default_context(cafile=str(pki.ca))
+        ctx.check_hostname = False
+        ctx.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+        host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+        return ctx.wrap_socket(socket.create_connection((host, int(port)), timeout=10))
+
+    body = b'{"Pod": {"metadata": {"name": "cpu-only", "namespace": "default"}, "spec": {"containers": []}}, "NodeNames": ["n1"]}'
+    with ApiServerDouble() as api:
+        api.create_node(b.gpu_node("n1", b.l4()))
+        replicas = [main.start_for_url(api.url, config, elect=(NS, name, None), election=fast,
+                                       peer_tls=tls.Reloader(tls.TlsFiles(str(live / "client.crt"), str(live / "client.key"),
+                                                                          str(live / "ca.crt")),
+                                                             build=tls.peer_context, check_s=0.05))
+                    for name in ("first", "second")]
+        try:
+            for r in replicas:
+                assert r.wait_ready(10)
+                r.server.tls_check_s = 0.05  # 10 s by default
+            assert eventually(lambda: replicas[0].elector.is_leader() != replicas[1].elector.is_leader())
+            lead, standby = replicas if replicas[0].elector.is_leader() else replicas[::-1]
+            assert eventually(lambda: standby.elector.leader_url() == lead.url)
+            with scheduler(old, standby.url) as sock:
+                status, answer = call(sock, "POST", "/filter", body)
+            assert status == 200 and b'"NodeNames":["n1"]' in answer, answer
+            mount(new)  # the kubelet updates both Secret volumes
+            time.sleep(0.3)  # both replicas' checks pass
+            with scheduler(new, standby.url) as sock:
+                status, answer = call(sock, "POST", "/filter", body)
+            assert status == 200 and b'"NodeNames":["n1"]' in answer, answer  # not 'leader ... unreachable'
+            assert standby.app.stats.requests.labels("filter", "forwarded")._value.get() == 2
+        finally:
+            for r in replicas:
+                r.stop()
