@@ -100,7 +100,10 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     several pods share. The kubelet path counts the same gap from the extender's assignment
     (``quota.kube.pending_from_pods``); here the preparer's own checkpoint says it. The containers of
     the running ``pods`` that name such a claim come with it, so the driver fence holds them at its grant
-    in sum (a pod that joined a shared claim after Prepare got the split known then)."""
+    in sum (a pod that joined a shared claim after Prepare got the split known then), and so do the UIDs
+    of the pods it was prepared for: a process of one of them is the claim's memory even while the cache
+    shows no container of it (not listed yet, or deleted while its containers still exit), not foreign
+    memory counted beside the grant (``quota.attribution``)."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
     running = list(running_pods_by_uid(pods).values())
     out = []
@@ -117,7 +120,8 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
                 once |= users.init_ids
                 sharers += users.sharers
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
-                         container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once)))
+                         container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once),
+                         pod_uids=frozenset(u for u in c.pod_uids if u)))
     return out
 
 

@@ -22,6 +22,7 @@ import os
 import random
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -418,3 +419,49 @@ def test_a_loop_restarted_while_a_container_restarts_does_not_lend_its_cdi_share
             SimPod("p13", "k1", 17, 25, None, [w("c0", 26624)], ack_lag=0),
             SimPod("p20", "k2", 7, 15, None, [w("c0", 59392), w("c1", 59392, (3,))], ack_lag=3, status_lag=2)]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=21, restart=19)
+
+
+# -- pending claims on the NVML paths: prepared, but the loop knows no container of them ----------------------
+@pytest.mark.parametrize("mode", [EnforcementMode.COOPERATIVE, EnforcementMode.MPS])
+def test_a_prepared_claim_whose_pod_the_cache_does_not_show_yet_is_counted_once(tmp_path, mode):
+    """A 8 GiB claim is prepared and its pod's engine holds the grant from tick 0, while this node's pod
+    cache lists the pod only from tick 4 (its watch lags the kubelet's). Meanwhile the claim is no tenant:
+    the loop counts it at its grant, and NVML's process (its cgroup naming the pod's UID) matched nothing,
+    so it was foreign on top: 8,192 MiB counted twice, capacity read as 72,704, and the 71 GiB tenant beside
+    it cut to 64,512 while it used its whole grant. The process's pod is one the prepared claim reserves:
+    its memory is the claim's, up to the grant."""
+    claims = [SimClaim("k0", 8192), SimClaim("k1", CAP - 8192)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 8192)], cache_lag=4),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", CAP - 8192)])]
+    node = DriverDraNode(str(tmp_path), claims, pods, mode=mode)
+    for _ in range(8):
+        node.step()
+        assert node.loop.capacities[GPU] == CAP, (node.t - 1, node.loop.capacities)
+        assert node.loop.last.reserved == ({GPU: 8192} if node.t - 1 < 4 else {}), node.loop.last.reserved
+        assert node.lent["k1"][-1] >= CAP - 8192, node.lent
+    assert node.use[("p00", "c0")] == 8192 and node.loop.counts["node_overcommit"] == 0
+
+
+@pytest.mark.parametrize("mode", [EnforcementMode.COOPERATIVE, EnforcementMode.MPS])
+def test_a_deleted_pod_s_claim_counts_at_its_grant_until_the_kubelet_unprepares_it(tmp_path, mode):
+    """The right count of a claim whose pod is deleted (gone from the pod cache) while the kubelet has not
+    unprepared it yet: its grant, once, with its processes' memory inside it. The pod is no tenant any more
+    (departed), but its containers may still hold memory until they exit, and the claim's devices are this
+    node's until Unprepare: counted at max(grant, what its processes hold), the part beyond the grant foreign
+    (held by nobody the loop may cut). Here the pod leaves the cache at tick 4, its engine exits at 7 and
+    the kubelet unprepares the claim then: from 4 to 6 the claim is reserved at 8,192 MiB and its engine's
+    8,192 are not foreign (on the base both: capacity 72,704); from 7 on nothing of it is counted."""
+    claims = [SimClaim("k0", 8192), SimClaim("k1", CAP - 8192)]
+    pods = [SimPod("p00", "k0", 0, 0, 4, [_flat("c0", "app", 8192)], linger=3),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", CAP - 8192)])]
+    node = DriverDraNode(str(tmp_path), claims, pods, mode=mode)
+    reserved, held = [], []
+    for _ in range(9):
+        node.step()
+        assert node.loop.capacities[GPU] == CAP, (node.t - 1, node.loop.capacities)
+        assert node.lent["k1"][-1] >= CAP - 8192, node.lent
+        reserved.append(node.loop.last.reserved.get(GPU, 0))
+        held.append(node.use.get(("p00", "c0"), 0))
+    assert reserved == [0] * 4 + [8192] * 3 + [0] * 2, reserved  # a tenant, then pending at its grant
+    assert held == [8192] * 7 + [0] * 2, held
+    assert node.loop.counts["node_overcommit"] == 0
