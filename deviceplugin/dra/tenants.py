@@ -8,8 +8,9 @@ metadata, comes from this node's watch-fed pod cache (:class:`deviceplugin.pod_c
 as on the kubelet path (``quota.kube.NodeTenantSource``, issue 21). The loop then writes
 ``<quotaHostDir>/<pod-uid>/claim-<name>/quota.json``, the directory the claim's CDI spec mounts, and
 floors, ceilings, rebalancing and enforcement apply unchanged. A claim with devices here that is no
-tenant (being prepared, its pod not in the cache yet, or shared) is a pending claim at its grant, so the
-loop never lends it (:func:`pending_from_claims`, issue 19); so is a claim the scheduler allocated here
+tenant (being prepared, its pod not in the cache yet or departed, or shared) is a pending claim at its
+grant, so the loop never lends it (:func:`pending_from_claims`, issue 19), and what the processes of its
+pods hold is its memory within that grant, not foreign as well; so is a claim the scheduler allocated here
 for a pod bound to this node before the kubelet asks to prepare it (:func:`unprepared_claims`,
 :class:`AllocatedClaims`: one API read per such claim, not per tick).
 """
