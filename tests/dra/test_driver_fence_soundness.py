@@ -442,7 +442,13 @@ def test_a_loop_restarted_while_a_container_restarts_does_not_lend_its_cdi_share
 
 
 # -- pending claims on the NVML paths: prepared, but the loop knows no container of them ----------------------
-@pytest.mark.parametrize("mode", [EnforcementMode.COOPERATIVE, EnforcementMode.MPS])
+#: the driver fence reads the cgroups of the container IDs the pod cache shows and books the rest of NVML's
+#: used memory as foreign: a pending claim's containers are not found there (the drapending note's open case)
+DRIVER_OPEN = pytest.param(EnforcementMode.DRIVER, marks=pytest.mark.xfail(
+    strict=True, reason="driver fence: a claim's containers the pod cache does not show are foreign"))
+
+
+@pytest.mark.parametrize("mode", [EnforcementMode.COOPERATIVE, EnforcementMode.MPS, DRIVER_OPEN])
 def test_a_prepared_claim_whose_pod_the_cache_does_not_show_yet_is_counted_once(tmp_path, mode):
     """A 8 GiB claim is prepared and its pod's engine holds the grant from tick 0, while this node's pod
     cache lists the pod only from tick 4 (its watch lags the kubelet's). Meanwhile the claim is no tenant:
@@ -462,7 +468,7 @@ def test_a_prepared_claim_whose_pod_the_cache_does_not_show_yet_is_counted_once(
     assert node.use[("p00", "c0")] == 8192 and node.loop.counts["node_overcommit"] == 0
 
 
-@pytest.mark.parametrize("mode", [EnforcementMode.COOPERATIVE, EnforcementMode.MPS])
+@pytest.mark.parametrize("mode", [EnforcementMode.COOPERATIVE, EnforcementMode.MPS, DRIVER_OPEN])
 def test_a_deleted_pod_s_claim_counts_at_its_grant_until_the_kubelet_unprepares_it(tmp_path, mode):
     """The right count of a claim whose pod is deleted (gone from the pod cache) while the kubelet has not
     unprepared it yet: its grant, once, with its processes' memory inside it. The pod is no tenant any more
