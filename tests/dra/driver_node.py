@@ -155,6 +155,7 @@ class SimPod:
 class SimClaim:
     name: str
     grant: int
+    unprepare_lag: int = 0  # ticks the kubelet takes to unprepare it once none of its pods' containers runs
 
     @property
     def uid(self) -> str:
@@ -249,9 +250,9 @@ class DriverDraNode:
         """Deleted: gone from the API server and the pod cache (its containers may linger)."""
         return p.stop is not None and (self.t if t is None else t) >= p.stop
 
-    def stopped(self, p: SimPod) -> bool:
-        """Its containers have exited (``linger`` ticks after it was deleted)."""
-        return p.stop is not None and self.t >= p.stop + p.linger
+    def stopped(self, p: SimPod, since: int = 0) -> bool:
+        """Its containers have exited (``linger`` ticks after it was deleted), ``since`` ticks ago at least."""
+        return p.stop is not None and self.t >= p.stop + p.linger + since
 
     def cached(self, p: SimPod, t: int | None = None) -> bool:
         """Whether this node's pod cache (what the tenant source reads) lists the pod at tick ``t``."""
@@ -366,7 +367,8 @@ class DriverDraNode:
             self._run_containers(p)
         for c in self.claims:  # a claim none of whose pods runs any more is unprepared
             rec = self.preparer.prepared().get(c.uid)
-            if rec is not None and all(self.stopped(p) for p in self.pods_of(c.name)):
+            mine = self.pods_of(c.name)
+            if rec is not None and all(self.stopped(p, c.unprepare_lag) for p in mine):
                 assert self.preparer.unprepare(ClaimRef(NS, c.name, c.uid)) == ""
         for p in self.pods:
             if not self._gone(p) and t >= p.start:

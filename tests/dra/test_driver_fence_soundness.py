@@ -95,7 +95,7 @@ def nodes(draw, pending: bool = False) -> tuple[list[SimClaim], list[SimPod]]:
     deleted later; release modes, acknowledgement lags and pod-cache lags at random. With ``pending``, a
     pod the claim was prepared for may be pending for a while: listed by the pod cache only some ticks
     after its start, or dropped from it while its containers still run (deleted; the kubelet unprepares
-    once they exited). The NVML paths' properties draw these; the driver fence's does not (it finds
+    the claim some ticks after they all exited). The NVML paths' properties draw these; the driver fence's does not (it finds
     cgroups by the container IDs the pod cache shows: a claim whose containers it cannot see is not held
     in sum, the drapending note's open case). A pod that joined after Prepare is in no checkpoint: only
     the pod cache links its processes to the claim, so it is not drawn pending either."""
@@ -118,6 +118,8 @@ def nodes(draw, pending: bool = False) -> tuple[list[SimClaim], list[SimPod]]:
                                ack_lag=draw(st.integers(0, R.ack)), status_lag=draw(st.integers(0, R.status))))
         mine = [p for p in pods if p.claim == f"k{i}"]
         prepared_at = min(p.start for p in mine)  # the kubelet prepares the claim for the pods bound by then
+        if pending:
+            claims[-1].unprepare_lag = draw(st.integers(0, R.linger))
         for p in mine:
             if pending and p.bind <= prepared_at:
                 p.cache_lag = draw(st.sampled_from([0, 0] + list(range(1, R.cache + 1))))
@@ -475,19 +477,20 @@ def test_a_deleted_pod_s_claim_counts_at_its_grant_until_the_kubelet_unprepares_
     (departed), but its containers may still hold memory until they exit, and the claim's devices are this
     node's until Unprepare: counted at max(grant, what its processes hold), the part beyond the grant foreign
     (held by nobody the loop may cut). Here the pod leaves the cache at tick 4, its engine exits at 7 and
-    the kubelet unprepares the claim then: from 4 to 6 the claim is reserved at 8,192 MiB and its engine's
-    8,192 are not foreign (on the base both: capacity 72,704); from 7 on nothing of it is counted."""
-    claims = [SimClaim("k0", 8192), SimClaim("k1", CAP - 8192)]
+    the kubelet unprepares the claim 2 ticks later: from 4 to 6 the claim is reserved at 8,192 MiB and its
+    engine's 8,192 are not foreign (on the base both: capacity 72,704); at 7 and 8 it still counts at its
+    grant (the devices are the claim's until Unprepare: cautious, never unsound); from 9 on nothing."""
+    claims = [SimClaim("k0", 8192, unprepare_lag=2), SimClaim("k1", CAP - 8192)]
     pods = [SimPod("p00", "k0", 0, 0, 4, [_flat("c0", "app", 8192)], linger=3),
             SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", CAP - 8192)])]
     node = DriverDraNode(str(tmp_path), claims, pods, mode=mode)
     reserved, held = [], []
-    for _ in range(9):
+    for _ in range(11):
         node.step()
         assert node.loop.capacities[GPU] == CAP, (node.t - 1, node.loop.capacities)
         assert node.lent["k1"][-1] >= CAP - 8192, node.lent
         reserved.append(node.loop.last.reserved.get(GPU, 0))
         held.append(node.use.get(("p00", "c0"), 0))
-    assert reserved == [0] * 4 + [8192] * 3 + [0] * 2, reserved  # a tenant, then pending at its grant
-    assert held == [8192] * 7 + [0] * 2, held
+    assert reserved == [0] * 4 + [8192] * 5 + [0] * 2, reserved  # a tenant, then pending at its grant
+    assert held == [8192] * 7 + [0] * 4, held
     assert node.loop.counts["node_overcommit"] == 0
