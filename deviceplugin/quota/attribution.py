@@ -31,7 +31,7 @@ from deviceplugin.quota.telemetry import UsageSample
 class Attribution:
     used: dict[tuple[TenantKey, str], int] = field(default_factory=dict)  # (tenant, gpu uuid) -> MiB
     foreign: dict[str, int] = field(default_factory=dict)  # gpu uuid -> MiB held by no tenant
-    claimed: dict[str, int] = field(default_factory=dict)  # gpu uuid -> MiB claims (no tenants) hold within their grants
+    claimed: dict[str, int] = field(default_factory=dict)  # gpu uuid -> MiB claims (no tenants) hold within grants
 
 
 @dataclass(frozen=True, order=True)

@@ -95,10 +95,11 @@ def nodes(draw, pending: bool = False) -> tuple[list[SimClaim], list[SimPod]]:
     deleted later; release modes, acknowledgement lags and pod-cache lags at random. With ``pending``, a
     pod the claim was prepared for may be pending for a while: listed by the pod cache only some ticks
     after its start, or dropped from it while its containers still run (deleted; the kubelet unprepares
-    the claim some ticks after they all exited). The NVML paths' properties draw these; the driver fence's does not (it finds
-    cgroups by the container IDs the pod cache shows: a claim whose containers it cannot see is not held
-    in sum, the drapending note's open case). A pod that joined after Prepare is in no checkpoint: only
-    the pod cache links its processes to the claim, so it is not drawn pending either."""
+    the claim some ticks after they all exited). The NVML paths' properties draw these; the driver
+    fence's does not (it finds cgroups by the container IDs the pod cache shows: the memory of a claim's
+    containers it cannot see is foreign, and they are not held in sum; the drapending note's open case).
+    A pod that joined after Prepare is in no checkpoint: only the pod cache links its processes to the
+    claim, so it is not drawn pending either."""
     n = draw(st.integers(1, R.claims))
     left, claims, pods = CAP // GIB, [], []
     for i in range(n):
