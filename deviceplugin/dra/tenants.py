@@ -8,8 +8,9 @@ metadata, comes from this node's watch-fed pod cache (:class:`deviceplugin.pod_c
 as on the kubelet path (``quota.kube.NodeTenantSource``, issue 21). The loop then writes
 ``<quotaHostDir>/<pod-uid>/claim-<name>/quota.json``, the directory the claim's CDI spec mounts, and
 floors, ceilings, rebalancing and enforcement apply unchanged. A claim with devices here that is no
-tenant (being prepared, its pod not in the cache yet, or shared) is a pending claim at its grant, so the
-loop never lends it (:func:`pending_from_claims`, issue 19); so is a claim the scheduler allocated here
+tenant (being prepared, its pod not in the cache yet or departed, or shared) is a pending claim at its
+grant, so the loop never lends it (:func:`pending_from_claims`, issue 19), and what the processes of its
+pods hold is its memory within that grant, not foreign as well; so is a claim the scheduler allocated here
 for a pod bound to this node before the kubelet asks to prepare it (:func:`unprepared_claims`,
 :class:`AllocatedClaims`: one API read per such claim, not per tick).
 """
@@ -100,7 +101,10 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     several pods share. The kubelet path counts the same gap from the extender's assignment
     (``quota.kube.pending_from_pods``); here the preparer's own checkpoint says it. The containers of
     the running ``pods`` that name such a claim come with it, so the driver fence holds them at its grant
-    in sum (a pod that joined a shared claim after Prepare got the split known then)."""
+    in sum (a pod that joined a shared claim after Prepare got the split known then), and so do the UIDs
+    of the pods it was prepared for: a process of one of them is the claim's memory even while the cache
+    shows no container of it (not listed yet, or deleted while its containers still exit), not foreign
+    memory counted beside the grant (``quota.attribution``)."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
     running = list(running_pods_by_uid(pods).values())
     out = []
@@ -117,7 +121,8 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
                 once |= users.init_ids
                 sharers += users.sharers
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
-                         container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once)))
+                         container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once),
+                         pod_uids=frozenset(u for u in c.pod_uids if u)))
     return out
 
 

@@ -420,13 +420,15 @@ class QuotaLoop:
         self.tenants_now = tenants
         for t in tenants:
             self._book(t.key)
-        pending, files, shared = self._claims(tenants)  # (the fence holds the shared ones' containers)
+        pending, files, listed = self._claims(tenants)
+        shared = [c for c in listed if c.container_ids]  # the fence holds their containers
         samples = self._read_usage(tenants, report, shared)
         if samples is None:
             report.skipped = "no usage source answered"
             log.error("quota tick skipped, keeping last quotas", reason=report.skipped)
             return report
-        seen = attribute(samples, tenants, shared)  # a shared claim's memory is its own, at its grant: not foreign
+        # a claim's memory (its known containers', its pods') is its own within its grant: not foreign
+        seen = attribute(samples, tenants, listed)
         now, st = self._clock(), self.settings
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
         unknown: set[tuple[TenantKey, str]] = set()  # engines on a file this process never saw: never raised
@@ -701,8 +703,8 @@ class QuotaLoop:
         and the quota files they or Allocate wrote. A pending claim whose file is there is counted as
         that file, at what its source granted (a restarted loop knows it too), so it can be fitted; such
         a file is its claim's own (``self._named``), never taken for another pending claim of the same
-        size (:meth:`_reserved`). Third: the source's claims whose containers it knows (to fence,
-        :meth:`_hold_claims`)."""
+        size (:meth:`_reserved`). Third: the source's claims as it listed them (their containers and pods
+        own their memory in attribution; those whose containers it knows are fenced, :meth:`_hold_claims`)."""
         pending_of = getattr(self._tenants, "list_pending", None)
         listed = list(pending_of()) if pending_of is not None else []
         pending, files = [], unowned_quota_files(self._root, [self._dir(t) for t in tenants])
@@ -715,7 +717,7 @@ class QuotaLoop:
                 self._claim_req[f.name] = dict(c.gpus)
                 self._named.add(f.name)
                 files.append(f)
-        return pending, files, [c for c in listed if c.container_ids]
+        return pending, files, listed
 
     def _hold_claims(self, shared: list[Claim], report: TickReport) -> None:
         """Driver mode: a claim that is no tenant but whose containers are known (several pods share it)

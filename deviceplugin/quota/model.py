@@ -165,6 +165,9 @@ class Claim:
     container_ids: frozenset[str] = frozenset()
     sharers: int = 1
     init_ids: frozenset[str] = frozenset()  # the ordinary init containers among them (as ``Tenant.init_ids``)
+    # the UIDs of the pods it was reserved for, when its source knows them (a prepared DRA claim's
+    # checkpoint): a process whose cgroup names one is the claim's, even while no container of it is known
+    pod_uids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

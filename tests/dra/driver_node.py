@@ -27,7 +27,13 @@ checkpoint and the pod cache), the quota loop, policy and writer, and the driver
 In cooperative mode nothing fences (no limits per cgroup; the loop has no fence) and the loop reads use
 as it does there, from NVML's processes (:class:`NvmlProcessReader`: each container's process, its host
 PID tied to the container through ``/proc/<pid>/cgroup``, so its container IDs are 64 hex digits, as the
-runtime's are); its engines hold their demand (give them demands within their claims).
+runtime's are); its engines hold their demand (give them demands within their claims). MPS mode reads use
+the same way (the daemon's ``quota.processAttribution: true``; NVML lists each MPS client process), and
+each client's allocations stop at its pinned limit (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, fixed at its start).
+
+The pod cache may list a pod late (``SimPod.cache_lag``: after the kubelet started it) and drop it while
+its containers still run (``SimPod.linger``: force-deleted): the windows in which a prepared claim's
+processes run while the loop knows no container of it.
 """
 from __future__ import annotations
 
@@ -105,13 +111,20 @@ class SimPod:
     mode: str = "unmap"  # its engine's release mode
     ack_lag: int = 1
     status_lag: int = 0  # ticks before the pod cache shows a container's new ID
+    # ticks after its start before this node's pod cache lists the pod at all (0: from its bind): its watch
+    # lags the kubelet's, so the claim is prepared and its processes run while the loop knows no pod of it
+    cache_lag: int = 0
+    # ticks its containers run on after it left the pod cache at ``stop`` (force-deleted): the kubelet
+    # unprepares its claim only once they exited; meanwhile they hold what they had and grow no more
+    linger: int = 0
     # runtime
     seen: list[tuple[int, int]] = field(default_factory=list)  # (tick, generation) of the quota files seen
     statuses: list[tuple[int, dict[str, str]]] = field(default_factory=list)  # (tick, name -> cid)
 
     def __repr__(self) -> str:
         return (f"SimPod({self.name!r}, {self.claim!r}, {self.bind}, {self.start}, {self.stop}, {self.containers}, "
-                f"mode={self.mode!r}, ack_lag={self.ack_lag}, status_lag={self.status_lag})")
+                f"mode={self.mode!r}, ack_lag={self.ack_lag}, status_lag={self.status_lag}, "
+                f"cache_lag={self.cache_lag}, linger={self.linger})")
 
     @property
     def uid(self) -> str:
@@ -142,6 +155,7 @@ class SimPod:
 class SimClaim:
     name: str
     grant: int
+    unprepare_lag: int = 0  # ticks the kubelet takes to unprepare it once none of its pods' containers runs
 
     @property
     def uid(self) -> str:
@@ -198,12 +212,15 @@ class DriverDraNode:
     def restart_loop(self) -> None:
         """A new quota loop and fence on the same files and cgroups (the DaemonSet restarted)."""
         self.fence = DriverFence(NvmlMemoryLimits(self.nv), CgroupFinder(self.cgroot))
-        cooperative = self.mode is EnforcementMode.COOPERATIVE
-        readers = [NvmlProcessReader(self.nv, proc_root=self.proc_root)] if cooperative else []
+        readers = [NvmlProcessReader(self.nv, proc_root=self.proc_root)] if self._per_process() else []
         self.loop = QuotaLoop(self.source, lambda: {GPU: CAP}, readers, self.params, self.config.quota_host_dir,
                               signals=self, mode=self.mode,
                               fence=self.fence if self.mode is EnforcementMode.DRIVER else None,
                               settings=LoopSettings(params=self.params, startup_ticks=3))
+
+    def _per_process(self) -> bool:
+        """Whether the loop reads NVML's processes (cooperative and MPS modes; driver mode reads cgroups)."""
+        return self.mode in (EnforcementMode.COOPERATIVE, EnforcementMode.MPS)
 
     # -- the API server --------------------------------------------------------------------------
     def claim(self, name: str) -> SimClaim:
@@ -229,8 +246,18 @@ class DriverDraNode:
             raise LookupError("404 Not Found")
         return self._pod(p)
 
-    def _gone(self, p: SimPod) -> bool:
-        return p.stop is not None and self.t >= p.stop
+    def _gone(self, p: SimPod, t: int | None = None) -> bool:
+        """Deleted: gone from the API server and the pod cache (its containers may linger)."""
+        return p.stop is not None and (self.t if t is None else t) >= p.stop
+
+    def stopped(self, p: SimPod, since: int = 0) -> bool:
+        """Its containers have exited (``linger`` ticks after it was deleted), ``since`` ticks ago at least."""
+        return p.stop is not None and self.t >= p.stop + p.linger + since
+
+    def cached(self, p: SimPod, t: int | None = None) -> bool:
+        """Whether this node's pod cache (what the tenant source reads) lists the pod at tick ``t``."""
+        t = self.t if t is None else t
+        return p.bind <= t and not self._gone(p, t) and (p.cache_lag == 0 or t >= p.start + p.cache_lag)
 
     def _pod(self, p: SimPod) -> dict:
         ids = next((ids for at, ids in reversed(p.statuses) if at <= self.t - p.status_lag), {})
@@ -246,7 +273,7 @@ class DriverDraNode:
                            "initContainerStatuses": statuses(False)}}
 
     def _listed(self) -> list[dict]:
-        return [self._pod(p) for p in self.pods if p.bind <= self.t and not self._gone(p)]
+        return [self._pod(p) for p in self.pods if self.cached(p)]
 
     # -- the engines' /metrics -------------------------------------------------------------------
     def read_signals(self, url: str) -> VllmSample:
@@ -278,7 +305,7 @@ class DriverDraNode:
         c.cid = f"{p.name}-{c.name}-{c.generation}".ljust(24, "x")
         c.started = self.t
         c.first_start = self.t if c.first_start is None else c.first_start
-        if self.mode is EnforcementMode.COOPERATIVE:  # its process, as NVML and /proc show it
+        if self._per_process():  # its process, as NVML and /proc show it
             c.cid = hashlib.sha256(c.cid.encode()).hexdigest()
             pid = self.nv.pids[self.cgroup(p, c)] = 1000 + len(self.nv.pids)
             os.makedirs(os.path.join(self.proc_root, str(pid)))
@@ -290,6 +317,8 @@ class DriverDraNode:
             env = self.spec_env(p.claim)
             req, lim = int(env[contract.ENV_GPU_MEMORY_REQUEST]), int(env[contract.ENV_GPU_MEMORY_LIMIT])
             self.nv.limits[(GPU, self.cgroup(p, c))] = (req * MIB, lim * MIB)
+        elif c.gpu and self.mode is EnforcementMode.MPS:  # the MPS server refuses allocations past the pin
+            self.nv.limits[(GPU, self.cgroup(p, c))] = (0, self.hard(p, c) * MIB)
 
     def _exit(self, p: SimPod, c: Ctr) -> None:
         """The container's processes end: the driver frees their memory, the cgroup goes."""
@@ -302,11 +331,15 @@ class DriverDraNode:
         self.use.pop((p.name, c.name), None)
         c.cid, c.started = None, None
 
-    def visible(self, p: SimPod, c: Ctr, t: int | None = None) -> bool:
-        """Whether the pod cache (what the loop reads) shows the container's current ID at tick ``t``."""
+    def posted(self, p: SimPod, c: Ctr, t: int | None = None) -> bool:
+        """Whether the container's current ID is in the pod's status ``status_lag`` ticks before ``t``."""
         t = self.t if t is None else t
         ids = next((ids for at, ids in reversed(p.statuses) if at <= t - p.status_lag), {})
         return c.cid is not None and ids.get(c.name) == c.cid
+
+    def visible(self, p: SimPod, c: Ctr, t: int | None = None) -> bool:
+        """Whether the pod cache (what the loop reads) shows the container's current ID at tick ``t``."""
+        return self.posted(p, c, t) and self.cached(p, t)
 
     def joined_late(self, p: SimPod) -> bool:
         """The pod reserved its claim after the claim's Prepare: its containers got the CDI share made
@@ -320,7 +353,7 @@ class DriverDraNode:
     def _kubelet(self) -> None:
         t = self.t
         for p in self.pods:
-            if p.stop is not None and t == p.stop:
+            if p.stop is not None and t == p.stop + p.linger:
                 for c in p.containers:
                     self._exit(p, c)
             if t < p.start or self._gone(p):
@@ -334,7 +367,8 @@ class DriverDraNode:
             self._run_containers(p)
         for c in self.claims:  # a claim none of whose pods runs any more is unprepared
             rec = self.preparer.prepared().get(c.uid)
-            if rec is not None and all(self._gone(p) for p in self.pods_of(c.name)):
+            mine = self.pods_of(c.name)
+            if rec is not None and all(self.stopped(p, c.unprepare_lag) for p in mine):
                 assert self.preparer.unprepare(ClaimRef(NS, c.name, c.uid)) == ""
         for p in self.pods:
             if not self._gone(p) and t >= p.start:
@@ -377,6 +411,8 @@ class DriverDraNode:
             for c in self.live(p):
                 if not c.gpu:
                     continue
+                if self._gone(p):  # deleted, its containers on their way out: they hold what they had
+                    continue
                 key, cg = (p.name, c.name), self.cgroup(p, c)
                 have, want = self.use[key], c.demand_at(t)
                 hard = self.hard(p, c)
@@ -384,8 +420,8 @@ class DriverDraNode:
                 if keep < have:
                     self.nv.release(GPU, cg, have - keep)
                     have = keep
-                if want > have and self.visible(p, c):  # an engine loads before it allocates: by then
-                    try:                                   # the kubelet has posted its container's ID
+                if want > have and self.posted(p, c):  # an engine loads before it allocates: by then
+                    try:                                  # the kubelet has posted its container's ID
                         self.nv.allocate(GPU, cg, want - have)
                         have = want
                     except OutOfMemory:

@@ -221,9 +221,10 @@ def test_a_claim_that_is_no_tenant_yet_is_never_lent(tmp_path):
             assert report.skipped is None, report.skipped
             [busy] = [d for d in report.decisions if d.key.pod == "busy"]
             assert busy.limit_mib <= cap - grant, f"lent the newcomer's grant: {busy.limit_mib} MiB ({busy.reason})"
-        assert source.list_pending() == [Claim("default/new", (("GPU-0", grant),))]
+        assert source.list_pending() == [Claim("default/new", (("GPU-0", grant),), pod_uids=frozenset({"uid-newpod"}))]
     seen = _source(claims, [_pod("busy"), _pod("newpod")])
-    assert len(seen.list_tenants()) == 1 and seen.list_pending() == [Claim("default/new", (("GPU-0", grant),))]
+    assert len(seen.list_tenants()) == 1
+    assert seen.list_pending() == [Claim("default/new", (("GPU-0", grant),), pod_uids=frozenset({"uid-newpod"}))]
     claims["cuid-new"] = _claim("new", "newpod", grant)  # prepared, its pod seen: a tenant, counted once
     tenants = seen.list_tenants()
     assert len(tenants) == 2 and seen.list_pending() == [] and pending_from_claims(claims.values(), tenants) == []

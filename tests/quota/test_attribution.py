@@ -52,3 +52,45 @@ def test_a_shared_claim_s_processes_are_its_own_within_its_grant():
     assert got.used == {(A, "GPU-0"): 1000}
     assert got.claimed == {"GPU-0": 8192} and got.foreign == {"GPU-0": 300 + 9000 - 8192}
     assert attribute(samples, TENANTS).foreign == {"GPU-0": 9300}  # no claims given: as before
+
+
+def test_a_claim_s_processes_are_its_own_by_the_pod_uids_it_was_reserved_for():
+    """A prepared DRA claim that is no tenant and whose containers the loop does not know (its pod not in
+    the pod cache yet, or deleted while the kubelet has not unprepared it) is counted at its grant; NVML's
+    processes of its pod (the cgroup names the pod's UID, and a container ID nobody listed) were foreign on
+    top, the claim counted twice. The pods it was reserved for name its processes: within its grant they
+    are the claim's, beyond it foreign."""
+    from deviceplugin.quota.model import Claim
+    pending = Claim("llm/new", (("GPU-0", 8192),), pod_uids=frozenset({"uid-new"}))
+    samples = [UsageSample("GPU-0", 6000, pod_uid="uid-new", container_id="cid-unlisted"),
+               UsageSample("GPU-0", 3000, pod_uid="uid-new", container_id="cid-other"),
+               UsageSample("GPU-1", 500, pod_uid="uid-new"),  # the claim has nothing on GPU-1
+               UsageSample("GPU-0", 1000, pod_uid="uid-chat", container_id="cid-a")]
+    got = attribute(samples, TENANTS, [pending])
+    assert got.used == {(A, "GPU-0"): 1000}
+    assert got.claimed == {"GPU-0": 8192} and got.foreign == {"GPU-0": 6000 + 3000 - 8192, "GPU-1": 500}
+
+
+def test_a_claim_s_container_is_the_claim_s_even_in_a_tenant_s_pod():
+    """A pod with a claim of its own (a tenant) and a claim it shares with another pod (no tenant; its
+    containers known): a process of the shared claim's container was matched by its pod's UID to the
+    tenant before its container ID was looked up among the claims, so the tenant's use read the shared
+    claim's memory, which the loop also counted at the shared claim's grant. A container ID is the most
+    specific identity, whoever owns it."""
+    from deviceplugin.quota.model import Claim
+    shared = Claim("llm/shared", (("GPU-0", 8192),), container_ids=frozenset({"cid-s"}),
+                   pod_uids=frozenset({"uid-chat", "uid-peer"}))
+    got = attribute([UsageSample("GPU-0", 5000, pod_uid="uid-chat", container_id="cid-s"),
+                     UsageSample("GPU-0", 1000, pod_uid="uid-chat", container_id="cid-a")], TENANTS, [shared])
+    assert got.used == {(A, "GPU-0"): 1000}
+    assert got.claimed == {"GPU-0": 5000} and got.foreign == {}
+
+
+def test_a_pod_uid_alone_is_split_between_the_pod_s_tenants_and_claims():
+    """Nothing finer known (the pod cache does not show the container's ID yet): a pod UID that tenants
+    and claims both name is split evenly between them on that GPU, as between a pod's tenants."""
+    from deviceplugin.quota.model import Claim
+    shared = Claim("llm/shared", (("GPU-0", 300),), pod_uids=frozenset({"uid-chat"}))
+    got = attribute([UsageSample("GPU-0", 1500, pod_uid="uid-chat", container_id="cid-new")], TENANTS, [shared])
+    assert got.used == {(B, "GPU-0"): 500, (A, "GPU-0"): 500}
+    assert got.claimed == {"GPU-0": 300} and got.foreign == {"GPU-0": 200}
