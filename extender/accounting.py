@@ -22,6 +22,10 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
   deleted frees exactly what that report said. ``allocated`` on an unbound pod is not believed.
 * A reservation is newer than any event that predates it: an event with an older (or no) assignment
   never undoes a bind in flight, and an assignment the binder gave up on is not revived by the watch.
+  Pods are keyed by namespace/name, so this holds across a pod recreated under its name too: the
+  binder reads the successor fresh and books it under its UID; the predecessor's events the watch
+  delivers after that book nothing (its deletion frees the successor's memory on 0fd81fb), and a
+  predecessor reported allocated keeps its GPUs as a departing pod until its deletion shows it stopped.
 * **Trust by writer** (issue 18): an assignment is believed only from vramshare's own field managers
   (``metadata.managedFields``): ``assumed`` when the extender wrote the assignment, its assume-time
   and its state; ``allocated`` when the device plugin wrote the state (and the extender or the device
@@ -115,6 +119,8 @@ class Accounting:
         self._node_of_uuid: dict[str, str] = {}
         self._held: dict[str, _Hold] = {}
         self._departing: dict[str, int] = {}  # "<pod key>@<uid>" -> when its booking ends (ns)
+        self._uids: dict[str, str] = {}  # pod key -> UID of the pod booked under it
+        self._ahead: set[str] = set()  # keys a bind booked for a UID the watch has not shown yet
         self._forgotten: dict[str, int] = {}
         self.holds = holds.Holds(int(config.extender.hold_timeout_seconds * 1e9))
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
@@ -275,9 +281,15 @@ class Accounting:
     # -- pods -----------------------------------------------------------------------------
     def apply_pod(self, event: str, pod: Obj) -> None:
         key = _key(pod)
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
         with self.lock:
             phase = (pod.get("status") or {}).get("phase")
-            if event == "DELETED" or phase in TERMINAL_PHASES:
+            ended = event == "DELETED" or phase in TERMINAL_PHASES
+            if key in self._ahead and uid and uid != self._uids.get(key):
+                self._predecessor(key, pod, ended)
+                return
+            self._ahead.discard(key)  # the watch shows the pod a bind booked: it has caught up
+            if ended:
                 self.pods_read.forget(pod)
                 if event == "DELETED" and may_still_run(pod):
                     self._keep_departing(key, pod)
@@ -296,6 +308,21 @@ class Accounting:
                 self._observe(key, pod)
             self.pods[key] = pod
             self._account(key, pod)
+            if uid:
+                self._uids[key] = uid
+
+    def _predecessor(self, key: str, pod: Obj, ended: bool) -> None:
+        """An event of an earlier pod of this name, delivered after a bind booked its successor: the
+        watch is ordered (the API cannot create the successor before the predecessor is gone), so only
+        the binder runs ahead of it. It books nothing; a departing predecessor (:meth:`_supersede`)
+        is freed once its deletion shows its containers stopped, else at the end of its grace."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        self.pods_read.forget(pod)
+        ghost = f"{key}@{uid}"
+        if ended and ghost in self._departing and not may_still_run(pod):
+            del self._departing[ghost]
+            self.state.remove_pod(ghost)
+        log.info("event of a replaced pod ignored", pod=key, uid=uid, successor=self._uids.get(key))
 
     def _observe(self, key: str, pod: Obj) -> None:
         """Feed FGD's target workload; a size no GPU of the cluster has is no workload to plan for (a
@@ -478,6 +505,8 @@ class Accounting:
 
     def _release(self, key: str) -> None:
         self._held.pop(key, None)
+        self._uids.pop(key, None)
+        self._ahead.discard(key)
         self._untrusted_held.discard(key)
         self.holds.release(key)
         self.state.remove_pod(key)
@@ -558,15 +587,39 @@ class Accounting:
     # -- the binder's reservations --------------------------------------------------------
     def reserve(self, key: str, node: str, allocations: list[tuple[str, int]], assume_ns: int,
                 signature: translate.Signature = frozenset(), plans: holds.Plans | None = None,
-                host: cluster.HostDemand = cluster.HostDemand()) -> None:
+                host: cluster.HostDemand = cluster.HostDemand(), uid: str = "") -> None:
         """Hold memory (and the pod's CPU and memory) for a bind in flight; raises ``cluster.OverCommit``
         (caller holds :attr:`lock`). The pod also holds its size ``signature`` on the node, planned as
-        ``plans`` (:func:`holds.plans_of`), until it is reported allocated."""
+        ``plans`` (:func:`holds.plans_of`), until it is reported allocated. ``uid``: the pod's, as the
+        binder read it; when the books hold an earlier pod of that name, :meth:`_supersede` first."""
         with self.lock:
+            if uid and self._uids.get(key, uid) != uid:
+                self._supersede(key)
             self.state.add_pod(key, node, allocations, host)
             self._held[key] = _Hold(node, assume_ns, self.clock(), assume_ns)
             self._forgotten.pop(key, None)
             self.holds.hold(key, node, signature, assume_ns, plans)
+            if uid:
+                cached = ((self.pods.get(key) or {}).get("metadata") or {}).get("uid")
+                self._uids[key] = uid
+                if cached != uid:
+                    self._ahead.add(key)
+
+    def _supersede(self, key: str) -> None:
+        """A bind of a new pod under ``key`` while the books hold an earlier one of that name (recreated,
+        its deletion not delivered yet). Until that deletion says whether its containers stopped (a
+        graceful deletion) or may still run (a forced one), an earlier pod the device plugin reported
+        allocated keeps its GPUs under a key of its own for its grace (:meth:`_keep_departing`); an
+        assumption never admitted holds nothing. Its late events then book nothing (:meth:`_predecessor`)."""
+        earlier = self.pods.pop(key, None)
+        if earlier is not None:
+            self._keep_departing(key, earlier)
+            self.pods_read.forget(earlier)
+        self._release(key)
+        self.unaccounted.pop(key, None)
+        self.untrusted.pop(key, None)
+        if self.state.pod_allocations(key):  # a booking left without a pod object: it goes too
+            self.state.remove_pod(key)
 
     def release(self, key: str, assume_ns: int) -> None:
         """Undo a reservation whose bind failed; a later event carrying it will not bring it back."""

@@ -200,7 +200,8 @@ class Binder:
                     text = translate.encode_assignment(asks, policy_picks())
                     allocations = _allocations(pod, self.names, text)
                     plans = holds.plans_of(want, self.names, held_pick.containers_of(text))
-                self.acct.reserve(key, args.node, allocations, assume_ns, signature, plans, host)
+                self.acct.reserve(key, args.node, allocations, assume_ns, signature, plans, host,
+                                  uid=str((pod.get("metadata") or {}).get("uid") or ""))
             except (cluster.NoFit, cluster.OverCommit) as exc:
                 raise _BindFailed(f"pod {key} does not fit node {args.node}: {exc}", "no_fit") from None
             except contract.AssignmentError as exc:  # a plan the node would refuse is never written
