@@ -122,7 +122,7 @@ class Accounting:
         self._uids: dict[str, str] = {}  # pod key -> UID of the pod booked under it
         self._ahead: set[str] = set()  # keys a bind booked for a UID the watch has not shown yet
         self._forgotten: dict[str, int] = {}
-        self.holds = holds.Holds(int(config.extender.hold_timeout_seconds * 1e9))
+        self.holds = holds.Holds(int(config.extender.hold_timeout_seconds * 1e9), started_ns=clock())
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
         self.untrusted: dict[str, str] = {}  # pod -> why its annotations are not believed (not our writer)
         self.untrusted_events: dict[str, int] = {}  # by state: pod events whose annotations were not believed

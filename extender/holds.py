@@ -42,7 +42,8 @@ that never reconciles (an older one) delays different-plan same-size pods by at 
 A node whose device plugin does not report (issue 18: the plugin is down, or cannot reach the API
 server) would hold every same-size pod for the whole timeout: one replica per node per 30 s. So a
 node is *silent* once one of its holds has waited :data:`SILENT_AFTER_NS` with no ``allocated``
-report from that node since the hold began (a working plugin reports within a second or two); while
+report from that node since the hold began, or since this extender began listening if that is later
+(a restarted extender's rebuilt holds began in its past; a working plugin reports within a second); while
 it is silent, its holds last :data:`SILENT_HOLD_NS` from their start (the one that found it silent
 ends at once), so a burst there binds a replica every couple of seconds instead of every timeout. The
 next ``allocated`` report from the node (:meth:`Holds.reported`) ends the silence. Prioritize scores a
@@ -128,8 +129,12 @@ PURGE_EVERY = 64
 
 
 class Holds:
-    def __init__(self, timeout_ns: int) -> None:
+    def __init__(self, timeout_ns: int, started_ns: int | None = None) -> None:
         self.timeout_ns = timeout_ns
+        #: When this process began listening for reports (None: always). A restarted extender rebuilds
+        #: holds from assume times in its past: a node is judged silent only over time a report could
+        #: have reached it, or every node with an older hold would be silent at once and lose its plans.
+        self.started_ns = started_ns
         self._by_pod: dict[str, Hold] = {}
         self._by_node: dict[str, dict[str, Hold]] = {}
         #: element -> {node: how many holds there share it}: the only nodes where a pod of that size
@@ -163,8 +168,9 @@ class Holds:
         if h.expected:
             return h.until_ns
         node = h.node
-        found = (node not in self.silent and now_ns - h.since_ns >= SILENT_AFTER_NS
-                 and self._reported.get(node, -1) < h.since_ns)
+        heard = h.since_ns if self.started_ns is None else max(h.since_ns, self.started_ns)
+        found = (node not in self.silent and now_ns - heard >= SILENT_AFTER_NS
+                 and self._reported.get(node, -1) < heard)
         if found and record:
             self.silent[node] = now_ns
             log.warning("device plugin does not report: holds on the node are shortened", node=node,

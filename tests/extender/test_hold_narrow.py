@@ -345,3 +345,28 @@ def test_where_every_candidate_is_silent_the_policy_scores_stand(world: World) -
     world.clock.now += 6 * SEC
     world.acct.expire()
     assert "n2" in world.acct.holds.silent and world.prioritize(q, ["n2"]) == before
+
+
+def test_a_restarted_extender_does_not_take_every_node_for_silent() -> None:
+    """A new extender process (a kill, a rolling update, a failover) rebuilds holds from the assumed pods'
+    assume times, all in its past, before any device plugin report could reach it. On 0fd81fb every node
+    with a hold older than 5 s was found silent at once and its holds cut: the next same-size pod took
+    another plan beside the one still written on the pending pod, and the device plugin could no longer
+    steer (the soak, seed 23, kills every 6 s: 2-9 steering misses per run, GPUs over capacity by plan).
+    Silence is judged over what this process could have heard."""
+    from extender import accounting
+    from tests.extender.test_accounting import Clock
+    from vramshare.config import Config, ExtenderConfig, Policy
+
+    e = (N.gpu_memory, 8)
+    clock = Clock()
+    clock.now = T0 + 20 * SEC  # the new process starts 20 s after "a" was assumed
+    acct = accounting.Accounting(Config(extender=ExtenderConfig(policy=Policy.SPREAD)), clock)
+    acct.apply_node("ADDED", b.gpu_node("n1", b.a100(), b.a100()))
+    acct.apply_pod("ADDED", b.assigned(b.pod("a", 8), "n1", [("GPU-n1-0", 8 * UNIT)], T0))
+    need = acct.hold_required("default/b", "n1", frozenset({e}))
+    assert "n1" not in acct.holds.silent
+    assert need.blocker is None and need.plans == {e: (("GPU-n1-0", 8 * UNIT),)}  # "b" follows "a"'s plan
+    clock.now += 6 * SEC  # then 6 s with no report from n1 since this process began: silent after all
+    acct.expire()
+    assert "n1" in acct.holds.silent
