@@ -646,6 +646,34 @@ class Accounting:
             if key not in self._held:
                 self.holds.expect(key, node, signature, self.clock())
 
+    def lingering_plans(self, key: str, node: str, signature: translate.Signature) -> dict[holds.Element, holds.Plan]:
+        """Per element of ``signature``, the plan the other pods still assumed on ``node`` share whose
+        hold has ended (its timeout, or cut short on a silent node, or lost with a restart): the device
+        plugin steers by the plans written on pending pods, so a pod of that size that takes the same
+        GPUs keeps the steering unambiguous. A preference only, never a reason to wait (that is what
+        ending the hold was for); elements where those pods disagree are left out."""
+        out: dict[holds.Element, holds.Plan] = {}
+        split: set[holds.Element] = set()
+        with self.lock:
+            others = {k for use in self.state.node_usage(node) for k in use.pods if k != key}
+            for other in sorted(others):
+                hold, pod = self._held.get(other), self.pods.get(other)
+                if hold is None or hold.allocated or hold.node != node or pod is None:
+                    continue
+                read = self.pods_read.read(pod)
+                try:
+                    asg = translate.decode_assignment(pod, self.names)
+                except translate.TranslateError:
+                    continue
+                if read.want is None or asg is None:
+                    continue
+                for element, plan in holds.plans_of(read.want, self.names, asg.containers).items():
+                    if element not in signature:
+                        continue
+                    if plan is None or out.setdefault(element, plan) != plan:
+                        split.add(element)
+        return {e: p for e, p in out.items() if e not in split}
+
     def hold_required(self, key: str, node: str, signature: translate.Signature) -> holds.Required:
         """What the bind of ``key`` to ``node`` needs now: wait for a same-size pod assumed there on
         other terms, or take the GPUs held there for its size (see :mod:`extender.holds`; expected

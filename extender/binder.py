@@ -197,9 +197,17 @@ class Binder:
                                           f"{self.acct.hold_reason(holder)}; {choice}", "held")
                     text, allocations, plans = choice.text, choice.allocations, choice.plans
                 else:
-                    text = translate.encode_assignment(asks, policy_picks())
-                    allocations = _allocations(pod, self.names, text)
-                    plans = holds.plans_of(want, self.names, held_pick.containers_of(text))
+                    # no live hold: still take the GPUs of pending same-size pods whose hold ended, when
+                    # they have room, so the device plugin's steering stays unambiguous
+                    lingering = self.acct.lingering_plans(key, args.node, signature)
+                    choice = (held_pick.follow(self.acct.state, args.node, pod, want, asks, self.names, lingering,
+                                               policy_picks) if lingering else "")
+                    if not isinstance(choice, str):
+                        text, allocations, plans = choice.text, choice.allocations, choice.plans
+                    else:
+                        text = translate.encode_assignment(asks, policy_picks())
+                        allocations = _allocations(pod, self.names, text)
+                        plans = holds.plans_of(want, self.names, held_pick.containers_of(text))
                 self.acct.reserve(key, args.node, allocations, assume_ns, signature, plans, host,
                                   uid=str((pod.get("metadata") or {}).get("uid") or ""))
             except (cluster.NoFit, cluster.OverCommit) as exc:

@@ -370,3 +370,28 @@ def test_a_restarted_extender_does_not_take_every_node_for_silent() -> None:
     clock.now += 6 * SEC  # then 6 s with no report from n1 since this process began: silent after all
     acct.expire()
     assert "n1" in acct.holds.silent
+
+
+@pytest.mark.parametrize("ended", ["timeout", "silent"])
+def test_after_a_hold_ends_a_same_size_pod_still_takes_the_pending_pod_s_gpus_when_they_have_room(
+        double: ApiServerDouble, ended: str) -> None:
+    """A hold ends without the pod reported (30 s, or 2 s on a silent node): the next same-size pod may bind
+    there, but its own policy's GPU (spread: the empty one) beside the plan still written on the pending
+    pod leaves the device plugin two plans for one size: it steers neither (the soak's steering misses).
+    Taking the pending pod's GPUs when they have room keeps one plan; when they do not, the policy's
+    choice, never a wait (on 0fd81fb the policy's choice always)."""
+    with api_client_for(double.url) as api:
+        world = World(double, api, policy=Policy.SPREAD)
+        a = world.create(b.pod("a", 8))
+        assert world.bind_to(a, "n1").error == ""
+        world.clock.now += (31 if ended == "timeout" else 6) * SEC
+        world.acct.expire()
+        assert world.acct.holds.held_pods() == [] and (ended == "timeout" or "n1" in world.acct.holds.silent)
+        c = world.create(b.pod("c", 8))
+        assert world.bind_to(c, "n1").error == ""
+        assert plan(world.watch("c")) == plan(world.watch("a")), "another plan beside the pending pod's"
+        world.clock.now += 31 * SEC
+        world.acct.expire()
+        e = world.create(b.pod("e", 8))  # a third 8 GiB does not fit that L4: the policy's GPU, no wait
+        assert world.bind_to(e, "n1").error == ""
+        assert plan(world.watch("e"))[0][0] != plan(world.watch("a"))[0][0]
