@@ -37,7 +37,10 @@ briefly. Consequences:
 Narrow on purpose: other sizes keep binding to the node, and nothing is ever locked. A hold ends when
 the pod is reconciled as ``allocated``, is deleted or finishes, or ``timeout_ns`` after it began (the
 config key ``extender.holdTimeoutSeconds``; 0 turns holds off), whichever comes first: a device plugin
-that never reconciles (an older one) delays different-plan same-size pods by at most that.
+that never reconciles (an older one) delays different-plan same-size pods by at most that. A hold that
+ended with its pod still pending leaves its plan written on the pod, which the device plugin still steers
+by: the binder prefers it for the next pod of that size when it has room
+(:meth:`extender.accounting.Accounting.lingering_plans`), never waits for it.
 
 A node whose device plugin does not report (issue 18: the plugin is down, or cannot reach the API
 server) would hold every same-size pod for the whole timeout: one replica per node per 30 s. So a
