@@ -104,25 +104,43 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     in sum (a pod that joined a shared claim after Prepare got the split known then), and so do the UIDs
     of the pods it was prepared for: a process of one of them is the claim's memory even while the cache
     shows no container of it (not listed yet, or deleted while its containers still exit), not foreign
-    memory counted beside the grant (``quota.attribution``)."""
+    memory counted beside the grant (``quota.attribution``), and the driver fence finds and holds those
+    containers by their pod's cgroup. Its sharers are counted per pod (``Claim.pod_slots``) from Prepare's
+    count in the checkpoint for the pods it was prepared for, listed or not (one not listed may start its
+    containers at their CDI share at any time; one listed done has departed), and from the spec for a
+    running pod that joined it; ``sharers`` is then Prepare's divisor, what each container starts with.
+    A checkpoint from before the count counts the listed pods only, as before."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
-    running = list(running_pods_by_uid(pods).values())
+    pods = list(pods)
+    listed = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
+    running = running_pods_by_uid(pods)
     out = []
     for c in sorted(claims, key=lambda c: (c.namespace, c.name)):
         if not c.gpus or (c.namespace, tenant_container(c.name)) in owned:
             continue
         ids: set[str] = set()
         once: set[str] = set()
-        sharers = 0
-        for pod in running:
+        slots: dict[str, int] = {}
+        for uid, pod in sorted(running.items()):
             if (pod.get("metadata") or {}).get("namespace") == c.namespace:
                 users = _claim_users(pod, c.name)
                 ids |= users.ids
                 once |= users.init_ids
-                sharers += users.sharers
+                if users.sharers:
+                    slots[uid] = users.sharers
+        sharers = sum(slots.values())
+        counted = len(c.pod_users) == len(c.pod_uids) > 0  # an older checkpoint did not record them
+        if counted:
+            # a pod it was prepared for that the cache does not list (yet; or deleted: unknown here) may
+            # start its containers at their CDI share at any time; one listed done has departed
+            for uid, n in zip(c.pod_uids, c.pod_users):
+                if uid and uid not in listed and n:
+                    slots[uid] = n
+            sharers = sum(c.pod_users)  # the CDI spec's divisor: what each container starts with
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
                          container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once),
-                         pod_uids=frozenset(u for u in c.pod_uids if u)))
+                         pod_uids=frozenset(u for u in c.pod_uids if u),
+                         pod_slots=tuple(sorted(slots.items())) if counted else ()))
     return out
 
 

@@ -421,7 +421,8 @@ class QuotaLoop:
         for t in tenants:
             self._book(t.key)
         pending, files, listed = self._claims(tenants)
-        shared = [c for c in listed if c.container_ids]  # the fence holds their containers
+        # the fence reads and holds their containers: those the pod cache shows, and their pods' cgroups
+        shared = [c for c in listed if c.container_ids or c.pod_uids]
         samples = self._read_usage(tenants, report, shared)
         if samples is None:
             report.skipped = "no usage source answered"
