@@ -17,7 +17,7 @@ for a pod bound to this node before the kubelet asks to prepare it (:func:`unpre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from deviceplugin.dra import cdi
 from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
@@ -94,7 +94,7 @@ def _claim_users(pod: Mapping[str, Any], claim: str) -> ClaimUsers:
 
 
 def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenant],
-                        pods: Iterable[Mapping[str, Any]] = ()) -> list[Claim]:
+                        pods: Iterable[Mapping[str, Any]] = (), departed: Collection[str] = ()) -> list[Claim]:
     """Pure: memory this node promised to claims that are not quota tenants (issue 19: lent memory is
     never promised twice), each at what it was granted: a claim being prepared, one whose pod the cache
     does not show yet or shows departed (its containers may run until the kubelet unprepares it), one
@@ -109,7 +109,8 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     count in the checkpoint for the pods it was prepared for, listed or not (one not listed may start its
     containers at their CDI share at any time; one listed done has departed), and from the spec for a
     running pod that joined it; ``sharers`` is then Prepare's divisor, what each container starts with.
-    A checkpoint from before the count counts the listed pods only, as before."""
+    ``departed``: UIDs of pods the cache listed once and lists no more (deleted: they start nothing
+    again). A checkpoint from before the count counts the listed pods only, as before."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
     pods = list(pods)
     listed = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
@@ -131,10 +132,10 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
         sharers = sum(slots.values())
         counted = len(c.pod_users) == len(c.pod_uids) > 0  # an older checkpoint did not record them
         if counted:
-            # a pod it was prepared for that the cache does not list (yet; or deleted: unknown here) may
-            # start its containers at their CDI share at any time; one listed done has departed
+            # a pod it was prepared for that the cache does not list yet may start its containers at their
+            # CDI share at any time; one listed done, or listed once and gone (deleted), has departed
             for uid, n in zip(c.pod_uids, c.pod_users):
-                if uid and uid not in listed and n:
+                if uid and uid not in listed and uid not in departed and n:
                     slots[uid] = n
             sharers = sum(c.pod_users)  # the CDI spec's divisor: what each container starts with
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
@@ -239,6 +240,9 @@ class ClaimTenantSource:
         self._prepared, self._pods, self._synced, self._names = prepared, pods, synced, names
         self._allocated = allocated  # claims allocated here before Prepare; None: not counted
         self._pending: list[Claim] = []
+        # UIDs of the checkpoint's pods the cache has listed: one it lists no more was deleted. After a
+        # restart nothing is known: a pod not listed counts as not listed yet (cautious, never unsound)
+        self._listed_once: set[str] = set()
 
     def list_tenants(self) -> list[Tenant]:
         if not self._synced():  # the loop logs this and keeps the last quotas
@@ -246,7 +250,10 @@ class ClaimTenantSource:
         claims = list(self._prepared().values())
         pods = list(self._pods())
         tenants = tenants_from_claims(claims, pods, self._names)
-        self._pending = pending_from_claims(claims, tenants, pods)
+        listed = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
+        ours = {u for c in claims for u in c.pod_uids}
+        self._listed_once = (self._listed_once | listed) & ours
+        self._pending = pending_from_claims(claims, tenants, pods, self._listed_once - listed)
         if self._allocated is not None:
             self._pending += self._allocated.pending(unprepared_claims(pods, claims))
         return tenants

@@ -515,3 +515,22 @@ def test_a_shared_claim_whose_second_pod_the_cache_does_not_show_yet_is_held_at_
         assert sum(node.use[(p.name, c.name)] for p, c in mine) <= 2048, (node.t - 1, node.use)
         assert sum(node.hard(p, c) for p in pods for c in node.live(p)) <= CAP, node.t - 1
     assert node.loop.counts["node_overcommit"] == 0
+
+
+def test_a_shared_claim_s_pod_deleted_for_good_keeps_no_share_once_its_containers_exited(tmp_path):
+    """The other side of counting sharers from the checkpoint: a pod the claim was prepared for that the pod
+    cache listed and lists no more was deleted, and starts nothing again. Once its containers exited, the
+    pod left running may hold the whole grant (as the listed pods' count gave it on the base), not the
+    grant less a share kept for a container that will never start, until the kubelet unprepares the claim."""
+    claims = [SimClaim("k0", 2048), SimClaim("k1", CAP - 2048)]
+    pods = [SimPod("p00", "k0", 0, 0, None, [_flat("c0", "app", 2048)]),
+            SimPod("p01", "k0", 0, 0, 3, [_flat("c0", "app", 2048)], linger=1),
+            SimPod("p10", "k1", 0, 0, None, [_flat("c0", "app", CAP - 2048)])]
+    node = DriverDraNode(str(tmp_path), claims, pods)
+    hards = []
+    for _ in range(8):
+        node.step()
+        hards.append([node.hard(p, c) for p in pods[:2] for c in node.live(p)])
+    # shared: 1,024 each; p01 deleted at 3, its container held until it exits at 4; then p00 alone
+    assert hards[:3] == [[1024, 1024]] * 3 and hards[3] == [1024, 1024], hards
+    assert hards[-1] == [2048] and node.use[("p00", "c0")] == 2048, hards
