@@ -147,7 +147,7 @@ class DriverFence:
         memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        self._used, self._hard, self._pressed = {}, {}, {}
+        self._used, self._hard, self._pressed, self._pod_found = {}, {}, {}, {}
         found_of: dict[TenantKey, list[tuple[str, str]]] = {}
         for t in tenants:
             found = found_of[t.key] = self._cgroups(t.container_ids)
@@ -224,7 +224,6 @@ class DriverFence:
                         log.warning("claim's cgroup use unreadable", claim=c.name, error=str(exc))
                         continue
                     out.append(UsageSample(gpu_uuid=gpu, used_mib=used, container_id=cid))
-        self._pod_found = {}
         tenant_pods = {t.key.pod_uid for t in tenants if t.key.pod_uid}
         named = Counter(uid for c in claims for uid in c.pod_uids)
         for c in claims:
