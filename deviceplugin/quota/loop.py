@@ -721,8 +721,9 @@ class QuotaLoop:
         return pending, files, listed
 
     def _hold_claims(self, shared: list[Claim], report: TickReport) -> None:
-        """Driver mode: a claim that is no tenant but whose containers are known (several pods share it)
-        is fenced at its grant in sum, every tick (a pod that joins it gets its share at the next)."""
+        """Driver mode: a claim that is no tenant but whose containers or pods are known (several pods share
+        it; its pod is not listed yet, or any more) is fenced at its grant in sum, every tick (a pod that
+        joins it gets its share at the next)."""
         if self._fence is None:
             return
         for c in shared:
