@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from vramshare import contract, logs
 
@@ -34,11 +34,13 @@ class CgroupLimits:
 
 
 class CgroupFinder:
-    """Container runtime ID -> its cgroup v2 path (``/kubepods.slice/...``), cached while it exists."""
+    """Container runtime ID -> its cgroup v2 path (``/kubepods.slice/...``), and pod UID -> its
+    containers' (:meth:`pod_cgroups`), each cached while it exists."""
 
     def __init__(self, root: str = contract.HOST_CGROUP_ROOT) -> None:
         self.root = root
         self._cache: dict[str, str] = {}
+        self._pods: dict[str, str] = {}  # pod UID -> its pod cgroup
         self._lock = threading.Lock()
 
     def find(self, container_id: str) -> str | None:
@@ -53,7 +55,31 @@ class CgroupFinder:
                 self._cache[container_id] = found
             return found
 
-    def _search(self, container_id: str) -> str | None:
+    def pod_cgroups(self, pod_uid: str) -> list[str]:
+        """The cgroups of the containers in pod ``pod_uid`` (the subdirectories of its pod cgroup, the
+        sandbox's included), sorted; none when the pod has no cgroup here (not started, or gone). The
+        kubelet names the pod cgroup ``pod<uid>`` under its QoS class's (``GetPodContainerName``;
+        Guaranteed: under kubepods itself); the systemd driver writes each part with ``_`` for ``-`` and
+        joins them into one slice name: ``kubepods-burstable-pod<uid_with_underscores>.slice``."""
+        names = (f"pod{pod_uid}", f"pod{pod_uid.replace('-', '_')}.slice")
+        with self._lock:
+            hit = self._pods.get(pod_uid)
+            if hit is None or not os.path.isdir(os.path.join(self.root, hit.lstrip("/"))):
+                hit = self._search(lambda d: d == names[0] or ("-" + d).endswith("-" + names[1]))
+                if hit is None:
+                    self._pods.pop(pod_uid, None)
+                    return []
+                self._pods[pod_uid] = hit
+        try:
+            subs = sorted(e.name for e in os.scandir(os.path.join(self.root, hit.lstrip("/"))) if e.is_dir())
+        except OSError:  # removed between the two looks: the pod is gone
+            return []
+        return [f"{hit}/{d}" for d in subs]
+
+    def _search(self, match: str | Callable[[str], bool]) -> str | None:
+        """The first cgroup under ``kubepods*`` whose name contains ``match`` (a container ID), or for
+        which ``match`` is true."""
+        hit = (lambda d: match in d) if isinstance(match, str) else match
         base = self.root.rstrip("/")
         for top in sorted(os.listdir(base)) if os.path.isdir(base) else []:
             if not top.startswith("kubepods"):
@@ -61,7 +87,7 @@ class CgroupFinder:
             for dirpath, dirnames, _files in os.walk(os.path.join(base, top)):
                 depth = dirpath[len(base):].count(os.sep)
                 for d in dirnames:
-                    if container_id in d:
+                    if hit(d):
                         return "/" + os.path.relpath(os.path.join(dirpath, d), base)
                 if depth >= _SEARCH_DEPTH:
                     dirnames[:] = []

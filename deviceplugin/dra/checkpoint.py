@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 VERSION = "v1"
 PREPARING = "preparing"
@@ -45,6 +45,10 @@ class PreparedClaim:
     devices: tuple[PreparedDevice, ...] = ()
     pod_uids: tuple[str, ...] = ()  # the claim's reservedFor pods: the quota loop's tenants
     pod_names: tuple[str, ...] = ()  # same order as pod_uids
+    # same order as pod_uids: how many of each pod's containers naming the claim run at once, as Prepare
+    # counted them for the CDI spec's share (grant // their sum); () where it did not count (an older
+    # checkpoint, a mode that fences nothing per container): the fence then knows only the listed pods'
+    pod_users: tuple[int, ...] = ()
     gpus: Mapping[str, int] = field(default_factory=dict)  # visible UUID -> MiB granted
     partitions: tuple[tuple[str, str, int], ...] = ()  # dynamic MIG: (GPU UUID, profile, start) made for it
 
@@ -76,7 +80,7 @@ class Checkpoint:
         return json.dumps({"version": VERSION, "claims": {
             uid: {"namespace": c.namespace, "name": c.name, "state": c.state, "cdiSpec": c.cdi_spec,
                   "quotaDir": c.quota_dir, "podUIDs": list(c.pod_uids), "podNames": list(c.pod_names),
-                  "gpus": dict(c.gpus),
+                  "gpus": dict(c.gpus), **({"podUsers": list(c.pod_users)} if c.pod_users else {}),
                   **({"migPartitions": [{"gpu": g, "profile": p, "start": st} for g, p, st in c.partitions]}
                      if c.partitions else {}),
                   "devices": [{"requestNames": list(d.request_names), "pool": d.pool, "device": d.device,
@@ -97,7 +101,7 @@ class Checkpoint:
                 claims[uid] = PreparedClaim(
                     uid=uid, namespace=c["namespace"], name=c["name"], state=c["state"], cdi_spec=c["cdiSpec"],
                     quota_dir=c.get("quotaDir"), pod_uids=tuple(c.get("podUIDs") or ()),
-                    pod_names=tuple(c.get("podNames") or ()),
+                    pod_names=tuple(c.get("podNames") or ()), pod_users=_pod_users(c),
                     gpus={str(k): int(v) for k, v in (c.get("gpus") or {}).items()},
                     partitions=tuple((str(p["gpu"]), str(p["profile"]), int(p["start"]))
                                      for p in c.get("migPartitions") or ()),
@@ -108,6 +112,18 @@ class Checkpoint:
             if claims[uid].state not in (PREPARING, PREPARED):
                 raise CheckpointError(f"checkpoint.claims[{uid}].state: {claims[uid].state!r}")
         return cls(claims)
+
+
+def _pod_users(c: Mapping[str, Any]) -> tuple[int, ...]:
+    """``podUsers`` (added in v1, so absent from an older checkpoint: unknown, ``()``): one count per
+    ``podUIDs`` entry."""
+    raw = c.get("podUsers")
+    if raw is None:
+        return ()
+    users = tuple(int(n) for n in raw) if isinstance(raw, list) else ()
+    if not isinstance(raw, list) or len(users) != len(c.get("podUIDs") or ()) or any(n < 0 for n in users):
+        raise ValueError(f"podUsers {list(raw)} does not give one count per podUIDs entry")
+    return users
 
 
 def completed(claim: PreparedClaim, devices: tuple[PreparedDevice, ...]) -> PreparedClaim:

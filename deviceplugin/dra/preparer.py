@@ -194,13 +194,14 @@ class ClaimPreparer:
             spec_path, quota_dir = self.paths_for(ref.uid, config, ref.name, pods)
         except writer.UnsafePathError as exc:
             raise ClaimError(str(exc)) from None
-        users = self._users(ref, reserved, config, where) if shares else 1
+        per_pod = self._users(ref, reserved, config, where) if shares else ()
+        users = max(1, sum(per_pod))
         plans = self._plans(ref.uid, shares, known, where)
         gpu = cdi.gpu_shares([s for s in shares if known[s.share.device].partition is None])
         self._check_room(ref.uid, gpu, known, config.memory_unit_mib, where)
         record = PreparedClaim(uid=ref.uid, namespace=ref.namespace, name=ref.name, state=PREPARING,
                                cdi_spec=spec_path, quota_dir=quota_dir if shares else None, pod_uids=pods,
-                               pod_names=tuple(r.get("name", "") for r in reserved),
+                               pod_names=tuple(r.get("name", "") for r in reserved), pod_users=per_pod,
                                gpus={g.uuid: g.mib for g in gpu},
                                partitions=tuple((p.gpu_uuid, p.profile, p.start) for p in plans.values()))
         self._save(self.checkpoint.with_claim(record))
@@ -222,15 +223,18 @@ class ClaimPreparer:
                  gpus=",".join(f"{u}:{m}MiB" for u, m in record.gpus.items()), pods=",".join(pods))
         return tuple(devices)
 
-    def _users(self, ref: ClaimRef, reserved: Sequence[Mapping[str, Any]], config: Config, where: str) -> int:
-        """How many containers naming the claim run at once, over the pods it is reserved for
+    def _users(self, ref: ClaimRef, reserved: Sequence[Mapping[str, Any]], config: Config,
+               where: str) -> tuple[int, ...]:
+        """Per pod it is reserved for, how many containers naming the claim run at once
         (:func:`vramshare.podspec.claim_users`): the CDI spec is injected into each, and in driver and MPS
-        modes each is fenced alone, so each is fenced at its share. Other modes fence nothing per
-        container: no read. A pod that cannot be read refuses the Prepare (the kubelet retries), as an
-        unreadable claim does: fencing each at the whole grant could let them hold a multiple of it."""
+        modes each is fenced alone, so each is fenced at its share of their sum. Recorded per pod: the
+        driver fence keeps that share for each container of a pod the pod cache does not show (yet), which
+        only the checkpoint says. Other modes fence nothing per container: no read, ``()``. A pod that
+        cannot be read refuses the Prepare (the kubelet retries), as an unreadable claim does: fencing each
+        at the whole grant could let them hold a multiple of it."""
         if config.enforcement.resolved not in _PER_CONTAINER_FENCES or self._read_pod is None:
-            return 1
-        n = 0
+            return ()
+        n: list[int] = []
         for r in reserved:
             name, uid = str(r.get("name") or ""), r.get("uid")
             try:
@@ -241,8 +245,8 @@ class ClaimPreparer:
             if (pod.get("metadata") or {}).get("uid") != uid:
                 raise ClaimError(f"{where}: pod {ref.namespace}/{name} is not the one it is reserved for "
                                  f"(UID {uid}): recreated")
-            n += podspec.claim_users(pod, ref.name)
-        return max(1, n)
+            n.append(podspec.claim_users(pod, ref.name))
+        return tuple(n)
 
     def _plans(self, uid: str, shares: Sequence[Any], known: Mapping[str, DeviceRef],
                where: str) -> dict[int, MigPlan]:

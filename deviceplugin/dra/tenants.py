@@ -17,7 +17,7 @@ for a pod bound to this node before the kubelet asks to prepare it (:func:`unpre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from deviceplugin.dra import cdi
 from deviceplugin.dra.checkpoint import PREPARED, PreparedClaim
@@ -94,7 +94,7 @@ def _claim_users(pod: Mapping[str, Any], claim: str) -> ClaimUsers:
 
 
 def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenant],
-                        pods: Iterable[Mapping[str, Any]] = ()) -> list[Claim]:
+                        pods: Iterable[Mapping[str, Any]] = (), departed: Collection[str] = ()) -> list[Claim]:
     """Pure: memory this node promised to claims that are not quota tenants (issue 19: lent memory is
     never promised twice), each at what it was granted: a claim being prepared, one whose pod the cache
     does not show yet or shows departed (its containers may run until the kubelet unprepares it), one
@@ -104,25 +104,44 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     in sum (a pod that joined a shared claim after Prepare got the split known then), and so do the UIDs
     of the pods it was prepared for: a process of one of them is the claim's memory even while the cache
     shows no container of it (not listed yet, or deleted while its containers still exit), not foreign
-    memory counted beside the grant (``quota.attribution``)."""
+    memory counted beside the grant (``quota.attribution``), and the driver fence finds and holds those
+    containers by their pod's cgroup. Its sharers are counted per pod (``Claim.pod_slots``) from Prepare's
+    count in the checkpoint for the pods it was prepared for, listed or not (one not listed may start its
+    containers at their CDI share at any time; one listed done has departed), and from the spec for a
+    running pod that joined it; ``sharers`` is then Prepare's divisor, what each container starts with.
+    ``departed``: UIDs of pods the cache listed once and lists no more (deleted: they start nothing
+    again). A checkpoint from before the count counts the listed pods only, as before."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
-    running = list(running_pods_by_uid(pods).values())
+    pods = list(pods)
+    listed = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
+    running = running_pods_by_uid(pods)
     out = []
     for c in sorted(claims, key=lambda c: (c.namespace, c.name)):
         if not c.gpus or (c.namespace, tenant_container(c.name)) in owned:
             continue
         ids: set[str] = set()
         once: set[str] = set()
-        sharers = 0
-        for pod in running:
+        slots: dict[str, int] = {}
+        for uid, pod in sorted(running.items()):
             if (pod.get("metadata") or {}).get("namespace") == c.namespace:
                 users = _claim_users(pod, c.name)
                 ids |= users.ids
                 once |= users.init_ids
-                sharers += users.sharers
+                if users.sharers:
+                    slots[uid] = users.sharers
+        sharers = sum(slots.values())
+        counted = len(c.pod_users) == len(c.pod_uids) > 0  # an older checkpoint did not record them
+        if counted:
+            # a pod it was prepared for that the cache does not list yet may start its containers at their
+            # CDI share at any time; one listed done, or listed once and gone (deleted), has departed
+            for uid, n in zip(c.pod_uids, c.pod_users):
+                if uid and uid not in listed and uid not in departed and n:
+                    slots[uid] = n
+            sharers = sum(c.pod_users)  # the CDI spec's divisor: what each container starts with
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
                          container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once),
-                         pod_uids=frozenset(u for u in c.pod_uids if u)))
+                         pod_uids=frozenset(u for u in c.pod_uids if u),
+                         pod_slots=tuple(sorted(slots.items())) if counted else ()))
     return out
 
 
@@ -221,6 +240,9 @@ class ClaimTenantSource:
         self._prepared, self._pods, self._synced, self._names = prepared, pods, synced, names
         self._allocated = allocated  # claims allocated here before Prepare; None: not counted
         self._pending: list[Claim] = []
+        # UIDs of the checkpoint's pods the cache has listed: one it lists no more was deleted. After a
+        # restart nothing is known: a pod not listed counts as not listed yet (cautious, never unsound)
+        self._listed_once: set[str] = set()
 
     def list_tenants(self) -> list[Tenant]:
         if not self._synced():  # the loop logs this and keeps the last quotas
@@ -228,7 +250,10 @@ class ClaimTenantSource:
         claims = list(self._prepared().values())
         pods = list(self._pods())
         tenants = tenants_from_claims(claims, pods, self._names)
-        self._pending = pending_from_claims(claims, tenants, pods)
+        listed = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
+        ours = {u for c in claims for u in c.pod_uids}
+        self._listed_once = (self._listed_once | listed) & ours
+        self._pending = pending_from_claims(claims, tenants, pods, self._listed_once - listed)
         if self._allocated is not None:
             self._pending += self._allocated.pending(unprepared_claims(pods, claims))
         return tenants

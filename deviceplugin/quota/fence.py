@@ -11,17 +11,21 @@ is injected into each) has one limit and one cgroup per container: the limit is 
 the limit each; a container not started yet (``Tenant.sharers`` counts it; also one whose cgroup is not
 found yet) counts as using its CDI spec's share, which the toolkit gives it at its start, and the others
 are fenced at what is left.
-The containers of a claim that is no tenant (a DRA claim several pods share: counted at its grant,
-never lent) are held at that grant in sum (:meth:`DriverFence.hold`). A tenant none of whose cgroups is
-found yet (starting, restarting) counts at its CDI shares, its grant: that is what it starts with.
+The containers of a claim that is no tenant (a DRA claim several pods share, or one whose pod the pod
+cache does not list yet or any more: counted at its grant, never lent) are held at that grant in sum
+(:meth:`DriverFence.hold`): those the pod cache shows by container ID, the others by the cgroup of a pod
+the claim was prepared for (:meth:`CgroupFinder.pod_cgroups`), whose use is read with the pod's UID so
+attribution books it to the claim, as NVML's processes are on the other paths. A tenant none of whose
+cgroups is found yet (starting, restarting) counts at its CDI shares, its grant: that is what it starts with.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Mapping, Sequence
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.model import Claim, Decision, Tenant, TenantKey
-from deviceplugin.quota.telemetry import TelemetryError, UsageSample
+from deviceplugin.quota.telemetry import TelemetryError, UsageSample, parse_cgroup
 from vramshare import logs
 from vramshare.inventory import EnforcementMode
 
@@ -95,6 +99,8 @@ class DriverFence:
         self._pressed: dict[tuple[str, str], bool] = {}  # (gpu, container id) -> at its hard limit at the last read
         self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
         self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
+        # (claim, gpu) -> (pod uid, cgroup, use) of its pods' containers the pod cache does not show, last read
+        self._pod_found: dict[tuple[str, str], list[tuple[str, str, int]]] = {}
 
     def _cgroups(self, container_ids: frozenset[str]) -> list[tuple[str, str]]:
         """(container id, cgroup) of those found: a container not started yet has none."""
@@ -141,7 +147,7 @@ class DriverFence:
         memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        self._used, self._hard, self._pressed = {}, {}, {}
+        self._used, self._hard, self._pressed, self._pod_found = {}, {}, {}, {}
         found_of: dict[TenantKey, list[tuple[str, str]]] = {}
         for t in tenants:
             found = found_of[t.key] = self._cgroups(t.container_ids)
@@ -165,7 +171,7 @@ class DriverFence:
                                            container_id=cid))
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
-        out.extend(self._claims_use(claims, {cid for t in tenants for cid in t.container_ids}))
+        out.extend(self._claims_use(claims, tenants, {cg for found in found_of.values() for _cid, cg in found}))
         out.extend(self._foreign(tenants, out))
         out.extend(self._unstarted(tenants, found_of))
         for f in failures:
@@ -194,20 +200,49 @@ class DriverFence:
                                            container=t.key.container))
         return out
 
-    def _claims_use(self, claims: Sequence[Claim], tenants: set[str]) -> list[UsageSample]:
-        """Per cgroup of the containers of ``claims`` (none of the ``tenants``' container IDs, read
-        already) and GPU, its use, by container ID: attribution books it to its claim up to the grant
-        (beyond it: foreign, held by nobody the loop may cut), as NVML's processes on the other paths."""
+    def _claims_use(self, claims: Sequence[Claim], tenants: Sequence[Tenant], read: set[str]) -> list[UsageSample]:
+        """Per cgroup of the containers of ``claims`` and GPU, its use (a cgroup in ``read``, a tenant's,
+        is read already): attribution books it to its claim up to the grant (beyond it: foreign, held by
+        nobody the loop may cut), as NVML's processes on the other paths. First those the pod cache shows
+        (by container ID); then every other cgroup of the pods each claim was prepared for (its pod's UID,
+        :meth:`CgroupFinder.pod_cgroups`) that no tenant is of: a pod the cache does not list yet, or
+        lists no more while its containers exit, runs the claim's containers all the same (by pod UID, the
+        rule attribution applies on every path). Those of a pod no other claim names are held with the
+        claim's (:meth:`hold`)."""
         out: list[UsageSample] = []
+        read = set(read)
+        theirs = {cid for t in tenants for cid in t.container_ids}
         for c in claims:
-            for cid, cgroup in self._cgroups(c.container_ids - tenants):
+            for cid, cgroup in self._cgroups(c.container_ids - theirs):
+                if cgroup in read:
+                    continue
+                read.add(cgroup)
                 for gpu, _mib in c.gpus:
                     try:
                         used = self._limits.get(gpu, cgroup).used_mib
                     except LimitError as exc:  # unread: foreign, as before
-                        log.warning("shared claim's cgroup use unreadable", claim=c.name, error=str(exc))
+                        log.warning("claim's cgroup use unreadable", claim=c.name, error=str(exc))
                         continue
                     out.append(UsageSample(gpu_uuid=gpu, used_mib=used, container_id=cid))
+        tenant_pods = {t.key.pod_uid for t in tenants if t.key.pod_uid}
+        named = Counter(uid for c in claims for uid in c.pod_uids)
+        for c in claims:
+            for uid in sorted(c.pod_uids - tenant_pods):
+                for cgroup in self._finder.pod_cgroups(uid):
+                    if cgroup in read:
+                        continue
+                    read.add(cgroup)
+                    for gpu, _mib in c.gpus:
+                        try:
+                            got = self._limits.get(gpu, cgroup)
+                        except LimitError as exc:
+                            log.warning("claim's pod cgroup use unreadable", claim=c.name, pod_uid=uid, error=str(exc))
+                            continue
+                        out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, pod_uid=uid))
+                        # limited: the toolkit applied a CDI spec's limits on this GPU, so a container of the
+                        # claim if its pod has no other (a sandbox or a plain container has none)
+                        if named[uid] == 1 and got.hard_mib is not None:
+                            self._pod_found.setdefault((c.name, gpu), []).append((uid, cgroup, got.used_mib))
         return out
 
     def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
@@ -249,16 +284,21 @@ class DriverFence:
         return errors
 
     def hold(self, claim: Claim) -> list[str]:
-        """Hold the containers of a claim that is no tenant (a DRA claim several pods share) at its grant
-        in sum, soft = hard (nothing of it is lent), split as a tenant's limit is: each keeps what it holds
-        (the driver takes nothing back: a pod that joins beside one holding the whole grant waits for it to
-        release), and one not found yet keeps its CDI spec's share; returns the errors."""
+        """Hold the containers of a claim that is no tenant (a DRA claim several pods share, or one whose
+        pod the pod cache does not list) at its grant in sum, soft = hard (nothing of it is lent), split as
+        a tenant's limit is: each keeps what it holds (the driver takes nothing back: a pod that joins
+        beside one holding the whole grant waits for it to release), and each one not found yet keeps its
+        CDI spec's share (per pod: :meth:`_missing`). The containers of the claim's pods that the pod cache
+        does not show, found by their pod's cgroup at the last :meth:`read_usage`, are held with the rest:
+        which of them is an ordinary init container is not known, so each keeps the share of one that
+        may follow it (``split_slots``); returns the errors."""
         errors: list[str] = []
-        cgroups = self._cgroups(claim.container_ids)
-        missing = max(0, claim.sharers - len(cgroups))
+        known = self._cgroups(claim.container_ids)
         for gpu, mib in claim.gpus:
-            uses = []
-            for cid, cgroup in cgroups:
+            cgroups, uses, pods = [], [], []
+            for cid, cgroup in known:
+                cgroups.append((cid, cgroup))
+                pods.append(parse_cgroup(cgroup)[0])
                 try:
                     got = self._limits.get(gpu, cgroup)
                 except LimitError as exc:  # its limit is set below all the same; counted as holding nothing
@@ -267,6 +307,24 @@ class DriverFence:
                     continue
                 uses.append(got.used_mib)
                 self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
+            seen = {cg for _cid, cg in known}
+            unlisted = [f for f in self._pod_found.get((claim.name, gpu), []) if f[1] not in seen]
+            for uid, cgroup, used in unlisted:  # keyed by the cgroup: no container ID is known
+                cgroups.append((cgroup, cgroup))
+                pods.append(uid)
+                uses.append(used)
+            once = claim.init_ids | {cg for _uid, cg, _used in unlisted}
             share = share_of(mib, claim.sharers)
-            self._set_split(gpu, cgroups, mib, mib, uses, errors, claim.init_ids, share, missing)
+            self._set_split(gpu, cgroups, mib, mib, uses, errors, once, share, self._missing(claim, pods))
         return errors
+
+    @staticmethod
+    def _missing(claim: Claim, pods: Sequence[str | None]) -> int:
+        """How many of the claim's containers are not found (``pods``: the pod UID of each one found):
+        per pod that may still start them (``Claim.pod_slots``), its count less those found in it; a pod
+        that departed keeps none (what it still runs is held as found). Without pod slots, the claim's
+        ``sharers`` less all found."""
+        if not claim.pod_slots:
+            return max(0, claim.sharers - len(pods))
+        found = Counter(pods)
+        return sum(max(0, n - found[uid]) for uid, n in claim.pod_slots)

@@ -421,7 +421,8 @@ class QuotaLoop:
         for t in tenants:
             self._book(t.key)
         pending, files, listed = self._claims(tenants)
-        shared = [c for c in listed if c.container_ids]  # the fence holds their containers
+        # the fence reads and holds their containers: those the pod cache shows, and their pods' cgroups
+        shared = [c for c in listed if c.container_ids or c.pod_uids]
         samples = self._read_usage(tenants, report, shared)
         if samples is None:
             report.skipped = "no usage source answered"
@@ -720,8 +721,9 @@ class QuotaLoop:
         return pending, files, listed
 
     def _hold_claims(self, shared: list[Claim], report: TickReport) -> None:
-        """Driver mode: a claim that is no tenant but whose containers are known (several pods share it)
-        is fenced at its grant in sum, every tick (a pod that joins it gets its share at the next)."""
+        """Driver mode: a claim that is no tenant but whose containers or pods are known (several pods share
+        it; its pod is not listed yet, or any more) is fenced at its grant in sum, every tick (a pod that
+        joins it gets its share at the next)."""
         if self._fence is None:
             return
         for c in shared:

@@ -168,6 +168,11 @@ class Claim:
     # the UIDs of the pods it was reserved for, when its source knows them (a prepared DRA claim's
     # checkpoint): a process whose cgroup names one is the claim's, even while no container of it is known
     pod_uids: frozenset[str] = frozenset()
+    # per pod that may still start containers naming it (those it was prepared for, not done, whether the
+    # pod cache lists them or not, and the running pods that joined it), how many run at once: in driver
+    # mode each one not found keeps its CDI share out of what the others may hold (then ``sharers`` is the
+    # CDI spec's divisor, Prepare's count); () where the source cannot say: ``sharers`` counts them all
+    pod_slots: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Prepare/Unprepare: CDI specs that resolve, idempotence, restart mid-prepare, exact removal."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -9,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from deviceplugin import devices
 from deviceplugin.dra import cdi, slices
-from deviceplugin.dra.checkpoint import PREPARED, PREPARING, Checkpoint
+from deviceplugin.dra.checkpoint import PREPARED, PREPARING, Checkpoint, CheckpointError, PreparedClaim
 from deviceplugin.dra.claims import ClaimRef
 from deviceplugin.dra.preparer import ClaimPreparer, FileEffects
 from deviceplugin.simulated_backend import SimulatedBackend
@@ -378,3 +379,22 @@ def test_after_a_reboot_emptied_the_cdi_root_prepare_rebuilds_the_spec(tmp_path)
     again = make(tmp_path, claims).prepare(ref(c))
     assert again == first
     assert set(first.devices[0].cdi_ids) <= set(cdi_registry.Registry([str(tmp_path / "cdi")]).devices)
+
+
+def test_the_checkpoint_s_per_pod_users_are_additive_and_an_older_checkpoint_still_loads():
+    """``podUsers`` (how many containers of each pod Prepare counted for the CDI share) came after v1's
+    first release: written only when counted, read back equal; a checkpoint without it loads with none
+    (the fence then counts as before); one count per ``podUIDs`` entry or the checkpoint is refused."""
+    rec = PreparedClaim(uid="u1", namespace="ns", name="c", state=PREPARED, cdi_spec="/cdi/x.json",
+                        pod_uids=("p1", "p2"), pod_names=("a", "b"), pod_users=(1, 2), gpus={"GPU-0": 2048})
+    text = Checkpoint({"u1": rec}).to_json()
+    assert json.loads(text)["claims"]["u1"]["podUsers"] == [1, 2]
+    assert Checkpoint.from_json(text).claims["u1"] == rec
+    older = json.loads(text)
+    del older["claims"]["u1"]["podUsers"]
+    assert Checkpoint.from_json(json.dumps(older)).claims["u1"].pod_users == ()
+    assert "podUsers" not in Checkpoint({"u1": dataclasses.replace(rec, pod_users=())}).to_json()
+    for bad in ([1], [1, -1], "12", [1, "x"]):
+        older["claims"]["u1"]["podUsers"] = bad
+        with pytest.raises(CheckpointError, match="podUsers|invalid literal"):
+            Checkpoint.from_json(json.dumps(older))

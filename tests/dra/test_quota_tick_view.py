@@ -475,3 +475,35 @@ def test_a_claim_s_ordinary_init_containers_are_named_to_the_fence():
     assert source.list_tenants() == []
     [pending] = source.list_pending()
     assert pending.init_ids == frozenset({"fetch-id", "warm-id"}) and pending.sharers == 2
+
+
+def _user(name: str, claim: str, phase: str = "Running") -> dict:
+    """A running pod of ``default`` whose one container names ``claim`` (its ID in the status)."""
+    pod = _pod(name)
+    pod["spec"] = {"containers": [{"name": "vllm", "resources": {"claims": [{"name": "gpu"}]}}],
+                   "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}]}
+    pod["status"] = {**pod["status"], "phase": phase,
+                     "containerStatuses": [{"name": "vllm", "containerID": f"containerd://cid-{name}"}]}
+    return pod
+
+
+def test_a_shared_claim_s_sharers_are_the_pods_it_was_prepared_for_listed_or_not():
+    """The driver fence keeps a CDI share for each container of a claim it does not find: counted from
+    the pods the claim was prepared for (Prepare's count per pod, in the checkpoint), not only from those
+    the pod cache lists. On the base a pod not listed yet counted for nothing, so the listed pod's
+    container was held at the whole grant while the other ran at its CDI share beside it."""
+    shared = dataclasses.replace(_claim("s", "a", 2048), pod_uids=("uid-a", "uid-b"), pod_names=("a", "b"),
+                                 pod_users=(1, 2))
+    [c] = pending_from_claims([shared], [], [_user("a", "s")])
+    assert (c.sharers, c.pod_slots, c.container_ids) == (3, (("uid-a", 1), ("uid-b", 2)), frozenset({"cid-a"}))
+    # a pod it was prepared for that the cache lists done has departed: no share kept for it (the divisor
+    # stays Prepare's, what each container got)
+    [c] = pending_from_claims([shared], [], [_user("a", "s"), _user("b", "s", phase="Succeeded")])
+    assert (c.sharers, c.pod_slots) == (3, (("uid-a", 1),))
+    # a pod that joined after Prepare counts from its spec beside them
+    [c] = pending_from_claims([shared], [], [_user("a", "s"), _user("j", "s")])
+    assert c.pod_slots == (("uid-a", 1), ("uid-b", 2), ("uid-j", 1))
+    # an older checkpoint recorded no counts: as before, the listed pods' containers only
+    old = dataclasses.replace(shared, pod_users=())
+    [c] = pending_from_claims([old], [], [_user("a", "s")])
+    assert (c.sharers, c.pod_slots) == (1, ())

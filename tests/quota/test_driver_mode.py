@@ -60,6 +60,31 @@ def test_finder_names_the_cgroup_as_proc_would(node):
     assert CgroupFinder(cgroot).find("c" * 64) is None
 
 
+def test_finder_lists_a_pod_s_container_cgroups_by_its_uid_under_either_cgroup_driver(tmp_path):
+    """The kubelet's pod cgroup is ``pod<uid>`` under its QoS class's (``GetPodContainerName``; a
+    Guaranteed pod's directly under kubepods); the systemd driver escapes ``-`` as ``_`` and joins the
+    parts into one slice name. The driver fence finds the containers of a pod the pod cache does not list
+    by it; a pod with no cgroup here (not started, or gone) has none."""
+    uid, other = A.pod_uid, B.pod_uid
+    u = uid.replace("-", "_")
+    layouts = {
+        "systemd": [f"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-{c}.scope"
+                    for c in (CID_A, CID_B)],
+        "guaranteed": [f"kubepods.slice/kubepods-pod{u}.slice/cri-containerd-{CID_A}.scope"],
+        "cgroupfs": [f"kubepods/besteffort/pod{uid}/{CID_A}"],
+    }
+    finders = {}
+    for name, paths in layouts.items():
+        root = tmp_path / name
+        for p in paths + [f"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{other}.slice/x.scope"]:
+            (root / p).mkdir(parents=True)
+        finders[name] = finder = CgroupFinder(str(root))
+        assert finder.pod_cgroups(uid) == sorted("/" + p for p in paths), name
+        assert finder.pod_cgroups("99999999-2222-3333-4444-555555555555") == [], name
+    (tmp_path / "systemd" / layouts["systemd"][0]).rmdir()  # a container gone: the cached pod cgroup is listed again
+    assert finders["systemd"].pod_cgroups(uid) == ["/" + layouts["systemd"][1]]
+
+
 def test_use_comes_from_current_used_and_limits_follow_the_loop(node):
     nv, cgroot, qroot = node
     ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
@@ -289,6 +314,31 @@ def test_a_claim_several_pods_share_is_held_at_its_grant_in_sum_by_the_fence(nod
     assert nv.limits[(GPU, ca)] == (14500 << 20, 14500 << 20) and nv.limits[(GPU, cb)] == (9500 << 20, 9500 << 20)
     with pytest.raises(OutOfMemory):
         nv.allocate(GPU, cb, 9501)
+
+
+def test_an_unlisted_pod_s_containers_are_read_by_its_uid_and_held_only_by_its_one_claim(node):
+    """A claim's pod the pod cache does not list: its containers are found by the pod's cgroup, their use
+    read with the pod's UID (attribution books it to the claim, not foreign), and held with the claim's,
+    each keeping the CDI share of a container that may follow it. A pod two such claims name is read but
+    held by neither: which container is whose is not known, and two holds would move the same cgroups."""
+    from deviceplugin.quota.model import Claim
+    nv, cgroot, _q = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    for cg, used in ((ca, 1000), (cb, 3000)):  # the toolkit applied each one's CDI spec at its start; lent since
+        nv.limits[(GPU, cg)] = (6000 << 20, 6000 << 20)
+        nv.allocate(GPU, cg, used)
+    one = Claim("llm/one", ((GPU, 8000),), pod_uids=frozenset([A.pod_uid]), sharers=2,
+                pod_slots=((A.pod_uid, 2),))  # A runs one of its two containers
+    x, y = (Claim(f"llm/{n}", ((GPU, 4000),), pod_uids=frozenset([B.pod_uid]), sharers=1,
+                  pod_slots=((B.pod_uid, 1),)) for n in "xy")
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    samples = fence.read_usage([], [one, x, y])
+    assert sorted((s.pod_uid, s.container_id, s.used_mib) for s in samples) == [(A.pod_uid, None, 1000),
+                                                                                   (B.pod_uid, None, 3000)]
+    assert [fence.hold(c) for c in (one, x, y)] == [[], [], []]
+    # one's: the grant less the share kept for its container not started (8,000 - 4,000)
+    assert nv.limits[(GPU, ca)] == (4000 << 20, 4000 << 20)
+    assert nv.limits[(GPU, cb)] == (6000 << 20, 6000 << 20)  # untouched
 
 
 def test_the_rest_of_a_tenant_s_limit_goes_to_its_containers_at_their_hard_limit(node):
