@@ -8,7 +8,9 @@ listed twice), the plugin's :class:`~deviceplugin.kubelet.allocator.Allocator` (
 a quota directory per allocation, steering from the pods), and its
 :class:`~deviceplugin.kubelet.reconcile_loop.Reconciler`, which reads PodResources exactly as a real kubelet
 answers it (``List`` in upstream's shape through :func:`deviceplugin.kubelet.podresources.held`: one entry per
-device ID and NUMA node, no UID), patches the pods through the API server double, links the quota
+device ID and NUMA node, no UID), patches the pods with the plugin's own adapter (server-side apply under its
+field manager, over the double's REST: until round 12 a Python-side write kept the extender as the owner of
+``allocation-state``, so the extender believed no report and took every node for silent), links the quota
 directories and prunes. PodResources goes down on a node now and then: the reconciler then records
 nothing and Allocate refuses what no single plan explains (what that costs is counted).
 
@@ -35,7 +37,7 @@ from typing import Any, Mapping
 from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.kubelet import podresources
 from deviceplugin.kubelet.allocator import Allocator
-from deviceplugin.kubelet.kube_adapter import Conflict, Gone
+from deviceplugin.kubelet.kube_adapter import PodPatcher
 from deviceplugin.kubelet.podresources import PodResourcesError
 from deviceplugin.kubelet.reconcile import Held, Patch
 from deviceplugin.kubelet.reconcile_loop import Reconciler
@@ -47,6 +49,7 @@ from standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
 from standins.kubelet import admission_order, list_response
 from vramshare import contract
 from vramshare.config import Config
+from vramshare.kube import api_client_for
 
 N = contract.Names()
 Obj = dict[str, Any]
@@ -84,33 +87,6 @@ class _View:
     def written(self, pod: Mapping[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
         self.snapshot = [p if p["metadata"]["uid"] != uid else dict(pod) for p in self.snapshot]
-
-
-class _Patcher:
-    """The reconciler's two API calls against the double: the merge patch with its resourceVersion, and
-    the pod's UID by name."""
-
-    def __init__(self, api: ApiServerDouble) -> None:
-        self.api = api
-
-    def apply(self, patch: Patch) -> Obj:
-        ref = patch.pod
-
-        def change(obj: Obj) -> None:
-            meta = obj["metadata"]
-            if meta["uid"] != ref.uid or (ref.resource_version and meta["resourceVersion"] != ref.resource_version):
-                raise Conflict(f"patch pod {ref.key}: HTTP 409")
-            meta.setdefault("annotations", {}).update({N.assignment: patch.assignment, N.allocation_state: patch.state})
-        try:
-            return self.api.update(PODS, ref.namespace, ref.name, change)
-        except Conflict:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the double's 404
-            raise Gone(f"patch pod {ref.key}: {type(exc).__name__}") from None
-
-    def uid_of(self, namespace: str, name: str) -> str | None:
-        pod = self.api.get_pod(namespace, name)
-        return pod["metadata"]["uid"] if pod else None
 
 
 class _PodResources:
@@ -159,6 +135,9 @@ class PluginNodeSim(threading.Thread):
         self.outage_per_s, self.outage_s, self.round_every = outage_per_s, outage_s, round_every_s
         self.rng = random.Random(seed)
         self.dir = tempfile.mkdtemp(prefix="vramshare-soak-nodes-")
+        # the plugin's own adapter over the double's REST: server-side apply under its field manager, so
+        # the extender believes each report as it believes a real plugin's
+        self.client = api_client_for(api.url)
         self.nodes = {n: self._node(n, gs) for n, gs in gpus.items()}
         self.stats = Stats()
         self.lock = threading.Lock()
@@ -179,7 +158,8 @@ class PluginNodeSim(threading.Thread):
         view = _View()
         dm = DeviceManager(random.Random(self.rng.random()))
         node = Node(name, root, dm, view, state, quota, None, None)  # type: ignore[arg-type]
-        node.reconciler = Reconciler(state, name, quota, PluginMetrics(), _PodResources(node), view, _Patcher(self.api))
+        node.reconciler = Reconciler(state, name, quota, PluginMetrics(), _PodResources(node), view,
+                                     PodPatcher(self.client, N))
         node.reconciler.alloc_dir_ttl_s = 5.0  # prune early, so a wrong prune would show within the run
 
         def woken() -> None:
