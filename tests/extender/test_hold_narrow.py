@@ -352,7 +352,7 @@ def test_a_restarted_extender_does_not_take_every_node_for_silent() -> None:
     assume times, all in its past, before any device plugin report could reach it. On 0fd81fb every node
     with a hold older than 5 s was found silent at once and its holds cut: the next same-size pod took
     another plan beside the one still written on the pending pod, and the device plugin could no longer
-    steer (the soak, seed 23, kills every 6 s: 2-9 steering misses per run, GPUs over capacity by plan).
+    steer.
     Silence is judged over what this process could have heard."""
     from extender import accounting
     from tests.extender.test_accounting import Clock
@@ -377,7 +377,7 @@ def test_after_a_hold_ends_a_same_size_pod_still_takes_the_pending_pod_s_gpus_wh
         double: ApiServerDouble, ended: str) -> None:
     """A hold ends without the pod reported (30 s, or 2 s on a silent node): the next same-size pod may bind
     there, but its own policy's GPU (spread: the empty one) beside the plan still written on the pending
-    pod leaves the device plugin two plans for one size: it steers neither (the soak's steering misses).
+    pod leaves the device plugin two plans for one size: it steers neither.
     Taking the pending pod's GPUs when they have room keeps one plan; when they do not, the policy's
     choice, never a wait (on 0fd81fb the policy's choice always)."""
     with api_client_for(double.url) as api:
