@@ -132,6 +132,17 @@ class DriverFence:
         pressed = {self._pressed.get((gpu, cid), False) for gpu, _ in tenant.gpus for cid, _cg in found}
         return len(pressed) > 1
 
+    def fresh_use(self, tenant: Tenant, gpu: str) -> int | None:
+        """The use on ``gpu`` at the last read of a tenant each of whose cgroups found started since its
+        limits were last set (restarted: no engine in them has acknowledged a file yet, so none has memory
+        to give back that a lowered hard limit would refuse it); None if one was there before, none is
+        found, or its limits were never set by this fence (after a loop restart no container is known new)."""
+        before = self._over.get(tenant.key)
+        found = self._cgroups(tenant.container_ids)
+        if before is None or not found or any(cg in before or (gpu, cid) not in self._used for cid, cg in found):
+            return None
+        return sum(self._used[(gpu, cid)] for cid, _cg in found)
+
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
         (a restarted loop's bound on what an engine may hold, whatever file it follows), with the CDI share

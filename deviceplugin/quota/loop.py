@@ -114,6 +114,11 @@ class Fence(Protocol):
         """The tenant's hard limits on ``gpu`` in sum as the last use read found them; None if unknown."""
         ...
 
+    def fresh_use(self, tenant: Tenant, gpu: str) -> int | None:
+        """The tenant's use on ``gpu`` when every container of it found started since its limits were last
+        set (a restart), else None."""
+        ...
+
 
 @dataclass(frozen=True)
 class LoopSettings:
@@ -641,6 +646,9 @@ class QuotaLoop:
         b = self._book(t.key)
         if b.applied is None or b.applied >= (b.generation or 0):
             return d.limit_mib
+        fresh = self._fence.fresh_use(t, d.gpu_uuid) if self._fence is not None else None
+        if fresh is not None and fresh <= d.limit_mib:
+            return d.limit_mib  # restarted: the acknowledgement on record is its old instance's
         _ok, top, _follows = self._acked(t.key, d.gpu_uuid, d.limit_mib, dict(t.gpus).get(d.gpu_uuid, d.limit_mib))
         return max(d.limit_mib, _or(top, d.limit_mib))
 

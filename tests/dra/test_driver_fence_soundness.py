@@ -541,25 +541,27 @@ def test_a_shared_claim_s_pod_deleted_for_good_keeps_no_share_once_its_container
     assert hards[-1] == [2048] and node.use[("p00", "c0")] == 2048, hards
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: a tenant's container restarted while its claim is lent comes back at its CDI "
-                          "share; the hard limits exceed the GPU until the engines acknowledge")
-def test_a_tenant_restarted_while_lent_exceeds_the_gpu_until_its_engines_acknowledge(tmp_path):
-    """Found by this branch's hunt (seed 1, 1,000 examples; it fails on the base, 32aa44f, the same way, and
-    has no pending claim: not this branch's fault, pinned so a fix shows). A 47 GiB claim cut to 46,080 MiB
-    lends to two tenants (up to 12,288 and 22,187 MiB, engines acknowledging 0 and 2 ticks late); its
-    container restarts at tick 11 and comes back at its CDI spec's 48,128. The loop sees it at 12 (its ID
-    posted a tick late) and decides a shrink, but keeps the hard limit in force until the engine
-    acknowledges (issue 19), and the borrower's cut, not acknowledged yet either, is undone: 82,603 MiB of
-    hard limits on the 80,896 MiB GPU from tick 11 until the acknowledgements. The property's window
-    excuses the restarted container only until the loop sees it."""
+def test_a_tenant_restarted_while_lent_is_fenced_at_its_cut_before_its_engine_acknowledges(tmp_path):
+    """Found by drafence's hunt (seed 1, 1,000 examples; no pending claim), pinned there as a strict xfail
+    (``..._exceeds_the_gpu_until_its_engines_acknowledge``). A 47 GiB claim cut to 46,080 MiB lends to two
+    tenants (up to 12,288 and 22,187 MiB, engines acknowledging 0 and 2 ticks late); its container restarts
+    at tick 11 and comes back at its CDI spec's 48,128 (the loop, still on the old ID, counts it at that
+    share and cuts the borrower to 19,456, not acknowledged yet). The loop sees the new ID at 12 and decides
+    a shrink to 44,373, raising the borrower back. It kept the restarted container's hard limit at 48,128
+    until its engine acknowledged (issue 19): 82,603 MiB of hard limits on the 80,896 MiB GPU until tick 14.
+    The acknowledgement on record was the old instance's; the new one holds nothing yet, so its hard limit
+    is the decision's at once."""
     def w(name: str, kind: str, seed: int, top: int, restarts: tuple[int, ...] = ()) -> Ctr:
         return Ctr(name, kind, True, walk(seed, top, TICKS), restarts, init_ticks=1, label=f"walk({seed}, {top})")
     claims = [SimClaim("k0", 8192), SimClaim("k1", 16384), SimClaim("k2", 48128)]
     pods = [SimPod("p00", "k0", 0, 0, None, [w("c0", "app", 1, 12288)], ack_lag=0),
             SimPod("p10", "k1", 0, 0, None, [w("c0", "init", 0, 24576), w("c1", "app", 0, 24576)], ack_lag=2),
             SimPod("p20", "k2", 0, 0, None, [w("c0", "app", 1, 72192, (11,))], ack_lag=2, status_lag=1)]
-    run_and_check(DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak")), ticks=14)
+    node = DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak"))
+    run_and_check(node, ticks=13)
+    restarted = pods[2].containers[0]
+    assert node.lent["k2"][11:] == [48128, 44373] and node.hard(pods[2], restarted) == 44373, node.lent["k2"]
+    run_and_check(node, ticks=14)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
