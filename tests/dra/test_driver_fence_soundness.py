@@ -586,19 +586,15 @@ def test_a_claim_whose_only_pod_the_cache_lists_after_its_start_is_lent_before_p
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: one of a tenant's two containers restarted while lent; the other, there before, "
-                          "keeps the tenant's hard limit waiting for the engine's acknowledgement")
-def test_a_tenant_one_of_whose_two_containers_restarted_while_lent_exceeds_the_gpu_until_it_acknowledges(tmp_path):
+def test_a_tenant_one_of_whose_two_containers_restarted_while_lent_is_fenced_at_its_cut(tmp_path):
     """Found by drarestart's focused hunt (single-pod claims, every container restarting, status and
     acknowledgement lags of 1 or more; seed 2, 1,500 examples); it fails the same on the base, 6e41251. The
     restart-while-lent case above with a tenant of two app containers (CDI share 20,480 each of 40,960): c0
     restarts at 18 while the claim lends; the loop, still on its old ID, counts it at its share, raises the
     claim to 38,936 and cuts a borrower (not acknowledged). At 19 it sees the new ID and shrinks the claim to
-    25,003, raising the borrower back, but c1 was there before: the rule for a tenant whose containers all
-    restarted does not apply, and the claim's hard limits stay at 38,936 until its engine acknowledges:
-    86,409 MiB of hard limits on the GPU. The new container's part could follow the decision at once (its
-    split of it), but only if that stays so at the later splits before the acknowledgement."""
+    25,003, raising the borrower back, but c1 was there before, so the claim's hard limit waits for the
+    engine: 86,409 MiB of hard limits on the GPU. The new container, started while a shrink waits, is held
+    at its split of the decision (``DriverFence.apply``'s fresh cgroups); the old one keeps its part."""
     def w(seed: int, top: int, restart: int, name: str = "c0") -> Ctr:
         return Ctr(name, "app", True, walk(seed, top, TICKS), (restart,), init_ticks=1,
                    label=f"walk({seed}, {top})")

@@ -256,6 +256,38 @@ def test_a_restarted_container_is_fenced_at_its_cut_without_waiting_for_its_engi
     assert (nv.limits[(GPU, ca)][1] >> 20) + file_b.gpus[0].limit_mib <= 60000
 
 
+def test_a_container_restarted_while_its_tenant_s_shrink_waits_is_held_at_its_split_of_it(node):
+    """drarestart (the focused hunt's case): b's claim is named by two containers and cut for a; the hard
+    limit waits for b's engine. One container restarts: the new cgroup holds nothing any file promised, so
+    it is held at its split of b's limit at once; the other, there before, keeps its split of the bound
+    that waits."""
+    import pathlib
+    nv, cgroot, qroot = node
+    cb, cb2 = cgroup_of(B.pod_uid, CID_B), cgroup_of(B.pod_uid, "d" * 64)
+    (pathlib.Path(cgroot) / cb2.lstrip("/")).mkdir(parents=True)
+    engines = Engines()
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
+                       Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics",
+                              container_ids=frozenset([CID_B, "d" * 64]), sharers=2)])
+    p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
+                     fence=DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot)),
+                     settings=LoopSettings(params=p, startup_ticks=0))
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 29500)
+    nv.allocate(GPU, cb, 2000)
+    nv.allocate(GPU, cb2, 2000)
+    loop.run_once()
+    loop.run_once()
+    assert sum(nv.limits[(GPU, c)][1] >> 20 for c in (cb, cb2)) == 30000  # b's cut waits for its engine
+    new = _restart(nv, cgroot, B, "d" * 64, "9" * 64, 15000)
+    tenants.tenants[1] = dataclasses.replace(tenants.tenants[1], container_ids=frozenset([CID_B, "9" * 64]))
+    assert not loop.run_once().errors
+    limit = read_quota(container_dir(str(qroot), B.pod_uid, "vllm")).gpus[0].limit_mib
+    assert limit < 30000  # b is cut, and nothing is acknowledged
+    assert nv.limits[(GPU, new)][1] >> 20 <= (limit - 2000) // 2 + 1  # its split of b's limit, not of 30,000
+    assert nv.limits[(GPU, cb)][1] >> 20 == 2000 + (30000 - 2000) // 2  # the old one's split of the bound
+
+
 def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
     """``DriverFence.fresh_use``: the use of a tenant each of whose cgroups started since its limits were
     last set; not before they were first set (a restarted loop cannot tell), nor while a sibling that was
