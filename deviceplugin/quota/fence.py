@@ -101,6 +101,9 @@ class DriverFence:
         self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
         # (claim, gpu) -> (pod uid, cgroup, use) of its pods' containers the pod cache does not show, last read
         self._pod_found: dict[tuple[str, str], list[tuple[str, str, int]]] = {}
+        # tenant -> its cgroups that started while a shrink waited for its engine's acknowledgement: held at
+        # their split of the decision until nothing waits (the engine's acknowledgement is the old instance's)
+        self._fresh: dict[TenantKey, frozenset[str]] = {}
 
     def _cgroups(self, container_ids: frozenset[str]) -> list[tuple[str, str]]:
         """(container id, cgroup) of those found: a container not started yet has none."""
@@ -108,14 +111,20 @@ class DriverFence:
 
     def _set_split(self, gpu: str, cgroups: Sequence[tuple[str, str]], soft: int, hard: int, uses: list[int],
                    errors: list[str], once: frozenset[str] = frozenset(), share: int = 0,
-                   unstarted: int = 0) -> None:
+                   unstarted: int = 0, fresh: frozenset[str] = frozenset(), limit: int | None = None) -> None:
         """Soft and hard limits shared by ``cgroups`` holding ``uses``, split by :func:`split_slots` (the
         rest to those at their hard limit at the last read; a share kept for each slot still to be filled,
-        ``unstarted`` or after one of the ordinary init containers ``once``); failures go to ``errors``."""
+        ``unstarted`` or after one of the ordinary init containers ``once``); failures go to ``errors``.
+        A cgroup in ``fresh`` (started while a shrink to ``limit`` waits for its engine) gets no more than
+        its split of ``limit`` while it uses no more: it holds nothing an old file promised its engine."""
         pressed = [self._pressed.get((gpu, cid), False) for cid, _cg in cgroups]
         ends = [cid in once for cid, _cg in cgroups]
         softs = split_slots(soft, uses, pressed, ends, share, unstarted)
         hards = split_slots(hard, uses, pressed, ends, share, unstarted)
+        if limit is not None and limit < hard and any(cg in fresh for _cid, cg in cgroups):
+            cut = split_slots(limit, uses, pressed, ends, share, unstarted)
+            hards = [min(h, c) if cg in fresh and u <= c else h
+                     for (_cid, cg), h, c, u in zip(cgroups, hards, cut, uses)]
         for (_cid, cgroup), s_, h_ in zip(cgroups, softs, hards):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
@@ -131,6 +140,17 @@ class DriverFence:
             return True
         pressed = {self._pressed.get((gpu, cid), False) for gpu, _ in tenant.gpus for cid, _cg in found}
         return len(pressed) > 1
+
+    def fresh_use(self, tenant: Tenant, gpu: str) -> int | None:
+        """The use on ``gpu`` at the last read of a tenant each of whose cgroups found started since its
+        limits were last set (restarted: no engine in them has acknowledged a file yet, so none has memory
+        to give back that a lowered hard limit would refuse it); None if one was there before, none is
+        found, or its limits were never set by this fence (after a loop restart no container is known new)."""
+        before = self._over.get(tenant.key)
+        found = self._cgroups(tenant.container_ids)
+        if before is None or not found or any(cg in before or (gpu, cid) not in self._used for cid, cg in found):
+            return None
+        return sum(self._used[(gpu, cid)] for cid, _cg in found)
 
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
@@ -270,6 +290,14 @@ class DriverFence:
         errors: list[str] = []
         cgroups = self._cgroups(tenant.container_ids)
         missing = max(0, tenant.sharers - len(cgroups))
+        waits = any((hard or {}).get(d.gpu_uuid, d.limit_mib) > d.limit_mib for d in decisions)
+        before = self._over.get(tenant.key)
+        # the cgroups started since a shrink began to wait for the engine (none when nothing waits)
+        fresh = {cg for _cid, cg in cgroups if cg in self._fresh.get(tenant.key, ()) or
+                 (before is not None and cg not in before)} if waits else set()
+        self._fresh = {k: v for k, v in self._fresh.items() if k != tenant.key}
+        if fresh:
+            self._fresh[tenant.key] = frozenset(fresh)
         for d in decisions:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
             soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
@@ -277,7 +305,8 @@ class DriverFence:
             # each one not started yet, or to follow an ordinary init container, will start at its CDI
             # spec's share: that much is kept for it (split_slots)
             share = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers)
-            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors, tenant.init_ids, share, missing)
+            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors, tenant.init_ids, share, missing,
+                            frozenset(fresh), d.limit_mib)
         self._over = {k: v for k, v in self._over.items() if k != tenant.key}
         if not errors:
             self._over[tenant.key] = tuple(cg for _cid, cg in cgroups)

@@ -541,25 +541,27 @@ def test_a_shared_claim_s_pod_deleted_for_good_keeps_no_share_once_its_container
     assert hards[-1] == [2048] and node.use[("p00", "c0")] == 2048, hards
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: a tenant's container restarted while its claim is lent comes back at its CDI "
-                          "share; the hard limits exceed the GPU until the engines acknowledge")
-def test_a_tenant_restarted_while_lent_exceeds_the_gpu_until_its_engines_acknowledge(tmp_path):
-    """Found by this branch's hunt (seed 1, 1,000 examples; it fails on the base, 32aa44f, the same way, and
-    has no pending claim: not this branch's fault, pinned so a fix shows). A 47 GiB claim cut to 46,080 MiB
-    lends to two tenants (up to 12,288 and 22,187 MiB, engines acknowledging 0 and 2 ticks late); its
-    container restarts at tick 11 and comes back at its CDI spec's 48,128. The loop sees it at 12 (its ID
-    posted a tick late) and decides a shrink, but keeps the hard limit in force until the engine
-    acknowledges (issue 19), and the borrower's cut, not acknowledged yet either, is undone: 82,603 MiB of
-    hard limits on the 80,896 MiB GPU from tick 11 until the acknowledgements. The property's window
-    excuses the restarted container only until the loop sees it."""
+def test_a_tenant_restarted_while_lent_is_fenced_at_its_cut_before_its_engine_acknowledges(tmp_path):
+    """Found by drafence's hunt (seed 1, 1,000 examples; no pending claim), pinned there as a strict xfail
+    (``..._exceeds_the_gpu_until_its_engines_acknowledge``). A 47 GiB claim cut to 46,080 MiB lends to two
+    tenants (up to 12,288 and 22,187 MiB, engines acknowledging 0 and 2 ticks late); its container restarts
+    at tick 11 and comes back at its CDI spec's 48,128 (the loop, still on the old ID, counts it at that
+    share and cuts the borrower to 19,456, not acknowledged yet). The loop sees the new ID at 12 and decides
+    a shrink to 44,373, raising the borrower back. It kept the restarted container's hard limit at 48,128
+    until its engine acknowledged (issue 19): 82,603 MiB of hard limits on the 80,896 MiB GPU until tick 14.
+    The acknowledgement on record was the old instance's; the new one holds nothing yet, so its hard limit
+    is the decision's at once."""
     def w(name: str, kind: str, seed: int, top: int, restarts: tuple[int, ...] = ()) -> Ctr:
         return Ctr(name, kind, True, walk(seed, top, TICKS), restarts, init_ticks=1, label=f"walk({seed}, {top})")
     claims = [SimClaim("k0", 8192), SimClaim("k1", 16384), SimClaim("k2", 48128)]
     pods = [SimPod("p00", "k0", 0, 0, None, [w("c0", "app", 1, 12288)], ack_lag=0),
             SimPod("p10", "k1", 0, 0, None, [w("c0", "init", 0, 24576), w("c1", "app", 0, 24576)], ack_lag=2),
             SimPod("p20", "k2", 0, 0, None, [w("c0", "app", 1, 72192, (11,))], ack_lag=2, status_lag=1)]
-    run_and_check(DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak")), ticks=14)
+    node = DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak"))
+    run_and_check(node, ticks=13)
+    restarted = pods[2].containers[0]
+    assert node.lent["k2"][11:] == [48128, 44373] and node.hard(pods[2], restarted) == 44373, node.lent["k2"]
+    run_and_check(node, ticks=14)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError,
@@ -582,3 +584,46 @@ def test_a_claim_whose_only_pod_the_cache_lists_after_its_start_is_lent_before_p
             SimPod("p10", "k1", 0, 0, None, [w(0, 27648)], ack_lag=0),
             SimPod("p20", "k2", 0, 0, None, [w(75, 43008)], ack_lag=2)]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
+
+
+def test_a_tenant_one_of_whose_two_containers_restarted_while_lent_is_fenced_at_its_cut(tmp_path):
+    """Found by drarestart's focused hunt (single-pod claims, every container restarting, status and
+    acknowledgement lags of 1 or more; seed 2, 1,500 examples); it fails the same on the base, 6e41251. The
+    restart-while-lent case above with a tenant of two app containers (CDI share 20,480 each of 40,960): c0
+    restarts at 18 while the claim lends; the loop, still on its old ID, counts it at its share, raises the
+    claim to 38,936 and cuts a borrower (not acknowledged). At 19 it sees the new ID and shrinks the claim to
+    25,003, raising the borrower back, but c1 was there before, so the claim's hard limit waits for the
+    engine: 86,409 MiB of hard limits on the GPU. The new container, started while a shrink waits, is held
+    at its split of the decision (``DriverFence.apply``'s fresh cgroups); the old one keeps its part."""
+    def w(seed: int, top: int, restart: int, name: str = "c0") -> Ctr:
+        return Ctr(name, "app", True, walk(seed, top, TICKS), (restart,), init_ticks=1,
+                   label=f"walk({seed}, {top})")
+    claims = [SimClaim("k0", 20480), SimClaim("k1", 19456), SimClaim("k2", 40960)]
+    pods = [SimPod("p00", "k0", 0, 1, 20, [w(0, 30720, 2)], ack_lag=2, status_lag=1),
+            SimPod("p10", "k1", 0, 2, None, [w(0, 29184, 2)], ack_lag=1, status_lag=1),
+            SimPod("p20", "k2", 0, 0, None, [w(53500, 61440, 18), w(678, 61440, 2, "c1")], ack_lag=2, status_lag=1)]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=21)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="open: a tenant raised to its grant for a restarting container's CDI share; its old "
+                          "sibling may take the raise while the borrowers' cuts wait for their engines")
+def test_a_tenant_raised_for_a_restarting_container_lets_its_old_sibling_take_the_raise(tmp_path):
+    """Found by drarestart's focused hunt once the case above passed (seed 2; fails the same on the base,
+    6e41251). A 36 GiB claim of two app containers (a throttling engine) lends to two tenants; c0 restarts
+    at tick 21. The loop, still on its old ID, counts it at its CDI share (18,432), raises the claim to its
+    grant and cuts both borrowers, whose engines have not acknowledged at 22. At 22 it sees the new ID and
+    shrinks the claim to 34,816: the new c0 is held at its split of that (0: the old c1, at its hard limit,
+    takes the rest), but c1 keeps its split of the bound that waits, the whole 36,864 (within the grant),
+    beside the borrowers' loans: 83,968 MiB of hard limits on the GPU. The raise was made for a share the
+    old sibling may now take; holding it needs the raise kept for the restarted container, or the
+    borrowers' hard limits lowered before their engines acknowledge."""
+    def w(seed: int, top: int, restart: int, name: str = "c0") -> Ctr:
+        return Ctr(name, "app", True, walk(seed, top, TICKS), (restart,), init_ticks=1,
+                   label=f"walk({seed}, {top})")
+    claims = [SimClaim("k0", 15360), SimClaim("k1", 17408), SimClaim("k2", 36864)]
+    pods = [SimPod("p00", "k0", 0, 1, 23, [w(159, 23040, 5)], ack_lag=2, status_lag=1),
+            SimPod("p10", "k1", 0, 1, None, [w(0, 26112, 2)], ack_lag=1, status_lag=1),
+            SimPod("p20", "k2", 1, 7, None, [w(53500, 55296, 14), w(166, 55296, 2, "c1")], mode="throttle",
+                   ack_lag=2, status_lag=1)]
+    run_and_check(DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak")), ticks=24)

@@ -2,6 +2,8 @@
 limits per cgroup (which fails allocations beyond the hard limit, as the R615 driver does)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
@@ -208,6 +210,107 @@ def test_a_hard_limit_is_lowered_only_after_the_engine_acknowledged_the_shrink(n
     assert engines.applied["b"] == file_b.generation  # b's limit settled and acknowledged
     assert nv.limits[(GPU, cb)][1] == file_b.gpus[0].limit_mib << 20 < 30000 << 20  # the driver enforces it
     assert d["b"].held_mib == max(d["b"].limit_mib, 4000)  # and what b gave back is free for a to borrow
+
+
+def _restart(nv, cgroot, key, old: str, new: str, mib: int) -> str:
+    """The runtime restarts ``key``'s container: the old cgroup's memory is freed and it goes; the new
+    one starts with the toolkit's limits from the CDI spec (``mib``), holding nothing. Returns its cgroup."""
+    import pathlib
+    import shutil
+    nv.used.pop((GPU, cgroup_of(key.pod_uid, old)), None)
+    nv.limits.pop((GPU, cgroup_of(key.pod_uid, old)), None)
+    shutil.rmtree(pathlib.Path(cgroot) / cgroup_of(key.pod_uid, old).lstrip("/"))
+    cg = cgroup_of(key.pod_uid, new)
+    (pathlib.Path(cgroot) / cg.lstrip("/")).mkdir(parents=True)
+    nv.limits[(GPU, cg)] = (mib << 20, mib << 20)
+    return cg
+
+
+def test_a_restarted_container_is_fenced_at_its_cut_without_waiting_for_its_engine(node):
+    """drarestart (the DRA hunt's restart-while-lent over-commit): b was cut for a, and its hard limit
+    waits for b's engine to acknowledge (issue 19). b's container restarts and comes back at its CDI
+    spec's share, its grant. The acknowledgement on record is the old instance's; the new one holds
+    nothing a lower hard limit would refuse, so the driver enforces b's limit at once, not its grant
+    beside a's loan until the engine acknowledges. A tenant not restarted keeps waiting."""
+    nv, cgroot, qroot = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    engines = Engines()
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
+                       Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
+                     fence=fence, settings=LoopSettings(params=p, startup_ticks=0))
+    nv.allocate(GPU, ca, 29500)
+    nv.allocate(GPU, cb, 4000)
+    loop.run_once()
+    assert nv.limits[(GPU, cb)][1] == 30000 << 20  # b's cut waits for its engine
+    loop.run_once()
+    assert nv.limits[(GPU, cb)][1] == 30000 << 20  # still: nothing acknowledged, nothing restarted
+    new = _restart(nv, cgroot, B, CID_B, "f" * 64, 30000)
+    tenants.tenants[1] = dataclasses.replace(tenants.tenants[1], container_ids=frozenset(["f" * 64]))
+    assert not loop.run_once().errors
+    file_b = read_quota(container_dir(str(qroot), B.pod_uid, "vllm"))
+    assert engines.applied["b"] < file_b.generation  # still nothing acknowledged
+    assert nv.limits[(GPU, new)][1] == file_b.gpus[0].limit_mib << 20 < 30000 << 20
+    assert (nv.limits[(GPU, ca)][1] >> 20) + file_b.gpus[0].limit_mib <= 60000
+
+
+def test_a_container_restarted_while_its_tenant_s_shrink_waits_is_held_at_its_split_of_it(node):
+    """drarestart (the focused hunt's case): b's claim is named by two containers and cut for a; the hard
+    limit waits for b's engine. One container restarts: the new cgroup holds nothing any file promised, so
+    it is held at its split of b's limit at once; the other, there before, keeps its split of the bound
+    that waits."""
+    import pathlib
+    nv, cgroot, qroot = node
+    cb, cb2 = cgroup_of(B.pod_uid, CID_B), cgroup_of(B.pod_uid, "d" * 64)
+    (pathlib.Path(cgroot) / cb2.lstrip("/")).mkdir(parents=True)
+    engines = Engines()
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
+                       Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics",
+                              container_ids=frozenset([CID_B, "d" * 64]), sharers=2)])
+    p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
+                     fence=DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot)),
+                     settings=LoopSettings(params=p, startup_ticks=0))
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 29500)
+    nv.allocate(GPU, cb, 2000)
+    nv.allocate(GPU, cb2, 2000)
+    loop.run_once()
+    loop.run_once()
+    assert sum(nv.limits[(GPU, c)][1] >> 20 for c in (cb, cb2)) == 30000  # b's cut waits for its engine
+    new = _restart(nv, cgroot, B, "d" * 64, "9" * 64, 15000)
+    tenants.tenants[1] = dataclasses.replace(tenants.tenants[1], container_ids=frozenset([CID_B, "9" * 64]))
+    assert not loop.run_once().errors
+    limit = read_quota(container_dir(str(qroot), B.pod_uid, "vllm")).gpus[0].limit_mib
+    assert limit < 30000  # b is cut, and nothing is acknowledged
+    assert nv.limits[(GPU, new)][1] >> 20 <= (limit - 2000) // 2 + 1  # its split of b's limit, not of 30,000
+    assert nv.limits[(GPU, cb)][1] >> 20 == 2000 + (30000 - 2000) // 2  # the old one's split of the bound
+
+
+def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
+    """``DriverFence.fresh_use``: the use of a tenant each of whose cgroups started since its limits were
+    last set; not before they were first set (a restarted loop cannot tell), nor while a sibling that was
+    there before runs (its engine may follow an older file)."""
+    nv, cgroot, qroot = node
+    import pathlib
+    (pathlib.Path(cgroot) / cgroup_of(A.pod_uid, CID_A2).lstrip("/")).mkdir(parents=True)
+    a = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A, CID_A2]))
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    loop = QuotaLoop(Tenants([a]), lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
+                     settings=LoopSettings(params=P, startup_ticks=0))
+    fence.read_usage([a])
+    assert fence.fresh_use(a, GPU) is None  # never set: not known new
+    loop.run_once()
+    _restart(nv, cgroot, A, CID_A2, "e" * 64, 15000)
+    half = dataclasses.replace(a, container_ids=frozenset([CID_A, "e" * 64]))
+    fence.read_usage([half])
+    assert fence.fresh_use(half, GPU) is None  # CID_A was there before
+    _restart(nv, cgroot, A, CID_A, "c" * 64, 15000)
+    nv.allocate(GPU, cgroup_of(A.pod_uid, "c" * 64), 700)
+    both = dataclasses.replace(a, container_ids=frozenset(["c" * 64, "e" * 64]))
+    fence.read_usage([both])
+    assert fence.fresh_use(both, GPU) == 700
 
 
 # -- a tenant of several containers (a DRA claim that two containers of its pod name) -------------------
