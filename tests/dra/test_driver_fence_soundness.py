@@ -586,6 +586,11 @@ def test_a_claim_whose_only_pod_the_cache_lists_after_its_start_is_lent_before_p
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=12)
 
 
+def _restarting(seed: int, top: int, restart: int, name: str = "c0") -> Ctr:
+    """An app container walking up to ``top`` MiB that restarts at tick ``restart``."""
+    return Ctr(name, "app", True, walk(seed, top, TICKS), (restart,), init_ticks=1, label=f"walk({seed}, {top})")
+
+
 def test_a_tenant_one_of_whose_two_containers_restarted_while_lent_is_fenced_at_its_cut(tmp_path):
     """Found by drarestart's focused hunt (single-pod claims, every container restarting, status and
     acknowledgement lags of 1 or more; seed 2, 1,500 examples); it fails the same on the base, 6e41251. The
@@ -595,13 +600,10 @@ def test_a_tenant_one_of_whose_two_containers_restarted_while_lent_is_fenced_at_
     25,003, raising the borrower back, but c1 was there before, so the claim's hard limit waits for the
     engine: 86,409 MiB of hard limits on the GPU. The new container, started while a shrink waits, is held
     at its split of the decision (``DriverFence.apply``'s fresh cgroups); the old one keeps its part."""
-    def w(seed: int, top: int, restart: int, name: str = "c0") -> Ctr:
-        return Ctr(name, "app", True, walk(seed, top, TICKS), (restart,), init_ticks=1,
-                   label=f"walk({seed}, {top})")
     claims = [SimClaim("k0", 20480), SimClaim("k1", 19456), SimClaim("k2", 40960)]
-    pods = [SimPod("p00", "k0", 0, 1, 20, [w(0, 30720, 2)], ack_lag=2, status_lag=1),
-            SimPod("p10", "k1", 0, 2, None, [w(0, 29184, 2)], ack_lag=1, status_lag=1),
-            SimPod("p20", "k2", 0, 0, None, [w(53500, 61440, 18), w(678, 61440, 2, "c1")], ack_lag=2, status_lag=1)]
+    pods = [SimPod("p00", "k0", 0, 1, 20, [_restarting(0, 30720, 2)], ack_lag=2, status_lag=1),
+            SimPod("p10", "k1", 0, 2, None, [_restarting(0, 29184, 2)], ack_lag=1, status_lag=1),
+            SimPod("p20", "k2", 0, 0, None, [_restarting(53500, 61440, 18), _restarting(678, 61440, 2, "c1")], ack_lag=2, status_lag=1)]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=21)
 
 
@@ -618,12 +620,9 @@ def test_a_tenant_raised_for_a_restarting_container_lets_its_old_sibling_take_th
     beside the borrowers' loans: 83,968 MiB of hard limits on the GPU. The raise was made for a share the
     old sibling may now take; holding it needs the raise kept for the restarted container, or the
     borrowers' hard limits lowered before their engines acknowledge."""
-    def w(seed: int, top: int, restart: int, name: str = "c0") -> Ctr:
-        return Ctr(name, "app", True, walk(seed, top, TICKS), (restart,), init_ticks=1,
-                   label=f"walk({seed}, {top})")
     claims = [SimClaim("k0", 15360), SimClaim("k1", 17408), SimClaim("k2", 36864)]
-    pods = [SimPod("p00", "k0", 0, 1, 23, [w(159, 23040, 5)], ack_lag=2, status_lag=1),
-            SimPod("p10", "k1", 0, 1, None, [w(0, 26112, 2)], ack_lag=1, status_lag=1),
-            SimPod("p20", "k2", 1, 7, None, [w(53500, 55296, 14), w(166, 55296, 2, "c1")], mode="throttle",
+    pods = [SimPod("p00", "k0", 0, 1, 23, [_restarting(159, 23040, 5)], ack_lag=2, status_lag=1),
+            SimPod("p10", "k1", 0, 1, None, [_restarting(0, 26112, 2)], ack_lag=1, status_lag=1),
+            SimPod("p20", "k2", 1, 7, None, [_restarting(53500, 55296, 14), _restarting(166, 55296, 2, "c1")], mode="throttle",
                    ack_lag=2, status_lag=1)]
     run_and_check(DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak")), ticks=24)

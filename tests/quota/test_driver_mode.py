@@ -180,6 +180,17 @@ class Engines:
         return VllmSample(release_mode="unmap", generation_applied=self.applied[pod])
 
 
+def _acknowledging_loop(nv, cgroot, qroot, engines: "Engines") -> tuple[QuotaLoop, Tenants]:
+    """Two 30,000 MiB tenants a and b on a 60,000 MiB GPU in driver mode, their engines' acknowledgements
+    read from ``engines`` (issue 19's acknowledged shrinks); the tenant source too, to change."""
+    tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
+                       Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
+    return QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
+                     fence=fence, settings=LoopSettings(params=p, startup_ticks=0)), tenants
+
+
 def test_a_hard_limit_is_lowered_only_after_the_engine_acknowledged_the_shrink(node):
     """Issue 19: the driver never fails an allocation for memory the engine was about to give back.
     b's shrink is written at once, its hard limit stays until b reports the generation that carried
@@ -187,12 +198,7 @@ def test_a_hard_limit_is_lowered_only_after_the_engine_acknowledged_the_shrink(n
     nv, cgroot, qroot = node
     ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
     engines = Engines()
-    tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
-                       Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
-    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
-    p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
-    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
-                     fence=fence, settings=LoopSettings(params=p, startup_ticks=0))
+    loop, tenants = _acknowledging_loop(nv, cgroot, qroot, engines)
     nv.allocate(GPU, ca, 29500)
     nv.allocate(GPU, cb, 4000)
     d = {x.key.pod: x for x in loop.run_once().decisions}
@@ -235,12 +241,7 @@ def test_a_restarted_container_is_fenced_at_its_cut_without_waiting_for_its_engi
     nv, cgroot, qroot = node
     ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
     engines = Engines()
-    tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
-                       Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
-    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
-    p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
-    loop = QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
-                     fence=fence, settings=LoopSettings(params=p, startup_ticks=0))
+    loop, tenants = _acknowledging_loop(nv, cgroot, qroot, engines)
     nv.allocate(GPU, ca, 29500)
     nv.allocate(GPU, cb, 4000)
     loop.run_once()
