@@ -119,8 +119,9 @@ class Accounting:
         self._node_of_uuid: dict[str, str] = {}
         self._held: dict[str, _Hold] = {}
         self._departing: dict[str, int] = {}  # "<pod key>@<uid>" -> when its booking ends (ns)
-        self._uids: dict[str, str] = {}  # pod key -> UID of the pod booked under it
-        self._ahead: set[str] = set()  # keys a bind booked for a UID the watch has not shown yet
+        # pod key -> the UID a bind booked under it that the watch has not shown yet (otherwise the UID
+        # booked under a key is that of the pod object in :attr:`pods`)
+        self._ahead: dict[str, str] = {}
         self._forgotten: dict[str, int] = {}
         self.holds = holds.Holds(int(config.extender.hold_timeout_seconds * 1e9), started_ns=clock())
         self.unaccounted: dict[str, str] = {}  # pod -> why its assignment could not be recorded
@@ -285,10 +286,10 @@ class Accounting:
         with self.lock:
             phase = (pod.get("status") or {}).get("phase")
             ended = event == "DELETED" or phase in TERMINAL_PHASES
-            if key in self._ahead and uid and uid != self._uids.get(key):
+            if (ahead := self._ahead.get(key)) and uid and uid != ahead:
                 self._predecessor(key, pod, ended)
                 return
-            self._ahead.discard(key)  # the watch shows the pod a bind booked: it has caught up
+            self._ahead.pop(key, None)  # the watch shows the pod a bind booked: it has caught up
             if ended:
                 self.pods_read.forget(pod)
                 if event == "DELETED" and may_still_run(pod):
@@ -308,8 +309,6 @@ class Accounting:
                 self._observe(key, pod)
             self.pods[key] = pod
             self._account(key, pod)
-            if uid:
-                self._uids[key] = uid
 
     def _predecessor(self, key: str, pod: Obj, ended: bool) -> None:
         """An event of an earlier pod of this name, delivered after a bind booked its successor: the
@@ -322,7 +321,7 @@ class Accounting:
         if ended and ghost in self._departing and not may_still_run(pod):
             del self._departing[ghost]
             self.state.remove_pod(ghost)
-        log.info("event of a replaced pod ignored", pod=key, uid=uid, successor=self._uids.get(key))
+        log.info("event of a replaced pod ignored", pod=key, uid=uid, successor=self._ahead.get(key))
 
     def _observe(self, key: str, pod: Obj) -> None:
         """Feed FGD's target workload; a size no GPU of the cluster has is no workload to plan for (a
@@ -505,8 +504,7 @@ class Accounting:
 
     def _release(self, key: str) -> None:
         self._held.pop(key, None)
-        self._uids.pop(key, None)
-        self._ahead.discard(key)
+        self._ahead.pop(key, None)
         self._untrusted_held.discard(key)
         self.holds.release(key)
         self.state.remove_pod(key)
@@ -593,17 +591,16 @@ class Accounting:
         ``plans`` (:func:`holds.plans_of`), until it is reported allocated. ``uid``: the pod's, as the
         binder read it; when the books hold an earlier pod of that name, :meth:`_supersede` first."""
         with self.lock:
-            if uid and self._uids.get(key, uid) != uid:
+            cached = ((self.pods.get(key) or {}).get("metadata") or {}).get("uid")
+            if uid and self._ahead.get(key, cached or uid) != uid:
                 self._supersede(key)
+                cached = None
             self.state.add_pod(key, node, allocations, host)
             self._held[key] = _Hold(node, assume_ns, self.clock(), assume_ns)
             self._forgotten.pop(key, None)
             self.holds.hold(key, node, signature, assume_ns, plans)
-            if uid:
-                cached = ((self.pods.get(key) or {}).get("metadata") or {}).get("uid")
-                self._uids[key] = uid
-                if cached != uid:
-                    self._ahead.add(key)
+            if uid and cached != uid:
+                self._ahead[key] = uid
 
     def _supersede(self, key: str) -> None:
         """A bind of a new pod under ``key`` while the books hold an earlier one of that name (recreated,

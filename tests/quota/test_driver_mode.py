@@ -180,9 +180,13 @@ class Engines:
         return VllmSample(release_mode="unmap", generation_applied=self.applied[pod])
 
 
-def _acknowledging_loop(nv, cgroot, qroot, engines: "Engines") -> tuple[QuotaLoop, Tenants]:
-    """Two 30,000 MiB tenants a and b on a 60,000 MiB GPU in driver mode, their engines' acknowledgements
-    read from ``engines`` (issue 19's acknowledged shrinks); the tenant source too, to change."""
+def _acknowledging_loop(node, engines: "Engines") -> tuple[QuotaLoop, Tenants]:
+    """Two 30,000 MiB tenants a (using 29,500) and b (using 4,000) on a 60,000 MiB GPU in driver mode, their
+    engines' acknowledgements read from ``engines`` (issue 19's acknowledged shrinks); the tenant source
+    too, to change."""
+    nv, cgroot, qroot = node
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 29500)
+    nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 4000)
     tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
                        Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
     fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
@@ -198,9 +202,7 @@ def test_a_hard_limit_is_lowered_only_after_the_engine_acknowledged_the_shrink(n
     nv, cgroot, qroot = node
     ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
     engines = Engines()
-    loop, tenants = _acknowledging_loop(nv, cgroot, qroot, engines)
-    nv.allocate(GPU, ca, 29500)
-    nv.allocate(GPU, cb, 4000)
+    loop, tenants = _acknowledging_loop(node, engines)
     d = {x.key.pod: x for x in loop.run_once().decisions}
     gen_b = read_quota(container_dir(str(qroot), B.pod_uid, "vllm")).generation
     assert d["b"].limit_mib < 30000  # b is cut in its quota file at once
@@ -241,9 +243,7 @@ def test_a_restarted_container_is_fenced_at_its_cut_without_waiting_for_its_engi
     nv, cgroot, qroot = node
     ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
     engines = Engines()
-    loop, tenants = _acknowledging_loop(nv, cgroot, qroot, engines)
-    nv.allocate(GPU, ca, 29500)
-    nv.allocate(GPU, cb, 4000)
+    loop, tenants = _acknowledging_loop(node, engines)
     loop.run_once()
     assert nv.limits[(GPU, cb)][1] == 30000 << 20  # b's cut waits for its engine
     loop.run_once()
