@@ -89,10 +89,11 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.counts: dict[str, int] = {k: 0 for k in (
             "created", "bound", "bind_errors", "held", "filter_none", "not_synced", "duplicates_sent",
-            "late_duplicates_sent", "duplicate_changed_something", "deleted", "finished", "kills", "down",
+            "late_duplicates_sent", "late_duplicate_errors", "deleted", "finished", "kills", "down",
             "recreated_same_name", "force_deleted")}
         self.lock = threading.Lock()
         self.bind_error_kinds: dict[str, int] = {}
+        self.late_duplicate_error_kinds: dict[str, int] = {}  # why a retry of a bind that succeeded was refused
         self.over_assigned: set[str] = set()
         self.over_books: set[str] = set()
         self.over_examples: list[dict[str, Any]] = []
@@ -104,12 +105,15 @@ class Soak:
         with self.lock:
             self.counts[key] += n
 
-    def _why(self, error: str) -> None:
-        """Bind errors by kind (the extender's reason, without pod and node names)."""
-        kinds = ("held for pod", "not synced", "does not fit", "in progress", "already bound", "cannot", "was bound")
+    def _why(self, error: str, into: dict[str, int] | None = None) -> None:
+        """Bind errors by kind (the extender's reason, without pod and node names), into ``into``
+        (default: :attr:`bind_error_kinds`)."""
+        kinds = ("held for pod", "not synced", "does not fit", "in progress", "already bound", "cannot", "was bound",
+                 "no extender leader", "unreachable")
         kind = next((k for k in kinds if k in error), "other")
+        into = self.bind_error_kinds if into is None else into
         with self.lock:
-            self.bind_error_kinds[kind] = self.bind_error_kinds.get(kind, 0) + 1
+            into[kind] = into.get(kind, 0) + 1
 
     # -- actors --------------------------------------------------------------------------------
     def creator(self, api: ApiServerDouble, queue: list[dict], cv: threading.Condition) -> None:
@@ -184,8 +188,9 @@ class Soak:
             if rng.random() < 0.1:  # a late retry of a bind that already succeeded: must change nothing
                 self.bump("late_duplicates_sent")
                 again = post(http, ext.url, "bind", body)
-                if again["Error"]:
-                    self.bump("duplicate_changed_something")
+                if again["Error"]:  # refused, not a change: the books are checked for that after settling
+                    self.bump("late_duplicate_errors")
+                    self._why(again["Error"], self.late_duplicate_error_kinds)
             return True
         except (urllib3.exceptions.HTTPError, RuntimeError, ValueError, KeyError):
             self.bump("down")
@@ -390,6 +395,7 @@ class Soak:
             "config": {"hold_timeout_s": 30 if self.hold else 0},
             "counts": self.counts,
             "bind_error_kinds": self.bind_error_kinds,
+            "late_duplicate_error_kinds": self.late_duplicate_error_kinds,
             "kubelet": {"admitted": kubelet.stats.admitted, "admission_failures": kubelet.stats.admission_failures,
                         "steering_misses": kubelet.stats.steering_misses,
                         "ambiguous_admissions": kubelet.stats.ambiguous,

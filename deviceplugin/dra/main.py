@@ -43,24 +43,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from deviceplugin import enforcement
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
-from deviceplugin.config_refusal import RefusalReporter
-from deviceplugin.config_watch import ConfigWatcher, admit_reload
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
 from deviceplugin.dra.preparer import ClaimPreparer
 from deviceplugin.dra.publisher import FIELD_MANAGER, CountersDropped, SlicePublisher, SliceWatch
 from deviceplugin.metrics import (EnforcementModeCollector, MetricsServer, config_reloads_counter,
-                                  enforcement_unavailable_gauge, restart_pending_gauge, set_restart_pending)
+                                  enforcement_unavailable_gauge, restart_pending_gauge)
 from deviceplugin.mig_dynamic import DynamicMig, MigError, MigMetrics
 from deviceplugin.mig_nvml import MigNvmlError, NvmlMig
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
-from deviceplugin.serve import serve, spawn
+from deviceplugin.serve import NodeDaemon, serve
 from vramshare import contract, kube, logs, mig
 from vramshare.config import Config, ConfigError, load_config
 from vramshare.contract import config_in_force
-from vramshare.contract.config_in_force import ConfigInForce
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -82,12 +79,15 @@ class DraMetrics:
         self.restart_pending = restart_pending_gauge(self.registry, f"{p}dra_")
 
 
-class DraPluginDaemon:
+class DraPluginDaemon(NodeDaemon):
     """The node's DRA driver. ``api`` is required: Prepare reads claims from the API server."""
+
+    component = "vramshare-dra-plugin"
 
     def __init__(self, backend: GpuBackend, config: Config, api: client.ApiClient, node_name: str, *,
                  plugin_dir: str, registry_dir: str, metrics_port: int = 0, retry_seconds: float = 5.0,
                  resync_seconds: float = 300.0, cgroup_root: str = contract.HOST_CGROUP_ROOT) -> None:
+        self._init_daemon()
         self.backend = backend
         discovered = backend.discover()
         # as the device plugin: the node's fence, detected once (a named mode it cannot honour raises
@@ -117,17 +117,12 @@ class DraPluginDaemon:
         self._metrics_port = metrics_port
         self._metrics_server: MetricsServer | None = None
         self._retry, self._resync = retry_seconds, resync_seconds
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
         self.refused: frozenset[str] = frozenset()
-        self._watcher: ConfigWatcher | None = None  # the live reload, which knows the text in force
-        self._restart_pending: tuple[str, ...] = ()
         self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
         self._quota_loop: Any = None
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self.models: tuple = ()  # issue 23: resident models, published in the node's resident-models
         self.models_publisher: Any = None  # its writer, with warmTier.modelCacheDir or warmTier.enabled
-        self.failed: str | None = None
         self.state.add_listener(self._changed)
 
     def _start_quota_loop(self) -> None:
@@ -311,46 +306,12 @@ class DraPluginDaemon:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
             self._metrics_server.start()
 
-    def _spawn(self, name: str, body: Callable[[], None]) -> None:
-        self._threads.append(spawn(name, body, self._stop, self._fail))
-
-    def _fail(self, why: str) -> None:
-        self.failed = why
-        self._stop.set()
+    def _wake(self) -> None:
         self._dirty.set()
-
-    def reload(self, config: Config) -> None:
-        """A new config, as :func:`deviceplugin.config_watch.admit_reload` admits it (the keys read at start,
-        the unit and the directories among them, keep their running values; evict without the right is
-        refused whole); slices follow at the next publish."""
-        config, pending = admit_reload(self.state.snapshot.config, config, self._api, self.enforcement)
-        self._restart_pending = tuple(pending)
-        self.state.on_config(config)
-        set_restart_pending(self.metrics.restart_pending, pending)
-
-    @property
-    def config_in_force(self) -> ConfigInForce | None:
-        """The config text it runs and the keys waiting for a restart, on its slices."""
-        return self._watcher.in_force(self._restart_pending) if self._watcher is not None else None
 
     def _config_accepted(self, _digest: str) -> None:
         """The config file text in force changed: the slices say so at the next publish (now)."""
         self._dirty.set()
-
-    def config_watcher(self, path: str, initial: Config, environ: Any = None,
-                       poll_seconds: float = 2.0) -> ConfigWatcher:
-        """The live reload of ``path`` (``initial``: what was read from it at start) into :meth:`reload`; a
-        refused one is counted and posted as an Event on the node; the text in force goes on the slices."""
-        watcher = ConfigWatcher(path, self.reload, initial=initial, environ=environ,
-                                poll_seconds=poll_seconds,
-                                on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self.node,
-                                                           "vramshare-dra-plugin"),
-                                on_accepted=self._config_accepted)
-        self._watcher = watcher
-        return watcher
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._stop.wait(timeout)
 
     def close(self) -> None:
         self._stop.set()
@@ -366,13 +327,6 @@ class DraPluginDaemon:
             thread.join(timeout=10)
         if self._metrics_server is not None:
             self._metrics_server.close()
-
-    def __enter__(self) -> "DraPluginDaemon":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _read(call: Callable[..., Any], namespace: str, name: str) -> Mapping[str, Any]:

@@ -16,14 +16,11 @@ import argparse
 import dataclasses
 import os
 import sys
-import threading
-from typing import Any, Callable
+from typing import Any
 
 from deviceplugin import allocation, enforcement
 from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
-from deviceplugin.config_refusal import RefusalReporter
-from deviceplugin.config_watch import ConfigWatcher, admit_reload
 from deviceplugin.kubelet import cdi_names
 from deviceplugin.kubelet.allocator import Allocator
 from deviceplugin.kubelet.kube_adapter import InventoryPublisher, PodPatcher
@@ -33,30 +30,33 @@ from deviceplugin.kubelet.mig_cdi import MigCdi
 from deviceplugin.kubelet.mig_node import MigNode
 from deviceplugin.kubelet.podresources import KubeletPodResources
 from deviceplugin.kubelet.reconcile_loop import Reconciler
-from deviceplugin.metrics import MetricsServer, PluginMetrics, set_restart_pending
+from deviceplugin.metrics import MetricsServer, PluginMetrics
 from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
-from deviceplugin.serve import serve, spawn
+from deviceplugin.serve import NodeDaemon, serve
 from vramshare import kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config, node_limits
 from vramshare.contract import inventory as contract_inventory
-from vramshare.contract.config_in_force import ConfigInForce
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
 
 
-class DevicePluginDaemon:
+class DevicePluginDaemon(NodeDaemon):
     """The whole node agent. ``api=None`` is standalone: no annotations, no steering, no reconcile
     patches (Allocate is the same either way: it never reads a pod)."""
+
+    component = "vramshare-device-plugin"
+    threads_run_until_stop = True
 
     def __init__(self, backend: GpuBackend, config: Config, plugin_dir: str, *, node_name: str = "",
                  api: Any = None, pod_resources_socket: str | None = None, metrics_port: int = 0,
                  poll_seconds: float = 0.1, stream_grace_seconds: float = 1.0,
                  metrics: PluginMetrics | None = None, reconcile_seconds: float = 2.0,
                  startup_sync_seconds: float = 5.0, cdi_roots: tuple[str, ...] = cdi_names.DEFAULT_ROOTS) -> None:
+        self._init_daemon()
         self.backend = backend
         self._cdi_roots = cdi_roots
         discovered = backend.discover()
@@ -97,15 +97,10 @@ class DevicePluginDaemon:
         self.lifecycle = PluginLifecycle(plugin_dir, self._managers, self.metrics, self.feeds.open_watches,
                                          poll_seconds, stream_grace_seconds)
         self.publisher = InventoryPublisher(api, node_name, names) if api else None
-        self._api, self._node_name = api, node_name
+        self._api, self.node = api, node_name
         self._metrics_port = metrics_port
         self._metrics_server: MetricsServer | None = None
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.failed: str | None = None
         self.models: tuple = ()  # issue 23: resident models, published in the inventory's ``models``
-        self._watcher: ConfigWatcher | None = None  # the live reload, which knows the text in force
-        self._restart_pending: tuple[str, ...] = ()
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self._quota_loop: Any = None
         self.state.add_listener(self._changed)
@@ -133,7 +128,7 @@ class DevicePluginDaemon:
         from deviceplugin.quota.kube import NodeTenantSource
         pods = self.pods.pods if self.pods is not None else list  # (the API is there: so is the cache)
         tenants = NodeTenantSource(self.reconciler.holdings, pods, config.names)  # no API call per tick
-        loop = quota_service.build_loop(config, self._api, self._node_name, self._shared_capacities, tenants,
+        loop = quota_service.build_loop(config, self._api, self.node, self._shared_capacities, tenants,
                                         nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
@@ -161,11 +156,6 @@ class DevicePluginDaemon:
         return contract_inventory.encode(dataclasses.replace(inventory, models=self.models,
                                                              config=self.config_in_force))
 
-    @property
-    def config_in_force(self) -> ConfigInForce | None:
-        """The config text it runs and the keys waiting for a restart, in the inventory's ``config``."""
-        return self._watcher.in_force(self._restart_pending) if self._watcher is not None else None
-
     def _config_accepted(self, _digest: str) -> None:
         """The config file text in force changed: the inventory says so (``vramshare check`` compares it
         with the ConfigMap), with the keys of it that wait for a restart."""
@@ -176,6 +166,8 @@ class DevicePluginDaemon:
         return [NodeResourceManager(r, self.state, self.feeds, self.allocator) for r in self.state.snapshot.devices]
 
     def _changed(self, old: Snapshot, new: Snapshot) -> None:
+        """A new snapshot (a reload among them): device lists follow at once (ListAndWatch resends);
+        the servers restart only when the set of resources changes."""
         if self.publisher is not None and new.inventory != old.inventory:
             self.publisher.publish(self._inventory_json(new.inventory))
         if set(new.devices) != set(old.devices):
@@ -227,38 +219,8 @@ class DevicePluginDaemon:
         else:
             log.info("CDI device names resolve", devices=len(wanted))
 
-    def _spawn(self, name: str, body: Callable[[], None]) -> None:
-        self._threads.append(spawn(name, body, self._stop, self._fail, runs_until_stop=True))
-
-    def _fail(self, why: str) -> None:
-        self.failed = why
-        self._stop.set()
+    def _wake(self) -> None:
         self.lifecycle.wake()
-
-    def reload(self, config: Config) -> None:
-        """A new config from the config watcher, as :func:`deviceplugin.config_watch.admit_reload` admits it
-        (the keys read at start keep their running values; evict without the right is refused whole):
-        device lists follow at once (ListAndWatch resends); servers restart only when the set of resources
-        changes."""
-        config, pending = admit_reload(self.state.snapshot.config, config, self._api, self.enforcement)
-        self._restart_pending = tuple(pending)
-        self.state.on_config(config)
-        set_restart_pending(self.metrics.restart_pending, pending)
-
-    def config_watcher(self, path: str, initial: Config, environ: Any = None, overrides: dict[str, Any] | None = None,
-                       poll_seconds: float = 2.0) -> ConfigWatcher:
-        """The live reload of ``path`` (``initial``: what was read from it at start) into :meth:`reload`; a
-        refused one is counted and posted as an Event on the node; the text in force is published."""
-        watcher = ConfigWatcher(path, self.reload, initial=initial, environ=environ,
-                                overrides=overrides, poll_seconds=poll_seconds,
-                                on_refused=RefusalReporter(self.metrics.config_reloads, self._api, self._node_name,
-                                                           "vramshare-device-plugin"),
-                                on_accepted=self._config_accepted)
-        self._watcher = watcher
-        return watcher
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._stop.wait(timeout)
 
     def close(self) -> None:
         self._stop.set()
@@ -274,13 +236,6 @@ class DevicePluginDaemon:
         self.feeds.close_all()
         if self._metrics_server is not None:
             self._metrics_server.close()
-
-    def __enter__(self) -> "DevicePluginDaemon":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def run(args: argparse.Namespace) -> int:
