@@ -88,12 +88,13 @@ class Soak:
         self.args, self.hold = args, hold
         self.rng = random.Random(args.seed)
         self.counts: dict[str, int] = {k: 0 for k in (
-            "created", "bound", "bind_errors", "held", "filter_none", "not_synced", "duplicates_sent",
+            "created", "bound", "bind_errors", "filter_errors", "held", "filter_none", "not_synced", "duplicates_sent",
             "late_duplicates_sent", "late_duplicate_errors", "deleted", "finished", "kills", "down",
             "recreated_same_name", "force_deleted")}
         self.lock = threading.Lock()
         self.bind_error_kinds: dict[str, int] = {}
         self.late_duplicate_error_kinds: dict[str, int] = {}  # why a retry of a bind that succeeded was refused
+        self.other_errors: list[str] = []
         self.over_assigned: set[str] = set()
         self.over_books: set[str] = set()
         self.over_examples: list[dict[str, Any]] = []
@@ -108,12 +109,14 @@ class Soak:
     def _why(self, error: str, into: dict[str, int] | None = None) -> None:
         """Bind errors by kind (the extender's reason, without pod and node names), into ``into``
         (default: :attr:`bind_error_kinds`)."""
-        kinds = ("held for pod", "not synced", "does not fit", "in progress", "already bound", "cannot", "was bound",
-                 "no extender leader", "unreachable")
+        kinds = ("no extender leader", "unreachable", "held for pod", "not synced", "does not fit", "in progress",
+                 "already bound", "cannot", "was bound")  # the most specific first ("election in progress")
         kind = next((k for k in kinds if k in error), "other")
         into = self.bind_error_kinds if into is None else into
         with self.lock:
             into[kind] = into.get(kind, 0) + 1
+            if kind == "other" and len(self.other_errors) < 5:  # a reason no kind names: kept to be read
+                self.other_errors.append(error[:300])
 
     # -- actors --------------------------------------------------------------------------------
     def creator(self, api: ApiServerDouble, queue: list[dict], cv: threading.Condition) -> None:
@@ -158,7 +161,7 @@ class Soak:
         try:
             out = post(http, ext.url, "filter", {"Pod": pod, "NodeNames": nodes})
             if out["Error"]:
-                self.bump("not_synced" if "not synced" in out["Error"] else "bind_errors")
+                self.bump("not_synced" if "not synced" in out["Error"] else "filter_errors")  # no leader, mostly
                 return False
             fitting = out["NodeNames"] or []
             if not fitting:
@@ -396,6 +399,7 @@ class Soak:
             "counts": self.counts,
             "bind_error_kinds": self.bind_error_kinds,
             "late_duplicate_error_kinds": self.late_duplicate_error_kinds,
+            "other_error_examples": self.other_errors,
             "kubelet": {"admitted": kubelet.stats.admitted, "admission_failures": kubelet.stats.admission_failures,
                         "steering_misses": kubelet.stats.steering_misses,
                         "ambiguous_admissions": kubelet.stats.ambiguous,

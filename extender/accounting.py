@@ -9,8 +9,9 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
   Failed: then it frees at once (HAMi#2923), unless its containers may still run. A pod whose deletion
   the kubelet finished shows every container terminated (the kubelet's status manager deletes the
   object only then, ``status_manager.go canBeDeleted``); a force-deleted pod (``kubectl delete --force``)
-  vanishes from the API while its kubelet still runs it for its termination grace, holding its devices.
-  Such a departing pod's GPUs stay booked, under a key of its own, for ``terminationGracePeriodSeconds``
+  vanishes from the API while its kubelet still runs it for its termination grace, holding its devices
+  (taken at admission, before any container status: a bound pod that shows no terminated containers
+  may hold them, reported allocated or not). Such a departing pod's GPUs stay booked, under a key of its own, for ``terminationGracePeriodSeconds``
   plus :data:`DEPARTING_MARGIN_S` (the soak found GPUs planned twice without this).
 * Usage is rebuilt from the pods' assignment annotations alone, so a restarted extender sees what the
   old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``,
@@ -66,16 +67,19 @@ WARM_QUIET_S = 0.02  # the warmer works only after this long without a schedulin
 
 
 def may_still_run(pod: Obj) -> bool:
-    """Whether a deleted pod's containers may still run on its node, from the kubelet's container
-    statuses: yes unless every one has terminated. A pod the kubelet finished deleting shows them all
-    terminated (``status_manager.go canBeDeleted``); one removed by ``--grace-period=0 --force`` shows
-    what ran. Without any status (a pod no kubelet reported on) there is nothing to say it runs."""
+    """Whether a deleted pod's containers may still run on its node (and its devices be held there):
+    yes unless it never reached a node or every container status says terminated. A pod the kubelet
+    finished deleting shows them all terminated (``status_manager.go canBeDeleted``); one removed by
+    ``--grace-period=0 --force`` shows whatever the kubelet last reported, and that may be nothing yet:
+    the kubelet takes a pod's devices when it admits it (the device manager's Allocate), before any
+    container status, so a bound pod without statuses, or with containers still waiting, may hold its
+    GPUs for its grace (the soak with forced same-name recreations found GPUs planned twice while
+    this said no). An unbound pod was never on a kubelet."""
     status = pod.get("status") or {}
-    if status.get("phase") in TERMINAL_PHASES:
+    if status.get("phase") in TERMINAL_PHASES or not (pod.get("spec") or {}).get("nodeName"):
         return False
     statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
-    return bool(statuses) and not all(
-        isinstance(c, Mapping) and "terminated" in (c.get("state") or {}) for c in statuses)
+    return bool(statuses) and not all(isinstance(c, Mapping) and "terminated" in (c.get("state") or {}) for c in statuses)
 
 
 def grace_seconds(pod: Obj) -> int:
@@ -292,6 +296,7 @@ class Accounting:
             self._ahead.pop(key, None)  # the watch shows the pod a bind booked: it has caught up
             if ended:
                 self.pods_read.forget(pod)
+                self._stopped(key, uid, pod)  # kept by a successor's bind that then failed
                 if event == "DELETED" and may_still_run(pod):
                     self._keep_departing(key, pod)
                 if self.pods.pop(key, None) is not None or key in self._held:
@@ -317,11 +322,16 @@ class Accounting:
         is freed once its deletion shows its containers stopped, else at the end of its grace."""
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         self.pods_read.forget(pod)
+        if ended:
+            self._stopped(key, uid, pod)
+        log.info("event of a replaced pod ignored", pod=key, uid=uid, successor=self._ahead.get(key))
+
+    def _stopped(self, key: str, uid: str, pod: Obj) -> None:
+        """The end of a pod kept as departing (:meth:`_supersede`) frees it once it shows its containers stopped."""
         ghost = f"{key}@{uid}"
-        if ended and ghost in self._departing and not may_still_run(pod):
+        if ghost in self._departing and not may_still_run(pod):
             del self._departing[ghost]
             self.state.remove_pod(ghost)
-        log.info("event of a replaced pod ignored", pod=key, uid=uid, successor=self._ahead.get(key))
 
     def _observe(self, key: str, pod: Obj) -> None:
         """Feed FGD's target workload; a size no GPU of the cluster has is no workload to plan for (a
@@ -485,11 +495,13 @@ class Accounting:
         return self.clock() - assume_ns > self.config.extender.assume_timeout_seconds * 1e9
 
     def _keep_departing(self, key: str, pod: Obj) -> None:
-        """A deleted pod the device plugin reported allocated, whose containers may still run: book its
-        GPUs under its own key until its grace has passed (see the module's rules)."""
+        """A deleted pod whose containers may still run (:func:`may_still_run`): book its GPUs under its
+        own key until its grace has passed (see the module's rules). What the books hold for it: the
+        device plugin's report, or the plan while that report has not come (the kubelet may have taken
+        the planned devices already)."""
         hold = self._held.get(key)
         allocations = self.state.pod_allocations(key)
-        if hold is None or not hold.allocated or not allocations:
+        if hold is None or not allocations:
             return
         uid = (pod.get("metadata") or {}).get("uid") or "?"
         ghost = f"{key}@{uid}"
@@ -606,11 +618,13 @@ class Accounting:
         """A bind of a new pod under ``key`` while the books hold an earlier one of that name (recreated,
         its deletion not delivered yet). Until that deletion says whether its containers stopped (a
         graceful deletion) or may still run (a forced one), an earlier pod the device plugin reported
-        allocated keeps its GPUs under a key of its own for its grace (:meth:`_keep_departing`); an
-        assumption never admitted holds nothing. Its late events then book nothing (:meth:`_predecessor`)."""
+        allocated, or one bound whose containers may run (:func:`may_still_run`), keeps its GPUs under a
+        key of its own for its grace (:meth:`_keep_departing`); an assumption the watch shows unbound holds nothing. Its late events then book nothing (:meth:`_predecessor`)."""
         earlier = self.pods.pop(key, None)
         if earlier is not None:
-            self._keep_departing(key, earlier)
+            hold = self._held.get(key)
+            if hold is not None and (hold.allocated or may_still_run(earlier)):
+                self._keep_departing(key, earlier)
             self.pods_read.forget(earlier)
         self._release(key)
         self.unaccounted.pop(key, None)
