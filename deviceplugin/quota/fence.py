@@ -79,6 +79,18 @@ def split_slots(limit: int, uses: Sequence[int], pressed: Sequence[bool], once: 
     return out
 
 
+def restart_split(hards: Sequence[int], cuts: Sequence[int], uses: Sequence[int | None],
+                  fresh: Sequence[bool]) -> list[int]:
+    """Pure: the restart rule, per container, while its tenant's shrink waits for the engine's
+    acknowledgement (issue 19): ``hards`` split the bound that waits, ``cuts`` the decision. A container
+    started since the tenant's limits were last set (``fresh``) gets its cut at once while it uses no more
+    (``uses``: None unread): the acknowledgement on record is an older instance's, and the new one holds
+    nothing a lower hard limit refuses (no engine to protect). The others keep their split of the bound.
+    A tenant each of whose containers gets its cut so is restarted as a whole (:meth:`DriverFence.restarted`):
+    the loop then sets and counts its hard limit at the decision."""
+    return [min(h, c) if f and u is not None and u <= c else h for h, c, u, f in zip(hards, cuts, uses, fresh)]
+
+
 def share_of(grant_mib: int, users: int) -> int:
     """What the CDI spec gives each of a claim's ``users`` containers (``enforcement.container_fence``:
     the grant // users, the toolkit's hook sets it at the container's start, before the loop sees it)."""
@@ -109,27 +121,51 @@ class DriverFence:
         """(container id, cgroup) of those found: a container not started yet has none."""
         return [(cid, cg) for cid in sorted(container_ids) if (cg := self._finder.find(cid))]
 
-    def _set_split(self, gpu: str, cgroups: Sequence[tuple[str, str]], soft: int, hard: int, uses: list[int],
-                   errors: list[str], once: frozenset[str] = frozenset(), share: int = 0,
-                   unstarted: int = 0, fresh: frozenset[str] = frozenset(), limit: int | None = None) -> None:
-        """Soft and hard limits shared by ``cgroups`` holding ``uses``, split by :func:`split_slots` (the
-        rest to those at their hard limit at the last read; a share kept for each slot still to be filled,
-        ``unstarted`` or after one of the ordinary init containers ``once``); failures go to ``errors``.
-        A cgroup in ``fresh`` (started while a shrink to ``limit`` waits for its engine) gets no more than
-        its split of ``limit`` while it uses no more: it holds nothing an old file promised its engine."""
+    def _split(self, gpu: str, cgroups: Sequence[tuple[str, str]], limit: int, uses: Sequence[int],
+               once: frozenset[str] = frozenset(), share: int = 0, unstarted: int = 0) -> list[int]:
+        """``limit`` over ``cgroups`` holding ``uses``, by :func:`split_slots` (the rest to those at their hard
+        limit at the last read; a share kept for each slot still to be filled, ``unstarted`` or after one of
+        the ordinary init containers ``once``)."""
         pressed = [self._pressed.get((gpu, cid), False) for cid, _cg in cgroups]
         ends = [cid in once for cid, _cg in cgroups]
-        softs = split_slots(soft, uses, pressed, ends, share, unstarted)
-        hards = split_slots(hard, uses, pressed, ends, share, unstarted)
-        if limit is not None and limit < hard and any(cg in fresh for _cid, cg in cgroups):
-            cut = split_slots(limit, uses, pressed, ends, share, unstarted)
-            hards = [min(h, c) if cg in fresh and u <= c else h
-                     for (_cid, cg), h, c, u in zip(cgroups, hards, cut, uses)]
+        return split_slots(limit, uses, pressed, ends, share, unstarted)
+
+    def _set(self, gpu: str, cgroups: Sequence[tuple[str, str]], softs: Sequence[int], hards: Sequence[int],
+             errors: list[str]) -> None:
+        """Each cgroup's soft and hard limit; failures go to ``errors``."""
         for (_cid, cgroup), s_, h_ in zip(cgroups, softs, hards):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
             except LimitError as exc:
                 errors.append(str(exc))
+
+    def _fresh_of(self, key: TenantKey, cgroups: Sequence[tuple[str, str]]) -> frozenset[str]:
+        """The tenant's cgroups started since its limits were last set (none before they ever were: after a
+        loop restart no container is known new), and those that started while its shrink still waits."""
+        before = self._over.get(key)
+        return frozenset(cg for _cid, cg in cgroups
+                         if cg in self._fresh.get(key, ()) or (before is not None and cg not in before))
+
+    def _tenant_split(self, tenant: Tenant, cgroups: Sequence[tuple[str, str]], gpu: str, limit: int,
+                      request: int) -> list[int]:
+        """``limit`` over the tenant's ``cgroups`` (:meth:`_split`; unread use counts as nothing): each one
+        not started yet, or to follow an ordinary init container, will start at its CDI spec's share (of
+        ``request``), so that much is kept for it."""
+        uses = [self._used.get((gpu, cid), 0) for cid, _ in cgroups]
+        return self._split(gpu, cgroups, limit, uses, tenant.init_ids, share_of(request, tenant.sharers),
+                           max(0, tenant.sharers - len(cgroups)))
+
+    def _hards(self, tenant: Tenant, cgroups: Sequence[tuple[str, str]], gpu: str, limit: int, top: int,
+               request: int, fresh: frozenset[str]) -> tuple[list[int], list[int]]:
+        """(each cgroup's hard limit, its split of the decision ``limit``) while the hard limit ``top``
+        waits for the engine: its split of ``top``, or of ``limit`` by the restart rule
+        (:func:`restart_split`; unread use is no fresh cgroup's proof)."""
+        cuts = self._tenant_split(tenant, cgroups, gpu, limit, request)
+        if top <= limit:
+            return cuts, cuts
+        hards = self._tenant_split(tenant, cgroups, gpu, top, request)
+        read = [self._used.get((gpu, cid)) for cid, _ in cgroups]
+        return restart_split(hards, cuts, read, [cg in fresh for _cid, cg in cgroups]), cuts
 
     def moved(self, tenant: Tenant) -> bool:
         """Whether the tenant's split is stale: its cgroups are not those its limits were last set over (a
@@ -141,16 +177,18 @@ class DriverFence:
         pressed = {self._pressed.get((gpu, cid), False) for gpu, _ in tenant.gpus for cid, _cg in found}
         return len(pressed) > 1
 
-    def fresh_use(self, tenant: Tenant, gpu: str) -> int | None:
-        """The use on ``gpu`` at the last read of a tenant each of whose cgroups found started since its
-        limits were last set (restarted: no engine in them has acknowledged a file yet, so none has memory
-        to give back that a lowered hard limit would refuse it); None if one was there before, none is
-        found, or its limits were never set by this fence (after a loop restart no container is known new)."""
-        before = self._over.get(tenant.key)
-        found = self._cgroups(tenant.container_ids)
-        if before is None or not found or any(cg in before or (gpu, cid) not in self._used for cid, cg in found):
-            return None
-        return sum(self._used[(gpu, cid)] for cid, _cg in found)
+    def restarted(self, tenant: Tenant, gpu: str, limit: int, top: int) -> bool:
+        """Whether the tenant restarted as a whole: while its hard limit ``top`` waits for the engine, every
+        cgroup of it found gets its split of the decision ``limit`` by the restart rule
+        (:func:`restart_split`: each started since its limits were last set and uses no more). The loop then
+        sets its hard limit at the decision (:meth:`QuotaLoop._hard_of`) and counts it there; the rule's one
+        home is this fence's, per cgroup."""
+        cgroups = self._cgroups(tenant.container_ids)
+        fresh = self._fresh_of(tenant.key, cgroups)
+        if not cgroups or any(cg not in fresh for _cid, cg in cgroups):
+            return False
+        hards, cuts = self._hards(tenant, cgroups, gpu, limit, top, dict(tenant.gpus).get(gpu, limit), fresh)
+        return hards == cuts
 
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
@@ -286,27 +324,23 @@ class DriverFence:
               hard: Mapping[str, int] | None = None) -> list[str]:
         """Move the tenant's cgroup limits to ``decisions``; returns the errors (logged by the loop).
         ``hard`` overrides the hard limit per GPU: the loop keeps a shrink's old hard limit until the
-        engine acknowledged it (issue 19), the soft limit follows the decision at once."""
+        engine acknowledged it (issue 19), the soft limit follows the decision at once; a cgroup started
+        since the tenant's limits were last set gets its split of the decision by the restart rule
+        (:func:`restart_split`), remembered while the shrink waits."""
         errors: list[str] = []
         cgroups = self._cgroups(tenant.container_ids)
-        missing = max(0, tenant.sharers - len(cgroups))
         waits = any((hard or {}).get(d.gpu_uuid, d.limit_mib) > d.limit_mib for d in decisions)
-        before = self._over.get(tenant.key)
         # the cgroups started since a shrink began to wait for the engine (none when nothing waits)
-        fresh = {cg for _cid, cg in cgroups if cg in self._fresh.get(tenant.key, ()) or
-                 (before is not None and cg not in before)} if waits else set()
+        fresh = self._fresh_of(tenant.key, cgroups) if waits else frozenset()
         self._fresh = {k: v for k, v in self._fresh.items() if k != tenant.key}
         if fresh:
-            self._fresh[tenant.key] = frozenset(fresh)
+            self._fresh[tenant.key] = fresh
         for d in decisions:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
-            soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
-            uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
-            # each one not started yet, or to follow an ordinary init container, will start at its CDI
-            # spec's share: that much is kept for it (split_slots)
-            share = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers)
-            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors, tenant.init_ids, share, missing,
-                            frozenset(fresh), d.limit_mib)
+            request = requests.get(d.gpu_uuid, d.limit_mib)
+            softs = self._tenant_split(tenant, cgroups, d.gpu_uuid, min(d.limit_mib, request), request)
+            hards, _cuts = self._hards(tenant, cgroups, d.gpu_uuid, d.limit_mib, top, request, fresh)
+            self._set(d.gpu_uuid, cgroups, softs, hards, errors)
         self._over = {k: v for k, v in self._over.items() if k != tenant.key}
         if not errors:
             self._over[tenant.key] = tuple(cg for _cid, cg in cgroups)
@@ -343,8 +377,8 @@ class DriverFence:
                 pods.append(uid)
                 uses.append(used)
             once = claim.init_ids | {cg for _uid, cg, _used in unlisted}
-            share = share_of(mib, claim.sharers)
-            self._set_split(gpu, cgroups, mib, mib, uses, errors, once, share, self._missing(claim, pods))
+            split = self._split(gpu, cgroups, mib, uses, once, share_of(mib, claim.sharers), self._missing(claim, pods))
+            self._set(gpu, cgroups, split, split, errors)
         return errors
 
     @staticmethod

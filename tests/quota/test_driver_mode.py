@@ -290,9 +290,10 @@ def test_a_container_restarted_while_its_tenant_s_shrink_waits_is_held_at_its_sp
 
 
 def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
-    """``DriverFence.fresh_use``: the use of a tenant each of whose cgroups started since its limits were
-    last set; not before they were first set (a restarted loop cannot tell), nor while a sibling that was
-    there before runs (its engine may follow an older file)."""
+    """``DriverFence.restarted``: a tenant restarted as a whole, by the per-container restart rule, when each
+    of its cgroups started since its limits were last set and uses no more than its split of the decision;
+    not before they were first set (a restarted loop cannot tell), nor while a sibling that was there
+    before runs (its engine may follow an older file), nor when a new one holds more than its split."""
     nv, cgroot, qroot = node
     import pathlib
     (pathlib.Path(cgroot) / cgroup_of(A.pod_uid, CID_A2).lstrip("/")).mkdir(parents=True)
@@ -301,17 +302,18 @@ def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
     loop = QuotaLoop(Tenants([a]), lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
                      settings=LoopSettings(params=P, startup_ticks=0))
     fence.read_usage([a])
-    assert fence.fresh_use(a, GPU) is None  # never set: not known new
+    assert not fence.restarted(a, GPU, 10000, 30000)  # never set: not known new
     loop.run_once()
     _restart(nv, cgroot, A, CID_A2, "e" * 64, 15000)
     half = dataclasses.replace(a, container_ids=frozenset([CID_A, "e" * 64]))
     fence.read_usage([half])
-    assert fence.fresh_use(half, GPU) is None  # CID_A was there before
+    assert not fence.restarted(half, GPU, 10000, 30000)  # CID_A was there before
     _restart(nv, cgroot, A, CID_A, "c" * 64, 15000)
     nv.allocate(GPU, cgroup_of(A.pod_uid, "c" * 64), 700)
     both = dataclasses.replace(a, container_ids=frozenset(["c" * 64, "e" * 64]))
     fence.read_usage([both])
-    assert fence.fresh_use(both, GPU) == 700
+    assert fence.restarted(both, GPU, 10000, 30000)
+    assert not fence.restarted(both, GPU, 600, 30000)  # the one holding 700 is above its split of 600
 
 
 # -- a tenant of several containers (a DRA claim that two containers of its pod name) -------------------
