@@ -190,6 +190,10 @@ class DriverFence:
         hards, cuts = self._hards(tenant, cgroups, gpu, limit, top, dict(tenant.gpus).get(gpu, limit), fresh)
         return hards == cuts
 
+    def tracked(self) -> set[TenantKey]:
+        """Every tenant this fence keeps records for across ticks (tests: a departed tenant leaves none)."""
+        return set(self._over) | set(self._fresh)
+
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
         (a restarted loop's bound on what an engine may hold, whatever file it follows), with the CDI share
@@ -199,13 +203,14 @@ class DriverFence:
         return self._hard.get((key, gpu))
 
     def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
-        """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21), and the
-        claims whose containers it holds (:meth:`hold`): their cgroups' use comes by container ID, which
-        attribution books to the claim within its grant (the loop counts it at the grant), not foreign
-        memory counted a second time."""
+        """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21; the records
+        of any other are dropped: departed), and the claims whose containers it holds (:meth:`hold`): their
+        cgroups' use comes by container ID, which attribution books to the claim within its grant (the loop
+        counts it at the grant), not foreign memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
         self._used, self._hard, self._pressed, self._pod_found = {}, {}, {}, {}
+        self._forget({t.key for t in tenants})
         found_of: dict[TenantKey, list[tuple[str, str]]] = {}
         for t in tenants:
             found = found_of[t.key] = self._cgroups(t.container_ids)
@@ -235,6 +240,13 @@ class DriverFence:
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
         return out
+
+    def _forget(self, alive: set[TenantKey]) -> None:
+        """Drop the records of tenants not in the tick (departed): else they grow with every pod that ever
+        ran here. One that comes back counts as if its limits were never set (none of its cgroups is known
+        new, :meth:`moved` sets them again): cautious."""
+        self._over = {k: v for k, v in self._over.items() if k in alive}
+        self._fresh = {k: v for k, v in self._fresh.items() if k in alive}
 
     def _unstarted(self, tenants: Sequence[Tenant],
                    found_of: Mapping[TenantKey, list[tuple[str, str]]]) -> list[UsageSample]:

@@ -9,7 +9,7 @@ import pytest
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
-from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
+from deviceplugin.quota.model import Decision, PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import VllmSample
 from deviceplugin.quota.writer import container_dir, read_quota
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml, OutOfMemory
@@ -314,6 +314,31 @@ def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
     fence.read_usage([both])
     assert fence.restarted(both, GPU, 10000, 30000)
     assert not fence.restarted(both, GPU, 600, 30000)  # the one holding 700 is above its split of 600
+
+
+def test_the_fence_forgets_departed_tenants(node):
+    """The fence's records that outlive a tick (the cgroups each tenant's limits were last set over, those
+    that started while its shrink waits) are kept for the tenants of the tick only: months of pods coming
+    and going leave nothing behind."""
+    nv, cgroot, _q = node
+    import pathlib
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    live = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]))
+    for i in range(20):
+        key = TenantKey("llm", f"p{i}", "vllm", pod_uid=f"00000000-0000-0000-0000-{i:012d}")
+        old, new = f"{i:064x}", f"{i + 100:064x}"
+        (pathlib.Path(cgroot) / cgroup_of(key.pod_uid, old).lstrip("/")).mkdir(parents=True)
+        t = Tenant(key, ((GPU, 10000),), container_ids=frozenset([old]))
+        fence.read_usage([live, t])
+        assert not fence.apply(t, [Decision(key, GPU, 10000, 10000, 2500, 20000, "t")], {GPU: 10000})
+        assert not fence.apply(live, [Decision(A, GPU, 30000, 30000, 7500, 60000, "t")], {GPU: 30000})
+        _restart(nv, cgroot, key, old, new, 10000)  # a new cgroup while its shrink waits: remembered as fresh
+        t = dataclasses.replace(t, container_ids=frozenset([new]))
+        fence.read_usage([live, t])
+        assert not fence.apply(t, [Decision(key, GPU, 8000, 10000, 2500, 20000, "t")], {GPU: 10000}, {GPU: 10000})
+        assert fence.tracked() == {A, key}
+    fence.read_usage([live])
+    assert fence.tracked() == {A}
 
 
 # -- a tenant of several containers (a DRA claim that two containers of its pod name) -------------------
