@@ -80,15 +80,21 @@ def split_slots(limit: int, uses: Sequence[int], pressed: Sequence[bool], once: 
 
 
 def restart_split(hards: Sequence[int], cuts: Sequence[int], uses: Sequence[int | None],
-                  fresh: Sequence[bool]) -> list[int]:
+                  fresh: Sequence[bool], had: Sequence[int | None]) -> list[int]:
     """Pure: the restart rule, per container, while its tenant's shrink waits for the engine's
-    acknowledgement (issue 19): ``hards`` split the bound that waits, ``cuts`` the decision. A container
-    started since the tenant's limits were last set (``fresh``) gets its cut at once while it uses no more
-    (``uses``: None unread): the acknowledgement on record is an older instance's, and the new one holds
-    nothing a lower hard limit refuses (no engine to protect). The others keep their split of the bound.
-    A tenant each of whose containers gets its cut so is restarted as a whole (:meth:`DriverFence.restarted`):
-    the loop then sets and counts its hard limit at the decision."""
-    return [min(h, c) if f and u is not None and u <= c else h for h, c, u, f in zip(hards, cuts, uses, fresh)]
+    acknowledgement (issue 19): ``hards`` split the bound that waits, ``cuts`` the decision, ``had`` is the
+    hard limit each had at the last read (None: unknown or unlimited). A container started since the
+    tenant's limits were last set (``fresh``) gets its cut at once while it uses no more (``uses``: None
+    unread): the acknowledgement on record is an older instance's, and the new one holds nothing a lower
+    hard limit refuses (no engine to protect). The others keep their split of the bound, but while a fresh
+    one runs beside them no more than they had: the bound may hold a raise made for the fresh one's CDI
+    share (counted at it before the loop saw it), which the borrowers' cuts, not acknowledged yet either,
+    pay for; an old sibling grown into it over-commits the GPU. A tenant each of whose containers gets its
+    cut so is restarted as a whole (:meth:`DriverFence.restarted`): the loop then sets and counts its hard
+    limit at the decision."""
+    held = any(fresh)
+    return [min(h, c) if f and u is not None and u <= c else min(h, b) if held and b is not None else h
+            for h, c, u, f, b in zip(hards, cuts, uses, fresh, had)]
 
 
 def share_of(grant_mib: int, users: int) -> int:
@@ -109,6 +115,7 @@ class DriverFence:
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
         self._pressed: dict[tuple[str, str], bool] = {}  # (gpu, container id) -> at its hard limit at the last read
+        self._had: dict[tuple[str, str], int | None] = {}  # (gpu, container id) -> its hard limit at the last read
         self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
         self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
         # (claim, gpu) -> (pod uid, cgroup, use) of its pods' containers the pod cache does not show, last read
@@ -165,7 +172,8 @@ class DriverFence:
             return cuts, cuts
         hards = self._tenant_split(tenant, cgroups, gpu, top, request)
         read = [self._used.get((gpu, cid)) for cid, _ in cgroups]
-        return restart_split(hards, cuts, read, [cg in fresh for _cid, cg in cgroups]), cuts
+        had = [self._had.get((gpu, cid)) for cid, _ in cgroups]
+        return restart_split(hards, cuts, read, [cg in fresh for _cid, cg in cgroups], had), cuts
 
     def moved(self, tenant: Tenant) -> bool:
         """Whether the tenant's split is stale: its cgroups are not those its limits were last set over (a
@@ -209,7 +217,7 @@ class DriverFence:
         counts it at the grant), not foreign memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        self._used, self._hard, self._pressed, self._pod_found = {}, {}, {}, {}
+        self._used, self._hard, self._pressed, self._had, self._pod_found = {}, {}, {}, {}, {}
         self._forget({t.key for t in tenants})
         found_of: dict[TenantKey, list[tuple[str, str]]] = {}
         for t in tenants:
@@ -226,6 +234,7 @@ class DriverFence:
                         self._hard[(t.key, gpu)] = None
                         continue
                     self._used[(gpu, cid)] = got.used_mib
+                    self._had[(gpu, cid)] = got.hard_mib
                     self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
                     held = self._hard.get((t.key, gpu), 0)
                     self._hard[(t.key, gpu)] = None if held is None or got.hard_mib is None else held + got.hard_mib

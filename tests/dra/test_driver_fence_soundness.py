@@ -607,10 +607,7 @@ def test_a_tenant_one_of_whose_two_containers_restarted_while_lent_is_fenced_at_
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=21)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: a tenant raised to its grant for a restarting container's CDI share; its old "
-                          "sibling may take the raise while the borrowers' cuts wait for their engines")
-def test_a_tenant_raised_for_a_restarting_container_lets_its_old_sibling_take_the_raise(tmp_path):
+def test_a_tenant_raised_for_a_restarting_container_keeps_the_raise_from_its_old_sibling(tmp_path):
     """Found by drarestart's focused hunt once the case above passed (seed 2; fails the same on the base,
     6e41251). A 36 GiB claim of two app containers (a throttling engine) lends to two tenants; c0 restarts
     at tick 21. The loop, still on its old ID, counts it at its CDI share (18,432), raises the claim to its
@@ -618,11 +615,15 @@ def test_a_tenant_raised_for_a_restarting_container_lets_its_old_sibling_take_th
     shrinks the claim to 34,816: the new c0 is held at its split of that (0: the old c1, at its hard limit,
     takes the rest), but c1 keeps its split of the bound that waits, the whole 36,864 (within the grant),
     beside the borrowers' loans: 83,968 MiB of hard limits on the GPU. The raise was made for a share the
-    old sibling may now take; holding it needs the raise kept for the restarted container, or the
-    borrowers' hard limits lowered before their engines acknowledge."""
+    old sibling took (pinned as a strict xfail, ``..._lets_its_old_sibling_take_the_raise``). While a
+    container that started during a waiting shrink runs, its old siblings keep no more than the hard limit
+    they had (``fence.restart_split``): c1 stays at 18,432, 65,536 MiB on the GPU at 22."""
     claims = [SimClaim("k0", 15360), SimClaim("k1", 17408), SimClaim("k2", 36864)]
     pods = [SimPod("p00", "k0", 0, 1, 23, [_restarting(159, 23040, 5)], ack_lag=2, status_lag=1),
             SimPod("p10", "k1", 0, 1, None, [_restarting(0, 26112, 2)], ack_lag=1, status_lag=1),
             SimPod("p20", "k2", 1, 7, None, [_restarting(53500, 55296, 14), _restarting(166, 55296, 2, "c1")], mode="throttle",
                    ack_lag=2, status_lag=1)]
-    run_and_check(DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak")), ticks=24)
+    node = DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak"))
+    run_and_check(node, ticks=23)
+    assert node.lent["k2"][21:] == [36864, 34816] and node.hard(pods[2], pods[2].containers[1]) == 18432
+    run_and_check(node, ticks=TICKS - 23)
