@@ -118,8 +118,9 @@ class DriverFence:
         self._had: dict[tuple[str, str], int | None] = {}  # (gpu, container id) -> its hard limit at the last read
         self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
         self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
-        # (claim, gpu) -> (pod uid, cgroup, use) of its pods' containers the pod cache does not show, last read
-        self._pod_found: dict[tuple[str, str], list[tuple[str, str, int]]] = {}
+        # (claim, gpu) -> (pod uid, cgroup, use, hard limit) of its pods' containers the pod cache does not show,
+        # last read
+        self._pod_found: dict[tuple[str, str], list[tuple[str, str, int, int]]] = {}
         # tenant -> its cgroups that started while a shrink waited for its engine's acknowledgement: held at
         # their split of the decision until nothing waits (the engine's acknowledgement is the old instance's)
         self._fresh: dict[TenantKey, frozenset[str]] = {}
@@ -321,7 +322,8 @@ class DriverFence:
                         # limited: the toolkit applied a CDI spec's limits on this GPU, so a container of the
                         # claim if its pod has no other (a sandbox or a plain container has none)
                         if named[uid] == 1 and got.hard_mib is not None:
-                            self._pod_found.setdefault((c.name, gpu), []).append((uid, cgroup, got.used_mib))
+                            self._pod_found.setdefault((c.name, gpu), []).append((uid, cgroup, got.used_mib,
+                                                                                   got.hard_mib))
         return out
 
     def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
@@ -393,12 +395,16 @@ class DriverFence:
                 self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
             seen = {cg for _cid, cg in known}
             unlisted = [f for f in self._pod_found.get((claim.name, gpu), []) if f[1] not in seen]
-            for uid, cgroup, used in unlisted:  # keyed by the cgroup: no container ID is known
+            for uid, cgroup, used, _had in unlisted:  # keyed by the cgroup: no container ID is known
                 cgroups.append((cgroup, cgroup))
                 pods.append(uid)
                 uses.append(used)
-            once = claim.init_ids | {cg for _uid, cg, _used in unlisted}
+            once = claim.init_ids | {cg for _uid, cg, _used, _had in unlisted}
             split = self._split(gpu, cgroups, mib, uses, once, share_of(mib, claim.sharers), self._missing(claim, pods))
+            # an unlisted pod's container keeps no more than it had: a new pod's, its CDI share; a deleted one's,
+            # exiting, what it had as a tenant's, which may be a loan's cut whose borrowers have not let go yet
+            caps = [None] * len(known) + [had for _uid, _cg, _used, had in unlisted]
+            split = [v if cap is None else min(v, cap) for v, cap in zip(split, caps)]
             self._set(gpu, cgroups, split, split, errors)
         return errors
 
