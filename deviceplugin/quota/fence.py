@@ -15,8 +15,10 @@ The containers of a claim that is no tenant (a DRA claim several pods share, or 
 cache does not list yet or any more: counted at its grant, never lent) are held at that grant in sum
 (:meth:`DriverFence.hold`): those the pod cache shows by container ID, the others by the cgroup of a pod
 the claim was prepared for (:meth:`CgroupFinder.pod_cgroups`), whose use is read with the pod's UID so
-attribution books it to the claim, as NVML's processes are on the other paths. A tenant none of whose
-cgroups is found yet (starting, restarting) counts at its CDI shares, its grant: that is what it starts with.
+attribution books it to the claim, as NVML's processes are on the other paths, and which keep no more
+than the hard limit they had (a deleted pod's exiting containers are not raised to the grant). A tenant
+none of whose cgroups is found yet (starting, restarting) counts at its CDI shares, its grant: that is
+what it starts with.
 """
 from __future__ import annotations
 
@@ -377,7 +379,9 @@ class DriverFence:
         CDI spec's share (per pod: :meth:`_missing`). The containers of the claim's pods that the pod cache
         does not show, found by their pod's cgroup at the last :meth:`read_usage`, are held with the rest:
         which of them is an ordinary init container is not known, so each keeps the share of one that
-        may follow it (``split_slots``); returns the errors."""
+        may follow it (``split_slots``), and none gets more than the hard limit it had (a deleted pod's was
+        its tenant's, maybe a loan's cut still paid for by borrowers' unacknowledged cuts); returns the
+        errors."""
         errors: list[str] = []
         known = self._cgroups(claim.container_ids)
         for gpu, mib in claim.gpus:
