@@ -15,8 +15,10 @@ The containers of a claim that is no tenant (a DRA claim several pods share, or 
 cache does not list yet or any more: counted at its grant, never lent) are held at that grant in sum
 (:meth:`DriverFence.hold`): those the pod cache shows by container ID, the others by the cgroup of a pod
 the claim was prepared for (:meth:`CgroupFinder.pod_cgroups`), whose use is read with the pod's UID so
-attribution books it to the claim, as NVML's processes are on the other paths. A tenant none of whose
-cgroups is found yet (starting, restarting) counts at its CDI shares, its grant: that is what it starts with.
+attribution books it to the claim, as NVML's processes are on the other paths, and which keep no more
+than the hard limit they had (a deleted pod's exiting containers are not raised to the grant). A tenant
+none of whose cgroups is found yet (starting, restarting) counts at its CDI shares, its grant: that is
+what it starts with.
 """
 from __future__ import annotations
 
@@ -79,6 +81,24 @@ def split_slots(limit: int, uses: Sequence[int], pressed: Sequence[bool], once: 
     return out
 
 
+def restart_split(hards: Sequence[int], cuts: Sequence[int], uses: Sequence[int | None],
+                  fresh: Sequence[bool], had: Sequence[int | None]) -> list[int]:
+    """Pure: the restart rule, per container, while its tenant's shrink waits for the engine's
+    acknowledgement (issue 19): ``hards`` split the bound that waits, ``cuts`` the decision, ``had`` is the
+    hard limit each had at the last read (None: unknown or unlimited). A container started since the
+    tenant's limits were last set (``fresh``) gets its cut at once while it uses no more (``uses``: None
+    unread): the acknowledgement on record is an older instance's, and the new one holds nothing a lower
+    hard limit refuses (no engine to protect). The others keep their split of the bound, but while a fresh
+    one runs beside them no more than they had: the bound may hold a raise made for the fresh one's CDI
+    share (counted at it before the loop saw it), which the borrowers' cuts, not acknowledged yet either,
+    pay for; an old sibling grown into it over-commits the GPU. A tenant each of whose containers gets its
+    cut so is restarted as a whole (:meth:`DriverFence.restarted`): the loop then sets and counts its hard
+    limit at the decision."""
+    held = any(fresh)
+    return [min(h, c) if f and u is not None and u <= c else min(h, b) if held and b is not None else h
+            for h, c, u, f, b in zip(hards, cuts, uses, fresh, had)]
+
+
 def share_of(grant_mib: int, users: int) -> int:
     """What the CDI spec gives each of a claim's ``users`` containers (``enforcement.container_fence``:
     the grant // users, the toolkit's hook sets it at the container's start, before the loop sees it)."""
@@ -97,10 +117,12 @@ class DriverFence:
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
         self._pressed: dict[tuple[str, str], bool] = {}  # (gpu, container id) -> at its hard limit at the last read
+        self._had: dict[tuple[str, str], int | None] = {}  # (gpu, container id) -> its hard limit at the last read
         self._over: dict[TenantKey, tuple[str, ...]] = {}  # the cgroups each tenant's limits were last set over
         self._hard: dict[tuple[TenantKey, str], int | None] = {}  # (tenant, gpu) -> hard limits in sum, last read
-        # (claim, gpu) -> (pod uid, cgroup, use) of its pods' containers the pod cache does not show, last read
-        self._pod_found: dict[tuple[str, str], list[tuple[str, str, int]]] = {}
+        # (claim, gpu) -> (pod uid, cgroup, use, hard limit) of its pods' containers the pod cache does not show,
+        # last read
+        self._pod_found: dict[tuple[str, str], list[tuple[str, str, int, int]]] = {}
         # tenant -> its cgroups that started while a shrink waited for its engine's acknowledgement: held at
         # their split of the decision until nothing waits (the engine's acknowledgement is the old instance's)
         self._fresh: dict[TenantKey, frozenset[str]] = {}
@@ -109,27 +131,52 @@ class DriverFence:
         """(container id, cgroup) of those found: a container not started yet has none."""
         return [(cid, cg) for cid in sorted(container_ids) if (cg := self._finder.find(cid))]
 
-    def _set_split(self, gpu: str, cgroups: Sequence[tuple[str, str]], soft: int, hard: int, uses: list[int],
-                   errors: list[str], once: frozenset[str] = frozenset(), share: int = 0,
-                   unstarted: int = 0, fresh: frozenset[str] = frozenset(), limit: int | None = None) -> None:
-        """Soft and hard limits shared by ``cgroups`` holding ``uses``, split by :func:`split_slots` (the
-        rest to those at their hard limit at the last read; a share kept for each slot still to be filled,
-        ``unstarted`` or after one of the ordinary init containers ``once``); failures go to ``errors``.
-        A cgroup in ``fresh`` (started while a shrink to ``limit`` waits for its engine) gets no more than
-        its split of ``limit`` while it uses no more: it holds nothing an old file promised its engine."""
+    def _split(self, gpu: str, cgroups: Sequence[tuple[str, str]], limit: int, uses: Sequence[int],
+               once: frozenset[str] = frozenset(), share: int = 0, unstarted: int = 0) -> list[int]:
+        """``limit`` over ``cgroups`` holding ``uses``, by :func:`split_slots` (the rest to those at their hard
+        limit at the last read; a share kept for each slot still to be filled, ``unstarted`` or after one of
+        the ordinary init containers ``once``)."""
         pressed = [self._pressed.get((gpu, cid), False) for cid, _cg in cgroups]
         ends = [cid in once for cid, _cg in cgroups]
-        softs = split_slots(soft, uses, pressed, ends, share, unstarted)
-        hards = split_slots(hard, uses, pressed, ends, share, unstarted)
-        if limit is not None and limit < hard and any(cg in fresh for _cid, cg in cgroups):
-            cut = split_slots(limit, uses, pressed, ends, share, unstarted)
-            hards = [min(h, c) if cg in fresh and u <= c else h
-                     for (_cid, cg), h, c, u in zip(cgroups, hards, cut, uses)]
+        return split_slots(limit, uses, pressed, ends, share, unstarted)
+
+    def _set(self, gpu: str, cgroups: Sequence[tuple[str, str]], softs: Sequence[int], hards: Sequence[int],
+             errors: list[str]) -> None:
+        """Each cgroup's soft and hard limit; failures go to ``errors``."""
         for (_cid, cgroup), s_, h_ in zip(cgroups, softs, hards):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
             except LimitError as exc:
                 errors.append(str(exc))
+
+    def _fresh_of(self, key: TenantKey, cgroups: Sequence[tuple[str, str]]) -> frozenset[str]:
+        """The tenant's cgroups started since its limits were last set (none before they ever were: after a
+        loop restart no container is known new), and those that started while its shrink still waits."""
+        before = self._over.get(key)
+        return frozenset(cg for _cid, cg in cgroups
+                         if cg in self._fresh.get(key, ()) or (before is not None and cg not in before))
+
+    def _tenant_split(self, tenant: Tenant, cgroups: Sequence[tuple[str, str]], gpu: str, limit: int,
+                      request: int) -> list[int]:
+        """``limit`` over the tenant's ``cgroups`` (:meth:`_split`; unread use counts as nothing): each one
+        not started yet, or to follow an ordinary init container, will start at its CDI spec's share (of
+        ``request``), so that much is kept for it."""
+        uses = [self._used.get((gpu, cid), 0) for cid, _ in cgroups]
+        return self._split(gpu, cgroups, limit, uses, tenant.init_ids, share_of(request, tenant.sharers),
+                           max(0, tenant.sharers - len(cgroups)))
+
+    def _hards(self, tenant: Tenant, cgroups: Sequence[tuple[str, str]], gpu: str, limit: int, top: int,
+               request: int, fresh: frozenset[str]) -> tuple[list[int], list[int]]:
+        """(each cgroup's hard limit, its split of the decision ``limit``) while the hard limit ``top``
+        waits for the engine: its split of ``top``, or of ``limit`` by the restart rule
+        (:func:`restart_split`; unread use is no fresh cgroup's proof)."""
+        cuts = self._tenant_split(tenant, cgroups, gpu, limit, request)
+        if top <= limit:
+            return cuts, cuts
+        hards = self._tenant_split(tenant, cgroups, gpu, top, request)
+        read = [self._used.get((gpu, cid)) for cid, _ in cgroups]
+        had = [self._had.get((gpu, cid)) for cid, _ in cgroups]
+        return restart_split(hards, cuts, read, [cg in fresh for _cid, cg in cgroups], had), cuts
 
     def moved(self, tenant: Tenant) -> bool:
         """Whether the tenant's split is stale: its cgroups are not those its limits were last set over (a
@@ -141,16 +188,22 @@ class DriverFence:
         pressed = {self._pressed.get((gpu, cid), False) for gpu, _ in tenant.gpus for cid, _cg in found}
         return len(pressed) > 1
 
-    def fresh_use(self, tenant: Tenant, gpu: str) -> int | None:
-        """The use on ``gpu`` at the last read of a tenant each of whose cgroups found started since its
-        limits were last set (restarted: no engine in them has acknowledged a file yet, so none has memory
-        to give back that a lowered hard limit would refuse it); None if one was there before, none is
-        found, or its limits were never set by this fence (after a loop restart no container is known new)."""
-        before = self._over.get(tenant.key)
-        found = self._cgroups(tenant.container_ids)
-        if before is None or not found or any(cg in before or (gpu, cid) not in self._used for cid, cg in found):
-            return None
-        return sum(self._used[(gpu, cid)] for cid, _cg in found)
+    def restarted(self, tenant: Tenant, gpu: str, limit: int, top: int) -> bool:
+        """Whether the tenant restarted as a whole: while its hard limit ``top`` waits for the engine, every
+        cgroup of it found gets its split of the decision ``limit`` by the restart rule
+        (:func:`restart_split`: each started since its limits were last set and uses no more). The loop then
+        sets its hard limit at the decision (:meth:`QuotaLoop._hard_of`) and counts it there; the rule's one
+        home is this fence's, per cgroup."""
+        cgroups = self._cgroups(tenant.container_ids)
+        fresh = self._fresh_of(tenant.key, cgroups)
+        if not cgroups or any(cg not in fresh for _cid, cg in cgroups):
+            return False
+        hards, cuts = self._hards(tenant, cgroups, gpu, limit, top, dict(tenant.gpus).get(gpu, limit), fresh)
+        return hards == cuts
+
+    def tracked(self) -> set[TenantKey]:
+        """Every tenant this fence keeps records for across ticks (tests: a departed tenant leaves none)."""
+        return set(self._over) | set(self._fresh)
 
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
@@ -161,13 +214,14 @@ class DriverFence:
         return self._hard.get((key, gpu))
 
     def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
-        """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21), and the
-        claims whose containers it holds (:meth:`hold`): their cgroups' use comes by container ID, which
-        attribution books to the claim within its grant (the loop counts it at the grant), not foreign
-        memory counted a second time."""
+        """Per tenant cgroup and GPU, its use; the loop passes the tenants of its tick (issue 21; the records
+        of any other are dropped: departed), and the claims whose containers it holds (:meth:`hold`): their
+        cgroups' use comes by container ID, which attribution books to the claim within its grant (the loop
+        counts it at the grant), not foreign memory counted a second time."""
         out: list[UsageSample] = []
         failures: list[str] = []
-        self._used, self._hard, self._pressed, self._pod_found = {}, {}, {}, {}
+        self._used, self._hard, self._pressed, self._had, self._pod_found = {}, {}, {}, {}, {}
+        self._forget({t.key for t in tenants})
         found_of: dict[TenantKey, list[tuple[str, str]]] = {}
         for t in tenants:
             found = found_of[t.key] = self._cgroups(t.container_ids)
@@ -183,6 +237,7 @@ class DriverFence:
                         self._hard[(t.key, gpu)] = None
                         continue
                     self._used[(gpu, cid)] = got.used_mib
+                    self._had[(gpu, cid)] = got.hard_mib
                     self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
                     held = self._hard.get((t.key, gpu), 0)
                     self._hard[(t.key, gpu)] = None if held is None or got.hard_mib is None else held + got.hard_mib
@@ -197,6 +252,13 @@ class DriverFence:
         for f in failures:
             log.warning("cgroup use unreadable", error=f)
         return out
+
+    def _forget(self, alive: set[TenantKey]) -> None:
+        """Drop the records of tenants not in the tick (departed): else they grow with every pod that ever
+        ran here. One that comes back counts as if its limits were never set (none of its cgroups is known
+        new, :meth:`moved` sets them again): cautious."""
+        self._over = {k: v for k, v in self._over.items() if k in alive}
+        self._fresh = {k: v for k, v in self._fresh.items() if k in alive}
 
     def _unstarted(self, tenants: Sequence[Tenant],
                    found_of: Mapping[TenantKey, list[tuple[str, str]]]) -> list[UsageSample]:
@@ -262,7 +324,8 @@ class DriverFence:
                         # limited: the toolkit applied a CDI spec's limits on this GPU, so a container of the
                         # claim if its pod has no other (a sandbox or a plain container has none)
                         if named[uid] == 1 and got.hard_mib is not None:
-                            self._pod_found.setdefault((c.name, gpu), []).append((uid, cgroup, got.used_mib))
+                            self._pod_found.setdefault((c.name, gpu), []).append((uid, cgroup, got.used_mib,
+                                                                                   got.hard_mib))
         return out
 
     def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
@@ -286,27 +349,23 @@ class DriverFence:
               hard: Mapping[str, int] | None = None) -> list[str]:
         """Move the tenant's cgroup limits to ``decisions``; returns the errors (logged by the loop).
         ``hard`` overrides the hard limit per GPU: the loop keeps a shrink's old hard limit until the
-        engine acknowledged it (issue 19), the soft limit follows the decision at once."""
+        engine acknowledged it (issue 19), the soft limit follows the decision at once; a cgroup started
+        since the tenant's limits were last set gets its split of the decision by the restart rule
+        (:func:`restart_split`), remembered while the shrink waits."""
         errors: list[str] = []
         cgroups = self._cgroups(tenant.container_ids)
-        missing = max(0, tenant.sharers - len(cgroups))
         waits = any((hard or {}).get(d.gpu_uuid, d.limit_mib) > d.limit_mib for d in decisions)
-        before = self._over.get(tenant.key)
         # the cgroups started since a shrink began to wait for the engine (none when nothing waits)
-        fresh = {cg for _cid, cg in cgroups if cg in self._fresh.get(tenant.key, ()) or
-                 (before is not None and cg not in before)} if waits else set()
+        fresh = self._fresh_of(tenant.key, cgroups) if waits else frozenset()
         self._fresh = {k: v for k, v in self._fresh.items() if k != tenant.key}
         if fresh:
-            self._fresh[tenant.key] = frozenset(fresh)
+            self._fresh[tenant.key] = fresh
         for d in decisions:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
-            soft = min(d.limit_mib, requests.get(d.gpu_uuid, d.limit_mib))
-            uses = [self._used.get((d.gpu_uuid, cid), 0) for cid, _ in cgroups]  # unread: counts as nothing
-            # each one not started yet, or to follow an ordinary init container, will start at its CDI
-            # spec's share: that much is kept for it (split_slots)
-            share = share_of(requests.get(d.gpu_uuid, d.limit_mib), tenant.sharers)
-            self._set_split(d.gpu_uuid, cgroups, soft, top, uses, errors, tenant.init_ids, share, missing,
-                            frozenset(fresh), d.limit_mib)
+            request = requests.get(d.gpu_uuid, d.limit_mib)
+            softs = self._tenant_split(tenant, cgroups, d.gpu_uuid, min(d.limit_mib, request), request)
+            hards, _cuts = self._hards(tenant, cgroups, d.gpu_uuid, d.limit_mib, top, request, fresh)
+            self._set(d.gpu_uuid, cgroups, softs, hards, errors)
         self._over = {k: v for k, v in self._over.items() if k != tenant.key}
         if not errors:
             self._over[tenant.key] = tuple(cg for _cid, cg in cgroups)
@@ -320,7 +379,9 @@ class DriverFence:
         CDI spec's share (per pod: :meth:`_missing`). The containers of the claim's pods that the pod cache
         does not show, found by their pod's cgroup at the last :meth:`read_usage`, are held with the rest:
         which of them is an ordinary init container is not known, so each keeps the share of one that
-        may follow it (``split_slots``); returns the errors."""
+        may follow it (``split_slots``), and none gets more than the hard limit it had (a deleted pod's was
+        its tenant's, maybe a loan's cut still paid for by borrowers' unacknowledged cuts); returns the
+        errors."""
         errors: list[str] = []
         known = self._cgroups(claim.container_ids)
         for gpu, mib in claim.gpus:
@@ -338,13 +399,17 @@ class DriverFence:
                 self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
             seen = {cg for _cid, cg in known}
             unlisted = [f for f in self._pod_found.get((claim.name, gpu), []) if f[1] not in seen]
-            for uid, cgroup, used in unlisted:  # keyed by the cgroup: no container ID is known
+            for uid, cgroup, used, _had in unlisted:  # keyed by the cgroup: no container ID is known
                 cgroups.append((cgroup, cgroup))
                 pods.append(uid)
                 uses.append(used)
-            once = claim.init_ids | {cg for _uid, cg, _used in unlisted}
-            share = share_of(mib, claim.sharers)
-            self._set_split(gpu, cgroups, mib, mib, uses, errors, once, share, self._missing(claim, pods))
+            once = claim.init_ids | {cg for _uid, cg, _used, _had in unlisted}
+            split = self._split(gpu, cgroups, mib, uses, once, share_of(mib, claim.sharers), self._missing(claim, pods))
+            # an unlisted pod's container keeps no more than it had: a new pod's, its CDI share; a deleted one's,
+            # exiting, what it had as a tenant's, which may be a loan's cut whose borrowers have not let go yet
+            caps = [None] * len(known) + [had for _uid, _cg, _used, had in unlisted]
+            split = [v if cap is None else min(v, cap) for v, cap in zip(split, caps)]
+            self._set(gpu, cgroups, split, split, errors)
         return errors
 
     @staticmethod

@@ -114,9 +114,10 @@ class Fence(Protocol):
         """The tenant's hard limits on ``gpu`` in sum as the last use read found them; None if unknown."""
         ...
 
-    def fresh_use(self, tenant: Tenant, gpu: str) -> int | None:
-        """The tenant's use on ``gpu`` when every container of it found started since its limits were last
-        set (a restart), else None."""
+    def restarted(self, tenant: Tenant, gpu: str, limit: int, top: int) -> bool:
+        """Whether, while its hard limit ``top`` waits for its engine, every container of the tenant gets its
+        split of ``limit`` at once by the restart rule (each started since its limits were last set and uses
+        no more): the tenant restarted, its hard limit is the decision's."""
         ...
 
 
@@ -642,21 +643,18 @@ class QuotaLoop:
         engine may still grow to (:meth:`_acked`: the file it follows or any written since), which is
         what the policy counts it at; the hard limit set before is not kept beyond that (an engine
         acknowledging late while the loop writes every tick never caught up, and the hard limit only
-        rose: the driver let it hold more than the GPU had left). A tenant whose containers all restarted
-        since its limits were set (:meth:`Fence.fresh_use`) and use no more is fenced at once."""
+        rose: the driver let it hold more than the GPU had left). A tenant that restarted as a whole, by the
+        fence's per-container restart rule (:meth:`Fence.restarted`), is fenced and counted at the decision
+        at once."""
         b = self._book(t.key)
         if b.applied is None or b.applied >= (b.generation or 0):
             return d.limit_mib
         _ok, top, _follows = self._acked(t.key, d.gpu_uuid, d.limit_mib, dict(t.gpus).get(d.gpu_uuid, d.limit_mib))
         hard = max(d.limit_mib, _or(top, d.limit_mib))
-        # its containers all restarted since its limits were set: the acknowledgement on record is the old
-        # instances', and the new ones hold nothing a lower hard limit refuses (no engine to protect)
-        fresh = self._fence.fresh_use(t, d.gpu_uuid) if self._fence is not None else None
-        if fresh is None or fresh > d.limit_mib:
+        if hard <= d.limit_mib or self._fence is None or not self._fence.restarted(t, d.gpu_uuid, d.limit_mib, hard):
             return hard
-        if hard > d.limit_mib:
-            log.info("restarted: hard limit lowered without waiting for its engine", pod=str(t.key), gpu=d.gpu_uuid,
-                     limit_mib=d.limit_mib, used_mib=fresh, waited_mib=hard)
+        log.info("restarted: hard limit lowered without waiting for its engine", pod=str(t.key), gpu=d.gpu_uuid,
+                 limit_mib=d.limit_mib, waited_mib=hard)
         return d.limit_mib
 
     def _apply_fence(self, t: Tenant, ds: list[Decision], report: TickReport) -> None:

@@ -607,10 +607,7 @@ def test_a_tenant_one_of_whose_two_containers_restarted_while_lent_is_fenced_at_
     run_and_check(DriverDraNode(str(tmp_path), claims, pods), ticks=21)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open: a tenant raised to its grant for a restarting container's CDI share; its old "
-                          "sibling may take the raise while the borrowers' cuts wait for their engines")
-def test_a_tenant_raised_for_a_restarting_container_lets_its_old_sibling_take_the_raise(tmp_path):
+def test_a_tenant_raised_for_a_restarting_container_keeps_the_raise_from_its_old_sibling(tmp_path):
     """Found by drarestart's focused hunt once the case above passed (seed 2; fails the same on the base,
     6e41251). A 36 GiB claim of two app containers (a throttling engine) lends to two tenants; c0 restarts
     at tick 21. The loop, still on its old ID, counts it at its CDI share (18,432), raises the claim to its
@@ -618,11 +615,37 @@ def test_a_tenant_raised_for_a_restarting_container_lets_its_old_sibling_take_th
     shrinks the claim to 34,816: the new c0 is held at its split of that (0: the old c1, at its hard limit,
     takes the rest), but c1 keeps its split of the bound that waits, the whole 36,864 (within the grant),
     beside the borrowers' loans: 83,968 MiB of hard limits on the GPU. The raise was made for a share the
-    old sibling may now take; holding it needs the raise kept for the restarted container, or the
-    borrowers' hard limits lowered before their engines acknowledge."""
+    old sibling took (pinned as a strict xfail, ``..._lets_its_old_sibling_take_the_raise``). While a
+    container that started during a waiting shrink runs, its old siblings keep no more than the hard limit
+    they had (``fence.restart_split``): c1 stays at 18,432, 65,536 MiB on the GPU at 22."""
     claims = [SimClaim("k0", 15360), SimClaim("k1", 17408), SimClaim("k2", 36864)]
     pods = [SimPod("p00", "k0", 0, 1, 23, [_restarting(159, 23040, 5)], ack_lag=2, status_lag=1),
             SimPod("p10", "k1", 0, 1, None, [_restarting(0, 26112, 2)], ack_lag=1, status_lag=1),
             SimPod("p20", "k2", 1, 7, None, [_restarting(53500, 55296, 14), _restarting(166, 55296, 2, "c1")], mode="throttle",
                    ack_lag=2, status_lag=1)]
-    run_and_check(DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak")), ticks=24)
+    node = DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak"))
+    run_and_check(node, ticks=23)
+    assert node.lent["k2"][21:] == [36864, 34816] and node.hard(pods[2], pods[2].containers[1]) == 18432
+    run_and_check(node, ticks=TICKS - 23)
+
+
+def test_a_lent_claim_whose_pod_is_deleted_is_not_raised_to_its_grant_while_its_borrowers_cuts_wait(tmp_path):
+    """Found by drarestart2's focused hunt (single-pod claims, every container restarting, status and
+    acknowledgement lags of 1 or more; seed 2, after 270 passing); it fails the same on the base, 5082de4.
+    A 40 GiB claim lends (39,424 at tick 8) to a 10 GiB claim's engine (14,848, acknowledging 2 ticks
+    late). At 9 its pod is deleted and drops from the pod cache while its container exits: the claim is no
+    tenant any more, counted at its grant until the kubelet unprepares it, so the loop cuts the borrower to
+    12,288 (not acknowledged). The fence held the exiting container, found by its pod's cgroup, at the
+    whole grant at once: 14,848 + 26,112 + 40,960 = 81,920 MiB of hard limits on the 80,896 MiB GPU. A
+    container of a pod the cache does not list keeps no more than the hard limit it had (a deleted pod's:
+    its tenant's split; a pod not listed yet: its CDI share)."""
+    def w(seed: int, top: int) -> Ctr:
+        return Ctr("c0", "app", True, walk(seed, top, TICKS), (2,), init_ticks=1, label=f"walk({seed}, {top})")
+    claims = [SimClaim("k0", 10240), SimClaim("k1", 19456), SimClaim("k2", 40960)]
+    pods = [SimPod("p00", "k0", 0, 2, 10, [w(1, 15360)], ack_lag=2, status_lag=1),
+            SimPod("p10", "k1", 0, 1, None, [w(0, 29184)], ack_lag=1, status_lag=1),
+            SimPod("p20", "k2", 0, 0, 9, [w(1, 61440)], ack_lag=1, status_lag=1, linger=1)]
+    node = DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak"))
+    run_and_check(node, ticks=10)
+    assert node.lent["k2"][8] == 39424 and node.hard(pods[2], pods[2].containers[0]) == 39424
+    run_and_check(node, ticks=TICKS - 10)

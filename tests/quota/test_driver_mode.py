@@ -9,7 +9,7 @@ import pytest
 from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
-from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
+from deviceplugin.quota.model import Decision, PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import VllmSample
 from deviceplugin.quota.writer import container_dir, read_quota
 from tests.fixtures.fake_nvml import H100_80GB, FakeNvml, OutOfMemory
@@ -257,11 +257,13 @@ def test_a_restarted_container_is_fenced_at_its_cut_without_waiting_for_its_engi
     assert (nv.limits[(GPU, ca)][1] >> 20) + file_b.gpus[0].limit_mib <= 60000
 
 
-def test_a_container_restarted_while_its_tenant_s_shrink_waits_is_held_at_its_split_of_it(node):
+def test_a_container_restarted_while_its_tenant_s_shrink_waits_is_held_at_its_split_and_its_sibling_does_not_grow(node):
     """drarestart (the focused hunt's case): b's claim is named by two containers and cut for a; the hard
     limit waits for b's engine. One container restarts: the new cgroup holds nothing any file promised, so
-    it is held at its split of b's limit at once; the other, there before, keeps its split of the bound
-    that waits."""
+    it is held at its split of b's limit at once; the other, there before, keeps its hard limit, but does
+    not grow into the memory the restarted one gave back (drarestart2: its split of the bound that waits
+    was 16,000, 1,000 more than it had; in the DRA hunt's world such a bound held a raise made for the
+    restarting container's CDI share, and the old sibling that took it over-committed the GPU)."""
     import pathlib
     nv, cgroot, qroot = node
     cb, cb2 = cgroup_of(B.pod_uid, CID_B), cgroup_of(B.pod_uid, "d" * 64)
@@ -286,13 +288,14 @@ def test_a_container_restarted_while_its_tenant_s_shrink_waits_is_held_at_its_sp
     limit = read_quota(container_dir(str(qroot), B.pod_uid, "vllm")).gpus[0].limit_mib
     assert limit < 30000  # b is cut, and nothing is acknowledged
     assert nv.limits[(GPU, new)][1] >> 20 <= (limit - 2000) // 2 + 1  # its split of b's limit, not of 30,000
-    assert nv.limits[(GPU, cb)][1] >> 20 == 2000 + (30000 - 2000) // 2  # the old one's split of the bound
+    assert nv.limits[(GPU, cb)][1] >> 20 == 15000  # what the old one had (its split before), not more
 
 
 def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
-    """``DriverFence.fresh_use``: the use of a tenant each of whose cgroups started since its limits were
-    last set; not before they were first set (a restarted loop cannot tell), nor while a sibling that was
-    there before runs (its engine may follow an older file)."""
+    """``DriverFence.restarted``: a tenant restarted as a whole, by the per-container restart rule, when each
+    of its cgroups started since its limits were last set and uses no more than its split of the decision;
+    not before they were first set (a restarted loop cannot tell), nor while a sibling that was there
+    before runs (its engine may follow an older file), nor when a new one holds more than its split."""
     nv, cgroot, qroot = node
     import pathlib
     (pathlib.Path(cgroot) / cgroup_of(A.pod_uid, CID_A2).lstrip("/")).mkdir(parents=True)
@@ -301,17 +304,43 @@ def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
     loop = QuotaLoop(Tenants([a]), lambda: {GPU: 60000}, [], P, str(qroot), mode=EnforcementMode.DRIVER, fence=fence,
                      settings=LoopSettings(params=P, startup_ticks=0))
     fence.read_usage([a])
-    assert fence.fresh_use(a, GPU) is None  # never set: not known new
+    assert not fence.restarted(a, GPU, 10000, 30000)  # never set: not known new
     loop.run_once()
     _restart(nv, cgroot, A, CID_A2, "e" * 64, 15000)
     half = dataclasses.replace(a, container_ids=frozenset([CID_A, "e" * 64]))
     fence.read_usage([half])
-    assert fence.fresh_use(half, GPU) is None  # CID_A was there before
+    assert not fence.restarted(half, GPU, 10000, 30000)  # CID_A was there before
     _restart(nv, cgroot, A, CID_A, "c" * 64, 15000)
     nv.allocate(GPU, cgroup_of(A.pod_uid, "c" * 64), 700)
     both = dataclasses.replace(a, container_ids=frozenset(["c" * 64, "e" * 64]))
     fence.read_usage([both])
-    assert fence.fresh_use(both, GPU) == 700
+    assert fence.restarted(both, GPU, 10000, 30000)
+    assert not fence.restarted(both, GPU, 600, 30000)  # the one holding 700 is above its split of 600
+
+
+def test_the_fence_forgets_departed_tenants(node):
+    """The fence's records that outlive a tick (the cgroups each tenant's limits were last set over, those
+    that started while its shrink waits) are kept for the tenants of the tick only: months of pods coming
+    and going leave nothing behind."""
+    nv, cgroot, _q = node
+    import pathlib
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    live = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]))
+    for i in range(20):
+        key = TenantKey("llm", f"p{i}", "vllm", pod_uid=f"00000000-0000-0000-0000-{i:012d}")
+        old, new = f"{i:064x}", f"{i + 100:064x}"
+        (pathlib.Path(cgroot) / cgroup_of(key.pod_uid, old).lstrip("/")).mkdir(parents=True)
+        t = Tenant(key, ((GPU, 10000),), container_ids=frozenset([old]))
+        fence.read_usage([live, t])
+        assert not fence.apply(t, [Decision(key, GPU, 10000, 10000, 2500, 20000, "t")], {GPU: 10000})
+        assert not fence.apply(live, [Decision(A, GPU, 30000, 30000, 7500, 60000, "t")], {GPU: 30000})
+        _restart(nv, cgroot, key, old, new, 10000)  # a new cgroup while its shrink waits: remembered as fresh
+        t = dataclasses.replace(t, container_ids=frozenset([new]))
+        fence.read_usage([live, t])
+        assert not fence.apply(t, [Decision(key, GPU, 8000, 10000, 2500, 20000, "t")], {GPU: 10000}, {GPU: 10000})
+        assert fence.tracked() == {A, key}
+    fence.read_usage([live])
+    assert fence.tracked() == {A}
 
 
 # -- a tenant of several containers (a DRA claim that two containers of its pod name) -------------------
