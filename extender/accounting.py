@@ -79,7 +79,7 @@ def may_still_run(pod: Obj) -> bool:
     if status.get("phase") in TERMINAL_PHASES or not (pod.get("spec") or {}).get("nodeName"):
         return False
     statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
-    return bool(statuses) and not all(isinstance(c, Mapping) and "terminated" in (c.get("state") or {}) for c in statuses)
+    return not statuses or not all(isinstance(c, Mapping) and "terminated" in (c.get("state") or {}) for c in statuses)
 
 
 def grace_seconds(pod: Obj) -> int:
@@ -500,8 +500,9 @@ class Accounting:
         device plugin's report, or the plan while that report has not come (the kubelet may have taken
         the planned devices already)."""
         hold = self._held.get(key)
-        allocations = self.state.pod_allocations(key)
-        if hold is None or not allocations:
+        here = {u.slot.uuid for u in self.state.node_usage(hold.node)} if hold is not None else set()
+        allocations = tuple((g, mib) for g, mib in self.state.pod_allocations(key) if g in here)  # a GPU gone
+        if hold is None or not allocations:  # from the node's inventory since holds nothing now
             return
         uid = (pod.get("metadata") or {}).get("uid") or "?"
         ghost = f"{key}@{uid}"

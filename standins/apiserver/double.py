@@ -155,7 +155,25 @@ class ApiServerDouble:
         return copy.deepcopy(self._store.list_objects(EVENTS, namespace)[0])
 
     def delete_pod(self, namespace: str, name: str) -> Obj:
-        """Remove a pod now (also what a kubelet does to finish a graceful deletion)."""
+        """Remove a pod now, with whatever status it has: ``kubectl delete --force --grace-period=0``, or a
+        pod no kubelet runs. What a kubelet does at the end of a graceful deletion is
+        :meth:`finish_pod_deletion`."""
+        return copy.deepcopy(self._store.delete(PODS, namespace, name))
+
+    def finish_pod_deletion(self, namespace: str, name: str) -> Obj:
+        """Play the kubelet ending a pod: its status manager reports every container terminated
+        (``status_manager.go TerminatePod``: a container that never ran as ``ContainerStatusUnknown``,
+        exit code 137), then removes the object, which it may only do once they are
+        (``canBeDeleted``). Two events, MODIFIED then DELETED, as the watch delivers them."""
+        def terminated(pod: Obj) -> None:
+            spec, status = pod.get("spec") or {}, pod.setdefault("status", {})
+            for field, kind in (("initContainerStatuses", "initContainers"), ("containerStatuses", "containers")):
+                had = {c.get("name"): c for c in status.get(field) or []}
+                status[field] = [{"name": c["name"], "image": c.get("image", ""), "imageID": "", "restartCount": 0,
+                                  **had.get(c["name"], {}), "ready": False, "started": False,
+                                  "state": _terminated((had.get(c["name"]) or {}).get("state"))}
+                                 for c in spec.get(kind) or []]
+        self._store.mutate(PODS, namespace, name, terminated)
         return copy.deepcopy(self._store.delete(PODS, namespace, name))
 
     def delete_node(self, name: str) -> Obj:
@@ -240,3 +258,10 @@ class ApiServerDouble:
 def _copy_or_none(obj: Obj | None) -> Obj | None:
     return None if obj is None else copy.deepcopy(obj)
 
+
+def _terminated(state: Obj | None) -> Obj:
+    """A container's state once its pod ended: as it was if it had terminated, else what the kubelet's
+    ``TerminatePod`` writes for a container it cannot account for."""
+    if isinstance(state, dict) and "terminated" in state:
+        return state
+    return {"terminated": {"exitCode": 137, "reason": "ContainerStatusUnknown"}}

@@ -152,7 +152,7 @@ def test_pod_lifecycle_inspect_410_and_expiry(api: ApiServerDouble) -> None:
             assert wait(lambda: (ext.app.stats.registry.get_sample_value(
                 "vramshare_extender_cache_resyncs_total", {"resource": "pods"}) or 0) >= 1)
             assert wait(lambda: api.open_watches >= 2)
-            api.delete_pod("default", "llm")
+            api.finish_pod_deletion("default", "llm")
             assert wait(lambda: all(not g["pods"] for g in inspect(out.node)["gpus"]))
 
             ghost = api.create_pod(b.pod("ghost", 20, models="L4"))  # annotated, then its Binding is lost

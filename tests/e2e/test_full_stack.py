@@ -111,7 +111,7 @@ def test_a_pod_lands_on_a_gpu_with_room_gets_it_from_the_kubelet_and_frees_it_wh
     eventually(lambda: stack.api.get_pod(NS, "llama")["metadata"]["annotations"][NAMES.allocation_state]
                == contract.STATE_ALLOCATED, "allocation-state: allocated")
 
-    stack.api.delete_pod(NS, "llama")
+    stack.api.finish_pod_deletion(NS, "llama")  # the kubelet ends it: containers terminated, then gone
     stack.nodes[outcome.node].release(bound)
     eventually(lambda: stack.gpu_usage(outcome.node)[uuid] == before[uuid] - mib, "memory freed in /inspect")
 
@@ -176,7 +176,7 @@ def test_the_extenders_books_follow_what_the_kubelet_handed_out(stack: Stack) ->
                        f"the extender to count {held} (round {round_}; it has {stack.gpu_usage('node-l4')})")
             if live and rng.random() < 0.7:
                 gone = live.pop(rng.randrange(len(live)))
-                stack.api.delete_pod(NS, gone["metadata"]["name"])
+                stack.api.finish_pod_deletion(NS, gone["metadata"]["name"])
                 node.release(gone)
         driver.close()
     finally:

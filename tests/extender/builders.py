@@ -110,6 +110,14 @@ def written_by_vramshare(state: str = "assumed") -> list[Obj]:
                           NAMES.allocation_state)]
 
 
+def ended(p: Obj) -> Obj:
+    """``p`` as the watch delivers its deletion once its kubelet ended it: every container terminated
+    (``status_manager.go TerminatePod``, then ``canBeDeleted``). A DELETED without that is a forced one."""
+    containers = (p.get("spec") or {}).get("containers") or []
+    return {**p, "status": {**(p.get("status") or {}), "containerStatuses": [
+        {"name": c["name"], "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}} for c in containers]}}
+
+
 def assigned(p: Obj, node: str, gpus: list[tuple[str, int]], assume_ns: int, state: str = "assumed",
              container: str = "c0") -> Obj:
     """``p`` as the binder leaves it: assignment annotations, and bound to ``node`` when ``node``."""

@@ -73,7 +73,7 @@ def test_assignment_holds_memory_until_deleted(acct: accounting.Accounting) -> N
     assert used(acct) == [20480, 0]
     acct.apply_pod("MODIFIED", pod)  # the same again changes nothing
     assert used(acct) == [20480, 0]
-    acct.apply_pod("DELETED", pod)
+    acct.apply_pod("DELETED", b.ended(pod))  # its kubelet ended it
     assert used(acct) == [0, 0] and acct.pods == {}
 
 

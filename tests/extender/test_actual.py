@@ -59,7 +59,7 @@ def test_the_actual_gpu_replaces_the_assumed_one_and_deletion_frees_it() -> None
     clock.now += 3600 * SEC
     acct.expire()
     assert used(acct) == [0, 20480]  # allocated never expires
-    acct.apply_pod("DELETED", allocated(p, "n1", [("GPU-n1-1", 20480)], T0))
+    acct.apply_pod("DELETED", b.ended(allocated(p, "n1", [("GPU-n1-1", 20480)], T0)))  # its kubelet ended it
     assert used(acct) == [0, 0]
 
 
@@ -136,7 +136,7 @@ def test_a_hold_ends_on_deletion_finish_or_timeout(end: str) -> None:
     acct.apply_pod("ADDED", first)
     assert filter_names(acct, b.pod("second", 16), ["n1"]).passed == []  # its GPU has no room for two
     if end == "deleted":
-        acct.apply_pod("DELETED", first)
+        acct.apply_pod("DELETED", b.ended(first))
     elif end == "succeeded":
         acct.apply_pod("MODIFIED", {**first, "status": {"phase": "Succeeded"}})
     else:  # the node's plugin reports (another pod), this pod's report never comes: the full timeout
@@ -213,7 +213,7 @@ def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None
             acct.apply_pod("MODIFIED", pods[key])
         elif action < 0.95 and pods:
             key = rng.choice(sorted(pods))
-            acct.apply_pod("DELETED", pods.pop(key))
+            acct.apply_pod("DELETED", b.ended(pods.pop(key)))  # its kubelet ended it (or never ran it)
             real.pop(key, None)
         else:
             acct.replace_pods(list(pods.values()), clock.now)
@@ -231,7 +231,7 @@ def test_books_follow_the_device_plugins_reports_in_any_order(seed: int) -> None
             gpu, mib = real[key]
             acct.apply_pod("MODIFIED", allocated(pod, node_of[gpu], [(gpu, mib)], clock.now))
         else:
-            acct.apply_pod("DELETED", pod)
+            acct.apply_pod("DELETED", b.ended(pod))
     books = {u.slot.uuid: u.used for n in acct.slots for u in acct.state.node_usage(n)}
     reality = {g: sum(m for gg, m in real.values() if gg == g) for g in cap}
     assert books == reality, orjson.dumps({"books": books, "real": reality}).decode()

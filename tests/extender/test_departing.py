@@ -62,31 +62,28 @@ def test_a_pod_the_kubelet_finished_frees_at_once() -> None:
     assert used(acct) == 0
 
 
-def test_an_unbound_or_unreported_pod_frees_at_once() -> None:
+def test_an_unbound_pod_frees_at_once() -> None:
     clock = Clock()
     acct = _acct(clock)
     p = b.assigned(b.pod("p", 20), "", [("GPU-n1-0", 20480)], T0)  # assumed, never bound: no kubelet saw it
     acct.apply_pod("ADDED", p)
     acct.apply_pod("DELETED", {**p, "status": {"containerStatuses": [{"name": "c", "state": {"waiting": {}}}]}})
     assert used(acct) == 0
-    bare = b.assigned(b.pod("q", 20), "n1", [("GPU-n1-0", 20480)], T0, state=contract.STATE_ALLOCATED)
-    acct.apply_pod("ADDED", bare)
-    acct.apply_pod("DELETED", bare)              # no kubelet status at all: nothing says it runs
-    assert used(acct) == 0
 
 
-@pytest.mark.parametrize("state", ["waiting", "running"])
+@pytest.mark.parametrize("state", ["none", "waiting", "running"])
 def test_a_force_deleted_pod_the_kubelet_runs_keeps_its_gpu_before_the_device_plugin_reports_it(state: str) -> None:
     """Found by the soak with forced same-name recreations and no extender kills (seed 57, 60% forced: 7
-    GPUs over capacity in the books, 11 steering misses): the kubelet takes a pod's devices at admission and
-    reports its containers (waiting, then running) before the device plugin's ``allocated`` report reaches
-    the pod; a force delete in between freed the plan at once, and the recreated pod was planned onto
-    devices the kubelet still held."""
+    GPUs over capacity in the books, 11 steering misses): the kubelet takes a pod's devices at admission,
+    before it reports any container (``none``), then reports them waiting and running, all before the
+    device plugin's ``allocated`` report reaches the pod; a force delete in between freed the plan at once,
+    and the recreated pod was planned onto devices the kubelet still held."""
     clock = Clock()
     acct = _acct(clock)
     p = b.assigned(b.pod("p", 20), "n1", [("GPU-n1-0", 20480)], T0)  # assumed: the report has not come
-    p = {**p, "status": {"phase": "Pending" if state == "waiting" else "Running",
-                         "containerStatuses": [{"name": "c0", "state": {state: {}}}]}}
+    if state != "none":
+        p = {**p, "status": {"phase": "Pending" if state == "waiting" else "Running",
+                             "containerStatuses": [{"name": "c0", "state": {state: {}}}]}}
     acct.apply_pod("ADDED", p)
     acct.apply_pod("DELETED", p)
     assert used(acct) == 20480
@@ -134,4 +131,21 @@ def test_a_departing_pod_goes_with_its_node() -> None:
     acct.apply_pod("DELETED", p)
     acct.apply_node("DELETED", b.gpu_node("n1", b.l4()))
     acct.apply_node("ADDED", b.gpu_node("n1", b.l4()))
+    assert used(acct) == 0
+
+
+def test_a_pod_force_deleted_after_its_gpu_left_the_inventory_is_freed_without_error() -> None:
+    """Found by the memo property once bound pods without statuses count as departing: the GPU a pod was
+    reported on is gone from its node's inventory (fallen off the bus, a smaller node), then the pod is force
+    deleted while it may still run. Booking its departing GPUs raised ``OverCommit`` (GPU not on the node)
+    out of the watch handler, and the pod itself was never released. It holds nothing now: its GPU is gone."""
+    clock = Clock()
+    acct = _acct(clock)
+    acct.apply_node("MODIFIED", b.gpu_node("n1", b.l4(), b.l4()))
+    p = b.assigned(b.pod("p", 20), "n1", [("GPU-n1-1", 20480)], T0, state=contract.STATE_ALLOCATED)
+    p = {**p, "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+    acct.apply_pod("ADDED", p)
+    acct.apply_node("MODIFIED", b.gpu_node("n1", b.l4()))  # GPU-n1-1 is gone
+    acct.apply_pod("DELETED", p)
+    assert "default/p" not in acct.pods and not acct.state.has_pod("default/p")
     assert used(acct) == 0

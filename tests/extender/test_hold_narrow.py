@@ -229,7 +229,7 @@ def test_same_plan_pods_assumed_together_each_land_on_their_plan(double: ApiServ
                     admit(world, p, real, cap, node_of, rng, where)
             elif world.double.pods():
                 name = rng.choice(sorted(p["metadata"]["name"] for p in world.double.pods()))
-                world.acct.apply_pod("DELETED", world.double.delete_pod("default", name))
+                world.acct.apply_pod("DELETED", world.double.finish_pod_deletion("default", name))  # the kubelet ended it
                 real.pop(name, None)
             together += check_one_plan_per_size(world, where)
             for g in cap:

@@ -36,6 +36,33 @@ def test_replay_from_resource_version_in_order(double: ApiServerDouble, v1: clie
     assert seen == [("ADDED", "p"), ("MODIFIED", "p"), ("DELETED", "p")]
 
 
+def test_a_kubelet_ended_pod_is_deleted_after_its_containers_show_terminated(double: ApiServerDouble,
+                                                                             v1: client.CoreV1Api) -> None:
+    """``finish_pod_deletion`` plays the kubelet's status manager (``TerminatePod``, then ``canBeDeleted``):
+    the watch sees every container terminated, then the deletion, and the DELETED object carries them; a
+    container that had terminated keeps its own state. ``delete_pod`` alone (a forced deletion) carries
+    whatever status the pod had."""
+    start = v1.list_namespaced_pod("default").metadata.resource_version
+    body = pod_body("p")
+    body["spec"]["containers"].append({**body["spec"]["containers"][0], "name": "sidecar"})
+    double.create_pod(body)
+    double.set_pod_phase("default", "p", "Running")
+    double.finish_pod_deletion("default", "p")
+    w = watch.Watch()
+    events = []
+    for event in w.stream(v1.list_namespaced_pod, "default", resource_version=start, timeout_seconds=2):
+        events.append((event["type"], event["raw_object"]))
+        if event["type"] == "DELETED":
+            w.stop()
+    assert [t for t, _ in events] == ["ADDED", "MODIFIED", "MODIFIED", "DELETED"]
+    for _, obj in events[-2:]:
+        statuses = obj["status"]["containerStatuses"]
+        assert [c["name"] for c in statuses] == [c["name"] for c in body["spec"]["containers"]]
+        assert all(c["state"]["terminated"]["reason"] == "ContainerStatusUnknown" for c in statuses)
+    double.create_pod(pod_body("q"))
+    assert "containerStatuses" not in (double.delete_pod("default", "q").get("status") or {})
+
+
 def test_live_events_reach_an_open_watch(double: ApiServerDouble, v1: client.CoreV1Api) -> None:
     start = v1.list_namespaced_pod("default").metadata.resource_version
     seen: list[tuple[str, str]] = []
