@@ -94,7 +94,7 @@ class Soak:
         self.lock = threading.Lock()
         self.bind_error_kinds: dict[str, int] = {}
         self.late_duplicate_error_kinds: dict[str, int] = {}  # why a retry of a bind that succeeded was refused
-        self.other_errors: list[str] = []
+        self.error_examples: dict[str, list[str]] = {}  # the first few reasons of each kind
         self.over_assigned: set[str] = set()
         self.over_books: set[str] = set()
         self.over_examples: list[dict[str, Any]] = []
@@ -115,8 +115,9 @@ class Soak:
         into = self.bind_error_kinds if into is None else into
         with self.lock:
             into[kind] = into.get(kind, 0) + 1
-            if kind == "other" and len(self.other_errors) < 5:  # a reason no kind names: kept to be read
-                self.other_errors.append(error[:300])
+            kept = self.error_examples.setdefault(kind, [])
+            if len(kept) < 3:  # a few of each, to be read
+                kept.append(error[:300])
 
     # -- actors --------------------------------------------------------------------------------
     def creator(self, api: ApiServerDouble, queue: list[dict], cv: threading.Condition) -> None:
@@ -399,7 +400,7 @@ class Soak:
             "counts": self.counts,
             "bind_error_kinds": self.bind_error_kinds,
             "late_duplicate_error_kinds": self.late_duplicate_error_kinds,
-            "other_error_examples": self.other_errors,
+            "error_examples": self.error_examples,
             "kubelet": {"admitted": kubelet.stats.admitted, "admission_failures": kubelet.stats.admission_failures,
                         "steering_misses": kubelet.stats.steering_misses,
                         "ambiguous_admissions": kubelet.stats.ambiguous,
