@@ -252,8 +252,8 @@ class Soak:
                     continue
                 if self.args.nodes_sim == "plugin":  # graceful: the kubelet stops it, then removes it
                     api.update(PODS, "default", name, _mark_deleted)
-                else:
-                    api.delete_pod("default", name)
+                else:  # the model kubelet stops it at once: containers terminated, then gone
+                    api.finish_pod_deletion("default", name)
                 self.bump("deleted")
                 if same:
                     recreate[name] = spec

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             gone, node = placed[0]
             before = _used(ext, node)
             pod = api.get_pod("inference", gone.name)
-            api.delete_pod("inference", gone.name)
+            api.finish_pod_deletion("inference", gone.name)  # the kubelet ends it: containers terminated, then gone
             nodes[node].release(pod or {})
             _wait(lambda: _used(ext, node) < before, 5)
             _say(out, f"\nDeleted {gone.name}: {node} used {before / GIB:.0f} GiB before, "

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 kubelet, cdi_root = kubelets[api.get_pod("default", gone)["spec"]["nodeName"]]
                 kubelet.unprepare_pod(placed[gone])
                 scheduler.release(placed[gone])
-                api.delete_pod("default", gone)
+                api.finish_pod_deletion("default", gone)
                 left = len([f for f in os.listdir(cdi_root) if f.endswith(".json")])
                 _say(out, f"\ndeleted {gone}: its claim was unprepared (CDI specs left on its node: {left}) and "
                           "deallocated:")

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                   f"adopted: {made('vramshare_mig_instances_adopted_total', {'gpu': H100}) or 0:.0f}")
         if placed:
             gone = api.get_pod("inference", placed[0]) or {}
-            api.delete_pod("inference", placed[0])
+            api.finish_pod_deletion("inference", placed[0])  # the kubelet ends it: containers terminated, then gone
             node.release(gone)
             # the demo does not wait out dynamicMig.graceSeconds (600 s here) and the just-made guard
             node.daemon.mig.fresh_seconds = node.daemon.mig.dynamic.grace_seconds = 0.0

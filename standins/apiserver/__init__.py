@@ -32,7 +32,8 @@ answer 410 Expired after ``compact()`` (or past ``history_limit``), send bookmar
 timeoutSeconds, and show objects entering/leaving a field selector as ADDED/DELETED.
 
 Python side (``ApiServerDouble``): ``start/stop/restart/url``; ``create_node/create_pod/get_node/get_pod/
-objects/nodes/pods/events/delete_pod/delete_node/set_pod_phase/bind_pod/update/resource_version``;
+objects/nodes/pods/events/delete_pod (forced)/finish_pod_deletion (the kubelet ends a pod)/delete_node/
+set_pod_phase/bind_pod/update/resource_version``;
 ``compact/drop_watches(abrupt)/send_bookmarks/open_watches/wait_for/wait_for_watches``;
 ``requests/count/clear_requests``; ``fail_next(verb, path_regex, code, times, after_commit)/clear_faults``.
 """
