@@ -52,7 +52,8 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
     usage = list(usage or [])
     fence: DriverFence | None = None
     if mode is EnforcementMode.DRIVER and nvml is not None:
-        fence = DriverFence(NvmlMemoryLimits(nvml), CgroupFinder(cgroup_root))  # read first, given the tenants
+        # read first, given the tenants; no write takes a GPU's hard limits past its capacity
+        fence = DriverFence(NvmlMemoryLimits(nvml), CgroupFinder(cgroup_root), capacities)
     if process_attribution is None:
         process_attribution = cfg.quota.process_attribution
     if not given and process_attribution:
