@@ -138,6 +138,12 @@ class QuotaCollector(Collector):
             c = CounterMetricFamily(f"vramshare_quota_{name}", help_text)
             c.add_metric([], self._loop.counts[name])
             yield c
+        clamped = CounterMetricFamily("vramshare_quota_fence_clamped", "Hard-limit writes the driver fence lowered "
+                                      "to fit the GPU's capacity (outcome over_capacity: not even at the cgroups' "
+                                      "use)", labels=["gpu", "outcome"])
+        for (gpu, outcome), n in sorted(self._loop.fence_clamps().items()):
+            clamped.add_metric([gpu, outcome], n)
+        yield clamped
         for what, help_text in (("changes", "Quota changes decided, by quota class"),
                                 ("breaches", "Containers found above their limit past the grace period, by class")):
             c = CounterMetricFamily(f"vramshare_quota_class_{what}", help_text, labels=["class"])

@@ -665,6 +665,12 @@ def test_a_write_that_cannot_fit_even_at_use_is_written_at_use_and_counted(node)
     assert not fence.apply(b, [Decision(B, GPU, 30000, 30000, 7500, 60000, "hold")], {GPU: 30000})
     assert nv.limits[(GPU, cb)][1] == 29000 << 20
     assert fence.clamps == {(GPU, "over_capacity"): 1}
+    from deviceplugin.quota.service import QuotaCollector
+    loop = QuotaLoop(Tenants([a, b]), lambda: {GPU: 50000}, [], P, str(node[2]), mode=EnforcementMode.DRIVER,
+                     fence=fence)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in QuotaCollector(loop).collect()
+               for s in m.samples}
+    assert samples[("vramshare_quota_fence_clamped_total", (("gpu", GPU), ("outcome", "over_capacity")))] == 1
 
 
 def test_the_fence_s_hard_limits_never_pass_the_gpu_whatever_order_they_are_written_in(tmp_path):
