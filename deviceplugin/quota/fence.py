@@ -19,6 +19,10 @@ attribution books it to the claim, as NVML's processes are on the other paths, a
 than the hard limit they had (a deleted pod's exiting containers are not raised to the grant). A tenant
 none of whose cgroups is found yet (starting, restarting) counts at its CDI shares, its grant: that is
 what it starts with.
+Every write (:meth:`DriverFence.apply`, :meth:`DriverFence.hold`) goes through one place,
+:meth:`DriverFence._set`, which fits it to the GPU's capacity less the hard limits in force of every other
+cgroup there (:func:`fit_to_capacity`, over the fence's ledger): the sum of hard limits on a GPU is enforced,
+not left to follow from the loop's write order and the engines' acknowledgements.
 """
 from __future__ import annotations
 
