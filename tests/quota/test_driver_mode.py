@@ -655,6 +655,23 @@ def test_a_raise_written_before_the_lender_s_cut_is_in_force_is_lowered_to_fit_t
     assert fence.clamps == {(GPU, "fitted"): 1}
 
 
+def test_a_departed_container_s_hard_limit_drops_out_of_what_writes_are_fitted_against(node):
+    """The ledger is read afresh with the use: a container gone by the next read (its tenant departed, its
+    cgroup removed) no longer counts against the GPU, so the raise its memory was lent for is written whole."""
+    import pathlib
+    import shutil
+    nv, cgroot, _q = node
+    fence, a, b, ca, cb = _capped_fence(node, 60000)
+    fence.read_usage([a, b])
+    assert not fence.apply(b, [Decision(B, GPU, 50000, 30000, 7500, 60000, "raise")], {GPU: 30000})
+    assert nv.limits[(GPU, cb)][1] == 30000 << 20  # a still holds its 30,000
+    nv.used.pop((GPU, ca))
+    shutil.rmtree(pathlib.Path(cgroot) / ca.lstrip("/"))
+    fence.read_usage([b])
+    assert not fence.apply(b, [Decision(B, GPU, 50000, 30000, 7500, 60000, "raise")], {GPU: 30000})
+    assert nv.limits[(GPU, cb)][1] == 50000 << 20
+
+
 def test_a_write_that_cannot_fit_even_at_use_is_written_at_use_and_counted(node):
     """Where the others' limits in force and this cgroup's use pass the GPU (lent before a claim came), the
     write is lowered to the use, no further (the driver takes nothing back: a cut below it frees nothing),
