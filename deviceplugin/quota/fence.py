@@ -202,13 +202,13 @@ class DriverFence:
             mine = {cg for _cid, cg in cgroups}
             room = cap - sum(h for (g, cg), h in self._force.items() if g == gpu and cg not in mine)
             fitted = fit_to_capacity(room, hards, [self._force.get((gpu, cg)) for _cid, cg in cgroups], uses)
-        if fitted != list(hards):
-            over = sum(fitted) > room
-            self.clamps[(gpu, "over_capacity" if over else "fitted")] += 1
-            (log.error if over else log.info)(
-                "hard limits over the GPU's capacity even at their cgroups' use" if over else
-                "hard limits lowered to fit the GPU's capacity, the rest once others release",
-                gpu=gpu, capacity_mib=cap, room_mib=room, wanted_mib=list(hards), hard_mib=fitted, **who)
+            if fitted != list(hards):
+                over = sum(fitted) > room
+                self.clamps[(gpu, "over_capacity" if over else "fitted")] += 1
+                (log.error if over else log.info)(
+                    "hard limits over the GPU's capacity even at their cgroups' use" if over else
+                    "hard limits lowered to fit the GPU's capacity, the rest once others release",
+                    gpu=gpu, capacity_mib=cap, room_mib=room, wanted_mib=list(hards), hard_mib=fitted, **who)
         for (_cid, cgroup), s_, h_ in zip(cgroups, softs, fitted):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
