@@ -180,16 +180,16 @@ class Engines:
         return VllmSample(release_mode="unmap", generation_applied=self.applied[pod])
 
 
-def _acknowledging_loop(node, engines: "Engines") -> tuple[QuotaLoop, Tenants]:
+def _acknowledging_loop(node, engines: "Engines", guarded: bool = False) -> tuple[QuotaLoop, Tenants]:
     """Two 30,000 MiB tenants a (using 29,500) and b (using 4,000) on a 60,000 MiB GPU in driver mode, their
     engines' acknowledgements read from ``engines`` (issue 19's acknowledged shrinks); the tenant source
-    too, to change."""
+    too, to change. ``guarded``: the fence is given the loop's capacities, as ``build_loop`` gives it."""
     nv, cgroot, qroot = node
     nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 29500)
     nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 4000)
     tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
                        Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
-    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), (lambda: {GPU: 60000}) if guarded else None)
     p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
     return QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
                      fence=fence, settings=LoopSettings(params=p, startup_ticks=0)), tenants
@@ -619,6 +619,44 @@ def test_fit_to_capacity_gives_back_raises_first_and_never_cuts_below_use():
         if sum(wants) <= room:
             assert out == wants
     prop()
+
+
+class HungryA(Engines):
+    """a's engine has 4 requests waiting and demands 40,000 MiB of KV beside its 9,500 of weights: it wants
+    49,500."""
+
+    def read_signals(self, url):
+        if url.split("//")[1].split(":")[0] != "a":
+            return super().read_signals(url)
+        return VllmSample(release_mode="unmap", generation_applied=self.applied["a"], waiting=4,
+                          kv_held_bytes=20000 * 2**20, kv_demand_bytes=40000 * 2**20)
+
+
+def test_the_loop_s_raise_written_before_the_lender_s_acknowledged_cut_waits_a_tick_within_the_gpu(node):
+    """The loop writes tenants in key order. At tick 1, a's raise to 49,500, for memory b acknowledged
+    giving back, is written before b's hard limit comes down from 30,000. Unguarded, the driver held
+    79,500 MiB of hard limits on the 60,000 MiB GPU until b's write later in the tick. Checked at every
+    write the driver sees (the fake NVML's edge), they now never pass the GPU: a's raise is lowered to
+    what fits at its write, and the loop writes the rest at the next tick (the fence reports a moved)."""
+    nv, _cgroot, qroot = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    engines = HungryA()
+    loop, _tenants = _acknowledging_loop(node, engines, guarded=True)
+    sums: list[int] = []
+    real_set = nv.nvmlDeviceSetMemoryLimits_v1
+
+    def set_and_sum(handle, limits):
+        real_set(handle, limits)
+        sums.append(sum(nv.limits.get((GPU, cg), (0, 0))[1] for cg in (ca, cb)) >> 20)
+    nv.nvmlDeviceSetMemoryLimits_v1 = set_and_sum
+    hards = []
+    for _ in range(4):  # both acknowledge whatever the loop wrote last, one tick later
+        decided = {d.key.pod: d.limit_mib for d in loop.run_once().decisions}
+        hards.append((nv.limits[(GPU, ca)][1] >> 20, nv.limits[(GPU, cb)][1] >> 20))
+        engines.applied = {k.pod: read_quota(container_dir(str(qroot), k.pod_uid, "vllm")).generation for k in (A, B)}
+    assert max(sums) <= 60000, sums
+    assert decided["a"] == 49500 and hards[1][0] < 49500 and hards[2:] == [(49500, decided["b"])] * 2
+    assert loop.fence_clamps()
 
 
 def _capped_fence(node, cap: int) -> tuple[DriverFence, Tenant, Tenant, str, str]:
