@@ -19,13 +19,17 @@ attribution books it to the claim, as NVML's processes are on the other paths, a
 than the hard limit they had (a deleted pod's exiting containers are not raised to the grant). A tenant
 none of whose cgroups is found yet (starting, restarting) counts at its CDI shares, its grant: that is
 what it starts with.
+Every write (:meth:`DriverFence.apply`, :meth:`DriverFence.hold`) goes through one place,
+:meth:`DriverFence._set`, which fits it to the GPU's capacity less the hard limits in force of every other
+cgroup there (:func:`fit_to_capacity`, over the fence's ledger): the sum of hard limits on a GPU is enforced,
+not left to follow from the loop's write order and the engines' acknowledgements.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
-from deviceplugin.nvml_limits import CgroupFinder, LimitError, NvmlMemoryLimits
+from deviceplugin.nvml_limits import CgroupFinder, CgroupLimits, LimitError, NvmlMemoryLimits
 from deviceplugin.quota.model import Claim, Decision, Tenant, TenantKey
 from deviceplugin.quota.telemetry import TelemetryError, UsageSample, parse_cgroup
 from vramshare import logs
@@ -99,6 +103,43 @@ def restart_split(hards: Sequence[int], cuts: Sequence[int], uses: Sequence[int 
             for h, c, u, f, b in zip(hards, cuts, uses, fresh, had)]
 
 
+def fit_to_capacity(room: int, wants: Sequence[int], in_force: Sequence[int | None],
+                    uses: Sequence[int | None]) -> list[int]:
+    """Pure: the hard limits ``wants`` of one write, lowered so they add up to at most ``room`` (the GPU's
+    capacity less the hard limits in force of every other cgroup on it), so the sum of hard limits the fence
+    writes on a GPU never passes its capacity, whatever order the loop writes in (a raise written while a
+    borrower's unacknowledged cut still holds its old limit waits until the borrower lets go).
+
+    Raises give back first: each is lowered toward the limit in force (``in_force``; None: unknown or
+    unlimited) before anything is cut below it. No limit is lowered below its cgroup's use (``uses``; None:
+    unread, then not below the limit in force, nor below the wanted one when that is unknown too): the
+    driver takes nothing back, so such a cut frees nothing. When even that does not fit, the lowest allowed
+    is returned (the caller sees the sum still over ``room``)."""
+    floors = [w if u is None and h is None else min(w, h if u is None else u)
+              for w, h, u in zip(wants, in_force, uses)]
+    kept = [w if h is None else max(min(w, h), f) for w, h, f in zip(wants, in_force, floors)]
+    out = list(wants)
+    for lowest in (kept, floors):  # first the raises, then the cuts
+        over = sum(out) - room
+        if over <= 0:
+            break
+        out = [v - t for v, t in zip(out, _take(over, [v - lo for v, lo in zip(out, lowest)]))]
+    return out
+
+
+def _take(amount: int, rooms: Sequence[int]) -> list[int]:
+    """Pure: ``amount`` taken from ``rooms`` in proportion (all of them when it is more), in whole MiB."""
+    total = sum(rooms)
+    if amount >= total:
+        return list(rooms)
+    takes = [amount * r // total for r in rooms]
+    for i, r in enumerate(rooms):  # the remainder, one each to those with room left
+        if sum(takes) >= amount:
+            break
+        takes[i] += 1 if takes[i] < r else 0
+    return takes
+
+
 def share_of(grant_mib: int, users: int) -> int:
     """What the CDI spec gives each of a claim's ``users`` containers (``enforcement.container_fence``:
     the grant // users, the toolkit's hook sets it at the container's start, before the loop sees it)."""
@@ -112,8 +153,16 @@ class DriverFence:
     name = "driver-limits"
     mode = EnforcementMode.DRIVER
 
-    def __init__(self, limits: NvmlMemoryLimits, finder: CgroupFinder) -> None:
-        self._limits, self._finder = limits, finder
+    def __init__(self, limits: NvmlMemoryLimits, finder: CgroupFinder,
+                 capacities: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """``capacities``: the loop's ``{gpu uuid: MiB}``; no write takes a GPU's hard limits in sum past it
+        (:func:`fit_to_capacity`; None: unguarded, a unit test's bare fence)."""
+        self._limits, self._finder, self._capacities = limits, finder, capacities
+        # the ledger, (gpu, cgroup) -> the hard limit in force: read with the use (a cgroup gone by the next
+        # read drops out), then what this fence wrote or held; what every write is fitted against
+        self._force: dict[tuple[str, str], int] = {}
+        self._short: set[TenantKey] = set()  # tenants whose last write was lowered to fit: written again
+        self.clamps: Counter[tuple[str, str]] = Counter()  # (gpu, "fitted" | "over_capacity") -> writes lowered
         # (gpu, container id) -> its use at the last read: how a tenant's limit is split among its cgroups
         self._used: dict[tuple[str, str], int] = {}
         self._pressed: dict[tuple[str, str], bool] = {}  # (gpu, container id) -> at its hard limit at the last read
@@ -141,13 +190,33 @@ class DriverFence:
         return split_slots(limit, uses, pressed, ends, share, unstarted)
 
     def _set(self, gpu: str, cgroups: Sequence[tuple[str, str]], softs: Sequence[int], hards: Sequence[int],
-             errors: list[str]) -> None:
-        """Each cgroup's soft and hard limit; failures go to ``errors``."""
-        for (_cid, cgroup), s_, h_ in zip(cgroups, softs, hards):
+             uses: Sequence[int | None], errors: list[str], who: dict[str, str]) -> bool:
+        """Each cgroup's soft and hard limit, the one place limits are written: the hard limits fitted to the
+        GPU's capacity less the others' in force (:func:`fit_to_capacity`, ``uses`` each cgroup's use, None
+        unread), the ledger updated; failures go to ``errors``. Returns whether they were lowered to fit
+        (the loop sees the lower limit in force and the rest comes at a later write, once others let go).
+        ``who``: the tenant or claim, for the log."""
+        fitted = list(hards)
+        cap = (self._capacities() if self._capacities else {}).get(gpu)
+        if cap is not None:
+            mine = {cg for _cid, cg in cgroups}
+            room = cap - sum(h for (g, cg), h in self._force.items() if g == gpu and cg not in mine)
+            fitted = fit_to_capacity(room, hards, [self._force.get((gpu, cg)) for _cid, cg in cgroups], uses)
+            if fitted != list(hards):
+                over = sum(fitted) > room
+                self.clamps[(gpu, "over_capacity" if over else "fitted")] += 1
+                (log.error if over else log.info)(
+                    "hard limits over the GPU's capacity even at their cgroups' use" if over else
+                    "hard limits lowered to fit the GPU's capacity, the rest once others release",
+                    gpu=gpu, capacity_mib=cap, room_mib=room, wanted_mib=list(hards), hard_mib=fitted, **who)
+        for (_cid, cgroup), s_, h_ in zip(cgroups, softs, fitted):
             try:
                 self._limits.set(gpu, cgroup, s_, h_)
             except LimitError as exc:
                 errors.append(str(exc))
+                continue
+            self._force[(gpu, cgroup)] = h_
+        return fitted != list(hards)
 
     def _fresh_of(self, key: TenantKey, cgroups: Sequence[tuple[str, str]]) -> frozenset[str]:
         """The tenant's cgroups started since its limits were last set (none before they ever were: after a
@@ -181,10 +250,11 @@ class DriverFence:
     def moved(self, tenant: Tenant) -> bool:
         """Whether the tenant's split is stale: its cgroups are not those its limits were last set over (a
         new one: a restart, the app after an init container, a sibling starting, holds its CDI spec's share,
-        not its split), or one is at its hard limit while a sibling has room (the rest goes to the busy)."""
+        not its split), or one is at its hard limit while a sibling has room (the rest goes to the busy), or
+        its last write was lowered to fit the GPU's capacity (:meth:`_set`)."""
         found = self._cgroups(tenant.container_ids)
-        if tuple(cg for _cid, cg in found) != self._over.get(tenant.key):
-            return True
+        if tuple(cg for _cid, cg in found) != self._over.get(tenant.key) or tenant.key in self._short:
+            return True  # its last write was lowered to fit the GPU: the rest may fit now
         pressed = {self._pressed.get((gpu, cid), False) for gpu, _ in tenant.gpus for cid, _cg in found}
         return len(pressed) > 1
 
@@ -203,7 +273,7 @@ class DriverFence:
 
     def tracked(self) -> set[TenantKey]:
         """Every tenant this fence keeps records for across ticks (tests: a departed tenant leaves none)."""
-        return set(self._over) | set(self._fresh)
+        return set(self._over) | set(self._fresh) | self._short
 
     def hard_in_force(self, key: TenantKey, gpu: str) -> int | None:
         """The tenant's cgroups' hard limits on ``gpu`` in sum as the last :meth:`read_usage` found them
@@ -221,6 +291,8 @@ class DriverFence:
         out: list[UsageSample] = []
         failures: list[str] = []
         self._used, self._hard, self._pressed, self._had, self._pod_found = {}, {}, {}, {}, {}
+        # the ledger afresh: a cgroup not found now departed; one found but unread keeps its last entry
+        ledger, self._force = self._force, {}
         self._forget({t.key for t in tenants})
         found_of: dict[TenantKey, list[tuple[str, str]]] = {}
         for t in tenants:
@@ -235,7 +307,9 @@ class DriverFence:
                     except LimitError as exc:
                         failures.append(str(exc))
                         self._hard[(t.key, gpu)] = None
+                        self._keep(ledger, gpu, cgroup, None)
                         continue
+                    self._keep(ledger, gpu, cgroup, got)
                     self._used[(gpu, cid)] = got.used_mib
                     self._had[(gpu, cid)] = got.hard_mib
                     self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
@@ -246,7 +320,8 @@ class DriverFence:
                                            container_id=cid))
         if failures and not out:
             raise TelemetryError(f"driver limits: {failures[0]}")
-        out.extend(self._claims_use(claims, tenants, {cg for found in found_of.values() for _cid, cg in found}))
+        out.extend(self._claims_use(claims, tenants, {cg for found in found_of.values() for _cid, cg in found},
+                                    ledger))
         out.extend(self._foreign(tenants, out))
         out.extend(self._unstarted(tenants, found_of))
         for f in failures:
@@ -259,6 +334,7 @@ class DriverFence:
         new, :meth:`moved` sets them again): cautious."""
         self._over = {k: v for k, v in self._over.items() if k in alive}
         self._fresh = {k: v for k, v in self._fresh.items() if k in alive}
+        self._short &= alive
 
     def _unstarted(self, tenants: Sequence[Tenant],
                    found_of: Mapping[TenantKey, list[tuple[str, str]]]) -> list[UsageSample]:
@@ -282,7 +358,16 @@ class DriverFence:
                                            container=t.key.container))
         return out
 
-    def _claims_use(self, claims: Sequence[Claim], tenants: Sequence[Tenant], read: set[str]) -> list[UsageSample]:
+    def _keep(self, ledger: Mapping[tuple[str, str], int], gpu: str, cgroup: str, got: CgroupLimits | None) -> None:
+        """The ledger's entry for a cgroup found at this read: the hard limit read (unlimited: none), or
+        when its limits were unreadable (``got`` None) the entry the last ledger had for it."""
+        if got is not None and got.hard_mib is not None:
+            self._force[(gpu, cgroup)] = got.hard_mib
+        elif got is None and (gpu, cgroup) in ledger:
+            self._force[(gpu, cgroup)] = ledger[(gpu, cgroup)]
+
+    def _claims_use(self, claims: Sequence[Claim], tenants: Sequence[Tenant], read: set[str],
+                    ledger: Mapping[tuple[str, str], int]) -> list[UsageSample]:
         """Per cgroup of the containers of ``claims`` and GPU, its use (a cgroup in ``read``, a tenant's,
         is read already): attribution books it to its claim up to the grant (beyond it: foreign, held by
         nobody the loop may cut), as NVML's processes on the other paths. First those the pod cache shows
@@ -301,11 +386,13 @@ class DriverFence:
                 read.add(cgroup)
                 for gpu, _mib in c.gpus:
                     try:
-                        used = self._limits.get(gpu, cgroup).used_mib
+                        got = self._limits.get(gpu, cgroup)
                     except LimitError as exc:  # unread: foreign, as before
                         log.warning("claim's cgroup use unreadable", claim=c.name, error=str(exc))
+                        self._keep(ledger, gpu, cgroup, None)
                         continue
-                    out.append(UsageSample(gpu_uuid=gpu, used_mib=used, container_id=cid))
+                    self._keep(ledger, gpu, cgroup, got)
+                    out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, container_id=cid))
         tenant_pods = {t.key.pod_uid for t in tenants if t.key.pod_uid}
         named = Counter(uid for c in claims for uid in c.pod_uids)
         for c in claims:
@@ -319,7 +406,9 @@ class DriverFence:
                             got = self._limits.get(gpu, cgroup)
                         except LimitError as exc:
                             log.warning("claim's pod cgroup use unreadable", claim=c.name, pod_uid=uid, error=str(exc))
+                            self._keep(ledger, gpu, cgroup, None)
                             continue
+                        self._keep(ledger, gpu, cgroup, got)
                         out.append(UsageSample(gpu_uuid=gpu, used_mib=got.used_mib, pod_uid=uid))
                         # limited: the toolkit applied a CDI spec's limits on this GPU, so a container of the
                         # claim if its pod has no other (a sandbox or a plain container has none)
@@ -360,12 +449,18 @@ class DriverFence:
         self._fresh = {k: v for k, v in self._fresh.items() if k != tenant.key}
         if fresh:
             self._fresh[tenant.key] = fresh
+        short = False
         for d in decisions:
             top = max(d.limit_mib, (hard or {}).get(d.gpu_uuid, d.limit_mib))
             request = requests.get(d.gpu_uuid, d.limit_mib)
             softs = self._tenant_split(tenant, cgroups, d.gpu_uuid, min(d.limit_mib, request), request)
             hards, _cuts = self._hards(tenant, cgroups, d.gpu_uuid, d.limit_mib, top, request, fresh)
-            self._set(d.gpu_uuid, cgroups, softs, hards, errors)
+            uses = [self._used.get((d.gpu_uuid, cid)) for cid, _cg in cgroups]
+            short |= self._set(d.gpu_uuid, cgroups, softs, hards, uses, errors,
+                               {"pod": f"{tenant.key.namespace}/{tenant.key.pod}", "container": tenant.key.container})
+        self._short.discard(tenant.key)
+        if short:
+            self._short.add(tenant.key)
         self._over = {k: v for k, v in self._over.items() if k != tenant.key}
         if not errors:
             self._over[tenant.key] = tuple(cg for _cid, cg in cgroups)
@@ -386,6 +481,7 @@ class DriverFence:
         known = self._cgroups(claim.container_ids)
         for gpu, mib in claim.gpus:
             cgroups, uses, pods = [], [], []
+            read: list[int | None] = []  # each one's use, None unread (not lowered below its limit in force)
             for cid, cgroup in known:
                 cgroups.append((cid, cgroup))
                 pods.append(parse_cgroup(cgroup)[0])
@@ -394,8 +490,10 @@ class DriverFence:
                 except LimitError as exc:  # its limit is set below all the same; counted as holding nothing
                     errors.append(str(exc))
                     uses.append(0)
+                    read.append(None)
                     continue
                 uses.append(got.used_mib)
+                read.append(got.used_mib)
                 self._pressed[(gpu, cid)] = got.hard_mib is not None and got.used_mib >= got.hard_mib
             seen = {cg for _cid, cg in known}
             unlisted = [f for f in self._pod_found.get((claim.name, gpu), []) if f[1] not in seen]
@@ -403,13 +501,14 @@ class DriverFence:
                 cgroups.append((cgroup, cgroup))
                 pods.append(uid)
                 uses.append(used)
+                read.append(used)
             once = claim.init_ids | {cg for _uid, cg, _used, _had in unlisted}
             split = self._split(gpu, cgroups, mib, uses, once, share_of(mib, claim.sharers), self._missing(claim, pods))
             # an unlisted pod's container keeps no more than it had: a new pod's, its CDI share; a deleted one's,
             # exiting, what it had as a tenant's, which may be a loan's cut whose borrowers have not let go yet
             caps = [None] * len(known) + [had for _uid, _cg, _used, had in unlisted]
             split = [v if cap is None else min(v, cap) for v, cap in zip(split, caps)]
-            self._set(gpu, cgroups, split, split, errors)
+            self._set(gpu, cgroups, split, split, read, errors, {"claim": claim.name})
         return errors
 
     @staticmethod

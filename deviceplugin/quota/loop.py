@@ -90,6 +90,7 @@ class Fence(Protocol):
     Both are given the tenants of the tick (issue 21: no closure reading the loop back)."""
 
     name: str
+    clamps: Mapping[tuple[str, str], int]  # (gpu, "fitted" | "over_capacity") -> writes lowered to fit the GPU
 
     def read_usage(self, tenants: Sequence[Tenant], claims: Sequence[Claim] = ()) -> list[UsageSample]:
         """Raises :class:`TelemetryError`; the loop then tries its other readers. What the containers of
@@ -511,6 +512,10 @@ class QuotaLoop:
             self.warm.after_tick(phases, decided, now)
         self._prune({t.key for t in tenants})
         return report
+
+    def fence_clamps(self) -> dict[tuple[str, str], int]:
+        """Per (GPU, outcome), the fence's writes lowered to fit the GPU's capacity (metrics); none unfenced."""
+        return dict(self._fence.clamps) if self._fence is not None else {}
 
     def _prune(self, alive: set[TenantKey]) -> None:
         """The one place a departed tenant is forgotten: its book, warmth, breach watch and warm entry."""

@@ -52,7 +52,8 @@ def build_loop(cfg: Config, api: client.ApiClient, node: str, capacities: Callab
     usage = list(usage or [])
     fence: DriverFence | None = None
     if mode is EnforcementMode.DRIVER and nvml is not None:
-        fence = DriverFence(NvmlMemoryLimits(nvml), CgroupFinder(cgroup_root))  # read first, given the tenants
+        # read first, given the tenants; no write takes a GPU's hard limits past its capacity
+        fence = DriverFence(NvmlMemoryLimits(nvml), CgroupFinder(cgroup_root), capacities)
     if process_attribution is None:
         process_attribution = cfg.quota.process_attribution
     if not given and process_attribution:
@@ -137,6 +138,12 @@ class QuotaCollector(Collector):
             c = CounterMetricFamily(f"vramshare_quota_{name}", help_text)
             c.add_metric([], self._loop.counts[name])
             yield c
+        clamped = CounterMetricFamily("vramshare_quota_fence_clamped", "Hard-limit writes the driver fence lowered "
+                                      "to fit the GPU's capacity (outcome over_capacity: not even at the cgroups' "
+                                      "use)", labels=["gpu", "outcome"])
+        for (gpu, outcome), n in sorted(self._loop.fence_clamps().items()):
+            clamped.add_metric([gpu, outcome], n)
+        yield clamped
         for what, help_text in (("changes", "Quota changes decided, by quota class"),
                                 ("breaches", "Containers found above their limit past the grace period, by class")):
             c = CounterMetricFamily(f"vramshare_quota_class_{what}", help_text, labels=["class"])

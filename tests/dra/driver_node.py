@@ -211,7 +211,7 @@ class DriverDraNode:
 
     def restart_loop(self) -> None:
         """A new quota loop and fence on the same files and cgroups (the DaemonSet restarted)."""
-        self.fence = DriverFence(NvmlMemoryLimits(self.nv), CgroupFinder(self.cgroot))
+        self.fence = DriverFence(NvmlMemoryLimits(self.nv), CgroupFinder(self.cgroot), lambda: {GPU: CAP})
         readers = [NvmlProcessReader(self.nv, proc_root=self.proc_root)] if self._per_process() else []
         self.loop = QuotaLoop(self.source, lambda: {GPU: CAP}, readers, self.params, self.config.quota_host_dir,
                               signals=self, mode=self.mode,

@@ -180,16 +180,16 @@ class Engines:
         return VllmSample(release_mode="unmap", generation_applied=self.applied[pod])
 
 
-def _acknowledging_loop(node, engines: "Engines") -> tuple[QuotaLoop, Tenants]:
+def _acknowledging_loop(node, engines: "Engines", guarded: bool = False) -> tuple[QuotaLoop, Tenants]:
     """Two 30,000 MiB tenants a (using 29,500) and b (using 4,000) on a 60,000 MiB GPU in driver mode, their
     engines' acknowledgements read from ``engines`` (issue 19's acknowledged shrinks); the tenant source
-    too, to change."""
+    too, to change. ``guarded``: the fence is given the loop's capacities, as ``build_loop`` gives it."""
     nv, cgroot, qroot = node
     nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 29500)
     nv.allocate(GPU, cgroup_of(B.pod_uid, CID_B), 4000)
     tenants = Tenants([Tenant(A, ((GPU, 30000),), metrics_url="http://a:8000/metrics", container_ids=frozenset([CID_A])),
                        Tenant(B, ((GPU, 30000),), metrics_url="http://b:8000/metrics", container_ids=frozenset([CID_B]))])
-    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), (lambda: {GPU: 60000}) if guarded else None)
     p = PolicyParams(floor_fraction=0.25, ceiling_fraction=2.0, step_mib=512, margin_mib=1024, share_spare=False)
     return QuotaLoop(tenants, lambda: {GPU: 60000}, [], p, str(qroot), signals=engines, mode=EnforcementMode.DRIVER,
                      fence=fence, settings=LoopSettings(params=p, startup_ticks=0)), tenants
@@ -587,3 +587,191 @@ def test_split_slots_leaves_a_share_for_each_slot_to_be_filled():
     assert split_slots(68608, [40000, 1000], [True, False], [False, False], 23040, 0) == [67608, 1000]
     # a sidecar that holds more than its part already (cut): it may not grow; the init gets what is left
     assert split_slots(30000, [20000, 1000], [False, False], [False, True], 15000, 0) == [15000, 10000]
+
+
+def test_fit_to_capacity_gives_back_raises_first_and_never_cuts_below_use():
+    """Pure: the hard limits of one write lowered to the room the GPU has left beside the others' in force:
+    raises down to the limit in force first, then cuts, never below a cgroup's use (unread: not below its
+    limit in force); the lowest allowed when even that does not fit."""
+    from hypothesis import given, strategies as st
+
+    from deviceplugin.quota.fence import fit_to_capacity
+
+    assert fit_to_capacity(30000, [40000], [30000], [29000]) == [30000]  # the raise given back, no more
+    assert fit_to_capacity(40000, [40000], [30000], [29000]) == [40000]  # it fits: untouched
+    # raises first (to 30,000 + 10,000), then the cuts share the rest in proportion to what each may give
+    assert fit_to_capacity(35000, [40000, 10000], [30000, 10000], [20000, 5000]) == [26666, 8334]
+    assert fit_to_capacity(10000, [40000, 10000], [30000, 10000], [20000, None]) == [20000, 10000]  # lowest
+    assert fit_to_capacity(0, [5000], [None], [None]) == [5000]  # nothing known: not lowered
+
+    @given(st.integers(-10_000, 100_000),
+           st.lists(st.tuples(st.integers(0, 50_000), st.one_of(st.none(), st.integers(0, 50_000)),
+                              st.one_of(st.none(), st.integers(0, 50_000))), min_size=1, max_size=5))
+    def prop(room, cs):
+        wants, force, uses = [w for w, _, _ in cs], [h for _, h, _ in cs], [u for _, _, u in cs]
+        out = fit_to_capacity(room, wants, force, uses)
+        floors = [w if u is None and h is None else min(w, h if u is None else u) for w, h, u in cs]
+        kept = [w if h is None else max(min(w, h), f) for w, h, f in zip(wants, force, floors)]
+        assert all(f <= o <= w for f, o, w in zip(floors, out, wants))
+        assert sum(out) <= room or out == floors  # it fits, or nothing is left to lower
+        if sum(kept) <= room:  # the raises alone make the room: nobody is cut below its limit in force
+            assert all(o >= k for o, k in zip(out, kept))
+        if sum(wants) <= room:
+            assert out == wants
+    prop()
+
+
+class HungryA(Engines):
+    """a's engine has 4 requests waiting and demands 40,000 MiB of KV beside its 9,500 of weights: it wants
+    49,500."""
+
+    def read_signals(self, url):
+        if url.split("//")[1].split(":")[0] != "a":
+            return super().read_signals(url)
+        return VllmSample(release_mode="unmap", generation_applied=self.applied["a"], waiting=4,
+                          kv_held_bytes=20000 * 2**20, kv_demand_bytes=40000 * 2**20)
+
+
+def test_the_loop_s_raise_written_before_the_lender_s_acknowledged_cut_waits_a_tick_within_the_gpu(node):
+    """The loop writes tenants in key order. At tick 1, a's raise to 49,500, for memory b acknowledged
+    giving back, is written before b's hard limit comes down from 30,000. Unguarded, the driver held
+    79,500 MiB of hard limits on the 60,000 MiB GPU until b's write later in the tick. Checked at every
+    write the driver sees (the fake NVML's edge), they now never pass the GPU: a's raise is lowered to
+    what fits at its write, and the loop writes the rest at the next tick (the fence reports a moved)."""
+    nv, _cgroot, qroot = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    engines = HungryA()
+    loop, _tenants = _acknowledging_loop(node, engines, guarded=True)
+    sums: list[int] = []
+    real_set = nv.nvmlDeviceSetMemoryLimits_v1
+
+    def set_and_sum(handle, limits):
+        real_set(handle, limits)
+        sums.append(sum(nv.limits.get((GPU, cg), (0, 0))[1] for cg in (ca, cb)) >> 20)
+    nv.nvmlDeviceSetMemoryLimits_v1 = set_and_sum
+    hards = []
+    for _ in range(4):  # both acknowledge whatever the loop wrote last, one tick later
+        decided = {d.key.pod: d.limit_mib for d in loop.run_once().decisions}
+        hards.append((nv.limits[(GPU, ca)][1] >> 20, nv.limits[(GPU, cb)][1] >> 20))
+        engines.applied = {k.pod: read_quota(container_dir(str(qroot), k.pod_uid, "vllm")).generation for k in (A, B)}
+    assert max(sums) <= 60000, sums
+    assert decided["a"] == 49500 and hards[1][0] < 49500 and hards[2:] == [(49500, decided["b"])] * 2
+    assert loop.fence_clamps()
+
+
+def _capped_fence(node, cap: int) -> tuple[DriverFence, Tenant, Tenant, str, str]:
+    """a and b at their CDI shares (30,000 each) on a GPU the loop divides 60,000 of; a holds 20,000, b
+    29,000; the fence is given that capacity."""
+    nv, cgroot, _q = node
+    ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
+    for cg, used in ((ca, 20000), (cb, 29000)):
+        nv.limits[(GPU, cg)] = (30000 << 20, 30000 << 20)
+        nv.allocate(GPU, cg, used)
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot), lambda: {GPU: cap})
+    a = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]))
+    b = Tenant(B, ((GPU, 30000),), container_ids=frozenset([CID_B]))
+    return fence, a, b, ca, cb
+
+
+def test_a_raise_written_before_the_lender_s_cut_is_in_force_is_lowered_to_fit_the_gpu(node):
+    """The invariant every driver hunt counterexample broke, enforced where hard limits are written: b is
+    raised to 40,000 for a's 10,000 while a's hard limit still is 30,000 (its cut waits for its engine, or is
+    simply written after b's). The raise is given back to fit the GPU (30,000 + 30,000), b is written again
+    once a's cut is in force, and gets it then: lenders shrink first, the borrower grows as they release."""
+    nv, _cgroot, _q = node
+    fence, a, b, ca, cb = _capped_fence(node, 60000)
+    fence.read_usage([a, b])
+    assert not fence.apply(b, [Decision(B, GPU, 40000, 30000, 7500, 60000, "raise")], {GPU: 30000})
+    assert nv.limits[(GPU, cb)][1] == 30000 << 20  # not 40,000 beside a's 30,000 on a 60,000 GPU
+    assert fence.moved(b)  # written again at the next tick
+    assert not fence.apply(a, [Decision(A, GPU, 20000, 30000, 7500, 60000, "lend")], {GPU: 30000})
+    fence.read_usage([a, b])
+    assert fence.moved(b)
+    assert not fence.apply(b, [Decision(B, GPU, 40000, 30000, 7500, 60000, "raise")], {GPU: 30000})
+    assert (nv.limits[(GPU, ca)][1] >> 20, nv.limits[(GPU, cb)][1] >> 20) == (20000, 40000)
+    assert not fence.moved(b)
+    assert fence.clamps == {(GPU, "fitted"): 1}
+
+
+def test_a_departed_container_s_hard_limit_drops_out_of_what_writes_are_fitted_against(node):
+    """The ledger is read afresh with the use: a container gone by the next read (its tenant departed, its
+    cgroup removed) no longer counts against the GPU, so the raise its memory was lent for is written whole."""
+    import pathlib
+    import shutil
+    nv, cgroot, _q = node
+    fence, a, b, ca, cb = _capped_fence(node, 60000)
+    fence.read_usage([a, b])
+    assert not fence.apply(b, [Decision(B, GPU, 50000, 30000, 7500, 60000, "raise")], {GPU: 30000})
+    assert nv.limits[(GPU, cb)][1] == 30000 << 20  # a still holds its 30,000
+    nv.used.pop((GPU, ca))
+    shutil.rmtree(pathlib.Path(cgroot) / ca.lstrip("/"))
+    fence.read_usage([b])
+    assert not fence.apply(b, [Decision(B, GPU, 50000, 30000, 7500, 60000, "raise")], {GPU: 30000})
+    assert nv.limits[(GPU, cb)][1] == 50000 << 20
+
+
+def test_a_write_that_cannot_fit_even_at_use_is_written_at_use_and_counted(node):
+    """Where the others' limits in force and this cgroup's use pass the GPU (lent before a claim came), the
+    write is lowered to the use, no further (the driver takes nothing back: a cut below it frees nothing),
+    logged and counted as over capacity."""
+    nv, _cgroot, _q = node
+    fence, a, b, _ca, cb = _capped_fence(node, 50000)
+    fence.read_usage([a, b])
+    assert not fence.apply(b, [Decision(B, GPU, 30000, 30000, 7500, 60000, "hold")], {GPU: 30000})
+    assert nv.limits[(GPU, cb)][1] == 29000 << 20
+    assert fence.clamps == {(GPU, "over_capacity"): 1}
+    from deviceplugin.quota.service import QuotaCollector
+    loop = QuotaLoop(Tenants([a, b]), lambda: {GPU: 50000}, [], P, str(node[2]), mode=EnforcementMode.DRIVER,
+                     fence=fence)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for m in QuotaCollector(loop).collect()
+               for s in m.samples}
+    assert samples[("vramshare_quota_fence_clamped_total", (("gpu", GPU), ("outcome", "over_capacity")))] == 1
+
+
+def test_the_fence_s_hard_limits_never_pass_the_gpu_whatever_order_they_are_written_in(tmp_path):
+    """Property: tenants on one GPU, random uses (within each one's hard limit, in sum within the GPU) read
+    each round, then random decisions and waiting hard limits written in random order, held claims
+    among them: after every write the hard limits in force add up to at most the GPU's capacity."""
+    import pathlib
+    import random as rnd
+    import tempfile
+
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    from deviceplugin.quota.model import Claim
+
+    cap, n = 60000, 4
+    keys = [TenantKey("llm", f"p{i}", "vllm", pod_uid=f"{i:08d}-0000-0000-0000-000000000000") for i in range(n)]
+    cids = [f"{i}" * 64 for i in range(n)]
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.integers(0, 2**32 - 1))
+    def prop(seed):
+        r = rnd.Random(seed)
+        root = tempfile.mkdtemp(dir=tmp_path)
+        nv = FakeNvml([H100_80GB])
+        nv.driver_version = "615.20.01"
+        nv.nvmlInit()
+        cgs = [cgroup_of(k.pod_uid, c) for k, c in zip(keys, cids)]
+        for cg in cgs:
+            (pathlib.Path(root) / cg.lstrip("/")).mkdir(parents=True)
+            nv.limits[(GPU, cg)] = (cap // n << 20, cap // n << 20)  # the CDI shares fit
+        fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(str(root)), lambda: {GPU: cap})
+        tenants = [Tenant(k, ((GPU, cap // n),), container_ids=frozenset([c])) for k, c in zip(keys, cids)]
+        held = Claim("shared", ((GPU, cap // n),), container_ids=frozenset([cids[-1]]))
+        for _round in range(8):
+            for cg in cgs:  # each grows or releases within its hard limit, the GPU's sum within its capacity
+                hard = nv.limits[(GPU, cg)][1] >> 20
+                others = sum(v for (g, c), v in nv.used.items() if c != cg) >> 20
+                nv.used[(GPU, cg)] = r.randint(0, max(0, min(hard, cap - others))) << 20
+            fence.read_usage(tenants[:-1], [held])
+            for i in r.sample(range(n), n):
+                if i == n - 1:
+                    fence.hold(held)
+                else:
+                    limit = r.randint(1000, cap)
+                    top = max(limit, r.randint(1000, cap))  # a shrink that waits for its engine
+                    fence.apply(tenants[i], [Decision(keys[i], GPU, limit, 0, 0, cap, "t")], {GPU: cap // n},
+                                {GPU: top})
+                assert sum(nv.limits[(GPU, cg)][1] for cg in cgs) >> 20 <= cap
+    prop()
