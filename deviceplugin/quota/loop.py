@@ -579,7 +579,7 @@ class QuotaLoop:
     def _write(self, tenants: list[Tenant], decided: Mapping[tuple[TenantKey, str], Decision],
                phases: Mapping[TenantKey, Phase], report: TickReport) -> None:
         changed_pods: set[str] = set()
-        for t in tenants:
+        for t in sorted(tenants, key=lambda t: self._give_back(t, decided)):  # who gives back writes first
             ds = [decided[(t.key, g)] for g, _ in t.gpus if (t.key, g) in decided]
             self._fence_first(t, ds, report)
             phase, b = phases.get(t.key, Phase.HOT), self._book(t.key)
@@ -615,6 +615,14 @@ class QuotaLoop:
             self._apply_fence(t, ds, report)
         if self._mirror is not None:
             self._mirror_pods(tenants, changed_pods, report)
+
+    def _give_back(self, t: Tenant, decided: Mapping[tuple[TenantKey, str], Decision]) -> int:
+        """The order of a tick's writes: most given back first (the decision's limit below the hard limit this
+        process set), raises last, so a lender's cut is in force before the raise it pays for and the driver
+        fence need not hold the raise for a tick (it fits every write to the GPU either way)."""
+        b = self._book(t.key)
+        return min((d.limit_mib - _or(b.gpu(g).hard_mib, d.limit_mib)
+                    for g, _ in t.gpus if (d := decided.get((t.key, g))) is not None), default=0)
 
     def quota_dir(self, t: Tenant) -> str:
         """Where ``t``'s quota.json (and the warm tier's socket) live."""

@@ -632,12 +632,13 @@ class HungryA(Engines):
                           kv_held_bytes=20000 * 2**20, kv_demand_bytes=40000 * 2**20)
 
 
-def test_the_loop_s_raise_written_before_the_lender_s_acknowledged_cut_waits_a_tick_within_the_gpu(node):
-    """The loop writes tenants in key order. At tick 1, a's raise to 49,500, for memory b acknowledged
-    giving back, is written before b's hard limit comes down from 30,000. Unguarded, the driver held
-    79,500 MiB of hard limits on the 60,000 MiB GPU until b's write later in the tick. Checked at every
-    write the driver sees (the fake NVML's edge), they now never pass the GPU: a's raise is lowered to
-    what fits at its write, and the loop writes the rest at the next tick (the fence reports a moved)."""
+def test_the_loop_writes_a_lender_s_acknowledged_cut_before_the_raise_it_pays_for(node):
+    """At tick 1, a's raise to 49,500 is paid for by memory b acknowledged giving back. Written in key order
+    (a before b), the raise came before b's hard limit came down from 30,000: unguarded, the driver held
+    79,500 MiB of hard limits on the 60,000 MiB GPU until b's write later in the tick; with the fence's guard
+    alone, a's raise was lowered to fit and came a tick later. The loop now writes who gives back first
+    (``QuotaLoop._give_back``): checked at every write the driver sees (the fake NVML's edge), the sum never
+    passes the GPU, and a has its raise in the tick it was decided, with nothing lowered to fit."""
     nv, _cgroot, qroot = node
     ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
     engines = HungryA()
@@ -655,8 +656,8 @@ def test_the_loop_s_raise_written_before_the_lender_s_acknowledged_cut_waits_a_t
         hards.append((nv.limits[(GPU, ca)][1] >> 20, nv.limits[(GPU, cb)][1] >> 20))
         engines.applied = {k.pod: read_quota(container_dir(str(qroot), k.pod_uid, "vllm")).generation for k in (A, B)}
     assert max(sums) <= 60000, sums
-    assert decided["a"] == 49500 and hards[1][0] < 49500 and hards[2:] == [(49500, decided["b"])] * 2
-    assert loop.fence_clamps()
+    assert decided["a"] == 49500 and hards[1:] == [(49500, decided["b"])] * 3
+    assert not loop.fence_clamps()
 
 
 def _capped_fence(node, cap: int) -> tuple[DriverFence, Tenant, Tenant, str, str]:
