@@ -11,8 +11,9 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
   object only then, ``status_manager.go canBeDeleted``); a force-deleted pod (``kubectl delete --force``)
   vanishes from the API while its kubelet still runs it for its termination grace, holding its devices
   (taken at admission, before any container status: a bound pod that shows no terminated containers
-  may hold them, reported allocated or not). Such a departing pod's GPUs stay booked, under a key of its own, for ``terminationGracePeriodSeconds``
-  plus :data:`DEPARTING_MARGIN_S` (the soak found GPUs planned twice without this).
+  may hold them, reported allocated or not). Such a departing pod's GPUs stay booked, under a key of its
+  own, for ``terminationGracePeriodSeconds`` plus :data:`DEPARTING_MARGIN_S` (the soak found GPUs
+  planned twice without this).
 * Usage is rebuilt from the pods' assignment annotations alone, so a restarted extender sees what the
   old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``,
   counted from its assume-time, or from when we first saw it if that time lies in the future (a
@@ -291,7 +292,7 @@ class Accounting:
             phase = (pod.get("status") or {}).get("phase")
             ended = event == "DELETED" or phase in TERMINAL_PHASES
             if (ahead := self._ahead.get(key)) and uid and uid != ahead:
-                self._predecessor(key, pod, ended)
+                self._predecessor(key, uid, pod, ended)
                 return
             self._ahead.pop(key, None)  # the watch shows the pod a bind booked: it has caught up
             if ended:
@@ -315,19 +316,19 @@ class Accounting:
             self.pods[key] = pod
             self._account(key, pod)
 
-    def _predecessor(self, key: str, pod: Obj, ended: bool) -> None:
+    def _predecessor(self, key: str, uid: str, pod: Obj, ended: bool) -> None:
         """An event of an earlier pod of this name, delivered after a bind booked its successor: the
         watch is ordered (the API cannot create the successor before the predecessor is gone), so only
         the binder runs ahead of it. It books nothing; a departing predecessor (:meth:`_supersede`)
         is freed once its deletion shows its containers stopped, else at the end of its grace."""
-        uid = str((pod.get("metadata") or {}).get("uid") or "")
         self.pods_read.forget(pod)
         if ended:
             self._stopped(key, uid, pod)
         log.info("event of a replaced pod ignored", pod=key, uid=uid, successor=self._ahead.get(key))
 
     def _stopped(self, key: str, uid: str, pod: Obj) -> None:
-        """The end of a pod kept as departing (:meth:`_supersede`) frees it once it shows its containers stopped."""
+        """The end of a pod kept as departing (:meth:`_supersede`) frees it once it shows its containers
+        stopped."""
         ghost = f"{key}@{uid}"
         if ghost in self._departing and not may_still_run(pod):
             del self._departing[ghost]
@@ -500,9 +501,11 @@ class Accounting:
         device plugin's report, or the plan while that report has not come (the kubelet may have taken
         the planned devices already)."""
         hold = self._held.get(key)
-        here = {u.slot.uuid for u in self.state.node_usage(hold.node)} if hold is not None else set()
-        allocations = tuple((g, mib) for g, mib in self.state.pod_allocations(key) if g in here)  # a GPU gone
-        if hold is None or not allocations:  # from the node's inventory since holds nothing now
+        if hold is None:
+            return
+        here = {u.slot.uuid for u in self.state.node_usage(hold.node)}  # a GPU gone from the node's
+        allocations = tuple((g, mib) for g, mib in self.state.pod_allocations(key) if g in here)  # inventory
+        if not allocations:  # holds nothing now
             return
         uid = (pod.get("metadata") or {}).get("uid") or "?"
         ghost = f"{key}@{uid}"
@@ -620,7 +623,8 @@ class Accounting:
         its deletion not delivered yet). Until that deletion says whether its containers stopped (a
         graceful deletion) or may still run (a forced one), an earlier pod the device plugin reported
         allocated, or one bound whose containers may run (:func:`may_still_run`), keeps its GPUs under a
-        key of its own for its grace (:meth:`_keep_departing`); an assumption the watch shows unbound holds nothing. Its late events then book nothing (:meth:`_predecessor`)."""
+        key of its own for its grace (:meth:`_keep_departing`); an assumption the watch shows unbound holds
+        nothing. Its late events then book nothing (:meth:`_predecessor`)."""
         earlier = self.pods.pop(key, None)
         if earlier is not None:
             hold = self._held.get(key)

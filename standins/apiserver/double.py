@@ -161,10 +161,15 @@ class ApiServerDouble:
         return copy.deepcopy(self._store.delete(PODS, namespace, name))
 
     def finish_pod_deletion(self, namespace: str, name: str) -> Obj:
-        """Play the kubelet ending a pod: its status manager reports every container terminated
+        """A graceful deletion to its end: the DELETE marks a bound pod (``deletionTimestamp``, the same as
+        the HTTP verb), then its kubelet's status manager reports every container terminated
         (``status_manager.go TerminatePod``: a container that never ran as ``ContainerStatusUnknown``,
-        exit code 137), then removes the object, which it may only do once they are
-        (``canBeDeleted``). Two events, MODIFIED then DELETED, as the watch delivers them."""
+        exit code 137) and removes the object, which it may only do once they are (``canBeDeleted``).
+        The watch sees MODIFIED (marked), MODIFIED (terminated), then DELETED; an unbound pod, which no
+        kubelet runs, is removed by the DELETE itself, as the API server does."""
+        marked = self._store.delete(PODS, namespace, name, graceful=True)
+        if self._store.find(PODS, namespace, name) is None:
+            return copy.deepcopy(marked)
         def terminated(pod: Obj) -> None:
             spec, status = pod.get("spec") or {}, pod.setdefault("status", {})
             for field, kind in (("initContainerStatuses", "initContainers"), ("containerStatuses", "containers")):

@@ -38,14 +38,15 @@ def test_replay_from_resource_version_in_order(double: ApiServerDouble, v1: clie
 
 def test_a_kubelet_ended_pod_is_deleted_after_its_containers_show_terminated(double: ApiServerDouble,
                                                                              v1: client.CoreV1Api) -> None:
-    """``finish_pod_deletion`` plays the kubelet's status manager (``TerminatePod``, then ``canBeDeleted``):
-    the watch sees every container terminated, then the deletion, and the DELETED object carries them; a
-    container that had terminated keeps its own state. ``delete_pod`` alone (a forced deletion) carries
+    """``finish_pod_deletion`` is a graceful deletion to its end: the DELETE marks the bound pod, then the
+    kubelet's status manager (``TerminatePod``, then ``canBeDeleted``) reports every container terminated
+    and removes it; the DELETED object carries them. ``delete_pod`` alone (a forced deletion) carries
     whatever status the pod had."""
     start = v1.list_namespaced_pod("default").metadata.resource_version
     body = pod_body("p")
     body["spec"]["containers"].append({**body["spec"]["containers"][0], "name": "sidecar"})
     double.create_pod(body)
+    double.bind_pod("default", "p", "gpu-1")
     double.set_pod_phase("default", "p", "Running")
     double.finish_pod_deletion("default", "p")
     w = watch.Watch()
@@ -54,7 +55,10 @@ def test_a_kubelet_ended_pod_is_deleted_after_its_containers_show_terminated(dou
         events.append((event["type"], event["raw_object"]))
         if event["type"] == "DELETED":
             w.stop()
-    assert [t for t, _ in events] == ["ADDED", "MODIFIED", "MODIFIED", "DELETED"]
+    assert [t for t, _ in events] == ["ADDED", "MODIFIED", "MODIFIED", "MODIFIED", "MODIFIED", "DELETED"]
+    marked = events[3][1]
+    assert marked["metadata"]["deletionTimestamp"] and marked["metadata"]["deletionGracePeriodSeconds"] == 30
+    assert "containerStatuses" not in marked["status"]
     for _, obj in events[-2:]:
         statuses = obj["status"]["containerStatuses"]
         assert [c["name"] for c in statuses] == [c["name"] for c in body["spec"]["containers"]]
