@@ -13,6 +13,8 @@ Figures (aims: 0, 0, 0):
   of the pods bound to their node than they hold (what the first design's allocator would have granted;
   an unbound pod's assignment steers nothing);
 * ``gpus_over_capacity_books``: GPUs the extender's books (/inspect) ever showed over capacity;
+* ``gpus_over_capacity_real``: GPUs whose containers ever held more than the GPU has (the node model's
+  truth, a force-deleted pod's containers included while they run);
 * ``mismatched_gpus_after_settle``: GPUs whose books differ from what the containers really got, once
   callers stop, unbound pods are deleted and every bound pod is admitted and reported.
 
@@ -73,7 +75,8 @@ def pod_obj(name: str, gib: int, count: int) -> dict[str, Any]:
     ann = {N.gpu_count: str(count)} if count > 1 else {}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "default", "annotations": ann},
-            "spec": {"schedulerName": "vramshare-scheduler", "containers": [
+            # the kubelet stands-in stop a deleted pod's containers within 0-2 s: the grace says so
+            "spec": {"schedulerName": "vramshare-scheduler", "terminationGracePeriodSeconds": 2, "containers": [
                 {"name": "vllm", "image": "vllm/vllm-openai", "resources": {"limits": {N.gpu_memory: str(gib)}}}]},
             "status": {"phase": "Pending"}}
 
@@ -97,6 +100,8 @@ class Soak:
         self.error_examples: dict[str, list[str]] = {}  # the first few reasons of each kind
         self.over_assigned: set[str] = set()
         self.over_books: set[str] = set()
+        self.over_real: set[str] = set()  # GPUs whose containers ever held more than the GPU has
+        self.over_real_examples: list[dict[str, Any]] = []
         self.over_examples: list[dict[str, Any]] = []
         self.over_with_unbound: set[str] = set()
         self.stop = threading.Event()
@@ -266,10 +271,15 @@ class Soak:
             self.bump("kills")
             ext.start()
 
-    def sampler(self, api: ApiServerDouble, ext: ExtenderProcess, capacity_mib: dict[str, int]) -> None:
+    def sampler(self, api: ApiServerDouble, ext: ExtenderProcess, capacity_mib: dict[str, int],
+                kubelet: Any = None) -> None:
         import orjson
 
         while not self.stop.wait(0.25):
+            for g, m in (kubelet.reality_mib() if kubelet is not None else {}).items():
+                if m > capacity_mib[g] and g not in self.over_real:
+                    self.over_real.add(g)
+                    self.over_real_examples.append({"gpu": g, "mib": m, "capacity": capacity_mib[g]})
             per_gpu: dict[str, int] = {}
             holders: dict[str, list[str]] = {}
             every: dict[str, int] = {}
@@ -292,7 +302,7 @@ class Soak:
             for g, m in per_gpu.items():
                 if m > capacity_mib[g] and g not in self.over_assigned:
                     self.over_assigned.add(g)
-                    self.over_examples.append({"gpu": g, "mib": m, "capacity": capacity_mib[g], "pods": holders[g]})
+                    self.over_examples.append({"gpu": g, "mib": m, "capacity": capacity_mib[g], "pods": holders[g], "at": round(time.time(), 2)})
             books = ext.books()
             if books:
                 self.over_books.update(g for g, (used, total) in books.items() if used > total)
@@ -321,7 +331,7 @@ class Soak:
             kubelet: Any
             if a.nodes_sim == "plugin":
                 kubelet = PluginNodeSim(api, capacity, discovered, UNIT, (a.admit_min_s, a.admit_max_s), a.seed,
-                                        outage_per_s=a.outage_per_s)
+                                        outage_per_s=a.outage_per_s, report_departing=not a.no_departing_report)
             else:
                 kubelet = KubeletSim(api, capacity, UNIT, (a.admit_min_s, a.admit_max_s), a.seed)
             kubelet.start()
@@ -330,7 +340,7 @@ class Soak:
             actors = [threading.Thread(target=self.creator, args=(api, queue, cv)),
                       threading.Thread(target=self.churn, args=(api, kubelet, queue, cv)),
                       threading.Thread(target=self.killer, args=(ext,)),
-                      threading.Thread(target=self.sampler, args=(api, ext, capacity_mib))]
+                      threading.Thread(target=self.sampler, args=(api, ext, capacity_mib, kubelet))]
             actors += [threading.Thread(target=self.caller, args=(ext, api, nodes, queue, cv, s))
                        for s in range(a.callers)]
             t0 = time.monotonic()
@@ -386,6 +396,7 @@ class Soak:
                     "pod_resources_outages": st.pod_resources_outages,
                     "admitted_while_pod_resources_down": st.admitted_while_down,
                     "refused_while_pod_resources_down": st.refused_unrecorded,
+                    "departing_reported": st.departing_reported, "departures_lost": st.departures_lost,
                 }
                 kubelet.cleanup()
             if isinstance(ext, ReplicatedExtender):
@@ -403,11 +414,15 @@ class Soak:
             "error_examples": self.error_examples,
             "kubelet": {"admitted": kubelet.stats.admitted, "admission_failures": kubelet.stats.admission_failures,
                         "steering_misses": kubelet.stats.steering_misses,
+                        "steering_examples": getattr(kubelet.stats, "steering_examples", []),
                         "ambiguous_admissions": kubelet.stats.ambiguous,
                         "unsteered_admissions": kubelet.stats.unsteered,
                         "admit_after_bind_p50_s": round(lat[len(lat) // 2], 3) if lat else None},
             "gpus_over_capacity_assigned": len(self.over_assigned),
             "gpus_over_capacity_books": len(self.over_books),
+            # what the containers really held (a force-deleted pod's included, for its grace)
+            "gpus_over_capacity_real": len(self.over_real),
+            "over_capacity_real_examples": self.over_real_examples[:3],
             # also counting assignments left on pods that never bound (a killed extender's patch; they
             # steer nothing, and the books free them after assumeTimeoutSeconds)
             "gpus_over_capacity_assigned_incl_unbound": len(self.over_with_unbound),
@@ -445,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="plugin: the device plugin's real core per node (issue 17); model: the older harness")
     ap.add_argument("--recreate-share", type=float, default=0.3,
                     help="share of churn that deletes a pod and recreates it under its name at once")
+    ap.add_argument("--no-departing-report", action="store_true",
+                    help="baseline: node agents do not report force-deleted pods that may still run (the inventory's "
+                         "departing section), so only the extender's in-memory booking keeps their GPUs")
     ap.add_argument("--force-share", type=float, default=0.0,
                     help="share of same-name recreations done with a forced delete (the kubelet still runs the "
                          "old pod, PodResources lists the name twice)")
@@ -469,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                      if k == "out" else v) for k, v in vars(args).items()},
         "runs": runs,
         "summary": {f"{name}.{k}": r[k] for name, r in runs.items() for k in (
-            "gpus_over_capacity_assigned", "gpus_over_capacity_books", "mismatched_gpus_after_settle")}
+            "gpus_over_capacity_assigned", "gpus_over_capacity_books", "gpus_over_capacity_real",
+            "mismatched_gpus_after_settle")}
         | {f"{name}.pods_bound": r["counts"]["bound"] for name, r in runs.items()}
         | {f"{name}.kills": r["counts"]["kills"] for name, r in runs.items()}
         | {f"{name}.steering_misses": r["kubelet"]["steering_misses"] for name, r in runs.items()}

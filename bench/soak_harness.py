@@ -77,7 +77,14 @@ class ExtenderProcess:
         root = self.root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         # cwd too: ``python -c`` puts the working directory first on sys.path, before PYTHONPATH
-        self.proc = subprocess.Popen(self.cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        logs = os.environ.get("VRAMSHARE_SOAK_LOGS")  # a directory: keep each run's warnings to read a fault
+        err: Any = subprocess.DEVNULL
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+            err = open(os.path.join(logs, f"extender-{self.port}.log"), "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(self.cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=err)
+        if logs:
+            err.close()
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -2,9 +2,11 @@
 PodResources in upstream's shape, reconcile, quota links. Never imported by a daemon.
 
 Per node: the kubelet's device manager model (:mod:`standins.devicemanager`: its own device
-accounting, the plugin's preference as a hint, admission in creation order with ties random, a pod kept
-*active* for a random termination grace after the API forgets it, so a pod recreated under its name is
-listed twice), the plugin's :class:`~deviceplugin.kubelet.allocator.Allocator` (the GPU follows the device IDs,
+accounting, the plugin's preference as a hint, admission in creation order with ties random; a pod deleted
+gracefully kept *active* for a random termination grace, so a pod recreated under its name is listed
+twice; a force-deleted pod no longer active at once, as upstream's ``GetActivePods`` omits it
+(kubernetes#104824: gone from PodResources, its device IDs handed out again at the next admission) while its
+containers still hold their memory for the grace), the plugin's :class:`~deviceplugin.kubelet.allocator.Allocator` (the GPU follows the device IDs,
 a quota directory per allocation, steering from the pods), and its
 :class:`~deviceplugin.kubelet.reconcile_loop.Reconciler`, which reads PodResources exactly as a real kubelet
 answers it (``List`` in upstream's shape through :func:`deviceplugin.kubelet.podresources.held`: one entry per
@@ -12,7 +14,9 @@ device ID and NUMA node, no UID), patches the pods with the plugin's own adapter
 field manager, over the double's REST: until round 12 a Python-side write kept the extender as the owner of
 ``allocation-state``, so the extender believed no report and took every node for silent), links the quota
 directories and prunes. PodResources goes down on a node now and then: the reconciler then records
-nothing and Allocate refuses what no single plan explains (what that costs is counted).
+nothing and Allocate refuses what no single plan explains (what that costs is counted). The node agent's
+report of deleted pods that may still run (:class:`vramshare.departing.Departures`, fed by the pod
+deletions a watch delivers) goes into the node's inventory through the plugin's own publisher.
 
 Checked every few ticks, from the truth (the kubelet model's grants per pod UID):
 
@@ -24,6 +28,7 @@ Checked every few ticks, from the truth (the kubelet model's grants per pod UID)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -37,7 +42,7 @@ from typing import Any, Mapping
 from deviceplugin.backend import DiscoveredGpu
 from deviceplugin.kubelet import podresources
 from deviceplugin.kubelet.allocator import Allocator
-from deviceplugin.kubelet.kube_adapter import PodPatcher
+from deviceplugin.kubelet.kube_adapter import InventoryPublisher, PodPatcher
 from deviceplugin.kubelet.podresources import PodResourcesError
 from deviceplugin.kubelet.reconcile import Held, Patch
 from deviceplugin.kubelet.reconcile_loop import Reconciler
@@ -45,10 +50,13 @@ from deviceplugin.metrics import PluginMetrics
 from deviceplugin.node_state import NodeState
 from deviceplugin.quota_files import QuotaFiles, allocation_key
 from standins.apiserver import PODS, ApiServerDouble
+from standins.apiserver.errors import ApiError
 from standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
 from standins.kubelet import admission_order, list_response
 from vramshare import contract
 from vramshare.config import Config
+from vramshare.contract import inventory as contract_inventory
+from vramshare.departing import Departures
 from vramshare.kube import api_client_for
 
 N = contract.Names()
@@ -62,6 +70,7 @@ class Stats:
     admission_failures: int = 0
     refused_unrecorded: int = 0  # Allocates refused while PodResources was down (item 12's cost)
     steering_misses: int = 0  # pods whose actual GPUs differ from their plan
+    steering_examples: list[dict[str, Any]] = field(default_factory=list)  # the first few: plan, got, when
     ambiguous: int = 0
     unsteered: int = 0
     pod_resources_outages: int = 0
@@ -73,6 +82,8 @@ class Stats:
     links_to_other_pods: set[str] = field(default_factory=set)
     pods_recorded_on_other_gpus: set[str] = field(default_factory=set)
     admit_latency_s: list[float] = field(default_factory=list)
+    departing_reported: int = 0  # force-deleted pods the node agents reported in their inventory
+    departures_lost: int = 0  # times the deletion history ran out (410) and what went meanwhile was lost
 
 
 class _View:
@@ -120,6 +131,10 @@ class Node:
     wake: bool = False
     next_round: float = 0.0
     listed_twice: bool = False
+    departures: Departures = field(default_factory=lambda: Departures(N))
+    publisher: InventoryPublisher | None = None
+    base_inventory: str = ""  # the node's inventory annotation as created
+    reported: tuple = ()  # the departing pods last published
 
 
 class PluginNodeSim(threading.Thread):
@@ -128,7 +143,7 @@ class PluginNodeSim(threading.Thread):
     def __init__(self, api: ApiServerDouble, capacity: dict[str, dict[str, int]], gpus: dict[str, list[DiscoveredGpu]],
                  unit_mib: int, admit_delay_s: tuple[float, float], seed: int, grace_s: tuple[float, float] = (0.0, 2.0),
                  outage_per_s: float = 0.02, outage_s: tuple[float, float] = (1.0, 4.0), tick_s: float = 0.02,
-                 round_every_s: float = 1.0) -> None:
+                 round_every_s: float = 1.0, report_departing: bool = True) -> None:
         super().__init__(name="plugin-node-sim", daemon=True)
         self.api, self.unit, self.capacity = api, unit_mib, capacity
         self.delay, self.grace, self.tick = admit_delay_s, grace_s, tick_s
@@ -149,6 +164,8 @@ class PluginNodeSim(threading.Thread):
         self.leaving: dict[tuple[str, str], tuple[float, str]] = {}
         self.failed: set[str] = set()
         self.real: dict[str, dict[str, int]] = {}  # uid -> gpu -> units (what containers hold)
+        self.rv = api.resource_version  # the pod deletions the node agents' watches have delivered
+        self.report_departing = report_departing  # off: the baseline of a node agent without the report
 
     def _node(self, name: str, gpus: list[DiscoveredGpu]) -> Node:
         root = os.path.join(self.dir, name)
@@ -172,6 +189,8 @@ class PluginNodeSim(threading.Thread):
             dm.update_devices(resource, [(d.id, d.healthy, (d.numa_node,) if d.numa_node is not None else ())
                                          for d in devs])
         node.reconciler.run_once()
+        node.base_inventory = (self.api.get_node(name) or {})["metadata"]["annotations"][N.inventory]
+        node.publisher = InventoryPublisher(self.client, name, N)
         return node
 
     # -- the surface bench_soak reads ----------------------------------------------------------------
@@ -199,6 +218,9 @@ class PluginNodeSim(threading.Thread):
                 n.pr_up, n.wake = True, True
 
     def run(self) -> None:
+        for n in self.nodes.values():
+            threading.Thread(target=n.publisher.run, args=(self.stop_event,), name=f"publish-{n.name}",  # type: ignore[union-attr]
+                             daemon=True).start()
         while not self.stop_event.wait(self.tick):
             self.step()
 
@@ -208,6 +230,7 @@ class PluginNodeSim(threading.Thread):
         now = time.monotonic()
         by_uid = {p["metadata"]["uid"]: p for p in pods}
         with self.lock:
+            self._departures()
             for n in self.nodes.values():
                 n.view.snapshot = [p for p in pods if p["spec"].get("nodeName") == n.name
                                    and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
@@ -229,6 +252,26 @@ class PluginNodeSim(threading.Thread):
             if self.rng.random() < 0.1:
                 self.check(pods)
 
+    def _departures(self) -> None:
+        """Each node agent's pod watch delivers the deletions (the object as it went); the ones that may
+        still run go into its inventory's ``departing`` section, which is published when it changes."""
+        try:
+            gone, self.rv = self.api.deleted_after(PODS, self.rv)
+        except ApiError:  # 410: the agents relist; what went meanwhile is lost to them (counted)
+            gone, self.rv = [], self.api.resource_version
+            self.stats.departures_lost += 1
+        wall = time.time()
+        for pod in gone if self.report_departing else ():
+            n = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
+            if n is not None and n.departures.note(pod, wall) is not None:
+                self.stats.departing_reported += 1
+        for n in self.nodes.values():
+            now = n.departures.current(wall)
+            if now != n.reported:
+                n.reported = now
+                inv = contract_inventory.parse(n.base_inventory)
+                n.publisher.publish(contract_inventory.encode(dataclasses.replace(inv, departing=now)))  # type: ignore[union-attr]
+
     def _outage(self, n: Node, now: float) -> None:
         if not self.outages:
             return
@@ -243,7 +286,9 @@ class PluginNodeSim(threading.Thread):
         Deleted gracefully (a ``deletionTimestamp``): the kubelet stops the containers over a random grace,
         lets the devices go, then removes the API object (what a kubelet's status manager does), and only
         then may a StatefulSet make the pod again. Force-deleted (the API forgot it at once): the kubelet
-        still runs it for the grace, PodResources still lists it, under a name a new pod may already have."""
+        forgets it at once too (upstream's ``HandlePodRemoves`` drops it from the pod manager, so
+        ``GetActivePods`` omits it, kubernetes#104824): PodResources no longer lists it and its device IDs
+        go to the next admission, while its containers still hold their memory for the grace."""
         for uid in list(n.dm.active):
             p = by_uid.get(uid)
             if (n.name, uid) in self.leaving:
@@ -251,6 +296,8 @@ class PluginNodeSim(threading.Thread):
             if p is not None and (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 self.leaving[(n.name, uid)] = (now, "")
             elif p is None:
+                n.dm.remove_pod(uid)
+                n.wake = True
                 self.leaving[(n.name, uid)] = (now + self.rng.uniform(*self.grace), "")
             elif p["metadata"].get("deletionTimestamp"):
                 self.leaving[(n.name, uid)] = (now + self.rng.uniform(*self.grace), p["metadata"]["name"])
@@ -330,6 +377,9 @@ class PluginNodeSim(threading.Thread):
                 (meta.get("annotations") or {}).get(N.assignment, "{}")).values() for e in es}
             if self.real[uid] != own:
                 self.stats.steering_misses += 1
+                if len(self.stats.steering_examples) < 5:
+                    self.stats.steering_examples.append({"pod": meta["name"], "uid": uid, "planned": own,
+                                                         "got": self.real[uid], "at": round(time.time(), 2)})
 
     def _gpus_of(self, n: Node, uid: str) -> dict[str, dict[str, int]]:
         """Per container, GPU -> MiB the kubelet model's grants stand for (the truth)."""

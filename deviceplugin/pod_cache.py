@@ -11,7 +11,7 @@ backoff with jitter).
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kubernetes import client
 
@@ -42,6 +42,9 @@ class NodePodCache:
         self._pods: dict[str, Mapping[str, Any]] = {}  # uid -> pod JSON
         self._lister = lambda **kw: v1.list_pod_for_all_namespaces(field_selector=selector, **kw)
         self.refreshes = 0
+        # told of every pod that left: the DELETED event's object, or the last seen one of a pod a relist
+        # lacks (the node's departing pods, vramshare.departing); called outside the cache's lock
+        self.on_deleted: Callable[[Mapping[str, Any]], None] | None = None
         self.watch = ListWatch("pod watch", self._lister,
                                on_replace=self._replace, on_event=self._apply, min_watch_timeout_s=watch_timeout_s,
                                request_timeout_s=TIMEOUT_S, backoff=Backoff(0.2, 5.0, jitter=1.0))
@@ -90,6 +93,8 @@ class NodePodCache:
         """A list is the whole truth: pods it lacks (``deleted``) went while the watch was down."""
         with self._lock:
             self._pods = {p["metadata"]["uid"]: p for p in items}
+        for pod in deleted:
+            self._deleted(pod)
 
     def _apply(self, kind: str, pod: Mapping[str, Any]) -> None:
         uid = (pod.get("metadata") or {}).get("uid")
@@ -100,3 +105,13 @@ class NodePodCache:
                 self._pods.pop(uid, None)
             else:
                 self._pods[uid] = pod
+        if kind == "DELETED":
+            self._deleted(pod)
+
+    def _deleted(self, pod: Mapping[str, Any]) -> None:
+        if self.on_deleted is None:
+            return
+        try:
+            self.on_deleted(pod)
+        except Exception:  # noqa: BLE001 - a listener's fault must not stop the watch
+            log.error("pod deletion listener failed", pod=(pod.get("metadata") or {}).get("name"), exc_info=True)

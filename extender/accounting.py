@@ -12,8 +12,9 @@ Rules, each there because a peer got it wrong (extender-anchors, Implications 5)
   vanishes from the API while its kubelet still runs it for its termination grace, holding its devices
   (taken at admission, before any container status: a bound pod that shows no terminated containers
   may hold them, reported allocated or not). Such a departing pod's GPUs stay booked, under a key of its
-  own, for ``terminationGracePeriodSeconds`` plus :data:`DEPARTING_MARGIN_S` (the soak found GPUs
-  planned twice without this).
+  own, for ``terminationGracePeriodSeconds`` plus ``DEPARTING_MARGIN_S`` (:mod:`vramshare.departing`;
+  the soak found GPUs planned twice without this). The node reports the same pods in its inventory's
+  ``departing`` section: a restarted extender, which saw no deletion, books them from there.
 * Usage is rebuilt from the pods' assignment annotations alone, so a restarted extender sees what the
   old one placed. An assignment whose pod never binds expires after ``assume_timeout_seconds``,
   counted from its assume-time, or from when we first saw it if that time lies in the future (a
@@ -53,42 +54,15 @@ from typing import Any, Callable, Iterable, Mapping
 
 from extender import cluster, held_pick, holds, parsed, placement, translate, verbs
 from vramshare import contract, inventory, logs, managed, podspec
+from vramshare.departing import TERMINAL_PHASES, DepartingPod, booked_seconds, may_still_run
 from vramshare.config import Config, Policy
 
 __all__ = ["Accounting", "TERMINAL_PHASES"]
 
 log = logs.get("vramshare.extender.accounting")
 Obj = Mapping[str, Any]
-TERMINAL_PHASES = ("Succeeded", "Failed")
 _FORGET_LIMIT = 10_000
-DEPARTING_MARGIN_S = 5  # beyond the pod's grace: the kubelet's sync period to notice and kill
-DEFAULT_GRACE_S = 30  # the API server's default terminationGracePeriodSeconds
-MAX_GRACE_S = 3600  # a pod's grace as the extender believes it (the API allows more; nothing waits longer)
 WARM_QUIET_S = 0.02  # the warmer works only after this long without a scheduling verb
-
-
-def may_still_run(pod: Obj) -> bool:
-    """Whether a deleted pod's containers may still run on its node (and its devices be held there):
-    yes unless it never reached a node or every container status says terminated. A pod the kubelet
-    finished deleting shows them all terminated (``status_manager.go canBeDeleted``); one removed by
-    ``--grace-period=0 --force`` shows whatever the kubelet last reported, and that may be nothing yet:
-    the kubelet takes a pod's devices when it admits it (the device manager's Allocate), before any
-    container status, so a bound pod without statuses, or with containers still waiting, may hold its
-    GPUs for its grace (the soak with forced same-name recreations found GPUs planned twice while
-    this said no). An unbound pod was never on a kubelet."""
-    status = pod.get("status") or {}
-    if status.get("phase") in TERMINAL_PHASES or not (pod.get("spec") or {}).get("nodeName"):
-        return False
-    statuses = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
-    return not statuses or not all(isinstance(c, Mapping) and "terminated" in (c.get("state") or {}) for c in statuses)
-
-
-def grace_seconds(pod: Obj) -> int:
-    """The termination grace the kubelet gives the pod's containers (spec, default 30 s), bounded."""
-    raw = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", DEFAULT_GRACE_S)
-    if isinstance(raw, bool) or not isinstance(raw, int):
-        return DEFAULT_GRACE_S
-    return min(max(raw, 0), MAX_GRACE_S)
 
 
 @dataclass(frozen=True)
@@ -124,6 +98,7 @@ class Accounting:
         self._node_of_uuid: dict[str, str] = {}
         self._held: dict[str, _Hold] = {}
         self._departing: dict[str, int] = {}  # "<pod key>@<uid>" -> when its booking ends (ns)
+        self._node_departing: dict[str, tuple[DepartingPod, ...]] = {}  # node -> its inventory's report
         # pod key -> the UID a bind booked under it that the watch has not shown yet (otherwise the UID
         # booked under a key is that of the pod object in :attr:`pods`)
         self._ahead: dict[str, str] = {}
@@ -201,6 +176,8 @@ class Accounting:
             for key in list(self.unaccounted):  # pods that named a node or GPU we did not know yet
                 if key in self.pods:
                     self._account(key, self.pods[key])
+            self._node_departing[name] = inv.departing
+            self._book_reported(name)
 
     def _set_unit(self, name: str, unit_mib: int) -> None:
         """A node whose device plugin counts gpu-memory in another unit than ours (one of the two not
@@ -270,6 +247,7 @@ class Accounting:
         for ghost in [g for g in self._departing if self.state.pod_node(g) in (name, None)]:
             del self._departing[ghost]
             self.state.remove_pod(ghost)
+        self._node_departing.pop(name, None)
         log.info("node gone", node=name)
 
     def replace_nodes(self, items: Iterable[Obj]) -> None:
@@ -509,7 +487,10 @@ class Accounting:
             return
         uid = (pod.get("metadata") or {}).get("uid") or "?"
         ghost = f"{key}@{uid}"
-        until = self.clock() + (grace_seconds(pod) + DEPARTING_MARGIN_S) * 1_000_000_000
+        until = self.clock() + booked_seconds(pod) * 1_000_000_000
+        if ghost in self._departing:  # the node's report came first: it is booked, the caller frees ``key``
+            self._departing[ghost] = max(self._departing[ghost], until)
+            return
         host = self.state.pod_host(key) or cluster.HostDemand()
         self.state.remove_pod(key)
         self.state.add_pod(ghost, hold.node, allocations, host, strict_host=False, force=True)
@@ -517,6 +498,29 @@ class Accounting:
         log.warning("pod deleted while its containers may still run; its GPUs stay booked",
                     pod=key, uid=uid, node=hold.node, mib=sum(a for _, a in allocations),
                     seconds=(until - self.clock()) // 1_000_000_000)
+
+    def _book_reported(self, node: str) -> None:
+        """The node's report of its deleted pods that may still run (:class:`vramshare.departing.Departures`):
+        each not booked yet is booked under its own key until the end the node gave. That is the only
+        record an extender restarted inside the grace has of them. A pod the watch still shows live under
+        that UID stays booked as itself (its deletion, once delivered, keeps it by the rule above); a
+        report that ended, or of GPUs the node no longer has, books nothing."""
+        now = self.clock()
+        here = {u.slot.uuid for u in self.state.node_usage(node)}
+        for d in self._node_departing.get(node, ()):
+            until = d.until_s * 1_000_000_000
+            live = self.pods.get(d.pod)
+            if until <= now or d.ghost in self._departing or (
+                    live is not None and (live.get("metadata") or {}).get("uid") == d.uid):
+                continue
+            allocations = tuple((g, mib) for g, mib in d.gpus if g in here)
+            if not allocations:
+                continue
+            self.state.add_pod(d.ghost, node, allocations, cluster.HostDemand(), strict_host=False, force=True)
+            self._departing[d.ghost] = until
+            log.warning("node reports a deleted pod whose containers may still run; its GPUs stay booked",
+                        pod=d.pod, uid=d.uid, node=node, mib=sum(a for _, a in allocations),
+                        seconds=(until - now) // 1_000_000_000)
 
     def _release(self, key: str) -> None:
         self._held.pop(key, None)
@@ -540,6 +544,8 @@ class Accounting:
                 if key not in seen and hold.since_ns <= started_ns:
                     log.info("pod freed", pod=key, reason="gone at resync")
                     self._release(key)
+            for node in list(self._node_departing):  # a pod deleted while the watch was away
+                self._book_reported(node)
 
     @staticmethod
     def _safely(apply: Callable[[str, Obj], None], obj: Obj) -> None:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from vramshare import contract
 from vramshare.contract import assignment, inventory, model, over_limit, quota_file, quota_mib, resident_models
 from vramshare.contract.config_in_force import ConfigInForce
+from vramshare.departing import DepartingPod
 from vramshare.inventory import EngineState, EnforcementMode, Gpu, GpuMode, MigInstance, NodeInventory, ResidentModel
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -73,8 +74,12 @@ def inventories(draw):
     config = draw(st.none() | st.builds(ConfigInForce, st.from_regex(r"[0-9a-f]{16}", fullmatch=True),
                                         st.lists(st.sampled_from(["memoryUnitMiB", "dynamicMig", "dra.cdiRoot"]),
                                                  max_size=3, unique=True).map(tuple)))
+    departing = tuple(DepartingPod(f"ns/{draw(names)}", f"uid-{k}", draw(st.integers(0, 1 << 40)),
+                                   tuple(draw(st.lists(st.tuples(uuids, mib), min_size=1, max_size=3,
+                                                       unique_by=lambda t: t[0]))))
+                      for k in range(draw(st.integers(0, 2))))
     return NodeInventory(unit, tuple(gpus), enforcement=draw(st.none() | st.sampled_from(list(EnforcementMode))),
-                         models=models, config=config)
+                         models=models, config=config, departing=departing)
 
 
 model_refs = st.builds(contract.ModelRef, st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}(/[A-Za-z0-9][A-Za-z0-9._-]{0,20})?",

@@ -23,6 +23,7 @@ from vramshare import contract
 from vramshare.contract import config_in_force
 from vramshare.contract._json import load
 from vramshare.contract.config_in_force import ConfigInForce
+from vramshare.departing import MAX_DEPARTING, DepartingPod
 
 
 class GpuMode(str, enum.Enum):
@@ -136,6 +137,8 @@ class NodeInventory:
     enforcement: EnforcementMode | None = None  # optional: absent from older publishers
     models: tuple[ResidentModel, ...] = ()  # optional (issue 23): absent from older publishers
     config: ConfigInForce | None = None  # optional: absent from older publishers and config-less runs
+    # optional: deleted pods whose containers may still run here (vramshare.departing), latest end first
+    departing: tuple[DepartingPod, ...] = ()
 
     def gpu(self, uuid: str) -> Gpu | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
@@ -171,6 +174,10 @@ def inventory_to_dict(inv: NodeInventory) -> dict[str, Any]:
         doc["models"] = models_to_list(inv.models)
     if inv.config is not None:
         doc["config"] = config_in_force.to_doc(inv.config)
+    if inv.departing:
+        doc["departing"] = [{"pod": d.pod, "uid": d.uid, "until": d.until_s,
+                             "gpus": [{"uuid": g, "mib": mib} for g, mib in d.gpus]}
+                            for d in inv.departing[:MAX_DEPARTING]]
     return doc
 
 
@@ -389,7 +396,42 @@ def inventory_from_dict(data: Any) -> NodeInventory:
             enforcement = None
     return NodeInventory(unit_mib=unit, gpus=tuple(gpus), version=version, enforcement=enforcement,
                          models=models_from_list(data.get("models")),
-                         config=config_in_force.from_doc(data.get("config")))  # read leniently: it informs
+                         config=config_in_force.from_doc(data.get("config")),  # read leniently: it informs
+                         departing=_departing_from(data.get("departing")))
+
+
+def _departing_from(raw: Any) -> tuple[DepartingPod, ...]:
+    """The optional ``departing`` section, strictly: it books memory, so a malformed entry refuses the
+    inventory (the reader keeps the node's last good one) rather than booking a guess. The extender
+    books only the entries' GPUs (or MIG slots) that the node has."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_DEPARTING:
+        raise InventoryError(f"inventory.departing: expected a list of at most {MAX_DEPARTING} pods")
+    out = []
+    for i, d in enumerate(raw):
+        where = f"inventory.departing[{i}]"
+        if not isinstance(d, dict):
+            raise InventoryError(f"{where}: expected an object")
+        pod, uid = _need(d, "pod", str, where), _need(d, "uid", str, where)
+        if not 0 < len(pod) <= 2 * 253 + 1 or "/" not in pod or not 0 < len(uid) <= 128:
+            raise InventoryError(f"{where}: want pod \"<namespace>/<name>\" and a uid, got {pod!r:.80} {uid!r:.80}")
+        entries = _need(d, "gpus", list, where)
+        if not entries or len(entries) > MAX_GPUS:
+            raise InventoryError(f"{where}.gpus: expected 1 to {MAX_GPUS} GPUs")
+        held = []
+        for j, g in enumerate(entries):
+            gw = f"{where}.gpus[{j}]"
+            if not isinstance(g, dict):
+                raise InventoryError(f"{gw}: expected an object")
+            uuid = _need(g, "uuid", str, gw)
+            if not 0 < len(uuid) <= 128:
+                raise InventoryError(f"{gw}.uuid: want 1 to 128 characters, got {uuid!r:.80}")
+            held.append((uuid, _int(g, "mib", gw, 1, MAX_MIB)))
+        if len({u for u, _ in held}) != len(held):
+            raise InventoryError(f"{where}.gpus: names a GPU twice")
+        out.append(DepartingPod(pod, uid, _int(d, "until", where, 0, 1 << 40), tuple(held)))
+    return tuple(out)
 
 
 def units_for(memory_mib: int, reserved_mib: int, unit_mib: int) -> int:

@@ -2,8 +2,8 @@
 
 Threads (all named, all started by :meth:`DevicePluginDaemon.start`, all stopped by ``close``):
 ``kubelet-watch`` (sockets, Register, restarts), ``gpu-health`` (the backend's health watch),
-``inventory-publisher`` and ``pod-watch`` (node annotation and this node's pods; only with an API
-server), ``reconcile`` (PodResources -> each pod's actual GPUs and its quota link) and
+``inventory-publisher``, ``pod-watch`` and ``departures`` (node annotation, this node's pods, and the
+inventory's deleted pods that may still run; only with an API server), ``reconcile`` (PodResources -> each pod's actual GPUs and its quota link) and
 ``metrics-http``. Start order matters: the pod cache syncs (bounded wait) and one reconcile round
 reads PodResources *before* the gRPC servers register, so a restarted plugin knows what the kubelet
 already handed out before it serves anything. Threads,
@@ -16,6 +16,8 @@ import argparse
 import dataclasses
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 from deviceplugin import allocation, enforcement
@@ -35,8 +37,9 @@ from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
-from deviceplugin.serve import NodeDaemon, serve
+from deviceplugin.serve import NodeDaemon, serve, wait_poked
 from vramshare import kube, logs
+from vramshare.departing import Departures
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config, node_limits
 from vramshare.contract import inventory as contract_inventory
 from vramshare.inventory import GpuMode
@@ -73,6 +76,10 @@ class DevicePluginDaemon(NodeDaemon):
         self.feeds = DeviceFeeds(self.state)
         self.pod_resources = KubeletPodResources(pod_resources_socket, names) if pod_resources_socket else None
         self.pods = NodePodCache(api, node_name, names) if api else None
+        self.departures = Departures(names)  # deleted pods that may still run here, in the inventory
+        self._departures_poked = threading.Event()
+        if self.pods is not None:
+            self.pods.on_deleted = self._pod_deleted
         quota = QuotaFiles(config.quota_host_dir, config.quota)
         self.reconciler = Reconciler(self.state, node_name, quota, self.metrics, self.pod_resources, self.pods,
                                      PodPatcher(api, names) if api else None)
@@ -147,20 +154,45 @@ class DevicePluginDaemon(NodeDaemon):
 
         def changed(models: tuple) -> None:
             self.models = models
-            self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))  # type: ignore[union-attr]
+            self._publish_inventory()
 
         reporter = node_reporter(wt, changed, self.warm, lambda: self._quota_loop)
         self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _inventory_json(self, inventory: Any) -> str:
         return contract_inventory.encode(dataclasses.replace(inventory, models=self.models,
-                                                             config=self.config_in_force))
+                                                             config=self.config_in_force,
+                                                             departing=self.departures.current(time.time())))
+
+    def _publish_inventory(self, inventory: Any = None) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self._inventory_json(inventory or self.state.snapshot.inventory))
 
     def _config_accepted(self, _digest: str) -> None:
         """The config file text in force changed: the inventory says so (``vramshare check`` compares it
         with the ConfigMap), with the keys of it that wait for a restart."""
-        if self.publisher is not None:
-            self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))
+        self._publish_inventory()
+
+    def _pod_deleted(self, pod: Any) -> None:
+        """The pod cache saw a pod of this node go: one that may still run (a forced deletion) is reported
+        in the inventory for its grace (:mod:`vramshare.departing`), which an extender restarted meanwhile
+        books; the kubelet itself forgets its devices at once (kubernetes#104824)."""
+        entry = self.departures.note(pod, time.time())
+        if entry is None:
+            return
+        log.warning("pod deleted while its containers may still run; reported as departing", pod=entry.pod,
+                    uid=entry.uid, gpus=",".join(g for g, _ in entry.gpus), until=entry.until_s)
+        self._publish_inventory()
+        self._departures_poked.set()
+
+    def _departures_loop(self) -> None:
+        """Body of the ``departures`` thread: republish when a departing pod's report ends, so the
+        inventory lists only pods that may still run."""
+        while not self._stop.is_set():
+            end = self.departures.next_end_s()
+            wait_poked(self._stop, self._departures_poked, 3600.0 if end is None else max(0.0, end - time.time()))
+            if end is not None and time.time() >= end:
+                self._publish_inventory()
 
     def _managers(self) -> list[ResourceManager]:
         return [NodeResourceManager(r, self.state, self.feeds, self.allocator) for r in self.state.snapshot.devices]
@@ -168,8 +200,8 @@ class DevicePluginDaemon(NodeDaemon):
     def _changed(self, old: Snapshot, new: Snapshot) -> None:
         """A new snapshot (a reload among them): device lists follow at once (ListAndWatch resends);
         the servers restart only when the set of resources changes."""
-        if self.publisher is not None and new.inventory != old.inventory:
-            self.publisher.publish(self._inventory_json(new.inventory))
+        if new.inventory != old.inventory:
+            self._publish_inventory(new.inventory)
         if set(new.devices) != set(old.devices):
             self.lifecycle.request_restart("resources changed")
 
@@ -194,8 +226,9 @@ class DevicePluginDaemon(NodeDaemon):
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
         if self.publisher is not None:
-            self.publisher.publish(self._inventory_json(self.state.snapshot.inventory))
+            self._publish_inventory()
             self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
+            self._spawn("departures", self._departures_loop)
         self._start_quota_loop()
         self._start_residency()
         if self._metrics_port:

@@ -210,6 +210,14 @@ class ApiServerDouble:
     def resource_version(self) -> int:
         return self._store.resource_version
 
+    def deleted_after(self, rtype: ResourceType, rv: int) -> tuple[list[Obj], int]:
+        """The objects of ``rtype`` deleted after ``rv``, each as its DELETED watch event carries it (the
+        object as it was when it went), read Python-side; and the resourceVersion they are current at.
+        Raises the 410 Expired a watch from ``rv`` would get once the history no longer reaches back."""
+        with self._store.lock:
+            changes, now = self._store.changes_after(rv), self._store.resource_version
+        return [copy.deepcopy(c.obj) for c in changes if c.type == "DELETED" and c.rtype == rtype], now
+
     # -- watches -----------------------------------------------------------------------------------
     def compact(self) -> None:
         """Forget the change history: a watch from any older resourceVersion now gets 410 Expired."""

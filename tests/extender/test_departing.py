@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from extender import accounting, cluster
-from vramshare import contract
+from vramshare import contract, departing
 from vramshare.config import Config, ExtenderConfig, Policy
 from tests.extender import builders as b
 from tests.extender.test_accounting import SEC, T0, Clock
@@ -45,7 +45,7 @@ def test_a_force_deleted_running_pod_keeps_its_gpu_for_its_grace() -> None:
         raise AssertionError("the GPU was booked twice")
     except cluster.OverCommit:
         pass
-    clock.now += (10 + accounting.DEPARTING_MARGIN_S - 1) * SEC
+    clock.now += (10 + departing.DEPARTING_MARGIN_S - 1) * SEC
     acct.expire()
     assert used(acct) == 20480
     clock.now += 2 * SEC
@@ -89,7 +89,7 @@ def test_a_force_deleted_pod_the_kubelet_runs_keeps_its_gpu_before_the_device_pl
     assert used(acct) == 20480
     with pytest.raises(cluster.OverCommit):      # the recreated pod cannot be planned onto it
         acct.reserve("default/p", "n1", [("GPU-n1-0", 20480)], T0)
-    clock.now += (accounting.DEFAULT_GRACE_S + accounting.DEPARTING_MARGIN_S + 1) * SEC
+    clock.now += (departing.DEFAULT_GRACE_S + departing.DEPARTING_MARGIN_S + 1) * SEC
     acct.expire()
     assert used(acct) == 0
 
@@ -115,11 +115,11 @@ def test_a_pod_superseded_before_its_report_keeps_its_gpu_while_the_kubelet_runs
 
 
 def test_grace_is_bounded_and_defaults_like_the_api_server() -> None:
-    assert accounting.grace_seconds({"spec": {}}) == accounting.DEFAULT_GRACE_S == 30
-    assert accounting.grace_seconds({"spec": {"terminationGracePeriodSeconds": 10**12}}) == accounting.MAX_GRACE_S
-    assert accounting.grace_seconds({"spec": {"terminationGracePeriodSeconds": -5}}) == 0
-    assert accounting.grace_seconds({"spec": {"terminationGracePeriodSeconds": "30"}}) == 30
-    assert not accounting.may_still_run({"status": {"phase": "Succeeded", "containerStatuses": [
+    assert departing.grace_seconds({"spec": {}}) == departing.DEFAULT_GRACE_S == 30
+    assert departing.grace_seconds({"spec": {"terminationGracePeriodSeconds": 10**12}}) == departing.MAX_GRACE_S
+    assert departing.grace_seconds({"spec": {"terminationGracePeriodSeconds": -5}}) == 0
+    assert departing.grace_seconds({"spec": {"terminationGracePeriodSeconds": "30"}}) == 30
+    assert not departing.may_still_run({"status": {"phase": "Succeeded", "containerStatuses": [
         {"name": "c", "state": {"running": {}}}]}})
 
 

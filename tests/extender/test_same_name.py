@@ -22,7 +22,7 @@ import pytest
 from extender import accounting, cluster
 from tests.extender import builders as b
 from tests.extender.test_accounting import SEC, T0, Clock
-from vramshare import contract
+from vramshare import contract, departing
 from vramshare.config import Config, ExtenderConfig, Policy
 
 G0, G1 = "GPU-n1-0", "GPU-n1-1"
@@ -84,7 +84,7 @@ def test_a_force_deleted_predecessor_keeps_its_gpu_until_its_deletion_says_it_st
     assert used(acct) == {G0: 61440, G1: 61440}
     acct.apply_pod("DELETED", _running(old, G0, 61440))  # forced: still running, grace 30 s
     assert used(acct) == {G0: 61440, G1: 61440}
-    clock.now += (accounting.DEFAULT_GRACE_S + accounting.DEPARTING_MARGIN_S + 1) * SEC
+    clock.now += (departing.DEFAULT_GRACE_S + departing.DEPARTING_MARGIN_S + 1) * SEC
     acct.expire()
     assert used(acct) == {G0: 0, G1: 61440}
 
@@ -118,7 +118,7 @@ def test_any_interleaving_of_the_lagging_watch_and_the_bind_books_the_successor_
             if booked:  # from the bind on, at every step: the successor, where the bind put it
                 assert list(acct.state.pod_allocations("default/web-0")) == [(new_gpu, 20480)], (case, forced, at, i)
         acct.apply_pod("MODIFIED", b.assigned(new, "n1", [(new_gpu, 20480)], T0 + SEC))
-        clock.now += (accounting.DEFAULT_GRACE_S + accounting.DEPARTING_MARGIN_S + 1) * SEC
+        clock.now += (departing.DEFAULT_GRACE_S + departing.DEPARTING_MARGIN_S + 1) * SEC
         acct.expire()
         want = {G0: 0, G1: 0}
         want[new_gpu] += 20480

@@ -129,3 +129,18 @@ def test_admission_is_by_creation_second_with_ties_in_random_order():
     orders = {tuple(p["metadata"]["name"] for p in admission_order(pods, random.Random(s))) for s in range(30)}
     assert all(o[-1] == "late" for o in orders)
     assert len(orders) > 1  # ties come in more than one order
+
+
+def test_a_force_deleted_pod_leaves_pod_resources_and_its_ids_go_to_the_next_admission():
+    """Upstream's kubelet drops a force-deleted pod from its pod manager at once (``HandlePodRemoves``), so
+    ``GetActivePods`` omits it while its containers still stop (the WARNING on ``GetActivePods``,
+    kubernetes#104824): ``List`` no longer names it and ``UpdateAllocatedDevices`` frees its IDs for the
+    next admission. What bench/soak_nodes.py does to a force-deleted pod's kubelet."""
+    plugin = Plugin()
+    dm = manager(plugin, healthy=4)
+    dm.admit(pod("old", 4))
+    assert held(dm, "old") == {"g::0", "g::1", "g::2", "g::3"}
+    dm.remove_pod("uid-old")                    # the API forgot it; its containers may still run
+    assert [name for _, name, _ in dm.pod_resources()] == []
+    dm.admit(pod("new", 4, second=1))           # would fail if the old pod still held its IDs
+    assert held(dm, "new") == {"g::0", "g::1", "g::2", "g::3"}

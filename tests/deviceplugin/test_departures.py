@@ -1,0 +1,99 @@
+"""The node reports its deleted pods that may still run (vramshare/departing.py ``Departures``, published in
+the inventory's ``departing`` section by the device plugin), so an extender restarted inside their grace
+books them (tests/extender/test_departing_reported.py).
+
+Upstream's kubelet forgets a force-deleted pod at once (``GetActivePods`` omits it, kubernetes#104824): it
+is gone from PodResources and its device IDs are handed out again at the next admission, while its
+containers still run for the grace. Only the deletion the node's pod watch delivers says it went.
+"""
+from __future__ import annotations
+
+import time
+
+from standins.apiserver import PODS
+from tests.deviceplugin.conftest import NODE
+from tests.extender import builders as b
+from vramshare import contract
+from vramshare.contract import inventory as contract_inventory
+from vramshare.departing import DEPARTING_MARGIN_S, MAX_DEPARTING, Departures
+
+N = contract.Names()
+T = 1_700_000_000.0
+
+
+def _gone(name: str = "p", uid: str = "u1", *, state: str = "running", grace: int | None = 10,
+          gpus: tuple[tuple[str, int], ...] = (("GPU-a", 20480),), node: str = NODE) -> dict:
+    p = b.assigned(b.pod(name, 20, uid=uid), node, list(gpus), 0, state=contract.STATE_ALLOCATED)
+    p["status"] = {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {state: {}}}]}
+    if grace is not None:
+        p["spec"] = {**p["spec"], "terminationGracePeriodSeconds": grace}
+    return p
+
+
+def test_a_pod_that_may_still_run_is_reported_for_its_grace_then_forgotten() -> None:
+    d = Departures(N)
+    entry = d.note(_gone(gpus=(("GPU-a", 20480), ("GPU-b", 1024))), T)
+    assert entry is not None and entry.pod == "default/p" and entry.uid == "u1"
+    assert entry.gpus == (("GPU-a", 20480), ("GPU-b", 1024)) and entry.until_s == T + 10 + DEPARTING_MARGIN_S
+    assert d.current(T + 14) == (entry,) and d.next_end_s() == entry.until_s
+    assert d.current(T + 15) == () and d.next_end_s() is None
+
+
+def test_what_is_not_reported() -> None:
+    d = Departures(N)
+    assert d.note(_gone(state="terminated"), T) is None           # the kubelet finished it
+    assert d.note(_gone(node=""), T) is None                      # never on a node
+    unowned = _gone()
+    unowned["metadata"] = {**unowned["metadata"], "managedFields": []}
+    assert d.note(unowned, T) is None                             # an assignment vramshare did not write
+    bad = _gone()
+    bad["metadata"]["annotations"] = {**bad["metadata"]["annotations"], N.assignment: '{"c0": []}'}
+    assert d.note(bad, T) is None                                 # unreadable: nothing to book
+    assert d.current(T) == ()
+
+
+def test_the_report_is_bounded_latest_end_first_and_round_trips() -> None:
+    d = Departures(N)
+    for i in range(MAX_DEPARTING + 5):
+        d.note(_gone(f"p{i}", f"u{i}", grace=i), T)
+    now = d.current(T)
+    assert len(now) == MAX_DEPARTING and now[0].uid == f"u{MAX_DEPARTING + 4}"
+    inv = b.node_inventory(NODE, b.l4())
+    import dataclasses
+    text = contract_inventory.encode(dataclasses.replace(inv, departing=now))
+    assert contract_inventory.parse(text).departing == now
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_plugin_reports_a_force_deleted_pod_and_not_a_finished_one(api, http, start_plugin) -> None:
+    """Through the API double's watch and the plugin's own publisher: the forced deletion shows in the node's
+    inventory with the pod's GPUs; a graceful deletion the kubelet finished (containers terminated) does not."""
+    daemon = start_plugin(api=http)
+    gpu = daemon.state.snapshot.inventory.gpus[0].uuid
+
+    def departing() -> tuple:
+        text = (api.get_node(NODE)["metadata"].get("annotations") or {}).get(N.inventory)
+        return contract_inventory.parse(text).departing if text else ()
+
+    uids = {}
+    for name in ("forced", "finished"):
+        pod = _gone(name, gpus=((gpu, 20480),), grace=600)
+        created = api.create_pod({**pod, "status": {}})  # the API server gives it its UID
+        api.update(PODS, "default", name, lambda o, s=pod["status"]: o.__setitem__("status", s))
+        assert created["spec"]["nodeName"] == NODE
+        uids[name] = created["metadata"]["uid"]
+    assert _wait(lambda: len(daemon.pods.pods()) == 2)
+    api.finish_pod_deletion("default", "finished")
+    api.delete_pod("default", "forced")
+    assert _wait(lambda: [d.uid for d in departing()] == [uids["forced"]])
+    assert departing()[0].gpus == ((gpu, 20480),) and departing()[0].pod == "default/forced"
+    time.sleep(0.3)
+    assert [d.uid for d in departing()] == [uids["forced"]]
