@@ -109,6 +109,15 @@ class ExtenderProcess:
             return None
         return {g["uuid"]: (g["usedMiB"], g["totalMiB"]) for n in doc["nodes"] for g in n["gpus"]}
 
+    def book_pods(self) -> dict[str, dict[str, int]]:
+        """Per GPU the pods the books hold there (pod key -> MiB), for explaining a mismatch; {} while down."""
+        try:
+            resp = self.http.request("GET", f"{self.url}/inspect")
+            doc = orjson.loads(resp.data) if resp.status == 200 else {"nodes": []}
+        except (urllib3.exceptions.HTTPError, orjson.JSONDecodeError):
+            return {}
+        return {g["uuid"]: {p["pod"]: p["mib"] for p in g["pods"]} for n in doc["nodes"] for g in n["gpus"]}
+
 
 def signature(pod: Obj) -> tuple[str, int]:
     """The (resource, devices) the kubelet asks for the pod's single container."""
@@ -123,6 +132,8 @@ class KubeletStats:
     steering_misses: int = 0  # actual GPUs differ from the pod's own assignment
     ambiguous: int = 0  # admissions where several assumed pods shared the size
     unsteered: int = 0  # admissions the device plugin had no preference for (no plan, or plans differ)
+    # diagnostic: "<key>@<uid>" of live pods whose name an earlier admitted pod (another UID) still holds here
+    successor_unseen: set[str] = field(default_factory=set)
     admit_latency_s: list[float] = field(default_factory=list)
 
 
@@ -138,6 +149,7 @@ class KubeletSim(threading.Thread):
         self.delay, self.tick = admit_delay_s, tick_s
         self.rng = random.Random(seed)
         self.real: dict[str, dict[str, int]] = {}  # pod key -> gpu -> units (what containers got)
+        self.real_uid: dict[str, str] = {}  # pod key -> UID of the pod admitted under it (diagnostics)
         self.seen_bound: dict[str, float] = {}
         self.due: dict[str, float] = {}
         self.stats = KubeletStats()
@@ -151,6 +163,11 @@ class KubeletSim(threading.Thread):
     def reality_mib(self) -> dict[str, int]:
         with self.lock:
             return {g: self.used_units(g) * self.unit for g in self.node_of}
+
+    def holders(self, gpu: str) -> list[tuple[str, str, int]]:
+        """(pod key, UID admitted, MiB) of what the containers hold on ``gpu``, for explaining a mismatch."""
+        with self.lock:
+            return [(k, self.real_uid.get(k, ""), r[gpu] * self.unit) for k, r in sorted(self.real.items()) if gpu in r]
 
     def pending_admissions(self) -> int:
         with self.lock:
@@ -172,6 +189,9 @@ class KubeletSim(threading.Thread):
         with self.lock:
             for key in [k for k in self.real if k not in live]:  # deleted or finished: devices free
                 del self.real[key]
+                self.real_uid.pop(key, None)
+            self.stats.successor_unseen.update(f"{k}@{live[k]['metadata'].get('uid')}" for k, u in self.real_uid.items()
+                                               if live[k]["metadata"].get("uid") != u)
             for key in [k for k in self.seen_bound if k not in live]:
                 del self.seen_bound[key]
                 self.due.pop(key, None)
@@ -224,6 +244,7 @@ class KubeletSim(threading.Thread):
             (p["metadata"].get("annotations") or {}).get(N.assignment, "{}")).values() for e in es}
         waited = now - self.seen_bound.pop(key, now)
         self.due.pop(key, None)
+        self.real_uid[key] = p["metadata"].get("uid", "")
         if sum(got.values()) < want:
             self.stats.admission_failures += 1
             self.real[key] = {}
