@@ -221,12 +221,7 @@ class Soak:
         while not self.stop.wait(self.args.churn_interval_s):
             for name in [n for n in recreate if api.get_pod("default", n) is None]:
                 again(name, recreate.pop(name))
-            if hasattr(kubelet, "running_names"):
-                running = kubelet.running_names()
-            else:
-                with kubelet.lock:
-                    running = [k for k, r in kubelet.real.items() if r]
-            running = [k for k in running if k.split("/", 1)[1] not in recreate]
+            running = [k for k in kubelet.running_names() if k.split("/", 1)[1] not in recreate]
             if not running:
                 continue
             key = rng.choice(sorted(running))
@@ -304,7 +299,7 @@ class Soak:
         books = ext.book_pods()
         out = []
         for g in gpus:
-            real = kubelet.holders(g) if hasattr(kubelet, "holders") else []
+            real = kubelet.holders(g) if hasattr(kubelet, "holders") else []  # the model kubelet's
             names = sorted({k for k in books.get(g, {})} | {k for k, _, _ in real})
             api_now = {}
             for key in names:
