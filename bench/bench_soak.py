@@ -226,12 +226,7 @@ class Soak:
         while not self.stop.wait(self.args.churn_interval_s):
             for name in [n for n in recreate if api.get_pod("default", n) is None]:
                 again(name, recreate.pop(name))
-            if hasattr(kubelet, "running_names"):
-                running = kubelet.running_names()
-            else:
-                with kubelet.lock:
-                    running = [k for k, r in kubelet.real.items() if r]
-            running = [k for k in running if k.split("/", 1)[1] not in recreate]
+            running = [k for k in kubelet.running_names() if k.split("/", 1)[1] not in recreate]
             if not running:
                 continue
             key = rng.choice(sorted(running))
@@ -307,6 +302,27 @@ class Soak:
             if books:
                 self.over_books.update(g for g, (used, total) in books.items() if used > total)
 
+    @staticmethod
+    def _explain(api: ApiServerDouble, ext: Any, kubelet: Any, gpus: list[str]) -> list[dict[str, Any]]:
+        """Why each mismatched GPU differs: the pods the books hold there, what the containers hold (pod,
+        UID admitted), and each named pod as the API has it now (UID, node, state, assignment)."""
+        books = ext.book_pods()
+        out = []
+        for g in gpus:
+            real = kubelet.holders(g) if hasattr(kubelet, "holders") else []  # the model kubelet's
+            names = sorted({k for k in books.get(g, {})} | {k for k, _, _ in real})
+            api_now = {}
+            for key in names:
+                ns, _, name = key.partition("/")
+                p = api.get_pod(ns, name.split("@")[0])
+                ann = (p or {}).get("metadata", {}).get("annotations") or {}
+                api_now[key] = None if p is None else {
+                    "uid": p["metadata"].get("uid"), "node": p["spec"].get("nodeName"),
+                    "phase": (p.get("status") or {}).get("phase"), "state": ann.get(N.allocation_state),
+                    "assignment": ann.get(N.assignment)}
+            out.append({"gpu": g, "books": books.get(g, {}), "real": [list(r) for r in real], "api": api_now})
+        return out
+
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         a = self.args
@@ -376,6 +392,7 @@ class Soak:
                     break
                 time.sleep(0.2)
             settle_s = time.monotonic() - t1
+            mismatch_details = self._explain(api, ext, kubelet, sorted(mismatched)[:5]) if mismatched else []
             kubelet.stop_event.set()
             kubelet.join(5)
             node_figures: dict[str, Any] = {}
@@ -417,6 +434,8 @@ class Soak:
                         "steering_examples": getattr(kubelet.stats, "steering_examples", []),
                         "ambiguous_admissions": kubelet.stats.ambiguous,
                         "unsteered_admissions": kubelet.stats.unsteered,
+                        **({"successors_unseen": len(kubelet.stats.successor_unseen)}
+                           if hasattr(kubelet.stats, "successor_unseen") else {}),
                         "admit_after_bind_p50_s": round(lat[len(lat) // 2], 3) if lat else None},
             "gpus_over_capacity_assigned": len(self.over_assigned),
             "gpus_over_capacity_books": len(self.over_books),
@@ -428,6 +447,7 @@ class Soak:
             "gpus_over_capacity_assigned_incl_unbound": len(self.over_with_unbound),
             "mismatched_gpus_after_settle": len(mismatched),
             "mismatch_examples": dict(list(mismatched.items())[:5]),
+            "mismatch_details": mismatch_details,
             "over_capacity_examples": self.over_examples[:3],
             "pods_unbound_at_end_of_storm": len(unbound),
             "nodes": node_figures,

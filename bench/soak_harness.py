@@ -15,7 +15,13 @@ The kubelet stand-in reproduces what makes placement hard on a real node:
   devices, the kubelet's choice falls on whatever is free, so same-size pods with different plans may
   swap GPUs (what the hold's baseline shows);
 * after admission the device plugin writes the pod's actual GPUs into ``vramshare.io/assignment`` with
-  ``allocation-state: allocated`` (the reconcile of DESIGN.md section 3).
+  ``allocation-state: allocated`` (the reconcile of DESIGN.md section 3);
+* pods are known by UID (``kubelet/config/config.go podStorage.merge``): a pod deleted and recreated
+  under its name between two looks frees the old UID's devices (``devicemanager.ManagerImpl.
+  UpdateAllocatedDevices``) and is admitted anew, and nothing written for a pod lands on its successor
+  (``status_manager.go syncPod`` skips a recreated pod). Keyed by name until round 14, the successor
+  inherited its predecessor's devices and was never admitted: the "mismatches after settle" of the model
+  soak. A forced deletion is still modelled as the containers stopping at once (no termination grace).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import orjson
 import urllib3
@@ -116,6 +122,15 @@ class ExtenderProcess:
             return None
         return {g["uuid"]: (g["usedMiB"], g["totalMiB"]) for n in doc["nodes"] for g in n["gpus"]}
 
+    def book_pods(self) -> dict[str, dict[str, int]]:
+        """Per GPU the pods the books hold there (pod key -> MiB), for explaining a mismatch; {} while down."""
+        try:
+            resp = self.http.request("GET", f"{self.url}/inspect")
+            doc = orjson.loads(resp.data) if resp.status == 200 else {"nodes": []}
+        except (urllib3.exceptions.HTTPError, orjson.JSONDecodeError):
+            return {}
+        return {g["uuid"]: {p["pod"]: p["mib"] for p in g["pods"]} for n in doc["nodes"] for g in n["gpus"]}
+
 
 def signature(pod: Obj) -> tuple[str, int]:
     """The (resource, devices) the kubelet asks for the pod's single container."""
@@ -130,6 +145,9 @@ class KubeletStats:
     steering_misses: int = 0  # actual GPUs differ from the pod's own assignment
     ambiguous: int = 0  # admissions where several assumed pods shared the size
     unsteered: int = 0  # admissions the device plugin had no preference for (no plan, or plans differ)
+    # "<key>@<uid>" of pods recreated under their name before the kubelet's next look: the earlier UID is
+    # removed and its devices freed, the new one admitted on its own (until round 14 it inherited them)
+    successor_unseen: set[str] = field(default_factory=set)
     admit_latency_s: list[float] = field(default_factory=list)
 
 
@@ -144,8 +162,11 @@ class KubeletSim(threading.Thread):
         self.node_of = {g: n for n, gpus in capacity.items() for g in gpus}
         self.delay, self.tick = admit_delay_s, tick_s
         self.rng = random.Random(seed)
-        self.real: dict[str, dict[str, int]] = {}  # pod key -> gpu -> units (what containers got)
-        self.seen_bound: dict[str, float] = {}
+        # Pods are known by UID, as the kubelet knows them (``kubelet/config/config.go podStorage.merge``
+        # keys pods by UID: a name deleted and recreated between two looks is a REMOVE and an ADD).
+        self.real: dict[str, dict[str, int]] = {}  # pod UID -> gpu -> units (what containers got)
+        self.key_of: dict[str, str] = {}  # pod UID -> namespace/name
+        self.seen_bound: dict[str, float] = {}  # pod UID -> when first seen bound, until admitted
         self.due: dict[str, float] = {}
         self.stats = KubeletStats()
         self.stop_event = threading.Event()
@@ -159,6 +180,16 @@ class KubeletSim(threading.Thread):
         with self.lock:
             return {g: self.used_units(g) * self.unit for g in self.node_of}
 
+    def holders(self, gpu: str) -> list[tuple[str, str, int]]:
+        """(pod key, UID, MiB) of what the containers hold on ``gpu``, for explaining a mismatch."""
+        with self.lock:
+            return sorted((self.key_of[u], u, r[gpu] * self.unit) for u, r in self.real.items() if gpu in r)
+
+    def running_names(self) -> list[str]:
+        """namespace/name of the pods whose containers run (admitted, holding devices)."""
+        with self.lock:
+            return sorted(self.key_of[u] for u, r in self.real.items() if r)
+
     def pending_admissions(self) -> int:
         with self.lock:
             return len(self.seen_bound)
@@ -170,33 +201,40 @@ class KubeletSim(threading.Thread):
     def step(self) -> None:
         pods = self.api.pods()
         now = time.monotonic()
-        live = {}
+        live: dict[str, Obj] = {}  # UID -> pod
+        names: dict[str, str] = {}  # namespace/name -> UID
         for p in pods:
-            key = f"{p['metadata'].get('namespace', 'default')}/{p['metadata']['name']}"
             if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 continue
-            live[key] = p
+            uid = p["metadata"]["uid"]
+            live[uid] = p
+            names[f"{p['metadata'].get('namespace', 'default')}/{p['metadata']['name']}"] = uid
         with self.lock:
-            for key in [k for k in self.real if k not in live]:  # deleted or finished: devices free
-                del self.real[key]
-            for key in [k for k in self.seen_bound if k not in live]:
-                del self.seen_bound[key]
-                self.due.pop(key, None)
+            # ``devicemanager.ManagerImpl.UpdateAllocatedDevices``: the devices of every pod UID no longer
+            # active are free; a pod recreated under its name is another UID, admitted on its own
+            for uid in [u for u in self.real if u not in live]:
+                key = self.key_of.pop(uid)
+                del self.real[uid]
+                if key in names:  # the name came back under a new UID before this look
+                    self.stats.successor_unseen.add(f"{key}@{names[key]}")
+            for uid in [u for u in self.seen_bound if u not in live]:
+                del self.seen_bound[uid]
+                self.due.pop(uid, None)
             by_node: dict[str, list[Obj]] = {}
-            for key, p in live.items():
+            for uid, p in live.items():
                 node = p["spec"].get("nodeName")
-                if not node or key in self.real:
+                if not node or uid in self.real:
                     continue
-                if key not in self.seen_bound:
-                    self.seen_bound[key] = now
-                    self.due[key] = now + self.rng.uniform(*self.delay)
-                if self.due[key] <= now:
+                if uid not in self.seen_bound:
+                    self.seen_bound[uid] = now
+                    self.due[uid] = now + self.rng.uniform(*self.delay)
+                if self.due[uid] <= now:
                     by_node.setdefault(node, []).append(p)
             for node, ready in by_node.items():
                 # creation-time order at one-second resolution, ties in random order
                 self.rng.shuffle(ready)
                 ready.sort(key=lambda p: p["metadata"].get("creationTimestamp", ""))
-                assumed = [p for k, p in live.items() if p["spec"].get("nodeName") == node and k not in self.real
+                assumed = [p for u, p in live.items() if p["spec"].get("nodeName") == node and u not in self.real
                            and (p["metadata"].get("annotations") or {}).get(N.allocation_state) == "assumed"]
                 for p in ready:
                     self._admit(node, p, assumed, now)
@@ -229,14 +267,17 @@ class KubeletSim(threading.Thread):
                     free[gpu] -= take
         own = {e["uuid"]: e["mib"] // self.unit for es in orjson.loads(
             (p["metadata"].get("annotations") or {}).get(N.assignment, "{}")).values() for e in es}
-        waited = now - self.seen_bound.pop(key, now)
-        self.due.pop(key, None)
+        uid = p["metadata"]["uid"]
+        waited = now - self.seen_bound.pop(uid, now)
+        self.due.pop(uid, None)
+        self.key_of[uid] = key
+        ns, name = p["metadata"].get("namespace", "default"), p["metadata"]["name"]
         if sum(got.values()) < want:
             self.stats.admission_failures += 1
-            self.real[key] = {}
-            self.api.set_pod_phase(p["metadata"].get("namespace", "default"), p["metadata"]["name"], "Failed")
+            self.real[uid] = {}
+            self._write(ns, name, uid, _phase_failed)
             return
-        self.real[key] = got
+        self.real[uid] = got
         if got != own:
             self.stats.steering_misses += 1
         self.stats.admitted += 1
@@ -249,13 +290,31 @@ class KubeletSim(threading.Thread):
             ann[N.assignment] = actual
             ann[N.allocation_state] = contract.STATE_ALLOCATED
 
-        if not self.report:
-            return
+        if self.report:
+            self._write(ns, name, uid, report, manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)  # as the plugin writes it
+
+    def _write(self, ns: str, name: str, uid: str, change: Callable[[Obj], None], manager: str | None = None) -> None:
+        """Write for the pod ``uid`` only: gone, or recreated under its name since the List, nothing is
+        written. The kubelet's status manager skips a pod whose UID changed (``status_manager.go
+        syncPod``: "Pod was deleted and then recreated, skipping status update"); the device plugin's
+        report carries the resourceVersion it read (``kube_adapter.PodPatcher.apply``: 409)."""
+        def guarded(obj: Obj) -> None:
+            if obj["metadata"].get("uid") != uid:
+                raise _Replaced(f"{ns}/{name} is now {obj['metadata'].get('uid')}, not {uid}")
+            change(obj)
+
         try:
-            self.api.update(PODS, p["metadata"].get("namespace", "default"), p["metadata"]["name"], report,
-                            manager=contract.FIELD_MANAGER_DEVICE_PLUGIN)  # as the device plugin writes it
-        except Exception:  # noqa: BLE001 - deleted meanwhile
+            self.api.update(PODS, ns, name, guarded, manager=manager)
+        except Exception:  # noqa: BLE001 - deleted or replaced meanwhile
             pass
+
+
+class _Replaced(Exception):
+    """The pod a write was for is no longer the one of that name."""
+
+
+def _phase_failed(obj: Obj) -> None:
+    obj.setdefault("status", {})["phase"] = "Failed"
 
 
 def post(http: urllib3.PoolManager, url: str, verb: str, body: Obj) -> Any:
