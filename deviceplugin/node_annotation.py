@@ -84,5 +84,17 @@ class NodeAnnotationPublisher:
             log.info("published node annotation" if wanted is not REMOVED else "removed node annotation",
                      node=self._node, annotation=self._key, bytes=len(wanted) if isinstance(wanted, str) else 0)
 
+    def current(self) -> str | None:
+        """The annotation's value on the node now (one GET), what an earlier run left; ``None`` when
+        absent or when the API server did not answer (logged)."""
+        try:
+            node = decode(self._v1.read_node(self._node, _preload_content=False, _request_timeout=TIMEOUT_S))
+        except (ApiException, HTTPError, ValueError) as exc:
+            log.warning("read node annotation failed", node=self._node, annotation=self._key,
+                        error=why(exc) if not isinstance(exc, ValueError) else str(exc))
+            return None
+        value = ((node.get("metadata") or {}).get("annotations") or {}).get(self._key)
+        return value if isinstance(value, str) else None
+
     def stop(self) -> None:
         self._wake.set()

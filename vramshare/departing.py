@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from vramshare import contract, managed
 from vramshare.contract import assignment
@@ -120,6 +120,16 @@ class Departures:
         with self._lock:
             self._by_uid[uid] = entry
         return entry
+
+    def restore(self, entries: Iterable[DepartingPod], now_s: float) -> int:
+        """An earlier run's report (the inventory it left on the node): the records not ended yet are kept,
+        so a restarted node agent does not drop pods still in their grace; returns how many."""
+        kept = [e for e in entries if e.until_s > now_s]
+        with self._lock:
+            for e in kept:
+                if e.uid not in self._by_uid or self._by_uid[e.uid].until_s < e.until_s:
+                    self._by_uid[e.uid] = e
+        return len(kept)
 
     def current(self, now_s: float) -> tuple[DepartingPod, ...]:
         """The records not ended yet, the latest to end first, at most ``max_entries`` (ended ones are

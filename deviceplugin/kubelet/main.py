@@ -185,6 +185,20 @@ class DevicePluginDaemon(NodeDaemon):
         self._publish_inventory()
         self._departures_poked.set()
 
+    def _restore_departures(self) -> None:
+        """A restarted plugin keeps the departing pods its predecessor reported and whose grace runs on
+        (read back from the node's inventory before the first publish would drop them)."""
+        text = self.publisher.current() if self.publisher is not None else None
+        if not text:
+            return
+        try:
+            kept = self.departures.restore(contract_inventory.parse(text).departing, time.time())
+        except contract_inventory.InventoryError as exc:
+            log.warning("the node's last inventory is unreadable; no departing pods kept", error=str(exc))
+            return
+        if kept:
+            log.info("departing pods kept from the node's last inventory", pods=kept)
+
     def _departures_loop(self) -> None:
         """Body of the ``departures`` thread: republish when a departing pod's report ends, so the
         inventory lists only pods that may still run."""
@@ -226,6 +240,7 @@ class DevicePluginDaemon(NodeDaemon):
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
         if self.publisher is not None:
+            self._restore_departures()
             self._publish_inventory()
             self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
             self._spawn("departures", self._departures_loop)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
+from deviceplugin.simulated_backend import SimulatedBackend
 from standins.apiserver import PODS
-from tests.deviceplugin.conftest import NODE
+from tests.deviceplugin.conftest import MIXED, NODE
 from tests.extender import builders as b
 from vramshare import contract
 from vramshare.contract import inventory as contract_inventory
@@ -97,3 +98,34 @@ def test_the_plugin_reports_a_force_deleted_pod_and_not_a_finished_one(api, http
     assert departing()[0].gpus == ((gpu, 20480),) and departing()[0].pod == "default/forced"
     time.sleep(0.3)
     assert [d.uid for d in departing()] == [uids["forced"]]
+
+
+def test_a_restarted_plugin_keeps_what_its_predecessor_reported(api, http, start_plugin) -> None:
+    """The report is in memory too: a plugin restarted inside a pod's grace reads the node's last inventory
+    back before its first publish, which would otherwise drop the pod for the rest of its grace."""
+    first = start_plugin(api=http)
+    gpu = first.state.snapshot.inventory.gpus[0].uuid
+    pod = _gone("forced", gpus=((gpu, 20480),), grace=600)
+    created = api.create_pod({**pod, "status": {}})
+    api.update(PODS, "default", "forced", lambda o: o.__setitem__("status", pod["status"]))
+    assert _wait(lambda: len(first.pods.pods()) == 1)
+    api.delete_pod("default", "forced")
+
+    def departing() -> list[str]:
+        text = (api.get_node(NODE)["metadata"].get("annotations") or {}).get(N.inventory)
+        return [d.uid for d in contract_inventory.parse(text).departing] if text else []
+
+    assert _wait(lambda: departing() == [created["metadata"]["uid"]])
+    first.close()
+    second = start_plugin(api=http, gpus=SimulatedBackend.from_file(MIXED))  # the first closed its backend
+    assert [e.uid for e in second.departures.current(time.time())] == [created["metadata"]["uid"]]
+    time.sleep(0.3)
+    assert departing() == [created["metadata"]["uid"]]
+
+
+def test_restore_keeps_only_records_not_ended() -> None:
+    d = Departures(N)
+    live, ended = _gone(uid="live"), _gone(uid="ended", grace=0)
+    entries = (Departures(N).note(live, T), Departures(N).note(ended, T))
+    assert d.restore([e for e in entries if e is not None], T + 6) == 1
+    assert [e.uid for e in d.current(T + 6)] == ["live"]
