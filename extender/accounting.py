@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from extender import cluster, held_pick, holds, parsed, placement, translate, verbs
 from vramshare import contract, inventory, logs, managed, podspec
-from vramshare.departing import TERMINAL_PHASES, DepartingPod, booked_seconds, may_still_run
+from vramshare.departing import TERMINAL_PHASES, DepartingPod, booked_seconds, ghost_key, may_still_run
 from vramshare.config import Config, Policy
 
 __all__ = ["Accounting", "TERMINAL_PHASES"]
@@ -307,7 +307,7 @@ class Accounting:
     def _stopped(self, key: str, uid: str, pod: Obj) -> None:
         """The end of a pod kept as departing (:meth:`_supersede`) frees it once it shows its containers
         stopped."""
-        ghost = f"{key}@{uid}"
+        ghost = ghost_key(key, uid)
         if ghost in self._departing and not may_still_run(pod):
             del self._departing[ghost]
             self.state.remove_pod(ghost)
@@ -486,7 +486,7 @@ class Accounting:
         if not allocations:  # holds nothing now
             return
         uid = (pod.get("metadata") or {}).get("uid") or "?"
-        ghost = f"{key}@{uid}"
+        ghost = ghost_key(key, uid)
         until = self.clock() + booked_seconds(pod) * 1_000_000_000
         if ghost in self._departing:  # the node's report came first: it is booked, the caller frees ``key``
             self._departing[ghost] = max(self._departing[ghost], until)

@@ -71,8 +71,12 @@ class DepartingPod:
 
     @property
     def ghost(self) -> str:
-        """The key its booking has in the extender's books: never a live pod's (``ns/name``) key."""
-        return f"{self.pod}@{self.uid}"
+        return ghost_key(self.pod, self.uid)
+
+
+def ghost_key(pod_key: str, uid: str) -> str:
+    """The key a departing pod's booking has in the extender's books: never a live pod's (``ns/name``)."""
+    return f"{pod_key}@{uid}"
 
 
 _OURS = frozenset({contract.FIELD_MANAGER_EXTENDER, contract.FIELD_MANAGER_DEVICE_PLUGIN})
