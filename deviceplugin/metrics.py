@@ -120,6 +120,9 @@ class PluginMetrics:
         self.pod_resources_up = Gauge(_PREFIX + "pod_resources_up", "1 when the kubelet's PodResources List "
                                       "answered in the last round; 0: pods' actual GPUs are unknown and "
                                       "nothing is guessed", registry=self.registry)
+        self.departing = Counter(_PREFIX + "departing_pods", "Pods of this node deleted while their containers "
+                                 "may still run (a forced deletion), reported in the inventory for their grace",
+                                 registry=self.registry)
         self.config_reloads = config_reloads_counter(self.registry, _PREFIX)
         self.restart_pending = restart_pending_gauge(self.registry, _PREFIX)
         self._attached = False

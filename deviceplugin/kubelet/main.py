@@ -180,6 +180,7 @@ class DevicePluginDaemon(NodeDaemon):
         entry = self.departures.note(pod, time.time())
         if entry is None:
             return
+        self.metrics.departing.inc()
         log.warning("pod deleted while its containers may still run; reported as departing", pod=entry.pod,
                     uid=entry.uid, gpus=",".join(g for g, _ in entry.gpus), until=entry.until_s)
         self._publish_inventory()

@@ -96,6 +96,7 @@ def test_the_plugin_reports_a_force_deleted_pod_and_not_a_finished_one(api, http
     api.delete_pod("default", "forced")
     assert _wait(lambda: [d.uid for d in departing()] == [uids["forced"]])
     assert departing()[0].gpus == ((gpu, 20480),) and departing()[0].pod == "default/forced"
+    assert daemon.metrics.registry.get_sample_value("vramshare_deviceplugin_departing_pods_total") == 1
     time.sleep(0.3)
     assert [d.uid for d in departing()] == [uids["forced"]]
 
