@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from vramshare import contract
 from vramshare.contract import config_in_force
@@ -286,12 +286,8 @@ def _dynamic_from(raw: Any, where: str) -> DynamicMig | None:
     inst = raw.get("instances") or []
     if not isinstance(inst, list) or len(inst) > _MIG_SLOTS:
         raise InventoryError(f"{where}.instances: expected a list of at most {_MIG_SLOTS} instances")
-    instances = []
-    for j, i in enumerate(inst):
-        if not isinstance(i, dict):
-            raise InventoryError(f"{where}.instances[{j}]: expected an object")
-        instances.append((_need(i, "profile", str, f"{where}.instances[{j}]"),
-                          _int(i, "start", f"{where}.instances[{j}]", 0, _MIG_SLOTS - 1)))
+    instances = [(_need(i, "profile", str, iw), _int(i, "start", iw, 0, _MIG_SLOTS - 1))
+                 for iw, i in _objects(inst, f"{where}.instances")]
     free_raw = raw.get("free") or {}
     if not isinstance(free_raw, dict) or len(free_raw) > _MAX_PROFILES:
         raise InventoryError(f"{where}.free: expected an object of at most {_MAX_PROFILES} profiles")
@@ -327,6 +323,14 @@ def _int(obj: Mapping[str, Any], key: str, where: str, lo: int, hi: int, default
     return value
 
 
+def _objects(items: list[Any], where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each item of a JSON list that must hold objects, with its place (``where[i]``) for errors."""
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InventoryError(f"{where}[{i}]: expected an object")
+        yield f"{where}[{i}]", item
+
+
 def _bool(obj: Mapping[str, Any], key: str, where: str) -> bool:
     value = obj.get(key, True)
     if not isinstance(value, bool):
@@ -354,10 +358,7 @@ def inventory_from_dict(data: Any) -> NodeInventory:
     if len(raw_gpus) > MAX_GPUS:
         raise InventoryError(f"inventory.gpus: {len(raw_gpus)} GPUs, more than {MAX_GPUS}")
     gpus = []
-    for i, g in enumerate(raw_gpus):
-        where = f"inventory.gpus[{i}]"
-        if not isinstance(g, dict):
-            raise InventoryError(f"{where}: expected an object")
+    for where, g in _objects(raw_gpus, "inventory.gpus"):
         try:
             mode = GpuMode(g.get("mode", GpuMode.SHARED.value))
         except ValueError as exc:
@@ -367,10 +368,7 @@ def inventory_from_dict(data: Any) -> NodeInventory:
         if not isinstance(raw_mig, list) or len(raw_mig) > 64:
             raise InventoryError(f"{where}.mig: expected a list of at most 64 MIG devices")
         migs = []
-        for j, m in enumerate(raw_mig):
-            mw = f"{where}.mig[{j}]"
-            if not isinstance(m, dict):
-                raise InventoryError(f"{mw}: expected an object")
+        for mw, m in _objects(raw_mig, f"{where}.mig"):
             migs.append(MigInstance(
                 uuid=_need(m, "uuid", str, mw), profile=_need(m, "profile", str, mw),
                 memory_mib=_int(m, "memoryMiB", mw, 0, MAX_MIB), gi=_int(m, "gi", mw, 0, 1 << 16, default=None),
@@ -409,10 +407,7 @@ def _departing_from(raw: Any) -> tuple[DepartingPod, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_DEPARTING:
         raise InventoryError(f"inventory.departing: expected a list of at most {MAX_DEPARTING} pods")
     out = []
-    for i, d in enumerate(raw):
-        where = f"inventory.departing[{i}]"
-        if not isinstance(d, dict):
-            raise InventoryError(f"{where}: expected an object")
+    for where, d in _objects(raw, "inventory.departing"):
         pod, uid = _need(d, "pod", str, where), _need(d, "uid", str, where)
         if not 0 < len(pod) <= 2 * 253 + 1 or "/" not in pod or not 0 < len(uid) <= 128:
             raise InventoryError(f"{where}: want pod \"<namespace>/<name>\" and a uid, got {pod!r:.80} {uid!r:.80}")
@@ -420,10 +415,7 @@ def _departing_from(raw: Any) -> tuple[DepartingPod, ...]:
         if not entries or len(entries) > MAX_GPUS:
             raise InventoryError(f"{where}.gpus: expected 1 to {MAX_GPUS} GPUs")
         held = []
-        for j, g in enumerate(entries):
-            gw = f"{where}.gpus[{j}]"
-            if not isinstance(g, dict):
-                raise InventoryError(f"{gw}: expected an object")
+        for gw, g in _objects(entries, f"{where}.gpus"):
             uuid = _need(g, "uuid", str, gw)
             if not 0 < len(uuid) <= 128:
                 raise InventoryError(f"{gw}.uuid: want 1 to 128 characters, got {uuid!r:.80}")

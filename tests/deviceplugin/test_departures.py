@@ -13,6 +13,7 @@ import time
 from deviceplugin.simulated_backend import SimulatedBackend
 from standins.apiserver import PODS
 from tests.deviceplugin.conftest import MIXED, NODE
+from tests.extender.conftest import eventually
 from tests.extender import builders as b
 from vramshare import contract
 from vramshare.contract import inventory as contract_inventory
@@ -65,15 +66,6 @@ def test_the_report_is_bounded_latest_end_first_and_round_trips() -> None:
     assert contract_inventory.parse(text).departing == now
 
 
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_the_plugin_reports_a_force_deleted_pod_and_not_a_finished_one(api, http, start_plugin) -> None:
     """Through the API double's watch and the plugin's own publisher: the forced deletion shows in the node's
     inventory with the pod's GPUs; a graceful deletion the kubelet finished (containers terminated) does not."""
@@ -91,10 +83,10 @@ def test_the_plugin_reports_a_force_deleted_pod_and_not_a_finished_one(api, http
         api.update(PODS, "default", name, lambda o, s=pod["status"]: o.__setitem__("status", s))
         assert created["spec"]["nodeName"] == NODE
         uids[name] = created["metadata"]["uid"]
-    assert _wait(lambda: len(daemon.pods.pods()) == 2)
+    assert eventually(lambda: len(daemon.pods.pods()) == 2)
     api.finish_pod_deletion("default", "finished")
     api.delete_pod("default", "forced")
-    assert _wait(lambda: [d.uid for d in departing()] == [uids["forced"]])
+    assert eventually(lambda: [d.uid for d in departing()] == [uids["forced"]])
     assert departing()[0].gpus == ((gpu, 20480),) and departing()[0].pod == "default/forced"
     assert daemon.metrics.registry.get_sample_value("vramshare_deviceplugin_departing_pods_total") == 1
     time.sleep(0.3)
@@ -109,14 +101,14 @@ def test_a_restarted_plugin_keeps_what_its_predecessor_reported(api, http, start
     pod = _gone("forced", gpus=((gpu, 20480),), grace=600)
     created = api.create_pod({**pod, "status": {}})
     api.update(PODS, "default", "forced", lambda o: o.__setitem__("status", pod["status"]))
-    assert _wait(lambda: len(first.pods.pods()) == 1)
+    assert eventually(lambda: len(first.pods.pods()) == 1)
     api.delete_pod("default", "forced")
 
     def departing() -> list[str]:
         text = (api.get_node(NODE)["metadata"].get("annotations") or {}).get(N.inventory)
         return [d.uid for d in contract_inventory.parse(text).departing] if text else []
 
-    assert _wait(lambda: departing() == [created["metadata"]["uid"]])
+    assert eventually(lambda: departing() == [created["metadata"]["uid"]])
     first.close()
     second = start_plugin(api=http, gpus=SimulatedBackend.from_file(MIXED))  # the first closed its backend
     assert [e.uid for e in second.departures.current(time.time())] == [created["metadata"]["uid"]]
