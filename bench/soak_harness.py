@@ -72,7 +72,7 @@ class ExtenderProcess:
         with open(config, "w", encoding="utf-8") as fh:
             fh.write(config_yaml)
         self.cmd = [sys.executable, "-c", "import sys; from vramshare_cli.main import main; sys.exit(main())",
-                    "--log-level", "warning", "extender", "--listen", f"127.0.0.1:{self.port}",
+                    "--log-level", os.environ.get("VRAMSHARE_SOAK_LOG_LEVEL", "warning"), "extender", "--listen", f"127.0.0.1:{self.port}",
                     "--kubeconfig", kubeconfig, "--config", config]
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = urllib3.PoolManager(retries=False, timeout=urllib3.Timeout(connect=0.5, read=5))

@@ -373,13 +373,23 @@ class PluginNodeSim(threading.Thread):
             self.stats.admit_latency_s.append(waited)
             got = self._gpus_of(n, uid)
             self.real[uid] = {g: sum(m for m in mib.values()) // self.unit for g, mib in _per_gpu(got).items()}
-            own = {e["uuid"]: e["mib"] // self.unit for es in json.loads(
-                (meta.get("annotations") or {}).get(N.assignment, "{}")).values() for e in es}
+            own = self._units(p)
             if self.real[uid] != own:
                 self.stats.steering_misses += 1
                 if len(self.stats.steering_examples) < 5:
-                    self.stats.steering_examples.append({"pod": meta["name"], "uid": uid, "planned": own,
-                                                         "got": self.real[uid], "at": round(time.time(), 2)})
+                    self.stats.steering_examples.append({
+                        "pod": meta["name"], "uid": uid, "planned": own, "got": self.real[uid], "at": round(time.time(), 2),
+                        # what steering saw: the node's other pods of this size not admitted yet, and their plans
+                        "same_size_waiting": sorted(
+                            f"{q['metadata']['name']}:{(q['metadata'].get('annotations') or {}).get(N.allocation_state)}:"
+                            f"{(q['metadata'].get('annotations') or {}).get(N.assignment)}"
+                            for q in n.view.snapshot if q["metadata"]["uid"] not in n.dm.pods
+                            and q["metadata"]["uid"] != uid and sum(self._units(q).values()) == sum(own.values()))})
+
+    def _units(self, pod: Obj) -> dict[str, int]:
+        """GPU -> units a pod's assignment names (its plan, or the plugin's report)."""
+        text = (pod["metadata"].get("annotations") or {}).get(N.assignment) or "{}"
+        return {e["uuid"]: e["mib"] // self.unit for es in json.loads(text).values() for e in es}
 
     def _gpus_of(self, n: Node, uid: str) -> dict[str, dict[str, int]]:
         """Per container, GPU -> MiB the kubelet model's grants stand for (the truth)."""
