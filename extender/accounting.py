@@ -504,14 +504,19 @@ class Accounting:
         each not booked yet is booked under its own key until the end the node gave. That is the only
         record an extender restarted inside the grace has of them. A pod the watch still shows live under
         that UID stays booked as itself (its deletion, once delivered, keeps it by the rule above); a
-        report that ended, or of GPUs the node no longer has, books nothing."""
+        report that ended, or of GPUs the node no longer has, books nothing. A pod booked by our own rule
+        keeps its booking until the node's end where that is later: the node saw the deletion later than
+        we did, and an extender restarted after our end and before the node's would book it again on GPUs
+        we had planned meanwhile (the soak found a GPU over capacity in the books so)."""
         now = self.clock()
         here = {u.slot.uuid for u in self.state.node_usage(node)}
         for d in self._node_departing.get(node, ()):
             until = d.until_s * 1_000_000_000
             live = self.pods.get(d.pod)
-            if until <= now or d.ghost in self._departing or (
-                    live is not None and (live.get("metadata") or {}).get("uid") == d.uid):
+            if d.ghost in self._departing:  # booked by our own rule: it ends at the later of the two ends (a
+                self._departing[d.ghost] = max(self._departing[d.ghost], until)  # restart would book the node's)
+                continue
+            if until <= now or (live is not None and (live.get("metadata") or {}).get("uid") == d.uid):
                 continue
             allocations = tuple((g, mib) for g, mib in d.gpus if g in here)
             if not allocations:

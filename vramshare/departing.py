@@ -13,6 +13,7 @@ admission). Two parts keep such a pod's GPUs booked for its grace, by the one ru
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -120,7 +121,7 @@ class Departures:
                 held[g.uuid] = min(held.get(g.uuid, 0) + g.mib, assignment.MAX_MIB)
         if not held:
             return None
-        entry = DepartingPod(_pod_key(pod), uid, int(now_s) + booked_seconds(pod), tuple(sorted(held.items())))
+        entry = DepartingPod(_pod_key(pod), uid, math.ceil(now_s) + booked_seconds(pod), tuple(sorted(held.items())))
         with self._lock:
             self._by_uid[uid] = entry
         return entry

@@ -116,3 +116,25 @@ def test_a_malformed_report_keeps_the_node_s_last_good_inventory() -> None:
                 '{"pod": "default/p"}'):
         acct.apply_node("MODIFIED", b.gpu_node("n1", b.l4(), annotation=inv[:-1] + f',"departing":{bad}}}'))
         assert [s.uuid for s in acct.slots["n1"]] == [GPU] and used(acct) == 0
+
+
+def test_our_own_booking_lasts_until_the_node_s_end_when_that_is_later() -> None:
+    """Found by the soak (seed 59, forced recreations, kills every 4 s: one GPU over capacity in the books). The
+    node sees a deletion a little after the extender; had the extender freed the GPU at its own end and planned
+    another pod there, a successor restarted before the node's end would book the departing pod on top."""
+    clock = Clock()
+    acct = _acct(clock)
+    p = b.assigned(b.pod("p", 20, uid="uid-old"), "n1", [(GPU, 20480)], T0, state=contract.STATE_ALLOCATED)
+    p = {**p, "spec": {**p["spec"], "terminationGracePeriodSeconds": 2},
+         "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+    acct.apply_pod("ADDED", p)
+    acct.apply_pod("DELETED", p)                 # our end: T0 + 7 s
+    acct.apply_node("MODIFIED", _node(_gone(seconds=9)))  # the node's: T0 + 9 s
+    clock.now += 8 * SEC
+    acct.expire()
+    assert used(acct) == 20480
+    with pytest.raises(cluster.OverCommit):
+        acct.reserve("default/q", "n1", [(GPU, 20480)], clock(), uid="uid-q")
+    clock.now += 2 * SEC
+    acct.expire()
+    assert used(acct) == 0
