@@ -54,8 +54,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from extender import cluster, held_pick, holds, parsed, placement, translate, verbs
 from vramshare import contract, inventory, logs, managed, podspec
-from vramshare.departing import TERMINAL_PHASES, DepartingPod, booked_seconds, ghost_key, may_still_run
 from vramshare.config import Config, Policy
+from vramshare.departing import TERMINAL_PHASES, DepartingPod, booked_seconds, ghost_key, may_still_run
 
 __all__ = ["Accounting", "TERMINAL_PHASES"]
 
@@ -487,7 +487,8 @@ class Accounting:
             return
         uid = (pod.get("metadata") or {}).get("uid") or "?"
         ghost = ghost_key(key, uid)
-        until = self.clock() + booked_seconds(pod) * 1_000_000_000
+        reported = [d.until_s * 1_000_000_000 for d in self._node_departing.get(hold.node, ()) if d.ghost == ghost]
+        until = max([self.clock() + booked_seconds(pod) * 1_000_000_000, *reported])  # the node's end, where later
         if ghost in self._departing:  # the node's report came first: it is booked, the caller frees ``key``
             self._departing[ghost] = max(self._departing[ghost], until)
             return

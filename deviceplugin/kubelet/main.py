@@ -3,12 +3,12 @@
 Threads (all named, all started by :meth:`DevicePluginDaemon.start`, all stopped by ``close``):
 ``kubelet-watch`` (sockets, Register, restarts), ``gpu-health`` (the backend's health watch),
 ``inventory-publisher``, ``pod-watch`` and ``departures`` (node annotation, this node's pods, and the
-inventory's deleted pods that may still run; only with an API server), ``reconcile`` (PodResources -> each pod's actual GPUs and its quota link) and
-``metrics-http``. Start order matters: the pod cache syncs (bounded wait) and one reconcile round
-reads PodResources *before* the gRPC servers register, so a restarted plugin knows what the kubelet
-already handed out before it serves anything. Threads,
-not asyncio: NVML and the kubernetes client block. A thread that dies unexpectedly stops the
-daemon, so the DaemonSet restarts it rather than leaving a plugin that looks alive but is not.
+inventory's deleted pods that may still run; only with an API server), ``reconcile`` (PodResources ->
+each pod's actual GPUs and its quota link) and ``metrics-http``. Start order matters: the pod cache
+syncs (bounded wait) and one reconcile round reads PodResources *before* the gRPC servers register, so a
+restarted plugin knows what the kubelet already handed out before it serves anything. Threads, not
+asyncio: NVML and the kubernetes client block. A thread that dies unexpectedly stops the daemon, so the
+DaemonSet restarts it rather than leaving a plugin that looks alive but is not.
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.serve import NodeDaemon, serve, wait_poked
 from vramshare import kube, logs
-from vramshare.departing import Departures
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config, node_limits
 from vramshare.contract import inventory as contract_inventory
+from vramshare.departing import Departures
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
@@ -205,7 +205,8 @@ class DevicePluginDaemon(NodeDaemon):
         inventory lists only pods that may still run."""
         while not self._stop.is_set():
             end = self.departures.next_end_s()
-            wait_poked(self._stop, self._departures_poked, 3600.0 if end is None else max(0.0, end - time.time()))
+            wait = 3600.0 if end is None else max(0.0, end - time.time())
+            wait_poked(self._stop, self._departures_poked, wait)
             if end is not None and time.time() >= end:
                 self._publish_inventory()
 

@@ -138,3 +138,22 @@ def test_our_own_booking_lasts_until_the_node_s_end_when_that_is_later() -> None
     clock.now += 2 * SEC
     acct.expire()
     assert used(acct) == 0
+
+
+def test_a_deletion_after_the_node_s_report_also_lasts_until_the_node_s_end() -> None:
+    """The other order of the same two ends: the node's report comes while the watch still shows the pod
+    (booked as itself), then the deletion books it by our own rule, until the node's end where later."""
+    clock = Clock()
+    acct = _acct(clock)
+    p = b.assigned(b.pod("p", 20, uid="uid-old"), "n1", [(GPU, 20480)], T0, state=contract.STATE_ALLOCATED)
+    p = {**p, "spec": {**p["spec"], "terminationGracePeriodSeconds": 2},
+         "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+    acct.apply_pod("ADDED", p)
+    acct.apply_node("MODIFIED", _node(_gone(seconds=9)))
+    acct.apply_pod("DELETED", p)                 # our end: T0 + 7 s; the node's: T0 + 9 s
+    clock.now += 8 * SEC
+    acct.expire()
+    assert used(acct) == 20480
+    clock.now += 2 * SEC
+    acct.expire()
+    assert used(acct) == 0
