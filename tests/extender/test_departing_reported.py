@@ -157,3 +157,56 @@ def test_a_deletion_after_the_node_s_report_also_lasts_until_the_node_s_end() ->
     clock.now += 2 * SEC
     acct.expire()
     assert used(acct) == 0
+
+
+# -- every order of the same events --------------------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_ACTIONS = st.lists(st.sampled_from(["delete_seen", "node_reports", "restart", "tick", "tick", "relist", "node_again"]),
+                    max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(actions=_ACTIONS, node_lag_s=st.integers(0, 2), grace=st.integers(0, 5))
+def test_a_force_deleted_pod_stays_booked_once_in_every_order_until_its_grace_ends(actions, node_lag_s, grace):
+    """A pod on the GPU is force deleted at T0 while its containers may run until T0 + grace. In any order of
+    the extender seeing the deletion, the node publishing its report (``node_lag_s`` later than the deletion,
+    as its watch delivers), extender restarts (a fresh process that lists nodes and pods: the pod is gone),
+    relists and time passing: whenever the extender has seen the deletion or the node's report, or still
+    sees the pod, the GPU holds the pod's memory exactly once until its grace has passed; once every end has
+    passed, nothing stays booked. (A restart, or a relist, before the node's report lands sees nothing.)"""
+    clock = Clock()
+    p = b.assigned(b.pod("p", 20, uid="uid-old"), "n1", [(GPU, 20480)], T0, state=contract.STATE_ALLOCATED)
+    p = {**p, "spec": {**p["spec"], "terminationGracePeriodSeconds": grace},
+         "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+    report = _gone(seconds=node_lag_s + grace + 5)
+    acct, published, covered, seen_delete = _acct(clock), False, True, False
+    acct.apply_pod("ADDED", p)
+    for action in actions:
+        if action == "delete_seen" and not seen_delete and covered:  # the watch of this process delivers it
+            acct.apply_pod("DELETED", p)
+            seen_delete = True
+        elif action == "node_reports" and clock() >= T0 + node_lag_s * SEC:
+            published = True
+            acct.apply_node("MODIFIED", _node(report))
+            covered = True
+        elif action == "node_again" and published:  # a heartbeat, or another change of the inventory
+            acct.apply_node("MODIFIED", _node(report))
+        elif action == "restart":
+            acct = _acct(clock, *((report,) if published else ()))
+            acct.replace_pods([], clock())
+            covered, seen_delete = published, True  # the new process never sees the pod nor its deletion
+        elif action == "relist":  # the watch broke: a list, which lacks the pod
+            acct.replace_pods([], clock())
+            if not seen_delete:  # gone at resync: only the node's report (if read) keeps it
+                covered, seen_delete = published, True
+        elif action == "tick":
+            clock.now += SEC
+            acct.expire()
+        if covered and clock() < T0 + grace * SEC:
+            assert used(acct) == 20480, (action, clock() - T0)
+        assert used(acct) in (0, 20480)
+    if seen_delete:
+        clock.now = T0 + (node_lag_s + grace + 7) * SEC
+        acct.expire()
+        assert used(acct) == 0
