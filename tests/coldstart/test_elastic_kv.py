@@ -159,6 +159,18 @@ def test_sum_held_never_exceeds_the_gpu_and_every_growth_wait_ends(deps, ratio, 
         assert res.growth_waits == 0 and res.waited_for_memory == 0
 
 
+def test_a_wake_that_never_finds_memory_before_the_horizon_is_censored_there():
+    """The run ends at the horizon even where a waiting wake would find memory only long after it: A holds
+    the one GPU awake far past the horizon, B's wake waits (asked again every ``max_wait_s``). Asked again for
+    ever, it kept the event loop going (CI hung on hypothesis seed 2 of the property above)."""
+    a = cs.Deployment("a", 27.5 * GIB, 40 * GIB, np.array([[0.0, 1e12]]), overcommit=False)
+    b = cs.Deployment("b", 8 * GIB, 20 * GIB, np.array([[100.0, 200.0]]), overcommit=False)
+    pl = cs.Placement({"a": 0, "b": 0}, 1)
+    res = cs.warm_tier([a, b], cs.Cluster(1, 48 * GIB), pl, 300.0, 4000.0, COSTS, count_from=0, relocate=True)
+    assert res.wait_s == [pytest.approx(4000.0 - 100.0)]  # censored at the horizon
+    assert res.over_capacity == 0
+
+
 def test_books_at_whole_slices_never_wait_however_many_growths_and_shrinks():
     """A GPU packed to the byte (40 + 40 of 80 GiB) with two elastic engines growing and shrinking every
     window for three days: its books are whole slices, so no growth may ever wait. (The first version
