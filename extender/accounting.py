@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Mapping
 from extender import cluster, held_pick, holds, parsed, placement, translate, verbs
 from vramshare import contract, inventory, logs, managed, podspec
 from vramshare.config import Config, Policy
-from vramshare.departing import TERMINAL_PHASES, DepartingPod, booked_seconds, ghost_key, may_still_run
+from vramshare.departing import TERMINAL_PHASES, DepartingPod, booked_seconds, ghost_key, may_still_run, pod_key
 
 __all__ = ["Accounting", "TERMINAL_PHASES"]
 
@@ -76,11 +76,6 @@ class _Hold:
     @property
     def stamp(self) -> int:
         return self.assume_ns if self.raw_ns < 0 else self.raw_ns
-
-
-def _key(obj: Obj) -> str:
-    meta = obj.get("metadata") or {}
-    return f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
 
 
 class Accounting:
@@ -264,7 +259,7 @@ class Accounting:
 
     # -- pods -----------------------------------------------------------------------------
     def apply_pod(self, event: str, pod: Obj) -> None:
-        key = _key(pod)
+        key = pod_key(pod)
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         with self.lock:
             phase = (pod.get("status") or {}).get("phase")
@@ -540,7 +535,7 @@ class Accounting:
         with self.lock:
             seen = set()
             for pod in items:
-                seen.add(_key(pod))
+                seen.add(pod_key(pod))
                 self._safely(self.apply_pod, pod)
             for key in [k for k in self.pods if k not in seen]:
                 self.pods.pop(key)

@@ -83,7 +83,8 @@ def ghost_key(pod_key: str, uid: str) -> str:
 _OURS = frozenset({contract.FIELD_MANAGER_EXTENDER, contract.FIELD_MANAGER_DEVICE_PLUGIN})
 
 
-def _pod_key(pod: Obj) -> str:
+def pod_key(pod: Obj) -> str:
+    """``namespace/name``: how the extender's books key a pod (a recreated pod has the same key)."""
     meta = pod.get("metadata") or {}
     return f"{meta.get('namespace') or 'default'}/{meta.get('name', '')}"
 
@@ -121,7 +122,7 @@ class Departures:
                 held[g.uuid] = min(held.get(g.uuid, 0) + g.mib, assignment.MAX_MIB)
         if not held:
             return None
-        entry = DepartingPod(_pod_key(pod), uid, math.ceil(now_s) + booked_seconds(pod), tuple(sorted(held.items())))
+        entry = DepartingPod(pod_key(pod), uid, math.ceil(now_s) + booked_seconds(pod), tuple(sorted(held.items())))
         with self._lock:
             self._by_uid[uid] = entry
         return entry
