@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from extender import accounting, cluster
 from tests.extender import builders as b
@@ -35,6 +36,23 @@ def _acct(clock: Clock, *departing: DepartingPod) -> accounting.Accounting:
 
 def used(acct: accounting.Accounting) -> int:
     return acct.state.node_usage("n1")[0].used
+
+
+def _running(grace: int) -> dict:
+    """The pod ``default/p`` running on the GPU, reported allocated, with its termination grace."""
+    p = b.assigned(b.pod("p", 20, uid="uid-old"), "n1", [(GPU, 20480)], T0, state=contract.STATE_ALLOCATED)
+    return {**p, "spec": {**p["spec"], "terminationGracePeriodSeconds": grace},
+            "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+
+
+def _booked_until(acct: accounting.Accounting, clock: Clock, end_s: int) -> None:
+    """The GPU stays booked a second before T0 + ``end_s`` and is free a second after."""
+    clock.now = T0 + (end_s - 1) * SEC
+    acct.expire()
+    assert used(acct) == 20480
+    clock.now = T0 + (end_s + 1) * SEC
+    acct.expire()
+    assert used(acct) == 0
 
 
 def _gone(uid: str = "uid-old", seconds: int = 20, mib: int = 20480) -> DepartingPod:
@@ -124,9 +142,7 @@ def test_our_own_booking_lasts_until_the_node_s_end_when_that_is_later() -> None
     another pod there, a successor restarted before the node's end would book the departing pod on top."""
     clock = Clock()
     acct = _acct(clock)
-    p = b.assigned(b.pod("p", 20, uid="uid-old"), "n1", [(GPU, 20480)], T0, state=contract.STATE_ALLOCATED)
-    p = {**p, "spec": {**p["spec"], "terminationGracePeriodSeconds": 2},
-         "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+    p = _running(grace=2)
     acct.apply_pod("ADDED", p)
     acct.apply_pod("DELETED", p)                 # our end: T0 + 7 s
     acct.apply_node("MODIFIED", _node(_gone(seconds=9)))  # the node's: T0 + 9 s
@@ -145,23 +161,14 @@ def test_a_deletion_after_the_node_s_report_also_lasts_until_the_node_s_end() ->
     (booked as itself), then the deletion books it by our own rule, until the node's end where later."""
     clock = Clock()
     acct = _acct(clock)
-    p = b.assigned(b.pod("p", 20, uid="uid-old"), "n1", [(GPU, 20480)], T0, state=contract.STATE_ALLOCATED)
-    p = {**p, "spec": {**p["spec"], "terminationGracePeriodSeconds": 2},
-         "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+    p = _running(grace=2)
     acct.apply_pod("ADDED", p)
     acct.apply_node("MODIFIED", _node(_gone(seconds=9)))
     acct.apply_pod("DELETED", p)                 # our end: T0 + 7 s; the node's: T0 + 9 s
-    clock.now += 8 * SEC
-    acct.expire()
-    assert used(acct) == 20480
-    clock.now += 2 * SEC
-    acct.expire()
-    assert used(acct) == 0
+    _booked_until(acct, clock, 9)
 
 
 # -- every order of the same events --------------------------------------------------------------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
 _ACTIONS = st.lists(st.sampled_from(["delete_seen", "node_reports", "restart", "tick", "tick", "relist", "node_again"]),
                     max_size=30)
 
@@ -176,9 +183,7 @@ def test_a_force_deleted_pod_stays_booked_once_in_every_order_until_its_grace_en
     sees the pod, the GPU holds the pod's memory exactly once until its grace has passed; once every end has
     passed, nothing stays booked. (A restart, or a relist, before the node's report lands sees nothing.)"""
     clock = Clock()
-    p = b.assigned(b.pod("p", 20, uid="uid-old"), "n1", [(GPU, 20480)], T0, state=contract.STATE_ALLOCATED)
-    p = {**p, "spec": {**p["spec"], "terminationGracePeriodSeconds": grace},
-         "status": {"phase": "Running", "containerStatuses": [{"name": "c0", "state": {"running": {}}}]}}
+    p = _running(grace)
     report = _gone(seconds=node_lag_s + grace + 5)
     acct, published, covered, seen_delete = _acct(clock), False, True, False
     acct.apply_pod("ADDED", p)
