@@ -29,7 +29,6 @@ Checked every few ticks, from the truth (the kubelet model's grants per pod UID)
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import shutil
@@ -55,8 +54,10 @@ from standins.devicemanager import AdmissionError, DeviceManager, FnEndpoint
 from standins.kubelet import admission_order, list_response
 from vramshare import contract
 from vramshare.config import Config
+from vramshare.contract import assignment
 from vramshare.contract import inventory as contract_inventory
 from vramshare.departing import Departures
+from vramshare.inventory import NodeInventory
 from vramshare.kube import api_client_for
 
 N = contract.Names()
@@ -133,7 +134,7 @@ class Node:
     listed_twice: bool = False
     departures: Departures = field(default_factory=lambda: Departures(N))
     publisher: InventoryPublisher | None = None
-    base_inventory: str = ""  # the node's inventory annotation as created
+    base_inventory: NodeInventory | None = None  # the node's inventory as created
     reported: tuple = ()  # the departing pods last published
 
 
@@ -189,7 +190,8 @@ class PluginNodeSim(threading.Thread):
             dm.update_devices(resource, [(d.id, d.healthy, (d.numa_node,) if d.numa_node is not None else ())
                                          for d in devs])
         node.reconciler.run_once()
-        node.base_inventory = (self.api.get_node(name) or {})["metadata"]["annotations"][N.inventory]
+        node.base_inventory = contract_inventory.parse(
+            (self.api.get_node(name) or {})["metadata"]["annotations"][N.inventory])
         node.publisher = InventoryPublisher(self.client, name, N)
         return node
 
@@ -269,8 +271,8 @@ class PluginNodeSim(threading.Thread):
             now = n.departures.current(wall)
             if now != n.reported:
                 n.reported = now
-                inv = contract_inventory.parse(n.base_inventory)
-                n.publisher.publish(contract_inventory.encode(dataclasses.replace(inv, departing=now)))  # type: ignore[union-attr]
+                n.publisher.publish(contract_inventory.encode(  # type: ignore[union-attr]
+                    dataclasses.replace(n.base_inventory, departing=now)))  # type: ignore[arg-type]
 
     def _outage(self, n: Node, now: float) -> None:
         if not self.outages:
@@ -389,7 +391,7 @@ class PluginNodeSim(threading.Thread):
     def _units(self, pod: Obj) -> dict[str, int]:
         """GPU -> units a pod's assignment names (its plan, or the plugin's report)."""
         text = (pod["metadata"].get("annotations") or {}).get(N.assignment) or "{}"
-        return {e["uuid"]: e["mib"] // self.unit for es in json.loads(text).values() for e in es}
+        return {g.uuid: g.mib // self.unit for gpus in assignment.parse(text).values() for g in gpus}
 
     def _gpus_of(self, n: Node, uid: str) -> dict[str, dict[str, int]]:
         """Per container, GPU -> MiB the kubelet model's grants stand for (the truth)."""
@@ -432,7 +434,7 @@ class PluginNodeSim(threading.Thread):
             uid = meta["uid"]
             if uid not in n.dm.active:
                 continue
-            recorded = {c: {e["uuid"]: e["mib"] for e in es} for c, es in json.loads(ann[N.assignment]).items()}
+            recorded = {c: {g.uuid: g.mib for g in gpus} for c, gpus in assignment.parse(ann[N.assignment]).items()}
             if recorded != self._gpus_of(n, uid):
                 self.stats.pods_recorded_on_other_gpus.add(f"{meta.get('namespace', 'default')}/{meta['name']}/{uid}")
 

@@ -30,6 +30,7 @@ MAX_GRACE_S = 3600  # a pod's grace as vramshare believes it (the API allows mor
 #: bounds of the inventory's ``departing`` section: a node reports at most this many (the latest to end
 #: first), so the annotation stays small (~128 x 200 bytes)
 MAX_DEPARTING = 128
+MAX_POD_KEY = 63 + 1 + 253  # "<namespace>/<name>": a namespace is a DNS label, a name a DNS subdomain
 
 
 def may_still_run(pod: Obj) -> bool:

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Mapping
 
 from vramshare import contract
-from vramshare.contract import config_in_force
+from vramshare.contract import assignment, config_in_force
 from vramshare.contract._json import load
 from vramshare.contract.config_in_force import ConfigInForce
-from vramshare.departing import MAX_DEPARTING, DepartingPod
+from vramshare.departing import MAX_DEPARTING, MAX_POD_KEY, DepartingPod
 
 
 class GpuMode(str, enum.Enum):
@@ -409,7 +409,7 @@ def _departing_from(raw: Any) -> tuple[DepartingPod, ...]:
     out = []
     for where, d in _objects(raw, "inventory.departing"):
         pod, uid = _need(d, "pod", str, where), _need(d, "uid", str, where)
-        if not 0 < len(pod) <= 2 * 253 + 1 or "/" not in pod or not 0 < len(uid) <= 128:
+        if not 0 < len(pod) <= MAX_POD_KEY or "/" not in pod or not 0 < len(uid) <= assignment.MAX_UUID:
             raise InventoryError(f"{where}: want pod \"<namespace>/<name>\" and a uid, got {pod!r:.80} {uid!r:.80}")
         entries = _need(d, "gpus", list, where)
         if not entries or len(entries) > MAX_GPUS:
@@ -417,8 +417,8 @@ def _departing_from(raw: Any) -> tuple[DepartingPod, ...]:
         held = []
         for gw, g in _objects(entries, f"{where}.gpus"):
             uuid = _need(g, "uuid", str, gw)
-            if not 0 < len(uuid) <= 128:
-                raise InventoryError(f"{gw}.uuid: want 1 to 128 characters, got {uuid!r:.80}")
+            if not 0 < len(uuid) <= assignment.MAX_UUID:
+                raise InventoryError(f"{gw}.uuid: want 1 to {assignment.MAX_UUID} characters, got {uuid!r:.80}")
             held.append((uuid, _int(g, "mib", gw, 1, MAX_MIB)))
         if len({u for u, _ in held}) != len(held):
             raise InventoryError(f"{where}.gpus: names a GPU twice")

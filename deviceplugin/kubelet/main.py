@@ -166,7 +166,8 @@ class DevicePluginDaemon(NodeDaemon):
 
     def _publish_inventory(self, inventory: Any = None) -> None:
         if self.publisher is not None:
-            self.publisher.publish(self._inventory_json(inventory or self.state.snapshot.inventory))
+            self.publisher.publish(self._inventory_json(
+                self.state.snapshot.inventory if inventory is None else inventory))
 
     def _config_accepted(self, _digest: str) -> None:
         """The config file text in force changed: the inventory says so (``vramshare check`` compares it
