@@ -18,10 +18,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from vramshare import contract, managed
+from vramshare import contract, logs, managed
 from vramshare.contract import assignment
 
 Obj = Mapping[str, Any]
+log = logs.get(__name__)
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 DEPARTING_MARGIN_S = 5  # beyond the pod's grace: the kubelet's sync period to notice and kill
@@ -115,8 +116,10 @@ class Departures:
             return None  # nobody of ours planned it: nothing vramshare handed out
         try:
             containers = assignment.parse(text)
-        except contract.AssignmentError:
-            return None  # nothing we can book: the extender's own rule has what it planned
+        except contract.AssignmentError as exc:  # nothing we can book: the extender's own rule has its plan
+            log.warning("deleted pod not reported as departing: its assignment is unreadable",
+                        pod=pod_key(pod), uid=uid, error=str(exc))
+            return None
         held: dict[str, int] = {}
         for assigned in containers.values():
             for g in assigned:
