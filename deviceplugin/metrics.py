@@ -123,6 +123,10 @@ class PluginMetrics:
         self.departing = Counter(_PREFIX + "departing_pods", "Pods of this node deleted while their containers "
                                  "may still run (a forced deletion), reported in the inventory for their grace",
                                  registry=self.registry)
+        self.foreign_mib = Gauge(_PREFIX + "foreign_memory_mib", "Memory of a shared GPU held by no pod of "
+                                 "ours (a process that outlived its pod, a host process), settled and in whole "
+                                 "units: the extender books it (published in the inventory)", ["gpu"],
+                                 registry=self.registry)
         self.config_reloads = config_reloads_counter(self.registry, _PREFIX)
         self.restart_pending = restart_pending_gauge(self.registry, _PREFIX)
         self._attached = False

@@ -44,6 +44,7 @@ class Slot:
     mig_exists: bool = False  # dynamic MIG: an instance sits at this very placement now
     mig_isolation: bool = False  # dynamic MIG: the node's plugin serves isolation: mig memory asks on this GPU
     credit: int = 0  # MiB of ``capacity`` that is sleep credit (issue 23 item 5), shown by inspect
+    foreign: int = 0  # MiB no pod of ours holds (vramshare.foreign): counted as used, beside the pods' bookings
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,8 @@ class ClusterState(SlotTable):
             self.names_epoch += 1
         self._grow(row + 1, len(slots))
         self.tie_rank[row] = zlib.crc32(name.encode())
-        old = {s.uuid: (col, int(self.used[row, col])) for col, s in enumerate(self._slots[row])}
+        # what pods use of each slot that stays; the node's foreign memory is replaced by the new report's
+        old = {s.uuid: (col, int(self.used[row, col]) - s.foreign) for col, s in enumerate(self._slots[row])}
         old_holders = {s.uuid: self._holders.pop((row, col), {}) for col, s in enumerate(self._slots[row])}
         for s in self._slots[row]:
             self._uuids.pop(s.uuid, None)
@@ -177,8 +179,8 @@ class ClusterState(SlotTable):
             self.kind[row, col] = self.kind_code(s.kind)
             self.model[row, col] = self.model_code(s.model)
             self.capacity[row, col], self.healthy[row, col], self.index[row, col] = s.capacity, s.healthy, s.index
+            self.used[row, col] = max(0, old[s.uuid][1] if s.uuid in old else 0) + s.foreign
             if s.uuid in old:
-                self.used[row, col] = old[s.uuid][1]
                 if old_holders[s.uuid]:
                     self._holders[(row, col)] = old_holders[s.uuid]
             self._uuids[s.uuid] = (row, col)

@@ -122,6 +122,7 @@ def _node(acct: accounting.Accounting, name: str) -> Obj:
             **({"tenants": tenants[s.uuid]} if s.uuid in tenants else {}),  # issue 14, where the loop mirrored
             **({"engines": engines[s.uuid]} if s.uuid in engines else {}),  # issue 23: models awake/asleep here
             **({"sleepCreditMiB": s.credit} if s.credit else {}),  # issue 23 item 5: totalMiB includes it
+            **({"foreignMiB": s.foreign} if s.foreign else {}),  # held by no pod of ours: in usedMiB
         })
     doc = {"name": name, "totalMiB": total, "usedMiB": used, "freeMiB": max(0, total - used), "gpus": gpus}
     if mode:
@@ -208,6 +209,8 @@ def format_table(doc: Obj) -> str:
                 pods += "; engines: " + ", ".join(f"{e['model']} {e['state']}" for e in g["engines"])
             if g.get("sleepCreditMiB"):
                 pods += f"; sleep credit {_gib(g['sleepCreditMiB'])} in TOTAL"
+            if g.get("foreignMiB"):
+                pods += f"; {_gib(g['foreignMiB'])} of USED held outside our pods"
             kind = g["kind"] + ("" if g["healthy"] else " UNHEALTHY")
             rows.append((n["name"], str(g["index"]), g["model"], kind, _gib(g["totalMiB"]), _gib(g["usedMiB"]),
                          _gib(g["freeMiB"]), pods))

@@ -59,7 +59,8 @@ def slots_from_inventory(inv: inventory.NodeInventory) -> list[cluster.Slot]:
         else:
             slots.append(cluster.Slot(uuid=gpu.uuid, model=gpu.model, kind=SHARED,
                                       capacity=inv.bookable_mib(gpu), healthy=gpu.healthy, index=gpu.index,
-                                      credit=inv.credit_units(gpu) * inv.unit_mib))
+                                      credit=inv.credit_units(gpu) * inv.unit_mib,
+                                      foreign=inv.booked_foreign_mib(gpu)))
     return slots
 
 

@@ -67,7 +67,8 @@ def inventories(draw):
                                  draw(st.none() | st.integers(0, 7)), draw(st.booleans()))
                      for j in range(draw(st.integers(0, 3)))) if mode is GpuMode.MIG else ()
         gpus.append(Gpu(i, u, draw(names), memory, draw(st.none() | st.integers(-1, 7)), mode, draw(st.booleans()),
-                        migs, draw(st.integers(0, memory // unit)) if mode is GpuMode.SHARED else 0))
+                        migs, draw(st.integers(0, memory // unit)) if mode is GpuMode.SHARED else 0,
+                        foreign_mib=draw(st.integers(0, memory))))
     models = tuple(ResidentModel(f"org/m{k}", draw(st.sampled_from(["", "main", "abc123"])), draw(st.integers(0, 1 << 40)),
                                  tuple((g.uuid, draw(st.sampled_from(list(EngineState)))) for g in gpus[:2]))
                    for k in range(draw(st.integers(0, 2))))

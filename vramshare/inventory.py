@@ -92,6 +92,9 @@ class Gpu:
     # issue 23 item 5: memory sleeping pods of overcommit classes lend to the books beyond their reserve
     # (vramshare/overcommit.py); offered as extra units, optional (absent: 0, what older readers assume)
     sleep_credit_mib: int = 0
+    # memory on this GPU that no pod of ours holds, settled and in whole units (vramshare.foreign);
+    # optional (absent: 0, what older readers assume); the extender books it, the kubelet's units stay
+    foreign_mib: int = 0
 
     def with_health(self, healthy: bool) -> "Gpu":
         return replace(self, healthy=healthy)
@@ -155,6 +158,13 @@ class NodeInventory:
         """What the extender books a shared GPU against: its units plus the sleep credit's units (what
         the kubelet can hand out, :func:`deviceplugin.devices.resource_devices` advertises both)."""
         return (gpu.units + self.credit_units(gpu)) * self.unit_mib
+
+    def booked_foreign_mib(self, gpu: Gpu) -> int:
+        """What the extender books a shared GPU's foreign memory at (:mod:`vramshare.foreign`): whole units,
+        at most :meth:`bookable_mib`; counted as used beside the pods, so no pod is planned into it."""
+        if gpu.mode is not GpuMode.SHARED:
+            return 0
+        return min(self.bookable_mib(gpu), -(-gpu.foreign_mib // self.unit_mib) * self.unit_mib)
 
     # -- the annotation codec -------------------------------------------------------------
     def to_json(self) -> str:
@@ -252,6 +262,7 @@ def _inventory_doc(inv: NodeInventory) -> dict[str, Any]:
                 "healthy": g.healthy,
                 "units": g.units,
                 **({"sleepCreditMiB": g.sleep_credit_mib} if g.sleep_credit_mib else {}),
+                **({"foreignMiB": g.foreign_mib} if g.foreign_mib else {}),
                 "mig": [
                     {"uuid": m.uuid, "profile": m.profile, "memoryMiB": m.memory_mib,
                      "gi": m.gi, "ci": m.ci, "healthy": m.healthy,
@@ -385,6 +396,7 @@ def inventory_from_dict(data: Any) -> NodeInventory:
             units=_int(g, "units", where, 0, memory // unit, default=derived),
             dynamic_mig=_dynamic_from(g.get("dynamicMig"), f"{where}.dynamicMig") if mode is GpuMode.MIG else None,
             sleep_credit_mib=_int(g, "sleepCreditMiB", where, 0, MAX_MIB, default=0),
+            foreign_mib=_int(g, "foreignMiB", where, 0, memory, default=0),
         ))
     enforcement = None
     if data.get("enforcement") is not None:

@@ -38,7 +38,7 @@ from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
 from deviceplugin.quota_files import QuotaFiles
 from deviceplugin.serve import NodeDaemon, serve, wait_poked
-from vramshare import kube, logs
+from vramshare import foreign, kube, logs
 from vramshare.config import Config, ConfigError, DeviceListStrategy, load_config, node_limits
 from vramshare.contract import inventory as contract_inventory
 from vramshare.departing import Departures
@@ -110,6 +110,7 @@ class DevicePluginDaemon(NodeDaemon):
         self.models: tuple = ()  # issue 23: resident models, published in the inventory's ``models``
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self._quota_loop: Any = None
+        self._foreign: dict[str, int] = {}  # the quota loop's settled foreign MiB per shared GPU
         self.state.add_listener(self._changed)
 
     def _shared_capacities(self) -> dict[str, int]:
@@ -139,6 +140,7 @@ class DevicePluginDaemon(NodeDaemon):
                                         nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
+        loop.on_foreign = self.on_foreign_settled
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
@@ -160,9 +162,19 @@ class DevicePluginDaemon(NodeDaemon):
         self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _inventory_json(self, inventory: Any) -> str:
-        return contract_inventory.encode(dataclasses.replace(inventory, models=self.models,
-                                                             config=self.config_in_force,
-                                                             departing=self.departures.current(time.time())))
+        departing = self.departures.current(time.time())
+        booked = foreign.schedulable_foreign(inventory, self._foreign, departing)
+        for gpu in inventory.gpus:
+            self.metrics.foreign_mib.labels(gpu.uuid).set(booked.get(gpu.uuid, 0))
+        return contract_inventory.encode(dataclasses.replace(foreign.with_foreign(inventory, booked),
+                                                             models=self.models, config=self.config_in_force,
+                                                             departing=departing))
+
+    def on_foreign_settled(self, settled: Any) -> None:
+        """The quota loop's settled foreign memory moved: the inventory says what the extender must book
+        (:mod:`vramshare.foreign`; the publisher sends nothing when the text is the same)."""
+        self._foreign = dict(settled)
+        self._publish_inventory()
 
     def _publish_inventory(self, inventory: Any = None) -> None:
         if self.publisher is not None:

@@ -175,6 +175,7 @@ class DriverFence:
         # tenant -> its cgroups that started while a shrink waited for its engine's acknowledgement: held at
         # their split of the decision until nothing waits (the engine's acknowledgement is the old instance's)
         self._fresh: dict[TenantKey, frozenset[str]] = {}
+        self.whole_gpus: frozenset[str] = frozenset()  # GPUs whose whole use the last read saw (foreign known)
 
     def _cgroups(self, container_ids: frozenset[str]) -> list[tuple[str, str]]:
         """(container id, cgroup) of those found: a container not started yet has none."""
@@ -419,19 +420,25 @@ class DriverFence:
 
     def _foreign(self, tenants: Sequence[Tenant], ours: list[UsageSample]) -> list[UsageSample]:
         """Per GPU, memory in use that no cgroup read holds (another plugin's pod, a host process): an
-        anonymous sample, which attribution books as foreign so quotas never promise it."""
+        anonymous sample, which attribution books as foreign so quotas never promise it. Every shared
+        GPU is read, tenants or not (the node reports it to the scheduler, :mod:`vramshare.foreign`);
+        :attr:`whole_gpus` names those read this time."""
         mine: dict[str, int] = {}
         for s in ours:
             mine[s.gpu_uuid] = mine.get(s.gpu_uuid, 0) + s.used_mib
         out = []
-        for gpu in sorted({g for t in tenants for g, _ in t.gpus}):
+        read = set()
+        shared = set(self._capacities()) if self._capacities else set()
+        for gpu in sorted({g for t in tenants for g, _ in t.gpus} | shared):
             try:
                 other = self._limits.gpu_used_mib(gpu) - mine.get(gpu, 0)
             except LimitError as exc:
                 log.warning("gpu memory unreadable, foreign use unknown this tick", gpu=gpu, error=str(exc))
                 continue
+            read.add(gpu)
             if other > 0:
                 out.append(UsageSample(gpu_uuid=gpu, used_mib=other))
+        self.whole_gpus = frozenset(read)
         return out
 
     def apply(self, tenant: Tenant, decisions: Sequence[Decision], requests: dict[str, int],

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from deviceplugin.quota import classes as qclasses
 from deviceplugin.quota.attribution import attribute
@@ -36,6 +36,7 @@ from deviceplugin.serve import wait_poked
 from deviceplugin.quota.writer import (GpuQuota, QuotaFile, QuotaFileError, container_dir, read_quota,
                                        write_quota)
 from vramshare import contract, logs
+from vramshare.foreign import SettledForeign
 from vramshare.config import DEFAULT_CLASS, EnforcementConfig, OverLimitAction, QuotaClass, QuotaConfig
 from vramshare.inventory import EnforcementMode
 
@@ -248,6 +249,12 @@ class QuotaLoop:
         self._poked = threading.Event()
         self._hints = hints
         self._hinted: set[str] = set()  # pods told about an ignored hint (once each; pruned with the books)
+        #: per shared GPU, memory no tenant or claim holds, settled over ticks (vramshare.foreign); the node
+        #: agent publishes it for the extender, told by ``on_foreign`` whenever the settled figures change
+        self.foreign = SettledForeign()
+        self.on_foreign: Callable[[Mapping[str, int]], None] | None = None
+        self._settled: dict[str, int] = {}
+        self._whole: frozenset[str] = frozenset()  # the GPUs whose every process the tick's reader saw
 
     @property
     def _params(self) -> PolicyParams:
@@ -346,15 +353,34 @@ class QuotaLoop:
         """The fence first (driver mode: per-cgroup use of exactly these tenants, and of the ``claims`` it
         holds), then the readers."""
         fence = self._fence
-        readers = [(fence.name, lambda: fence.read_usage(tenants, claims))] if fence is not None else []
-        readers += [(r.name, r.read_usage) for r in self._usage]
-        for name, read in readers:
+        readers: list[tuple[Any, Callable[[], list[UsageSample]]]] = (
+            [(fence, lambda: fence.read_usage(tenants, claims))] if fence is not None else [])
+        readers += [(r, r.read_usage) for r in self._usage]
+        for source, read in readers:
             try:
-                return read()
+                samples = read()
             except TelemetryError as exc:
-                log.warning("usage source failed", source=name, error=str(exc))
+                log.warning("usage source failed", source=source.name, error=str(exc))
                 report.errors.append(str(exc))
+                continue
+            self._whole = frozenset(getattr(source, "whole_gpus", None) or ())
+            return samples
         return None
+
+    def _observe_foreign(self, now: float, foreign: Mapping[str, int], capacities: Mapping[str, int]) -> None:
+        """Feed the tick's foreign memory of each shared GPU its reader saw whole to the settled figures,
+        and tell ``on_foreign`` when they change (a reader that sees only our processes, dcgm-exporter or
+        a replay, reports none: unmatched is not the same as foreign there)."""
+        self.foreign.observe(now, {g: foreign.get(g, 0) for g in sorted(self._whole) if g in capacities})
+        self.foreign.forget(capacities)
+        settled = self.foreign.settled(now)
+        if settled != self._settled:
+            for gpu in sorted(set(settled) | set(self._settled)):
+                log.info("memory held outside our pods, settled", gpu=gpu, mib=settled.get(gpu, 0),
+                         was_mib=self._settled.get(gpu, 0))
+            self._settled = settled
+            if self.on_foreign is not None:
+                self.on_foreign(settled)
 
     def _read_signals(self, t: Tenant, report: TickReport) -> Signals:
         if self._signals is None or not t.metrics_url:
@@ -438,6 +464,7 @@ class QuotaLoop:
         # a claim's memory (its known containers', its pods') is its own within its grant: not foreign
         seen = attribute(samples, tenants, listed)
         now, st = self._clock(), self.settings
+        self._observe_foreign(now, seen.foreign, capacities)
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
         unknown: set[tuple[TenantKey, str]] = set()  # engines on a file this process never saw: never raised
         phases: dict[TenantKey, Phase] = {}

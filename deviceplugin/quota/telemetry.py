@@ -66,7 +66,9 @@ class UsageReader(Protocol):
     name: str
 
     def read_usage(self) -> list[UsageSample]:
-        """All samples now; raises :class:`TelemetryError`."""
+        """All samples now; raises :class:`TelemetryError`. A reader that sees every process of a GPU
+        (NVML) also sets ``whole_gpus``, the GPUs it read: their unattributed memory is known, not just
+        unmatched (the node reports it to the scheduler, :mod:`vramshare.foreign`)."""
         ...
 
 
@@ -124,6 +126,7 @@ class NvmlProcessReader:
         self._nvml = nvml
         self._proc_root = proc_root
         self._ready = False
+        self.whole_gpus: frozenset[str] = frozenset()  # the GPUs the last read listed every process of
 
     def _lib(self) -> Any:
         if self._nvml is None:
@@ -137,11 +140,14 @@ class NvmlProcessReader:
         try:
             nv = self._lib()
             out: list[UsageSample] = []
+            read = set()
             for i in range(nv.nvmlDeviceGetCount()):
                 handle = nv.nvmlDeviceGetHandleByIndex(i)
                 uuid = nv.nvmlDeviceGetUUID(handle)
                 uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
                 out.extend(self._samples(uuid, nv.nvmlDeviceGetComputeRunningProcesses(handle)))
+                read.add(uuid)
+            self.whole_gpus = frozenset(read)
             return out
         except Exception as exc:  # pynvml raises NVMLError subclasses; a fake may raise anything
             if type(exc).__name__.startswith("NVMLError") or isinstance(exc, (OSError, AttributeError)):

@@ -122,3 +122,31 @@ def test_restore_keeps_only_records_not_ended() -> None:
     entries = (Departures(N).note(live, T), Departures(N).note(ended, T))
     assert d.restore([e for e in entries if e is not None], T + 6) == 1
     assert [e.uid for e in d.current(T + 6)] == ["live"]
+
+
+def test_foreign_memory_is_published_beside_what_departing_pods_hold_not_twice(api, http, start_plugin) -> None:
+    """The quota loop's settled foreign memory (QuotaLoop.on_foreign, vramshare/foreign.py) reaches the node's
+    inventory in whole units beyond the GPU's slack; a forced deletion's memory is booked by its departing
+    entry, so the foreign figure drops by it while the entry lasts."""
+    daemon = start_plugin(api=http)
+    inv = daemon.state.snapshot.inventory
+    gpu = inv.gpus[0]
+    slack = gpu.memory_mib - gpu.units * inv.unit_mib
+
+    def published() -> tuple[int, tuple]:
+        text = (api.get_node(NODE)["metadata"].get("annotations") or {}).get(N.inventory)
+        got = contract_inventory.parse(text) if text else None
+        return (got.gpus[0].foreign_mib, got.departing) if got else (-1, ())
+
+    daemon.on_foreign_settled({gpu.uuid: slack + 20480 + 3000})  # a pod's 20 GiB outlived it, 3,000 MiB else
+    assert eventually(lambda: published()[0] == 23 * inv.unit_mib)
+    assert daemon.metrics.registry.get_sample_value("vramshare_deviceplugin_foreign_memory_mib",
+                                                    {"gpu": gpu.uuid}) == 23 * inv.unit_mib
+    pod = _gone("forced", gpus=((gpu.uuid, 20480),), grace=600)
+    api.create_pod({**pod, "status": {}})
+    api.update(PODS, "default", "forced", lambda o: o.__setitem__("status", pod["status"]))
+    assert eventually(lambda: len(daemon.pods.pods()) == 1)
+    api.delete_pod("default", "forced")
+    assert eventually(lambda: published()[1] != () and published()[0] == 3 * inv.unit_mib)
+    daemon.on_foreign_settled({})
+    assert eventually(lambda: published()[0] == 0)

@@ -1,0 +1,128 @@
+"""Memory no pod of ours holds, settled and made schedulable (vramshare/foreign.py; pure, virtual clock).
+
+The quota loop already took such memory off what it divides; the extender could not see it, planned pods
+into memory that was not there, and the loop then fenced that GPU's tenants below their requests.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from vramshare import inventory
+from vramshare.contract import inventory as contract_inventory
+from vramshare.departing import DepartingPod
+from vramshare.foreign import SETTLE_S, SettledForeign, schedulable_foreign, with_foreign
+
+UNIT = 1024
+# an H100: 81,559 MiB, 79 units of 1 GiB, 663 MiB of slack beyond them
+H100 = inventory.Gpu(index=0, uuid="GPU-0", model="NVIDIA H100 80GB HBM3", memory_mib=81559, units=79)
+WHOLE = inventory.Gpu(index=1, uuid="GPU-1", model="NVIDIA H100 80GB HBM3", memory_mib=81559,
+                      mode=inventory.GpuMode.EXCLUSIVE)
+INV = inventory.NodeInventory(unit_mib=UNIT, gpus=(H100, WHOLE))
+
+
+def test_one_reading_books_nothing_memory_that_stays_is_booked_after_the_settle_period() -> None:
+    f = SettledForeign(settle_s=20)
+    f.observe(0, {"GPU-0": 4000})
+    assert f.settled(0) == {} and f.settled(19.9) == {}
+    f.observe(10, {"GPU-0": 4000})
+    assert f.settled(20) == {"GPU-0": 4000}
+
+
+def test_a_spike_between_two_quiet_readings_is_never_booked() -> None:
+    """A process that starts just before its pod becomes a tenant is foreign for one tick only."""
+    f = SettledForeign(settle_s=20)
+    for t, mib in [(0, 0), (10, 30000), (20, 0), (30, 0)]:
+        f.observe(t, {"GPU-0": mib})
+        assert f.settled(t) == {}
+
+
+def test_memory_that_goes_is_dropped_at_the_next_reading() -> None:
+    f = SettledForeign(settle_s=20)
+    for t in (0, 10, 20):
+        f.observe(t, {"GPU-0": 5000})
+    assert f.settled(20) == {"GPU-0": 5000}
+    f.observe(30, {"GPU-0": 0})
+    assert f.settled(30) == {}
+
+
+def test_a_gpu_left_unread_keeps_its_last_settled_figure() -> None:
+    """An unreadable GPU is left out of the tick's readings, not read as 0: the last good state stays."""
+    f = SettledForeign(settle_s=20)
+    for t in (0, 10, 20):
+        f.observe(t, {"GPU-0": 5000, "GPU-1": 100})
+    for t in (30, 40, 50):
+        f.observe(t, {"GPU-1": 100})
+    assert f.settled(50) == {"GPU-0": 5000, "GPU-1": 100}
+    f.forget(["GPU-1"])  # GPU-0 left the node
+    assert f.settled(50) == {"GPU-1": 100}
+
+
+def test_a_clock_that_goes_back_starts_the_window_afresh() -> None:
+    f = SettledForeign(settle_s=20)
+    for t in (100, 110, 120):
+        f.observe(t, {"GPU-0": 5000})
+    f.observe(50, {"GPU-0": 5000})
+    assert f.settled(50) == {}
+
+
+def test_a_settle_period_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        SettledForeign(settle_s=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 15), st.integers(0, 50000)), min_size=1, max_size=30),
+       st.floats(1, 40))
+def test_the_settled_figure_is_what_every_reading_in_the_window_saw(readings: list[tuple[float, int]],
+                                                                   later: float) -> None:
+    """Over random reading gaps and values: once readings span the window, the figure is the least of the
+    reading in force at its start and every one since; never more than any of them, never before."""
+    f = SettledForeign(settle_s=SETTLE_S)
+    t, seen = 0.0, []
+    for gap, mib in readings:
+        t += gap
+        f.observe(t, {"GPU-0": mib})
+        seen.append((t, mib))
+    now = t + later
+    start = now - SETTLE_S
+    got = f.settled(now).get("GPU-0", 0)
+    if seen[0][0] > start:
+        assert got == 0
+        return
+    first = max(i for i, (ts, _) in enumerate(seen) if ts <= start)
+    assert got == min(m for _, m in seen[first:])
+
+
+def test_slack_absorbs_foreign_memory_first_then_whole_units_are_booked() -> None:
+    assert schedulable_foreign(INV, {"GPU-0": 600}) == {}  # within the 663 MiB no unit covers
+    assert schedulable_foreign(INV, {"GPU-0": 663 + 1}) == {"GPU-0": UNIT}
+    assert schedulable_foreign(INV, {"GPU-0": 663 + 5000}) == {"GPU-0": 5 * UNIT}
+    assert schedulable_foreign(INV, {"GPU-0": 10 ** 6}) == {"GPU-0": 79 * UNIT}  # never past its units
+    assert schedulable_foreign(INV, {"GPU-1": 5000}) == {}  # a whole GPU is its one pod's: not booked here
+
+
+def test_what_departing_pods_hold_is_booked_by_their_entries_not_twice() -> None:
+    leaving = [DepartingPod("default/p", "u1", 10 ** 9, (("GPU-0", 20480),))]
+    assert schedulable_foreign(INV, {"GPU-0": 20480 + 663}, leaving) == {}
+    assert schedulable_foreign(INV, {"GPU-0": 20480 + 663 + 2000}, leaving) == {"GPU-0": 2 * UNIT}
+
+
+def test_the_inventory_carries_it_and_the_extender_books_it_in_whole_units() -> None:
+    inv = with_foreign(INV, {"GPU-0": 5 * UNIT})
+    text = contract_inventory.encode(inv)
+    assert '"foreignMiB":5120' in text
+    back = contract_inventory.parse(text)
+    assert back == inv
+    assert back.booked_foreign_mib(back.gpus[0]) == 5 * UNIT and back.booked_foreign_mib(back.gpus[1]) == 0
+    assert with_foreign(back, {}) == INV and '"foreignMiB"' not in contract_inventory.encode(INV)
+
+
+@pytest.mark.parametrize("value", [-1, 81560, "5120", True])
+def test_a_foreign_figure_no_gpu_can_have_refuses_the_inventory(value: object) -> None:
+    doc = json.loads(contract_inventory.encode(INV))
+    doc["gpus"][0]["foreignMiB"] = value
+    with pytest.raises(inventory.InventoryError, match="foreignMiB"):
+        contract_inventory.parse(json.dumps(doc))

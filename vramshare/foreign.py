@@ -1,0 +1,109 @@
+"""GPU memory no pod of ours holds, as the scheduler must see it. Pure, no I/O.
+
+Each tick the quota loop measures what a shared GPU holds beyond its tenants: a container that outlived
+its pod's grace (a process stuck in the driver cannot be killed), a host process, another device
+plugin's pod. It takes that memory off what it divides among the tenants. The extender books by
+requests and cannot see it: without a report it plans a pod into memory that is not there, and the
+quota loop then fences that GPU's tenants below their requests to make room.
+
+So the node agent publishes it per GPU, the inventory's optional ``gpus[].foreignMiB``, and the extender
+books it as used beside the pods (:meth:`vramshare.inventory.NodeInventory.booked_foreign_mib`).
+Three rules keep the figure honest:
+
+* **Settled, not seen once.** A GPU reports the least foreign memory of every reading over the last
+  :data:`SETTLE_S` seconds, and nothing until its readings span that long (:class:`SettledForeign`). A
+  process that starts a moment before its pod becomes a tenant, or a reading taken between two
+  processes, books nothing; memory that stays is booked within a settle period plus a tick.
+* **Not booked twice.** What the node's departing pods may still hold is booked by their own entries
+  (:mod:`vramshare.departing`), so it is subtracted; the GPU's slack (memory beyond its whole units,
+  which no pod is given) absorbs foreign memory first.
+* **Whole units.** What is left is rounded up to the node's memory unit, so the annotation moves only
+  when a unit changes, and never past the GPU's units.
+
+A GPU whose readings stop (unreadable) keeps its last settled figure: the last good state, not zero.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import replace
+from typing import Iterable, Mapping
+
+from vramshare.departing import DepartingPod
+from vramshare.inventory import GpuMode, NodeInventory
+
+SETTLE_S = 25.0  # two quota ticks of 10 s and some slack: one reading alone never books memory
+
+
+class SettledForeign:
+    """Per GPU, the foreign memory every reading of the last ``settle_s`` seconds saw (thread-safe: the
+    quota loop observes, the inventory publisher reads)."""
+
+    def __init__(self, settle_s: float = SETTLE_S) -> None:
+        if settle_s <= 0:
+            raise ValueError(f"settle_s must be positive, got {settle_s}")
+        self.settle_s = settle_s
+        self._readings: dict[str, deque[tuple[float, int]]] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, now: float, readings: Mapping[str, int]) -> None:
+        """One tick's foreign MiB per GPU it could read (a GPU it could not read is left out, not 0)."""
+        with self._lock:
+            for gpu, mib in readings.items():
+                q = self._readings.setdefault(gpu, deque())
+                if q and now < q[-1][0]:
+                    q.clear()  # the clock went back (a test's, or a bug): start the window afresh
+                q.append((now, max(0, int(mib))))
+                # keep the reading in force at the window's start and every one after it
+                while len(q) > 1 and q[1][0] <= now - self.settle_s:
+                    q.popleft()
+
+    def settled(self, now: float) -> dict[str, int]:
+        """Per GPU whose readings span ``settle_s``: the least of the reading in force at the window's
+        start and every one since (GPUs without a settled figure, or with 0, are left out)."""
+        start = now - self.settle_s
+        out = {}
+        with self._lock:
+            for gpu, q in self._readings.items():
+                if not q or q[0][0] > start:
+                    continue  # readings do not span the window yet
+                first = max(i for i, (t, _) in enumerate(q) if t <= start)
+                least = min(m for _, m in list(q)[first:])
+                if least > 0:
+                    out[gpu] = least
+        return dict(sorted(out.items()))
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the GPUs not in ``keep`` (gone from the node, or no longer shared)."""
+        keep = set(keep)
+        with self._lock:
+            for gpu in [g for g in self._readings if g not in keep]:
+                del self._readings[gpu]
+
+
+def schedulable_foreign(inv: NodeInventory, settled: Mapping[str, int],
+                        departing: Iterable[DepartingPod] = ()) -> dict[str, int]:
+    """Per shared GPU, the foreign MiB the extender must book: the settled figure less what departing
+    pods hold there and the GPU's slack, rounded up to whole units, at most the GPU's units."""
+    leaving: dict[str, int] = {}
+    for d in departing:
+        for uuid, mib in d.gpus:
+            leaving[uuid] = leaving.get(uuid, 0) + mib
+    unit = inv.unit_mib
+    out = {}
+    for g in inv.gpus:
+        if g.mode is not GpuMode.SHARED or settled.get(g.uuid, 0) <= 0:
+            continue
+        slack = max(0, g.memory_mib - g.units * unit)
+        beyond = settled[g.uuid] - leaving.get(g.uuid, 0) - slack
+        if beyond > 0:
+            out[g.uuid] = min(math.ceil(beyond / unit), g.units) * unit
+    return out
+
+
+def with_foreign(inv: NodeInventory, foreign: Mapping[str, int]) -> NodeInventory:
+    """``inv`` with each GPU's ``foreign_mib`` set from ``foreign`` (0 where it names none)."""
+    if not foreign and not any(g.foreign_mib for g in inv.gpus):
+        return inv
+    return replace(inv, gpus=tuple(replace(g, foreign_mib=foreign.get(g.uuid, 0)) for g in inv.gpus))
