@@ -388,7 +388,7 @@ class Accounting:
             node_name = next((self._node_of_uuid[u] for u, _ in allocations if u in self._node_of_uuid), "")
         try:
             self.state.add_pod(key, node_name, allocations, self._pod_host(key, pod), strict_host=False,
-                               force=allocated)
+                               force=allocated, beside_foreign=False)
         except cluster.OverCommit as exc:
             self.unaccounted[key] = str(exc)
             log.error("assignment not accounted", pod=key, node=node_name or "?", error=str(exc))
@@ -447,7 +447,8 @@ class Accounting:
                         claimed_mib=sum(m for _, m in allocations), asked_mib=asked)
             return
         try:
-            self.state.add_pod(key, node, allocations, self._pod_host(key, pod), strict_host=False)
+            self.state.add_pod(key, node, allocations, self._pod_host(key, pod), strict_host=False,
+                               beside_foreign=False)
         except cluster.OverCommit as exc:
             self.unaccounted[key] = str(exc)
             log.warning("untrusted assignment not counted", pod=key, node=node, error=str(exc))

@@ -335,12 +335,16 @@ class ClusterState(SlotTable):
 
     # -- pods -------------------------------------------------------------------------------
     def add_pod(self, key: str, node: str, allocations: Sequence[tuple[str, int]],
-                host: HostDemand = HostDemand(), strict_host: bool = True, *, force: bool = False) -> None:
+                host: HostDemand = HostDemand(), strict_host: bool = True, *, force: bool = False,
+                beside_foreign: bool = True) -> None:
         """Record a pod's holdings; all or nothing. Same key and same holdings again is a no-op.
 
         ``force`` records what is already true (the device plugin's report of a running pod's GPUs)
         even beyond what is free: the books must say what the GPUs hold, and a GPU shown over capacity
-        takes no more pods. ``strict_host=False`` records CPU and memory even past the node's
+        takes no more pods. ``beside_foreign=False`` checks the pods' bookings alone, not the memory the
+        node reports no pod of ours holds (:mod:`vramshare.foreign`): a decision already made (a pod the
+        watch shows assumed) is recorded even where foreign memory appeared since, only a new plan must fit
+        beside it. ``strict_host=False`` records CPU and memory even past the node's
         allocatable: the accounting mirrors pods the kubelet already runs (kube-scheduler and the
         kubelet admit CPU and memory), so refusing them would only make the extender blind to what is used."""
         allocs = tuple((u, int(a)) for u, a in allocations)
@@ -350,7 +354,7 @@ class ClusterState(SlotTable):
                 return
             self.remove_pod(key)
             try:
-                self.add_pod(key, node, allocs, host, strict_host, force=force)
+                self.add_pod(key, node, allocs, host, strict_host, force=force, beside_foreign=beside_foreign)
             except OverCommit:
                 self.add_pod(key, prev.node, prev.allocations, prev.host, strict_host=False)
                 raise
@@ -367,9 +371,9 @@ class ClusterState(SlotTable):
                 raise OverCommit(f"allocation of {amount} MiB on GPU {uuid} is not in 1..{MAX_SLOT_MIB}")
             per_slot[where] = per_slot.get(where, 0) + amount
         for (r, c), amount in per_slot.items():
-            free = int(self.capacity[r, c] - self.used[r, c])
+            s = self._slots[r][c]
+            free = int(self.capacity[r, c] - self.used[r, c]) + (0 if beside_foreign else s.foreign)
             if amount > free and not force:
-                s = self._slots[r][c]
                 raise OverCommit(f"GPU {s.index} ({s.uuid}) on {node} has {free} free, pod {key} needs {amount}")
         if self.host_tracked[row] and strict_host:
             if host.cpu_milli > self.cpu_cap[row] - self.cpu_used[row]:

@@ -33,7 +33,11 @@ from typing import Iterable, Mapping
 from vramshare.departing import DepartingPod
 from vramshare.inventory import GpuMode, NodeInventory
 
-SETTLE_S = 25.0  # two quota ticks of 10 s and some slack: one reading alone never books memory
+#: two readings of the default 10 s tick: one reading alone never books memory. Short enough that a
+#: force-deleted pod's containers that outlive the default 30 s grace are booked as its departing entry
+#: ends (deletion + grace + 5 s): their memory is foreign from the deletion on, and settles by deletion
+#: + one tick to the first reading + 15 s + one tick to the report, 35 s at worst
+SETTLE_S = 15.0
 
 
 class SettledForeign:

@@ -70,3 +70,15 @@ def test_a_new_report_replaces_the_foreign_memory_and_keeps_the_pods_bookings() 
     acct.apply_node("MODIFIED", _node(0))
     acct.release("default/p", T0)  # its bind failed: the booking goes
     assert acct.state.node_usage("n1")[0].used == 0
+
+
+def test_a_pod_the_watch_shows_assumed_is_still_booked_where_foreign_memory_appeared_since() -> None:
+    """A restarted extender relists: the node reports foreign memory that came after the pod was planned.
+    The pod's booking is a decision already made (kube-scheduler bound it), so it is recorded, over
+    capacity as the GPU really is, never dropped as unaccounted."""
+    acct = _acct(6 * UNIT)
+    p = b.assigned(b.pod("p", 20), "n1", [(GPU, 20 * UNIT)], T0)
+    acct.apply_pod("ADDED", p)
+    assert acct.unaccounted == {}
+    assert acct.state.node_usage("n1")[0].used == 26 * UNIT
+    assert _filter(acct, 1).passed == []

@@ -53,7 +53,7 @@ def test_a_host_process_is_reported_once_it_stays_and_withdrawn_when_it_goes(tmp
     nv = FakeNvml({"GPU-a": [Proc(100, 10 * GIB), Proc(300, 6 * GIB)], "GPU-b": [Proc(300, 3 * GIB)]})
     loop, clock, told = _loop(tmp_path, NvmlProcessReader(nv, proc_root=str(proc_root)),
                               [Tenant(TENANT, (("GPU-a", 20000),))], {"GPU-a": 40000, "GPU-b": 40000})
-    _ticks(loop, clock, 3)  # readings at +0, +10, +20: not yet spanning the 25 s it takes to settle
+    _ticks(loop, clock, 2)  # readings at +0, +10: not yet spanning the 15 s it takes to settle
     assert told == []
     _ticks(loop, clock, 1)
     assert told == [{"GPU-a": 6144, "GPU-b": 3072}]
