@@ -347,7 +347,8 @@ class Soak:
             kubelet: Any
             if a.nodes_sim == "plugin":
                 kubelet = PluginNodeSim(api, capacity, discovered, UNIT, (a.admit_min_s, a.admit_max_s), a.seed,
-                                        outage_per_s=a.outage_per_s, report_departing=not a.no_departing_report)
+                                        outage_per_s=a.outage_per_s, report_departing=not a.no_departing_report,
+                                        stuck_share=a.stuck_share, report_foreign=not a.no_foreign_report)
             else:
                 kubelet = KubeletSim(api, capacity, UNIT, (a.admit_min_s, a.admit_max_s), a.seed)
             kubelet.start()
@@ -414,6 +415,7 @@ class Soak:
                     "admitted_while_pod_resources_down": st.admitted_while_down,
                     "refused_while_pod_resources_down": st.refused_unrecorded,
                     "departing_reported": st.departing_reported, "departures_lost": st.departures_lost,
+                    "stuck_past_grace": st.stuck, "foreign_reports": st.foreign_reports,
                 }
                 kubelet.cleanup()
             if isinstance(ext, ReplicatedExtender):
@@ -486,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force-share", type=float, default=0.0,
                     help="share of same-name recreations done with a forced delete (the kubelet still runs the "
                          "old pod, PodResources lists the name twice)")
+    ap.add_argument("--stuck-share", type=float, default=0.0,
+                    help="share of force-deleted pods whose containers keep their memory 10-30 s past the grace "
+                         "(a process stuck in the driver): only the node's foreign-memory report books it then")
+    ap.add_argument("--no-foreign-report", action="store_true",
+                    help="baseline: node agents do not publish memory no pod holds (the inventory's foreignMiB)")
     ap.add_argument("--outage-per-s", type=float, default=0.02, help="PodResources outages per node per second")
     ap.add_argument("--replicas", type=int, default=1,
                     help="extender replicas; 2+: leader election, the kill is a SIGKILL of the leader, pods "

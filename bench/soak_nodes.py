@@ -16,7 +16,11 @@ field manager, over the double's REST: until round 12 a Python-side write kept t
 directories and prunes. PodResources goes down on a node now and then: the reconciler then records
 nothing and Allocate refuses what no single plan explains (what that costs is counted). The node agent's
 report of deleted pods that may still run (:class:`vramshare.departing.Departures`, fed by the pod
-deletions a watch delivers) goes into the node's inventory through the plugin's own publisher.
+deletions a watch delivers) goes into the node's inventory through the plugin's own publisher, and so does
+the memory no pod holds (:mod:`vramshare.foreign`): with ``stuck_share``, that share of force-deleted pods
+keeps its containers' memory past the grace (a process stuck in the driver), and each node reads, per GPU,
+what the containers of pods gone from the API hold, once per ``foreign_every_s`` (the quota loop's tick,
+scaled like the soak's grace), settles it over one such tick as the quota loop does and publishes it.
 
 Checked every few ticks, from the truth (the kubelet model's grants per pod UID):
 
@@ -57,6 +61,7 @@ from vramshare.config import Config
 from vramshare.contract import assignment
 from vramshare.contract import inventory as contract_inventory
 from vramshare.departing import Departures
+from vramshare.foreign import SettledForeign, schedulable_foreign, with_foreign
 from vramshare.inventory import NodeInventory
 from vramshare.kube import api_client_for
 
@@ -84,6 +89,8 @@ class Stats:
     pods_recorded_on_other_gpus: set[str] = field(default_factory=set)
     admit_latency_s: list[float] = field(default_factory=list)
     departing_reported: int = 0  # force-deleted pods the node agents reported in their inventory
+    stuck: int = 0  # force-deleted pods whose containers kept their memory past the grace
+    foreign_reports: int = 0  # inventories published with memory no pod holds
     departures_lost: int = 0  # times the deletion history ran out (410) and what went meanwhile was lost
 
 
@@ -135,7 +142,9 @@ class Node:
     departures: Departures = field(default_factory=lambda: Departures(N))
     publisher: InventoryPublisher | None = None
     base_inventory: NodeInventory | None = None  # the node's inventory as created
-    reported: tuple = ()  # the departing pods last published
+    reported: tuple = ()  # the departing pods and the foreign memory last published
+    foreign: SettledForeign = field(default_factory=SettledForeign)
+    next_reading: float = 0.0
 
 
 class PluginNodeSim(threading.Thread):
@@ -144,7 +153,9 @@ class PluginNodeSim(threading.Thread):
     def __init__(self, api: ApiServerDouble, capacity: dict[str, dict[str, int]], gpus: dict[str, list[DiscoveredGpu]],
                  unit_mib: int, admit_delay_s: tuple[float, float], seed: int, grace_s: tuple[float, float] = (0.0, 2.0),
                  outage_per_s: float = 0.02, outage_s: tuple[float, float] = (1.0, 4.0), tick_s: float = 0.02,
-                 round_every_s: float = 1.0, report_departing: bool = True) -> None:
+                 round_every_s: float = 1.0, report_departing: bool = True, stuck_share: float = 0.0,
+                 stuck_s: tuple[float, float] = (10.0, 30.0), report_foreign: bool = True,
+                 foreign_every_s: float = 1.0) -> None:
         super().__init__(name="plugin-node-sim", daemon=True)
         self.api, self.unit, self.capacity = api, unit_mib, capacity
         self.delay, self.grace, self.tick = admit_delay_s, grace_s, tick_s
@@ -167,6 +178,10 @@ class PluginNodeSim(threading.Thread):
         self.real: dict[str, dict[str, int]] = {}  # uid -> gpu -> units (what containers hold)
         self.rv = api.resource_version  # the pod deletions the node agents' watches have delivered
         self.report_departing = report_departing  # off: the baseline of a node agent without the report
+        self.stuck_share, self.stuck_s = stuck_share, stuck_s
+        self.report_foreign, self.foreign_every = report_foreign, foreign_every_s
+        for n in self.nodes.values():
+            n.foreign = SettledForeign(settle_s=foreign_every_s)
 
     def _node(self, name: str, gpus: list[DiscoveredGpu]) -> Node:
         root = os.path.join(self.dir, name)
@@ -233,7 +248,9 @@ class PluginNodeSim(threading.Thread):
         by_uid = {p["metadata"]["uid"]: p for p in pods}
         with self.lock:
             self._departures()
+            wall = time.time()
             for n in self.nodes.values():
+                self._publish(n, by_uid, now, wall)
                 n.view.snapshot = [p for p in pods if p["spec"].get("nodeName") == n.name
                                    and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
                 self._outage(n, now)
@@ -267,12 +284,28 @@ class PluginNodeSim(threading.Thread):
             n = self.nodes.get((pod.get("spec") or {}).get("nodeName") or "")
             if n is not None and n.departures.note(pod, wall) is not None:
                 self.stats.departing_reported += 1
-        for n in self.nodes.values():
-            now = n.departures.current(wall)
-            if now != n.reported:
-                n.reported = now
-                n.publisher.publish(contract_inventory.encode(  # type: ignore[union-attr]
-                    dataclasses.replace(n.base_inventory, departing=now)))  # type: ignore[arg-type]
+
+    def _publish(self, n: Node, by_uid: Mapping[str, Obj], now: float, wall: float) -> None:
+        """The node's inventory with its departing pods and the memory no pod holds, when either changed.
+        That memory is what the containers of pods gone from the API still hold (the node agent's pod cache
+        no longer lists them: no tenant), read once per ``foreign_every_s`` and settled as the quota loop
+        does (vramshare.foreign)."""
+        if self.report_foreign and now >= n.next_reading:
+            n.next_reading = now + self.foreign_every
+            held = {g: 0 for g in self.capacity[n.name]}
+            for (node, uid) in self.leaving:
+                if node == n.name and uid not in by_uid:
+                    for g, units in self.real.get(uid, {}).items():
+                        held[g] += units * self.unit
+            n.foreign.observe(now, held)
+        departing = n.departures.current(wall)
+        assert n.base_inventory is not None
+        booked = schedulable_foreign(n.base_inventory, n.foreign.settled(now), departing)
+        if (departing, booked) != n.reported:
+            n.reported = (departing, booked)
+            self.stats.foreign_reports += bool(booked)
+            n.publisher.publish(contract_inventory.encode(  # type: ignore[union-attr]
+                dataclasses.replace(with_foreign(n.base_inventory, booked), departing=departing)))
 
     def _outage(self, n: Node, now: float) -> None:
         if not self.outages:
@@ -300,7 +333,11 @@ class PluginNodeSim(threading.Thread):
             elif p is None:
                 n.dm.remove_pod(uid)
                 n.wake = True
-                self.leaving[(n.name, uid)] = (now + self.rng.uniform(*self.grace), "")
+                end = now + self.rng.uniform(*self.grace)
+                if self.stuck_share and self.rng.random() < self.stuck_share:
+                    end += self.rng.uniform(*self.stuck_s)  # a process stuck in the driver outlives the grace
+                    self.stats.stuck += 1
+                self.leaving[(n.name, uid)] = (end, "")
             elif p["metadata"].get("deletionTimestamp"):
                 self.leaving[(n.name, uid)] = (now + self.rng.uniform(*self.grace), p["metadata"]["name"])
         for (node, uid), (at, finish) in list(self.leaving.items()):

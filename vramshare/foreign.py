@@ -10,10 +10,10 @@ So the node agent publishes it per GPU, the inventory's optional ``gpus[].foreig
 books it as used beside the pods (:meth:`vramshare.inventory.NodeInventory.booked_foreign_mib`).
 Three rules keep the figure honest:
 
-* **Settled, not seen once.** A GPU reports the least foreign memory of every reading over the last
-  :data:`SETTLE_S` seconds, and nothing until its readings span that long (:class:`SettledForeign`). A
-  process that starts a moment before its pod becomes a tenant, or a reading taken between two
-  processes, books nothing; memory that stays is booked within a settle period plus a tick.
+* **Settled, not seen once.** A GPU reports the least foreign memory of the readings over the last
+  :data:`SETTLE_S` seconds (with the one in force at its start), and nothing until they span that long
+  (:class:`SettledForeign`). A process that starts a moment before its pod becomes a tenant, or a
+  reading taken between two processes, books nothing; memory that stays is booked within two ticks.
 * **Not booked twice.** What the node's departing pods may still hold is booked by their own entries
   (:mod:`vramshare.departing`), so it is subtracted; the GPU's slack (memory beyond its whole units,
   which no pod is given) absorbs foreign memory first.
@@ -33,11 +33,12 @@ from typing import Iterable, Mapping
 from vramshare.departing import DepartingPod
 from vramshare.inventory import GpuMode, NodeInventory
 
-#: two readings of the default 10 s tick: one reading alone never books memory. Short enough that a
-#: force-deleted pod's containers that outlive the default 30 s grace are booked as its departing entry
-#: ends (deletion + grace + 5 s): their memory is foreign from the deletion on, and settles by deletion
-#: + one tick to the first reading + 15 s + one tick to the report, 35 s at worst
-SETTLE_S = 15.0
+#: one quota tick (the default 10 s): the reading in force at the window's start and the one after it,
+#: two readings in a row, so one reading alone never books memory. Short, so that the containers of a
+#: force-deleted pod that outlive their grace are booked as its departing entry ends (deletion + grace +
+#: 5 s): their memory is foreign from the deletion on and settles within two ticks of it (20 s at worst),
+#: so from a grace of 15 s on there is no gap between the two bookings
+SETTLE_S = 10.0
 
 
 class SettledForeign:

@@ -877,6 +877,10 @@ class QuotaLoop:
             try:
                 if self.settings.enabled:
                     self.run_once()
+                elif self._settled:  # paused: nothing measures foreign memory, so none is reported
+                    self.foreign, self._settled = SettledForeign(), {}
+                    if self.on_foreign is not None:
+                        self.on_foreign({})
             except Exception:  # never let one bad tick end the loop
                 log.error("quota tick crashed, keeping last quotas", exc_info=True)
             wait = self.settings.interval_seconds or interval_seconds

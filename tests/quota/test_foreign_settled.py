@@ -2,11 +2,15 @@
 which publishes it for the extender (vramshare/foreign.py). Telemetry doubles at the NVML edge only."""
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 from deviceplugin.nvml_limits import CgroupFinder, NvmlMemoryLimits
 from deviceplugin.quota.fence import DriverFence
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
 from deviceplugin.quota.telemetry import NvmlProcessReader, UsageSample
+from tests.extender.conftest import eventually
 from tests.quota.test_driver_mode import GPU, node  # noqa: F401 - the fixture
 from tests.quota.test_loop import Usage
 from tests.quota.test_telemetry import UID, FakeNvml, Proc, proc_root  # noqa: F401 - the fixture
@@ -53,7 +57,7 @@ def test_a_host_process_is_reported_once_it_stays_and_withdrawn_when_it_goes(tmp
     nv = FakeNvml({"GPU-a": [Proc(100, 10 * GIB), Proc(300, 6 * GIB)], "GPU-b": [Proc(300, 3 * GIB)]})
     loop, clock, told = _loop(tmp_path, NvmlProcessReader(nv, proc_root=str(proc_root)),
                               [Tenant(TENANT, (("GPU-a", 20000),))], {"GPU-a": 40000, "GPU-b": 40000})
-    _ticks(loop, clock, 2)  # readings at +0, +10: not yet spanning the 15 s it takes to settle
+    _ticks(loop, clock, 1)  # one reading: never enough
     assert told == []
     _ticks(loop, clock, 1)
     assert told == [{"GPU-a": 6144, "GPU-b": 3072}]
@@ -100,3 +104,21 @@ def test_the_driver_fence_reads_a_gpu_without_tenants_too(tmp_path, node):  # no
     _ticks(loop, clock, 4)
     assert fence.whole_gpus == {GPU}
     assert told == [{GPU: 12000}]
+
+
+def test_a_paused_loop_withdraws_what_it_can_no_longer_measure(tmp_path, proc_root):
+    """``quota.enabled: false`` reloaded: the loop stops reading, so the node must not keep booking a figure
+    nobody updates (the stuck process may be gone)."""
+    nv = FakeNvml({"GPU-a": [Proc(300, 6 * GIB)]})
+    loop, clock, told = _loop(tmp_path, NvmlProcessReader(nv, proc_root=str(proc_root)), [], {"GPU-a": 40000})
+    _ticks(loop, clock, 2)
+    assert told == [{"GPU-a": 6144}]
+    loop.settings = dataclasses.replace(loop.settings, enabled=False)
+    stop = threading.Event()
+    worker = threading.Thread(target=loop.run, args=(stop, 0.01))
+    worker.start()
+    try:
+        assert eventually(lambda: told[-1] == {})
+    finally:
+        stop.set()
+        worker.join(5)
