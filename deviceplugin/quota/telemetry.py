@@ -105,11 +105,18 @@ def parse_cgroup(text: str) -> tuple[str | None, str | None]:
 
 def pod_of_pid(pid: int, proc_root: str = "/proc") -> tuple[str | None, str | None]:
     """Pod UID and container ID of a host PID; ``(None, None)`` when it exited or is not in a pod."""
+    text = _cgroup_text(pid, proc_root)
+    return parse_cgroup(text) if text is not None else (None, None)
+
+
+def _cgroup_text(pid: int, proc_root: str) -> str | None:
+    """``/proc/<pid>/cgroup``, or None: the process exited between the NVML call and now, or this process
+    does not see the host's PIDs (no ``hostPID``)."""
     try:
         with open(os.path.join(proc_root, str(pid), "cgroup"), encoding="utf-8") as fh:
-            return parse_cgroup(fh.read())
+            return fh.read()
     except OSError:
-        return None, None  # the process exited between the NVML call and now
+        return None
 
 
 # -- NVML ---------------------------------------------------------------------------------------
@@ -145,8 +152,10 @@ class NvmlProcessReader:
                 handle = nv.nvmlDeviceGetHandleByIndex(i)
                 uuid = nv.nvmlDeviceGetUUID(handle)
                 uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-                out.extend(self._samples(uuid, nv.nvmlDeviceGetComputeRunningProcesses(handle)))
-                read.add(uuid)
+                samples, known = self._samples(uuid, nv.nvmlDeviceGetComputeRunningProcesses(handle))
+                out.extend(samples)
+                if known:
+                    read.add(uuid)
             self.whole_gpus = frozenset(read)
             return out
         except Exception as exc:  # pynvml raises NVMLError subclasses; a fake may raise anything
@@ -155,14 +164,19 @@ class NvmlProcessReader:
                 raise TelemetryError(f"nvml: {type(exc).__name__}: {exc}") from exc
             raise
 
-    def _samples(self, uuid: str, procs: list[Any]) -> list[UsageSample]:
-        out = []
+    def _samples(self, uuid: str, procs: list[Any]) -> tuple[list[UsageSample], bool]:
+        """The GPU's samples, and whether every process on it was placed: one whose cgroup cannot be read
+        (it exited, or no ``hostPID``) may be a pod's, so the GPU's unattributed memory is not proven
+        foreign this time (``whole_gpus`` leaves it out; the quota loop still counts it, as before)."""
+        out, known = [], True
         for p in procs:
             used = getattr(p, "usedGpuMemory", None)
             if used is None:  # not reported (vGPU, no permission): cannot attribute bytes
                 log.debug("nvml process without memory figure", gpu=uuid, pid=p.pid)
                 continue
-            pod_uid, cid = pod_of_pid(p.pid, self._proc_root)
+            text = _cgroup_text(p.pid, self._proc_root)
+            known &= text is not None
+            pod_uid, cid = parse_cgroup(text) if text is not None else (None, None)
             out.append(UsageSample(gpu_uuid=uuid, used_mib=int(used) // MIB, pod_uid=pod_uid,
                                    container_id=cid, pid=int(p.pid)))
-        return out
+        return out, known

@@ -122,3 +122,15 @@ def test_a_paused_loop_withdraws_what_it_can_no_longer_measure(tmp_path, proc_ro
     finally:
         stop.set()
         worker.join(5)
+
+
+def test_a_process_whose_cgroup_cannot_be_read_proves_nothing_foreign(tmp_path, proc_root):
+    """Without ``hostPID`` no PID NVML names is visible: every process would look foreign, and the node
+    would report its tenants' memory as held outside our pods. A GPU with a process whose cgroup cannot
+    be read is left out of the report's readings (PID 999 has no /proc entry here)."""
+    nv = FakeNvml({"GPU-a": [Proc(999, 10 * GIB)], "GPU-b": [Proc(300, 3 * GIB)]})
+    reader = NvmlProcessReader(nv, proc_root=str(proc_root))
+    loop, clock, told = _loop(tmp_path, reader, [], {"GPU-a": 40000, "GPU-b": 40000})
+    _ticks(loop, clock, 3)
+    assert reader.whole_gpus == {"GPU-b"}
+    assert told == [{"GPU-b": 3072}]
