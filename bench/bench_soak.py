@@ -27,7 +27,10 @@ pod twice), and PodResources goes down now and then. Further figures (aims: 0): 
 ``links_to_other_pods``, ``pods_recorded_on_other_gpus`` (a pod recorded on GPUs its UID does not hold:
 another pod's, or the previous pod's of its name), ``links_missing_after_settle``; and what the refusal of
 unexplained Allocates while PodResources is down cost (``refused_while_pod_resources_down``).
-``--nodes model`` keeps the older in-harness kubelet (bench/soak_harness.py).
+``--nodes model`` keeps the older in-harness kubelet (bench/soak_harness.py). ``--stuck-share S``: that
+share of force-deleted pods keeps its containers' memory 10-30 s past the grace (a process stuck in the
+driver); the node agents publish the memory no pod holds (the inventory's ``foreignMiB``, vramshare/foreign.py)
+unless ``--no-foreign-report``.
 
 Also: admissions that failed because a node had too few free devices (the extender sent a pod where
 there was no room), steering misses (the GPU a pod got is not the one assigned; the hold's baseline
