@@ -300,7 +300,7 @@ class PluginNodeSim(threading.Thread):
             n.foreign.observe(now, held)
         departing = n.departures.current(wall)
         assert n.base_inventory is not None
-        booked = schedulable_foreign(n.base_inventory, n.foreign.settled(now), departing)
+        booked = schedulable_foreign(n.base_inventory, n.foreign.settled(now), departing, now_s=wall)
         if (departing, booked) != n.reported:
             n.reported = (departing, booked)
             self.stats.foreign_reports += bool(booked)

@@ -14,9 +14,12 @@ Three rules keep the figure honest:
   :data:`SETTLE_S` seconds (with the one in force at its start), and nothing until they span that long
   (:class:`SettledForeign`). A process that starts a moment before its pod becomes a tenant, or a
   reading taken between two processes, books nothing; memory that stays is booked within two ticks.
-* **Not booked twice.** What the node's departing pods may still hold is booked by their own entries
-  (:mod:`vramshare.departing`), so it is subtracted; the GPU's slack (memory beyond its whole units,
-  which no pod is given) absorbs foreign memory first.
+* **Not booked twice, never dropped in between.** What the node's departing pods may still hold is booked
+  by their own entries (:mod:`vramshare.departing`), so it is subtracted, but only until :data:`HANDOFF_S`
+  before an entry ends: a container that outlives its grace is then in the foreign figure before the
+  extender drops the entry's booking (the soak, without the hand-off, planned pods into such memory in the
+  moment between the two). The GPU's slack (memory beyond its whole units, which no pod is given)
+  absorbs foreign memory first.
 * **Whole units.** What is left is rounded up to the node's memory unit, so the annotation moves only
   when a unit changes, and never past the GPU's units.
 
@@ -39,6 +42,12 @@ from vramshare.inventory import GpuMode, NodeInventory
 #: 5 s): their memory is foreign from the deletion on and settles within two ticks of it (20 s at worst),
 #: so from a grace of 15 s on there is no gap between the two bookings
 SETTLE_S = 10.0
+
+
+#: how long before a departing entry ends its memory stops being subtracted from the foreign figure: the
+#: node republishes then, and the new figure reaches the extender (watch latency, a publisher's backoff)
+#: before the entry's booking ends; the price is this long of double booking per forced deletion
+HANDOFF_S = 5.0
 
 
 class SettledForeign:
@@ -87,12 +96,15 @@ class SettledForeign:
                 del self._readings[gpu]
 
 
-def schedulable_foreign(inv: NodeInventory, settled: Mapping[str, int],
-                        departing: Iterable[DepartingPod] = ()) -> dict[str, int]:
+def schedulable_foreign(inv: NodeInventory, settled: Mapping[str, int], departing: Iterable[DepartingPod] = (),
+                        *, now_s: float) -> dict[str, int]:
     """Per shared GPU, the foreign MiB the extender must book: the settled figure less what departing
-    pods hold there and the GPU's slack, rounded up to whole units, at most the GPU's units."""
+    pods hold there (those not within :data:`HANDOFF_S` of their end at ``now_s``, Unix seconds) and the
+    GPU's slack, rounded up to whole units, at most the GPU's units."""
     leaving: dict[str, int] = {}
     for d in departing:
+        if d.until_s - now_s <= HANDOFF_S:
+            continue
         for uuid, mib in d.gpus:
             leaving[uuid] = leaving.get(uuid, 0) + mib
     unit = inv.unit_mib
@@ -112,3 +124,9 @@ def with_foreign(inv: NodeInventory, foreign: Mapping[str, int]) -> NodeInventor
     if not foreign and not any(g.foreign_mib for g in inv.gpus):
         return inv
     return replace(inv, gpus=tuple(replace(g, foreign_mib=foreign.get(g.uuid, 0)) for g in inv.gpus))
+
+
+def republish_at(departing: Iterable[DepartingPod], now_s: float) -> float | None:
+    """When the node's report next changes by the clock alone: an entry's hand-off (its memory joins the
+    foreign figure) or its end; ``None`` when no entry is left."""
+    return min((t for d in departing for t in (d.until_s - HANDOFF_S, d.until_s) if t > now_s), default=None)

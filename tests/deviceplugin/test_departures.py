@@ -18,6 +18,7 @@ from tests.extender import builders as b
 from vramshare import contract
 from vramshare.contract import inventory as contract_inventory
 from vramshare.departing import DEPARTING_MARGIN_S, MAX_DEPARTING, Departures
+from vramshare.foreign import republish_at
 
 N = contract.Names()
 T = 1_700_000_000.0
@@ -37,8 +38,8 @@ def test_a_pod_that_may_still_run_is_reported_for_its_grace_then_forgotten() -> 
     entry = d.note(_gone(gpus=(("GPU-a", 20480), ("GPU-b", 1024))), T)
     assert entry is not None and entry.pod == "default/p" and entry.uid == "u1"
     assert entry.gpus == (("GPU-a", 20480), ("GPU-b", 1024)) and entry.until_s == T + 10 + DEPARTING_MARGIN_S
-    assert d.current(T + 14) == (entry,) and d.next_end_s() == entry.until_s
-    assert d.current(T + 15) == () and d.next_end_s() is None
+    assert d.current(T + 14) == (entry,) and republish_at(d.current(T + 14), T + 14) == entry.until_s
+    assert d.current(T + 15) == () and republish_at(d.current(T + 15), T + 15) is None
 
 
 def test_what_is_not_reported() -> None:
