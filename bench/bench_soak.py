@@ -12,7 +12,8 @@ Figures (aims: 0, 0, 0):
 * ``gpus_over_capacity_assigned``: GPUs that at any sample carried more in the assignment annotations
   of the pods bound to their node than they hold (what the first design's allocator would have granted;
   an unbound pod's assignment steers nothing);
-* ``gpus_over_capacity_books``: GPUs the extender's books (/inspect) ever showed over capacity;
+* ``gpus_over_capacity_books``: GPUs the extender's books (/inspect) ever showed over capacity by what
+  they hold for pods (memory the node reports no pod holds, ``foreignMiB``, may come on top);
 * ``gpus_over_capacity_real``: GPUs whose containers ever held more than the GPU has (the node model's
   truth, a force-deleted pod's containers included while they run);
 * ``mismatched_gpus_after_settle``: GPUs whose books differ from what the containers really got, once
@@ -277,7 +278,10 @@ class Soak:
             for g, m in (kubelet.reality_mib() if kubelet is not None else {}).items():
                 if m > capacity_mib[g] and g not in self.over_real:
                     self.over_real.add(g)
-                    self.over_real_examples.append({"gpu": g, "mib": m, "capacity": capacity_mib[g]})
+                    self.over_real_examples.append({
+                        "gpu": g, "mib": m, "capacity": capacity_mib[g], "at": round(time.time(), 2),
+                        **({"holders": kubelet.who_holds(g)} if hasattr(kubelet, "who_holds") else {}),
+                        "books": ext.book_pods().get(g), "books_used_total": (ext.books() or {}).get(g)})
             per_gpu: dict[str, int] = {}
             holders: dict[str, list[str]] = {}
             every: dict[str, int] = {}
@@ -303,7 +307,9 @@ class Soak:
                     self.over_examples.append({"gpu": g, "mib": m, "capacity": capacity_mib[g], "pods": holders[g], "at": round(time.time(), 2)})
             books = ext.books()
             if books:
-                self.over_books.update(g for g, (used, total) in books.items() if used > total)
+                # what the extender booked for pods (departing ones included): foreign memory is reported
+                # by the node and may come on top of pods already there, as the GPU really holds it
+                self.over_books.update(g for g, (used, total, foreign) in books.items() if used - foreign > total)
 
     @staticmethod
     def _explain(api: ApiServerDouble, ext: Any, kubelet: Any, gpus: list[str]) -> list[dict[str, Any]]:
@@ -390,8 +396,8 @@ class Soak:
             mismatched: dict[str, tuple[int, int]] = {}
             while time.monotonic() - t1 < 30:
                 books, real = ext.books() or {}, kubelet.reality_mib()
-                mismatched = {g: (books.get(g, (0, 0))[0], real[g]) for g in real
-                              if books.get(g, (0, 0))[0] != real[g]}
+                mismatched = {g: (books.get(g, (0, 0, 0))[0], real[g]) for g in real
+                              if books.get(g, (0, 0, 0))[0] != real[g]}
                 if not mismatched:
                     break
                 time.sleep(0.2)

@@ -111,8 +111,9 @@ class ExtenderProcess:
             time.sleep(0.05)
         return False
 
-    def books(self) -> dict[str, tuple[int, int]] | None:
-        """Per GPU (used, total) MiB from /inspect, None while the extender is down."""
+    def books(self) -> dict[str, tuple[int, int, int]] | None:
+        """Per GPU (used, total, foreign) MiB from /inspect, None while the extender is down; ``used``
+        includes the memory the node reports no pod holds (``foreign``, vramshare.foreign)."""
         try:
             resp = self.http.request("GET", f"{self.url}/inspect")
             if resp.status != 200:
@@ -120,7 +121,7 @@ class ExtenderProcess:
             doc = orjson.loads(resp.data)
         except (urllib3.exceptions.HTTPError, orjson.JSONDecodeError):
             return None
-        return {g["uuid"]: (g["usedMiB"], g["totalMiB"]) for n in doc["nodes"] for g in n["gpus"]}
+        return {g["uuid"]: (g["usedMiB"], g["totalMiB"], g.get("foreignMiB", 0)) for n in doc["nodes"] for g in n["gpus"]}
 
     def book_pods(self) -> dict[str, dict[str, int]]:
         """Per GPU the pods the books hold there (pod key -> MiB), for explaining a mismatch; {} while down."""
@@ -412,6 +413,6 @@ class ReplicatedExtender:
             time.sleep(0.05)
         return False
 
-    def books(self) -> dict[str, tuple[int, int]] | None:
+    def books(self) -> dict[str, tuple[int, int, int]] | None:
         lead = self.leader()
         return lead.books() if lead is not None else None

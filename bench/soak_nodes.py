@@ -179,6 +179,9 @@ class PluginNodeSim(threading.Thread):
         self.rv = api.resource_version  # the pod deletions the node agents' watches have delivered
         self.report_departing = report_departing  # off: the baseline of a node agent without the report
         self.stuck_share, self.stuck_s = stuck_share, stuck_s
+        self.stuck_uids: set[str] = set()
+        self.gone_at: dict[str, float] = {}  # uid -> when the node saw its pod gone from the API (debug)
+        self.published_log: dict[str, Any] = {}  # node -> the last inventories' (wall, foreign, departing)
         self.report_foreign, self.foreign_every = report_foreign, foreign_every_s
         for n in self.nodes.values():
             n.foreign = SettledForeign(settle_s=foreign_every_s)
@@ -218,6 +221,28 @@ class PluginNodeSim(threading.Thread):
                 for g, u in r.items():
                     out[g] += u * self.unit
             return out
+
+    def who_holds(self, gpu: str) -> list[dict[str, Any]]:
+        """Who holds memory on ``gpu`` now, and in what state (an over-capacity example's explanation):
+        ``live``, ``leaving`` (its kubelet stops it; ``gone`` once the API forgot it) or ``stuck`` (past its grace)."""
+        with self.lock:
+            names = {u: e.name for n in self.nodes.values() for u, e in n.dm.pods.items()}
+            out = []
+            for uid, gpus in self.real.items():
+                if gpu not in gpus:
+                    continue
+                key = next((k for k in self.leaving if k[1] == uid), None)
+                state = "live" if key is None else "leaving"
+                if uid in self.stuck_uids:
+                    state = "stuck"
+                out.append({"pod": names.get(uid, uid), "uid": uid, "mib": gpus[gpu] * self.unit, "state": state,
+                            **({"gone_at": round(self.gone_at[uid], 2)} if uid in self.gone_at else {}),
+                            **({"ends_at": round(self.leaving[key][0] - time.monotonic() + time.time(), 2)}
+                               if key is not None else {})})
+            node = next(n for n, gs in self.capacity.items() if gpu in gs)
+            return out + [{"published": [(round(t, 2), f.get(gpu, 0), [(d.uid, d.until_s, dict(d.gpus).get(gpu))
+                                                                       for d in dep if gpu in dict(d.gpus)])
+                                         for t, f, dep in self.published_log.get(node, [])]}]
 
     def pending_admissions(self) -> int:
         with self.lock:
@@ -300,12 +325,15 @@ class PluginNodeSim(threading.Thread):
             n.foreign.observe(now, held)
         departing = n.departures.current(wall)
         assert n.base_inventory is not None
-        booked = schedulable_foreign(n.base_inventory, n.foreign.settled(now), departing, now_s=wall)
+        booked = schedulable_foreign(n.base_inventory, n.foreign.settled(now))
         if (departing, booked) != n.reported:
             n.reported = (departing, booked)
             self.stats.foreign_reports += bool(booked)
             n.publisher.publish(contract_inventory.encode(  # type: ignore[union-attr]
                 dataclasses.replace(with_foreign(n.base_inventory, booked), departing=departing)))
+            log = self.published_log.setdefault(n.name, [])
+            log.append((wall, booked, departing))
+            del log[:-12]
 
     def _outage(self, n: Node, now: float) -> None:
         if not self.outages:
@@ -331,12 +359,14 @@ class PluginNodeSim(threading.Thread):
             if p is not None and (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                 self.leaving[(n.name, uid)] = (now, "")
             elif p is None:
+                self.gone_at[uid] = time.time()
                 n.dm.remove_pod(uid)
                 n.wake = True
                 end = now + self.rng.uniform(*self.grace)
                 if self.stuck_share and self.rng.random() < self.stuck_share:
                     end += self.rng.uniform(*self.stuck_s)  # a process stuck in the driver outlives the grace
                     self.stats.stuck += 1
+                    self.stuck_uids.add(uid)
                 self.leaving[(n.name, uid)] = (end, "")
             elif p["metadata"].get("deletionTimestamp"):
                 self.leaving[(n.name, uid)] = (now + self.rng.uniform(*self.grace), p["metadata"]["name"])

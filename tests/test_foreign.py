@@ -12,8 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from vramshare import inventory
 from vramshare.contract import inventory as contract_inventory
-from vramshare.departing import DepartingPod
-from vramshare.foreign import HANDOFF_S, SETTLE_S, SettledForeign, republish_at, schedulable_foreign, with_foreign
+from vramshare.foreign import SETTLE_S, SettledForeign, schedulable_foreign, with_foreign
 
 UNIT = 1024
 # an H100: 81,559 MiB, 79 units of 1 GiB, 663 MiB of slack beyond them
@@ -97,24 +96,11 @@ def test_the_settled_figure_is_what_every_reading_in_the_window_saw(readings: li
 
 
 def test_slack_absorbs_foreign_memory_first_then_whole_units_are_booked() -> None:
-    assert schedulable_foreign(INV, {"GPU-0": 600}, now_s=0) == {}  # within the 663 MiB no unit covers
-    assert schedulable_foreign(INV, {"GPU-0": 663 + 1}, now_s=0) == {"GPU-0": UNIT}
-    assert schedulable_foreign(INV, {"GPU-0": 663 + 5000}, now_s=0) == {"GPU-0": 5 * UNIT}
-    assert schedulable_foreign(INV, {"GPU-0": 10 ** 6}, now_s=0) == {"GPU-0": 79 * UNIT}  # never past its units
-    assert schedulable_foreign(INV, {"GPU-1": 5000}, now_s=0) == {}  # a whole GPU is its one pod's: not booked here
-
-
-def test_what_departing_pods_hold_is_booked_by_their_entries_not_twice_until_the_hand_off() -> None:
-    """Until HANDOFF_S before its end an entry books its pod's memory and the foreign figure leaves it out;
-    from then on the figure carries it, so the extender has it before it drops the entry (no moment
-    in which memory a stuck container holds is booked by neither)."""
-    leaving = [DepartingPod("default/p", "u1", 100, (("GPU-0", 20480),))]
-    held = {"GPU-0": 20480 + 663 + 2000}
-    assert schedulable_foreign(INV, held, leaving, now_s=0) == {"GPU-0": 2 * UNIT}
-    assert schedulable_foreign(INV, {"GPU-0": 20480 + 663}, leaving, now_s=0) == {}
-    assert schedulable_foreign(INV, held, leaving, now_s=100 - HANDOFF_S) == {"GPU-0": 22 * UNIT}
-    assert republish_at(leaving, 0) == 100 - HANDOFF_S
-    assert republish_at(leaving, 100 - HANDOFF_S) == 100 and republish_at(leaving, 100) is None
+    assert schedulable_foreign(INV, {"GPU-0": 600}) == {}  # within the 663 MiB no unit covers
+    assert schedulable_foreign(INV, {"GPU-0": 663 + 1}) == {"GPU-0": UNIT}
+    assert schedulable_foreign(INV, {"GPU-0": 663 + 5000}) == {"GPU-0": 5 * UNIT}
+    assert schedulable_foreign(INV, {"GPU-0": 10 ** 6}) == {"GPU-0": 79 * UNIT}  # never past its units
+    assert schedulable_foreign(INV, {"GPU-1": 5000}) == {}  # a whole GPU is its one pod's: not booked here
 
 
 def test_the_inventory_carries_it_and_the_extender_books_it_in_whole_units() -> None:

@@ -148,3 +148,8 @@ class Departures:
             for uid in [u for u, e in self._by_uid.items() if e.until_s <= now_s]:
                 del self._by_uid[uid]
             return tuple(sorted(self._by_uid.values(), key=lambda e: (-e.until_s, e.uid))[:self._max])
+
+    def next_end_s(self) -> float | None:
+        """When the earliest record ends (the node republishes then); ``None`` when there is none."""
+        with self._lock:
+            return min((e.until_s for e in self._by_uid.values()), default=None)

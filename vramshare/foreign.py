@@ -14,12 +14,13 @@ Three rules keep the figure honest:
   :data:`SETTLE_S` seconds (with the one in force at its start), and nothing until they span that long
   (:class:`SettledForeign`). A process that starts a moment before its pod becomes a tenant, or a
   reading taken between two processes, books nothing; memory that stays is booked within two ticks.
-* **Not booked twice, never dropped in between.** What the node's departing pods may still hold is booked
-  by their own entries (:mod:`vramshare.departing`), so it is subtracted, but only until :data:`HANDOFF_S`
-  before an entry ends: a container that outlives its grace is then in the foreign figure before the
-  extender drops the entry's booking (the soak, without the hand-off, planned pods into such memory in the
-  moment between the two). The GPU's slack (memory beyond its whole units, which no pod is given)
-  absorbs foreign memory first.
+* **Never unbooked, sometimes twice.** A force-deleted pod whose containers still run is booked by its
+  departing entry (:mod:`vramshare.departing`) and, once its memory has settled here, by this figure too.
+  Subtracting the entries would be exact only if their memory were in the figure: a pod deleted a moment
+  ago is not (yet), one whose containers stopped is not (ever), and subtracting either unbooks another
+  process's memory (the soak with stuck containers planned pods into it). So nothing is subtracted: a
+  short double booking per forced deletion, never a gap. The GPU's slack (memory beyond its whole units,
+  which no pod is given) absorbs foreign memory first.
 * **Whole units.** What is left is rounded up to the node's memory unit, so the annotation moves only
   when a unit changes, and never past the GPU's units.
 
@@ -33,7 +34,6 @@ from collections import deque
 from dataclasses import replace
 from typing import Iterable, Mapping
 
-from vramshare.departing import DepartingPod
 from vramshare.inventory import GpuMode, NodeInventory
 
 #: one quota tick (the default 10 s): the reading in force at the window's start and the one after it,
@@ -42,12 +42,6 @@ from vramshare.inventory import GpuMode, NodeInventory
 #: 5 s): their memory is foreign from the deletion on and settles within two ticks of it (20 s at worst),
 #: so from a grace of 15 s on there is no gap between the two bookings
 SETTLE_S = 10.0
-
-
-#: how long before a departing entry ends its memory stops being subtracted from the foreign figure: the
-#: node republishes then, and the new figure reaches the extender (watch latency, a publisher's backoff)
-#: before the entry's booking ends; the price is this long of double booking per forced deletion
-HANDOFF_S = 5.0
 
 
 class SettledForeign:
@@ -96,24 +90,15 @@ class SettledForeign:
                 del self._readings[gpu]
 
 
-def schedulable_foreign(inv: NodeInventory, settled: Mapping[str, int], departing: Iterable[DepartingPod] = (),
-                        *, now_s: float) -> dict[str, int]:
-    """Per shared GPU, the foreign MiB the extender must book: the settled figure less what departing
-    pods hold there (those not within :data:`HANDOFF_S` of their end at ``now_s``, Unix seconds) and the
-    GPU's slack, rounded up to whole units, at most the GPU's units."""
-    leaving: dict[str, int] = {}
-    for d in departing:
-        if d.until_s - now_s <= HANDOFF_S:
-            continue
-        for uuid, mib in d.gpus:
-            leaving[uuid] = leaving.get(uuid, 0) + mib
+def schedulable_foreign(inv: NodeInventory, settled: Mapping[str, int]) -> dict[str, int]:
+    """Per shared GPU, the foreign MiB the extender must book: the settled figure beyond the GPU's slack,
+    rounded up to whole units, at most the GPU's units."""
     unit = inv.unit_mib
     out = {}
     for g in inv.gpus:
         if g.mode is not GpuMode.SHARED or settled.get(g.uuid, 0) <= 0:
             continue
-        slack = max(0, g.memory_mib - g.units * unit)
-        beyond = settled[g.uuid] - leaving.get(g.uuid, 0) - slack
+        beyond = settled[g.uuid] - max(0, g.memory_mib - g.units * unit)
         if beyond > 0:
             out[g.uuid] = min(math.ceil(beyond / unit), g.units) * unit
     return out
@@ -124,9 +109,3 @@ def with_foreign(inv: NodeInventory, foreign: Mapping[str, int]) -> NodeInventor
     if not foreign and not any(g.foreign_mib for g in inv.gpus):
         return inv
     return replace(inv, gpus=tuple(replace(g, foreign_mib=foreign.get(g.uuid, 0)) for g in inv.gpus))
-
-
-def republish_at(departing: Iterable[DepartingPod], now_s: float) -> float | None:
-    """When the node's report next changes by the clock alone: an entry's hand-off (its memory joins the
-    foreign figure) or its end; ``None`` when no entry is left."""
-    return min((t for d in departing for t in (d.until_s - HANDOFF_S, d.until_s) if t > now_s), default=None)

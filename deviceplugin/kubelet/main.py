@@ -162,9 +162,8 @@ class DevicePluginDaemon(NodeDaemon):
         self._spawn("model-residency", lambda: reporter.run(self._stop))
 
     def _inventory_json(self, inventory: Any) -> str:
-        now = time.time()
-        departing = self.departures.current(now)
-        booked = foreign.schedulable_foreign(inventory, self._foreign, departing, now_s=now)
+        departing = self.departures.current(time.time())
+        booked = foreign.schedulable_foreign(inventory, self._foreign)
         for gpu in inventory.gpus:
             self.metrics.foreign_mib.labels(gpu.uuid).set(booked.get(gpu.uuid, 0))
         return contract_inventory.encode(dataclasses.replace(foreign.with_foreign(inventory, booked),
@@ -216,14 +215,12 @@ class DevicePluginDaemon(NodeDaemon):
 
     def _departures_loop(self) -> None:
         """Body of the ``departures`` thread: republish when a departing pod's report ends, so the
-        inventory lists only pods that may still run, and just before (its hand-off: what its containers
-        still hold joins the foreign figure before the entry goes, :mod:`vramshare.foreign`)."""
+        inventory lists only pods that may still run."""
         while not self._stop.is_set():
-            now = time.time()
-            at = foreign.republish_at(self.departures.current(now), now)
-            wait = 3600.0 if at is None else max(0.0, at - now)
+            end = self.departures.next_end_s()
+            wait = 3600.0 if end is None else max(0.0, end - time.time())
             wait_poked(self._stop, self._departures_poked, wait)
-            if at is not None and time.time() >= at:
+            if end is not None and time.time() >= end:
                 self._publish_inventory()
 
     def _managers(self) -> list[ResourceManager]:
