@@ -180,7 +180,7 @@ class PluginNodeSim(threading.Thread):
         self.report_departing = report_departing  # off: the baseline of a node agent without the report
         self.stuck_share, self.stuck_s = stuck_share, stuck_s
         self.stuck_uids: set[str] = set()
-        self.gone_at: dict[str, float] = {}  # uid -> when the node saw its pod gone from the API (debug)
+        self.gone_at: dict[str, float] = {}  # uid -> when the node saw its pod gone from the API (examples)
         self.published_log: dict[str, Any] = {}  # node -> the last inventories' (wall, foreign, departing)
         self.report_foreign, self.foreign_every = report_foreign, foreign_every_s
         for n in self.nodes.values():
@@ -223,8 +223,9 @@ class PluginNodeSim(threading.Thread):
             return out
 
     def who_holds(self, gpu: str) -> list[dict[str, Any]]:
-        """Who holds memory on ``gpu`` now, and in what state (an over-capacity example's explanation):
-        ``live``, ``leaving`` (its kubelet stops it; ``gone`` once the API forgot it) or ``stuck`` (past its grace)."""
+        """Who holds memory on ``gpu`` now, in what state (``live``; ``leaving``: its kubelet stops it;
+        ``stuck``: it outlives its grace) and since when, and the node's last published inventories (what
+        the extender was told): an over-capacity example's explanation."""
         with self.lock:
             names = {u: e.name for n in self.nodes.values() for u, e in n.dm.pods.items()}
             out = []
