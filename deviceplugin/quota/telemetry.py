@@ -103,12 +103,6 @@ def parse_cgroup(text: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def pod_of_pid(pid: int, proc_root: str = "/proc") -> tuple[str | None, str | None]:
-    """Pod UID and container ID of a host PID; ``(None, None)`` when it exited or is not in a pod."""
-    text = _cgroup_text(pid, proc_root)
-    return parse_cgroup(text) if text is not None else (None, None)
-
-
 def _cgroup_text(pid: int, proc_root: str) -> str | None:
     """``/proc/<pid>/cgroup``, or None: the process exited between the NVML call and now, or this process
     does not see the host's PIDs (no ``hostPID``)."""
