@@ -286,7 +286,7 @@ class Accounting:
                 return
             if key not in self.pods:
                 self._observe(key, pod)
-            self.pods[key] = pod
+            pod = self.pods[key] = _keep_node_name(self.pods.get(key), pod)
             self._account(key, pod)
 
     def _predecessor(self, key: str, uid: str, pod: Obj, ended: bool) -> None:
@@ -714,3 +714,17 @@ class Accounting:
             pod = self.pods.get(key)
             if pod is not None:
                 self.pods[key] = {**pod, "spec": {**(pod.get("spec") or {}), "nodeName": node}}
+
+
+def _keep_node_name(known: Obj | None, event: Obj) -> Obj:
+    """``event``, keeping the node :meth:`Accounting.mark_bound` wrote on the pod it replaces.
+
+    ``spec.nodeName`` cannot be unset once set, so an event of the same UID without it is older than
+    the Binding we created (the watch delivers the assignment patch's event after the bind returned).
+    Taking it as-is would let a retried bind of that pod patch it again and expiry free its GPUs."""
+    node = ((known or {}).get("spec") or {}).get("nodeName")
+    if not node or (event.get("spec") or {}).get("nodeName"):
+        return event
+    if ((known or {}).get("metadata") or {}).get("uid") != (event.get("metadata") or {}).get("uid"):
+        return event
+    return {**event, "spec": {**(event.get("spec") or {}), "nodeName": node}}

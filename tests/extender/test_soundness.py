@@ -77,6 +77,25 @@ def test_concurrent_duplicate_binds_bind_once_and_book_once(
     assert all(v <= 22528 for v in books.values())
 
 
+def test_a_retried_bind_after_a_late_watch_event_changes_nothing(
+        double: ApiServerDouble, extender: main.RunningExtender, scheduler: Scheduler) -> None:
+    """The watch may deliver the assignment patch's event after the bind returned: that event has no
+    nodeName (the Binding came later), yet a retry of the bind must still see the pod as bound.
+    (Found by the concurrent test above, once in CI: a retry re-planned, patched, met a 409.)"""
+    double.create_node(b.gpu_node("n1", b.l4()))
+    assert eventually(lambda: "n1" in extender.acct.slots)
+    p = double.create_pod(b.pod("p", 10))
+    assert scheduler.bind(p, "n1") == {"Error": ""}
+    assert eventually(lambda: extender.acct.pods["default/p"]["spec"].get("nodeName") == "n1")
+    stale = double.get_pod("default", "p")
+    stale = {**stale, "spec": {k: v for k, v in stale["spec"].items() if k != "nodeName"}}
+    extender.acct.apply_pod("MODIFIED", stale)  # the patch's event, delivered late
+    assert extender.acct.pods["default/p"]["spec"]["nodeName"] == "n1"
+    assert scheduler.bind(p, "n1") == {"Error": ""}
+    assert double.count("PATCH") == 1 and double.count("POST", r"/binding$") == 1
+    assert used(extender, "n1") == [10240]
+
+
 # -- verbs before the cache has synced ---------------------------------------------------------
 def test_verbs_before_sync_answer_an_error_and_change_nothing(double: ApiServerDouble) -> None:
     double.create_node(b.gpu_node("n1", b.l4()))
