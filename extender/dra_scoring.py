@@ -5,8 +5,9 @@ shared devices and takes the first fitting devices of whatever feasible node it 
 module gives prioritize the same per-GPU view the device-plugin path has, built from:
 
 * this driver's ResourceSlices: one slot per device, in published order (the allocator's device
-  order), shared GPUs sized by ``capacity.memory``, exclusive GPUs and MIG instances whole, tainted
-  devices unhealthy;
+  order), shared GPUs sized by ``capacity.memory`` plus the ``foreignMiB`` the plugin took off it, which
+  is booked as used (:mod:`vramshare.contract.slice_foreign`), exclusive GPUs and MIG instances whole,
+  tainted devices unhealthy;
 * allocated ResourceClaims: every result's ``consumedCapacity.memory`` charged to its GPU (whole
   devices charged in full), keyed by claim;
 * the pod's own, not yet allocated, claims (``status.resourceClaimStatuses``): one Demand per request
@@ -45,7 +46,7 @@ from kubernetes import client
 from extender import apicalls, cluster, placement, residency
 from extender.translate import EXCLUSIVE, SHARED, mig_kind
 from vramshare import contract, logs, mig, podspec, quantity
-from vramshare.contract import slice_enforcement
+from vramshare.contract import slice_enforcement, slice_foreign
 from vramshare.inventory import ResidentModel
 from vramshare.retry import Backoff
 from vramshare.watch import ListWatch
@@ -74,9 +75,11 @@ def slots_of_slice(obj: Obj) -> list[cluster.Slot]:
         cap = _mib(((d.get("capacity") or {}).get("memory") or {}).get("value", "0"))
         kind = SHARED if d.get("allowMultipleAllocations") else (
             mig_kind(value("profile")) if mode == "mig" else EXCLUSIVE)
+        foreign = slice_foreign.decode(d) if kind == SHARED else 0  # taken off the capacity: booked as used
         healthy = not any(t.get("effect") in ("NoSchedule", "NoExecute") for t in d.get("taints") or ())
         out.append(cluster.Slot(uuid=f"{obj['spec']['pool']['name']}/{d['name']}", model=value("model"), kind=kind,
-                                capacity=cap, healthy=healthy, index=int(value("index", pos) or pos)))
+                                capacity=cap + foreign, healthy=healthy, index=int(value("index", pos) or pos),
+                                foreign=foreign))
     return out
 
 
@@ -242,7 +245,8 @@ class DraCluster:
         usage = [(u, m) for u, m in claim_usage(claim, self.names.dra_driver, self._capacity) if u in self._capacity]
         if usage:
             try:
-                st.add_pod(key, usage[0][0].split("/", 1)[0], usage)  # pool name = node name
+                # pool name = node name; an allocation is a decision made: recorded beside foreign memory
+                st.add_pod(key, usage[0][0].split("/", 1)[0], usage, beside_foreign=False)
             except Exception as exc:  # noqa: BLE001 - a stale view must not break scoring of others
                 log.warning("claim not accounted", claim=key, error=str(exc))
                 self._unaccounted.add(key)

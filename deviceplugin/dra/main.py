@@ -55,7 +55,7 @@ from deviceplugin.node_state import NodeState, Snapshot
 from deviceplugin.pod_cache import NodePodCache
 from deviceplugin.quota import rights
 from deviceplugin.serve import NodeDaemon, serve
-from vramshare import contract, kube, logs, mig
+from vramshare import contract, foreign, kube, logs, mig
 from vramshare.config import Config, ConfigError, load_config
 from vramshare.contract import config_in_force
 from vramshare.inventory import GpuMode
@@ -77,6 +77,9 @@ class DraMetrics:
         self.enforcement_unavailable = enforcement_unavailable_gauge(self.registry)
         self.config_reloads = config_reloads_counter(self.registry, f"{p}dra_")
         self.restart_pending = restart_pending_gauge(self.registry, f"{p}dra_")
+        self.foreign_mib = Gauge(f"{p}dra_foreign_memory_mib", "Memory of a shared GPU held by no claim of ours "
+                                 "(a process that outlived its pod, a host process), settled and in whole units: "
+                                 "taken off the device's published capacity", ["gpu"], registry=self.registry)
 
 
 class DraPluginDaemon(NodeDaemon):
@@ -118,6 +121,7 @@ class DraPluginDaemon(NodeDaemon):
         self._metrics_server: MetricsServer | None = None
         self._retry, self._resync = retry_seconds, resync_seconds
         self.refused: frozenset[str] = frozenset()
+        self._foreign: dict[str, int] = {}  # the quota loop's settled foreign MiB per shared GPU
         self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
         self._quota_loop: Any = None
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
@@ -158,11 +162,18 @@ class DraPluginDaemon(NodeDaemon):
                                         cgroup_root=self._cgroup_root,
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
+        loop.on_foreign = self.on_foreign_settled
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
         if warm is not None:
             self._spawn("warm-channel", lambda: warm.serve(loop, self._stop))
+
+    def on_foreign_settled(self, settled: Mapping[str, int]) -> None:
+        """The quota loop's settled foreign memory moved: the shared devices' published capacity follows
+        (:mod:`vramshare.contract.slice_foreign`), at the next publish, now."""
+        self._foreign = dict(settled)
+        self._dirty.set()
 
     def _start_residency(self) -> None:
         """Issue 23: which models this node can start fast (files in ``warmTier.modelCacheDir``, engines
@@ -205,7 +216,7 @@ class DraPluginDaemon(NodeDaemon):
         both = {**slices.device_index(inv), **slices.device_index(inv, self._dynamic(False))}
         return {n: r for n, r in both.items() if r.gpu.uuid not in self.refused}
 
-    def _foreign(self, dynamic: Mapping[str, mig.MigModel]) -> dict[str, list[mig.Placed]] | None:
+    def _admin_instances(self, dynamic: Mapping[str, mig.MigModel]) -> dict[str, list[mig.Placed]] | None:
         """Per dynamic GPU, the instances no claim of ours holds (their placements are withheld);
         None when NVML cannot say (then nothing of those GPUs is published this round)."""
         assert self.mig is not None
@@ -226,14 +237,18 @@ class DraPluginDaemon(NodeDaemon):
         (and logged), not the slice."""
         snap = self.state.snapshot
         dynamic = self._dynamic()
-        foreign = self._foreign(dynamic) if dynamic else {}
-        if foreign is None:
-            dynamic, foreign = {}, {}
+        admins = self._admin_instances(dynamic) if dynamic else {}
+        if admins is None:
+            dynamic, admins = {}, {}
         sets = slices.counter_sets(snap.inventory, dynamic, self.refused)
-        ok, invalid = slices.publishable(slices.desired_devices(snap.inventory, snap.config.names, self.node,
+        held = foreign.schedulable_foreign(snap.inventory, self._foreign)  # memory no claim of ours holds
+        for gpu in snap.inventory.gpus:
+            self.metrics.foreign_mib.labels(gpu.uuid).set(held.get(gpu.uuid, 0))
+        ok, invalid = slices.publishable(slices.desired_devices(foreign.with_foreign(snap.inventory, held),
+                                                                snap.config.names, self.node,
                                                                 taints=snap.config.dra.device_taints,
                                                                 refused=self.refused, dynamic=dynamic,
-                                                                foreign=foreign), sets)
+                                                                foreign=admins), sets)
         for name, errors in invalid:
             log.error("device not published: the API server would refuse it", node=self.node, device=name,
                       errors="; ".join(errors))

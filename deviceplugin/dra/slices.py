@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from deviceplugin.dra import validation
 from vramshare import contract, mig
-from vramshare.contract import slice_enforcement
+from vramshare.contract import slice_enforcement, slice_foreign
 from vramshare.inventory import Gpu, GpuMode, MigInstance, NodeInventory
 
 API_VERSION = "resource.k8s.io/v1"
@@ -224,12 +224,22 @@ def device_object(ref: DeviceRef, inventory: NodeInventory, node: str) -> Obj:
         if inventory.enforcement is not None:  # the node's pinned fence: what a claim may select on (CEL)
             dev["attributes"][slice_enforcement.ATTRIBUTE] = slice_enforcement.encode(inventory.enforcement)
         # the GPU's units plus its sleep credit (issue 23 item 5), what the allocator books against, as the
-        # extender does on the device plugin's GPUs; one share is never more than the GPU's own units
-        dev["capacity"] = {"memory": {"value": mib(inventory.bookable_mib(ref.gpu)),
-                                      "requestPolicy": request_policy(ref.gpu.units, inventory.unit_mib)}}
+        # extender does on the device plugin's GPUs, less the memory no pod of ours holds (the allocator
+        # books capacity alone: slice_foreign); one share is never more than the GPU's own units
+        offered, foreign = offered_mib(inventory, ref.gpu), inventory.booked_foreign_mib(ref.gpu)
+        if foreign:
+            dev["attributes"][slice_foreign.ATTRIBUTE] = slice_foreign.encode(foreign)
+        dev["capacity"] = {"memory": {"value": mib(offered), "requestPolicy": request_policy(
+            min(ref.gpu.units, offered // inventory.unit_mib), inventory.unit_mib)}}
     else:
         dev["capacity"] = {"memory": {"value": mib(ref.gpu.memory_mib)}}
     return dev
+
+
+def offered_mib(inventory: NodeInventory, gpu: Gpu) -> int:
+    """What the allocator may hand out of a shared GPU: its bookable memory less its booked foreign memory
+    (whole units both, so the rest is whole units too)."""
+    return inventory.bookable_mib(gpu) - inventory.booked_foreign_mib(gpu)
 
 
 def request_policy(units: int, unit_mib: int) -> Obj:
@@ -270,10 +280,17 @@ def unhealthy_taint(names: contract.Names) -> Obj:
     return {"key": f"{names.dra_driver}/unhealthy", "value": "true", "effect": "NoSchedule"}
 
 
+def held_outside_taint(names: contract.Names) -> Obj:
+    """The taint a shared GPU carries, when taints are on, while memory no pod of ours holds fills it (no
+    capacity is left to publish): no new claims, its claims stay."""
+    return {"key": f"{names.dra_driver}/memory-held-outside", "value": "true", "effect": "NoSchedule"}
+
+
 def desired_devices(inventory: NodeInventory, names: contract.Names, node: str, *, taints: bool,
                     refused: frozenset[str] = frozenset(), dynamic: Mapping[str, mig.MigModel] | None = None,
                     foreign: Mapping[str, Sequence[mig.Placed]] | None = None) -> list[Obj]:
-    """The devices to publish: healthy ones, plus unhealthy ones tainted when ``taints`` is on.
+    """The devices to publish: healthy ones, plus unhealthy ones tainted when ``taints`` is on (so is a
+    shared GPU whose foreign memory leaves it no capacity: published whole with a taint, else withheld).
 
     ``refused`` holds GPU UUIDs another manager (the device plugin) already serves; never published.
     ``foreign`` holds, per dynamic GPU, the instances no claim of ours made (an admin's): a partition
@@ -287,11 +304,15 @@ def desired_devices(inventory: NodeInventory, names: contract.Names, node: str, 
             part = ref.partition
             if part.start not in mig.free_starts(part.model, list(foreign[ref.gpu.uuid]), part.profile.name):
                 continue
+        full = ref.shared and offered_mib(inventory, ref.gpu) <= 0  # foreign memory fills it
+        if (full or not ref.healthy) and not taints:
+            continue
+        if full:  # published whole, tainted
+            ref = replace(ref, gpu=replace(ref.gpu, foreign_mib=0))
         dev = device_object(ref, inventory, node)
-        if not ref.healthy:
-            if not taints:
-                continue
-            dev["taints"] = [unhealthy_taint(names)]
+        marks = ([] if ref.healthy else [unhealthy_taint(names)]) + ([held_outside_taint(names)] if full else [])
+        if marks:
+            dev["taints"] = marks
         out.append(dev)
     return out
 

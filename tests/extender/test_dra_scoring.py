@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from typing import Iterator
 
@@ -214,3 +215,24 @@ def test_a_transient_404_after_the_first_list_keeps_watching_and_drops_what_was_
         api.delete(RESOURCECLAIMS, "default", "held")
         assert api.wait_for(lambda a: "default/held" not in dra.claims, timeout=20)
         assert [u.used for u in dra.state().node_usage("n1")] == [0]
+
+
+def test_foreign_memory_a_slice_took_off_is_booked_and_older_claims_stay_charged():
+    """A DRA plugin publishes a shared GPU's capacity less the memory no claim of ours holds and names
+    that memory in ``foreignMiB`` (vramshare.contract.slice_foreign): the view books it as used beside the
+    claims, as on the device plugin's GPUs, so a claim allocated before that memory appeared is still
+    charged (before: it no longer fit the smaller capacity, was dropped as unaccounted, and the GPU
+    scored as having its memory free)."""
+    cfg = Config(dra=DraConfig(gpus=("all",)))
+    gpus = [DiscoveredGpu(index=i, uuid=f"GPU-n1-{i}", model="NVIDIA H100", memory_mib=H100) for i in range(1)]
+    inv = devices.build_inventory(gpus, cfg, dra=True)
+    held = dataclasses.replace(inv, gpus=(dataclasses.replace(inv.gpus[0], foreign_mib=40 * 1024),))
+    n1 = slices.resource_slices("n1", None, slices.desired_devices(held, NAMES, "n1", taints=False), 2, NAMES)
+    assert n1[0]["spec"]["devices"][0]["capacity"]["memory"]["value"] == f"{40 * 1024}Mi"
+    dra = cluster_with(*n1, *node_slices("n2", 1), claim("old", 60, allocated=[("n1", "gpu-0", 60)]),
+                       claim("mine", 16))
+    [u] = dra.state().node_usage("n1")
+    assert (u.slot.capacity, u.slot.foreign, u.used) == (80 * 1024, 40 * 1024, 100 * 1024)  # over: takes nothing
+    assert not dra._unaccounted
+    scores = dict(dra.score(pod("mine"), ["n1", "n2"], "binpack"))
+    assert scores["n1"] == 0 and scores["n2"] > 0

@@ -10,6 +10,7 @@ parses these formats (``tests/test_contract_owns_formats.py`` fails if something
 * :mod:`.inventory`: the node's ``gpu-inventory`` annotation; :mod:`.resident_models`: the DRA plugin's
   ``resident-models`` node annotation (the inventory's ``models`` section alone);
   :mod:`.slice_enforcement`: the DRA plugin's mode in its ResourceSlices' ``enforcement`` attribute;
+  :mod:`.slice_foreign`: what it took off a shared device's capacity for foreign memory (``foreignMiB``);
   :mod:`.config_in_force`: which config text a node plugin runs (the inventory's ``config``, the DRA
   plugin's ResourceSlice annotation ``config``);
 * :mod:`.assignment`: the pod's ``assignment`` annotation;
