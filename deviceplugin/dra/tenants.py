@@ -110,7 +110,9 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     containers at their CDI share at any time; one listed done has departed), and from the spec for a
     running pod that joined it; ``sharers`` is then Prepare's divisor, what each container starts with.
     ``departed``: UIDs of pods the cache listed once and lists no more (deleted: they start nothing
-    again). A checkpoint from before the count counts the listed pods only, as before."""
+    again). A checkpoint from before the count counts the listed pods only, as before. A claim all of whose
+    pods are so deleted or done, used by no running pod, is marked ``departed``: its allocation may be gone
+    from the API while a stuck container still holds its memory (:class:`Claim`)."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
     pods = list(pods)
     listed = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
@@ -138,10 +140,12 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
                 if uid and uid not in listed and uid not in departed and n:
                     slots[uid] = n
             sharers = sum(c.pod_users)  # the CDI spec's divisor: what each container starts with
+        uids = [u for u in c.pod_uids if u]
+        gone = bool(uids) and not ids and all(u in departed or (u in listed and u not in running) for u in uids)
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
                          container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once),
-                         pod_uids=frozenset(u for u in c.pod_uids if u),
-                         pod_slots=tuple(sorted(slots.items())) if counted else ()))
+                         pod_uids=frozenset(uids), pod_slots=tuple(sorted(slots.items())) if counted else (),
+                         departed=gone))
     return out
 
 

@@ -507,3 +507,21 @@ def test_a_shared_claim_s_sharers_are_the_pods_it_was_prepared_for_listed_or_not
     old = dataclasses.replace(shared, pod_users=())
     [c] = pending_from_claims([old], [], [_user("a", "s")])
     assert (c.sharers, c.pod_slots) == (1, ())
+
+
+def test_a_claim_is_departed_only_once_every_pod_it_was_prepared_for_is_deleted_or_done():
+    """``Claim.departed`` (its processes' memory is reported to the scheduler: the API may have released
+    its allocation): every pod the claim was prepared for is deleted (listed once, gone) or listed done, and
+    no running pod uses it. A pod the cache has not listed yet may be starting: not departed."""
+    shared = dataclasses.replace(_claim("s", "a", 2048), pod_uids=("uid-a", "uid-b"), pod_names=("a", "b"),
+                                 pod_users=(1, 1))
+    [c] = pending_from_claims([shared], [], [], departed={"uid-a", "uid-b"})
+    assert c.departed
+    [c] = pending_from_claims([shared], [], [_user("b", "s", phase="Failed")], departed={"uid-a"})
+    assert c.departed  # one deleted, one done
+    [c] = pending_from_claims([shared], [], [], departed={"uid-a"})
+    assert not c.departed  # b is not listed yet: it may start at any moment
+    [c] = pending_from_claims([shared], [], [_user("a", "s"), _user("b", "s", phase="Succeeded")])
+    assert not c.departed  # a runs
+    [c] = pending_from_claims([shared], [], [_user("j", "s")], departed={"uid-a", "uid-b"})
+    assert not c.departed  # a pod that joined after Prepare runs and uses it
