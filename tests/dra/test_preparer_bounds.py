@@ -33,6 +33,10 @@ def test_a_claim_larger_than_its_gpu_is_refused_with_the_reason(tmp_path, result
 
 
 def test_claims_never_add_up_past_a_gpu_across_claims(tmp_path):
+    """Also the node's answer to kubernetes/kubernetes#141471: a force-deleted pod's claim is deallocated in
+    the API before the kubelet unprepares it (its containers may still run), and its replacement's claim is
+    allocated the same memory at once. Prepare refuses the replacement until the first is unprepared (the
+    kubelet retries Prepare; the pod waits in ContainerCreating), so the memory is never prepared twice."""
     claims = Claims()
     a = claims.add(claim("uid-a", [share("gpu-0", "60Gi")], pod="pod-a"))
     b = claims.add(claim("uid-b", [share("gpu-0", "60Gi")], pod="pod-b"))
