@@ -185,11 +185,13 @@ def render(acct: accounting.Accounting, node: str | None = None, dra: DraCluster
 
 def _dra_memory(dra: DraCluster, node: str) -> Obj:
     """A DRA node's memory as the DRA view books it: its devices' capacity and what allocated claims
-    consume of them (MiB)."""
+    consume of them, and of that used memory what no claim of ours holds (``foreignMiB``, what the plugin
+    took off the published capacity: :mod:`vramshare.contract.slice_foreign`), in MiB."""
     usage = dra.state().node_usage(node)
     total = sum(u.slot.capacity for u in usage)
     used = sum(u.used for u in usage)
-    return {"totalMiB": total, "usedMiB": used, "freeMiB": total - used}
+    free = sum(max(0, u.slot.capacity - u.used) for u in usage if u.slot.healthy)
+    return {"totalMiB": total, "usedMiB": used, "freeMiB": free, "foreignMiB": sum(u.slot.foreign for u in usage)}
 
 
 def _gib(mib: int) -> str:
@@ -246,8 +248,10 @@ def format_table(doc: Obj) -> str:
         lines.append("GPU memory enforcement: " + ", ".join(f"{n} {m}" for n, m in sorted(modes.items())))
     dra = doc.get("draNodes") or ([{"name": doc["name"], **doc["dra"]}] if doc.get("dra") else [])
     if doc.get("draNodes"):
-        total, used = (sum(int(d.get(k) or 0) for d in dra) for k in ("totalMiB", "usedMiB"))
-        lines.append(f"{len(dra)} DRA node(s): {_gib(used)} of {_gib(total)} GiB used, {_gib(total - used)} GiB free "
+        total, used, free, held = (sum(int(d.get(k) or 0) for d in dra)
+                                   for k in ("totalMiB", "usedMiB", "freeMiB", "foreignMiB"))
+        outside = f" ({_gib(held)} held outside our pods)" if held else ""
+        lines.append(f"{len(dra)} DRA node(s): {_gib(used)} of {_gib(total)} GiB used{outside}, {_gib(free)} GiB free "
                      "(ResourceSlices and allocated claims)")
     if dra:
         lines.append("GPU memory enforcement (DRA plugin): " + ", ".join(

@@ -236,3 +236,22 @@ def test_foreign_memory_a_slice_took_off_is_booked_and_older_claims_stay_charged
     assert not dra._unaccounted
     scores = dict(dra.score(pod("mine"), ["n1", "n2"], "binpack"))
     assert scores["n1"] == 0 and scores["n2"] > 0
+
+
+def test_inspect_shows_a_dra_nodes_foreign_memory_and_never_negative_free():
+    """``vramshare inspect`` on a DRA node with memory held outside: the foreign MiB is part of USED and
+    named; free is what claims can still take (0 on a GPU that is over, not negative)."""
+    from extender import accounting, inspection
+    cfg = Config(dra=DraConfig(gpus=("all",)))
+    gpus = [DiscoveredGpu(index=i, uuid=f"GPU-n1-{i}", model="NVIDIA H100", memory_mib=H100) for i in range(2)]
+    inv = devices.build_inventory(gpus, cfg, dra=True)
+    held = dataclasses.replace(inv, gpus=(dataclasses.replace(inv.gpus[0], foreign_mib=40 * 1024), inv.gpus[1]))
+    n1 = slices.resource_slices("n1", None, slices.desired_devices(held, NAMES, "n1", taints=False), 2, NAMES)
+    dra = cluster_with(*n1, claim("old", 60, allocated=[("n1", "gpu-0", 60)]))
+    doc = inspection.render(accounting.Accounting(Config()), dra=dra)
+    assert doc is not None
+    [n] = doc["draNodes"]
+    assert (n["totalMiB"], n["usedMiB"], n["foreignMiB"], n["freeMiB"]) == (160 * 1024, 100 * 1024, 40 * 1024,
+                                                                              80 * 1024)
+    assert "1 DRA node(s): 100.0 of 160.0 GiB used (40.0 held outside our pods), 80.0 GiB free" in \
+        inspection.format_table(doc)
