@@ -15,7 +15,7 @@ from typing import Any, Collection
 import yaml
 
 from vramshare import config as vconfig, contract
-from vramshare.contract import config_in_force, inventory as contract_inventory, slice_enforcement
+from vramshare.contract import config_in_force, inventory as contract_inventory, slice_enforcement, slice_foreign
 from vramshare.contract.config_in_force import ConfigInForce
 from vramshare.inventory import InventoryError
 
@@ -140,6 +140,7 @@ def postinstall(s: Snapshot, dra: bool) -> list[Line]:
         out.append(Line(OK, f"DeviceClasses: {', '.join(ours)}") if ours else
                    Line(FAIL, "no vramshare DeviceClasses", "vramshare install --dra ... | kubectl apply -f -"))
         out += _dra_nodes(s, dra_modes, ns)
+    out += _held_outside(s, dra)
     out += _config(s, ns)
     out += _admission(s)
     return out
@@ -236,6 +237,34 @@ def _dra_nodes(s: Snapshot, modes: dict[str, slice_enforcement.DraNodeMode], ns:
         else:
             out.append(Line(OK, f"{pool}: {m.text}"))
     return out
+
+
+def _held_outside(s: Snapshot, dra: bool) -> list[Line]:
+    """GPU memory no vramshare pod holds, as the nodes publish it (the inventory's ``foreignMiB``, the DRA
+    slices' ``foreignMiB`` attribute and taint): booked as used, so fewer pods fit there. A day-two
+    finding, not an install fault: a ! per node with how to find the process."""
+    found: dict[str, list[str]] = {}
+    for node in s.nodes:
+        text = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
+        try:
+            inv = _inventory(text) if text else None
+        except InventoryError:
+            continue  # _nodes says so
+        for g in inv.gpus if inv is not None else ():
+            if g.foreign_mib:
+                found.setdefault(node["metadata"]["name"], []).append(f"GPU {g.index} {g.foreign_mib} MiB")
+    if dra and s.resource_slices:
+        for name, devices in slice_foreign.held_outside(s.resource_slices, NAMES.dra_driver).items():
+            found.setdefault(name, []).extend(f"{d} {'all of it' if mib is None else f'{mib} MiB'}"
+                                              for d, mib in sorted(devices.items()))
+    if not found:
+        return [Line(OK, "no GPU memory held outside vramshare pods")]
+    return [Line(WARN, f"node {name}: GPU memory held by no vramshare pod, booked as used so fewer pods fit "
+                       f"({', '.join(what)})",
+                 f"on {name}, nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv names the "
+                 "process: a container that outlived its pod is stuck in the driver (drain the node, then reboot "
+                 f"it); a daemon that holds memory on purpose (an MPS server): raise reservedMiBPerGPU in "
+                 f"{CONFIG_WHERE}") for name, what in sorted(found.items())]
 
 
 def _leader(s: Snapshot, ns: str) -> list[Line]:

@@ -282,8 +282,8 @@ def unhealthy_taint(names: contract.Names) -> Obj:
 
 def held_outside_taint(names: contract.Names) -> Obj:
     """The taint a shared GPU carries, when taints are on, while memory no pod of ours holds fills it (no
-    capacity is left to publish): no new claims, its claims stay."""
-    return {"key": f"{names.dra_driver}/memory-held-outside", "value": "true", "effect": "NoSchedule"}
+    capacity is left to publish): no new claims, its claims stay (:data:`slice_foreign.TAINT`)."""
+    return slice_foreign.taint(names.dra_driver)
 
 
 def desired_devices(inventory: NodeInventory, names: contract.Names, node: str, *, taints: bool,

@@ -3,6 +3,7 @@ broken cluster gets its ✗ line with the fix and exit 1."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 
 import pytest
@@ -153,10 +154,11 @@ def test_a_secret_the_user_may_not_read_is_said_so(cluster, capsys):
 
 
 # -- round 9 (draview): the DRA nodes' enforcement mode, read from their ResourceSlices ------------------
-def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = None, runs: str | None = None) -> None:
+def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = None, runs: str | None = None,
+              foreign: dict[int, int] | None = None, taints: bool = False) -> None:
     """A GPU node served by the DRA plugin only (no inventory, or ``inventory``), its pool published with
     ``mode`` pinned (``None``: an older plugin, whose slices carry no mode), saying it runs the config text
-    ``runs`` (None: says nothing)."""
+    ``runs`` (None: says nothing), with ``foreign`` MiB (per GPU index) held outside its claims."""
     from deviceplugin import devices, enforcement
     from deviceplugin.dra import slices
     from deviceplugin.simulated_backend import SimulatedBackend
@@ -165,6 +167,10 @@ def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = Non
     if mode is not None:
         config = enforcement.pin(config, enforcement.Chosen(mode, "test"))
     inv = devices.build_inventory(SimulatedBackend.demo().discover(), config, dra=True)
+    if foreign:
+        import dataclasses
+        inv = dataclasses.replace(inv, gpus=tuple(dataclasses.replace(g, foreign_mib=foreign.get(g.index, 0))
+                                                  for g in inv.gpus))
     meta = {"name": node, "labels": {"nvidia.com/gpu.present": "true"}}
     if inventory is not None:
         meta["annotations"] = {config.names.inventory: inventory}
@@ -173,7 +179,7 @@ def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = Non
     from vramshare.contract import config_in_force
     notes = {config.names.config_in_force: config_in_force.encode(config_in_force.ConfigInForce(text_digest(runs)))
              } if runs is not None else None
-    for obj in slices.resource_slices(node, None, slices.desired_devices(inv, config.names, node, taints=False), 1,
+    for obj in slices.resource_slices(node, None, slices.desired_devices(inv, config.names, node, taints=taints), 1,
                                       config.names, annotations=notes):
         api.create(obj)  # the double validates each slice as the API server does
 
@@ -204,6 +210,36 @@ def test_check_dra_prints_each_dra_node_s_mode_from_one_list_of_slices(tmp_path,
     assert ("! node gpu-dra-old: DRA plugin publishes 7 device(s), 3 shared, enforcement ?: mode not published "
             "(an older DRA plugin) -- fix: ") in text, text
     assert "✗ node gpu-dra" not in text, text  # a DRA-only node's missing or empty inventory: not a failure
+    assert rc == 0, text
+
+
+def test_check_names_the_nodes_whose_gpu_memory_is_held_outside_vramshare_pods(tmp_path, capsys):
+    """Day two: memory no vramshare pod holds (a container stuck in the driver past its pod, a host
+    process, an MPS server) is booked as used, so fewer pods fit; ``check`` names the node and GPU from
+    what the nodes publish (the inventory's foreignMiB, a DRA device's foreignMiB attribute or its taint),
+    with how to find the process. A finding (!), not a failure."""
+    from vramshare.contract import inventory as contract_inventory
+    from vramshare.inventory import EnforcementMode
+    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
+            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+        assert ext.wait_ready(10)
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
+        _installed(api, ext, "v1.36.1", dra=True)
+        rc, lines = _check(capsys, kubeconfig, "--dra")
+        assert "✓ no GPU memory held outside vramshare pods" in lines, lines
+        _dra_node(api, "gpu-dra", EnforcementMode.DRIVER, foreign={0: 3072, 2: 143360}, taints=True)
+        text = api.get_node("gpu-a")["metadata"]["annotations"][b.NAMES.inventory]
+        inv = contract_inventory.parse(text)
+        held = dataclasses.replace(inv, gpus=(dataclasses.replace(inv.gpus[0], foreign_mib=2048),) + inv.gpus[1:])
+        api.update(BY_KIND[("v1", "Node")], None, "gpu-a", lambda n: n["metadata"]["annotations"].update(
+            {b.NAMES.inventory: contract_inventory.encode(held)}))
+        rc, lines = _check(capsys, kubeconfig, "--dra")
+    text = "\n".join(lines)
+    assert ("! node gpu-a: GPU memory held by no vramshare pod, booked as used so fewer pods fit (GPU 0 2048 MiB) "
+            "-- fix: on gpu-a, nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv") in text, text
+    assert "! node gpu-dra: GPU memory held by no vramshare pod, booked as used so fewer pods fit (gpu-0 3072 MiB, " \
+           "gpu-2 all of it)" in text, text
+    assert "raise reservedMiBPerGPU in ConfigMap vramshare-config" in text
     assert rc == 0, text
 
 

@@ -21,7 +21,7 @@ ATTRIBUTE = "enforcement"
 NOT_PUBLISHED = "mode not published (an older DRA plugin)"
 NO_SHARED = "no shared GPU (the mode fences shared GPUs only)"
 
-__all__ = ["ATTRIBUTE", "NOT_PUBLISHED", "NO_SHARED", "DraNodeMode", "encode", "node_modes"]
+__all__ = ["ATTRIBUTE", "NOT_PUBLISHED", "NO_SHARED", "DraNodeMode", "encode", "newest_devices", "node_modes"]
 
 
 def encode(mode: EnforcementMode) -> dict[str, str]:
@@ -58,9 +58,9 @@ def _value(device: Mapping[str, Any]) -> Any:
     return attr.get("string") if isinstance(attr, Mapping) else None
 
 
-def node_modes(slices: Iterable[Mapping[str, Any]], driver: str) -> dict[str, DraNodeMode]:
-    """Node name -> its DRA mode, from ``driver``'s ResourceSlices (others are ignored), newest pool
-    generation only. Devices that disagree (a pool half rewritten) are read first-published-first."""
+def newest_devices(slices: Iterable[Mapping[str, Any]], driver: str) -> dict[str, list[Mapping[str, Any]]]:
+    """Node name -> the devices of ``driver``'s pool there (others are ignored), newest pool generation
+    only, as the allocator reads pools: slices in name order, devices in published order."""
     pools: dict[str, list[Mapping[str, Any]]] = {}
     for s in slices:
         spec = s.get("spec") or {}
@@ -72,7 +72,15 @@ def node_modes(slices: Iterable[Mapping[str, Any]], driver: str) -> dict[str, Dr
         newest = max(int((m["spec"].get("pool") or {}).get("generation", 0)) for m in members)
         current = sorted((m for m in members if int((m["spec"].get("pool") or {}).get("generation", 0)) == newest),
                          key=lambda m: (m.get("metadata") or {}).get("name", ""))
-        devices = [d for m in current for d in m["spec"].get("devices") or ()]
+        out[node] = [d for m in current for d in m["spec"].get("devices") or ()]
+    return out
+
+
+def node_modes(slices: Iterable[Mapping[str, Any]], driver: str) -> dict[str, DraNodeMode]:
+    """Node name -> its DRA mode, from ``driver``'s ResourceSlices (others are ignored), newest pool
+    generation only. Devices that disagree (a pool half rewritten) are read first-published-first."""
+    out = {}
+    for node, devices in newest_devices(slices, driver).items():
         shared = [d for d in devices if d.get("allowMultipleAllocations")]
         values = [v for v in map(_value, shared) if isinstance(v, str)]
         mode, unknown = None, None
