@@ -244,15 +244,10 @@ def _held_outside(s: Snapshot, dra: bool) -> list[Line]:
     slices' ``foreignMiB`` attribute and taint): booked as used, so fewer pods fit there. A day-two
     finding, not an install fault: a ! per node with how to find the process."""
     found: dict[str, list[str]] = {}
-    for node in s.nodes:
-        text = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
-        try:
-            inv = _inventory(text) if text else None
-        except InventoryError:
-            continue  # _nodes says so
-        for g in inv.gpus if inv is not None else ():
+    for name, inv in _inventories(s):
+        for g in inv.gpus:
             if g.foreign_mib:
-                found.setdefault(node["metadata"]["name"], []).append(f"GPU {g.index} {g.foreign_mib} MiB")
+                found.setdefault(name, []).append(f"GPU {g.index} {g.foreign_mib} MiB")
     if dra and s.resource_slices:
         for name, devices in slice_foreign.held_outside(s.resource_slices, NAMES.dra_driver).items():
             found.setdefault(name, []).extend(f"{d} {'all of it' if mib is None else f'{mib} MiB'}"
@@ -546,6 +541,20 @@ def _nodes_behind(s: Snapshot, text: str, refused: Collection[str], since: datet
     return out
 
 
+def _inventories(s: Snapshot) -> list[tuple[str, contract_inventory.NodeInventory]]:
+    """(node, inventory) of each node that publishes one that parses (:func:`_nodes` names the others)."""
+    out = []
+    for node in s.nodes:
+        raw = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
+        try:
+            inv = _inventory(raw) if raw else None
+        except InventoryError:
+            continue
+        if inv is not None:
+            out.append((node["metadata"]["name"], inv))
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _inventory(text: str) -> contract_inventory.NodeInventory:
     """A node's inventory annotation, parsed once per text for the checks that read it (raises
@@ -556,15 +565,7 @@ def _inventory(text: str) -> contract_inventory.NodeInventory:
 def _configs_in_force(s: Snapshot) -> list[tuple[str, ConfigInForce]]:
     """What each node plugin says it runs: the device plugin in its inventory (named by its node), the DRA
     plugin on its ResourceSlices (``<node> (DRA)``; read with ``--dra``)."""
-    out = []
-    for node in s.nodes:
-        raw = (node["metadata"].get("annotations") or {}).get(NAMES.inventory)
-        try:
-            inv = _inventory(raw) if raw else None
-        except InventoryError:
-            continue  # _nodes names it
-        if inv is not None and inv.config is not None:
-            out.append((node["metadata"]["name"], inv.config))
+    out = [(name, inv.config) for name, inv in _inventories(s) if inv.config is not None]
     by_node: dict[str, ConfigInForce] = {}
     for obj in s.resource_slices or []:
         raw = ((obj.get("metadata") or {}).get("annotations") or {}).get(NAMES.config_in_force)

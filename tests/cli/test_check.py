@@ -3,8 +3,10 @@ broken cluster gets its ✗ line with the fix and exit 1."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime
+from typing import Iterator
 
 import pytest
 
@@ -154,6 +156,17 @@ def test_a_secret_the_user_may_not_read_is_said_so(cluster, capsys):
 
 
 # -- round 9 (draview): the DRA nodes' enforcement mode, read from their ResourceSlices ------------------
+@contextlib.contextmanager
+def _dra_cluster(tmp_path) -> Iterator[tuple[ApiServerDouble, str]]:
+    """A 1.36 cluster where ``vramshare install --dra`` was applied, its extender running: (api, kubeconfig)."""
+    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
+            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
+        assert ext.wait_ready(10)
+        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
+        _installed(api, ext, "v1.36.1", dra=True)
+        yield api, kubeconfig
+
+
 def _dra_node(api: ApiServerDouble, node: str, mode, inventory: str | None = None, runs: str | None = None,
               foreign: dict[int, int] | None = None, taints: bool = False) -> None:
     """A GPU node served by the DRA plugin only (no inventory, or ``inventory``), its pool published with
@@ -190,11 +203,7 @@ def test_check_dra_prints_each_dra_node_s_mode_from_one_list_of_slices(tmp_path,
     device plugin's, and "mode not published" for an older plugin (a !, with the fix)."""
     from vramshare.inventory import EnforcementMode, NodeInventory
     from vramshare_cli import checks
-    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
-            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
-        assert ext.wait_ready(10)
-        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
-        _installed(api, ext, "v1.36.1", dra=True)
+    with _dra_cluster(tmp_path) as (api, kubeconfig):
         _dra_node(api, "gpu-dra", EnforcementMode.DRIVER)
         # the device plugin runs there too, its inventory empty: dra.gpus gave every GPU to DRA
         _dra_node(api, "gpu-dra-coop", EnforcementMode.COOPERATIVE,
@@ -220,11 +229,7 @@ def test_check_names_the_nodes_whose_gpu_memory_is_held_outside_vramshare_pods(t
     with how to find the process. A finding (!), not a failure."""
     from vramshare.contract import inventory as contract_inventory
     from vramshare.inventory import EnforcementMode
-    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
-            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
-        assert ext.wait_ready(10)
-        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
-        _installed(api, ext, "v1.36.1", dra=True)
+    with _dra_cluster(tmp_path) as (api, kubeconfig):
         rc, lines = _check(capsys, kubeconfig, "--dra")
         assert "✓ no GPU memory held outside vramshare pods" in lines, lines
         _dra_node(api, "gpu-dra", EnforcementMode.DRIVER, foreign={0: 3072, 2: 143360}, taints=True)
@@ -244,11 +249,7 @@ def test_check_names_the_nodes_whose_gpu_memory_is_held_outside_vramshare_pods(t
 
 
 def test_check_dra_without_any_slice_says_so(capsys, tmp_path):
-    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
-            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
-        assert ext.wait_ready(10)
-        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig2", api.url))
-        _installed(api, ext, "v1.36.1", dra=True)
+    with _dra_cluster(tmp_path) as (api, kubeconfig):
         rc, lines = _check(capsys, kubeconfig, "--dra")
     text = "\n".join(lines)
     assert "✗ no node publishes ResourceSlices of gpu.vramshare.io" in text, text
@@ -424,11 +425,7 @@ def test_check_dra_says_which_dra_plugins_run_the_configmap_as_it_is_now(tmp_pat
     """The DRA plugin says which config text it runs on its ResourceSlices (``<domain>/config``): a
     DRA-only node has no inventory to carry it. ``check --dra`` reads it from the same one LIST."""
     from vramshare.inventory import EnforcementMode
-    with ApiServerDouble(kubernetes_version="v1.36.1") as api, \
-            extender_main.start_for_url(api.url, metrics_at=("127.0.0.1", 0)) as ext:
-        assert ext.wait_ready(10)
-        kubeconfig = str(write_kubeconfig(tmp_path / "kubeconfig", api.url))
-        _installed(api, ext, "v1.36.1", dra=True)
+    with _dra_cluster(tmp_path) as (api, kubeconfig):
         text = "version: v1\nquota: {idleSeconds: 120}\n"
         _set_config(api, text)
         _dra_node(api, "gpu-new", EnforcementMode.DRIVER, runs=text)
