@@ -7,7 +7,8 @@ whenever ``slice-watch`` sees one deleted: the kubelet wipes them at its start a
 deregistration; retrying failures),
 ``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration),
 ``metrics-http``, and with the quota loop ``quota-loop`` and ``pod-watch`` (the claims' pods, by
-list+watch: a tick reads no API server), and with ``warmTier.enabled`` ``warm-channel`` (the warm tier's
+list+watch: a tick reads no API server; a prepared claim whose pods it saw all deleted, a forced deletion,
+keeps its grant off the published capacity until Unprepare), and with ``warmTier.enabled`` ``warm-channel`` (the warm tier's
 socket in each claim's quota dir: idle engines sleep and their memory is lent to co-tenants, as on the
 device plugin's GPUs; a sleeping claim of an overcommit class adds its credit to its GPU's published
 capacity), and with ``warmTier.enabled`` or ``warmTier.modelCacheDir`` ``model-residency`` and
@@ -122,6 +123,11 @@ class DraPluginDaemon(NodeDaemon):
         self._retry, self._resync = retry_seconds, resync_seconds
         self.refused: frozenset[str] = frozenset()
         self._foreign: dict[str, int] = {}  # the quota loop's settled foreign MiB per shared GPU
+        # UIDs of the prepared claims' pods the pod watch saw deleted: a claim all of whose pods are gone
+        # while it stays prepared holds its grant outside the allocator's books (tenants.departed_claims)
+        self._gone: set[str] = set()
+        self._departed: tuple[str, ...] = ()  # those claims (namespace/name), as last published
+        self._gone_lock = threading.Lock()
         self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
         self._quota_loop: Any = None
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
@@ -146,6 +152,8 @@ class DraPluginDaemon(NodeDaemon):
             inv = self.state.snapshot.inventory
             return {g.uuid: inv.capacity_mib(g) for g in inv.gpus if g.mode is GpuMode.SHARED}
         pods = self.pods = NodePodCache(self._api, self.node, config.names)  # the claims' pods, by watch
+        pods.on_deleted = self._pod_deleted
+        self.preparer.on_unprepared = self._dirty.set
         self._spawn("pod-watch", lambda: pods.run(self._stop))
         allocated = AllocatedClaims(self._read_claim, self.node, lambda: self.state.snapshot.config, self.devices)
         tenants = ClaimTenantSource(self.preparer.prepared, pods.pods, pods.synced.is_set, config.names,
@@ -174,6 +182,39 @@ class DraPluginDaemon(NodeDaemon):
         (:mod:`vramshare.contract.slice_foreign`), at the next publish, now."""
         self._foreign = dict(settled)
         self._dirty.set()
+
+    def _pod_deleted(self, pod: Mapping[str, Any]) -> None:
+        """The pod watch saw a pod leave: if a prepared claim names it, the claim may now hold its grant
+        outside the allocator's books (a forced deletion); the next publish says so."""
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if uid and any(uid in c.pod_uids for c in self.preparer.prepared().values()):
+            with self._gone_lock:
+                self._gone.add(uid)
+            self._dirty.set()
+
+    def _held_outside(self, shared: set[str]) -> dict[str, int]:
+        """Per shared GPU, MiB held outside the allocator's books: the loop's settled foreign memory plus the
+        grants of claims whose pods were all deleted while they stay prepared (until the kubelet unprepares)."""
+        from deviceplugin.dra.tenants import departed_claims
+
+        prepared = list(self.preparer.prepared().values())
+        with self._gone_lock:
+            self._gone &= {u for c in prepared for u in c.pod_uids}  # only what may still matter
+            departed = departed_claims(prepared, self._gone)
+        held = dict(self._foreign)
+        for c in departed:
+            for gpu, mib in c.gpus.items():
+                if gpu in shared:
+                    held[gpu] = held.get(gpu, 0) + mib
+        names = tuple(f"{c.namespace}/{c.name}" for c in departed)
+        if names != self._departed:
+            if names:
+                log.warning("claims of deleted pods still prepared: their grants are booked outside the allocator "
+                            "until the kubelet unprepares them", node=self.node, claims=",".join(names))
+            else:
+                log.info("no claim of a deleted pod is prepared any more", node=self.node)
+            self._departed = names
+        return held
 
     def _start_residency(self) -> None:
         """Issue 23: which models this node can start fast (files in ``warmTier.modelCacheDir``, engines
@@ -241,7 +282,8 @@ class DraPluginDaemon(NodeDaemon):
         if admins is None:
             dynamic, admins = {}, {}
         sets = slices.counter_sets(snap.inventory, dynamic, self.refused)
-        held = foreign.schedulable_foreign(snap.inventory, self._foreign)  # memory no claim of ours holds
+        shared = {g.uuid for g in snap.inventory.gpus if g.mode is GpuMode.SHARED}
+        held = foreign.schedulable_foreign(snap.inventory, self._held_outside(shared))
         for gpu in snap.inventory.gpus:
             self.metrics.foreign_mib.labels(gpu.uuid).set(held.get(gpu.uuid, 0))
         ok, invalid = slices.publishable(slices.desired_devices(foreign.with_foreign(snap.inventory, held),

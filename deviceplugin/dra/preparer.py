@@ -125,6 +125,7 @@ class ClaimPreparer:
         # overcommit class is booked at (the warm broker's view, set where the warm tier runs): the room
         # check counts it at that, as the scheduler's books did when it placed a claim on its credit
         self.sleeping: Callable[[], Mapping[tuple[str, str, str], int]] = dict
+        self.on_unprepared: Callable[[], None] | None = None  # told after a claim's record is gone
         self.effects = effects or FileEffects()
         self._lock = threading.Lock()
         self.checkpoint_path = os.path.join(config().dra.state_dir, CHECKPOINT_FILE)
@@ -336,7 +337,9 @@ class ClaimPreparer:
                     return f"claim {ref.namespace}/{ref.name}: {exc}"
             self._save(self.checkpoint.without(ref.uid))
             log.info("claim unprepared", claim=f"{ref.namespace}/{ref.name}", uid=ref.uid)
-            return ""
+        if self.on_unprepared is not None:
+            self.on_unprepared()
+        return ""
 
     def prepared(self) -> Mapping[str, PreparedClaim]:
         return self.checkpoint.claims

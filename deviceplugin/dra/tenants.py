@@ -110,9 +110,7 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     containers at their CDI share at any time; one listed done has departed), and from the spec for a
     running pod that joined it; ``sharers`` is then Prepare's divisor, what each container starts with.
     ``departed``: UIDs of pods the cache listed once and lists no more (deleted: they start nothing
-    again). A checkpoint from before the count counts the listed pods only, as before. A claim all of whose
-    pods are so deleted or done, used by no running pod, is marked ``departed``: its allocation may be gone
-    from the API while a stuck container still holds its memory (:class:`Claim`)."""
+    again). A checkpoint from before the count counts the listed pods only, as before."""
     owned = {(t.key.namespace, t.key.container) for t in tenants}
     pods = list(pods)
     listed = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
@@ -140,13 +138,23 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
                 if uid and uid not in listed and uid not in departed and n:
                     slots[uid] = n
             sharers = sum(c.pod_users)  # the CDI spec's divisor: what each container starts with
-        uids = [u for u in c.pod_uids if u]
-        gone = bool(uids) and not ids and all(u in departed or (u in listed and u not in running) for u in uids)
         out.append(Claim(f"{c.namespace}/{c.name}", tuple(sorted(c.gpus.items())), c.quota_dir,
                          container_ids=frozenset(ids), sharers=max(1, sharers), init_ids=frozenset(once),
-                         pod_uids=frozenset(uids), pod_slots=tuple(sorted(slots.items())) if counted else (),
-                         departed=gone))
+                         pod_uids=frozenset(u for u in c.pod_uids if u),
+                         pod_slots=tuple(sorted(slots.items())) if counted else ()))
     return out
+
+
+def departed_claims(claims: Iterable[PreparedClaim], gone: Collection[str]) -> list[PreparedClaim]:
+    """Pure: the prepared claims every pod of which was deleted from the API (``gone``: pod UIDs the pod
+    watch saw leave), sorted. The kubelet unprepares a pod's claims after its containers stopped and
+    before its status or deletion reaches the API server (``SyncTerminatingPod``), so a gracefully deleted
+    pod's claim is unprepared by the time the pod is gone: only a forced deletion leaves one prepared.
+    The claim controller then deallocates it at once while its containers may still run
+    (kubernetes/kubernetes#141471): the node still holds its grant, the allocator no longer books it."""
+    gone = set(gone)
+    return sorted((c for c in claims if c.state == PREPARED and c.pod_uids and all(u in gone for u in c.pod_uids)),
+                  key=lambda c: (c.namespace, c.name))
 
 
 def unprepared_claims(pods: Iterable[Mapping[str, Any]], claims: Iterable[PreparedClaim]) -> list[ClaimKey]:

@@ -11,9 +11,7 @@ claim's, not counted a second time; beyond the grant it is foreign. A claim is m
 and by the UIDs of the pods it was reserved for (the checkpoint's), not by names: a pod recreated under
 the same name is another pod. What matches nothing is "foreign": memory our scheduler did not hand out
 (another device plugin's pod, a host process, a claim beyond its grant), which the loop takes off that
-GPU's capacity so quotas never promise memory that is not there. What a *departed* claim holds (all its
-pods deleted or done: ``Claim.departed``) is the claim's here, and is also reported apart (``departed``):
-the API may have released its allocation, so the node publishes it to the scheduler as foreign.
+GPU's capacity so quotas never promise memory that is not there.
 
 A tenant with no sample on a GPU is *unknown*, not idle: its process may be starting (vLLM profiles
 free memory at start and fails if a peer's quota moves under it) or restarting, so the policy holds
@@ -34,8 +32,6 @@ class Attribution:
     used: dict[tuple[TenantKey, str], int] = field(default_factory=dict)  # (tenant, gpu uuid) -> MiB
     foreign: dict[str, int] = field(default_factory=dict)  # gpu uuid -> MiB held by no tenant
     claimed: dict[str, int] = field(default_factory=dict)  # gpu uuid -> MiB claims (no tenants) hold within grants
-    # gpu uuid -> MiB of ``claimed`` that departed claims hold (Claim.departed): the scheduler may not book it
-    departed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, order=True)
@@ -79,7 +75,6 @@ def attribute(samples: Iterable[UsageSample], tenants: Iterable[Tenant], claims:
                 by_uid[(gpu, k.pod_uid)].append(k)
             by_pod[(gpu, k.namespace, k.pod)].append(k)
     grant: dict[tuple[str, str], int] = {}
-    gone = {c.name for c in claims if c.departed}
     for c in claims:
         owner = _ClaimOwner(c.name)
         for gpu, mib in c.gpus:
@@ -105,8 +100,6 @@ def attribute(samples: Iterable[UsageSample], tenants: Iterable[Tenant], claims:
     for (name, g), mib in sorted(held.items()):
         within = min(mib, grant[(name, g)])
         out.claimed[g] = out.claimed.get(g, 0) + within
-        if name in gone:
-            out.departed[g] = out.departed.get(g, 0) + within
         if mib > within:
             out.foreign[g] = out.foreign.get(g, 0) + mib - within
     return out

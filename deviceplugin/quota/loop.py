@@ -464,9 +464,7 @@ class QuotaLoop:
         # a claim's memory (its known containers', its pods') is its own within its grant: not foreign
         seen = attribute(samples, tenants, listed)
         now, st = self._clock(), self.settings
-        # published: what no tenant holds, and what departed claims hold (their allocation may be gone)
-        self._observe_foreign(now, {g: seen.foreign.get(g, 0) + seen.departed.get(g, 0)
-                                    for g in seen.foreign.keys() | seen.departed.keys()}, capacities)
+        self._observe_foreign(now, seen.foreign, capacities)
         per_gpu: dict[str, list[TenantState]] = defaultdict(list)
         unknown: set[tuple[TenantKey, str]] = set()  # engines on a file this process never saw: never raised
         phases: dict[TenantKey, Phase] = {}

@@ -173,11 +173,6 @@ class Claim:
     # mode each one not found keeps its CDI share out of what the others may hold (then ``sharers`` is the
     # CDI spec's divisor, Prepare's count); () where the source cannot say: ``sharers`` counts them all
     pod_slots: tuple[tuple[str, int], ...] = ()
-    # every pod it was prepared for is deleted (listed once, gone) or done and no running pod uses it: the
-    # API may have released its allocation while a container of it still holds memory (a forced deletion,
-    # a process stuck in the driver), so what its processes hold is also published as foreign memory
-    # (vramshare.foreign) for the scheduler, besides being counted at its grant here
-    departed: bool = False
 
 
 @dataclass(frozen=True)

@@ -186,11 +186,8 @@ class DriverDraNode:
     """One GPU, the claims and pods given, ``mode`` driver (the loop fences) or mps (fixed at start)."""
 
     def __init__(self, root: str, claims: list[SimClaim], pods: list[SimPod], params: PolicyParams | None = None,
-                 mode: EnforcementMode = EnforcementMode.DRIVER, tick_s: float | None = None) -> None:
-        """``tick_s``: the loop's clock moves this much per tick (default: the real clock, which barely
-        moves between ticks; settled foreign memory needs two readings ``SETTLE_S`` apart)."""
+                 mode: EnforcementMode = EnforcementMode.DRIVER) -> None:
         self.root, self.claims, self.pods, self.mode, self.t = root, claims, pods, mode, 0
-        self.tick_s = tick_s
         self.cgroot = os.path.join(root, "cgroup")
         os.makedirs(os.path.join(self.cgroot, "kubepods.slice"), exist_ok=True)
         self.nv = GpuNvml([H100_80GB])
@@ -216,11 +213,10 @@ class DriverDraNode:
         """A new quota loop and fence on the same files and cgroups (the DaemonSet restarted)."""
         self.fence = DriverFence(NvmlMemoryLimits(self.nv), CgroupFinder(self.cgroot), lambda: {GPU: CAP})
         readers = [NvmlProcessReader(self.nv, proc_root=self.proc_root)] if self._per_process() else []
-        clock = {} if self.tick_s is None else {"clock": lambda: 1000.0 + self.t * self.tick_s}
         self.loop = QuotaLoop(self.source, lambda: {GPU: CAP}, readers, self.params, self.config.quota_host_dir,
                               signals=self, mode=self.mode,
                               fence=self.fence if self.mode is EnforcementMode.DRIVER else None,
-                              settings=LoopSettings(params=self.params, startup_ticks=3), **clock)
+                              settings=LoopSettings(params=self.params, startup_ticks=3))
 
     def _per_process(self) -> bool:
         """Whether the loop reads NVML's processes (cooperative and MPS modes; driver mode reads cgroups)."""

@@ -501,31 +501,6 @@ def test_a_deleted_pod_s_claim_counts_at_its_grant_until_the_kubelet_unprepares_
     assert node.loop.counts["node_overcommit"] == 0
 
 
-@pytest.mark.parametrize("mode", [EnforcementMode.DRIVER, EnforcementMode.COOPERATIVE])
-def test_a_force_deleted_pods_claim_memory_is_reported_for_the_scheduler_while_its_containers_run(tmp_path, mode):
-    """The DRA side of containers that outlive their pod: once the pod is gone from the API, the claim's
-    allocation may be released (the claim controller drops a deleted pod's reservation; a template's claim
-    is deleted), so kube-scheduler's allocator sees its memory free while the stuck engine still holds
-    8,192 MiB. The loop keeps counting the claim at its grant (above), and now also reports what a
-    *departed* claim's processes hold with its settled foreign memory, which the DRA plugin takes off
-    the device's published capacity: from the second reading after the deletion (tick 5) until the engine
-    exits (tick 7); never while the pod runs, nor for a pod the cache has not listed yet."""
-    claims = [SimClaim("k0", 8192, unprepare_lag=2), SimClaim("k1", 8192), SimClaim("k2", CAP - 16384)]
-    pods = [SimPod("p00", "k0", 0, 0, 4, [_flat("c0", "app", 8192)], linger=3),
-            SimPod("p01", "k1", 0, 0, None, [_flat("c0", "app", 4096)], cache_lag=9),  # not listed yet
-            SimPod("p10", "k2", 0, 0, None, [_flat("c0", "app", CAP - 16384)])]
-    node = DriverDraNode(str(tmp_path), claims, pods, mode=mode, tick_s=10.0)
-    told: list[tuple[int, dict]] = []
-    node.loop.on_foreign = lambda settled: told.append((node.t, dict(settled)))
-    reported = []
-    for _ in range(11):
-        node.step()
-        reported.append(node.loop.foreign.settled(1000.0 + (node.t - 1) * 10.0).get(GPU, 0))
-    assert reported == [0] * 5 + [8192] * 2 + [0] * 4, reported
-    assert [(t, f.get(GPU, 0)) for t, f in told] == [(5, 8192), (7, 0)], told
-    assert node.loop.counts["node_overcommit"] == 0
-
-
 def test_a_shared_claim_whose_second_pod_the_cache_does_not_show_yet_is_held_at_its_grant(tmp_path):
     """The driver property's first case once it drew pending pods: a 2 GiB claim prepared for two pods
     (its CDI spec: 1,024 MiB for each one's container), the second listed by the pod cache 3 ticks after

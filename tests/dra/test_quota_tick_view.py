@@ -26,7 +26,8 @@ from deviceplugin.allocation import GpuShare
 from deviceplugin.dra.checkpoint import PreparedClaim
 from deviceplugin.dra.main import DraPluginDaemon
 from deviceplugin.dra.slices import DeviceRef
-from deviceplugin.dra.tenants import (AllocatedClaims, ClaimTenantSource, PodCacheNotSynced, pending_from_claims,
+from deviceplugin.dra.tenants import (AllocatedClaims, ClaimTenantSource, PodCacheNotSynced, departed_claims,
+                                       pending_from_claims,
                                       unprepared_claims)
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import Claim, PolicyParams
@@ -509,19 +510,13 @@ def test_a_shared_claim_s_sharers_are_the_pods_it_was_prepared_for_listed_or_not
     assert (c.sharers, c.pod_slots) == (1, ())
 
 
-def test_a_claim_is_departed_only_once_every_pod_it_was_prepared_for_is_deleted_or_done():
-    """``Claim.departed`` (its processes' memory is reported to the scheduler: the API may have released
-    its allocation): every pod the claim was prepared for is deleted (listed once, gone) or listed done, and
-    no running pod uses it. A pod the cache has not listed yet may be starting: not departed."""
-    shared = dataclasses.replace(_claim("s", "a", 2048), pod_uids=("uid-a", "uid-b"), pod_names=("a", "b"),
-                                 pod_users=(1, 1))
-    [c] = pending_from_claims([shared], [], [], departed={"uid-a", "uid-b"})
-    assert c.departed
-    [c] = pending_from_claims([shared], [], [_user("b", "s", phase="Failed")], departed={"uid-a"})
-    assert c.departed  # one deleted, one done
-    [c] = pending_from_claims([shared], [], [], departed={"uid-a"})
-    assert not c.departed  # b is not listed yet: it may start at any moment
-    [c] = pending_from_claims([shared], [], [_user("a", "s"), _user("b", "s", phase="Succeeded")])
-    assert not c.departed  # a runs
-    [c] = pending_from_claims([shared], [], [_user("j", "s")], departed={"uid-a", "uid-b"})
-    assert not c.departed  # a pod that joined after Prepare runs and uses it
+def test_a_claim_has_departed_only_once_every_pod_it_was_prepared_for_was_deleted():
+    """``departed_claims``: a prepared claim whose pods the watch all saw deleted (a forced deletion: the
+    kubelet unprepares before a graceful one ends) holds its grant outside the allocator's books."""
+    shared = dataclasses.replace(_claim("s", "a", 2048), pod_uids=("uid-a", "uid-b"), pod_names=("a", "b"))
+    alone, preparing = _claim("one", "c", 1024), _claim("new", "d", 512, state="preparing")
+    orphan = dataclasses.replace(_claim("orphan", "e", 256), pod_uids=(), pod_names=())
+    claims = [shared, alone, preparing, orphan]
+    assert departed_claims(claims, {"uid-a"}) == []  # b still runs
+    assert departed_claims(claims, {"uid-a", "uid-b", "uid-c"}) == [alone, shared]
+    assert departed_claims(claims, {"uid-d", "uid-e"}) == []  # not prepared yet; no pod recorded
