@@ -200,7 +200,7 @@ class DraPluginDaemon(NodeDaemon):
         prepared = list(self.preparer.prepared().values())
         with self._gone_lock:
             self._gone &= {u for c in prepared for u in c.pod_uids}  # only what may still matter
-            departed = departed_claims(prepared, self._gone)
+            departed = departed_claims(prepared, self._gone, self.pods.pods() if self.pods is not None else ())
         held = dict(self._foreign)
         for c in departed:
             for gpu, mib in c.gpus.items():

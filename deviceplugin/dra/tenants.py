@@ -145,16 +145,20 @@ def pending_from_claims(claims: Iterable[PreparedClaim], tenants: Iterable[Tenan
     return out
 
 
-def departed_claims(claims: Iterable[PreparedClaim], gone: Collection[str]) -> list[PreparedClaim]:
+def departed_claims(claims: Iterable[PreparedClaim], gone: Collection[str],
+                    pods: Iterable[Mapping[str, Any]] = ()) -> list[PreparedClaim]:
     """Pure: the prepared claims every pod of which was deleted from the API (``gone``: pod UIDs the pod
-    watch saw leave), sorted. The kubelet unprepares a pod's claims after its containers stopped and
-    before its status or deletion reaches the API server (``SyncTerminatingPod``), so a gracefully deleted
-    pod's claim is unprepared by the time the pod is gone: only a forced deletion leaves one prepared.
-    The claim controller then deallocates it at once while its containers may still run
+    watch saw leave) and that no running pod of ``pods`` uses (one that joined it after Prepare keeps it
+    allocated), sorted. The kubelet unprepares a pod's claims after its containers stopped and before its
+    status or deletion reaches the API server (``SyncTerminatingPod``), so a gracefully deleted pod's claim
+    is unprepared by the time the pod is gone: only a forced deletion leaves one prepared. The claim
+    controller then deallocates it at once while its containers may still run
     (kubernetes/kubernetes#141471): the node still holds its grant, the allocator no longer books it."""
     gone = set(gone)
-    return sorted((c for c in claims if c.state == PREPARED and c.pod_uids and all(u in gone for u in c.pod_uids)),
-                  key=lambda c: (c.namespace, c.name))
+    used = {(str((p.get("metadata") or {}).get("namespace") or ""), name)
+            for p in running_pods_by_uid(pods).values() for name in podspec.claim_names(p)}
+    return sorted((c for c in claims if c.state == PREPARED and c.pod_uids and all(u in gone for u in c.pod_uids)
+                   and (c.namespace, c.name) not in used), key=lambda c: (c.namespace, c.name))
 
 
 def unprepared_claims(pods: Iterable[Mapping[str, Any]], claims: Iterable[PreparedClaim]) -> list[ClaimKey]:

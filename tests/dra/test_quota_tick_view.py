@@ -520,3 +520,6 @@ def test_a_claim_has_departed_only_once_every_pod_it_was_prepared_for_was_delete
     assert departed_claims(claims, {"uid-a"}) == []  # b still runs
     assert departed_claims(claims, {"uid-a", "uid-b", "uid-c"}) == [alone, shared]
     assert departed_claims(claims, {"uid-d", "uid-e"}) == []  # not prepared yet; no pod recorded
+    # a running pod that joined the claim after Prepare (the checkpoint does not name it) keeps it allocated
+    assert departed_claims(claims, {"uid-a", "uid-b", "uid-c"}, [_user("j", "s")]) == [alone]
+    assert departed_claims(claims, {"uid-a", "uid-b", "uid-c"}, [_user("j", "s", phase="Succeeded")]) == [alone, shared]
