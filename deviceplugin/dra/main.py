@@ -78,9 +78,10 @@ class DraMetrics:
         self.enforcement_unavailable = enforcement_unavailable_gauge(self.registry)
         self.config_reloads = config_reloads_counter(self.registry, f"{p}dra_")
         self.restart_pending = restart_pending_gauge(self.registry, f"{p}dra_")
-        self.foreign_mib = Gauge(f"{p}dra_foreign_memory_mib", "Memory of a shared GPU held by no claim of ours "
-                                 "(a process that outlived its pod, a host process), settled and in whole units: "
-                                 "taken off the device's published capacity", ["gpu"], registry=self.registry)
+        self.foreign_mib = Gauge(f"{p}dra_foreign_memory_mib", "Memory of a shared GPU held outside the allocator's "
+                                 "books, in whole units: what no claim of ours holds (a host process, a stuck one; "
+                                 "settled) and the grants of force-deleted pods' claims still prepared; taken off the "
+                                 "device's published capacity", ["gpu"], registry=self.registry)
 
 
 class DraPluginDaemon(NodeDaemon):
