@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from standins.dra_kubelet import PrepareError
 from tests.dra.conftest import NODE, dra_config
@@ -26,11 +27,11 @@ from tests.dra.test_quota_tick_view import running_plugin
 GIB = 1024
 
 
-def _pod(api, scheduler, name: str):
-    """A pod with a claim from the shipped ``vllm-tp2-48gi`` template (48 GiB on each of two GPUs), its
+def _pod(api, scheduler, name: str, template: str = "vllm-tp2-48gi"):
+    """A pod with a claim from a shipped template (``vllm-tp2-48gi``: 48 GiB on each of two GPUs), its
     claim created by the stand-in controller, and where it was scheduled (None: it fits nowhere)."""
     api.create_pod({"metadata": {"name": name, "namespace": "default"},
-                    "spec": {"resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "vllm-tp2-48gi"}],
+                    "spec": {"resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": template}],
                              "containers": [{"name": "vllm", "image": "vllm",
                                              "resources": {"claims": [{"name": "gpus"}]}}]}})
     placement = scheduler.schedule(scheduler.create_claims(api.get_pod("default", name)))
@@ -88,3 +89,66 @@ def test_a_replacement_allocated_before_the_report_lands_is_not_prepared_into_th
         kubelet.prepare_pod(new)  # the kubelet's retry of the pod's sync
         [second] = daemon.preparer.prepared().values()
         assert second.uid != first.uid and sorted(second.gpus.values()) == [48 * GIB, 48 * GIB]
+
+
+# -- every order ------------------------------------------------------------------------------------
+CAPACITY = {"gpu-0": 79 * GIB, "gpu-2": 140 * GIB}  # the demo node's shared GPUs, as published
+OPS = ("create", "create", "create", "force", "force", "graceful", "exit", "retry")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.sampled_from(OPS), st.sampled_from(("vllm-22gi", "vllm-tp2-48gi")),
+                                st.integers(0, 9)), min_size=6, max_size=14))
+def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twice(tmp_path_factory, steps):
+    """Random pods of the shipped templates created, force-deleted (the claim controller deallocates at once,
+    their containers linger), gracefully deleted (the kubelet unprepares first) or finishing their forced
+    deletion (the kubelet unprepares), in any order. After each step the node's report has landed (the
+    published capacity is the GPU's less the grants of prepared claims whose pods are all deleted). Then:
+    the allocator never hands out memory such a claim holds, so Prepare is never refused, and no GPU has
+    more prepared on it than its memory."""
+    with running_plugin(dra_config(tmp_path_factory.mktemp("node"))) as (api, daemon, scheduler, kubelet):
+        running: list[dict] = []  # prepared, in the API
+        lingering: list[dict] = []  # force-deleted: gone from the API, still prepared
+        waiting: list[dict] = []  # allocated, Prepare refused (never, with the report landed)
+        for n, (op, template, pick) in enumerate(steps):
+            if op == "create":
+                if lingering:
+                    event("the allocator was asked while a force-deleted pod's claim held memory")
+                pod, where = _pod(api, scheduler, f"p{n}", template)
+                if where is not None:
+                    try:
+                        kubelet.prepare_pod(pod)
+                        running.append(pod)
+                    except PrepareError:
+                        waiting.append(pod)
+            elif op in ("force", "graceful") and running:
+                pod = running.pop(pick % len(running))
+                if op == "graceful":
+                    kubelet.unprepare_pod(pod)  # containers stopped, claims unprepared, then the pod goes
+                api.delete_pod("default", pod["metadata"]["name"])
+                scheduler.release(pod)
+                if op == "force":
+                    lingering.append(pod)
+            elif op == "exit" and lingering:
+                kubelet.unprepare_pod(lingering.pop(pick % len(lingering)))
+            elif op == "retry" and waiting:
+                kubelet.prepare_pod(waiting[0])
+                running.append(waiting.pop(0))
+            held = _grants(daemon, lingering)
+            want = {d: f"{cap - held.get(d, 0)}Mi" for d, cap in CAPACITY.items()}
+            assert api.wait_for(lambda a: _capacity(a) == want, timeout=20), (steps[:n + 1], _capacity(api), want)
+            assert waiting == [], (steps[:n + 1], "Prepare refused a claim the allocator placed")
+            for d, cap in CAPACITY.items():
+                assert _grants(daemon, None).get(d, 0) <= cap, (steps[:n + 1], d)
+
+
+def _grants(daemon, pods: list[dict] | None) -> dict[str, int]:
+    """Per published device, the MiB prepared on it for ``pods`` (None: for every claim)."""
+    by_uuid = {g.uuid: f"gpu-{g.index}" for g in daemon.state.snapshot.inventory.gpus}
+    uids = None if pods is None else {p["metadata"]["uid"] for p in pods}
+    out: dict[str, int] = {}
+    for c in daemon.preparer.prepared().values():
+        if uids is None or set(c.pod_uids) <= uids:
+            for uuid, mib in c.gpus.items():
+                out[by_uuid[uuid]] = out.get(by_uuid[uuid], 0) + mib
+    return out
