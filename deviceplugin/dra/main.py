@@ -193,9 +193,10 @@ class DraPluginDaemon(NodeDaemon):
                 self._gone.add(uid)
             self._dirty.set()
 
-    def _held_outside(self, shared: set[str]) -> dict[str, int]:
-        """Per shared GPU, MiB held outside the allocator's books: the loop's settled foreign memory plus the
-        grants of claims whose pods were all deleted while they stay prepared (until the kubelet unprepares)."""
+    def _held_outside(self) -> dict[str, int]:
+        """Per GPU, MiB held outside the allocator's books: the loop's settled foreign memory plus the grants
+        of claims whose pods were all deleted while they stay prepared (until the kubelet unprepares); only
+        shared GPUs' figures are read (:func:`vramshare.foreign.schedulable_foreign`)."""
         from deviceplugin.dra.tenants import departed_claims
 
         prepared = list(self.preparer.prepared().values())
@@ -205,8 +206,7 @@ class DraPluginDaemon(NodeDaemon):
         held = dict(self._foreign)
         for c in departed:
             for gpu, mib in c.gpus.items():
-                if gpu in shared:
-                    held[gpu] = held.get(gpu, 0) + mib
+                held[gpu] = held.get(gpu, 0) + mib
         names = tuple(f"{c.namespace}/{c.name}" for c in departed)
         if names != self._departed:
             if names:
@@ -283,8 +283,7 @@ class DraPluginDaemon(NodeDaemon):
         if admins is None:
             dynamic, admins = {}, {}
         sets = slices.counter_sets(snap.inventory, dynamic, self.refused)
-        shared = {g.uuid for g in snap.inventory.gpus if g.mode is GpuMode.SHARED}
-        held = foreign.schedulable_foreign(snap.inventory, self._held_outside(shared))
+        held = foreign.schedulable_foreign(snap.inventory, self._held_outside())
         for gpu in snap.inventory.gpus:
             self.metrics.foreign_mib.labels(gpu.uuid).set(held.get(gpu.uuid, 0))
         ok, invalid = slices.publishable(slices.desired_devices(foreign.with_foreign(snap.inventory, held),
