@@ -45,7 +45,11 @@ class NodePodCache:
         # told of every pod that left: the DELETED event's object, or the last seen one of a pod a relist
         # lacks (the node's departing pods, vramshare.departing); called outside the cache's lock
         self.on_deleted: Callable[[Mapping[str, Any]], None] | None = None
-        self.watch = ListWatch("pod watch", self._lister,
+        # told before each list (the first and every relist) is requested, and with its pods once it was
+        # applied: a caller learns what left while nobody watched, even pods the view never held
+        self.before_list: Callable[[], None] | None = None
+        self.on_listed: Callable[[list[Mapping[str, Any]]], None] | None = None
+        self.watch = ListWatch("pod watch", self._lister, before_list=self._before_list,
                                on_replace=self._replace, on_event=self._apply, min_watch_timeout_s=watch_timeout_s,
                                request_timeout_s=TIMEOUT_S, backoff=Backoff(0.2, 5.0, jitter=1.0))
         self.synced = self.watch.synced
@@ -89,12 +93,21 @@ class NodePodCache:
         return True
 
     # -- the watch (the ``pod-watch`` thread runs :meth:`ListWatch.run`) --------------------------------
+    def _before_list(self) -> None:
+        if self.before_list is not None:
+            self.before_list()
+
     def _replace(self, items: list[Mapping[str, Any]], deleted: list[Mapping[str, Any]]) -> None:
         """A list is the whole truth: pods it lacks (``deleted``) went while the watch was down."""
         with self._lock:
             self._pods = {p["metadata"]["uid"]: p for p in items}
         for pod in deleted:
             self._deleted(pod)
+        if self.on_listed is not None:
+            try:
+                self.on_listed(items)
+            except Exception:  # noqa: BLE001 - a listener's fault must not stop the watch
+                log.error("pod list listener failed", exc_info=True)
 
     def _apply(self, kind: str, pod: Mapping[str, Any]) -> None:
         uid = (pod.get("metadata") or {}).get("uid")

@@ -6,9 +6,10 @@ registered the plugin, and again on every health or config change, on every regi
 whenever ``slice-watch`` sees one deleted: the kubelet wipes them at its start and after a
 deregistration; retrying failures),
 ``gpu-health`` (the backend's health watch), the two gRPC servers (DRA service and registration),
-``metrics-http``, and with the quota loop ``quota-loop`` and ``pod-watch`` (the claims' pods, by
-list+watch: a tick reads no API server; a prepared claim whose pods it saw all deleted, a forced deletion,
-keeps its grant off the published capacity until Unprepare), and with ``warmTier.enabled`` ``warm-channel`` (the warm tier's
+``metrics-http``, ``pod-watch`` (this node's pods, by list+watch: a prepared claim whose pods were all
+deleted, a forced deletion, keeps its grant off the published capacity until Unprepare, also when they
+went while the plugin was down; the quota loop's tenants, so a tick reads no API server), with the
+quota loop ``quota-loop``, and with ``warmTier.enabled`` ``warm-channel`` (the warm tier's
 socket in each claim's quota dir: idle engines sleep and their memory is lent to co-tenants, as on the
 device plugin's GPUs; a sleeping claim of an overcommit class adds its credit to its GPU's published
 capacity), and with ``warmTier.enabled`` or ``warmTier.modelCacheDir`` ``model-residency`` and
@@ -128,8 +129,15 @@ class DraPluginDaemon(NodeDaemon):
         # while it stays prepared holds its grant outside the allocator's books (tenants.departed_claims)
         self._gone: set[str] = set()
         self._departed: tuple[str, ...] = ()  # those claims (namespace/name), as last published
+        # the claims prepared when the pod list in flight was requested (claim UID -> its pods' UIDs): a pod
+        # of theirs that list lacks was deleted while nobody watched (the plugin was down, the watch broken)
+        self._before_list: dict[str, tuple[str, ...]] = {}
         self._gone_lock = threading.Lock()
-        self.pods: NodePodCache | None = None  # this node's pods, watched while the quota loop runs
+        # this node's pods by list+watch: the claims' pods leaving (the report above) and the quota loop's tenants
+        self.pods = NodePodCache(api, node_name, config.names)
+        self.pods.before_list, self.pods.on_listed, self.pods.on_deleted = (
+            self._listing, self._pods_listed, self._pod_deleted)
+        self.preparer.on_unprepared = self._dirty.set
         self._quota_loop: Any = None
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self.models: tuple = ()  # issue 23: resident models, published in the node's resident-models
@@ -152,12 +160,8 @@ class DraPluginDaemon(NodeDaemon):
         def capacities() -> dict[str, int]:  # schedulable MiB of each shared GPU, what the loop divides
             inv = self.state.snapshot.inventory
             return {g.uuid: inv.capacity_mib(g) for g in inv.gpus if g.mode is GpuMode.SHARED}
-        pods = self.pods = NodePodCache(self._api, self.node, config.names)  # the claims' pods, by watch
-        pods.on_deleted = self._pod_deleted
-        self.preparer.on_unprepared = self._dirty.set
-        self._spawn("pod-watch", lambda: pods.run(self._stop))
         allocated = AllocatedClaims(self._read_claim, self.node, lambda: self.state.snapshot.config, self.devices)
-        tenants = ClaimTenantSource(self.preparer.prepared, pods.pods, pods.synced.is_set, config.names,
+        tenants = ClaimTenantSource(self.preparer.prepared, self.pods.pods, self.pods.synced.is_set, config.names,
                                     allocated)  # no API call per tick (issue 21), one per claim before Prepare
         warm = None
         if config.warm_tier.enabled:  # issue 23: idle engines sleep and lend, and sleepers of overcommit
@@ -193,6 +197,23 @@ class DraPluginDaemon(NodeDaemon):
                 self._gone.add(uid)
             self._dirty.set()
 
+    def _listing(self) -> None:
+        """A pod list is about to be requested: the claims prepared now have their pods in it unless deleted."""
+        with self._gone_lock:
+            self._before_list = {c.uid: c.pod_uids for c in self.preparer.prepared().values()}
+
+    def _pods_listed(self, pods: list[Mapping[str, Any]]) -> None:
+        """A list landed: the pods of claims prepared before it was requested that it lacks were deleted
+        while nobody watched (a restart reads its prepared claims from the checkpoint; a broken watch
+        relists), so no deletion event will ever name them."""
+        present = {str((p.get("metadata") or {}).get("uid") or "") for p in pods}
+        with self._gone_lock:
+            missing = {u for uids in self._before_list.values() for u in uids if u not in present}
+            self._gone |= missing
+            self._before_list = {}
+        if missing:
+            self._dirty.set()
+
     def _held_outside(self) -> dict[str, int]:
         """Per GPU, MiB held outside the allocator's books: the loop's settled foreign memory plus the grants
         of claims whose pods were all deleted while they stay prepared (until the kubelet unprepares); only
@@ -202,7 +223,7 @@ class DraPluginDaemon(NodeDaemon):
         prepared = list(self.preparer.prepared().values())
         with self._gone_lock:
             self._gone &= {u for c in prepared for u in c.pod_uids}  # only what may still matter
-            departed = departed_claims(prepared, self._gone, self.pods.pods() if self.pods is not None else ())
+            departed = departed_claims(prepared, self._gone, self.pods.pods())
         held = dict(self._foreign)
         for c in departed:
             for gpu, mib in c.gpus.items():
@@ -352,6 +373,7 @@ class DraPluginDaemon(NodeDaemon):
     def start(self) -> None:
         self._spawn("slice-publisher", self._publish_loop)
         self._spawn("slice-watch", lambda: self.slice_watch.run(self._stop))
+        self._spawn("pod-watch", lambda: self.pods.run(self._stop))
         self.plugin.start()
         health = self.state.snapshot.config.health
         if not health.disabled:
@@ -376,8 +398,7 @@ class DraPluginDaemon(NodeDaemon):
         self.slice_watch.stop()
         if self.models_publisher is not None:
             self.models_publisher.stop()
-        if self.pods is not None:
-            self.pods.stop()
+        self.pods.stop()
         self.plugin.stop()
         self.backend.close()
         for thread in self._threads:

@@ -22,9 +22,13 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from standins.dra_kubelet import PrepareError
 from tests.dra.conftest import NODE, dra_config
 from tests.dra.test_daemon import devices_of
-from tests.dra.test_quota_tick_view import running_plugin
+from standins.dra_kubelet import DraKubelet
+from standins.dra_scheduler import DraScheduler
+from tests.dra.test_daemon import DRIVER
+from tests.dra.test_quota_tick_view import demo_cluster, plugin_on, running_plugin
 
 GIB = 1024
+HELD = {"gpu-0": f"{31 * GIB}Mi", "gpu-2": f"{92 * GIB}Mi"}  # the demo's shared GPUs less a 48 GiB grant on each
 
 
 def _pod(api, scheduler, name: str, template: str = "vllm-tp2-48gi"):
@@ -42,8 +46,13 @@ def _capacity(api) -> dict[str, str]:
     return {n: d["capacity"]["memory"]["value"] for n, d in devices_of(api).items() if d.get("allowMultipleAllocations")}
 
 
-def test_the_grant_of_a_force_deleted_pods_claim_stays_booked_until_unprepared(tmp_path):
-    with running_plugin(dra_config(tmp_path)) as (api, daemon, scheduler, kubelet):
+@pytest.mark.parametrize("quota", [True, False], ids=["quota-loop", "no-quota-loop"])
+def test_the_grant_of_a_force_deleted_pods_claim_stays_booked_until_unprepared(tmp_path, quota):
+    """With or without the quota loop: the plugin's pod watch runs either way."""
+    config = dra_config(tmp_path)
+    config = dataclasses.replace(config, quota=dataclasses.replace(config.quota, enabled=quota))
+    with running_plugin(config) as (api, daemon, scheduler, kubelet):
+        assert (daemon._quota_loop is not None) is quota
         full = _capacity(api)
         assert full == {"gpu-0": f"{79 * GIB}Mi", "gpu-2": f"{140 * GIB}Mi"}
         old, where = _pod(api, scheduler, "old")
@@ -53,8 +62,7 @@ def test_the_grant_of_a_force_deleted_pods_claim_stays_booked_until_unprepared(t
 
         api.delete_pod("default", "old")  # --grace-period=0 --force: gone from the API at once ...
         scheduler.release(old)  # ... so the claim controller deallocates it; its containers still run
-        held = {"gpu-0": f"{31 * GIB}Mi", "gpu-2": f"{92 * GIB}Mi"}
-        assert api.wait_for(lambda a: _capacity(a) == held, timeout=20), _capacity(api)
+        assert api.wait_for(lambda a: _capacity(a) == HELD, timeout=20), _capacity(api)
         assert daemon.metrics.registry.get_sample_value("vramshare_dra_foreign_memory_mib",
                                                         {"gpu": daemon.state.snapshot.inventory.gpus[0].uuid}) == 48 * GIB
         new, where = _pod(api, scheduler, "new")
@@ -71,24 +79,77 @@ def test_the_grant_of_a_force_deleted_pods_claim_stays_booked_until_unprepared(t
 
 def test_a_replacement_allocated_before_the_report_lands_is_not_prepared_into_that_memory(tmp_path):
     """The race the report cannot always win (the issue's replacement was allocated within half a second),
-    here without the report (the quota loop, and with it the plugin's pod watch, off): Prepare refuses."""
-    config = dra_config(tmp_path)
-    config = dataclasses.replace(config, quota=dataclasses.replace(config.quota, enabled=False))
-    with running_plugin(config) as (api, daemon, scheduler, kubelet):
+    held open here: the API server refuses the slice updates (503) until the replacement is allocated, so
+    the report has not landed. Prepare refuses; the report lands once the API server answers again."""
+    with running_plugin(dra_config(tmp_path)) as (api, daemon, scheduler, kubelet):
+        full = _capacity(api)
         old, _ = _pod(api, scheduler, "old")
         kubelet.prepare_pod(old)
         [first] = daemon.preparer.prepared().values()
+        outage = api.fail_next("PATCH", r"/resourceslices", code=503, times=10**6)
         api.delete_pod("default", "old")
         scheduler.release(old)
         new, where = _pod(api, scheduler, "new")  # the allocator sees both GPUs free: the same memory again
-        assert where is not None
+        assert where is not None and _capacity(api) == full
         with pytest.raises(PrepareError, match="already prepared for other claims is more than its"):
             kubelet.prepare_pod(new)  # gpu-0: 48 + 48 GiB prepared on a 79 GiB GPU
         assert list(daemon.preparer.prepared()) == [first.uid]  # nothing of the new claim on the node
+        api.clear_faults()
+        assert api.wait_for(lambda a: _capacity(a) == HELD, timeout=20), _capacity(api)
+        assert outage.hits > 0, "the plugin tried to publish its report during the outage"
         assert kubelet.unprepare_pod(old) == [first.uid]
         kubelet.prepare_pod(new)  # the kubelet's retry of the pod's sync
         [second] = daemon.preparer.prepared().values()
         assert second.uid != first.uid and sorted(second.gpus.values()) == [48 * GIB, 48 * GIB]
+
+
+def test_a_pod_force_deleted_while_the_plugin_was_down_is_reported_after_its_restart(tmp_path):
+    """No deletion event ever names a pod that left while the plugin was down: its restart reads the claim
+    from the checkpoint, and its first pod list lacks the pod. That list, requested after the claim was
+    prepared, is the report: the grant is taken off the published capacity until Unprepare. (Before, a
+    restarted plugin published the full GPU and only Prepare's refusal kept the memory from being
+    prepared twice.)"""
+    config = dra_config(tmp_path)
+    with demo_cluster() as (api, http, sockets):
+        kubelet = DraKubelet(http, NODE, f"{sockets}/registry")  # the kubelet outlives the plugin's restart
+        scheduler = DraScheduler(http, [NODE], seed=1)
+        with plugin_on(api, http, sockets, config) as daemon:
+            full = _capacity(api)
+            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+            old, where = _pod(api, scheduler, "old")
+            assert where is not None and where.node == NODE
+            kubelet.prepare_pod(old)
+        api.delete_pod("default", "old")  # forced, while the plugin is down; the controller deallocates
+        scheduler.release(old)
+        kubelet.sync_plugins()
+        with plugin_on(api, http, sockets, config) as daemon:
+            assert len(daemon.preparer.prepared()) == 1  # read back from the checkpoint
+            assert api.wait_for(lambda a: _capacity(a) == HELD, timeout=20), _capacity(api)
+            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+            assert _pod(api, scheduler, "new")[1] is None  # the lingering grant is not handed out again
+            kubelet.unprepare_pod(old)  # its containers stopped at last
+            assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
+
+
+def test_a_pod_bound_prepared_and_force_deleted_during_a_watch_outage_is_reported_at_the_relist(tmp_path):
+    """The pod watch is broken (the API server refuses the node's pod list and watch) while a pod is bound,
+    prepared and force-deleted: the view never held it, so the relist's diff cannot name it. The claims
+    prepared before the relist was requested can: their pods it lacks are gone."""
+    with running_plugin(dra_config(tmp_path)) as (api, daemon, scheduler, kubelet):
+        full = _capacity(api)
+        outage = api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
+        api.drop_watches(abrupt=True)
+        assert api.wait_for(lambda _: outage.hits >= 2, timeout=20)  # the plugin relists, and is refused
+        old, where = _pod(api, scheduler, "old")
+        assert where is not None
+        kubelet.prepare_pod(old)
+        api.delete_pod("default", "old")
+        scheduler.release(old)
+        assert _capacity(api) == full  # nothing seen yet
+        api.clear_faults()
+        assert api.wait_for(lambda a: _capacity(a) == HELD, timeout=20), _capacity(api)
+        kubelet.unprepare_pod(old)
+        assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
 
 
 # -- every order ------------------------------------------------------------------------------------

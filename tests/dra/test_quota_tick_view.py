@@ -49,26 +49,41 @@ from vramshare.kube import api_client_for
 
 
 @contextlib.contextmanager
-def running_plugin(config: Config, used_mib: int = 2000, annotations: dict | None = None) -> Iterator[tuple]:
-    """A running DRA plugin on the demo node (its Node created with ``annotations``) whose use is replayed
-    (``used_mib`` per tenant, so its quota loop runs), with a registered kubelet and scheduler:
-    ``(api, daemon, scheduler, kubelet)``."""
+def demo_cluster(annotations: dict | None = None) -> Iterator[tuple]:
+    """The API server double with the demo node (its Node created with ``annotations``) and the deploy
+    applied, a client of it, and a directory for the plugin's and kubelet's sockets: ``(api, http, sockets)``."""
     sockets = tempfile.mkdtemp(prefix="dra", dir="/tmp")
     try:
         with ApiServerDouble() as api, api_client_for(api.url) as http:
             api.create_node({"metadata": {"name": NODE, "annotations": dict(annotations or {})}})
             _apply_deploy(http)
-            backend = SimulatedBackend.demo()
-            backend.usage_replay = UsageReplay([[used_mib]])
-            daemon = DraPluginDaemon(backend, config, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
-                                     registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2)
-            with daemon:
-                assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
-                kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
-                assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
-                yield api, daemon, DraScheduler(http, [NODE], seed=1), kubelet
+            yield api, http, sockets
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def plugin_on(api: ApiServerDouble, http, sockets: str, config: Config, used_mib: int = 2000) -> Iterator[DraPluginDaemon]:
+    """A DRA plugin running on the demo node of :func:`demo_cluster` whose use is replayed (``used_mib``
+    per tenant, so its quota loop runs), once its slices are published; stopped on exit (a restart is a
+    second one on the same config: its checkpoint is in ``dra.stateDir``)."""
+    backend = SimulatedBackend.demo()
+    backend.usage_replay = UsageReplay([[used_mib]])
+    daemon = DraPluginDaemon(backend, config, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
+                             registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2)
+    with daemon:
+        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+        yield daemon
+
+
+@contextlib.contextmanager
+def running_plugin(config: Config, used_mib: int = 2000, annotations: dict | None = None) -> Iterator[tuple]:
+    """A running DRA plugin on the demo node (:func:`plugin_on`), with a registered kubelet and scheduler:
+    ``(api, daemon, scheduler, kubelet)``."""
+    with demo_cluster(annotations) as (api, http, sockets), plugin_on(api, http, sockets, config, used_mib) as daemon:
+        kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
+        assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+        yield api, daemon, DraScheduler(http, [NODE], seed=1), kubelet
 
 
 @pytest.fixture
