@@ -35,7 +35,8 @@ def _rv(pod: Mapping[str, Any]) -> int:
 class NodePodCache:
     """:class:`deviceplugin.kubelet.allocator.PodSource` (and the DRA quota tenants' pods) over a watch of the pods bound to one node."""
 
-    def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300) -> None:
+    def __init__(self, api: client.ApiClient, node: str, names: contract.Names, watch_timeout_s: int = 300,
+                 retry_max_s: float = 5.0) -> None:
         v1 = client.CoreV1Api(api)
         selector = f"spec.nodeName={node}"
         self._lock = threading.Lock()
@@ -51,7 +52,8 @@ class NodePodCache:
         self.on_listed: Callable[[list[Mapping[str, Any]]], None] | None = None
         self.watch = ListWatch("pod watch", self._lister, before_list=self._before_list,
                                on_replace=self._replace, on_event=self._apply, min_watch_timeout_s=watch_timeout_s,
-                               request_timeout_s=TIMEOUT_S, backoff=Backoff(0.2, 5.0, jitter=1.0))
+                               request_timeout_s=TIMEOUT_S,
+                               backoff=Backoff(min(0.2, retry_max_s), retry_max_s, jitter=1.0))
         self.synced = self.watch.synced
 
     def run(self, stop: threading.Event) -> None:

@@ -133,8 +133,9 @@ class DraPluginDaemon(NodeDaemon):
         # of theirs that list lacks was deleted while nobody watched (the plugin was down, the watch broken)
         self._before_list: dict[str, tuple[str, ...]] = {}
         self._gone_lock = threading.Lock()
-        # this node's pods by list+watch: the claims' pods leaving (the report above) and the quota loop's tenants
-        self.pods = NodePodCache(api, node_name, config.names)
+        # this node's pods by list+watch: the claims' pods leaving (the report above) and the quota loop's tenants;
+        # a broken watch relists within ``retry_seconds`` at most, as a failed publish retries
+        self.pods = NodePodCache(api, node_name, config.names, retry_max_s=retry_seconds)
         self.pods.before_list, self.pods.on_listed, self.pods.on_deleted = (
             self._listing, self._pods_listed, self._pod_deleted)
         self.preparer.on_unprepared = self._dirty.set

@@ -14,6 +14,7 @@ should a claim be allocated there before that lands, Prepare refuses it while th
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -25,6 +26,7 @@ from tests.dra.test_daemon import devices_of
 from standins.dra_kubelet import DraKubelet
 from standins.dra_scheduler import DraScheduler
 from tests.dra.test_daemon import DRIVER
+from tests.extender.conftest import eventually
 from tests.dra.test_quota_tick_view import demo_cluster, plugin_on, running_plugin
 
 GIB = 1024
@@ -139,7 +141,7 @@ def test_a_pod_bound_prepared_and_force_deleted_during_a_watch_outage_is_reporte
         full = _capacity(api)
         outage = api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
         api.drop_watches(abrupt=True)
-        assert api.wait_for(lambda _: outage.hits >= 2, timeout=20)  # the plugin relists, and is refused
+        assert eventually(lambda: outage.hits >= 1)  # its watch is cut and a new one refused
         old, where = _pod(api, scheduler, "old")
         assert where is not None
         kubelet.prepare_pod(old)
@@ -154,20 +156,37 @@ def test_a_pod_bound_prepared_and_force_deleted_during_a_watch_outage_is_reporte
 
 # -- every order ------------------------------------------------------------------------------------
 CAPACITY = {"gpu-0": 79 * GIB, "gpu-2": 140 * GIB}  # the demo node's shared GPUs, as published
-OPS = ("create", "create", "create", "force", "force", "graceful", "exit", "retry")
+OPS = ("create", "create", "create", "force", "force", "graceful", "exit", "retry", "down", "blind")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=st.lists(st.tuples(st.sampled_from(OPS), st.sampled_from(("vllm-22gi", "vllm-tp2-48gi")),
                                 st.integers(0, 9)), min_size=6, max_size=14))
 def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twice(tmp_path_factory, steps):
     """Random pods of the shipped templates created, force-deleted (the claim controller deallocates at once,
     their containers linger), gracefully deleted (the kubelet unprepares first) or finishing their forced
-    deletion (the kubelet unprepares), in any order. After each step the node's report has landed (the
-    published capacity is the GPU's less the grants of prepared claims whose pods are all deleted). Then:
-    the allocator never hands out memory such a claim holds, so Prepare is never refused, and no GPU has
-    more prepared on it than its memory."""
-    with running_plugin(dra_config(tmp_path_factory.mktemp("node"))) as (api, daemon, scheduler, kubelet):
+    deletion (the kubelet unprepares), in any order; and deletions nobody watched: a pod force-deleted while
+    the plugin is down (``down``: it restarts from its checkpoint), or bound, prepared and force-deleted
+    while its pod watch is broken (``blind``). After each step the node's report has landed (the published
+    capacity is the GPU's less the grants of prepared claims whose pods are all deleted). Then: the
+    allocator never hands out memory such a claim holds, so Prepare is never refused, and no GPU has more
+    prepared on it than its memory."""
+    config = dra_config(tmp_path_factory.mktemp("node"))
+    with demo_cluster() as (api, http, sockets), contextlib.ExitStack() as plugin:
+        kubelet = DraKubelet(http, NODE, f"{sockets}/registry")  # outlives the plugin's restarts
+        scheduler = DraScheduler(http, [NODE], seed=1)
+
+        def start() -> DraPluginDaemon:
+            daemon = plugin.enter_context(plugin_on(api, http, sockets, config))
+            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+            return daemon
+
+        def force(pod: dict) -> None:
+            api.delete_pod("default", pod["metadata"]["name"])  # gone at once; the controller deallocates
+            scheduler.release(pod)
+            lingering.append(pod)
+
+        daemon = start()
         running: list[dict] = []  # prepared, in the API
         lingering: list[dict] = []  # force-deleted: gone from the API, still prepared
         waiting: list[dict] = []  # allocated, Prepare refused (never, with the report landed)
@@ -182,19 +201,35 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
                         running.append(pod)
                     except PrepareError:
                         waiting.append(pod)
-            elif op in ("force", "graceful") and running:
+            elif op == "force" and running:
+                force(running.pop(pick % len(running)))
+            elif op == "graceful" and running:
                 pod = running.pop(pick % len(running))
-                if op == "graceful":
-                    kubelet.unprepare_pod(pod)  # containers stopped, claims unprepared, then the pod goes
+                kubelet.unprepare_pod(pod)  # containers stopped, claims unprepared, then the pod goes
                 api.delete_pod("default", pod["metadata"]["name"])
                 scheduler.release(pod)
-                if op == "force":
-                    lingering.append(pod)
             elif op == "exit" and lingering:
                 kubelet.unprepare_pod(lingering.pop(pick % len(lingering)))
             elif op == "retry" and waiting:
                 kubelet.prepare_pod(waiting[0])
                 running.append(waiting.pop(0))
+            elif op == "down":
+                plugin.close()
+                kubelet.sync_plugins()
+                if running:
+                    event("a pod was force-deleted while the plugin was down")
+                    force(running.pop(pick % len(running)))
+                daemon = start()
+            elif op == "blind":
+                outage = api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
+                api.drop_watches(abrupt=True)
+                assert eventually(lambda: outage.hits >= 1)  # its watch is cut and a new one refused
+                pod, where = _pod(api, scheduler, f"p{n}", template)
+                if where is not None:
+                    event("a pod was bound, prepared and force-deleted while the pod watch was broken")
+                    kubelet.prepare_pod(pod)
+                    force(pod)
+                api.clear_faults()
             held = _grants(daemon, lingering)
             want = {d: f"{cap - held.get(d, 0)}Mi" for d, cap in CAPACITY.items()}
             assert api.wait_for(lambda a: _capacity(a) == want, timeout=20), (steps[:n + 1], _capacity(api), want)
