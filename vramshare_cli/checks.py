@@ -239,6 +239,11 @@ def _dra_nodes(s: Snapshot, modes: dict[str, slice_enforcement.DraNodeMode], ns:
     return out
 
 
+_DEPARTED_HINT = ("; on a DRA device it also counts the claims of force-deleted pods still prepared "
+                  "(vramshare_dra_departed_claims; the DRA plugin's log names them): their containers are still "
+                  "stopping, and it clears when the kubelet unprepares them")
+
+
 def _held_outside(s: Snapshot, dra: bool) -> list[Line]:
     """GPU memory no vramshare pod holds, as the nodes publish it (the inventory's ``foreignMiB``, the DRA
     slices' ``foreignMiB`` attribute and taint): booked as used, so fewer pods fit there. A day-two
@@ -248,8 +253,10 @@ def _held_outside(s: Snapshot, dra: bool) -> list[Line]:
         for g in inv.gpus:
             if g.foreign_mib:
                 found.setdefault(name, []).append(f"GPU {g.index} {g.foreign_mib} MiB")
+    on_dra: set[str] = set()
     if dra and s.resource_slices:
         for name, devices in slice_foreign.held_outside(s.resource_slices, NAMES.dra_driver).items():
+            on_dra.add(name)
             found.setdefault(name, []).extend(f"{d} {'all of it' if mib is None else f'{mib} MiB'}"
                                               for d, mib in sorted(devices.items()))
     if not found:
@@ -259,7 +266,8 @@ def _held_outside(s: Snapshot, dra: bool) -> list[Line]:
                  f"on {name}, nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv names the "
                  "process: a container that outlived its pod is stuck in the driver (drain the node, then reboot "
                  f"it); a daemon that holds memory on purpose (an MPS server): raise reservedMiBPerGPU in "
-                 f"{CONFIG_WHERE}") for name, what in sorted(found.items())]
+                 f"{CONFIG_WHERE}" + (_DEPARTED_HINT if name in on_dra else ""))
+            for name, what in sorted(found.items())]
 
 
 def _leader(s: Snapshot, ns: str) -> list[Line]:

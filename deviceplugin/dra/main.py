@@ -83,6 +83,10 @@ class DraMetrics:
                                  "books, in whole units: what no claim of ours holds (a host process, a stuck one; "
                                  "settled) and the grants of force-deleted pods' claims still prepared; taken off the "
                                  "device's published capacity", ["gpu"], registry=self.registry)
+        self.departed_claims = Gauge(f"{p}dra_departed_claims", "Claims still prepared on this node whose pods "
+                                     "were all deleted (forced deletions: their containers are still stopping); "
+                                     "their grants are in dra_foreign_memory_mib until the kubelet unprepares them",
+                                     registry=self.registry)
 
 
 class DraPluginDaemon(NodeDaemon):
@@ -200,8 +204,9 @@ class DraPluginDaemon(NodeDaemon):
 
     def _listing(self) -> None:
         """A pod list is about to be requested: the claims prepared now have their pods in it unless deleted."""
+        prepared = {c.uid: c.pod_uids for c in self.preparer.prepared().values()}
         with self._gone_lock:
-            self._before_list = {c.uid: c.pod_uids for c in self.preparer.prepared().values()}
+            self._before_list = prepared
 
     def _pods_listed(self, pods: list[Mapping[str, Any]]) -> None:
         """A list landed: the pods of claims prepared before it was requested that it lacks were deleted
@@ -230,6 +235,7 @@ class DraPluginDaemon(NodeDaemon):
             for gpu, mib in c.gpus.items():
                 held[gpu] = held.get(gpu, 0) + mib
         names = tuple(f"{c.namespace}/{c.name}" for c in departed)
+        self.metrics.departed_claims.set(len(names))
         if names != self._departed:
             if names:
                 log.warning("claims of deleted pods still prepared: their grants are booked outside the allocator "

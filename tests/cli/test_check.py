@@ -245,6 +245,9 @@ def test_check_names_the_nodes_whose_gpu_memory_is_held_outside_vramshare_pods(t
     assert "! node gpu-dra: GPU memory held by no vramshare pod, booked as used so fewer pods fit (gpu-0 3072 MiB, " \
            "gpu-2 all of it)" in text, text
     assert "raise reservedMiBPerGPU in ConfigMap vramshare-config" in text
+    [kubelet_node] = [x for x in lines if x.startswith("! node gpu-a:")]
+    [dra_node] = [x for x in lines if x.startswith("! node gpu-dra:")]
+    assert "force-deleted pods" in dra_node and "force-deleted pods" not in kubelet_node  # only claims linger so
     assert rc == 0, text
 
 

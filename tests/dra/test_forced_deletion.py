@@ -67,11 +67,13 @@ def test_the_grant_of_a_force_deleted_pods_claim_stays_booked_until_unprepared(t
         assert api.wait_for(lambda a: _capacity(a) == HELD, timeout=20), _capacity(api)
         assert daemon.metrics.registry.get_sample_value("vramshare_dra_foreign_memory_mib",
                                                         {"gpu": daemon.state.snapshot.inventory.gpus[0].uuid}) == 48 * GIB
+        assert daemon.metrics.registry.get_sample_value("vramshare_dra_departed_claims") == 1
         new, where = _pod(api, scheduler, "new")
         assert where is None  # 31 GiB offered on gpu-0: the same 48 GiB are not handed out again
 
         kubelet.unprepare_pod(old)  # its containers stopped at last
         assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
+        assert daemon.metrics.registry.get_sample_value("vramshare_dra_departed_claims") == 0
         placement = scheduler.schedule(api.get_pod("default", "new"))  # kube-scheduler retries the pod
         assert placement is not None
         kubelet.prepare_pod(api.get_pod("default", "new"))
