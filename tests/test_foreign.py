@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from vramshare import inventory
 from vramshare.contract import inventory as contract_inventory
-from vramshare.foreign import SETTLE_S, SettledForeign, schedulable_foreign, with_foreign
+from vramshare.foreign import SETTLE_S, SettledForeign, schedulable_foreign, settled_from_booked, with_foreign
 
 UNIT = 1024
 # an H100: 81,559 MiB, 79 units of 1 GiB, 663 MiB of slack beyond them
@@ -119,3 +119,39 @@ def test_a_foreign_figure_no_gpu_can_have_refuses_the_inventory(value: object) -
     doc["gpus"][0]["foreignMiB"] = value
     with pytest.raises(inventory.InventoryError, match="foreignMiB"):
         contract_inventory.parse(json.dumps(doc))
+
+
+# -- a restarted node agent keeps what it last published until it settles again ------------------------------
+def test_a_kept_figure_stands_until_the_gpus_own_readings_span_the_window_then_theirs_decides() -> None:
+    """A restart must not unbook, for the two ticks it takes to settle again, memory a stuck process holds;
+    once the new readings span the window they decide, 0 included (the process went meanwhile)."""
+    f = SettledForeign(settle_s=10)
+    f.keep({"GPU-0": 5000, "GPU-1": 3000}, until=100)
+    assert f.settled(0) == {"GPU-0": 5000, "GPU-1": 3000}  # before any reading
+    f.observe(0, {"GPU-0": 5000, "GPU-1": 0})
+    assert f.settled(5) == {"GPU-0": 5000, "GPU-1": 3000}  # one reading proves nothing either way
+    f.observe(10, {"GPU-0": 5000, "GPU-1": 0})
+    assert f.settled(10) == {"GPU-0": 5000}  # GPU-1's memory went while the agent was down
+
+
+def test_a_kept_figure_ends_at_its_deadline_where_nothing_reads_the_gpu_whole() -> None:
+    """dcgm-exporter or a replay never observe a GPU whole: the kept figure must not outlive what measured it."""
+    f = SettledForeign(settle_s=10)
+    f.keep({"GPU-0": 5000}, until=30)
+    assert f.settled(29.9) == {"GPU-0": 5000}
+    assert f.settled(30) == {}
+    f.keep({"GPU-0": 5000}, until=60)
+    f.forget(["GPU-1"])  # no longer shared, or gone from the node
+    assert f.settled(0) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(booked_units=st.integers(0, 79), slack=st.integers(0, 4000), unit=st.sampled_from([256, 512, 1024]))
+def test_the_figures_kept_book_again_exactly_what_was_published(booked_units: int, slack: int, unit: int) -> None:
+    """:func:`settled_from_booked` inverts :func:`schedulable_foreign` on what a node publishes: whole units
+    beyond the slack, at most the GPU's units (a GPU it fills included)."""
+    gpu = inventory.Gpu(index=0, uuid="GPU-0", model="m", memory_mib=79 * unit + slack, units=79)
+    inv = inventory.NodeInventory(unit_mib=unit, gpus=(gpu, WHOLE))
+    booked = {"GPU-0": booked_units * unit, "GPU-1": 5 * unit}  # an exclusive GPU books nothing
+    assert schedulable_foreign(inv, settled_from_booked(inv, booked)) == {k: v for k, v in booked.items()
+                                                                           if k == "GPU-0" and v}

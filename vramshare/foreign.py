@@ -25,6 +25,9 @@ Three rules keep the figure honest:
   when a unit changes, and never past the GPU's units.
 
 A GPU whose readings stop (unreadable) keeps its last settled figure: the last good state, not zero.
+A restarted node agent keeps the figures it last published (read back from its inventory or slices,
+:func:`settled_from_booked`) until its own readings settle (:meth:`SettledForeign.keep`): a restart must
+not unbook, for the two ticks it takes to settle again, memory a stuck process still holds.
 """
 from __future__ import annotations
 
@@ -53,7 +56,17 @@ class SettledForeign:
             raise ValueError(f"settle_s must be positive, got {settle_s}")
         self.settle_s = settle_s
         self._readings: dict[str, deque[tuple[float, int]]] = {}
+        self._kept: dict[str, int] = {}  # a restarted agent's last published figures (:meth:`keep`)
+        self._kept_until = float("-inf")
         self._lock = threading.Lock()
+
+    def keep(self, figures: Mapping[str, int], until: float) -> None:
+        """Report ``figures`` (per GPU, what the node agent last published before it restarted) for each GPU
+        until its own readings span the window, and never after ``until``: a reader that never sees the GPU
+        whole (dcgm-exporter, a replay) reports nothing, and the figure must not outlive what measured it."""
+        with self._lock:
+            self._kept = {g: int(m) for g, m in figures.items() if m > 0}
+            self._kept_until = until
 
     def observe(self, now: float, readings: Mapping[str, int]) -> None:
         """One tick's foreign MiB per GPU it could read (a GPU it could not read is left out, not 0)."""
@@ -80,6 +93,11 @@ class SettledForeign:
                 least = min(m for _, m in list(q)[first:])
                 if least > 0:
                     out[gpu] = least
+            if now < self._kept_until:
+                for gpu, mib in self._kept.items():
+                    q = self._readings.get(gpu)
+                    if not q or q[0][0] > start:  # its own readings do not span the window yet
+                        out[gpu] = mib
         return dict(sorted(out.items()))
 
     def forget(self, keep: Iterable[str]) -> None:
@@ -88,6 +106,7 @@ class SettledForeign:
         with self._lock:
             for gpu in [g for g in self._readings if g not in keep]:
                 del self._readings[gpu]
+            self._kept = {g: m for g, m in self._kept.items() if g in keep}
 
 
 def schedulable_foreign(inv: NodeInventory, settled: Mapping[str, int]) -> dict[str, int]:
@@ -102,6 +121,15 @@ def schedulable_foreign(inv: NodeInventory, settled: Mapping[str, int]) -> dict[
         if beyond > 0:
             out[g.uuid] = min(math.ceil(beyond / unit), g.units) * unit
     return out
+
+
+def settled_from_booked(inv: NodeInventory, booked: Mapping[str, int]) -> dict[str, int]:
+    """The settled figures :func:`schedulable_foreign` turns back into ``booked`` (per shared GPU, the whole
+    units a node published): each plus the GPU's slack. What a restarted node agent read back from its
+    last publication keeps until its own readings settle (:meth:`SettledForeign.keep`)."""
+    unit = inv.unit_mib
+    return {g.uuid: booked[g.uuid] + max(0, g.memory_mib - g.units * unit) for g in inv.gpus
+            if g.mode is GpuMode.SHARED and booked.get(g.uuid, 0) > 0}
 
 
 def with_foreign(inv: NodeInventory, foreign: Mapping[str, int]) -> NodeInventory:

@@ -59,11 +59,14 @@ from deviceplugin.quota import rights
 from deviceplugin.serve import NodeDaemon, serve
 from vramshare import contract, foreign, kube, logs, mig
 from vramshare.config import Config, ConfigError, load_config
-from vramshare.contract import config_in_force
+from vramshare.contract import config_in_force, slice_foreign
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
 READ_TIMEOUT_S = 5.0  # a claim or pod read (Prepare, or the quota tick's claim allocated before Prepare)
+
+
+STARTUP_SYNC_S = 5.0  # how long the start waits for the first pod list before it reads its last slices back
 
 
 class DraMetrics:
@@ -180,12 +183,47 @@ class DraPluginDaemon(NodeDaemon):
                                         cgroup_root=self._cgroup_root,
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
+        self._foreign = loop.keep_foreign(self._last_foreign(), config.quota.interval_seconds)
         loop.on_foreign = self.on_foreign_settled
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
         self._spawn("quota-loop", lambda: loop.run(self._stop, config.quota.interval_seconds))
         if warm is not None:
             self._spawn("warm-channel", lambda: warm.serve(loop, self._stop))
+
+    def _last_foreign(self) -> dict[str, int]:
+        """The foreign memory this node's slices booked when this plugin started (what an earlier run
+        published, as settled figures: :func:`vramshare.foreign.settled_from_booked`), which the quota loop
+        keeps until its own readings settle. A device published whole with the held-outside taint was full;
+        one withheld (no taints) is not in the slices and is not kept. The figure also held the grants of
+        the claims whose pods were deleted, which the first pod list names again: they come off it (waited
+        for up to ``STARTUP_SYNC_S``; without that list the whole figure is kept, some grants twice)."""
+        synced = self.pods.synced.wait(STARTUP_SYNC_S)
+        if not synced:
+            log.warning("no pod list yet: the foreign memory of the last slices is kept whole until it settles "
+                        "(grants of deleted pods' claims may be counted twice meanwhile)", node=self.node)
+        try:
+            slices = self.publisher.current_slices()
+        except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            log.warning("own resource slices not read; no foreign memory kept from them", node=self.node,
+                        error=str(exc))
+            return {}
+        refs, inv = self.devices(), self.state.snapshot.inventory
+        booked: dict[str, int] = {}
+        for name, mib in slice_foreign.held_outside(slices, self.state.snapshot.config.names.dra_driver).get(
+                self.node, {}).items():
+            ref = refs.get(name)
+            if ref is not None and ref.shared:
+                gpu = ref.gpu.uuid
+                booked[gpu] = max(booked.get(gpu, 0), ref.gpu.units * inv.unit_mib if mib is None else mib)
+        for gpu, mib in (self._departed_grants() if synced else {}).items():
+            if gpu in booked:
+                booked[gpu] = max(0, booked[gpu] - mib)
+        kept = foreign.settled_from_booked(inv, booked)
+        if kept:
+            log.info("foreign memory kept from this node's last slices until it settles again", node=self.node,
+                     gpus=",".join(f"{g}:{m}MiB" for g, m in kept.items()))
+        return kept
 
     def on_foreign_settled(self, settled: Mapping[str, int]) -> None:
         """The quota loop's settled foreign memory moved: the shared devices' published capacity follows
@@ -224,16 +262,23 @@ class DraPluginDaemon(NodeDaemon):
         """Per GPU, MiB held outside the allocator's books: the loop's settled foreign memory plus the grants
         of claims whose pods were all deleted while they stay prepared (until the kubelet unprepares); only
         shared GPUs' figures are read (:func:`vramshare.foreign.schedulable_foreign`)."""
+        held = dict(self._foreign)
+        for gpu, mib in self._departed_grants().items():
+            held[gpu] = held.get(gpu, 0) + mib
+        return held
+
+    def _departed_grants(self) -> dict[str, int]:
+        """Per GPU, the grants of the prepared claims whose pods were all deleted (logged when they change)."""
         from deviceplugin.dra.tenants import departed_claims
 
         prepared = list(self.preparer.prepared().values())
         with self._gone_lock:
             self._gone &= {u for c in prepared for u in c.pod_uids}  # only what may still matter
             departed = departed_claims(prepared, self._gone, self.pods.pods())
-        held = dict(self._foreign)
+        grants: dict[str, int] = {}
         for c in departed:
             for gpu, mib in c.gpus.items():
-                held[gpu] = held.get(gpu, 0) + mib
+                grants[gpu] = grants.get(gpu, 0) + mib
         names = tuple(f"{c.namespace}/{c.name}" for c in departed)
         self.metrics.departed_claims.set(len(names))
         if names != self._departed:
@@ -243,7 +288,7 @@ class DraPluginDaemon(NodeDaemon):
             else:
                 log.info("no claim of a deleted pod is prepared any more", node=self.node)
             self._departed = names
-        return held
+        return grants
 
     def _start_residency(self) -> None:
         """Issue 23: which models this node can start fast (files in ``warmTier.modelCacheDir``, engines
@@ -378,15 +423,15 @@ class DraPluginDaemon(NodeDaemon):
 
     # -- start/stop ------------------------------------------------------------------------------
     def start(self) -> None:
+        self._spawn("pod-watch", lambda: self.pods.run(self._stop))
+        self._start_quota_loop()  # before the first publish: it keeps the foreign memory the last slices booked
         self._spawn("slice-publisher", self._publish_loop)
         self._spawn("slice-watch", lambda: self.slice_watch.run(self._stop))
-        self._spawn("pod-watch", lambda: self.pods.run(self._stop))
         self.plugin.start()
         health = self.state.snapshot.config.health
         if not health.disabled:
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
-        self._start_quota_loop()
         self._start_residency()
         if self._metrics_port:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)

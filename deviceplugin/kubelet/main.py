@@ -111,6 +111,7 @@ class DevicePluginDaemon(NodeDaemon):
         self.warm: Any = None  # the warm tier's broker, when warmTier.enabled and the quota loop runs
         self._quota_loop: Any = None
         self._foreign: dict[str, int] = {}  # the quota loop's settled foreign MiB per shared GPU
+        self._last_foreign: dict[str, int] = {}  # what the node's last inventory booked, as settled figures
         self.state.add_listener(self._changed)
 
     def _shared_capacities(self) -> dict[str, int]:
@@ -140,6 +141,7 @@ class DevicePluginDaemon(NodeDaemon):
                                         nvml=getattr(self.backend, "nvml", None), mode=self.enforcement.mode,
                                         usage=[replay] if replay is not None else None, warm=self.warm)
         self._quota_loop = loop
+        self._foreign = loop.keep_foreign(self._last_foreign, config.quota.interval_seconds)
         loop.on_foreign = self.on_foreign_settled
         self.state.add_listener(lambda old, new: loop.reconfigure(new.config.quota, new.config.enforcement))
         quota_service.register_metrics(loop, self.metrics.registry)
@@ -199,19 +201,27 @@ class DevicePluginDaemon(NodeDaemon):
         self._publish_inventory()
         self._departures_poked.set()
 
-    def _restore_departures(self) -> None:
-        """A restarted plugin keeps the departing pods its predecessor reported and whose grace runs on
-        (read back from the node's inventory before the first publish would drop them)."""
+    def _restore_last_report(self) -> None:
+        """A restarted plugin keeps what its predecessor reported, read back from the node's inventory before
+        the first publish would drop it: the departing pods whose grace runs on, and the foreign memory
+        (kept by the quota loop until its own readings settle, :meth:`QuotaLoop.keep_foreign`)."""
         text = self.publisher.current() if self.publisher is not None else None
         if not text:
             return
         try:
-            kept = self.departures.restore(contract_inventory.parse(text).departing, time.time())
+            last = contract_inventory.parse(text)
         except contract_inventory.InventoryError as exc:
-            log.warning("the node's last inventory is unreadable; no departing pods kept", error=str(exc))
+            log.warning("the node's last inventory is unreadable; no departing pods or foreign memory kept",
+                        error=str(exc))
             return
+        kept = self.departures.restore(last.departing, time.time())
         if kept:
             log.info("departing pods kept from the node's last inventory", pods=kept)
+        self._last_foreign = foreign.settled_from_booked(self.state.snapshot.inventory,
+                                                         {g.uuid: g.foreign_mib for g in last.gpus})
+        if self._last_foreign:
+            log.info("foreign memory kept from the node's last inventory until it settles again",
+                     gpus=",".join(f"{g}:{m}MiB" for g, m in self._last_foreign.items()))
 
     def _departures_loop(self) -> None:
         """Body of the ``departures`` thread: republish when a departing pod's report ends, so the
@@ -255,11 +265,12 @@ class DevicePluginDaemon(NodeDaemon):
             self._spawn("gpu-health", lambda: self.backend.watch_health(
                 self._stop, self.state.on_health, frozenset(health.ignored_xids)))
         if self.publisher is not None:
-            self._restore_departures()
+            self._restore_last_report()
+        self._start_quota_loop()  # before the first publish: it keeps the foreign memory last reported
+        if self.publisher is not None:
             self._publish_inventory()
             self._spawn("inventory-publisher", lambda: self.publisher.run(self._stop))  # type: ignore[union-attr]
             self._spawn("departures", self._departures_loop)
-        self._start_quota_loop()
         self._start_residency()
         if self._metrics_port:
             self._metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)

@@ -367,6 +367,16 @@ class QuotaLoop:
             return samples
         return None
 
+    def keep_foreign(self, figures: Mapping[str, int], interval_s: float) -> dict[str, int]:
+        """A restarted node agent's last published foreign memory (:func:`vramshare.foreign.settled_from_booked`),
+        kept per GPU until this loop's own readings of it settle, two ticks (``interval_s``) at most after the
+        window: no restart unbooks memory a stuck process still holds. Returns the figures in force now;
+        ``on_foreign`` is told when they change, as ever (also when a kept one ends)."""
+        now = self._clock()
+        self.foreign.keep(figures, now + self.foreign.settle_s + 2 * interval_s)
+        self._settled = self.foreign.settled(now)
+        return dict(self._settled)
+
     def _observe_foreign(self, now: float, foreign: Mapping[str, int], capacities: Mapping[str, int]) -> None:
         """Feed the tick's foreign memory of each shared GPU its reader saw whole to the settled figures,
         and tell ``on_foreign`` when they change (a reader that sees only our processes, dcgm-exporter or

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from deviceplugin.simulated_backend import SimulatedBackend
+from deviceplugin.simulated_usage import UsageReplay
 from standins.apiserver import PODS
 from tests.deviceplugin.conftest import MIXED, NODE
 from tests.extender.conftest import eventually
@@ -153,3 +154,34 @@ def test_foreign_memory_is_published_in_whole_units_beyond_the_slack_and_beside_
     assert published()[0] == 3 * inv.unit_mib  # the entry books its 20 GiB; the host process's stays booked
     daemon.on_foreign_settled({})
     assert eventually(lambda: published()[0] == 0)
+
+
+def test_a_restarted_plugin_keeps_the_foreign_memory_its_predecessor_reported(api, http, start_plugin) -> None:
+    """The restart window: the quota loop needs two readings to settle foreign memory again, and a first
+    publish without it would unbook, for those ticks, memory a stuck process still holds (the extender would
+    plan a pod into it). The restarted plugin reads its predecessor's figure back with the departing pods,
+    and its loop keeps it until its own readings settle: the node's annotation is never written without it."""
+    first = start_plugin(api=http)
+    inv = first.state.snapshot.inventory
+    gpu = inv.gpus[0]
+    slack = gpu.memory_mib - gpu.units * inv.unit_mib
+
+    def published() -> int:
+        text = (api.get_node(NODE)["metadata"].get("annotations") or {}).get(N.inventory)
+        return contract_inventory.parse(text).gpus[0].foreign_mib if text else -1
+
+    first.on_foreign_settled({gpu.uuid: slack + 3000})  # a host process holds 3,000 MiB past the slack
+    assert eventually(lambda: published() == 3 * inv.unit_mib)
+    first.close()
+    before = (api.get_node(NODE)["metadata"].get("annotations") or {}).get(N.inventory)
+    api.clear_requests()
+    replaying = SimulatedBackend.from_file(MIXED)  # the first closed its backend; a replay runs the quota loop
+    replaying.usage_replay = UsageReplay([[2000]])
+    second = start_plugin(api=http, gpus=replaying)
+    assert second._quota_loop is not None
+    assert second.metrics.registry.get_sample_value("vramshare_deviceplugin_foreign_memory_mib",
+                                                    {"gpu": gpu.uuid}) == 3 * inv.unit_mib
+    time.sleep(0.5)
+    assert published() == 3 * inv.unit_mib
+    after = (api.get_node(NODE)["metadata"].get("annotations") or {}).get(N.inventory)
+    assert after == before and api.count("PATCH", f"/api/v1/nodes/{NODE}") <= 1  # its start-up write, unchanged

@@ -156,6 +156,28 @@ def test_a_pod_bound_prepared_and_force_deleted_during_a_watch_outage_is_reporte
         assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
 
 
+def test_a_restarted_plugin_keeps_the_foreign_memory_its_last_slices_took_off(tmp_path):
+    """The restart window: the quota loop needs two readings to settle foreign memory again, and slices
+    published without it would offer, for those ticks, memory a stuck process still holds. The restarted
+    plugin reads its last slices back before it publishes, and its loop keeps the figure until its own
+    readings settle (a replay never reads a GPU whole, so here it stands for two ticks past the window)."""
+    config = dra_config(tmp_path)
+    with demo_cluster() as (api, http, sockets):
+        with plugin_on(api, http, sockets, config) as daemon:
+            full = _capacity(api)
+            gpu0 = next(g for g in daemon.state.snapshot.inventory.gpus if g.index == 0)
+            slack = gpu0.memory_mib - gpu0.units * daemon.state.snapshot.inventory.unit_mib
+            daemon.on_foreign_settled({gpu0.uuid: slack + 3000})  # a stuck process: 3 units off gpu-0
+            held = {**full, "gpu-0": f"{76 * GIB}Mi"}
+            assert api.wait_for(lambda a: _capacity(a) == held, timeout=20), _capacity(api)
+        with plugin_on(api, http, sockets, config) as daemon:
+            assert daemon._quota_loop is not None
+            assert _capacity(api) == held
+            assert daemon.metrics.registry.get_sample_value("vramshare_dra_foreign_memory_mib",
+                                                            {"gpu": gpu0.uuid}) == 3 * GIB
+            assert not api.wait_for(lambda a: _capacity(a) != held, timeout=1), _capacity(api)
+
+
 # -- every order ------------------------------------------------------------------------------------
 CAPACITY = {"gpu-0": 79 * GIB, "gpu-2": 140 * GIB}  # the demo node's shared GPUs, as published
 OPS = ("create", "create", "create", "force", "force", "graceful", "exit", "retry", "down", "blind")

@@ -134,3 +134,29 @@ def test_a_process_whose_cgroup_cannot_be_read_proves_nothing_foreign(tmp_path, 
     _ticks(loop, clock, 3)
     assert reader.whole_gpus == {"GPU-b"}
     assert told == [{"GPU-b": 3072}]
+
+
+def test_a_restarted_loop_keeps_the_last_published_figure_until_its_own_readings_settle(tmp_path, proc_root):
+    """QuotaLoop.keep_foreign: the figure the node agent read back from its last publication is in force from
+    the start (nothing told: it is already published), stands through the first tick (one reading proves
+    nothing), and is replaced by the loop's own verdict once the readings span the window: here the host
+    process on GPU-a stayed, the one on GPU-b went while the agent was down."""
+    nv = FakeNvml({"GPU-a": [Proc(300, 6 * GIB)], "GPU-b": []})
+    loop, clock, told = _loop(tmp_path, NvmlProcessReader(nv, proc_root=str(proc_root)), [],
+                              {"GPU-a": 40000, "GPU-b": 40000})
+    assert loop.keep_foreign({"GPU-a": 6144, "GPU-b": 2048}, interval_s=10) == {"GPU-a": 6144, "GPU-b": 2048}
+    _ticks(loop, clock, 1)
+    assert told == []
+    _ticks(loop, clock, 1)
+    assert told == [{"GPU-a": 6144}]
+
+
+def test_a_kept_figure_no_reader_can_confirm_ends_two_ticks_after_the_window(tmp_path):
+    """A replay (or dcgm-exporter) never reads a GPU whole: the kept figure goes when nothing confirmed it."""
+    usage = Usage([UsageSample("GPU-a", 10000, pod_uid=UID)])
+    loop, clock, told = _loop(tmp_path, usage, [Tenant(TENANT, (("GPU-a", 20000),))], {"GPU-a": 40000})
+    loop.keep_foreign({"GPU-a": 3072}, interval_s=10)
+    _ticks(loop, clock, 3)  # t = 0, 10, 20: within settle (10) + two ticks (20)
+    assert told == []
+    _ticks(loop, clock, 1)  # t = 30
+    assert told == [{}]
