@@ -20,14 +20,14 @@ import dataclasses
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from standins.dra_kubelet import PrepareError
-from tests.dra.conftest import NODE, dra_config
-from tests.dra.test_daemon import devices_of
-from standins.dra_kubelet import DraKubelet
+from deviceplugin.dra.main import DraPluginDaemon
+from standins.dra_kubelet import DraKubelet, PrepareError
 from standins.dra_scheduler import DraScheduler
-from tests.dra.test_daemon import DRIVER
-from tests.extender.conftest import eventually
+from tests.dra.conftest import NODE, dra_config
+from tests.dra.test_daemon import DRIVER, devices_of
 from tests.dra.test_quota_tick_view import demo_cluster, plugin_on, running_plugin
+from tests.extender.conftest import eventually
+from vramshare.contract import slice_foreign
 
 GIB = 1024
 HELD = {"gpu-0": f"{31 * GIB}Mi", "gpu-2": f"{92 * GIB}Mi"}  # the demo's shared GPUs less a 48 GiB grant on each
@@ -156,26 +156,35 @@ def test_a_pod_bound_prepared_and_force_deleted_during_a_watch_outage_is_reporte
         assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
 
 
-def test_a_restarted_plugin_keeps_the_foreign_memory_its_last_slices_took_off(tmp_path):
+@pytest.mark.parametrize("stuck_mib", [3000, 90_000], ids=["part", "fills-it"])
+def test_a_restarted_plugin_keeps_the_foreign_memory_its_last_slices_took_off(tmp_path, stuck_mib):
     """The restart window: the quota loop needs two readings to settle foreign memory again, and slices
     published without it would offer, for those ticks, memory a stuck process still holds. The restarted
     plugin reads its last slices back before it publishes, and its loop keeps the figure until its own
-    readings settle (a replay never reads a GPU whole, so here it stands for two ticks past the window)."""
+    readings settle (a replay never reads a GPU whole, so here it stands for two ticks past the window).
+    A GPU the memory fills is published whole with the held-outside taint (``dra.deviceTaints``), and so
+    again after the restart."""
     config = dra_config(tmp_path)
+    config = dataclasses.replace(config, dra=dataclasses.replace(config.dra, device_taints=True))
+
+    def gpu0() -> dict:
+        return devices_of(api)["gpu-0"]
+
     with demo_cluster() as (api, http, sockets):
         with plugin_on(api, http, sockets, config) as daemon:
-            full = _capacity(api)
-            gpu0 = next(g for g in daemon.state.snapshot.inventory.gpus if g.index == 0)
-            slack = gpu0.memory_mib - gpu0.units * daemon.state.snapshot.inventory.unit_mib
-            daemon.on_foreign_settled({gpu0.uuid: slack + 3000})  # a stuck process: 3 units off gpu-0
-            held = {**full, "gpu-0": f"{76 * GIB}Mi"}
-            assert api.wait_for(lambda a: _capacity(a) == held, timeout=20), _capacity(api)
+            gpu = next(g for g in daemon.state.snapshot.inventory.gpus if g.index == 0)
+            slack = gpu.memory_mib - gpu.units * daemon.state.snapshot.inventory.unit_mib
+            daemon.on_foreign_settled({gpu.uuid: slack + stuck_mib})  # a stuck process on gpu-0
+            booked = min(gpu.units, -(-stuck_mib // GIB)) * GIB
+            assert api.wait_for(lambda a: slice_foreign.decode(gpu0()) == booked or bool(gpu0().get("taints")),
+                                timeout=20), gpu0()
+            before = gpu0()
         with plugin_on(api, http, sockets, config) as daemon:
             assert daemon._quota_loop is not None
-            assert _capacity(api) == held
+            assert gpu0() == before
             assert daemon.metrics.registry.get_sample_value("vramshare_dra_foreign_memory_mib",
-                                                            {"gpu": gpu0.uuid}) == 3 * GIB
-            assert not api.wait_for(lambda a: _capacity(a) != held, timeout=1), _capacity(api)
+                                                            {"gpu": gpu.uuid}) == booked
+            assert not api.wait_for(lambda a: gpu0() != before, timeout=1), gpu0()
 
 
 # -- every order ------------------------------------------------------------------------------------
