@@ -198,10 +198,6 @@ class DraPluginDaemon(NodeDaemon):
         one withheld (no taints) is not in the slices and is not kept. The figure also held the grants of
         the claims whose pods were deleted, which the first pod list names again: they come off it (waited
         for up to ``STARTUP_SYNC_S``; without that list the whole figure is kept, some grants twice)."""
-        synced = self.pods.synced.wait(STARTUP_SYNC_S)
-        if not synced:
-            log.warning("no pod list yet: the foreign memory of the last slices is kept whole until it settles "
-                        "(grants of deleted pods' claims may be counted twice meanwhile)", node=self.node)
         try:
             slices = self.publisher.current_slices()
         except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
@@ -216,9 +212,15 @@ class DraPluginDaemon(NodeDaemon):
             if ref is not None and ref.shared:
                 gpu = ref.gpu.uuid
                 booked[gpu] = max(booked.get(gpu, 0), ref.gpu.units * inv.unit_mib if mib is None else mib)
-        for gpu, mib in (self._departed_grants() if synced else {}).items():
-            if gpu in booked:
-                booked[gpu] = max(0, booked[gpu] - mib)
+        if not booked:
+            return {}
+        if not self.pods.synced.wait(STARTUP_SYNC_S):
+            log.warning("no pod list yet: the foreign memory of the last slices is kept whole until it settles "
+                        "(grants of deleted pods' claims may be counted twice meanwhile)", node=self.node)
+        else:
+            for gpu, mib in self._departed_grants().items():
+                if gpu in booked:
+                    booked[gpu] = max(0, booked[gpu] - mib)
         kept = foreign.settled_from_booked(inv, booked)
         if kept:
             log.info("foreign memory kept from this node's last slices until it settles again", node=self.node,
