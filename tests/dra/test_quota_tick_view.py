@@ -63,7 +63,8 @@ def demo_cluster(annotations: dict | None = None) -> Iterator[tuple]:
 
 
 @contextlib.contextmanager
-def plugin_on(api: ApiServerDouble, http, sockets: str, config: Config, used_mib: int = 2000) -> Iterator[DraPluginDaemon]:
+def plugin_on(api: ApiServerDouble, http, sockets: str, config: Config,
+              used_mib: int = 2000) -> Iterator[DraPluginDaemon]:
     """A DRA plugin running on the demo node of :func:`demo_cluster` whose use is replayed (``used_mib``
     per tenant, so its quota loop runs), once its slices are published; stopped on exit (a restart is a
     second one on the same config: its checkpoint is in ``dra.stateDir``)."""
