@@ -12,7 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from vramshare import inventory
 from vramshare.contract import inventory as contract_inventory
-from vramshare.foreign import SETTLE_S, SettledForeign, schedulable_foreign, settled_from_booked, with_foreign
+from vramshare.foreign import (SETTLE_S, SettledForeign, decode_kept, encode_kept, schedulable_foreign,
+                               settled_from_booked, with_foreign)
 
 UNIT = 1024
 # an H100: 81,559 MiB, 79 units of 1 GiB, 663 MiB of slack beyond them
@@ -155,3 +156,19 @@ def test_the_figures_kept_book_again_exactly_what_was_published(booked_units: in
     booked = {"GPU-0": booked_units * unit, "GPU-1": 5 * unit}  # an exclusive GPU books nothing
     assert schedulable_foreign(inv, settled_from_booked(inv, booked)) == {k: v for k, v in booked.items()
                                                                            if k == "GPU-0" and v}
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=40), st.integers(0, 1 << 40), max_size=16))
+def test_the_kept_figures_round_trip(figures: dict[str, int]) -> None:
+    assert decode_kept(encode_kept(figures)) == {g: m for g, m in figures.items() if m > 0}
+
+
+@pytest.mark.parametrize("data,why", [
+    (b"\xff", "not JSON"), (b"[]", "not version 1"), (b'{"version": 2, "foreignMiB": {}}', "not version 1"),
+    (b'{"version": 1}', "must be a map"), (b'{"version": 1, "foreignMiB": {"GPU-0": -5}}', "whole number"),
+    (b'{"version": 1, "foreignMiB": {"GPU-0": true}}', "whole number"),
+    (b'{"version": 1, "foreignMiB": {"GPU-0": 1.5}}', "whole number"),
+    (b'{"version": 1, "foreignMiB": {"": 5}}', "whole number")])
+def test_a_kept_file_this_code_did_not_write_is_refused_with_the_reason(data: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        decode_kept(data)

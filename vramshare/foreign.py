@@ -25,12 +25,15 @@ Three rules keep the figure honest:
   when a unit changes, and never past the GPU's units.
 
 A GPU whose readings stop (unreadable) keeps its last settled figure: the last good state, not zero.
-A restarted node agent keeps the figures it last published (read back from its inventory or slices,
-:func:`settled_from_booked`) until its own readings settle (:meth:`SettledForeign.keep`): a restart must
-not unbook, for the two ticks it takes to settle again, memory a stuck process still holds.
+A restarted node agent keeps the figures it last published until its own readings settle
+(:meth:`SettledForeign.keep`): a restart must not unbook, for the two ticks it takes to settle again,
+memory a stuck process still holds. The device plugin reads them back from its inventory
+(:func:`settled_from_booked`); the DRA plugin, whose slices leave out a device the memory fills, from
+the file it keeps beside its checkpoint (:func:`encode_kept`, :func:`decode_kept`).
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 from collections import deque
@@ -130,6 +133,37 @@ def settled_from_booked(inv: NodeInventory, booked: Mapping[str, int]) -> dict[s
     unit = inv.unit_mib
     return {g.uuid: booked[g.uuid] + max(0, g.memory_mib - g.units * unit) for g in inv.gpus
             if g.mode is GpuMode.SHARED and booked.get(g.uuid, 0) > 0}
+
+
+KEPT_VERSION = 1
+MAX_KEPT_MIB = 1 << 40  # far beyond any GPU: a larger figure is not one this code wrote
+MAX_KEPT_GPUS = 1024
+
+
+def encode_kept(settled: Mapping[str, int]) -> bytes:
+    """The settled figures a node agent keeps on disk for its next start (per GPU UUID, MiB)."""
+    doc = {"version": KEPT_VERSION, "foreignMiB": {g: int(m) for g, m in sorted(settled.items()) if m > 0}}
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def decode_kept(data: bytes) -> dict[str, int]:
+    """:func:`encode_kept`'s figures back; ``ValueError`` naming what is wrong with anything else (the
+    caller keeps nothing then: the loop settles the figures again within two ticks)."""
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("version") != KEPT_VERSION:
+        raise ValueError(f"not version {KEPT_VERSION} of the kept foreign memory")
+    figures = doc.get("foreignMiB")
+    if not isinstance(figures, dict) or len(figures) > MAX_KEPT_GPUS:
+        raise ValueError(f"foreignMiB must be a map of at most {MAX_KEPT_GPUS} GPUs")
+    out = {}
+    for gpu, mib in figures.items():
+        if not gpu or isinstance(mib, bool) or not isinstance(mib, int) or not 0 < mib <= MAX_KEPT_MIB:
+            raise ValueError(f"foreignMiB of {gpu!r} must be a whole number of MiB in [1, {MAX_KEPT_MIB}], got {mib!r}")
+        out[gpu] = mib
+    return out
 
 
 def with_foreign(inv: NodeInventory, foreign: Mapping[str, int]) -> NodeInventory:

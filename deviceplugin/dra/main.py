@@ -47,7 +47,7 @@ from deviceplugin.backend import BackendError, GpuBackend
 from deviceplugin.backend_choice import open_backend
 from deviceplugin.dra import slices
 from deviceplugin.dra.grpc_service import KubeletPlugin
-from deviceplugin.dra.preparer import ClaimPreparer
+from deviceplugin.dra.preparer import ClaimPreparer, FileEffects
 from deviceplugin.dra.publisher import FIELD_MANAGER, CountersDropped, SlicePublisher, SliceWatch
 from deviceplugin.metrics import (EnforcementModeCollector, MetricsServer, config_reloads_counter,
                                   enforcement_unavailable_gauge, restart_pending_gauge)
@@ -59,14 +59,13 @@ from deviceplugin.quota import rights
 from deviceplugin.serve import NodeDaemon, serve
 from vramshare import contract, foreign, kube, logs, mig
 from vramshare.config import Config, ConfigError, load_config
-from vramshare.contract import config_in_force, slice_foreign
+from vramshare.contract import config_in_force
 from vramshare.inventory import GpuMode
 
 log = logs.get(__name__)
 READ_TIMEOUT_S = 5.0  # a claim or pod read (Prepare, or the quota tick's claim allocated before Prepare)
-
-
-STARTUP_SYNC_S = 5.0  # how long the start waits for the first pod list before it reads its last slices back
+KEPT_FILE = "foreign-memory.json"  # beside the checkpoint: the settled foreign memory, for the next start
+MAX_KEPT_BYTES = 1 << 20
 
 
 class DraMetrics:
@@ -132,6 +131,7 @@ class DraPluginDaemon(NodeDaemon):
         self._retry, self._resync = retry_seconds, resync_seconds
         self.refused: frozenset[str] = frozenset()
         self._foreign: dict[str, int] = {}  # the quota loop's settled foreign MiB per shared GPU
+        self._kept_path = os.path.join(config.dra.state_dir, KEPT_FILE)
         # UIDs of the prepared claims' pods the pod watch saw deleted: a claim all of whose pods are gone
         # while it stays prepared holds its grant outside the allocator's books (tenants.departed_claims)
         self._gone: set[str] = set()
@@ -192,46 +192,37 @@ class DraPluginDaemon(NodeDaemon):
             self._spawn("warm-channel", lambda: warm.serve(loop, self._stop))
 
     def _last_foreign(self) -> dict[str, int]:
-        """The foreign memory this node's slices booked when this plugin started (what an earlier run
-        published, as settled figures: :func:`vramshare.foreign.settled_from_booked`), which the quota loop
-        keeps until its own readings settle. A device published whole with the held-outside taint was full;
-        one withheld (no taints) is not in the slices and is not kept. The figure also held the grants of
-        the claims whose pods were deleted, which the first pod list names again: they come off it (waited
-        for up to ``STARTUP_SYNC_S``; without that list the whole figure is kept, some grants twice)."""
+        """The settled foreign memory an earlier run of this plugin kept beside its checkpoint
+        (:func:`vramshare.foreign.encode_kept`), for this node's shared GPUs: the quota loop keeps it until its
+        own readings settle. Kept in a file, not read back from the slices: a device the memory fills is
+        withheld from them (without device taints), and the kubelet wipes them at its start."""
         try:
-            slices = self.publisher.current_slices()
-        except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
-            log.warning("own resource slices not read; no foreign memory kept from them", node=self.node,
+            with open(self._kept_path, "rb") as fh:
+                kept = foreign.decode_kept(fh.read(MAX_KEPT_BYTES))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("kept foreign memory unreadable; none kept until it settles again", path=self._kept_path,
                         error=str(exc))
             return {}
-        refs, inv = self.devices(), self.state.snapshot.inventory
-        booked: dict[str, int] = {}
-        for name, mib in slice_foreign.held_outside(slices, self.state.snapshot.config.names.dra_driver).get(
-                self.node, {}).items():
-            ref = refs.get(name)
-            if ref is not None and ref.shared:
-                gpu = ref.gpu.uuid
-                booked[gpu] = max(booked.get(gpu, 0), ref.gpu.units * inv.unit_mib if mib is None else mib)
-        if not booked:
-            return {}
-        if not self.pods.synced.wait(STARTUP_SYNC_S):
-            log.warning("no pod list yet: the foreign memory of the last slices is kept whole until it settles "
-                        "(grants of deleted pods' claims may be counted twice meanwhile)", node=self.node)
-        else:
-            for gpu, mib in self._departed_grants().items():
-                if gpu in booked:
-                    booked[gpu] = max(0, booked[gpu] - mib)
-        kept = foreign.settled_from_booked(inv, booked)
+        shared = {g.uuid for g in self.state.snapshot.inventory.gpus if g.mode is GpuMode.SHARED}
+        kept = {g: m for g, m in kept.items() if g in shared}
         if kept:
-            log.info("foreign memory kept from this node's last slices until it settles again", node=self.node,
+            log.info("foreign memory kept from the last run until it settles again", node=self.node,
                      gpus=",".join(f"{g}:{m}MiB" for g, m in kept.items()))
         return kept
 
     def on_foreign_settled(self, settled: Mapping[str, int]) -> None:
         """The quota loop's settled foreign memory moved: the shared devices' published capacity follows
-        (:mod:`vramshare.contract.slice_foreign`), at the next publish, now."""
+        (:mod:`vramshare.contract.slice_foreign`), at the next publish, now; and the figures are kept on disk
+        for the next start (:meth:`_last_foreign`)."""
         self._foreign = dict(settled)
         self._dirty.set()
+        try:
+            FileEffects().write_file(self._kept_path, foreign.encode_kept(settled))
+        except OSError as exc:
+            log.warning("foreign memory not kept on disk; a restart settles it again", path=self._kept_path,
+                        error=str(exc))
 
     def _pod_deleted(self, pod: Mapping[str, Any]) -> None:
         """The pod watch saw a pod leave: if a prepared claim names it, the claim may now hold its grant
@@ -426,7 +417,7 @@ class DraPluginDaemon(NodeDaemon):
     # -- start/stop ------------------------------------------------------------------------------
     def start(self) -> None:
         self._spawn("pod-watch", lambda: self.pods.run(self._stop))
-        self._start_quota_loop()  # before the first publish: it keeps the foreign memory the last slices booked
+        self._start_quota_loop()  # before the first publish: it keeps the foreign memory the last run settled
         self._spawn("slice-publisher", self._publish_loop)
         self._spawn("slice-watch", lambda: self.slice_watch.run(self._stop))
         self.plugin.start()

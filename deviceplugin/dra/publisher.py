@@ -54,15 +54,9 @@ class SlicePublisher:
         self._counters: list[dict[str, Any]] = []
         self.published = threading.Event()
 
-    def current_slices(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
-        """This node's slices of the driver as the API server has them now (one LIST, ``timeout_s`` at most):
-        what an earlier run published. Raises on API errors."""
-        return self._published_slices(_request_timeout=timeout_s)
-
-    def _published_slices(self, **kw: Any) -> list[dict[str, Any]]:
+    def _published_slices(self) -> list[dict[str, Any]]:
         selector = f"spec.nodeName={self.node},spec.driver={self.names.dra_driver}"
-        return decode(self._resource.list_resource_slice(field_selector=selector, _preload_content=False,
-                                                         **kw))["items"]
+        return decode(self._resource.list_resource_slice(field_selector=selector, _preload_content=False))["items"]
 
     def _node(self) -> dict[str, Any] | None:
         try:

@@ -28,6 +28,7 @@ from tests.dra.test_daemon import DRIVER, devices_of
 from tests.dra.test_quota_tick_view import demo_cluster, plugin_on, running_plugin
 from tests.extender.conftest import eventually
 from vramshare.contract import slice_foreign
+from vramshare.foreign import decode_kept
 
 GIB = 1024
 HELD = {"gpu-0": f"{31 * GIB}Mi", "gpu-2": f"{92 * GIB}Mi"}  # the demo's shared GPUs less a 48 GiB grant on each
@@ -156,35 +157,56 @@ def test_a_pod_bound_prepared_and_force_deleted_during_a_watch_outage_is_reporte
         assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
 
 
-@pytest.mark.parametrize("stuck_mib", [3000, 90_000], ids=["part", "fills-it"])
-def test_a_restarted_plugin_keeps_the_foreign_memory_its_last_slices_took_off(tmp_path, stuck_mib):
+@pytest.mark.parametrize("stuck_mib,taints", [(3000, False), (90_000, True), (90_000, False)],
+                         ids=["part", "fills-it-tainted", "fills-it-withheld"])
+def test_a_restarted_plugin_keeps_the_foreign_memory_its_last_run_settled(tmp_path, stuck_mib, taints):
     """The restart window: the quota loop needs two readings to settle foreign memory again, and slices
-    published without it would offer, for those ticks, memory a stuck process still holds. The restarted
-    plugin reads its last slices back before it publishes, and its loop keeps the figure until its own
-    readings settle (a replay never reads a GPU whole, so here it stands for two ticks past the window).
-    A GPU the memory fills is published whole with the held-outside taint (``dra.deviceTaints``), and so
-    again after the restart."""
+    published without it would offer, for those ticks, memory a stuck process still holds. The plugin keeps
+    its settled figures beside its checkpoint, and its loop keeps them after a restart until its own
+    readings settle (a replay never reads a GPU whole, so here they stand for two ticks past the window).
+    A GPU the memory fills stays withheld, or published whole with the held-outside taint
+    (``dra.deviceTaints``): the slices alone could not say so for a withheld one."""
     config = dra_config(tmp_path)
-    config = dataclasses.replace(config, dra=dataclasses.replace(config.dra, device_taints=True))
+    config = dataclasses.replace(config, dra=dataclasses.replace(config.dra, device_taints=taints))
 
-    def gpu0() -> dict:
-        return devices_of(api)["gpu-0"]
+    def gpu0() -> dict | None:
+        return devices_of(api).get("gpu-0")
 
     with demo_cluster() as (api, http, sockets):
-        with plugin_on(api, http, sockets, config) as daemon:
+        with plugin_on(api, http, sockets, config, devices=7) as daemon:
             gpu = next(g for g in daemon.state.snapshot.inventory.gpus if g.index == 0)
             slack = gpu.memory_mib - gpu.units * daemon.state.snapshot.inventory.unit_mib
             daemon.on_foreign_settled({gpu.uuid: slack + stuck_mib})  # a stuck process on gpu-0
             booked = min(gpu.units, -(-stuck_mib // GIB)) * GIB
-            assert api.wait_for(lambda a: slice_foreign.decode(gpu0()) == booked or bool(gpu0().get("taints")),
-                                timeout=20), gpu0()
+            full = booked == gpu.units * GIB
+            assert api.wait_for(lambda a: (gpu0() is None) if full and not taints else
+                                bool((gpu0() or {}).get("taints")) if full else
+                                slice_foreign.decode(gpu0() or {}) == booked, timeout=20), gpu0()
             before = gpu0()
-        with plugin_on(api, http, sockets, config) as daemon:
+        with plugin_on(api, http, sockets, config, devices=6 if full and not taints else 7) as daemon:
             assert daemon._quota_loop is not None
             assert gpu0() == before
             assert daemon.metrics.registry.get_sample_value("vramshare_dra_foreign_memory_mib",
                                                             {"gpu": gpu.uuid}) == booked
             assert not api.wait_for(lambda a: gpu0() != before, timeout=1), gpu0()
+
+
+def test_an_unreadable_kept_file_keeps_nothing_and_the_plugin_starts(tmp_path):
+    """Bad input loses nothing: a kept file this code did not write is logged and ignored (the loop settles
+    the figures again), and the next settled figures replace it."""
+    config = dra_config(tmp_path)
+    with demo_cluster() as (api, http, sockets):
+        with plugin_on(api, http, sockets, config) as daemon:
+            daemon.on_foreign_settled({})
+            kept = daemon._kept_path
+        with open(kept, "w", encoding="utf-8") as fh:
+            fh.write('{"version": 1, "foreignMiB": {"GPU-x": "lots"}}')
+        with plugin_on(api, http, sockets, config) as daemon:
+            assert daemon._foreign == {}
+            gpu = daemon.state.snapshot.inventory.gpus[0].uuid
+            daemon.on_foreign_settled({gpu: 4096})
+            with open(kept, "rb") as fh:
+                assert decode_kept(fh.read()) == {gpu: 4096}
 
 
 # -- every order ------------------------------------------------------------------------------------

@@ -63,17 +63,17 @@ def demo_cluster(annotations: dict | None = None) -> Iterator[tuple]:
 
 
 @contextlib.contextmanager
-def plugin_on(api: ApiServerDouble, http, sockets: str, config: Config,
-              used_mib: int = 2000) -> Iterator[DraPluginDaemon]:
+def plugin_on(api: ApiServerDouble, http, sockets: str, config: Config, used_mib: int = 2000,
+              devices: int = 7) -> Iterator[DraPluginDaemon]:
     """A DRA plugin running on the demo node of :func:`demo_cluster` whose use is replayed (``used_mib``
-    per tenant, so its quota loop runs), once its slices are published; stopped on exit (a restart is a
-    second one on the same config: its checkpoint is in ``dra.stateDir``)."""
+    per tenant, so its quota loop runs), once its slices hold ``devices`` devices; stopped on exit (a
+    restart is a second one on the same config: its checkpoint is in ``dra.stateDir``)."""
     backend = SimulatedBackend.demo()
     backend.usage_replay = UsageReplay([[used_mib]])
     daemon = DraPluginDaemon(backend, config, http, NODE, plugin_dir=f"{sockets}/plugins/{DRIVER}",
                              registry_dir=f"{sockets}/registry", retry_seconds=0.05, resync_seconds=0.2)
     with daemon:
-        assert api.wait_for(lambda a: len(devices_of(a)) == 7, timeout=20)
+        assert api.wait_for(lambda a: len(devices_of(a)) == devices, timeout=20)
         yield daemon
 
 
