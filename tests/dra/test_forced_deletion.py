@@ -211,7 +211,7 @@ def test_an_unreadable_kept_file_keeps_nothing_and_the_plugin_starts(tmp_path):
 
 # -- every order ------------------------------------------------------------------------------------
 CAPACITY = {"gpu-0": 79 * GIB, "gpu-2": 140 * GIB}  # the demo node's shared GPUs, as published
-OPS = ("create", "create", "create", "force", "force", "graceful", "exit", "retry", "down", "blind")
+OPS = ("create", "create", "create", "force", "force", "graceful", "exit", "retry", "down", "blind", "stuck")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -222,11 +222,14 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
     their containers linger), gracefully deleted (the kubelet unprepares first) or finishing their forced
     deletion (the kubelet unprepares), in any order; and deletions nobody watched: a pod force-deleted while
     the plugin is down (``down``: it restarts from its checkpoint), or bound, prepared and force-deleted
-    while its pod watch is broken (``blind``). After each step the node's report has landed (the published
-    capacity is the GPU's less the grants of prepared claims whose pods are all deleted). Then: the
-    allocator never hands out memory such a claim holds, so Prepare is never refused, and no GPU has more
-    prepared on it than its memory."""
+    while its pod watch is broken (``blind``); and memory a process outside our pods holds on ``gpu-0``
+    (``stuck``: 0-9 GiB, as the quota loop settles it), which a restart keeps. After each step the node's
+    report has landed (the published capacity is the GPU's less the grants of prepared claims whose pods are
+    all deleted and less the stuck memory; a GPU they fill is withheld). Then: the allocator never hands
+    out memory such a claim holds, so Prepare is never refused, and no GPU has more prepared on it than its
+    memory."""
     config = dra_config(tmp_path_factory.mktemp("node"))
+    config = dataclasses.replace(config, quota=dataclasses.replace(config.quota, interval_seconds=3600))
     with demo_cluster() as (api, http, sockets), contextlib.ExitStack() as plugin:
         kubelet = DraKubelet(http, NODE, f"{sockets}/registry")  # outlives the plugin's restarts
         scheduler = DraScheduler(http, [NODE], seed=1)
@@ -242,6 +245,9 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
             lingering.append(pod)
 
         daemon = start()
+        gpu0 = next(g for g in daemon.state.snapshot.inventory.gpus if g.index == 0)
+        slack = gpu0.memory_mib - gpu0.units * daemon.state.snapshot.inventory.unit_mib
+        stuck = 0  # GiB a process outside our pods holds on gpu-0
         running: list[dict] = []  # prepared, in the API
         lingering: list[dict] = []  # force-deleted: gone from the API, still prepared
         waiting: list[dict] = []  # allocated, Prepare refused (never, with the report landed)
@@ -269,6 +275,8 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
                 kubelet.prepare_pod(waiting[0])
                 running.append(waiting.pop(0))
             elif op == "down":
+                if stuck:
+                    event("memory held outside our pods was kept across a restart")
                 plugin.close()
                 kubelet.sync_plugins()
                 if running:
@@ -285,8 +293,13 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
                     kubelet.prepare_pod(pod)
                     force(pod)
                 api.clear_faults()
+            elif op == "stuck":
+                stuck = pick  # the quota loop's settled figure, told to the plugin as it tells it
+                daemon.on_foreign_settled({gpu0.uuid: slack + stuck * GIB} if stuck else {})
             held = _grants(daemon, lingering)
-            want = {d: f"{cap - held.get(d, 0)}Mi" for d, cap in CAPACITY.items()}
+            held["gpu-0"] = held.get("gpu-0", 0) + stuck * GIB
+            want = {d: f"{cap - held.get(d, 0)}Mi" for d, cap in CAPACITY.items() if cap > held.get(d, 0)}
+
             assert api.wait_for(lambda a: _capacity(a) == want, timeout=20), (steps[:n + 1], _capacity(api), want)
             assert waiting == [], (steps[:n + 1], "Prepare refused a claim the allocator placed")
             for d, cap in CAPACITY.items():
