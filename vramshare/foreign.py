@@ -59,12 +59,12 @@ class SettledForeign:
             raise ValueError(f"settle_s must be positive, got {settle_s}")
         self.settle_s = settle_s
         self._readings: dict[str, deque[tuple[float, int]]] = {}
-        self._kept: dict[str, int] = {}  # a restarted agent's last published figures (:meth:`keep`)
+        self._kept: dict[str, int] = {}  # a restarted agent's figures of its last run (:meth:`keep`)
         self._kept_until = float("-inf")
         self._lock = threading.Lock()
 
     def keep(self, figures: Mapping[str, int], until: float) -> None:
-        """Report ``figures`` (per GPU, what the node agent last published before it restarted) for each GPU
+        """Report ``figures`` (per GPU, what the node agent had settled before it restarted) for each GPU
         until its own readings span the window, and never after ``until``: a reader that never sees the GPU
         whole (dcgm-exporter, a replay) reports nothing, and the figure must not outlive what measured it."""
         with self._lock:

@@ -368,10 +368,11 @@ class QuotaLoop:
         return None
 
     def keep_foreign(self, figures: Mapping[str, int], interval_s: float) -> dict[str, int]:
-        """A restarted node agent's last published foreign memory (:func:`vramshare.foreign.settled_from_booked`),
-        kept per GPU until this loop's own readings of it settle, two ticks (``interval_s``) at most after the
-        window: no restart unbooks memory a stuck process still holds. Returns the figures in force now;
-        ``on_foreign`` is told when they change, as ever (also when a kept one ends)."""
+        """A restarted node agent's settled foreign memory of its last run (the device plugin's inventory read
+        back, :func:`vramshare.foreign.settled_from_booked`; the DRA plugin's kept file), kept per GPU until
+        this loop's own readings of it settle, two ticks (``interval_s``) at most after the window: no restart
+        unbooks memory a stuck process still holds. Returns the figures in force now; ``on_foreign`` is told
+        when they change, as ever (also when a kept one ends)."""
         now = self._clock()
         self.foreign.keep(figures, now + self.foreign.settle_s + 2 * interval_s)
         self._settled = self.foreign.settled(now)
