@@ -255,23 +255,16 @@ class DraPluginDaemon(NodeDaemon):
         """Per GPU, MiB held outside the allocator's books: the loop's settled foreign memory plus the grants
         of claims whose pods were all deleted while they stay prepared (until the kubelet unprepares); only
         shared GPUs' figures are read (:func:`vramshare.foreign.schedulable_foreign`)."""
-        held = dict(self._foreign)
-        for gpu, mib in self._departed_grants().items():
-            held[gpu] = held.get(gpu, 0) + mib
-        return held
-
-    def _departed_grants(self) -> dict[str, int]:
-        """Per GPU, the grants of the prepared claims whose pods were all deleted (logged when they change)."""
         from deviceplugin.dra.tenants import departed_claims
 
         prepared = list(self.preparer.prepared().values())
         with self._gone_lock:
             self._gone &= {u for c in prepared for u in c.pod_uids}  # only what may still matter
             departed = departed_claims(prepared, self._gone, self.pods.pods())
-        grants: dict[str, int] = {}
+        held = dict(self._foreign)
         for c in departed:
             for gpu, mib in c.gpus.items():
-                grants[gpu] = grants.get(gpu, 0) + mib
+                held[gpu] = held.get(gpu, 0) + mib
         names = tuple(f"{c.namespace}/{c.name}" for c in departed)
         self.metrics.departed_claims.set(len(names))
         if names != self._departed:
@@ -281,7 +274,7 @@ class DraPluginDaemon(NodeDaemon):
             else:
                 log.info("no claim of a deleted pod is prepared any more", node=self.node)
             self._departed = names
-        return grants
+        return held
 
     def _start_residency(self) -> None:
         """Issue 23: which models this node can start fast (files in ``warmTier.modelCacheDir``, engines
