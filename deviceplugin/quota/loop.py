@@ -505,7 +505,7 @@ class QuotaLoop:
                                  demand_mib=_demand(seen_u, sig) if len(t.gpus) == 1 else None,
                                  starting=self._starting(t.key),
                                  shrink_acked=acked, unacked_mib=unacked,
-                                 engine_mib=follows)
+                                 engine_mib=follows, unreported_mib=self._unreported(t.key, gpu, cur, req))
                 per_gpu[gpu].append(self.warm.prepare(ts, gpu, ct or base) if self.warm else ts)
                 self._check_limit(t.key, gpu, req, u, now, report, (ct or base).over_limit_action)
             phases[t.key] = phase if total is not None else Phase.COLD
@@ -763,6 +763,17 @@ class QuotaLoop:
             hard = self._fence.hard_in_force(key, gpu)
         return False, top if hard is None else min(top, max(hard, cur)), follows
 
+    def _unreported(self, key: TenantKey, gpu: str, cur: int | None, request: int) -> int | None:
+        """A starting engine that has reported no generation yet: the highest limit it may have read (any
+        file written since Allocate's, its request), no more than the hard limit this process set; None
+        once it reports one or is no longer starting (engines that never report: their use shows it)."""
+        b = self._book(key)
+        if b.applied is not None or not self._starting(key):
+            return None
+        top = max([lim[gpu] for _, lim in b.history if gpu in lim] + [request, _or(cur, request)])
+        hard = b.gpu(gpu).hard_mib
+        return top if hard is None else min(top, max(hard, _or(cur, request)))
+
     def _claims(self, tenants: Sequence[Tenant]) -> tuple[list[Claim], list[Claim], list[Claim]]:
         """The claims of containers that are not tenants yet: the source's pending ones (``list_pending``)
         and the quota files they or Allocate wrote. A pending claim whose file is there is counted as
@@ -843,7 +854,7 @@ class QuotaLoop:
         held), fits the GPU. Held memory already above it (a loan made before a claim came) only
         shrinks; anything beyond that is this tick's fault: logged and reported."""
         committed = sum(d.held_mib for d in out) + reserved
-        held = sum(max(s.used_mib or 0, s.unacked_mib or 0) for s in states) + reserved
+        held = sum(max(s.used_mib or 0, s.unacked_mib or 0, s.unreported_mib or 0) for s in states) + reserved
         excess = committed - max(cap, held)
         if committed > cap:
             report.overcommitted[gpu] = committed - cap

@@ -146,6 +146,11 @@ class TenantState:
     # the limit its engine last acknowledged (it fences itself there until it applies a newer file):
     # "at its limit" is measured against this one; None = the limit in force
     engine_mib: int | None = None
+    # a starting engine that has reported no generation yet may have read any file written since
+    # Allocate's and grow to it before it says so: co-tenants and the node's books count it at this
+    # much, but its own limit is granted from its use (a container not started yet reads the newest
+    # file when it starts, so lowering it for a lender that has not released yet is what fits it)
+    unreported_mib: int | None = None
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,10 @@ measured use). A shrink the tenant has not yet honoured (its use is still above 
 capping vLLM's KV pool frees no GPU memory by itself) is not free, so it is not granted to anyone
 until measured use shows it released (or, for an engine that reports the generation it applied,
 until it acknowledges the cut); a raise into such a not-yet-released limit must also fit the GPU as
-it will be once the cuts are acknowledged. Raises beyond use are granted from truly free memory only,
+it will be once the cuts are acknowledged. A starting engine that has reported no generation yet is
+counted at the highest file it may have read (``unreported_mib``): nobody is raised into it and a
+newcomer's file is fitted around it, but its own limit comes out of free memory, since a container not
+started yet reads the newest file when it starts. Raises beyond use are granted from truly free memory only,
 waking tenants first, then by the targets' order. A cut not yet applied stands: while a tenant of the
 same class or a higher one waits for its request, nobody is raised beyond max(its limit in force, its
 request), not even into memory it still holds (else a borrower cut for an owner is raised back every
@@ -85,6 +88,7 @@ class _Plan:
     ceiling: int = 0  # its class's ceiling, as the file states it (``b`` may hold loans back below it)
     settled: int = 0  # what it holds once its engine acknowledged every file (``held`` less unacked limits)
     waits: bool = False  # held at its request or limit in force because an owner waits for its request
+    paper: int = 0  # what a starting engine that reported nothing may hold: counted for others, not its own
 
     @property
     def reserve(self) -> int:
@@ -97,7 +101,7 @@ class _Plan:
         return self.need - self.reserve
 
     def commit(self, limit: int) -> int:
-        return max(limit, self.held)
+        return max(limit, self.held, self.paper)
 
 
 def _as_seen(t: TenantState) -> TenantState:
@@ -141,6 +145,7 @@ def _unacked(t: TenantState, held: int) -> int:
 def _plan(t: TenantState, p: PolicyParams) -> _Plan:
     pl = _plan_of(t, p)
     pl.settled, pl.held = pl.held, _unacked(t, pl.held)
+    pl.paper = t.unreported_mib or 0
     pl.ceiling = max(pl.b.ceiling_mib, (t.bounds or p.bounds_of(t.request_mib)).ceiling_mib)
     return pl
 
@@ -371,7 +376,9 @@ def _grant(plans: list[_Plan], cap: int) -> None:
 def _give(pl: _Plan, level: int, free: int, after: int) -> tuple[int, int]:
     if level <= pl.alloc:
         return free, after
-    reach = max(pl.alloc, pl.held) + max(0, free)  # every MiB above what it holds costs one free MiB
+    own = max(pl.alloc, pl.held)
+    # every MiB above what it holds costs one free MiB (what it may hold on paper is counted in ``free``)
+    reach = own + max(0, free + pl.commit(pl.alloc) - own)
     reach = min(reach, max(pl.alloc, pl.settled) + max(0, after))  # and one once its acknowledgements are in
     new = max(pl.alloc, min(level, reach))
     free -= pl.commit(new) - pl.commit(pl.alloc)

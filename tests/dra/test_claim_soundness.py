@@ -76,3 +76,22 @@ def test_sum_of_uses_fits_on_the_dra_path(tmp_path_factory, engines, restart, he
     while another borrows for longer than the loop needs to react; also when the loop restarts at
     ``restart``. Every headroom rule."""
     sound_run(DraNode(str(tmp_path_factory.mktemp("node")), CAP, engines, PolicyParams(headroom=headroom)), restart)
+
+
+def test_a_starting_engine_that_reports_late_is_not_counted_at_its_cut(tmp_path):
+    """Regression (fails before the fix; hypothesis found it here at round 17's end). e2 borrows up to
+    67,584 MiB and acknowledges 2 ticks late; e0's claim (4 GiB) is prepared at 14 with its full grant,
+    e1's (10 GiB) at 15 with no notice. At 15 the loop cut e0, which had reported nothing yet, to 3,072
+    and counted the 1,024 as free for e1's file; at 16 e0 reported that it still followed the prepared
+    file (4,096) and was raised back within it, beside e1's whole grant and e2's raise landing late:
+    81,920 MiB committed on 80,896. Counted at the file it may follow until it reports, e0's cut is not
+    e1's, whose file is fitted to what is left and grows as e2 releases."""
+    walk = [8192, 8192, 4096, 4096, 5120, 5120, 5120, 8192]
+    engines = [Engine("e0", 4096, "unmap", bind=12, demand=walk, list_lag=0, alloc_after=2, link_after=0,
+                      startup=6, ack_lag=1),
+               Engine("e1", 10240, "unmap", bind=15, demand=[2 * x + 4096 for x in walk], list_lag=1,
+                      alloc_after=0, link_after=0, startup=7, ack_lag=0),
+               Engine("e2", 45056, "unmap", bind=0, demand=[58686, 58686, 54590, 54590, 55614, 55614, 55614, 63806,
+                                                             71998, 71998, 71998, 71998, 73022, 71998, 73022],
+                      list_lag=0, alloc_after=0, link_after=0, startup=6, ack_lag=2)]
+    sound_run(DraNode(str(tmp_path), CAP, engines, PolicyParams(headroom="forecast")), None, ticks=30)

@@ -550,7 +550,8 @@ def test_a_tenant_restarted_while_lent_is_fenced_at_its_cut_before_its_engine_ac
     a shrink to 44,373, raising the borrower back. It kept the restarted container's hard limit at 48,128
     until its engine acknowledged (issue 19): 82,603 MiB of hard limits on the 80,896 MiB GPU until tick 14.
     The acknowledgement on record was the old instance's; the new one holds nothing yet, so its hard limit
-    is the decision's at once."""
+    is the decision's at once. (Since round 18 the loop counts p20, which reports late, at the file it may
+    follow until it reports, so the run differs from tick 1: 46,080 at 11, a shrink to 44,032 at 12.)"""
     def w(name: str, kind: str, seed: int, top: int, restarts: tuple[int, ...] = ()) -> Ctr:
         return Ctr(name, kind, True, walk(seed, top, TICKS), restarts, init_ticks=1, label=f"walk({seed}, {top})")
     claims = [SimClaim("k0", 8192), SimClaim("k1", 16384), SimClaim("k2", 48128)]
@@ -560,7 +561,7 @@ def test_a_tenant_restarted_while_lent_is_fenced_at_its_cut_before_its_engine_ac
     node = DriverDraNode(str(tmp_path), claims, pods, PolicyParams(headroom="peak"))
     run_and_check(node, ticks=13)
     restarted = pods[2].containers[0]
-    assert node.lent["k2"][11:] == [48128, 44373] and node.hard(pods[2], restarted) == 44373, node.lent["k2"]
+    assert node.lent["k2"][11:] == [46080, 44032] and node.hard(pods[2], restarted) == 44032, node.lent["k2"]
     run_and_check(node, ticks=14)
 
 

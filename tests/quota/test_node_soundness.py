@@ -339,16 +339,16 @@ def test_a_borrowers_cut_is_not_revoked_before_it_lands_so_the_owner_gets_its_re
                 assert fenced[e.name] <= react, (headroom, e.name, t, e.limit(), [(o.name, o.use) for o in borrowing])
 
 
-@pytest.mark.xfail(strict=True, reason="open: a newcomer prepared at its bind meets two loans not yet released")
 def test_a_newcomer_prepared_at_its_bind_while_two_loans_are_not_yet_released(tmp_path):
-    """Found by hypothesis on the DRA path's property (tests/dra/test_claim_soundness.py) at round 17's end,
-    and on this path too; it fails on round 16's code as well. e2 (request 44 GiB) borrows up to 66,048 MiB
-    and e0, starting, is raised to 6,144 (request 4,096) at 13; e1 (11 GiB) is bound and its full grant
-    written at 15 with no notice. The loop cuts e0 and e2 at 15, but both apply files 2 ticks late, so at
-    16 e2 still uses 66,048 beside e0's file (4,096, raised back inside its own unacknowledged 6,144) and
-    e1's 11,264: 81,408 MiB committed on 80,896. Real use stays within the GPU (e0 and e1 have not started);
-    the node-level sum of max(limit, use) does not. Lending to an engine whose cut lands ``ack_lag`` ticks
-    late is not memory that comes back before a newcomer with no notice needs it."""
+    """Regression (fails before the fix; found by hypothesis on the DRA path's property at round 17's
+    end, and on this path too; round 16's code fails it as well). e2 (request 44 GiB) borrows up to
+    66,048 MiB, and e0, starting and not reporting yet, is raised to 6,144 (request 4,096) at 13. e1
+    (11 GiB) is bound with its full grant written at 15, with no notice. The loop cuts e0 to 3,584 and
+    counted that cut as free, so e1's file kept all 11,264; but e0's engine may already follow the
+    6,144 file, and it reports so only at 16, when e2 also still uses 66,048 (both acknowledge 2 ticks
+    late): 81,408 MiB committed on 80,896. A starting engine that has reported no generation counts,
+    for co-tenants and newcomers, at the highest file it may have read, so e1's file is fitted to what
+    is left (8,704) and grows as the loans come back."""
     engines = [Engine("e0", 4096, "unmap", bind=11, demand=[8192, 8192, 4096], list_lag=0, alloc_after=2,
                       link_after=0, startup=6, ack_lag=2),
                Engine("e1", 11264, "unmap", bind=15, demand=[20815, 20815, 16719], list_lag=1, alloc_after=0,

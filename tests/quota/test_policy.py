@@ -275,3 +275,18 @@ def test_while_an_owner_is_below_its_request_nobody_is_raised_beyond_its_own():
                 assert d.limit_mib <= max(by[d.key.pod].current_mib, reserve[d.key.pod]), \
                     (params.headroom, [(x.key.pod, x.limit_mib, x.reason) for x in out], ts)
     assert checked > 30  # the case the rule is about is drawn often
+
+
+def test_a_starting_engine_that_reported_nothing_counts_at_its_file_but_is_granted_from_free_memory():
+    """Issue 19 (node property): a starting engine that has reported no generation may already follow
+    a file the loop wrote before (6,144 MiB, request 4,096), so co-tenants and the node's books count it
+    there (``held_mib``: a newcomer's file is fitted to what is left), while its own limit comes out of
+    free memory (a container not started yet reads the newest file): it is restored to its request,
+    and a pressured co-tenant gets only what is left beyond the 6,144 it may still hold."""
+    borrower = tenant("b", 44032, 64512, 64512)
+    hot = tenant("h", 8192, 8192, 8192, waiting=3, preemptions=2)
+    new = dataclasses.replace(tenant("n", 4096, 3072, 0), starting=True, unreported_mib=6144)
+    out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 80896, (borrower, hot, new), reserved_mib=1024), P)}
+    assert (out["n"].limit_mib, out["n"].held_mib) == (4096, 6144)
+    assert out["h"].limit_mib == 80896 - 1024 - 64512 - 6144 and out["b"].limit_mib <= 64512
+    assert sum(d.held_mib for d in out.values()) + 1024 <= 80896
