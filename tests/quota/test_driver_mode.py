@@ -239,7 +239,9 @@ def test_a_restarted_container_is_fenced_at_its_cut_without_waiting_for_its_engi
     waits for b's engine to acknowledge (issue 19). b's container restarts and comes back at its CDI
     spec's share, its grant. The acknowledgement on record is the old instance's; the new one holds
     nothing a lower hard limit would refuse, so the driver enforces b's limit at once, not its grant
-    beside a's loan until the engine acknowledges. A tenant not restarted keeps waiting."""
+    beside a's loan until the engine acknowledges, and the loop counts b at that limit from the next tick
+    (the fence's own per-container rule would lower the new cgroup's limit without the loop's, so only this
+    count fails without it). A tenant not restarted keeps waiting."""
     nv, cgroot, qroot = node
     ca, cb = cgroup_of(A.pod_uid, CID_A), cgroup_of(B.pod_uid, CID_B)
     engines = Engines()
@@ -255,6 +257,8 @@ def test_a_restarted_container_is_fenced_at_its_cut_without_waiting_for_its_engi
     assert engines.applied["b"] < file_b.generation  # still nothing acknowledged
     assert nv.limits[(GPU, new)][1] == file_b.gpus[0].limit_mib << 20 < 30000 << 20
     assert (nv.limits[(GPU, ca)][1] >> 20) + file_b.gpus[0].limit_mib <= 60000
+    d = {x.key.pod: x for x in loop.run_once().decisions}  # and counted there: the rest is a's again
+    assert d["b"].held_mib == max(d["b"].limit_mib, 4000) < 30000, d["b"]
 
 
 def test_a_container_restarted_while_its_tenant_s_shrink_waits_is_held_at_its_split_and_its_sibling_does_not_grow(node):
