@@ -290,3 +290,23 @@ def test_a_starting_engine_that_reported_nothing_counts_at_its_file_but_is_grant
     assert (out["n"].limit_mib, out["n"].held_mib) == (4096, 6144)
     assert out["h"].limit_mib == 80896 - 1024 - 64512 - 6144 and out["b"].limit_mib <= 64512
     assert sum(d.held_mib for d in out.values()) + 1024 <= 80896
+
+
+def test_what_an_acknowledged_releasing_engine_holds_above_its_limit_is_free_at_once_down_to_what_it_cannot_release():
+    """The grant layer's held memory (issue 20 item 5): a releasing engine (``unmap``) that acknowledged the
+    file carrying its cut gives back its KV memory above the cut at once, so only its use beyond the KV
+    memory it holds, and the cut, stay held even while the use sample still shows 28,000 MiB; a throttling
+    engine frees nothing on a cut (its KV memory stays until demand drops), nor does a releasing one that
+    has not acknowledged. ``held_mib`` is what the node's books and a newcomer's fit read."""
+    def lender(mode: str, kv_held: int, acked: bool = True) -> TenantState:
+        return TenantState(key("l"), 20000, 20000, 28000, Signals(release_mode=mode, kv_held_mib=kv_held),
+                           shrink_acked=acked)
+    owner = tenant("o", 30000, 30000, 30000, waiting=3)
+    held = {}
+    for name, lent in (("releases all", lender("unmap", 10000)), ("keeps 3,000", lender("unmap", 5000)),
+                       ("throttles", lender("throttle", 9000)), ("kv above use", lender("throttle", 31000)),
+                       ("not acked", lender("unmap", 10000, acked=False))):
+        out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 50000, (lent, owner)), P)}
+        held[name] = out["l"].held_mib
+    assert held == {"releases all": 20000, "keeps 3,000": 23000, "throttles": 28000, "kv above use": 31000,
+                    "not acked": 28000}, held
