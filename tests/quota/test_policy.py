@@ -310,3 +310,14 @@ def test_what_an_acknowledged_releasing_engine_holds_above_its_limit_is_free_at_
         held[name] = out["l"].held_mib
     assert held == {"releases all": 20000, "keeps 3,000": 23000, "throttles": 28000, "kv above use": 31000,
                     "not acked": 28000}, held
+
+
+def test_an_engine_that_cannot_give_memory_back_gets_no_loan_but_its_file_states_its_class_ceiling():
+    """``loans: releasing``: a throttling engine is never raised beyond its request (a loan to it could not
+    be called back), however much is free; its file still states its class's ceiling, which the loop's
+    bounds, not the engine, hold it below (``Decision.ceiling_mib``, what the writer puts on its line)."""
+    p = dataclasses.replace(P, loans="releasing")
+    for mode, top in (("throttle", 20000), ("unmap", 30000)):
+        hot = tenant("t", 20000, 20000, 20000, waiting=3, preemptions=2, release_mode=mode)
+        out = rebalance(GpuState("GPU-x", 80000, (hot,)), p)[0]
+        assert (out.limit_mib > 20000, out.limit_mib <= top, out.ceiling_mib) == (mode == "unmap", True, 30000), out
