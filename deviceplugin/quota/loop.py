@@ -28,7 +28,7 @@ from deviceplugin.quota.claims import file_claim, merge_claims, unowned_quota_fi
 from deviceplugin.quota.model import (Bounds, Claim, Decision, GpuState, Phase, PolicyParams, Signals, Tenant, TenantKey,
                                       TenantState)
 from deviceplugin.quota.overlimit import Breach, OverLimitWatch
-from deviceplugin.quota.policy import rebalance
+from deviceplugin.quota.policy import node_excess, rebalance
 from deviceplugin.quota.warm import WarmBroker
 from deviceplugin.quota.warmth import Warmth
 from deviceplugin.quota.telemetry import SignalReader, TelemetryError, UsageReader, UsageSample
@@ -850,17 +850,15 @@ class QuotaLoop:
 
     def _check_node(self, gpu: str, cap: int, out: Sequence[Decision], states: Sequence[TenantState],
                     reserved: int, report: TickReport) -> None:
-        """The node-level invariant: every container with a quota file or a claim, at max(limit,
-        held), fits the GPU. Held memory already above it (a loan made before a claim came) only
-        shrinks; anything beyond that is this tick's fault: logged and reported."""
-        committed = sum(d.held_mib for d in out) + reserved
-        held = sum(max(s.used_mib or 0, s.unacked_mib or 0, s.unreported_mib or 0) for s in states) + reserved
-        excess = committed - max(cap, held)
-        if committed > cap:
-            report.overcommitted[gpu] = committed - cap
-        if excess > 0:
+        """The node-level invariant (:func:`policy.node_excess`): every container with a quota file or a
+        claim, at max(limit, held), fits the GPU; beyond what was already held, it is this tick's fault:
+        logged and counted."""
+        over, fault = node_excess(out, states, cap, reserved)
+        if over:
+            report.overcommitted[gpu] = over
+        if fault:
             self.counts["node_overcommit"] += 1
-            log.error("node-level quota invariant broken", gpu=gpu, committed_mib=committed, capacity_mib=cap,
+            log.error("node-level quota invariant broken", gpu=gpu, committed_mib=cap + over, capacity_mib=cap,
                       reserved_mib=reserved)
 
     def _entry(self, key: TenantKey, gpu: str, request: int, d: Decision | None) -> GpuQuota:

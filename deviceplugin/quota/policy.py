@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 from deviceplugin.quota import headroom, learned
 from deviceplugin.quota.model import Bounds, Decision, GpuState, Phase, PolicyParams, Release, TenantState
@@ -446,3 +447,16 @@ def rebalance(gpu: GpuState, params: PolicyParams) -> list[Decision]:
                      floor_mib=pl.b.floor_mib, ceiling_mib=pl.ceiling, reason=_reason(pl, over),
                      phase=_phase(pl), held_mib=pl.commit(pl.alloc))
             for pl in plans]
+
+
+def node_excess(out: Sequence[Decision], tenants: Sequence[TenantState], capacity_mib: int,
+                reserved_mib: int) -> tuple[int, int]:
+    """The node-level invariant of issue 19 on one GPU: (MiB committed beyond the capacity, MiB of that
+    which the decisions added). Every container with a quota file counts at max(limit, held), every claim
+    at its grant (``reserved_mib``). Memory tenants already hold beyond the capacity (a loan made before a
+    claim came, a late engine's file) only shrinks, so only what goes past max(capacity, held now) is the
+    decisions' fault."""
+    committed = sum(d.held_mib for d in out) + reserved_mib
+    held = sum(max(t.used_mib or 0, t.unacked_mib or 0, t.unreported_mib or 0) for t in tenants) + reserved_mib
+    return max(0, committed - capacity_mib), max(0, committed - max(capacity_mib, held))
+

@@ -348,7 +348,7 @@ def test_a_newcomer_prepared_at_its_bind_while_two_loans_are_not_yet_released(tm
     6,144 file, and it reports so only at 16, when e2 also still uses 66,048 (both acknowledge 2 ticks
     late): 81,408 MiB committed on 80,896. A starting engine that has reported no generation counts,
     for co-tenants and newcomers, at the highest file it may have read, so e1's file is fitted to what
-    is left (8,704) and grows as the loans come back."""
+    is left (8,704) and grows to its grant at 18, once the loans are back."""
     engines = [Engine("e0", 4096, "unmap", bind=11, demand=[8192, 8192, 4096], list_lag=0, alloc_after=2,
                       link_after=0, startup=6, ack_lag=2),
                Engine("e1", 11264, "unmap", bind=15, demand=[20815, 20815, 16719], list_lag=1, alloc_after=0,
@@ -357,3 +357,4 @@ def test_a_newcomer_prepared_at_its_bind_while_two_loans_are_not_yet_released(tm
                                                              71998, 71998, 71998, 71998, 73022],
                       list_lag=0, alloc_after=0, link_after=0, startup=6, ack_lag=2)]
     sound_run(Node(str(tmp_path), CAP, engines, PolicyParams(headroom="forecast")), None)
+    assert engines[1].seen[:2] == [(15, 2, 8704), (18, 3, 11264)]  # fitted to what is left, then its whole grant

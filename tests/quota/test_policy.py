@@ -5,7 +5,7 @@ import dataclasses
 import random
 
 from deviceplugin.quota.model import GpuState, PolicyParams, Signals, TenantKey, TenantState
-from deviceplugin.quota.policy import rebalance
+from deviceplugin.quota.policy import node_excess, rebalance
 from vramshare.config import QuotaConfig
 
 # these rules predate shareSpare; spare sharing has its own tests (test_policy_invariant.py)
@@ -321,3 +321,18 @@ def test_an_engine_that_cannot_give_memory_back_gets_no_loan_but_its_file_states
         hot = tenant("t", 20000, 20000, 20000, waiting=3, preemptions=2, release_mode=mode)
         out = rebalance(GpuState("GPU-x", 80000, (hot,)), p)[0]
         assert (out.limit_mib > 20000, out.limit_mib <= top, out.ceiling_mib) == (mode == "unmap", True, 30000), out
+
+
+def test_the_node_invariant_counts_claims_and_late_files_and_blames_a_tick_only_for_what_it_added():
+    """``node_excess`` (issue 19, what the loop logs and counts as ``node_overcommit``): every tenant at
+    max(limit, held), claims at their grant; memory already held past the GPU (a late engine's file, a
+    starting engine's unreported one) is over the capacity but no fault of the tick, a raise beyond it is."""
+    a = dataclasses.replace(tenant("a", 40000, 50000, 50000), unacked_mib=52000)
+    b = dataclasses.replace(tenant("b", 8000, 8000, 0), starting=True, unreported_mib=12000)
+    decisions = rebalance(GpuState("GPU-x", 64000, (a, b), reserved_mib=4000), P)
+    held = {d.key.pod: d.held_mib for d in decisions}
+    assert held == {"a": 52000, "b": 12000}  # nothing is raised into what may still be held
+    assert node_excess(decisions, (a, b), 64000, 4000) == (4000, 0)  # 68,000 committed, all held already
+    assert node_excess(decisions, (a, b), 70000, 4000) == (0, 0)
+    raised = [dataclasses.replace(d, held_mib=d.held_mib + 1000) if d.key.pod == "b" else d for d in decisions]
+    assert node_excess(raised, (a, b), 64000, 4000) == (5000, 1000)
