@@ -336,3 +336,29 @@ def test_the_node_invariant_counts_claims_and_late_files_and_blames_a_tick_only_
     assert node_excess(decisions, (a, b), 70000, 4000) == (0, 0)
     raised = [dataclasses.replace(d, held_mib=d.held_mib + 1000) if d.key.pod == "b" else d for d in decisions]
     assert node_excess(raised, (a, b), 64000, 4000) == (5000, 1000)
+
+
+def test_the_forecast_rules_read_the_window_a_tenant_whose_use_swings_gets_the_headroom():
+    """``headroom: forecast`` and ``learned`` size limits from each tenant's window of uses: two tenants
+    at the same use and limit, one flat and one swinging between 10,000 and 14,000 MiB; with 6,000 MiB
+    free the swinging one is raised to cover its swing, the flat one is not (a policy that forecast
+    from today's use alone would treat them alike)."""
+    for headroom in ("forecast", "learned"):
+        p = dataclasses.replace(P, headroom=headroom)
+        flat = dataclasses.replace(tenant("a", 12000, 11000, 10000), recent_mib=(10000,) * 10, peak_mib=10000)
+        swings = dataclasses.replace(tenant("b", 12000, 11000, 10000), recent_mib=(10000, 14000) * 5, peak_mib=14000)
+        out = limits(rebalance(GpuState("GPU-x", 28000, (flat, swings)), p))
+        assert out["b"] >= 14000 and out["a"] <= 11000, (headroom, out)
+
+
+def test_a_tenant_without_telemetry_keeps_its_limit_under_overload_beside_a_higher_class():
+    """Rule 4 with classes: a blind tenant (no use reading) is never cut blind, even when it is of the
+    lowest class and a higher class uses beyond its request on a GPU that cannot hold every need:
+    blind tenants are filled first and ride with the top rank."""
+    blind = tenant("blind", 20000, 20000, None)
+    high = dataclasses.replace(tenant("high", 16000, 20000, 20000, waiting=3, preemptions=1), rank=100)
+    for protect in (True, False):  # without protected requests whole uses are filled in order alone
+        p = dataclasses.replace(P, protect_requests=protect)
+        out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 38000, (blind, high)), p)}
+        assert out["blind"].limit_mib == 20000 and "no telemetry" in out["blind"].reason, (protect, out["blind"])
+        assert out["high"].limit_mib == 18000, (protect, out["high"])
