@@ -99,3 +99,49 @@ def test_per_tenant_bounds_are_inputs_not_globals():
     assert (out[0].floor_mib, out[0].ceiling_mib) == (9000, 40000) and out[0].limit_mib >= 9800 + 4096
     assert (out[1].floor_mib, out[1].ceiling_mib) == (5000, 15000) and out[1].limit_mib == 9800 + 1024 + 512  # its margin and one step of "near its limit"
     assert dataclasses.replace(bronze, bounds=None) == bronze
+
+
+@st.composite
+def pending_gpus(draw):
+    """One GPU whose tenants hold their use and may still follow older, higher files (``unacked_mib``), or,
+    starting, files they have not reported on (``unreported_mib``): every headroom rule, random pressure,
+    classes, phases and a claim beside them."""
+    n = draw(st.integers(1, 4))
+    cap = draw(st.integers(8, 80)) * 1024
+    ts = []
+    for key in KEYS[:n]:
+        req = draw(st.integers(1, max(1, cap // n // 512))) * 512
+        used = draw(st.integers(0, 2 * req))
+        cur = draw(st.one_of(st.none(), st.integers(req // 4, 2 * req)))
+        w = tuple(draw(st.lists(st.integers(0, 2 * req), max_size=6)))
+        starting = draw(st.booleans())
+        ts.append(TenantState(key, req, cur, used, draw(st.sampled_from(SIGNALS)), peak_mib=max(w + (used,)),
+                              phase=draw(phases), rank=draw(st.sampled_from([0, 0, 100])), recent_mib=w or None,
+                              starting=starting, unacked_mib=draw(st.one_of(st.none(), st.integers(used, 3 * req))),
+                              unreported_mib=draw(st.integers(req, 3 * req)) if starting and draw(st.booleans()) else None))
+    headroom = draw(st.sampled_from(["peak", "forecast", "learned"]))
+    return GpuState("GPU-x", cap, tuple(ts), reserved_mib=draw(st.sampled_from([0, 0, 2048]))), \
+        dataclasses.replace(draw(params), headroom=headroom)
+
+
+SIGNALS = [Signals(release_mode="unmap"), Signals(waiting=3, release_mode="unmap"),
+           Signals(preemptions=2, release_mode="unmap"), Signals(kv_usage=0.95, release_mode="unmap")]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pending_gpus())
+def test_every_raise_fits_the_gpu_now_and_once_every_file_is_acknowledged(case):
+    """The grant layer's two sums (issue 19, policy docstring "Grants"): now, every tenant counts at the most it may
+    hold (its use, a file it has not let go of, one it has not reported on) and the claim at its grant; once
+    every engine has acknowledged its file, at max(new limit, use). Neither sum may grow past the capacity by
+    a raise: each ends within the capacity, or no higher than it already was before the tick."""
+    gpu, p = case
+    cap = gpu.capacity_mib - gpu.reserved_mib
+    out = {d.key: d for d in rebalance(gpu, p)}
+    cur = {t.key: t.request_mib if t.current_mib is None else t.current_mib for t in gpu.tenants}
+    now_before = sum(max(cur[t.key], t.used_mib, t.unacked_mib or 0, t.unreported_mib or 0) for t in gpu.tenants)
+    now_after = sum(out[t.key].held_mib for t in gpu.tenants)
+    assert now_after <= max(cap, now_before), (now_after, now_before, cap)
+    settled_before = sum(max(cur[t.key], t.used_mib) for t in gpu.tenants)
+    settled_after = sum(max(out[t.key].limit_mib, t.used_mib) for t in gpu.tenants)
+    assert settled_after <= max(cap, settled_before), (settled_after, settled_before, cap)
