@@ -115,13 +115,22 @@ def pending_gpus(draw):
         cur = draw(st.one_of(st.none(), st.integers(req // 4, 2 * req)))
         w = tuple(draw(st.lists(st.integers(0, 2 * req), max_size=6)))
         starting = draw(st.booleans())
-        ts.append(TenantState(key, req, cur, used, draw(st.sampled_from(SIGNALS)), peak_mib=max(w + (used,)),
+        sig = dataclasses.replace(draw(st.sampled_from(SIGNALS)), kv_held_mib=draw(st.one_of(st.none(), st.integers(0, used))))
+        ts.append(TenantState(key, req, cur, used, sig, peak_mib=max(w + (used,)), shrink_acked=draw(st.booleans()),
                               phase=draw(phases), rank=draw(st.sampled_from([0, 0, 100])), recent_mib=w or None,
                               starting=starting, unacked_mib=draw(st.one_of(st.none(), st.integers(used, 3 * req))),
                               unreported_mib=draw(st.integers(req, 3 * req)) if starting and draw(st.booleans()) else None))
     headroom = draw(st.sampled_from(["peak", "forecast", "learned"]))
     return GpuState("GPU-x", cap, tuple(ts), reserved_mib=draw(st.sampled_from([0, 0, 2048]))), \
         dataclasses.replace(draw(params), headroom=headroom)
+
+
+def _settled(t: TenantState, cur: int) -> int:
+    """What it holds once its engine acknowledged every file: its use, less what a releasing engine that
+    acknowledged its limit gives back at once (its KV memory above the limit)."""
+    if t.shrink_acked and t.signals.kv_held_mib is not None and t.used_mib > cur:
+        return max(cur, min(t.used_mib, t.used_mib - t.signals.kv_held_mib))
+    return t.used_mib
 
 
 SIGNALS = [Signals(release_mode="unmap"), Signals(waiting=3, release_mode="unmap"),
@@ -139,9 +148,9 @@ def test_every_raise_fits_the_gpu_now_and_once_every_file_is_acknowledged(case):
     cap = gpu.capacity_mib - gpu.reserved_mib
     out = {d.key: d for d in rebalance(gpu, p)}
     cur = {t.key: t.request_mib if t.current_mib is None else t.current_mib for t in gpu.tenants}
-    now_before = sum(max(cur[t.key], t.used_mib, t.unacked_mib or 0, t.unreported_mib or 0) for t in gpu.tenants)
+    now_before = sum(max(cur[t.key], _settled(t, cur[t.key]), t.unacked_mib or 0, t.unreported_mib or 0) for t in gpu.tenants)
     now_after = sum(out[t.key].held_mib for t in gpu.tenants)
     assert now_after <= max(cap, now_before), (now_after, now_before, cap)
-    settled_before = sum(max(cur[t.key], t.used_mib) for t in gpu.tenants)
-    settled_after = sum(max(out[t.key].limit_mib, t.used_mib) for t in gpu.tenants)
+    settled_before = sum(max(cur[t.key], _settled(t, cur[t.key])) for t in gpu.tenants)
+    settled_after = sum(max(out[t.key].limit_mib, _settled(t, cur[t.key])) for t in gpu.tenants)
     assert settled_after <= max(cap, settled_before), (settled_after, settled_before, cap)
