@@ -362,3 +362,17 @@ def test_a_tenant_without_telemetry_keeps_its_limit_under_overload_beside_a_high
         out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 38000, (blind, high)), p)}
         assert out["blind"].limit_mib == 20000 and "no telemetry" in out["blind"].reason, (protect, out["blind"])
         assert out["high"].limit_mib == 18000, (protect, out["high"])
+
+
+def test_a_raise_into_a_limit_not_let_go_of_waits_while_a_throttling_co_tenant_s_cut_frees_nothing():
+    """The grant layer's second sum (issue 19): ``late`` (higher class) still may hold 49,873 MiB, an older
+    file its engine has not let go of, so raising its limit 1,024 MiB costs nothing now; but once it
+    acknowledges, the GPU must hold that raise beside ``thr``, a throttling engine cut by 1,024 that keeps
+    its 34,816 until its demand drops. So the raise waits: 68,608 MiB promised on 68,608, not 69,632."""
+    thr = tenant("thr", 34816, 34816, 34816, waiting=3, preemptions=1, release_mode="throttle")
+    late = dataclasses.replace(tenant("late", 33792, 33792, 33792, release_mode="unmap"), rank=100,
+                               unacked_mib=49873, engine_mib=49873)
+    for share in (False, True):
+        out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 68608, (thr, late)), dataclasses.replace(P, share_spare=share))}
+        assert out["late"].limit_mib == 33792 and "not granted" in out["late"].reason, out["late"]
+        assert out["thr"].limit_mib + out["late"].limit_mib <= 68608 and out["thr"].held_mib == 34816
