@@ -376,3 +376,16 @@ def test_a_raise_into_a_limit_not_let_go_of_waits_while_a_throttling_co_tenant_s
         out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 68608, (thr, late)), dataclasses.replace(P, share_spare=share))}
         assert out["late"].limit_mib == 33792 and "not granted" in out["late"].reason, out["late"]
         assert out["thr"].limit_mib + out["late"].limit_mib <= 68608 and out["thr"].held_mib == 34816
+
+
+def test_a_raise_into_a_limit_not_let_go_of_is_granted_only_up_to_what_fits_once_acknowledged():
+    """The same sum when the raise is granted in steps (its request first, then its target): ``late`` may
+    still follow a 32,866 MiB file, ``over``, a throttling engine above its 5,120 limit, keeps the 7,838 it
+    holds. Every step counts against what the GPU holds once the files are acknowledged, so ``late`` gets
+    23,552 - 7,838 = 15,714, not its whole request of 18,432 (26,270 MiB on 23,552)."""
+    late = dataclasses.replace(tenant("late", 18432, 11268, 11268, waiting=3, release_mode="throttle"),
+                               unacked_mib=32866, engine_mib=32866, recent_mib=(11468, 3860), peak_mib=11468)
+    over = tenant("over", 5120, 5120, 7838, release_mode="throttle", kv_held_mib=4612)
+    for headroom in ("peak", "forecast"):
+        out = limits(rebalance(GpuState("GPU-x", 23552, (late, over)), dataclasses.replace(P, headroom=headroom)))
+        assert out == {"late": 15714, "over": 5120}, (headroom, out)
