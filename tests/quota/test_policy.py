@@ -389,3 +389,16 @@ def test_a_raise_into_a_limit_not_let_go_of_is_granted_only_up_to_what_fits_once
     for headroom in ("peak", "forecast"):
         out = limits(rebalance(GpuState("GPU-x", 23552, (late, over)), dataclasses.replace(P, headroom=headroom)))
         assert out == {"late": 15714, "over": 5120}, (headroom, out)
+
+
+def test_the_forecast_rules_cover_the_higher_class_first_when_only_one_swing_fits():
+    """Class-aware forecast (issue 19): two tenants with the same swinging window and 3,000 MiB free, room
+    to cover one swing; whichever has the higher lendingPriority gets it, whatever their names."""
+    for headroom in ("forecast", "learned"):
+        p = dataclasses.replace(P, headroom=headroom)
+        for ranks in ((0, 300), (300, 0)):
+            ts = tuple(dataclasses.replace(tenant(name, 12000, 11000, 10000), recent_mib=(10000, 14000) * 5,
+                                           peak_mib=14000, rank=r) for name, r in zip(("a", "b"), ranks))
+            out = limits(rebalance(GpuState("GPU-x", 25000, ts), p))
+            top, other = ("b", "a") if ranks[1] > ranks[0] else ("a", "b")
+            assert out[top] >= 14000 and out[other] <= 11000, (headroom, ranks, out)
