@@ -373,7 +373,8 @@ def test_a_raise_into_a_limit_not_let_go_of_waits_while_a_throttling_co_tenant_s
     late = dataclasses.replace(tenant("late", 33792, 33792, 33792, release_mode="unmap"), rank=100,
                                unacked_mib=49873, engine_mib=49873)
     for share in (False, True):
-        out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 68608, (thr, late)), dataclasses.replace(P, share_spare=share))}
+        p = dataclasses.replace(P, share_spare=share)
+        out = {d.key.pod: d for d in rebalance(GpuState("GPU-x", 68608, (thr, late)), p)}
         assert out["late"].limit_mib == 33792 and "not granted" in out["late"].reason, out["late"]
         assert out["thr"].limit_mib + out["late"].limit_mib <= 68608 and out["thr"].held_mib == 34816
 

@@ -101,6 +101,10 @@ def test_per_tenant_bounds_are_inputs_not_globals():
     assert dataclasses.replace(bronze, bounds=None) == bronze
 
 
+SIGNALS = [Signals(release_mode="unmap"), Signals(waiting=3, release_mode="unmap"),
+           Signals(preemptions=2, release_mode="unmap"), Signals(kv_usage=0.95, release_mode="unmap")]
+
+
 @st.composite
 def pending_gpus(draw):
     """One GPU whose tenants hold their use and may still follow older, higher files (``unacked_mib``), or,
@@ -115,11 +119,13 @@ def pending_gpus(draw):
         cur = draw(st.one_of(st.none(), st.integers(req // 4, 2 * req)))
         w = tuple(draw(st.lists(st.integers(0, 2 * req), max_size=6)))
         starting = draw(st.booleans())
-        sig = dataclasses.replace(draw(st.sampled_from(SIGNALS)), kv_held_mib=draw(st.one_of(st.none(), st.integers(0, used))))
+        kv = draw(st.one_of(st.none(), st.integers(0, used)))
+        sig = dataclasses.replace(draw(st.sampled_from(SIGNALS)), kv_held_mib=kv)
         ts.append(TenantState(key, req, cur, used, sig, peak_mib=max(w + (used,)), shrink_acked=draw(st.booleans()),
                               phase=draw(phases), rank=draw(st.sampled_from([0, 0, 100])), recent_mib=w or None,
                               starting=starting, unacked_mib=draw(st.one_of(st.none(), st.integers(used, 3 * req))),
-                              unreported_mib=draw(st.integers(req, 3 * req)) if starting and draw(st.booleans()) else None))
+                              unreported_mib=draw(st.integers(req, 3 * req)) if starting and draw(st.booleans())
+                              else None))
     headroom = draw(st.sampled_from(["peak", "forecast", "learned"]))
     return GpuState("GPU-x", cap, tuple(ts), reserved_mib=draw(st.sampled_from([0, 0, 2048]))), \
         dataclasses.replace(draw(params), headroom=headroom)
@@ -133,22 +139,19 @@ def _settled(t: TenantState, cur: int) -> int:
     return t.used_mib
 
 
-SIGNALS = [Signals(release_mode="unmap"), Signals(waiting=3, release_mode="unmap"),
-           Signals(preemptions=2, release_mode="unmap"), Signals(kv_usage=0.95, release_mode="unmap")]
-
-
 @settings(max_examples=300, deadline=None)
 @given(pending_gpus())
 def test_every_raise_fits_the_gpu_now_and_once_every_file_is_acknowledged(case):
-    """The grant layer's two sums (issue 19, policy docstring "Grants"): now, every tenant counts at the most it may
-    hold (its use, a file it has not let go of, one it has not reported on) and the claim at its grant; once
-    every engine has acknowledged its file, at max(new limit, use). Neither sum may grow past the capacity by
-    a raise: each ends within the capacity, or no higher than it already was before the tick."""
+    """The grant layer's two sums (issue 19, policy docstring "Grants"): now, every tenant counts at the most
+    it may hold (its use, a file it has not let go of, one it has not reported on) and the claim at its grant;
+    once every engine has acknowledged its file, at max(new limit, what it then holds). Neither sum may grow
+    past the capacity by a raise: each ends within the capacity, or no higher than it was before the tick."""
     gpu, p = case
     cap = gpu.capacity_mib - gpu.reserved_mib
     out = {d.key: d for d in rebalance(gpu, p)}
     cur = {t.key: t.request_mib if t.current_mib is None else t.current_mib for t in gpu.tenants}
-    now_before = sum(max(cur[t.key], _settled(t, cur[t.key]), t.unacked_mib or 0, t.unreported_mib or 0) for t in gpu.tenants)
+    now_before = sum(max(cur[t.key], _settled(t, cur[t.key]), t.unacked_mib or 0, t.unreported_mib or 0)
+                     for t in gpu.tenants)
     now_after = sum(out[t.key].held_mib for t in gpu.tenants)
     assert now_after <= max(cap, now_before), (now_after, now_before, cap)
     settled_before = sum(max(cur[t.key], _settled(t, cur[t.key])) for t in gpu.tenants)
