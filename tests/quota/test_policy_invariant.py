@@ -133,9 +133,11 @@ def pending_gpus(draw):
 
 def _settled(t: TenantState, cur: int) -> int:
     """What it holds once its engine acknowledged every file: its use, less what a releasing engine that
-    acknowledged its limit gives back at once (its KV memory above the limit)."""
-    if t.shrink_acked and t.signals.kv_held_mib is not None and t.used_mib > cur:
-        return max(cur, min(t.used_mib, t.used_mib - t.signals.kv_held_mib))
+    acknowledged its limit gives back at once: down to the limit, or to its use beyond the KV memory it
+    says it holds when that is more (an engine that does not say fits its acknowledged limit)."""
+    if t.shrink_acked and t.used_mib > cur:
+        kv = t.signals.kv_held_mib
+        return max(cur, min(t.used_mib, t.used_mib - kv if kv is not None else 0))
     return t.used_mib
 
 
@@ -149,7 +151,8 @@ def test_every_raise_fits_the_gpu_now_and_once_every_file_is_acknowledged(case):
     gpu, p = case
     cap = gpu.capacity_mib - gpu.reserved_mib
     out = {d.key: d for d in rebalance(gpu, p)}
-    cur = {t.key: t.request_mib if t.current_mib is None else t.current_mib for t in gpu.tenants}
+    cur = {t.key: p.bounds_of(t.request_mib).clamp(t.request_mib if t.current_mib is None else t.current_mib)
+           for t in gpu.tenants}  # the limit in force as the policy reads it: within the tenant's bounds
     now_before = sum(max(cur[t.key], _settled(t, cur[t.key]), t.unacked_mib or 0, t.unreported_mib or 0)
                      for t in gpu.tenants)
     now_after = sum(out[t.key].held_mib for t in gpu.tenants)
