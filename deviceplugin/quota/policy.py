@@ -459,4 +459,3 @@ def node_excess(out: Sequence[Decision], tenants: Sequence[TenantState], capacit
     committed = sum(d.held_mib for d in out) + reserved_mib
     held = sum(max(t.used_mib or 0, t.unacked_mib or 0, t.unreported_mib or 0) for t in tenants) + reserved_mib
     return max(0, committed - capacity_mib), max(0, committed - max(capacity_mib, held))
-
