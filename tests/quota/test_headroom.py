@@ -55,6 +55,31 @@ def test_a_new_tenant_is_forecast_to_stay_where_it_is():
     assert headroom.forecast([], 5000) == [(5000, 0.5), (5000, 0.5)]
 
 
+def test_the_forecast_is_half_recent_levels_half_now_plus_each_recent_change():
+    """A tenant climbing 1 GiB a tick: each level it held weighs 1/6, and now plus each one-tick
+    change (+1 GiB twice) weighs 1/4, so a limit at today's use covers only half the sample."""
+    sample = headroom.forecast([1024, 2048, 3072], 3072)
+    assert [(v, round(w * 12)) for v, w in sample] == [(1024, 2), (2048, 2), (3072, 2), (4096, 3), (4096, 3)]
+    opts = headroom.options(sample, 0, 8192, 3072, 3072, 3072)
+    assert [(o.limit_mib, round(o.p, 3)) for o in opts] == [(3072, 0.5), (4096, 1.0)]
+
+
+def test_a_limit_below_every_forecast_use_covers_nothing():
+    """The least option (what it holds, 4,000 MiB) lies below every sampled use (8,000 and more): its
+    chance is 0, not the weight of the lowest sample."""
+    opts = headroom.options(headroom.forecast([8000, 9000], 9000), 0, 20000, 4000, 4000, 4000)
+    assert opts[0] == Option(4000, 0, 0.0) and opts[1].p > 0
+
+
+def test_choose_breaks_ties_toward_the_cheaper_plan():
+    """Not every tenant's best fits (6,000 + 9,000 on 10,000), so the plans are searched: giving b its
+    6,000 or c its 9,000 covers as much (1.5); the cheaper plan wins, the rest stays free."""
+    a = [Option(0, 0, 0.5), Option(1, 5000, 0.5)]
+    b = [Option(0, 0, 0.0), Option(1, 6000, 1.0)]
+    c = [Option(0, 0, 0.0), Option(1, 9000, 1.0)]
+    assert headroom.choose([a, b, c], 10000) == [0, 1, 0]
+
+
 def test_forecast_returns_to_recent_levels():
     """A tenant that swung 10 <-> 30 GiB and sits at 10 now: the forecast keeps a real chance of 30."""
     sample = headroom.forecast([10240, 30720] * 10, 10240)
