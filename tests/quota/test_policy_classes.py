@@ -124,3 +124,17 @@ def test_the_lower_class_lends_first_under_pressure():
                                                                                          used_mib=req))
     out = {d.key: d for d in rebalance(GpuState("GPU-x", cap, same), p)}
     assert [out[k].limit_mib for k in KEYS[:2]] == [req, req]
+
+
+def test_between_two_idle_lenders_the_lower_class_lends_whatever_their_names():
+    """Two calm tenants of 10 GiB using 4 GiB each, and a pressured one that takes 2 GiB more of a 24 GiB
+    GPU: the loan comes from the lower class's limit (``lendingPriority``), the higher class keeps its
+    whole limit, and names only break ties within a class."""
+    p = PolicyParams(share_spare=False, loans="any")
+    hot = TenantState(KEYS[2], 4096, 4096, 4096, Signals(waiting=3, preemptions=2))
+    for low, high in ((KEYS[0], KEYS[1]), (KEYS[1], KEYS[0])):
+        idle = (TenantState(low, 10240, 10240, 4096, Signals(), rank=0),
+                TenantState(high, 10240, 10240, 4096, Signals(), rank=100))
+        out = {d.key: d for d in rebalance(GpuState("GPU-x", 24576, idle + (hot,)), p)}
+        assert out[KEYS[2]].limit_mib == 6144
+        assert (out[low].limit_mib, out[high].limit_mib) == (8192, 10240), (low, high)
