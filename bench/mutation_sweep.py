@@ -199,7 +199,8 @@ def sweep(module: str, mutants: list[Mutant], tests: list[str], jobs: int, timeo
         if not passed:
             raise SystemExit(f"the unmutated tree does not pass {tests} ({how}): fix that first")
         free = list(trees)
-        original = open(os.path.join(ROOT, module), encoding="utf-8").read()
+        with open(os.path.join(ROOT, module), encoding="utf-8") as fh:
+            original = fh.read()
         lines = original.splitlines(keepends=True)
         outcomes: list[Outcome] = []
 
@@ -248,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error("give --preset, or --module with --tests")
     lo, _, hi = a.lines.partition("-")
-    source = open(os.path.join(ROOT, module), encoding="utf-8").read()
+    with open(os.path.join(ROOT, module), encoding="utf-8") as fh:
+        source = fh.read()
     mutants = list(mutants_of(source, int(lo or 1), int(hi or 10 ** 9)))
     if a.list:
         for m in mutants:
