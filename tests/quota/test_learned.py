@@ -46,6 +46,38 @@ def test_the_shipped_model_loads_and_refuses_other_features():
         learned.Model.from_json({**m.to_json(), "features": ["1", "now"]})
 
 
+def test_the_features_read_the_window_as_named():
+    """Each feature by its name in ``FEATURES``, in GiB relative to now: the last change is now minus
+    the use one tick before (the window's last entry is now itself), peaks and trough over the last 5,
+    15 and all ticks, the mean of the last 15, and the mean absolute change."""
+    g = 1024
+    # 18 ticks, now = 4 GiB; 15 ticks back the 15-tick peak (9), 5 ticks back the 5-tick peak (7)
+    window = [30, 2, 2, 9, 2, 2, 2, 2, 2, 2, 2, 1, 2, 7, 3, 5, 6, 4]
+    got = dict(zip(learned.FEATURES, learned.features([v * g for v in window], 4 * g)))
+    assert got == pytest.approx({"1": 1.0, "now": 4.0, "last_change": -2.0, "peak5": 3.0, "peak15": 5.0,
+                                 "peak60": 26.0, "trough15": -3.0, "mean15": 51 / 15 - 4,
+                                 "volatility": float(np.abs(np.diff(window)).mean())})
+    trough = dict(zip(learned.FEATURES, learned.features([g // 2] + [3 * g] * 14, 3 * g)))  # 15 ticks back
+    assert trough["trough15"] == pytest.approx(-2.5)
+    two = dict(zip(learned.FEATURES, learned.features([3 * g, 4 * g], 4 * g)))  # one change is a change
+    assert (two["last_change"], two["volatility"]) == pytest.approx((1.0, 1.0))
+    alone = dict(zip(learned.FEATURES, learned.features([], 4 * g)))  # no window: no change, no spread
+    assert alone == pytest.approx({"1": 1.0, "now": 4.0, **{f: 0.0 for f in learned.FEATURES[2:]}})
+
+
+def test_a_forecast_below_zero_is_zero_and_a_quantile_snaps_to_a_level_exactly_the_snap_above():
+    m = learned.Model((0.5,), np.array([[-2.0] + [0.0] * 8]), snap_mib=512)
+    assert learned.forecast([0, 0, 0], 0, m) == [(0, 1.0)]
+    up = learned.Model((0.5,), np.array([[0.5] + [0.0] * 8]), snap_mib=512)  # now + 512 MiB: a level 512 above
+    assert learned.forecast([10000, 11024], 10000, up) == [(11024, 1.0)]
+
+
+def test_a_model_file_whose_coefficients_do_not_match_its_quantiles_is_refused():
+    doc = learned.default_model().to_json()
+    with pytest.raises(ValueError, match="coef shape"):
+        learned.Model.from_json({**doc, "taus": doc["taus"][:-1]})
+
+
 KEYS = [TenantKey("ns", f"t{i}", "c", pod_uid=f"u{i}") for i in range(3)]
 
 
