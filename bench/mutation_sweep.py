@@ -43,6 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS_DIR = os.path.join(ROOT, "bench", "results")
 
 QUOTA_TESTS = ["tests/quota", "tests/dra/test_claim_soundness.py"]
+EXTENDER_CORE_TESTS = [f"tests/extender/test_{name}.py" for name in (
+    "cluster", "placement", "policies", "soundness", "verbs", "filter_caches", "incremental", "host_parity")]
 #: name -> (module, tests). The test sets are the ones that own the module's rules.
 PRESETS: dict[str, tuple[str, list[str]]] = {
     "quota-policy": ("deviceplugin/quota/policy.py", QUOTA_TESTS),
@@ -51,8 +53,8 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     "quota-fence": ("deviceplugin/quota/fence.py", QUOTA_TESTS + ["tests/dra/test_enforcement_dra.py"]),
     "quota-loop": ("deviceplugin/quota/loop.py", QUOTA_TESTS),
     "foreign": ("vramshare/foreign.py", ["tests/test_foreign.py", "tests/quota", "tests/dra"]),
-    "extender-fit": ("extender/fit.py", ["tests/extender"]),
-    "extender-placement": ("extender/placement.py", ["tests/extender"]),
+    "extender-fit": ("extender/fit.py", EXTENDER_CORE_TESTS),
+    "extender-placement": ("extender/placement.py", EXTENDER_CORE_TESTS),
 }
 
 COMPARE_FLIP = {ast.Lt: "<=", ast.LtE: "<", ast.Gt: ">=", ast.GtE: ">", ast.Eq: "!=", ast.NotEq: "=="}
