@@ -625,6 +625,28 @@ def test_fit_to_capacity_gives_back_raises_first_and_never_cuts_below_use():
     prop()
 
 
+def test_fit_to_capacity_fits_to_the_mib_and_takes_nothing_from_a_cgroup_at_its_use():
+    """The edges of the proportional cut: 1 MiB over is still taken (the sum lands on the room exactly),
+    and the remainder of a proportional cut skips a cgroup with no room left above its use."""
+    from deviceplugin.quota.fence import fit_to_capacity
+
+    assert fit_to_capacity(19, [10, 10], [None, None], [0, 0]) == [9, 10]
+    assert fit_to_capacity(13, [4, 7, 7], [None] * 3, [4, 4, 4]) == [4, 4, 5]
+
+
+def test_restart_split_cuts_at_once_only_a_fresh_container_using_no_more_than_its_cut():
+    """Pure (the restart rule): a fresh container using exactly its cut gets it at once; an old one keeps
+    its split of the bound that waits, however little it uses, while no fresh one runs beside it; beside a
+    fresh one it keeps no more than it had."""
+    from deviceplugin.quota.fence import restart_split
+
+    assert restart_split([8000], [6000], [6000], [True], [None]) == [6000]
+    assert restart_split([8000], [6000], [6001], [True], [None]) == [8000]  # it holds more: no proof
+    assert restart_split([8000], [6000], [None], [True], [None]) == [8000]  # unread: no proof either
+    assert restart_split([8000, 8000], [6000, 6000], [1000, 1000], [False, False], [7000, None]) == [8000, 8000]
+    assert restart_split([8000, 8000], [6000, 6000], [1000, 1000], [True, False], [None, 7000]) == [6000, 7000]
+
+
 class HungryA(Engines):
     """a's engine has 4 requests waiting and demands 40,000 MiB of KV beside its 9,500 of weights: it wants
     49,500."""
