@@ -320,6 +320,9 @@ def test_only_a_tenant_whose_every_cgroup_is_new_counts_as_restarted(node):
     fence.read_usage([both])
     assert fence.restarted(both, GPU, 10000, 30000)
     assert not fence.restarted(both, GPU, 600, 30000)  # the one holding 700 is above its split of 600
+    gone = dataclasses.replace(a, container_ids=frozenset(["f" * 64]))  # restarting: no cgroup found yet
+    fence.read_usage([gone])
+    assert not fence.restarted(gone, GPU, 10000, 30000)  # it will start at its CDI share, not its cut
 
 
 def test_the_fence_forgets_departed_tenants(node):
