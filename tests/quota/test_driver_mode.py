@@ -740,6 +740,26 @@ def test_a_departed_container_s_hard_limit_drops_out_of_what_writes_are_fitted_a
     assert nv.limits[(GPU, cb)][1] == 50000 << 20
 
 
+def test_a_cgroup_whose_limits_cannot_be_read_keeps_its_hard_limit_in_the_ledger(node):
+    """A read that fails for a's cgroup does not make its hard limit vanish from what writes are fitted
+    against: the ledger keeps the last one read (30,000), so b's raise stays within the GPU's 60,000.
+    When no cgroup can be read at all, the read fails as a whole (the loop keeps its last good state)
+    rather than saying that nobody uses anything."""
+    import pynvml
+
+    from deviceplugin.quota.telemetry import TelemetryError
+    nv, _cgroot, _q = node
+    fence, a, b, _ca, cb = _capped_fence(node, 60000)
+    fence.read_usage([a, b])
+    nv.fail("nvmlDeviceGetMemoryLimits_v1", pynvml.NVMLError_Unknown, times=1)  # a's read, this time only
+    assert [s.pod for s in fence.read_usage([a, b]) if s.container_id] == ["b"]
+    fence.apply(b, [Decision(B, GPU, 50000, 30000, 7500, 60000, "raise")], {GPU: 30000})
+    assert nv.limits[(GPU, cb)][1] == 30000 << 20
+    nv.fail("nvmlDeviceGetMemoryLimits_v1", pynvml.NVMLError_Unknown, times=None)
+    with pytest.raises(TelemetryError, match="driver limits"):
+        fence.read_usage([a, b])
+
+
 def test_a_write_that_cannot_fit_even_at_use_is_written_at_use_and_counted(node):
     """Where the others' limits in force and this cgroup's use pass the GPU (lent before a claim came), the
     write is lowered to the use, no further (the driver takes nothing back: a cut below it frees nothing),
