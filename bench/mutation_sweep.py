@@ -21,6 +21,7 @@ mutant, and per module the survivors with their line, what changed and the code.
     python bench/mutation_sweep.py --module deviceplugin/quota/fence.py --lines 100-200 \\
         --tests tests/quota/test_driver_mode.py tests/quota/test_driver_fence_soundness.py --name fence
     python bench/mutation_sweep.py --preset quota-policy --list       # the mutants only, no tests run
+    python bench/mutation_sweep.py --preset quota-fence --recheck     # only the stored survivors, after new tests
 
 About 10-40 s per mutant on a 2-core machine with the presets' test sets.
 """
@@ -163,6 +164,7 @@ def mutants_of(source: str, lo: int = 1, hi: int = 10 ** 9) -> Iterator[Mutant]:
 class Outcome:
     module: str
     line: int
+    col: int
     what: str
     code: str
     killed: bool
@@ -214,7 +216,7 @@ def sweep(module: str, mutants: list[Mutant], tests: list[str], jobs: int, timeo
                     fh.write("".join(m.apply(lines)))
                 t0 = time.monotonic()
                 ok, how = _run_tests(tree, tests, timeout)
-                return Outcome(module, m.line, m.what, lines[m.line - 1].strip()[:140], not ok, how,
+                return Outcome(module, m.line, m.col, m.what, lines[m.line - 1].strip()[:140], not ok, how,
                                round(time.monotonic() - t0, 1))
             finally:
                 with open(path, "w", encoding="utf-8") as fh:
@@ -242,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="clones tested side by side (default 2)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before a test run counts as killed")
     ap.add_argument("--list", action="store_true", help="print the mutants and stop")
+    ap.add_argument("--recheck", action="store_true",
+                    help="run only the survivors of the stored result (after new tests), and update it")
     a = ap.parse_args(argv)
     if a.preset:
         module, tests = PRESETS[a.preset]
@@ -262,16 +266,27 @@ def main(argv: list[str] | None = None) -> int:
     dirty = subprocess.run(["git", "status", "--porcelain", "--", module], cwd=ROOT, capture_output=True, text=True)
     if dirty.stdout.strip():
         print(f"note: {module} has uncommitted changes; the sweep mutates the committed version", file=sys.stderr)
+    name = a.name or a.preset or os.path.splitext(os.path.basename(module))[0]
+    out = os.path.join(RESULTS_DIR, f"mutation-{name}.json")
+    earlier: list[dict] = []
+    if a.recheck:  # the module is unchanged since (only tests were added): the same mutants, by place
+        with open(out, encoding="utf-8") as fh:
+            earlier = json.load(fh)["all"]
+        left = {(o["line"], o.get("col"), o["what"]) for o in earlier if not o["killed"]}
+        mutants = [m for m in mutants if (m.line, m.col, m.what) in left or (m.line, None, m.what) in left]
     t0 = time.monotonic()
     outcomes = sweep(module, mutants, tests, a.jobs, a.timeout)
+    if earlier:
+        again = {(o.line, o.what) for o in outcomes}
+        outcomes = [Outcome(**{"col": -1, **o}) for o in earlier if (o["line"], o["what"]) not in again] + outcomes
+        outcomes.sort(key=lambda o: (o.line, o.col, o.what))
     survivors = [o for o in outcomes if not o.killed]
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     report = {"benchmark": "mutation-sweep", "module": module, "lines": a.lines or "all", "tests": tests,
-              "commit": head.stdout.strip(), "mutants": len(outcomes), "killed": len(outcomes) - len(survivors),
-              "survived": len(survivors), "wall_s": round(time.monotonic() - t0, 1),
+              "commit": head.stdout.strip(), "rechecked": a.recheck, "mutants": len(outcomes),
+              "killed": len(outcomes) - len(survivors), "survived": len(survivors),
+              "wall_s": round(time.monotonic() - t0, 1),
               "survivors": [asdict(o) for o in survivors], "all": [asdict(o) for o in outcomes]}
-    name = a.name or a.preset or os.path.splitext(os.path.basename(module))[0]
-    out = os.path.join(RESULTS_DIR, f"mutation-{name}.json")
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1)
         fh.write("\n")
