@@ -825,3 +825,14 @@ def test_the_fence_s_hard_limits_never_pass_the_gpu_whatever_order_they_are_writ
                                 {GPU: top})
                 assert sum(nv.limits[(GPU, cg)][1] for cg in cgs) >> 20 <= cap
     prop()
+
+
+def test_a_claim_s_containers_not_found_are_counted_per_pod_or_by_its_sharers():
+    """``DriverFence._missing`` (each keeps its CDI share out of what the others may hold): per pod slot,
+    its count less those found in it (a departed pod keeps none); where the source gives no slots, the
+    claim's sharers less every container found."""
+    from deviceplugin.quota.model import Claim
+    plain = Claim("c", ((GPU, 30000),), sharers=3)
+    assert DriverFence._missing(plain, ["p1"]) == 2 and DriverFence._missing(plain, ["p1"] * 4) == 0
+    slotted = dataclasses.replace(plain, pod_slots=(("p1", 2), ("p2", 1)))
+    assert DriverFence._missing(slotted, ["p1", "p3"]) == 2  # one more of p1, p2's one; p3 keeps none
