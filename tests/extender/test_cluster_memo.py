@@ -114,3 +114,25 @@ def test_the_warmer_prepares_a_new_pods_shape_before_it_is_asked_about() -> None
         pass
     key = FragmentationGradient._keys((Demand(730),), HostDemand(3000, 0))
     assert len(st.memo.stale(key, published, st.live_rows(), st.row_version)) == 0
+
+
+def test_the_fit_memo_follows_a_node_that_grows_wider_than_any_before() -> None:
+    """A node's inventory grows to more GPUs than the books had columns for (its report now lists 4)
+    between two filters of one pod shape: only its row is stale, but the memoised fit of the other rows
+    cannot be patched with it (its arrays are narrower), so every row is placed again and the answer
+    equals a fresh state's."""
+    from extender.placement import filter_rows
+
+    def build(wide: bool) -> ClusterState:
+        st = ClusterState(gpus_per_node=2)
+        for n, gpus in (("a", 2), ("b", 4 if wide else 2)):
+            st.set_node(n, [Slot(f"{n}/{i}", "G", capacity=1000, index=i) for i in range(gpus)])
+        st.add_pod("x", "a", [("a/0", 900)])
+        return st
+
+    st = build(False)
+    assert filter_rows(st, [Demand(500, count=2)], ["a", "b"]).fitting == ["b"]
+    st.set_node("b", [Slot(f"b/{i}", "G", capacity=1000, index=i) for i in range(4)])
+    got = filter_rows(st, [Demand(500, count=2)], ["a", "b"]).fitting
+    assert got == filter_rows(build(True), [Demand(500, count=2)], ["a", "b"]).fitting == ["b"]
+    assert filter_rows(st, [Demand(500, count=3)], ["a", "b"]).fitting == ["b"]
