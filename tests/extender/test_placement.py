@@ -114,6 +114,17 @@ def test_binpack_prefers_the_fullest_node_and_gpu_spread_the_emptiest() -> None:
     assert pick(st, d, "a", "spread") == [[("a-0", 20 * GIB)]]
 
 
+def test_a_two_gpu_pod_goes_to_the_fullest_gpus_under_binpack_and_the_emptiest_under_spread() -> None:
+    """The general placement path (several GPUs per pod, not the one-GPU shortcut): best fit takes the
+    two fullest GPUs that fit, spread the two freest."""
+    st = ClusterState()
+    node(st, "n", [80, 80, 80, 80])
+    st.add_pod("ns/x", "n", [("n-1", 50 * GIB), ("n-2", 30 * GIB)])
+    d = [Demand(20 * GIB, count=2)]
+    assert sorted(a for a, _ in pick(st, d, "n", "binpack")[0]) == ["n-1", "n-2"]
+    assert sorted(a for a, _ in pick(st, d, "n", "spread")[0]) == ["n-0", "n-3"]
+
+
 def test_different_gpu_sizes_on_one_node_best_fit_takes_the_smallest_that_fits() -> None:
     st = ClusterState()
     node(st, "n", [80, 24, 16])
