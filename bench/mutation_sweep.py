@@ -53,7 +53,9 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     "quota-learned": ("deviceplugin/quota/learned.py", QUOTA_TESTS),
     "quota-fence": ("deviceplugin/quota/fence.py", QUOTA_TESTS + ["tests/dra/test_enforcement_dra.py"]),
     "quota-loop": ("deviceplugin/quota/loop.py", QUOTA_TESTS),
-    "foreign": ("vramshare/foreign.py", ["tests/test_foreign.py", "tests/quota", "tests/dra"]),
+    "foreign": ("vramshare/foreign.py", ["tests/test_foreign.py", "tests/quota/test_foreign_settled.py",
+                                         "tests/extender/test_foreign_booked.py", "tests/deviceplugin/test_departures.py",
+                                         "tests/dra/test_forced_deletion.py", "tests/dra/test_slice_foreign.py"]),
     "extender-fit": ("extender/fit.py", EXTENDER_CORE_TESTS),
     "extender-placement": ("extender/placement.py", EXTENDER_CORE_TESTS),
 }
