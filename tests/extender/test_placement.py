@@ -114,6 +114,19 @@ def test_binpack_prefers_the_fullest_node_and_gpu_spread_the_emptiest() -> None:
     assert pick(st, d, "a", "spread") == [[("a-0", 20 * GIB)]]
 
 
+@pytest.mark.parametrize("policy", ["fgd", "binpack", "spread"])
+def test_of_equally_good_nodes_the_first_in_the_stable_tie_order_alone_gets_10(policy: str) -> None:
+    """Ties are broken by CRC-32 of the name (c, then b, then a), never by the order kube-scheduler
+    sent the names in, whether two or three nodes tie."""
+    st = ClusterState()
+    for n in ("a", "b", "c"):
+        node(st, n, [80, 80])
+    d = [Demand(20 * GIB)]
+    assert dict(score_nodes(st, d, ["a", "b"], policy)) == {"a": 9, "b": 10}
+    assert dict(score_nodes(st, d, ["b", "a"], policy)) == {"a": 9, "b": 10}
+    assert dict(score_nodes(st, d, ["a", "b", "c"], policy)) == {"a": 9, "b": 9, "c": 10}
+
+
 def test_a_two_gpu_pod_goes_to_the_fullest_gpus_under_binpack_and_the_emptiest_under_spread() -> None:
     """The general placement path (several GPUs per pod, not the one-GPU shortcut): best fit takes the
     two fullest GPUs that fit, spread the two freest."""
