@@ -69,6 +69,9 @@ def test_a_limit_below_every_forecast_use_covers_nothing():
     chance is 0, not the weight of the lowest sample."""
     opts = headroom.options(headroom.forecast([8000, 9000], 9000), 0, 20000, 4000, 4000, 4000)
     assert opts[0] == Option(4000, 0, 0.0) and opts[1].p > 0
+    # a limit at the lowest sampled use covers exactly that sample's weight (1/6), the next level 5/6
+    low = headroom.options(headroom.forecast([1024, 2048, 3072], 1024), 0, 8192, 1024, 1024, 1024)
+    assert [(o.limit_mib, round(o.p * 6, 6)) for o in low] == [(1024, 1), (2048, 5), (3072, 6)]
 
 
 def test_choose_breaks_ties_toward_the_cheaper_plan():
