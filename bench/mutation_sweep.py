@@ -45,7 +45,8 @@ RESULTS_DIR = os.path.join(ROOT, "bench", "results")
 
 QUOTA_TESTS = ["tests/quota", "tests/dra/test_claim_soundness.py"]
 EXTENDER_CORE_TESTS = [f"tests/extender/test_{name}.py" for name in (
-    "cluster", "placement", "policies", "soundness", "verbs", "filter_caches", "incremental", "host_parity")]
+    "cluster", "cluster_memo", "placement", "policies", "soundness", "verbs", "filter_caches", "incremental",
+    "host_parity")] + ["tests/coldstart/test_residency.py", "tests/coldstart/test_residency_extender.py"]
 #: name -> (module, tests). The test sets are the ones that own the module's rules.
 PRESETS: dict[str, tuple[str, list[str]]] = {
     "quota-policy": ("deviceplugin/quota/policy.py", QUOTA_TESTS),
