@@ -66,11 +66,23 @@ def test_a_clock_that_goes_back_starts_the_window_afresh() -> None:
         f.observe(t, {"GPU-0": 5000})
     f.observe(50, {"GPU-0": 5000})
     assert f.settled(50) == {}
+    f.observe(70, {"GPU-0": 5000})  # the new window spans: the readings from before the jump are gone
+    assert f.settled(70) == {"GPU-0": 5000}
 
 
 def test_a_settle_period_must_be_positive() -> None:
     with pytest.raises(ValueError):
         SettledForeign(settle_s=0)
+    f = SettledForeign(settle_s=0.5)  # any positive period (a test's short tick)
+    f.observe(0, {"GPU-0": 700})
+    f.observe(0.5, {"GPU-0": 700})
+    assert f.settled(0.5) == {"GPU-0": 700}
+
+
+def test_a_kept_figure_of_nothing_is_not_reported() -> None:
+    f = SettledForeign(settle_s=10)
+    f.keep({"GPU-0": 0, "GPU-1": 300}, until=100)
+    assert f.settled(0) == {"GPU-1": 300}
 
 
 @settings(max_examples=300, deadline=None)
