@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from vramshare import inventory
 from vramshare.contract import inventory as contract_inventory
-from vramshare.foreign import (SETTLE_S, SettledForeign, decode_kept, encode_kept, schedulable_foreign,
-                               settled_from_booked, with_foreign)
+from vramshare.foreign import (MAX_KEPT_GPUS, MAX_KEPT_MIB, SETTLE_S, SettledForeign, decode_kept, encode_kept,
+                               schedulable_foreign, settled_from_booked, with_foreign)
 
 UNIT = 1024
 # an H100: 81,559 MiB, 79 units of 1 GiB, 663 MiB of slack beyond them
@@ -116,6 +116,14 @@ def test_slack_absorbs_foreign_memory_first_then_whole_units_are_booked() -> Non
     assert schedulable_foreign(INV, {"GPU-1": 5000}) == {}  # a whole GPU is its one pod's: not booked here
 
 
+def test_on_a_gpu_without_slack_one_mib_beyond_a_unit_books_a_second_unit() -> None:
+    gpu = inventory.Gpu(index=0, uuid="GPU-0", model="m", memory_mib=80 * 1024, units=80)
+    inv = inventory.NodeInventory(unit_mib=1024, gpus=(gpu,))
+    assert schedulable_foreign(inv, {"GPU-0": 1}) == {"GPU-0": 1024}
+    assert schedulable_foreign(inv, {"GPU-0": 1025}) == {"GPU-0": 2048}
+    assert settled_from_booked(inv, {}) == {}  # a GPU it booked nothing on keeps nothing
+
+
 def test_the_inventory_carries_it_and_the_extender_books_it_in_whole_units() -> None:
     inv = with_foreign(INV, {"GPU-0": 5 * UNIT})
     text = contract_inventory.encode(inv)
@@ -180,7 +188,16 @@ def test_the_kept_figures_round_trip(figures: dict[str, int]) -> None:
     (b'{"version": 1}', "must be a map"), (b'{"version": 1, "foreignMiB": {"GPU-0": -5}}', "whole number"),
     (b'{"version": 1, "foreignMiB": {"GPU-0": true}}', "whole number"),
     (b'{"version": 1, "foreignMiB": {"GPU-0": 1.5}}', "whole number"),
-    (b'{"version": 1, "foreignMiB": {"": 5}}', "whole number")])
+    (b'{"version": 1, "foreignMiB": {"": 5}}', "whole number"),
+    (b'{"version": 1, "foreignMiB": {"GPU-0": 0}}', "whole number"),
+    (json.dumps({"version": 1, "foreignMiB": {"GPU-0": MAX_KEPT_MIB + 1}}).encode(), "whole number"),
+    (json.dumps({"version": 1, "foreignMiB": {f"GPU-{i}": 1 for i in range(MAX_KEPT_GPUS + 1)}}).encode(),
+     "must be a map of at most")])
 def test_a_kept_file_this_code_did_not_write_is_refused_with_the_reason(data: bytes, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         decode_kept(data)
+
+
+def test_a_kept_file_at_its_bounds_is_read() -> None:
+    most = {f"GPU-{i}": 1 for i in range(MAX_KEPT_GPUS - 1)} | {"GPU-big": MAX_KEPT_MIB}
+    assert decode_kept(json.dumps({"version": 1, "foreignMiB": most}).encode()) == most
