@@ -236,6 +236,23 @@ def sweep(module: str, mutants: list[Mutant], tests: list[str], jobs: int, timeo
     return outcomes
 
 
+def _placed(stored: list[dict], mutants: list[Mutant]) -> list[dict]:
+    """Stored outcomes with their column (results written before outcomes kept one: the mutants of a line
+    with the same change, in the order the sweep ran them)."""
+    placed = {(o["line"], o.get("col"), o["what"]) for o in stored}
+    cols: dict[tuple[int, str], list[int]] = {}
+    for m in mutants:
+        if (m.line, m.col, m.what) not in placed:
+            cols.setdefault((m.line, m.what), []).append(m.col)
+    out = []
+    for o in stored:
+        if o.get("col") is None or o["col"] < 0:
+            free = cols.get((o["line"], o["what"]), [])
+            o = {**o, "col": free.pop(0) if free else -1}
+        out.append(o)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -274,14 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     earlier: list[dict] = []
     if a.recheck:  # the module is unchanged since (only tests were added): the same mutants, by place
         with open(out, encoding="utf-8") as fh:
-            earlier = json.load(fh)["all"]
-        left = {(o["line"], o.get("col"), o["what"]) for o in earlier if not o["killed"]}
-        mutants = [m for m in mutants if (m.line, m.col, m.what) in left or (m.line, None, m.what) in left]
+            earlier = [Outcome(**o) for o in _placed(json.load(fh)["all"], mutants)]
+        left = {(o.line, o.col, o.what) for o in earlier if not o.killed}
+        mutants = [m for m in mutants if (m.line, m.col, m.what) in left]
     t0 = time.monotonic()
     outcomes = sweep(module, mutants, tests, a.jobs, a.timeout)
     if earlier:
-        again = {(o.line, o.what) for o in outcomes}
-        outcomes = [Outcome(**{"col": -1, **o}) for o in earlier if (o["line"], o["what"]) not in again] + outcomes
+        again = {(o.line, o.col, o.what) for o in outcomes}
+        outcomes = [o for o in earlier if (o.line, o.col, o.what) not in again] + outcomes
         outcomes.sort(key=lambda o: (o.line, o.col, o.what))
     survivors = [o for o in outcomes if not o.killed]
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)

@@ -42,3 +42,14 @@ def test_every_preset_names_a_module_and_tests_that_exist():
         assert list(mutants_of((ROOT / module).read_text(encoding="utf-8"))), module
         for t in tests:
             assert (ROOT / t).exists(), t
+
+
+def test_a_recheck_places_outcomes_stored_without_a_column():
+    """Results written before outcomes kept their column: same-line, same-change mutants get the columns
+    left over, in order, beside those stored with one."""
+    from bench.mutation_sweep import _placed
+    mutants = [m for m in mutants_of("x = f(1, 1, 1)\n") if m.what == "1 -> 2"]
+    cols = [m.col for m in mutants]
+    stored = [{"line": 1, "what": "1 -> 2", "col": cols[1]}, {"line": 1, "what": "1 -> 2"},
+              {"line": 1, "what": "1 -> 2", "col": -1}]
+    assert [o["col"] for o in _placed(stored, mutants)] == [cols[1], cols[0], cols[2]]
