@@ -206,7 +206,7 @@ def sweep(module: str, mutants: list[Mutant], tests: list[str], jobs: int, timeo
         if not passed:
             raise SystemExit(f"the unmutated tree does not pass {tests} ({how}): fix that first")
         free = list(trees)
-        with open(os.path.join(ROOT, module), encoding="utf-8") as fh:
+        with open(os.path.join(trees[0], module), encoding="utf-8") as fh:  # the committed text
             original = fh.read()
         lines = original.splitlines(keepends=True)
         outcomes: list[Outcome] = []
@@ -275,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error("give --preset, or --module with --tests")
     lo, _, hi = a.lines.partition("-")
-    with open(os.path.join(ROOT, module), encoding="utf-8") as fh:
-        source = fh.read()
+    shown = subprocess.run(["git", "show", f"HEAD:{module}"], cwd=ROOT, capture_output=True, text=True)
+    if shown.returncode:
+        ap.error(f"{module} is not in the committed tree: {shown.stderr.strip()}")
+    source = shown.stdout  # the committed text, which the clones hold
     mutants = list(mutants_of(source, int(lo or 1), int(hi or 10 ** 9)))
     if a.list:
         for m in mutants:
