@@ -454,6 +454,10 @@ def test_a_claim_several_pods_share_is_held_at_its_grant_in_sum_by_the_fence(nod
     assert nv.limits[(GPU, ca)] == (14500 << 20, 14500 << 20) and nv.limits[(GPU, cb)] == (9500 << 20, 9500 << 20)
     with pytest.raises(OutOfMemory):
         nv.allocate(GPU, cb, 9501)
+    # b reaches its hard limit exactly (the driver lets it no further): it wants more, so the rest goes to it
+    nv.allocate(GPU, cb, 9500)
+    assert not loop.run_once().errors
+    assert nv.limits[(GPU, ca)][1] == 5000 << 20 and nv.limits[(GPU, cb)][1] == 19000 << 20
 
 
 def test_an_unlisted_pod_s_containers_are_read_by_its_uid_and_held_only_by_its_one_claim(node):
