@@ -520,6 +520,21 @@ def test_a_tenant_whose_cgroups_are_not_found_counts_at_its_cdi_shares(node):
     assert used[("a", None)] == 30000 and used[("b", CID_B)] == 1000 and used[("b", None)] == 15000
 
 
+def test_a_running_init_container_keeps_the_share_of_the_container_that_follows_it(node):
+    """An ordinary init container runs alone; when it ends the kubelet starts the next container at its CDI
+    share, which the driver gives whatever the limits say. So while the init container holds 1,000 of its
+    30,000 share, the rest of the share counts as used (the tenant is not cut below it); one holding more
+    than the share leaves nothing more to count."""
+    nv, cgroot, _q = node
+    fence = DriverFence(NvmlMemoryLimits(nv), CgroupFinder(cgroot))
+    init = Tenant(A, ((GPU, 30000),), container_ids=frozenset([CID_A]), init_ids=frozenset([CID_A]))
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 1000)
+    used = {s.container_id: s.used_mib for s in fence.read_usage([init])}
+    assert used == {CID_A: 1000, None: 29000}
+    nv.allocate(GPU, cgroup_of(A.pod_uid, CID_A), 30000)
+    assert {s.container_id: s.used_mib for s in fence.read_usage([init])} == {CID_A: 31000}
+
+
 def test_the_hard_limits_in_force_are_read_with_the_use(node):
     """A restarted quota loop bounds what an engine on a file it never saw may hold by the driver's hard
     limits in force (not that file's ceiling): the fence reads them with the use, in sum per tenant, and
