@@ -175,9 +175,10 @@ class Outcome:
     seconds: float
 
 
-def _clone(into: str) -> str:
-    """A clone of the committed tree with the checkout's virtual environment linked in."""
+def _clone(into: str, commit: str) -> str:
+    """A clone of ``commit`` with the checkout's virtual environment linked in."""
     subprocess.run(["git", "clone", "-q", "--shared", ROOT, into], check=True)
+    subprocess.run(["git", "-C", into, "checkout", "-q", "--detach", commit], check=True)
     os.symlink(os.path.join(ROOT, ".venv"), os.path.join(into, ".venv"))
     return into
 
@@ -198,10 +199,12 @@ def _run_tests(tree: str, tests: list[str], timeout: float) -> tuple[bool, str]:
     return r.returncode == 0, "survived" if r.returncode == 0 else "tests failed"
 
 
-def sweep(module: str, mutants: list[Mutant], tests: list[str], jobs: int, timeout: float) -> list[Outcome]:
-    """Run every mutant against ``tests``, ``jobs`` clones at a time, showing progress."""
+def sweep(module: str, mutants: list[Mutant], tests: list[str], jobs: int, timeout: float,
+          commit: str = "HEAD") -> list[Outcome]:
+    """Run every mutant of ``module`` as ``commit`` has it against ``tests``, ``jobs`` clones at a time,
+    showing progress."""
     with tempfile.TemporaryDirectory(prefix="vramshare-mutants-") as tmp:
-        trees = [_clone(os.path.join(tmp, f"tree{i}")) for i in range(max(1, jobs))]
+        trees = [_clone(os.path.join(tmp, f"tree{i}"), commit) for i in range(max(1, jobs))]
         passed, how = _run_tests(trees[0], tests, timeout * 3)
         if not passed:
             raise SystemExit(f"the unmutated tree does not pass {tests} ({how}): fix that first")
@@ -253,6 +256,10 @@ def _placed(stored: list[dict], mutants: list[Mutant]) -> list[dict]:
     return out
 
 
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -275,37 +282,40 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ap.error("give --preset, or --module with --tests")
     lo, _, hi = a.lines.partition("-")
-    shown = subprocess.run(["git", "show", f"HEAD:{module}"], cwd=ROOT, capture_output=True, text=True)
+    # one commit for the mutants, the clones and the report, whatever is committed meanwhile
+    commit = _git("rev-parse", "HEAD").stdout.strip()
+    shown = _git("show", f"{commit}:{module}")
     if shown.returncode:
         ap.error(f"{module} is not in the committed tree: {shown.stderr.strip()}")
-    source = shown.stdout  # the committed text, which the clones hold
+    source = shown.stdout
     mutants = list(mutants_of(source, int(lo or 1), int(hi or 10 ** 9)))
     if a.list:
         for m in mutants:
             print(f"{module}:{m.line}:{m.col} {m.what}")
         print(f"{len(mutants)} mutants")
         return 0
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", module], cwd=ROOT, capture_output=True, text=True)
-    if dirty.stdout.strip():
+    if _git("status", "--porcelain", "--", module).stdout.strip():
         print(f"note: {module} has uncommitted changes; the sweep mutates the committed version", file=sys.stderr)
     name = a.name or a.preset or os.path.splitext(os.path.basename(module))[0]
     out = os.path.join(RESULTS_DIR, f"mutation-{name}.json")
     earlier: list[dict] = []
-    if a.recheck:  # the module is unchanged since (only tests were added): the same mutants, by place
+    if a.recheck:  # the same mutants, by place, while the module is unchanged (only tests were added)
         with open(out, encoding="utf-8") as fh:
-            earlier = [Outcome(**o) for o in _placed(json.load(fh)["all"], mutants)]
+            stored = json.load(fh)
+        if _git("diff", "--quiet", stored["commit"], commit, "--", module).returncode:
+            ap.error(f"{module} changed since the stored sweep at {stored['commit']}: run it whole")
+        earlier = [Outcome(**o) for o in _placed(stored["all"], mutants)]
         left = {(o.line, o.col, o.what) for o in earlier if not o.killed}
         mutants = [m for m in mutants if (m.line, m.col, m.what) in left]
     t0 = time.monotonic()
-    outcomes = sweep(module, mutants, tests, a.jobs, a.timeout)
+    outcomes = sweep(module, mutants, tests, a.jobs, a.timeout, commit)
     if earlier:
         again = {(o.line, o.col, o.what) for o in outcomes}
         outcomes = [o for o in earlier if (o.line, o.col, o.what) not in again] + outcomes
         outcomes.sort(key=lambda o: (o.line, o.col, o.what))
     survivors = [o for o in outcomes if not o.killed]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     report = {"benchmark": "mutation-sweep", "module": module, "lines": a.lines or "all", "tests": tests,
-              "commit": head.stdout.strip(), "rechecked": a.recheck, "mutants": len(outcomes),
+              "commit": commit[:7], "rechecked": a.recheck, "mutants": len(outcomes),
               "killed": len(outcomes) - len(survivors), "survived": len(survivors),
               "wall_s": round(time.monotonic() - t0, 1),
               "survivors": [asdict(o) for o in survivors], "all": [asdict(o) for o in outcomes]}
