@@ -234,8 +234,10 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
         kubelet = DraKubelet(http, NODE, f"{sockets}/registry")  # outlives the plugin's restarts
         scheduler = DraScheduler(http, [NODE], seed=1)
 
-        def start() -> DraPluginDaemon:
-            daemon = plugin.enter_context(plugin_on(api, http, sockets, config))
+        def start(withheld: int = 0) -> DraPluginDaemon:
+            """``withheld``: shared GPUs the node's report leaves out at the start (the grants of claims whose
+            pods are gone and the stuck memory fill them)."""
+            daemon = plugin.enter_context(plugin_on(api, http, sockets, config, devices=7 - withheld))
             assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
             return daemon
 
@@ -251,6 +253,7 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
         running: list[dict] = []  # prepared, in the API
         lingering: list[dict] = []  # force-deleted: gone from the API, still prepared
         waiting: list[dict] = []  # allocated, Prepare refused (never, with the report landed)
+        refusals: list[str] = []  # why
         for n, (op, template, pick) in enumerate(steps):
             if op == "create":
                 if lingering:
@@ -260,8 +263,9 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
                     try:
                         kubelet.prepare_pod(pod)
                         running.append(pod)
-                    except PrepareError:
+                    except PrepareError as exc:
                         waiting.append(pod)
+                        refusals.append(str(exc))
             elif op == "force" and running:
                 force(running.pop(pick % len(running)))
             elif op == "graceful" and running:
@@ -282,7 +286,8 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
                 if running:
                     event("a pod was force-deleted while the plugin was down")
                     force(running.pop(pick % len(running)))
-                daemon = start()
+                full = _held(daemon, lingering, stuck)
+                daemon = start(withheld=sum(cap <= full.get(d, 0) for d, cap in CAPACITY.items()))
             elif op == "blind":
                 outage = api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
                 api.drop_watches(abrupt=True)
@@ -296,14 +301,21 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
             elif op == "stuck":
                 stuck = pick  # the quota loop's settled figure, told to the plugin as it tells it
                 daemon.on_foreign_settled({gpu0.uuid: slack + stuck * GIB} if stuck else {})
-            held = _grants(daemon, lingering)
-            held["gpu-0"] = held.get("gpu-0", 0) + stuck * GIB
+            held = _held(daemon, lingering, stuck)
             want = {d: f"{cap - held.get(d, 0)}Mi" for d, cap in CAPACITY.items() if cap > held.get(d, 0)}
 
             assert api.wait_for(lambda a: _capacity(a) == want, timeout=20), (steps[:n + 1], _capacity(api), want)
-            assert waiting == [], (steps[:n + 1], "Prepare refused a claim the allocator placed")
+            assert waiting == [], (steps[:n + 1], "Prepare refused a claim the allocator placed", refusals)
             for d, cap in CAPACITY.items():
                 assert _grants(daemon, None).get(d, 0) <= cap, (steps[:n + 1], d)
+
+
+def _held(daemon, lingering: list[dict], stuck: int) -> dict[str, int]:
+    """Per published device, the MiB the node's report holds outside the allocator: the grants of the
+    force-deleted pods' claims still prepared, and ``stuck`` GiB on ``gpu-0``."""
+    held = _grants(daemon, lingering)
+    held["gpu-0"] = held.get("gpu-0", 0) + stuck * GIB
+    return held
 
 
 def _grants(daemon, pods: list[dict] | None) -> dict[str, int]:
