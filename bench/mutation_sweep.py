@@ -57,6 +57,9 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
     "foreign": ("vramshare/foreign.py", ["tests/test_foreign.py", "tests/quota/test_foreign_settled.py",
                                          "tests/extender/test_foreign_booked.py", "tests/deviceplugin/test_departures.py",
                                          "tests/dra/test_forced_deletion.py", "tests/dra/test_slice_foreign.py"]),
+    "quota-classes": ("deviceplugin/quota/classes.py", QUOTA_TESTS + ["tests/coldstart/test_overcommit.py",
+                                                                      "tests/coldstart/test_warm_tier.py"]),
+    "quota-warm": ("deviceplugin/quota/warm.py", ["tests/coldstart", "tests/quota/test_warmth.py"]),
     "extender-fit": ("extender/fit.py", EXTENDER_CORE_TESTS),
     "extender-placement": ("extender/placement.py", EXTENDER_CORE_TESTS),
 }
