@@ -139,6 +139,7 @@ class DraPluginDaemon(NodeDaemon):
         # the claims prepared when the pod list in flight was requested (claim UID -> its pods' UIDs): a pod
         # of theirs that list lacks was deleted while nobody watched (the plugin was down, the watch broken)
         self._before_list: dict[str, tuple[str, ...]] = {}
+        self._listed = False  # a pod list landed (its callback ran): until then nobody knows who left
         self._gone_lock = threading.Lock()
         # this node's pods by list+watch: the claims' pods leaving (the report above) and the quota loop's tenants;
         # a broken watch relists within ``retry_seconds`` at most, as a failed publish retries
@@ -248,23 +249,35 @@ class DraPluginDaemon(NodeDaemon):
             missing = {u for uids in self._before_list.values() for u in uids if u not in present}
             self._gone |= missing
             self._before_list = {}
-        if missing:
-            self._dirty.set()
+            self._listed = True
+        self._dirty.set()  # also when nothing is missing: the first list lifts what _held_outside held until it
 
     def _held_outside(self) -> dict[str, int]:
         """Per GPU, MiB held outside the allocator's books: the loop's settled foreign memory plus the grants
         of claims whose pods were all deleted while they stay prepared (until the kubelet unprepares); only
-        shared GPUs' figures are read (:func:`vramshare.foreign.schedulable_foreign`)."""
+        shared GPUs' figures are read (:func:`vramshare.foreign.schedulable_foreign`).
+
+        Until the first pod list lands, any prepared claim's pods may have left while this plugin was down
+        (the checkpoint outlives them): every prepared claim's grant is held, so a restart's first publish
+        never offers memory a lingering claim holds (a live claim's grant is counted twice, by the
+        allocator too, until the list lands: the safe side)."""
         from deviceplugin.dra.tenants import departed_claims
 
         prepared = list(self.preparer.prepared().values())
         with self._gone_lock:
+            listed = self._listed
             self._gone &= {u for c in prepared for u in c.pod_uids}  # only what may still matter
-            departed = departed_claims(prepared, self._gone, self.pods.pods())
+            gone = self._gone if listed else {u for c in prepared for u in c.pod_uids}
+            departed = departed_claims(prepared, gone, self.pods.pods())
         held = dict(self._foreign)
         for c in departed:
             for gpu, mib in c.gpus.items():
                 held[gpu] = held.get(gpu, 0) + mib
+        if not listed:
+            if departed:
+                log.info("pods not listed yet: every prepared claim's grant is held outside the allocator until "
+                         "the list shows whose pods are gone", node=self.node, claims=len(departed))
+            return held
         names = tuple(f"{c.namespace}/{c.name}" for c in departed)
         self.metrics.departed_claims.set(len(names))
         if names != self._departed:

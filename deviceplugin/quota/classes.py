@@ -18,8 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from vramshare.config import (DEFAULT_CLASS, ClassMatch, LabelExpression, OverLimitAction, QuotaClass,
-                              QuotaConfig)
+from vramshare.config import DEFAULT_CLASS, ClassMatch, LabelExpression, OverLimitAction, QuotaClass
 
 
 @dataclass(frozen=True)
@@ -137,9 +136,3 @@ def terms(qc: QuotaClass, base: ClassTerms) -> ClassTerms:
         over_limit_action=qc.over_limit_action or base.over_limit_action,
         sleep_booked_fraction=qc.sleep_booked_fraction, wake_reserve=qc.wake_reserve,
         wake_ahead=qc.wake_ahead)
-
-
-def default_terms(quota: QuotaConfig, action: OverLimitAction) -> ClassTerms:
-    """The ``default`` class: the global ``quota.*`` keys and ``enforcement.overLimitAction``."""
-    return ClassTerms(DEFAULT_CLASS, quota.floor_fraction, None, quota.ceiling_fraction, None, quota.margin_mib,
-                      quota.idle_seconds, 0, action)

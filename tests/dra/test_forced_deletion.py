@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
@@ -136,15 +137,57 @@ def test_a_pod_force_deleted_while_the_plugin_was_down_is_reported_after_its_res
             assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
 
 
+@pytest.mark.parametrize("forced", [True, False], ids=["pod-force-deleted", "pod-running"])
+def test_a_restarted_plugin_offers_no_prepared_grant_before_its_pod_list_lands(tmp_path, forced):
+    """A restart reads its prepared claims from the checkpoint, but which of their pods left while it was
+    down only its first pod list says; the kubelet wiped the slices at its start. Until that list lands
+    (the API server refuses it here), the first publish holds every prepared claim's grant: a pod that was
+    force-deleted keeps its memory off the allocator's books, and a running one's is counted twice (by the
+    allocator too) for that while, the safe side. Then the list: the running pod's grant is the allocator's
+    alone again. (Before, the first publish offered the whole GPU until the list landed; a claim allocated
+    in between waited at Prepare.)"""
+    config = dra_config(tmp_path)
+    with demo_cluster() as (api, http, sockets):
+        kubelet = DraKubelet(http, NODE, f"{sockets}/registry")
+        scheduler = DraScheduler(http, [NODE], seed=1)
+        with plugin_on(api, http, sockets, config) as daemon:
+            full = _capacity(api)
+            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+            old, where = _pod(api, scheduler, "old")
+            assert where is not None
+            kubelet.prepare_pod(old)
+        if forced:
+            api.delete_pod("default", "old")
+            scheduler.release(old)
+        kubelet.sync_plugins()
+        kubelet.wipe_resource_slices(DRIVER)  # the kubelet's start
+        api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
+        with plugin_on(api, http, sockets, config) as daemon:
+            assert not daemon.pods.synced.is_set()  # every list refused so far
+            assert _capacity(api) == HELD  # the first publish: the old claim's grant is not offered
+            api.clear_faults()
+            assert api.wait_for(lambda a: _capacity(a) == (HELD if forced else full), timeout=20), _capacity(api)
+            assert kubelet.sync_plugins() == [DRIVER] and daemon.plugin.registration.registered.wait(5)
+            kubelet.unprepare_pod(old)
+            assert api.wait_for(lambda a: _capacity(a) == full, timeout=20), _capacity(api)
+
+
+def _cut_pod_watch(api) -> Any:
+    """The API server refuses the node's pod list and watch from now on (the fault, to clear), and every
+    open watch is cut until the pod watch's relist was refused: a watch the last relist was still opening
+    when one cut came would run on and see everything."""
+    outage = api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
+    assert eventually(lambda: outage.hits >= 1 or api.drop_watches(abrupt=True))
+    return outage
+
+
 def test_a_pod_bound_prepared_and_force_deleted_during_a_watch_outage_is_reported_at_the_relist(tmp_path):
     """The pod watch is broken (the API server refuses the node's pod list and watch) while a pod is bound,
     prepared and force-deleted: the view never held it, so the relist's diff cannot name it. The claims
     prepared before the relist was requested can: their pods it lacks are gone."""
     with running_plugin(dra_config(tmp_path)) as (api, daemon, scheduler, kubelet):
         full = _capacity(api)
-        outage = api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
-        api.drop_watches(abrupt=True)
-        assert eventually(lambda: outage.hits >= 1)  # its watch is cut and a new one refused
+        _cut_pod_watch(api)
         old, where = _pod(api, scheduler, "old")
         assert where is not None
         kubelet.prepare_pod(old)
@@ -289,10 +332,7 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
                 full = _held(daemon, lingering, stuck)
                 daemon = start(withheld=sum(cap <= full.get(d, 0) for d, cap in CAPACITY.items()))
             elif op == "blind":
-                outage = api.fail_next("GET", r"^/api/v1/pods$", code=503, times=10**6)
-                # its watch is cut and a new one refused; cut until then: a watch the last relist was still
-                # opening when the first cut came would otherwise run on and see everything
-                assert eventually(lambda: outage.hits >= 1 or api.drop_watches(abrupt=True))
+                _cut_pod_watch(api)
                 pod, where = _pod(api, scheduler, f"p{n}", template)
                 if where is not None:
                     event("a pod was bound, prepared and force-deleted while the pod watch was broken")

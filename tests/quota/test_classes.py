@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from deviceplugin.assignment import AssignedGpu
 from deviceplugin.kubelet.reconcile import Holding, Owner
-from deviceplugin.quota.classes import DEFAULT, PodMeta, resolve, term_matches
+from deviceplugin.quota.classes import DEFAULT, PodMeta, resolve, term_matches, terms
 from deviceplugin.quota.kube import ApiQuotaMirror, pod_meta, tenants_from_holdings
 from deviceplugin.quota.loop import LoopSettings, QuotaLoop
 from deviceplugin.quota.model import PolicyParams, Tenant, TenantKey
@@ -298,6 +298,22 @@ def test_default_class_is_todays_behaviour():
     s = LoopSettings.from_config(parse_config("quota: {floorFraction: 0.3, marginMiB: 7}").quota)
     t = s.default_terms()
     assert (t.floor_of(1000), t.ceiling_of(1000), t.margin_mib, t.lending_priority) == (300, 1500, 7, 0)
+
+
+def test_a_class_fraction_of_zero_means_zero_not_unset():
+    """``floorFraction: 0``: a class its tenants may be cut to nothing in; ``ceilingFraction: 0`` (the floor
+    inherited): never raised beyond that floor. A fraction of 0 is a value, not an omitted key."""
+    q = parse_config("""
+quota:
+  floorFraction: 0.5
+  classes:
+  - {name: scavenger, floorFraction: 0, ceilingFraction: 2}
+  - {name: pinned, ceilingFraction: 0}
+""").quota
+    base = LoopSettings.from_config(q).default_terms()
+    scavenger, pinned = (terms(c, base) for c in q.classes)
+    assert (scavenger.floor_of(1000), scavenger.ceiling_of(1000)) == (0, 2000)
+    assert (pinned.floor_of(1000), pinned.ceiling_of(1000)) == (500, 500)
 
 
 def test_metrics_carry_the_class(tmp_path):
