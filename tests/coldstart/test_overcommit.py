@@ -153,12 +153,16 @@ class Rig:
         self.broker.receive(k, contract.WarmMessage.of(contract.WARM_HELLO, canSleep=True), 0)
         return k
 
+    def prepared(self) -> list[TenantState]:
+        """Every tenant as the broker shows it to the policy (:meth:`WarmBroker.prepare`)."""
+        return [self.broker.prepare(TenantState(k, t["req"], t["limit"], t["used"],
+                                                Signals(running=int(t["busy"]), waiting=0, kv_usage=0.5),
+                                                phase=Phase.HOT if t["busy"] else Phase.WARM,
+                                                rank=t["terms"].lending_priority), "G", t["terms"])
+                for k, t in self.t.items()]
+
     def tick(self, now: float) -> list:
-        states = [self.broker.prepare(TenantState(k, t["req"], t["limit"], t["used"],
-                                                  Signals(running=int(t["busy"]), waiting=0, kv_usage=0.5),
-                                                  phase=Phase.HOT if t["busy"] else Phase.WARM,
-                                                  rank=t["terms"].lending_priority), "G", t["terms"])
-                  for k, t in self.t.items()]
+        states = self.prepared()
         decided = {(d.key, "G"): d for d in rebalance(GpuState("G", self.cap, tuple(states)), P)}
         self.broker.note(decided)
         before = len(self.sent)
@@ -224,6 +228,25 @@ def test_a_wake_beyond_the_reserve_waits_and_displaces_only_a_lower_class():
     text = generate_latest(reg).decode()
     assert 'vramshare_warm_wakes_waited_total{tenant_container="c",tenant_namespace="ns",tenant_pod="high"} 1.0' in text
     assert 'vramshare_warm_displaced_total{tenant_container="c",tenant_namespace="ns",tenant_pod="low"} 2.0' in text
+
+
+@pytest.mark.parametrize("awake,reserved,held", [(2, 0, True), (1, 0, False), (1, 15 * GIB, True),
+                                                   (1, 10 * GIB, False)])
+def test_a_wake_is_held_while_its_request_does_not_fit_beside_the_others_and_the_pending_claims(awake, reserved,
+                                                                                              held):
+    """``hold_wakes``: a sleeper of an overcommit class wakes (25 GiB) on 60 GiB beside awake pods counted
+    at their requests (25 GiB each) and the pending claims' ``reserved``: two awake pods (75 GiB) or one
+    with 15 GiB pending (65) hold it asleep, at floor 0; one alone (50), or with 10 GiB pending (exactly 60),
+    lets it be restored."""
+    r = Rig(60 * GIB)
+    x = r.add("x", 25 * GIB, 24 * GIB, fraction=0.1)
+    r.sleep(x)
+    for n in range(awake):
+        r.add(f"awake{n}", 25 * GIB, 24 * GIB)
+    r.wake(x, 1)
+    shown = {s.key: s for s in r.broker.hold_wakes("G", r.cap, r.prepared(), reserved)}
+    assert shown[x].phase is (Phase.WARM if held else Phase.WAKING)
+    assert (shown[x].bounds.floor_mib == 0) if held else shown[x].bounds is None
 
 
 def test_a_lower_class_wake_displaces_nobody_it_waits():

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from deviceplugin.quota.warm_channel import WarmCollector
 from deviceplugin.quota.classes import ClassTerms
-from deviceplugin.quota.model import GpuState, Phase, PolicyParams, Signals, TenantKey, TenantState
+from deviceplugin.quota.model import Bounds, GpuState, Phase, PolicyParams, Signals, TenantKey, TenantState
 from deviceplugin.quota.policy import rebalance
 from deviceplugin.quota.warm import Sleep, WarmBroker
 from vramshare import contract
@@ -254,6 +254,39 @@ def test_a_real_wake_sends_the_early_woken_engine_back_to_sleep_first():
     assert sleep_at and grant_at and sleep_at[0] < grant_at[0]
     v = rig.broker.views()[AHEAD]
     assert v.state is Sleep.SLEEPING and v.prewakes_wasted == 1 and v.prewakes_used == 0
+
+
+def test_a_real_wake_that_comes_while_an_early_wake_is_booked_cancels_the_booking():
+    """An early wake is booked at one tick (its quota restored at the next, then prewake). When a real
+    request wakes another sleeper on the GPU before that next tick, the real wake has the memory: the
+    booking is dropped and no prewake goes out, although the room found for both is still there."""
+    rig = Rig(cap=60000, busy_used=1000)
+    due = history(rig)
+    t = due - 60
+    while rig.broker.views()[AHEAD].ahead != "booked":
+        assert t < due, "never booked"
+        rig.tick(t)
+        t += 0.5
+    rig.engines[OTHER].request(t)  # between the booking tick and the next
+    sent = rig.tick(t + 0.1)
+    assert [(k, m.op) for k, m in sent] == [(OTHER, contract.WARM_GRANT)]  # no prewake beside it
+    assert rig.broker.views()[AHEAD].state is Sleep.SLEEPING
+
+
+def test_a_sleeper_and_a_queued_wake_are_shown_to_the_policy_warm_with_no_floor():
+    """Asleep, an engine holds only its residue: the policy may lend everything above it (floor 0, its
+    class's ceiling and margin kept). A wake queued behind an earlier one on the GPU waits the same way."""
+    rig = Rig(cap=60000, busy_used=1000)
+    rig.run(1.0, IDLE_S + 1)
+    for key in (AHEAD, OTHER):
+        assert rig.broker.views()[key].state is Sleep.SLEEPING
+    rig.engines[OTHER].request(IDLE_S + 1.5)
+    rig.engines[AHEAD].request(IDLE_S + 1.6)  # behind OTHER's wake
+    for key in (AHEAD, OTHER):
+        t = TenantState(key, REQ, REQ, RESIDUAL, Signals(running=1, waiting=0, kv_usage=0.0), phase=Phase.HOT)
+        shown = rig.broker.prepare(t, GPU, rig.terms[key])
+        want = (Phase.WAKING, t.bounds) if key == OTHER else (Phase.WARM, Bounds(0, REQ, 512))
+        assert (shown.phase, shown.bounds) == want, key
 
 
 def test_a_request_that_comes_and_goes_between_two_ticks_uses_the_early_wake():
