@@ -329,8 +329,8 @@ def test_with_the_report_landed_no_order_of_forced_deletions_prepares_memory_twi
                 if running:
                     event("a pod was force-deleted while the plugin was down")
                     force(running.pop(pick % len(running)))
-                full = _held(daemon, lingering, stuck)
-                daemon = start(withheld=sum(cap <= full.get(d, 0) for d, cap in CAPACITY.items()))
+                outside = _held(daemon, lingering, stuck)
+                daemon = start(withheld=sum(cap <= outside.get(d, 0) for d, cap in CAPACITY.items()))
             elif op == "blind":
                 _cut_pod_watch(api)
                 pod, where = _pod(api, scheduler, f"p{n}", template)
