@@ -288,7 +288,8 @@ class WarmBroker:
                    reserved_mib: int = 0) -> list[TenantState]:
         """The GPU's prepared tenants, with a wake of an overcommit class's sleeper held asleep (``WARM``
         at floor 0, as a queued wake) while its request does not fit beside every other tenant's request
-        (sleepers at what they hold) and the pending claims (``reserved_mib``). Within the wake reserve
+        (sleepers at what they hold; a sleeper without a reading, or an awake idle one, at its request)
+        and the pending claims (``reserved_mib``). Within the wake reserve
         it fits, by the books' rule (:mod:`vramshare.overcommit`); beyond it (more wakes at once than the
         reserve, or a reserve a placement used) the policy would restore it ahead of everybody out of
         awake pods' requests, cutting a co-tenant below what the books promised it. Held, it waits for
@@ -309,7 +310,7 @@ class WarmBroker:
                         or (t.key, gpu) not in self._overcommit):
                     continue
                 b = t.bounds or self.params.bounds_of(t.request_mib)
-                others = sum((s.used_mib or 0) if s.key in asleep and s.phase is Phase.WARM
+                others = sum(held[s.key][1] if s.key in asleep and s.phase is Phase.WARM
                              else (s.bounds or self.params.bounds_of(s.request_mib)).clamp(s.request_mib)
                              for s in out if s.key != t.key)
                 if others + reserved_mib + b.clamp(t.request_mib) <= capacity:

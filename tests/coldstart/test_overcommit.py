@@ -249,6 +249,40 @@ def test_a_wake_is_held_while_its_request_does_not_fit_beside_the_others_and_the
     assert (shown[x].bounds.floor_mib == 0) if held else shown[x].bounds is None
 
 
+@pytest.mark.parametrize("cotenant,held", [("asleep-9", False), ("asleep-11", True), ("asleep-unread", True),
+                                            ("awake-idle", True)])
+def test_a_wake_counts_a_sleeping_co_tenant_at_what_it_holds_and_any_other_at_its_request(cotenant, held):
+    """``hold_wakes``: a 25 GiB wake on 60 GiB beside an awake pod (25) and a co-tenant asking 20 GiB.
+    Asleep, that co-tenant counts at what it holds: 9 GiB lets the wake be restored (59), 11 holds it
+    (61). Asleep with no reading, or awake but idle (``WARM`` to the policy, its engine awake: its
+    request is promised), it counts at its request (70): held."""
+    r = Rig(60 * GIB)
+    x = r.add("x", 25 * GIB, 24 * GIB, fraction=0.1)
+    r.sleep(x)
+    r.add("awake", 25 * GIB, 24 * GIB)
+    z = r.add("z", 20 * GIB, 19 * GIB, fraction=0.1)
+    if cotenant.startswith("asleep"):
+        r.sleep(z)
+        r.t[z]["used"] = None if cotenant == "asleep-unread" else int(cotenant.split("-")[1]) * GIB
+    else:
+        r.t[z].update(busy=False, used=2 * GIB)
+    r.wake(x, 1)
+    shown = {s.key: s for s in r.broker.hold_wakes("G", r.cap, r.prepared())}
+    assert shown[x].phase is (Phase.WARM if held else Phase.WAKING)
+
+
+def test_a_tenant_waking_without_the_warm_plugin_passes_through_untouched():
+    """A pod whose traffic came back after idleness is ``WAKING`` to the policy (:mod:`quota.warmth`)
+    whether or not its engine speaks to the broker; one that never said hello is not the broker's to
+    hold, however full the GPU."""
+    r = Rig(60 * GIB)
+    r.add("awake", 25 * GIB, 24 * GIB)
+    plain = TenantState(TenantKey("ns", "plain", "c"), 40 * GIB, 10 * GIB, 9 * GIB, Signals(running=1),
+                        phase=Phase.WAKING)
+    shown = r.broker.hold_wakes("G", r.cap, r.prepared() + [plain])
+    assert shown[-1] is plain
+
+
 def test_a_lower_class_wake_displaces_nobody_it_waits():
     r = Rig(60 * GIB)
     low = r.add("low", 25 * GIB, 24 * GIB, rank=0, fraction=0.1)
