@@ -16,14 +16,18 @@ false``, which breaks the no-one-below-its-request guarantee). References: ``cla
 minute t's demands, fits the most whole tenants), ``clairvoyant-release`` (the same, keeping the rule
 that memory held at t-1 is not free at t), ``clairvoyant-protected`` (keeping protected requests:
 nobody below min(request, demand) while another borrows, the guarantee issue 19's property test
-asks for), ``clairvoyant-fair`` (keeping both: the fair reference for the default), ``naive`` (last minute x 1.1, scaled to fit, the rest
-split evenly: the issue's naive rule), ``static-equal``.
+asks for, minute by minute), ``clairvoyant-fair`` (keeping both, but protecting only out of free
+memory: it never takes a loan back, so owners wait; round 17's reference), ``clairvoyant-reclaim``
+(keeping both and the property: a loan an owner needs is cut at once, the fair reference for the
+default; ``-4``: after 4 short minutes, the node property test's reaction time), ``naive`` (last
+minute x 1.1, scaled to fit, the rest split evenly: the issue's naive rule), ``static-equal``.
 
 The world: a tenant holds ``min(demand, limit)``; a cut is honoured by the next sample. Scored: %
 of container-minutes with demand over limit (the headline; spread = min / median / max over
 groupings), over-limit GiB-min, GPU-minutes where limits plus memory held beyond them exceed the GPU
-(``sum max(limit, held) <= capacity``, never broken by a causal row), limit changes per
-container-hour. ``--fit`` refits ``deviceplugin/quota/learned_model.json`` on the tuning half.
+(``sum max(limit, held) <= capacity``, never broken by a causal row), tenant-minutes where a tenant
+is below min(demand, request) while another holds more than its request (issue 19's property), limit
+changes per container-hour. ``--fit`` refits ``deviceplugin/quota/learned_model.json`` on the tuning half.
 Writes ``bench/results/quota.json``; the machine is shared, CPU seconds are only indicative.
 
     nice -n 10 python bench/bench_quota.py [--seeds N] [--ks 2,3,4] [--rows ...] [--fit]
@@ -151,32 +155,42 @@ def run_clairvoyant_release(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     at t. Covers the tenants whose rise above what they hold is cheapest, whole. What foresight alone
     is worth, separated from the release rule that binds every causal policy here."""
     def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
-        d, h = demand[:, t], held[:, t - 1]
-        out, free = h.copy(), GPU_MIB - int(h.sum())
-        for i in np.argsort(np.maximum(0, d - h), kind="stable"):
-            rise = max(0, int(d[i] - h[i]))
-            if rise <= free:
-                out[i], free = max(int(h[i]), int(d[i])), free - rise
+        h = held[:, t - 1]
+        out = h.astype(np.int64).copy()
+        _whole_rises(demand[:, t], out, GPU_MIB - int(h.sum()))
         return out
     return _world(demand, decide)
 
 
-def _cover(d: np.ndarray, base: np.ndarray, free: int, protect: int | None) -> np.ndarray:
-    """Limits covering demands ``d`` from ``base`` (what each already has for nothing) with ``free``
-    MiB: with ``protect`` (the request), everyone's demand up to it first (smallest rise first, the
-    last one partly), then whole rises, smallest first. The clairvoyant rows' one filling rule."""
-    out = np.maximum(base, 0).astype(np.int64)
-    if protect is not None:
-        goal = np.maximum(out, np.minimum(d, protect))
-        for i in np.argsort(goal - out, kind="stable"):
-            give = min(int(goal[i] - out[i]), max(0, free))
-            out[i] += give
-            free -= give
+def _protect(d: np.ndarray, out: np.ndarray, free: int, request: int) -> int:
+    """Raise each limit in ``out`` toward min(demand, request) out of ``free`` (smallest rise first, the
+    last one partly); returns what is left. The protected-requests pass of the clairvoyant rows."""
+    goal = np.maximum(out, np.minimum(d, request))
+    for i in np.argsort(goal - out, kind="stable"):
+        give = min(int(goal[i] - out[i]), max(0, free))
+        out[i] += give
+        free -= give
+    return free
+
+
+def _whole_rises(d: np.ndarray, out: np.ndarray, free: int) -> int:
+    """Cover whole rises to demand ``d`` out of ``free``, smallest first (the most whole tenants);
+    returns what is left."""
     for i in np.argsort(np.maximum(0, d - out), kind="stable"):
         rise = max(0, int(d[i] - out[i]))
         if rise <= free:
             out[i] += rise
             free -= rise
+    return free
+
+
+def _cover(d: np.ndarray, base: np.ndarray, free: int, protect: int | None) -> np.ndarray:
+    """Limits covering demands ``d`` from ``base`` (what each already has for nothing) with ``free``
+    MiB: with ``protect`` (the request), everyone's demand up to it first, then whole rises."""
+    out = np.maximum(base, 0).astype(np.int64)
+    if protect is not None:
+        free = _protect(d, out, free, protect)
+    _whole_rises(d, out, free)
     return out
 
 
@@ -192,14 +206,46 @@ def run_clairvoyant_protected(demand: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def run_clairvoyant_fair(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Knows minute t's demands and keeps both rules every causal row must keep: memory held at t-1
-    is not free at t (it may keep what it holds for nothing) and protected requests. The fair
-    reference for the default: what perfect foresight reaches under the same guarantees."""
+    """Knows minute t's demands, keeps the release rule (it may keep what it holds for nothing) and
+    protects requests out of free memory only. Never cutting below what a tenant holds, it never takes
+    memory back from a borrower: an owner whose request a borrower still holds waits as long as the
+    borrower's demand lasts, which issue 19's property forbids (``pct_owner_short_while_another_borrows``).
+    Kept as the round-17 reference; :func:`run_clairvoyant_reclaim` is the fair one."""
     k = len(demand)
 
     def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
         h = held[:, t - 1]
         return _cover(demand[:, t], h, GPU_MIB - int(h.sum()), GPU_MIB // k)
+    return _world(demand, decide)
+
+
+def run_clairvoyant_reclaim(demand: np.ndarray, allowance: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Perfect foresight under every rule the default must keep: knows minute t's demands, keeps the
+    release rule (memory held at t-1 is not free at t), and issue 19's property: an owner short of
+    min(demand, request) gets free memory first, and what free memory cannot give it is cut from the
+    tenants holding above their request, at once (largest loan first, never below the request). A cut
+    lands at t (the borrower holds no more than its new limit) and the owner gets the memory at t+1:
+    the release rule makes one short minute the least any policy can do. With ``allowance``, an owner
+    may stay short that many minutes before borrowers are cut (the node property test's reaction time
+    is 4 ticks at an acknowledgement lag of 0). Then whole rises, smallest first, out of free memory."""
+    k, request = len(demand), GPU_MIB // len(demand)
+    streak = np.zeros(k, dtype=np.int64)
+
+    def decide(t: int, limits: np.ndarray, held: np.ndarray) -> np.ndarray:
+        d, h = demand[:, t], held[:, t - 1]
+        out = h.astype(np.int64).copy()
+        free = _protect(d, out, GPU_MIB - int(h.sum()), request)
+        short = np.maximum(0, np.minimum(d, request) - out)
+        streak[:] = np.where(short > 0, streak + 1, 0)
+        owed = int(short[streak > allowance].sum())
+        for i in np.argsort(request - h, kind="stable"):  # the largest loan first
+            if owed <= 0 or h[i] <= request:
+                break
+            take = min(int(h[i]) - request, owed)
+            out[i] -= take
+            owed -= take
+        _whole_rises(d, out, free)  # nothing is free when someone is owed: a cut borrower stays cut
+        return out
     return _world(demand, decide)
 
 
@@ -231,12 +277,16 @@ def run_static(demand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def score(demand: np.ndarray, limits: np.ndarray, held: np.ndarray) -> dict[str, float]:
+    """Minute sums for one GPU. ``owner_short_minutes``: issue 19's property, tenant-minutes where a
+    limit is below min(demand, request) while another tenant holds more than its request."""
     over = np.maximum(0, demand - limits)
+    request = GPU_MIB // len(demand)
+    owner_short = (limits < np.minimum(demand, request)) & ((held > request).sum(axis=0) > 0)
     short = demand > held  # over its limit, or within it but the memory was not free (a co-tenant kept it)
     committed = np.maximum(limits[:, 1:], held[:, :-1]).sum(axis=0)  # at each decision, vs held before it
     return {"minutes": int(demand.size), "over_minutes": int((over > 0).sum()), "over_mib_min": int(over.sum()),
             "invariant_broken_gpu_minutes": int((committed > GPU_MIB).sum()),
-            "short_minutes": int(short.sum()),
+            "short_minutes": int(short.sum()), "owner_short_minutes": int(owner_short.sum()),
             "limit_changes": int((np.diff(limits, axis=1) != 0).sum())}
 
 
@@ -263,6 +313,8 @@ REFERENCE: dict[str, Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]] = {
     "clairvoyant-release": run_clairvoyant_release,
     "clairvoyant-protected": run_clairvoyant_protected,
     "clairvoyant-fair": run_clairvoyant_fair,
+    "clairvoyant-reclaim": run_clairvoyant_reclaim,
+    "clairvoyant-reclaim-4": lambda demand: run_clairvoyant_reclaim(demand, allowance=4),
     "naive": run_naive_spare,  # the issue's "last minute x 1.1, spare split evenly"
     "static-equal": run_static,
 }
@@ -333,6 +385,7 @@ def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]
             "pct_spread_over_groupings": [round(min(per_seed), 2), round(float(np.median(per_seed)), 2),
                                           round(max(per_seed), 2)],
             "pct_container_minutes_short": round(100 * tot["short_minutes"] / tot["minutes"], 2),
+            "pct_owner_short_while_another_borrows": round(100 * tot["owner_short_minutes"] / tot["minutes"], 2),
             "over_limit_gib_min": round(tot["over_mib_min"] / 1024, 1),
             "invariant_broken_gpu_minutes": int(tot["invariant_broken_gpu_minutes"]),
             "limit_changes_per_container_hour": round(tot["limit_changes"] / (tot["minutes"] / 60), 2)}
@@ -340,22 +393,32 @@ def _summarise(scored: dict, tasks: list, seeds: list[int]) -> dict[str, object]
     return out
 
 
+# the references every row is given a ratio to: the unconstrained minimum (issue 19's target is 1.5x
+# of it), the round-17 reference that keeps loans, and perfect foresight under the default's own rules
+RATIO_TO = ("clairvoyant", "clairvoyant-fair", "clairvoyant-reclaim")
+
+
+def _set_ratios(v: dict[str, object], refs: dict[str, float]) -> None:
+    pct = v["pct_container_minutes_over_limit"]
+    for r in RATIO_TO:
+        ref = refs.get(r)
+        v["ratio_to_" + r.replace("-", "_")] = round(pct / ref, 2) if ref else None  # type: ignore[operator]
+
+
 def _ratios(out: dict[str, object]) -> None:
-    """Each row's ratio to the clairvoyant (and to ``clairvoyant-fair``) of its part and k."""
+    """Each row's ratio to each reference in ``RATIO_TO`` of its part and k."""
     for parts in out.values():
         for rows in parts.values():  # type: ignore[union-attr]
-            ref = rows.get("clairvoyant", {}).get("pct_container_minutes_over_limit")
-            fair = rows.get("clairvoyant-fair", {}).get("pct_container_minutes_over_limit")
+            refs = {r: rows[r]["pct_container_minutes_over_limit"] for r in RATIO_TO if r in rows}
             for v in rows.values():
-                v["ratio_to_clairvoyant"] = round(v["pct_container_minutes_over_limit"] / ref, 2) if ref else None
-                if fair:  # to the perfect forecaster under the same two rules (release, protected requests)
-                    v["ratio_to_clairvoyant_fair"] = round(v["pct_container_minutes_over_limit"] / fair, 2)
+                _set_ratios(v, refs)
 
 
 def merge(paths: list[str], out: str) -> dict[str, object]:
     """Several runs' JSON as one (each run under ~8 minutes on the shared machine). Seeds are the same
-    in every run (groupings 0..n-1), so a row over n groupings is compared with the clairvoyant over
-    the same n; where two runs have the same row, the one over more groupings is kept. ``setup.runs``
+    in every run (groupings 0..n-1), so a row over n groupings is compared with the references over
+    the same n; where two runs have the same row, the later one over at least as many groupings is
+    kept. A file merged before may be one of them (its rows carry their groupings). ``setup.runs``
     keeps each run's command, groupings and wall time."""
     doc: dict[str, object] = {"results": {}, "setup": {}}
     refs: dict[tuple[str, str, int], dict[str, float]] = {}  # (part, k, groupings) -> reference % by row
@@ -363,27 +426,24 @@ def merge(paths: list[str], out: str) -> dict[str, object]:
     for path in paths:
         with open(path, encoding="utf-8") as fh:
             part = json.load(fh)
-        n = part["setup"]["groupings_per_part_and_k"]
         for p, ks in part["results"].items():
             for k, rows in ks.items():
                 have = doc["results"].setdefault(p, {}).setdefault(k, {})  # type: ignore[union-attr]
                 for r, v in rows.items():
-                    v["groupings"] = n
+                    n = v.setdefault("groupings", part["setup"]["groupings_per_part_and_k"])
                     if r.startswith("clairvoyant"):
                         refs.setdefault((p, k, n), {})[r] = v["pct_container_minutes_over_limit"]
                     if r not in have or have[r]["groupings"] <= n:
                         have[r] = v
         setup = dict(part["setup"])
-        runs.append({x: setup.pop(x, None) for x in ("command", "groupings_per_part_and_k", "wall_seconds")})
-        doc["setup"].update({x: v for x, v in setup.items() if x != "runs"})  # type: ignore[union-attr]
+        runs.extend(setup.pop("runs", None) or
+                    [{x: setup.pop(x, None) for x in ("command", "groupings_per_part_and_k", "wall_seconds")}])
+        doc["setup"].update({x: v for x, v in setup.items()  # type: ignore[union-attr]
+                             if x not in ("command", "wall_seconds")})
     for p, ks in doc["results"].items():  # type: ignore[union-attr]
         for k, rows in ks.items():
             for v in rows.values():
-                ref = refs.get((p, k, v["groupings"]), {})
-                pct = v["pct_container_minutes_over_limit"]
-                v["ratio_to_clairvoyant"] = round(pct / ref["clairvoyant"], 2) if ref.get("clairvoyant") else None
-                fair = ref.get("clairvoyant-fair")
-                v["ratio_to_clairvoyant_fair"] = round(pct / fair, 2) if fair else None
+                _set_ratios(v, refs.get((p, k, v["groupings"]), {}))
     doc["setup"]["runs"] = runs  # type: ignore[index]
     doc["setup"]["groupings_per_part_and_k"] = "per row: see each row's groupings"  # type: ignore[index]
     with open(out, "w", encoding="utf-8") as fh:
@@ -422,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     tasks = []
     for part, part_ks, part_rows in (("held_back", ks, rows),
                                      ("tune", [3] if 3 in ks else [], [r for r in args.tune_rows.split(",") if r]
-                                      + ["clairvoyant", "clairvoyant-protected", "clairvoyant-fair"])):
+                                      + ["clairvoyant", "clairvoyant-protected", "clairvoyant-fair",
+                                         "clairvoyant-reclaim"])):
         for k in part_ks:
             for r in dict.fromkeys(part_rows):  # once each, in order
                 for w in ([None] if r in REFERENCE else worlds):
