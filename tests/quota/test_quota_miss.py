@@ -2,21 +2,15 @@
 two tenants (request 40,960 MiB each), one decision at minute 1."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "quota_miss.py")
+from tests.fixtures import bench
 
 
 @pytest.fixture(scope="module")
 def qm():
-    spec = importlib.util.spec_from_file_location("quota_miss", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench.load("quota_miss")
 
 
 def _classify(qm, held0, demand1, limits1, fair1, ceiling=10 ** 6):

@@ -3,24 +3,18 @@ must the forecast be"). A measuring instrument only, so what it must get right i
 what it claims to know, and leaves the shipped forecast in place afterwards."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
 from deviceplugin.quota import headroom
+from tests.fixtures import bench
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "quota_oracle.py")
 GIB = 1024
 
 
 @pytest.fixture(scope="module")
 def qo():
-    spec = importlib.util.spec_from_file_location("quota_oracle", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench.load("quota_oracle")
 
 
 def test_the_oracles_keep_only_what_agrees_with_the_next_demand(qo):

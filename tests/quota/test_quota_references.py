@@ -4,24 +4,20 @@ of two tenants (request 40,960 MiB each): the borrower wants 60,000 MiB througho
 then 30,000 from minute 2."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import numpy as np
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_quota.py")
+from tests.fixtures import bench
+
 _OWNER = [10000, 10000] + [30000] * 6
 _BORROWER = [60000] * 8
 
 
 @pytest.fixture(scope="module")
 def bq():
-    spec = importlib.util.spec_from_file_location("bench_quota", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench.load("bench_quota")
 
 
 def _run(bq, name):

@@ -1,18 +1,11 @@
 """bench_placement's paired table: fgd against fgd-paper seed by seed (same arrival sequence)."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.fixtures import bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_placement", os.path.join(ROOT, "bench", "bench_placement.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench.load("bench_placement")
 
 
 def _policy(alloc: list[float], unalloc: list[float]) -> dict:
