@@ -225,9 +225,9 @@ def run_clairvoyant_reclaim(demand: np.ndarray, allowance: int = 0) -> tuple[np.
     min(demand, request) gets free memory first, and what free memory cannot give it is cut from the
     tenants holding above their request, at once (largest loan first, never below the request). A cut
     lands at t (the borrower holds no more than its new limit) and the owner gets the memory at t+1:
-    the release rule makes one short minute the least any policy can do. With ``allowance``, an owner
-    may stay short that many minutes before borrowers are cut (the node property test's reaction time
-    is 4 ticks at an acknowledgement lag of 0). Then whole rises, smallest first, out of free memory."""
+    knowing only minute t, one short minute is the least it can give the owner. With ``allowance``, an
+    owner may stay short that many minutes before borrowers are cut (the node property test's reaction
+    time is 4 ticks at an acknowledgement lag of 0). Then whole rises, smallest first, out of free memory."""
     k, request = len(demand), GPU_MIB // len(demand)
     streak = np.zeros(k, dtype=np.int64)
 
