@@ -3,9 +3,10 @@
 For every container-minute the policy (``bench_quota.run_new``) leaves over its limit, one cause, in
 this order:
 
-(a) ``forced``: clairvoyant-fair (perfect foresight, keeping the release rule and protected
-    requests) leaves that container over at that minute too;
-(s) ``swap``: clairvoyant-fair leaves as many containers over at that minute, another one instead
+(a) ``forced``: the reference (``--reference``: ``clairvoyant-fair``, perfect foresight keeping the
+    release rule and protecting out of free memory, or ``clairvoyant-reclaim``, which also cuts a loan
+    an owner needs) leaves that container over at that minute too;
+(s) ``swap``: the reference leaves as many containers over at that minute, another one instead
     (the default covered that one): not a loss, a different victim; taken from the (e), then the (c)
     containers of that minute first;
 (f) ``ceiling``: its demand is above its ceiling (``ceilingFraction`` x request): no limit reaches it;
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="default")
     ap.add_argument("--worlds", default="demand,held")
     ap.add_argument("--trace", default=bq.TRACE)
+    ap.add_argument("--reference", default="clairvoyant-fair", choices=("clairvoyant-fair", "clairvoyant-reclaim"),
+                    help="the perfect-foresight row misses are classified against (a, s)")
     args = ap.parse_args(argv)
     demand = bq.load_demand(args.trace)
     tune, heldb = bq.split(len(demand))
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(args.seeds):
         for g in bq.groupings(data, args.k, seed):
             minutes += g.size
-            fair, _ = bq.run_clairvoyant_fair(g)
+            fair, _ = bq.REFERENCE[args.reference](g)
             for row in args.rows.split(","):
                 params = bq.CAUSAL[row](args.k)
                 ceiling = params.ceiling_of(bq.GPU_MIB // args.k)
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                   "default_better_than_fair": round(100 * c["fair-only-left"] / minutes, 2),
                   **{x: round(100 * v / minutes, 2) for x, v in sorted(c.items()) if ":" in x}}
            for name, c in totals.items()}
-    out = {"part": args.part, "k": args.k, "groupings": args.seeds, "container_minutes": minutes,
+    out = {"part": args.part, "k": args.k, "groupings": args.seeds, "reference": args.reference,
+           "container_minutes": minutes,
            "pct_of_container_minutes": doc,
            "command": "nice python bench/quota_miss.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     with open(args.out, "w", encoding="utf-8") as fh:
