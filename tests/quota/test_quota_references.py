@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from tests.fixtures import bench
 
@@ -71,3 +72,18 @@ def test_merge_takes_a_merged_file_and_gives_every_row_its_ratio_to_each_referen
     assert rows["default@demand"]["ratio_to_clairvoyant_reclaim"] == 1.25
     assert rows["default@held"]["ratio_to_clairvoyant_reclaim"] is None  # no reference over its 5 groupings
     assert [r["command"] for r in out["setup"]["runs"]] == ["old", "new"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 4).flatmap(lambda k: st.tuples(
+    st.lists(st.integers(0, 81920), min_size=k, max_size=k),
+    st.lists(st.integers(0, 81920), min_size=k, max_size=k))))
+def test_after_a_step_in_demand_the_fair_reference_gives_every_owner_its_share_from_the_next_minute_on(bq, step):
+    """Any GPU of 2-4 tenants whose demands step once, at minute 3, and then stay: the reference never
+    commits more than the GPU (Σ max(limit, held before) <= capacity), and from minute 4 on nobody is
+    below min(demand, request) while another holds more than its request."""
+    before, after = step
+    demand = np.array([[b] * 3 + [a] * 9 for b, a in zip(before, after)], dtype=np.int64)
+    limits, held = bq.run_clairvoyant_reclaim(demand)
+    assert (np.maximum(limits[:, 1:], held[:, :-1]).sum(axis=0) <= bq.GPU_MIB).all()
+    assert bq.score(demand[:, 4:], limits[:, 4:], held[:, 4:])["owner_short_minutes"] == 0
