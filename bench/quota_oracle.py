@@ -82,20 +82,13 @@ def run_oracle(demand: np.ndarray, oracle: str, world: str) -> tuple[np.ndarray,
 
 
 def _score_seed(oracle: str, world: str, seed: int) -> dict[str, float]:
-    _, held_back = bq.split(len(_DEMAND))
+    demand = bq._DEMAND  # the workers' copy, set by bench_quota's own initializer
+    _, held_back = bq.split(len(demand))
     tot: dict[str, float] = defaultdict(float)
-    for g in bq.groupings(_DEMAND[held_back], 3, seed):
+    for g in bq.groupings(demand[held_back], 3, seed):
         for key, v in bq.score(g, *run_oracle(g, oracle, world)).items():
             tot[key] += v
     return dict(tot)
-
-
-_DEMAND = np.zeros((0, 0), dtype=np.int64)
-
-
-def _init(demand: np.ndarray) -> None:
-    global _DEMAND
-    _DEMAND = demand
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter()
     demand = bq.load_demand(args.trace)
     tasks = [(o, args.world, s) for o in args.oracles.split(",") for s in range(args.seeds)]
-    with multiprocessing.Pool(args.jobs, initializer=_init, initargs=(demand,)) as pool:
+    with multiprocessing.Pool(args.jobs, initializer=bq._init, initargs=(demand, None)) as pool:
         scored = pool.starmap(_score_seed, tasks, chunksize=1)
     rows: dict[str, dict[str, float]] = {}
     for (oracle, _, _), sc in zip(tasks, scored):
